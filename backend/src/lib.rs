@@ -1,0 +1,216 @@
+//! Generation backends for reprise.
+//!
+//! A [`Backend`] turns a [`GenRequest`] (chat messages or a raw prompt plus sampling
+//! parameters) into a stream of [`GenEvent`]s: text deltas as they are decoded, then exactly
+//! one [`GenEvent::Finish`] carrying the finish reason and token usage. A stream that ends
+//! without `Finish` was cut off and must never be cached.
+//!
+//! Implementations:
+//! - [`llama::LlamaBackend`]: llama.cpp in-process (continuous batching, priority classes).
+//! - [`openai::OpenAiBackend`]: any OpenAI-compatible upstream over HTTP.
+//! - [`fake::ScriptedBackend`]: a scripted backend for timing, failure-injection and counting tests.
+
+use std::pin::Pin;
+
+use futures::Stream;
+use serde::{Deserialize, Serialize};
+
+pub mod fake;
+pub mod llama;
+pub mod openai;
+
+/// What the model is asked to continue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Input {
+    /// A chat conversation; the backend applies the model's chat template.
+    Chat(Vec<ChatMessage>),
+    /// A raw prompt (the completions endpoint); no template is applied.
+    Prompt(String),
+}
+
+/// One chat message, reduced to the parts a text model consumes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `developer` or `tool`.
+    pub role: String,
+    /// The message text (multi-part content is joined by the HTTP layer).
+    pub content: String,
+}
+
+/// Sampling parameters that change the output.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Upper bound on generated tokens; `None` lets the backend pick its default.
+    pub max_tokens: Option<u32>,
+    /// 0 means greedy decoding.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass.
+    pub top_p: Option<f32>,
+    /// Seed for reproducible sampling.
+    pub seed: Option<u64>,
+    /// Generation stops before any of these strings; they are not part of the output.
+    pub stop: Vec<String>,
+    /// OpenAI presence penalty.
+    pub presence_penalty: Option<f32>,
+    /// OpenAI frequency penalty.
+    pub frequency_penalty: Option<f32>,
+}
+
+/// Scheduling class of a request. Background work only runs on free capacity and yields to
+/// interactive arrivals.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Priority {
+    /// A user is waiting for this answer.
+    #[default]
+    Interactive,
+    /// Prefetch and refresh-ahead work.
+    Background,
+}
+
+impl Priority {
+    /// Low-cardinality label for metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Interactive => "interactive",
+            Priority::Background => "background",
+        }
+    }
+}
+
+/// A generation request as the backends see it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenRequest {
+    /// The model name the client asked for.
+    pub model: String,
+    /// Chat messages or raw prompt.
+    pub input: Input,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Scheduling class.
+    pub priority: Priority,
+    /// Fields the HTTP layer did not interpret, passed through to upstream backends verbatim.
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// End of sequence or a stop string.
+    Stop,
+    /// `max_tokens` (or the context) ran out.
+    Length,
+    /// The upstream filtered the content.
+    ContentFilter,
+}
+
+impl FinishReason {
+    /// The OpenAI wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ContentFilter => "content_filter",
+        }
+    }
+}
+
+/// Token counts of one generation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens in the prompt.
+    pub prompt_tokens: u32,
+    /// Tokens generated.
+    pub completion_tokens: u32,
+}
+
+impl Usage {
+    /// Prompt plus completion tokens.
+    pub fn total_tokens(&self) -> u32 {
+        self.prompt_tokens + self.completion_tokens
+    }
+}
+
+/// One step of a generation stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    /// Newly decoded text (always whole UTF-8 characters).
+    Delta(String),
+    /// The generation completed; always the last event of a complete stream.
+    Finish {
+        /// Why it ended.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+}
+
+/// Errors a backend reports, before or during a stream.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BackendError {
+    /// The backend cannot be reached (connection refused, reset).
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    /// The backend did not answer in time.
+    #[error("backend timed out")]
+    Timeout,
+    /// The queue is full; retry after the given number of seconds.
+    #[error("backend overloaded")]
+    Overloaded {
+        /// Suggested `Retry-After` in seconds.
+        retry_after_secs: u64,
+    },
+    /// The backend rejected the request as invalid (a 4xx upstream, a prompt too long).
+    #[error("{message}")]
+    InvalidRequest {
+        /// Human-readable reason, safe to show to the client.
+        message: String,
+        /// The offending parameter, if known.
+        param: Option<String>,
+    },
+    /// The model is not served by this backend.
+    #[error("model `{0}` is not served")]
+    UnknownModel(String),
+    /// The backend answered something it should not have, or failed internally.
+    #[error("backend failure: {0}")]
+    Internal(String),
+}
+
+impl BackendError {
+    /// Low-cardinality label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BackendError::Unavailable(_) => "unavailable",
+            BackendError::Timeout => "timeout",
+            BackendError::Overloaded { .. } => "overloaded",
+            BackendError::InvalidRequest { .. } => "invalid_request",
+            BackendError::UnknownModel(_) => "unknown_model",
+            BackendError::Internal(_) => "internal",
+        }
+    }
+}
+
+/// A stream of generation events. Dropping it cancels the generation.
+pub type GenStream = Pin<Box<dyn Stream<Item = Result<GenEvent, BackendError>> + Send + 'static>>;
+
+/// A model server that reprise sends misses to.
+#[async_trait::async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// Starts a generation. Returns once the request was accepted (queued or started); errors
+    /// that are known before any token (overload, unknown model, unreachable upstream) come back
+    /// here rather than inside the stream.
+    async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError>;
+
+    /// Model names this backend serves.
+    fn models(&self) -> Vec<String>;
+
+    /// Whether the backend can take requests (model loaded, upstream configured).
+    fn ready(&self) -> bool;
+
+    /// Number of interactive requests queued or running; background work backs off while it
+    /// is above zero.
+    fn interactive_load(&self) -> usize {
+        0
+    }
+}

@@ -1,0 +1,355 @@
+//! A backend that forwards misses to any OpenAI-compatible server.
+//!
+//! Every request goes upstream as a streaming request (`stream: true` with
+//! `stream_options.include_usage`), whatever the client asked: the server needs the tokens
+//! as they come to fan them out to streaming clients and to measure time to first token, and
+//! it assembles whole answers itself. Connections are pooled and kept alive by reqwest.
+
+use std::time::Duration;
+
+use eventsource_stream::Eventsource;
+use futures::StreamExt;
+use serde_json::{json, Map, Value};
+
+use crate::{
+    Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Usage,
+};
+
+/// Settings of an [`OpenAiBackend`].
+#[derive(Clone)]
+pub struct OpenAiConfig {
+    /// Base URL including the version prefix, e.g. `http://127.0.0.1:8000/v1`.
+    pub base_url: String,
+    /// Bearer token sent upstream, if any.
+    pub api_key: Option<String>,
+    /// TCP connect timeout.
+    pub connect_timeout: Duration,
+    /// Idle keep-alive connections kept per host.
+    pub pool_max_idle: usize,
+    /// Models accepted; empty means any (the upstream decides).
+    pub models: Vec<String>,
+}
+
+// Hand-written so the API key never reaches logs.
+impl std::fmt::Debug for OpenAiConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenAiConfig")
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("connect_timeout", &self.connect_timeout)
+            .field("pool_max_idle", &self.pool_max_idle)
+            .field("models", &self.models)
+            .finish()
+    }
+}
+
+/// The upstream backend.
+pub struct OpenAiBackend {
+    cfg: OpenAiConfig,
+    client: reqwest::Client,
+    interactive: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl OpenAiBackend {
+    /// Builds the pooled client.
+    pub fn new(cfg: OpenAiConfig) -> Result<Self, BackendError> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout)
+            .pool_max_idle_per_host(cfg.pool_max_idle)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| BackendError::Internal(format!("http client: {e}")))?;
+        Ok(OpenAiBackend {
+            cfg,
+            client,
+            interactive: Default::default(),
+        })
+    }
+
+    fn url(&self, input: &Input) -> String {
+        let base = self.cfg.base_url.trim_end_matches('/');
+        match input {
+            Input::Chat(_) => format!("{base}/chat/completions"),
+            Input::Prompt(_) => format!("{base}/completions"),
+        }
+    }
+}
+
+/// The upstream request body.
+fn body(req: &GenRequest) -> Value {
+    let mut b = Map::new();
+    // Extra fields first so that the interpreted ones below always win.
+    for (k, v) in &req.extra {
+        b.insert(k.clone(), v.clone());
+    }
+    b.insert("model".into(), json!(req.model));
+    match &req.input {
+        Input::Chat(msgs) => {
+            let msgs: Vec<Value> = msgs
+                .iter()
+                .map(|m| json!({"role": m.role, "content": m.content}))
+                .collect();
+            b.insert("messages".into(), Value::Array(msgs));
+        }
+        Input::Prompt(p) => {
+            b.insert("prompt".into(), json!(p));
+        }
+    }
+    b.insert("stream".into(), json!(true));
+    b.insert("stream_options".into(), json!({"include_usage": true}));
+    let p = &req.params;
+    let opt = |b: &mut Map<String, Value>, k: &str, v: Option<Value>| {
+        if let Some(v) = v {
+            b.insert(k.into(), v);
+        }
+    };
+    opt(&mut b, "max_tokens", p.max_tokens.map(|v| json!(v)));
+    opt(&mut b, "temperature", p.temperature.map(|v| json!(v)));
+    opt(&mut b, "top_p", p.top_p.map(|v| json!(v)));
+    opt(&mut b, "seed", p.seed.map(|v| json!(v)));
+    opt(
+        &mut b,
+        "presence_penalty",
+        p.presence_penalty.map(|v| json!(v)),
+    );
+    opt(
+        &mut b,
+        "frequency_penalty",
+        p.frequency_penalty.map(|v| json!(v)),
+    );
+    if !p.stop.is_empty() {
+        b.insert("stop".into(), json!(p.stop));
+    }
+    Value::Object(b)
+}
+
+/// Maps a non-success upstream status to an error; the upstream's own message is passed on
+/// only for client errors (it describes the client's request, not our internals).
+fn status_error(status: reqwest::StatusCode, retry_after: Option<u64>, body: &str) -> BackendError {
+    let parsed: Option<Value> = serde_json::from_str(body).ok();
+    let message = parsed
+        .as_ref()
+        .and_then(|v| v.pointer("/error/message"))
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("upstream rejected the request ({status})"));
+    let param = parsed
+        .as_ref()
+        .and_then(|v| v.pointer("/error/param"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let code = parsed
+        .as_ref()
+        .and_then(|v| v.pointer("/error/code"))
+        .and_then(Value::as_str);
+    match status.as_u16() {
+        404 | 400 if code == Some("model_not_found") => {
+            BackendError::UnknownModel(message)
+        }
+        404 => BackendError::UnknownModel(message),
+        429 => BackendError::Overloaded {
+            retry_after_secs: retry_after.unwrap_or(1),
+        },
+        401 | 403 => BackendError::Internal(format!("upstream refused credentials ({status})")),
+        400..=499 => BackendError::InvalidRequest { message, param },
+        _ => BackendError::Unavailable(format!("upstream answered {status}")),
+    }
+}
+
+/// Decoding state of one upstream stream: turns chunks into events and remembers the finish
+/// reason and usage, which arrive in separate chunks when usage is included.
+#[derive(Default)]
+struct ChunkState {
+    finish: Option<FinishReason>,
+    usage: Usage,
+}
+
+impl ChunkState {
+    /// Handles one `data:` payload. Returns the text delta it carried, if any.
+    fn push(&mut self, data: &str) -> Result<Option<String>, BackendError> {
+        let v: Value = serde_json::from_str(data)
+            .map_err(|e| BackendError::Internal(format!("bad upstream chunk: {e}")))?;
+        if let Some(err) = v.get("error") {
+            let msg = err
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("upstream error");
+            return Err(BackendError::Unavailable(msg.to_string()));
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            let get = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0) as u32;
+            self.usage = Usage {
+                prompt_tokens: get("prompt_tokens"),
+                completion_tokens: get("completion_tokens"),
+            };
+        }
+        let Some(choice) = v.pointer("/choices/0") else {
+            return Ok(None);
+        };
+        if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
+            self.finish = Some(match reason {
+                "length" => FinishReason::Length,
+                "content_filter" => FinishReason::ContentFilter,
+                _ => FinishReason::Stop,
+            });
+        }
+        let text = choice
+            .pointer("/delta/content")
+            .or_else(|| choice.get("text"))
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string);
+        Ok(text)
+    }
+
+    /// The closing event: `Finish` if a finish reason was seen, else the stream was cut off.
+    fn finish(&self) -> Result<GenEvent, BackendError> {
+        match self.finish {
+            Some(reason) => Ok(GenEvent::Finish {
+                reason,
+                usage: self.usage,
+            }),
+            None => Err(BackendError::Unavailable(
+                "upstream stream ended without a finish reason".into(),
+            )),
+        }
+    }
+}
+
+/// Decrements the in-flight interactive count when the stream is dropped.
+struct LoadGuard(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl Backend for OpenAiBackend {
+    async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError> {
+        if !self.cfg.models.is_empty() && !self.cfg.models.contains(&req.model) {
+            return Err(BackendError::UnknownModel(req.model));
+        }
+        let guard = (req.priority == crate::Priority::Interactive).then(|| {
+            self.interactive
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            LoadGuard(self.interactive.clone())
+        });
+        let mut http = self
+            .client
+            .post(self.url(&req.input))
+            .header("accept", "text/event-stream")
+            .json(&body(&req));
+        if let Some(key) = &self.cfg.api_key {
+            http = http.bearer_auth(key);
+        }
+        let resp = http.send().await.map_err(|e| {
+            if e.is_timeout() {
+                BackendError::Timeout
+            } else {
+                BackendError::Unavailable(format!("upstream unreachable: {e}"))
+            }
+        })?;
+        let status = resp.status();
+        if !status.is_success() {
+            let retry = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok());
+            let text = resp.text().await.unwrap_or_default();
+            return Err(status_error(status, retry, &text));
+        }
+        let mut events = resp.bytes_stream().eventsource();
+        let stream = async_stream::try_stream! {
+            let _guard = guard;
+            let mut state = ChunkState::default();
+            while let Some(ev) = events.next().await {
+                let ev = ev.map_err(|e| BackendError::Unavailable(format!("upstream stream: {e}")))?;
+                if ev.data.trim() == "[DONE]" {
+                    break;
+                }
+                if let Some(text) = state.push(&ev.data)? {
+                    yield GenEvent::Delta(text);
+                }
+            }
+            yield state.finish()?;
+        };
+        Ok(Box::pin(stream))
+    }
+
+    fn models(&self) -> Vec<String> {
+        self.cfg.models.clone()
+    }
+
+    fn ready(&self) -> bool {
+        true
+    }
+
+    fn interactive_load(&self) -> usize {
+        self.interactive.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_state_reads_chat_and_usage() {
+        let mut s = ChunkState::default();
+        let d = s
+            .push(r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"},"finish_reason":null}]}"#)
+            .unwrap();
+        assert_eq!(d.as_deref(), Some("Hi"));
+        assert!(s.finish().is_err(), "no finish reason yet: cut off");
+        s.push(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#)
+            .unwrap();
+        s.push(r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}"#)
+            .unwrap();
+        assert_eq!(
+            s.finish().unwrap(),
+            GenEvent::Finish {
+                reason: FinishReason::Length,
+                usage: Usage {
+                    prompt_tokens: 5,
+                    completion_tokens: 2
+                }
+            }
+        );
+    }
+
+    #[test]
+    fn status_mapping() {
+        let e = status_error(
+            reqwest::StatusCode::BAD_REQUEST,
+            None,
+            r#"{"error":{"message":"bad temperature","param":"temperature"}}"#,
+        );
+        assert!(
+            matches!(e, BackendError::InvalidRequest { ref message, ref param } if message == "bad temperature" && param.as_deref() == Some("temperature"))
+        );
+        assert!(matches!(
+            status_error(reqwest::StatusCode::TOO_MANY_REQUESTS, Some(3), ""),
+            BackendError::Overloaded { retry_after_secs: 3 }
+        ));
+        assert!(matches!(
+            status_error(reqwest::StatusCode::BAD_GATEWAY, None, "x"),
+            BackendError::Unavailable(_)
+        ));
+    }
+
+    #[test]
+    fn debug_hides_key() {
+        let cfg = OpenAiConfig {
+            base_url: "http://127.0.0.1:1/v1".into(),
+            api_key: Some("sk-secret".into()),
+            connect_timeout: Duration::from_secs(1),
+            pool_max_idle: 1,
+            models: vec![],
+        };
+        assert!(!format!("{cfg:?}").contains("sk-secret"));
+    }
+}

@@ -1,0 +1,420 @@
+//! Integration tests of the llama.cpp backend against a real model (SmolLM2-135M-Instruct).
+//!
+//! The model is looked up in `$REPRISE_MODELS_DIR`, falling back to `<workspace>/models`.
+//! Every test loads its own backend with one decode thread and small token budgets, and
+//! asserts orderings and counts, never durations.
+
+use std::path::PathBuf;
+
+use futures::StreamExt;
+use reprise_backend::llama::{bare_decode_benchmark, LlamaBackend, LlamaConfig, LoadError};
+use reprise_backend::{
+    Backend, BackendError, ChatMessage, FinishReason, GenEvent, GenRequest, GenStream, Input,
+    Priority, SamplingParams, Usage,
+};
+
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const MODEL_NAME: &str = "SmolLM2-135M-Instruct.Q4_1";
+/// A raw prompt the model continues for hundreds of tokens without ending the text.
+const COUNTING: &str = "1, 2, 3, 4, 5, 6, 7, 8,";
+
+fn model_path() -> PathBuf {
+    let dir = std::env::var_os("REPRISE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models")));
+    let path = dir.join(MODEL_FILE);
+    assert!(
+        path.is_file(),
+        "test model {} is missing (set REPRISE_MODELS_DIR or fetch it into models/)",
+        path.display()
+    );
+    path
+}
+
+fn config(parallel: usize, max_queue: usize) -> LlamaConfig {
+    LlamaConfig {
+        model: model_path(),
+        n_ctx: 2048,
+        n_threads: 1,
+        parallel,
+        max_queue,
+        default_max_tokens: 16,
+        n_batch: 256,
+        ..LlamaConfig::default()
+    }
+}
+
+fn load(cfg: LlamaConfig) -> LlamaBackend {
+    LlamaBackend::load(cfg).expect("model loads")
+}
+
+fn request(input: Input, params: SamplingParams, priority: Priority) -> GenRequest {
+    GenRequest {
+        model: MODEL_NAME.into(),
+        input,
+        params,
+        priority,
+        extra: Default::default(),
+    }
+}
+
+fn chat(text: &str, params: SamplingParams) -> GenRequest {
+    let messages = vec![ChatMessage {
+        role: "user".into(),
+        content: text.into(),
+    }];
+    request(Input::Chat(messages), params, Priority::Interactive)
+}
+
+fn completion(prompt: &str, params: SamplingParams) -> GenRequest {
+    request(Input::Prompt(prompt.into()), params, Priority::Interactive)
+}
+
+fn greedy(max_tokens: u32) -> SamplingParams {
+    SamplingParams {
+        max_tokens: Some(max_tokens),
+        temperature: Some(0.0),
+        ..Default::default()
+    }
+}
+
+/// Everything a stream produced.
+#[derive(Debug, Default)]
+struct Outcome {
+    text: String,
+    deltas: usize,
+    finish: Option<(FinishReason, Usage)>,
+    error: Option<BackendError>,
+}
+
+impl Outcome {
+    fn finished(&self) -> (FinishReason, Usage) {
+        self.finish
+            .unwrap_or_else(|| panic!("stream did not finish: {self:?}"))
+    }
+}
+
+async fn collect(mut stream: GenStream) -> Outcome {
+    let mut out = Outcome::default();
+    while let Some(event) = stream.next().await {
+        assert!(
+            out.finish.is_none() && out.error.is_none(),
+            "event after the end of the stream: {event:?}"
+        );
+        match event {
+            Ok(GenEvent::Delta(text)) => {
+                out.text.push_str(&text);
+                out.deltas += 1;
+            }
+            Ok(GenEvent::Finish { reason, usage }) => out.finish = Some((reason, usage)),
+            Err(e) => out.error = Some(e),
+        }
+    }
+    out
+}
+
+async fn run(backend: &LlamaBackend, req: GenRequest) -> Outcome {
+    collect(backend.generate(req).await.expect("request accepted")).await
+}
+
+/// Reads until the first delta, so the request is known to be running.
+async fn first_delta(stream: &mut GenStream) -> String {
+    match stream.next().await {
+        Some(Ok(GenEvent::Delta(text))) => text,
+        other => panic!("expected a delta, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn chat_streams_deltas_then_finish() {
+    let backend = load(config(2, 8));
+    assert!(backend.ready());
+    assert_eq!(backend.models(), vec![MODEL_NAME.to_string()]);
+
+    let out = run(
+        &backend,
+        chat("What is the capital of France?", greedy(24)),
+    )
+    .await;
+    let (_, usage) = out.finished();
+    assert!(!out.text.trim().is_empty(), "empty answer: {out:?}");
+    assert!(out.deltas >= 1);
+    assert!(usage.prompt_tokens > 0);
+    assert!(usage.completion_tokens > 0 && usage.completion_tokens <= 24);
+
+    let stats = backend.stats();
+    assert_eq!(stats.generated_tokens, u64::from(usage.completion_tokens));
+    assert_eq!(stats.prompt_tokens, u64::from(usage.prompt_tokens));
+    assert_eq!(stats.completed, 1);
+    assert_eq!(backend.interactive_load(), 0);
+}
+
+#[tokio::test]
+async fn completion_uses_the_raw_prompt_and_stops_at_max_tokens() {
+    let backend = load(config(1, 8));
+    let out = run(&backend, completion(COUNTING, greedy(8))).await;
+    let (reason, usage) = out.finished();
+    assert_eq!(reason, FinishReason::Length);
+    assert_eq!(usage.completion_tokens, 8);
+    assert!(out.text.contains('9'), "the count goes on: {:?}", out.text);
+    assert_eq!(backend.stats().generated_tokens, 8);
+
+    // Without a template the prompt tokens are the raw prompt's, fewer than the chat form.
+    let chat_out = run(&backend, chat(COUNTING, greedy(1))).await;
+    assert!(chat_out.finished().1.prompt_tokens > usage.prompt_tokens);
+}
+
+#[tokio::test]
+async fn stop_string_ends_generation_and_is_not_emitted() {
+    let backend = load(config(1, 8));
+    let free = run(&backend, completion(COUNTING, greedy(16))).await;
+    assert_eq!(free.finished().0, FinishReason::Length);
+
+    // A two-character stop string from the middle of the greedy answer.
+    let chars: Vec<(usize, char)> = free.text.char_indices().collect();
+    let mid = chars.len() / 2;
+    let (start, end) = (chars[mid].0, chars.get(mid + 2).map_or(free.text.len(), |c| c.0));
+    let stop = free.text[start..end].to_string();
+    let expected = &free.text[..free.text.find(&stop).expect("stop occurs")];
+
+    let params = SamplingParams {
+        stop: vec![stop.clone()],
+        ..greedy(16)
+    };
+    let stopped = run(&backend, completion(COUNTING, params)).await;
+    let (reason, usage) = stopped.finished();
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(stopped.text, expected, "stop {stop:?}");
+    assert!(!stopped.text.contains(&stop));
+    assert!(usage.completion_tokens < 16);
+}
+
+#[tokio::test]
+async fn same_seed_same_text() {
+    let backend = load(config(1, 8));
+    let seeded = || SamplingParams {
+        max_tokens: Some(24),
+        temperature: Some(0.8),
+        seed: Some(42),
+        ..Default::default()
+    };
+    let a = run(&backend, chat("Tell me a short story.", seeded())).await;
+    let b = run(&backend, chat("Tell me a short story.", seeded())).await;
+    a.finished();
+    assert_eq!(a.text, b.text);
+
+    let g1 = run(&backend, chat("Name three colours.", greedy(24))).await;
+    let g2 = run(&backend, chat("Name three colours.", greedy(24))).await;
+    g1.finished();
+    assert_eq!(g1.text, g2.text);
+}
+
+#[tokio::test]
+async fn concurrent_requests_are_batched_together() {
+    let backend = std::sync::Arc::new(load(config(4, 8)));
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let backend = backend.clone();
+        tasks.push(tokio::spawn(async move {
+            let prompt = format!("{}, {}, {},", i * 10 + 1, i * 10 + 2, i * 10 + 3);
+            run(&backend, completion(&prompt, greedy(24))).await
+        }));
+    }
+    let mut total = 0;
+    for task in tasks {
+        let out = task.await.expect("task");
+        let (_, usage) = out.finished();
+        assert!(!out.text.is_empty());
+        total += u64::from(usage.completion_tokens);
+    }
+    let stats = backend.stats();
+    assert!(
+        stats.peak_occupancy >= 2,
+        "sequences never shared a decode step: {stats:?}"
+    );
+    assert_eq!(stats.generated_tokens, total);
+    assert_eq!(stats.completed, 4);
+    assert_eq!(backend.interactive_load(), 0);
+}
+
+#[tokio::test]
+async fn dropping_the_stream_frees_the_slot() {
+    let backend = load(config(1, 8));
+    let mut long = backend
+        .generate(completion(COUNTING, greedy(400)))
+        .await
+        .expect("accepted");
+    first_delta(&mut long).await;
+    first_delta(&mut long).await;
+    drop(long);
+
+    let short = run(&backend, completion("The sky is", greedy(8))).await;
+    let (_, usage) = short.finished();
+    let stats = backend.stats();
+    assert_eq!(stats.cancelled, 1);
+    let long_tokens = stats.generated_tokens - u64::from(usage.completion_tokens);
+    assert!(
+        (2..400).contains(&long_tokens),
+        "the dropped request generated {long_tokens} tokens"
+    );
+}
+
+#[tokio::test]
+async fn background_is_preempted_by_interactive() {
+    let backend = load(config(1, 8));
+    let mut background = backend
+        .generate(request(
+            Input::Prompt(COUNTING.into()),
+            greedy(400),
+            Priority::Background,
+        ))
+        .await
+        .expect("accepted");
+    first_delta(&mut background).await;
+    assert_eq!(backend.interactive_load(), 0);
+
+    let interactive = run(&backend, completion("The sky is", greedy(8))).await;
+    let (_, usage) = interactive.finished();
+
+    // The background stream was cut off with an overload error before the interactive
+    // request could even start (one slot), and never finished.
+    let rest = collect(background).await;
+    assert!(rest.finish.is_none(), "background finished: {rest:?}");
+    assert!(
+        matches!(rest.error, Some(BackendError::Overloaded { .. })),
+        "{rest:?}"
+    );
+    let stats = backend.stats();
+    assert_eq!(stats.preempted, 1);
+    assert!(stats.generated_tokens - u64::from(usage.completion_tokens) < 400);
+}
+
+#[tokio::test]
+async fn background_leaves_a_slot_free_for_interactive() {
+    let backend = load(config(2, 8));
+    let bg = |prompt: &str| {
+        request(
+            Input::Prompt(prompt.into()),
+            greedy(12),
+            Priority::Background,
+        )
+    };
+    let a = backend.generate(bg("1, 2, 3,")).await.expect("accepted");
+    let b = backend.generate(bg("10, 11, 12,")).await.expect("accepted");
+    let (a, b) = tokio::join!(collect(a), collect(b));
+    a.finished();
+    b.finished();
+    assert_eq!(backend.stats().peak_occupancy, 1, "two background sequences ran together");
+
+    let mut running = backend.generate(bg(COUNTING)).await.expect("accepted");
+    first_delta(&mut running).await;
+    let interactive = run(&backend, completion("The sky is", greedy(8))).await;
+    interactive.finished();
+    let rest = collect(running).await;
+    rest.finished();
+    assert_eq!(backend.stats().preempted, 0);
+}
+
+#[tokio::test]
+async fn full_queue_is_refused_at_once() {
+    let backend = load(config(1, 1));
+    let mut running = backend
+        .generate(completion(COUNTING, greedy(400)))
+        .await
+        .expect("accepted");
+    first_delta(&mut running).await;
+
+    let queued_bg = backend
+        .generate(request(
+            Input::Prompt("a".into()),
+            greedy(4),
+            Priority::Background,
+        ))
+        .await
+        .expect("one request may wait");
+    // A background arrival at a full queue is refused.
+    let refused = backend
+        .generate(request(
+            Input::Prompt("b".into()),
+            greedy(4),
+            Priority::Background,
+        ))
+        .await;
+    assert!(matches!(refused, Err(BackendError::Overloaded { .. })));
+
+    // An interactive arrival evicts the waiting background request instead.
+    let queued = backend
+        .generate(completion("The sky is", greedy(4)))
+        .await
+        .expect("interactive evicts background");
+    let evicted = collect(queued_bg).await;
+    assert!(
+        matches!(evicted.error, Some(BackendError::Overloaded { .. })),
+        "{evicted:?}"
+    );
+    let refused = backend.generate(completion("c", greedy(4))).await;
+    assert!(matches!(refused, Err(BackendError::Overloaded { .. })));
+    assert_eq!(backend.interactive_load(), 2);
+
+    drop(running);
+    collect(queued).await.finished();
+}
+
+#[tokio::test]
+async fn invalid_requests_are_refused() {
+    let backend = load(LlamaConfig {
+        n_ctx: 64,
+        ..config(1, 4)
+    });
+    let long = "word ".repeat(200);
+    match backend.generate(completion(&long, greedy(4))).await {
+        Err(BackendError::InvalidRequest { message, .. }) => {
+            assert!(message.contains("context"), "{message}")
+        }
+        other => panic!("expected InvalidRequest, got {:?}", other.map(|_| "stream")),
+    }
+    let mut other_model = completion("hi", greedy(4));
+    other_model.model = "gpt-4".into();
+    assert!(matches!(
+        backend.generate(other_model).await,
+        Err(BackendError::UnknownModel(name)) if name == "gpt-4"
+    ));
+    assert!(matches!(
+        backend.generate(completion("", greedy(4))).await,
+        Err(BackendError::InvalidRequest { .. })
+    ));
+
+    // An answer that would overflow the context ends with `Length` when it is full.
+    let out = run(&backend, completion(COUNTING, greedy(1000))).await;
+    let (reason, usage) = out.finished();
+    assert_eq!(reason, FinishReason::Length);
+    assert_eq!(usage.total_tokens(), backend.n_ctx());
+}
+
+#[test]
+fn bad_model_paths_are_named_in_the_error() {
+    let missing = PathBuf::from("/nonexistent/dir/model.gguf");
+    let err = LlamaBackend::load(LlamaConfig {
+        model: missing.clone(),
+        ..LlamaConfig::default()
+    })
+    .expect_err("missing model");
+    assert!(matches!(err, LoadError::Unreadable { .. }));
+    assert!(err.to_string().contains("/nonexistent/dir/model.gguf"), "{err}");
+
+    let not_gguf = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"));
+    let err = LlamaBackend::load(LlamaConfig {
+        model: not_gguf.clone(),
+        ..LlamaConfig::default()
+    })
+    .expect_err("not a model");
+    assert!(err.to_string().contains(not_gguf.to_str().unwrap()), "{err}");
+}
+
+#[test]
+fn bare_benchmark_decodes() {
+    let stats = bare_decode_benchmark(&config(1, 1), COUNTING, 16).expect("benchmark runs");
+    assert!(stats.prompt_tokens > 0);
+    assert_eq!(stats.generated_tokens, 16);
+    assert!(stats.tokens_per_second > 0.0);
+}

@@ -1,0 +1,470 @@
+//! The semantic index: finds cached entries whose prompt embedding is close to a query's.
+//!
+//! Entries live in partitions keyed by a digest of everything that must match exactly
+//! (namespace, model, output-affecting parameters, conversation context), so a search never
+//! crosses into another partition. Small partitions are scanned exactly over a flat array
+//! of vectors; once a partition grows past [`IndexConfig::exact_scan_max`] it also gets an
+//! HNSW graph (hnsw_rs) and is searched approximately.
+//!
+//! Removal is a tombstone: the id is never returned again, and [`SemanticIndex::maintain`]
+//! rebuilds partitions whose tombstones pass [`IndexConfig::rebuild_tombstone_ratio`].
+//!
+//! Vectors are expected L2-normalised, so similarity is a dot product (= cosine).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use hnsw_rs::anndists::dist::Distance;
+use hnsw_rs::hnsw::Hnsw;
+use parking_lot::RwLock;
+use serde::Deserialize;
+
+use crate::EntryId;
+
+/// A digest of everything that must match exactly for two prompts to share an answer.
+pub type PartitionKey = [u8; 32];
+
+/// Tuning of the semantic index.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexConfig {
+    /// Partitions with up to this many vectors are scanned exactly; bigger ones get an HNSW
+    /// graph. An exact scan of 2048 × 384 floats takes well under a millisecond.
+    pub exact_scan_max: usize,
+    /// HNSW: links per node (hnsw_rs `max_nb_connection`, the "M" of the paper).
+    pub hnsw_m: usize,
+    /// HNSW: candidate list size while inserting (higher = better graph, slower inserts).
+    pub ef_construction: usize,
+    /// HNSW: candidate list size while searching (higher = better recall, slower search).
+    pub ef_search: usize,
+    /// A partition is rebuilt by [`SemanticIndex::maintain`] once this fraction of its
+    /// slots are tombstones.
+    pub rebuild_tombstone_ratio: f32,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            exact_scan_max: 2048,
+            hnsw_m: 16,
+            ef_construction: 200,
+            ef_search: 64,
+            rebuild_tombstone_ratio: 0.3,
+        }
+    }
+}
+
+/// One search result.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    /// The entry.
+    pub id: EntryId,
+    /// Cosine similarity to the query (dot product of normalised vectors), at most about 1.
+    pub similarity: f32,
+}
+
+/// Partitioned nearest-neighbour index over entry embeddings. All methods take `&self`.
+pub struct SemanticIndex {
+    dim: usize,
+    cfg: IndexConfig,
+    // Lock order: `partitions`, then a partition's own lock; `location` is never held with
+    // another lock. The maps are held only for lookups and small updates, never while
+    // scanning or building a graph.
+    partitions: RwLock<HashMap<PartitionKey, Arc<Partition>>>,
+    /// Which partition each live id is in, so `remove` needs only the id.
+    location: RwLock<HashMap<EntryId, PartitionKey>>,
+}
+
+impl std::fmt::Debug for SemanticIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SemanticIndex")
+            .field("dim", &self.dim)
+            .field("len", &self.len())
+            .field("partitions", &self.partitions())
+            .finish()
+    }
+}
+
+/// What [`SemanticIndex::maintain`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MaintainReport {
+    /// Partitions rebuilt without their tombstones.
+    pub rebuilt: usize,
+    /// Tombstones dropped by those rebuilds.
+    pub tombstones_dropped: usize,
+    /// Partitions dropped because nothing live was left in them.
+    pub emptied: usize,
+}
+
+impl SemanticIndex {
+    /// An empty index for vectors of `dim` components.
+    pub fn new(dim: usize, cfg: IndexConfig) -> Self {
+        SemanticIndex {
+            dim,
+            cfg,
+            partitions: RwLock::new(HashMap::new()),
+            location: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// Number of components the index expects.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Adds (or replaces) `id` in `partition`.
+    ///
+    /// Panics if `vector` does not have [`SemanticIndex::dim`] components: that is a bug in
+    /// the caller, not a runtime condition.
+    pub fn insert(&self, partition: PartitionKey, id: EntryId, vector: Arc<[f32]>) {
+        assert_eq!(vector.len(), self.dim, "vector dimension mismatch");
+        let previous = self.location.write().insert(id, partition);
+        if let Some(old) = previous {
+            // Re-inserting an id replaces its vector (and maybe its partition).
+            if let Some(p) = self.partition(&old) {
+                p.inner.write().tombstone(id);
+            }
+        }
+        // The partition is written while the map lock is held (shared in the common case) so
+        // that `maintain` cannot drop a partition between our lookup and our push.
+        {
+            let map = self.partitions.read();
+            if let Some(p) = map.get(&partition) {
+                p.inner.write().push(id, &vector, self.dim, &self.cfg);
+                return;
+            }
+        }
+        let mut map = self.partitions.write();
+        let p = map
+            .entry(partition)
+            .or_insert_with(|| Arc::new(Partition::default()));
+        p.inner.write().push(id, &vector, self.dim, &self.cfg);
+    }
+
+    /// Tombstones `id`; it is never returned by a search again. False if it was not present.
+    pub fn remove(&self, id: EntryId) -> bool {
+        let Some(key) = self.location.write().remove(&id) else {
+            return false;
+        };
+        match self.partition(&key) {
+            Some(p) => p.inner.write().tombstone(id),
+            None => false,
+        }
+    }
+
+    /// The `k` entries of `partition` most similar to `query`, best first.
+    pub fn search(&self, partition: &PartitionKey, query: &[f32], k: usize) -> Vec<Candidate> {
+        if k == 0 || query.len() != self.dim {
+            return Vec::new();
+        }
+        let Some(p) = self.partition(partition) else {
+            return Vec::new();
+        };
+        let inner = p.inner.read();
+        inner.search(query, k, self.dim, &self.cfg)
+    }
+
+    /// Live entries across all partitions.
+    pub fn len(&self) -> usize {
+        self.location.read().len()
+    }
+
+    /// True when no live entry is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Number of partitions (including ones whose entries were all removed, until
+    /// [`SemanticIndex::maintain`] drops them).
+    pub fn partitions(&self) -> usize {
+        self.partitions.read().len()
+    }
+
+    /// Rebuilds partitions whose tombstone ratio passed the configured limit and drops
+    /// partitions with nothing live. Meant to be called periodically from a background task
+    /// (it blocks: use `spawn_blocking`).
+    ///
+    /// A rebuild copies the live vectors under a read lock, builds the new structure with
+    /// no lock held (searches and inserts go on meanwhile), then swaps it in under a short
+    /// write lock, replaying what changed in between.
+    pub fn maintain(&self) -> MaintainReport {
+        let mut report = MaintainReport::default();
+        let all: Vec<(PartitionKey, Arc<Partition>)> = self
+            .partitions
+            .read()
+            .iter()
+            .map(|(k, p)| (*k, Arc::clone(p)))
+            .collect();
+        for (key, part) in all {
+            let (slots, dead) = {
+                let inner = part.inner.read();
+                (inner.ids.len(), inner.dead_count)
+            };
+            if slots > 0 && dead == slots {
+                let mut map = self.partitions.write();
+                // Re-check under the map lock: an insert may have raced in.
+                let inner = part.inner.read();
+                if inner.dead_count == inner.ids.len() {
+                    map.remove(&key);
+                    report.emptied += 1;
+                }
+                continue;
+            }
+            if slots == 0 || (dead as f32) < self.cfg.rebuild_tombstone_ratio * slots as f32 {
+                continue;
+            }
+            report.tombstones_dropped += self.rebuild(&part);
+            report.rebuilt += 1;
+        }
+        report
+    }
+
+    fn partition(&self, key: &PartitionKey) -> Option<Arc<Partition>> {
+        self.partitions.read().get(key).cloned()
+    }
+
+    /// Rebuilds one partition without its tombstones; returns how many were dropped.
+    fn rebuild(&self, part: &Partition) -> usize {
+        let started = Instant::now();
+        let (snapshot_len, live_slots, mut fresh) = {
+            let inner = part.inner.read();
+            let live: Vec<usize> = (0..inner.ids.len()).filter(|&s| !inner.dead[s]).collect();
+            let mut fresh = PartitionInner::default();
+            for &s in &live {
+                fresh.push_flat(inner.ids[s], inner.vector(s, self.dim));
+            }
+            (inner.ids.len(), live, fresh)
+        };
+        let big = fresh.ids.len() > self.cfg.exact_scan_max;
+        if big {
+            tracing::info!(
+                live = fresh.ids.len(),
+                dropped = snapshot_len - fresh.ids.len(),
+                "rebuilding semantic index partition graph"
+            );
+            fresh.build_graph(self.dim, &self.cfg);
+        }
+
+        let mut inner = part.inner.write();
+        // Replay what happened while building: removals of copied slots, and slots appended
+        // after the snapshot.
+        for (new_slot, &old_slot) in live_slots.iter().enumerate() {
+            if inner.dead[old_slot] {
+                fresh.dead[new_slot] = true;
+                fresh.dead_count += 1;
+            }
+        }
+        for s in snapshot_len..inner.ids.len() {
+            if !inner.dead[s] {
+                let id = inner.ids[s];
+                let v: Vec<f32> = inner.vector(s, self.dim).to_vec();
+                fresh.push(id, &v, self.dim, &self.cfg);
+            }
+        }
+        let dropped = inner.ids.len() - fresh.ids.len();
+        *inner = fresh;
+        drop(inner);
+        if big {
+            tracing::info!(
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "semantic index partition rebuilt"
+            );
+        }
+        dropped
+    }
+}
+
+/// One partition. A `parking_lot::RwLock` because searches (readers) vastly outnumber
+/// inserts and removals and run concurrently; writers hold it for one push or one flag flip
+/// (plus one HNSW insertion, about a millisecond, in big partitions). parking_lot's lock is
+/// fair enough that a steady stream of searches cannot starve a writer.
+#[derive(Default)]
+struct Partition {
+    inner: RwLock<PartitionInner>,
+}
+
+/// Slots are append-only until a rebuild: slot `s` holds `ids[s]`, its vector at
+/// `vectors[s*dim..(s+1)*dim]`, and `dead[s]`. The HNSW graph, when present, uses the slot
+/// number as its data id (hnsw_rs ids are `usize`).
+#[derive(Default)]
+struct PartitionInner {
+    ids: Vec<EntryId>,
+    // The flat copy is kept even when a graph exists (the graph keeps its own copy): exact
+    // rescoring, rebuilds and replays need the vectors, and hnsw_rs does not hand them back.
+    vectors: Vec<f32>,
+    dead: Vec<bool>,
+    dead_count: usize,
+    slot_of: HashMap<EntryId, usize>,
+    graph: Option<Hnsw<'static, f32, DotDistance>>,
+}
+
+impl PartitionInner {
+    fn vector(&self, slot: usize, dim: usize) -> &[f32] {
+        &self.vectors[slot * dim..(slot + 1) * dim]
+    }
+
+    /// Appends without touching the graph.
+    fn push_flat(&mut self, id: EntryId, vector: &[f32]) -> usize {
+        let slot = self.ids.len();
+        self.ids.push(id);
+        self.vectors.extend_from_slice(vector);
+        self.dead.push(false);
+        if let Some(old) = self.slot_of.insert(id, slot) {
+            // Same id pushed twice into one partition: the older slot dies.
+            if !self.dead[old] {
+                self.dead[old] = true;
+                self.dead_count += 1;
+            }
+        }
+        slot
+    }
+
+    fn push(&mut self, id: EntryId, vector: &[f32], dim: usize, cfg: &IndexConfig) {
+        let slot = self.push_flat(id, vector);
+        match &self.graph {
+            Some(graph) => graph.insert_slice((vector, slot)),
+            None if self.ids.len() > cfg.exact_scan_max => self.build_graph(dim, cfg),
+            None => {}
+        }
+    }
+
+    fn tombstone(&mut self, id: EntryId) -> bool {
+        match self.slot_of.remove(&id) {
+            Some(slot) if !self.dead[slot] => {
+                self.dead[slot] = true;
+                self.dead_count += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Builds the HNSW graph over every slot (dead ones too: they are filtered at search
+    /// time, and a rebuild drops them later).
+    fn build_graph(&mut self, dim: usize, cfg: &IndexConfig) {
+        let n = self.ids.len();
+        let graph = Hnsw::new(
+            cfg.hnsw_m.clamp(2, 256),
+            // A sizing hint for hnsw_rs, not a hard cap.
+            (n * 2).max(4096),
+            16,
+            cfg.ef_construction.max(1),
+            DotDistance,
+        );
+        let data: Vec<(&[f32], usize)> = (0..n).map(|s| (self.vector(s, dim), s)).collect();
+        graph.parallel_insert_slice(&data);
+        self.graph = Some(graph);
+    }
+
+    fn search(&self, query: &[f32], k: usize, dim: usize, cfg: &IndexConfig) -> Vec<Candidate> {
+        let live = self.ids.len() - self.dead_count;
+        if live == 0 {
+            return Vec::new();
+        }
+        let mut out = match &self.graph {
+            Some(graph) => {
+                let dead = &self.dead;
+                let keep = |slot: &usize| !dead[*slot];
+                let ef = cfg.ef_search.max(k);
+                graph
+                    .search_filter(query, k, ef, Some(&keep))
+                    .into_iter()
+                    .filter(|n| !self.dead[n.d_id])
+                    // Rescore exactly from the flat copy: the graph's distance is clamped.
+                    .map(|n| Candidate {
+                        id: self.ids[n.d_id],
+                        similarity: dot(query, self.vector(n.d_id, dim)),
+                    })
+                    .collect::<Vec<_>>()
+            }
+            None => self.scan(query, k, dim),
+        };
+        out.sort_by(|a, b| b.similarity.total_cmp(&a.similarity));
+        out.truncate(k);
+        out
+    }
+
+    /// Exact top-k by a linear scan.
+    fn scan(&self, query: &[f32], k: usize, dim: usize) -> Vec<Candidate> {
+        // Keep the k best in a small sorted vec: k is tiny (a handful) in practice.
+        let mut best: Vec<Candidate> = Vec::with_capacity(k + 1);
+        for (slot, v) in self.vectors.chunks_exact(dim).enumerate() {
+            if self.dead[slot] {
+                continue;
+            }
+            let similarity = dot(query, v);
+            if best.len() == k && similarity <= best[k - 1].similarity {
+                continue;
+            }
+            let at = best.partition_point(|c| c.similarity >= similarity);
+            best.insert(
+                at,
+                Candidate {
+                    id: self.ids[slot],
+                    similarity,
+                },
+            );
+            best.truncate(k);
+        }
+        best
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// `1 - dot` for normalised vectors, clamped at 0.
+///
+/// hnsw_rs's own `DistDot` asserts `1 - dot >= 0`, which rounding breaks for a vector and
+/// itself (dot = 1.0000001), panicking; this one clamps instead.
+#[derive(Debug, Clone, Copy, Default)]
+struct DotDistance;
+
+impl Distance<f32> for DotDistance {
+    fn eval(&self, va: &[f32], vb: &[f32]) -> f32 {
+        (1.0 - dot(va, vb)).max(0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unit(v: &[f32]) -> Arc<[f32]> {
+        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        v.iter().map(|x| x / n).collect()
+    }
+
+    #[test]
+    fn scan_keeps_the_best_k_in_order() {
+        let idx = SemanticIndex::new(2, IndexConfig::default());
+        let p = [1u8; 32];
+        for (i, angle) in [0.0f32, 0.5, 1.0, 1.5, 0.25].iter().enumerate() {
+            idx.insert(p, EntryId(i as u128), unit(&[angle.cos(), angle.sin()]));
+        }
+        let got = idx.search(&p, &[1.0, 0.0], 3);
+        let ids: Vec<u128> = got.iter().map(|c| c.id.0).collect();
+        assert_eq!(ids, vec![0, 4, 1]);
+        assert!((got[0].similarity - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn reinserting_an_id_replaces_its_vector() {
+        let idx = SemanticIndex::new(2, IndexConfig::default());
+        let p = [1u8; 32];
+        idx.insert(p, EntryId(7), unit(&[1.0, 0.0]));
+        idx.insert(p, EntryId(7), unit(&[0.0, 1.0]));
+        assert_eq!(idx.len(), 1);
+        let got = idx.search(&p, &[0.0, 1.0], 5);
+        assert_eq!(got.len(), 1);
+        assert!((got[0].similarity - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn dot_distance_never_goes_negative() {
+        let v = unit(&[0.3, 0.4, 0.5]);
+        assert!(DotDistance.eval(&v, &v) >= 0.0);
+    }
+}

@@ -1,0 +1,250 @@
+//! The semantic index with synthetic vectors: exact and HNSW paths, partition isolation,
+//! tombstones, rebuilds and recall across the exact-scan threshold.
+
+use std::sync::Arc;
+
+use reprise_cache::semantic::{IndexConfig, PartitionKey, SemanticIndex};
+use reprise_cache::EntryId;
+
+const DIM: usize = 32;
+
+/// A small deterministic generator (xorshift64*), enough for test vectors.
+struct Rng(u64);
+
+impl Rng {
+    fn next_f32(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    fn unit(&mut self) -> Arc<[f32]> {
+        let v: Vec<f32> = (0..DIM).map(|_| self.next_f32()).collect();
+        normalise(&v)
+    }
+}
+
+fn normalise(v: &[f32]) -> Arc<[f32]> {
+    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.iter().map(|x| x / n).collect()
+}
+
+fn key(b: u8) -> PartitionKey {
+    [b; 32]
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Brute-force best id among `items` (skipping `removed`).
+fn brute_best(items: &[(EntryId, Arc<[f32]>)], q: &[f32], removed: &[EntryId]) -> EntryId {
+    items
+        .iter()
+        .filter(|(id, _)| !removed.contains(id))
+        .max_by(|a, b| dot(&a.1, q).total_cmp(&dot(&b.1, q)))
+        .unwrap()
+        .0
+}
+
+fn small_cfg(exact_scan_max: usize) -> IndexConfig {
+    IndexConfig {
+        exact_scan_max,
+        ..IndexConfig::default()
+    }
+}
+
+fn fill(
+    idx: &SemanticIndex,
+    p: PartitionKey,
+    n: usize,
+    rng: &mut Rng,
+) -> Vec<(EntryId, Arc<[f32]>)> {
+    (0..n)
+        .map(|_| {
+            let id = EntryId::random();
+            let v = rng.unit();
+            idx.insert(p, id, Arc::clone(&v));
+            (id, v)
+        })
+        .collect()
+}
+
+/// A query near `v`: `v` plus a little noise, renormalised.
+fn near(v: &[f32], rng: &mut Rng, noise: f32) -> Arc<[f32]> {
+    let w: Vec<f32> = v.iter().map(|x| x + noise * rng.next_f32()).collect();
+    normalise(&w)
+}
+
+#[test]
+fn exact_scan_finds_the_nearest() {
+    let idx = SemanticIndex::new(DIM, small_cfg(10_000));
+    let mut rng = Rng(1);
+    let items = fill(&idx, key(1), 500, &mut rng);
+    for (id, v) in items.iter().step_by(25) {
+        let q = near(v, &mut rng, 0.05);
+        let got = idx.search(&key(1), &q, 3);
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0].id, *id);
+        assert_eq!(got[0].id, brute_best(&items, &q, &[]));
+        assert!(got[0].similarity >= got[1].similarity && got[1].similarity >= got[2].similarity);
+    }
+}
+
+#[test]
+fn hnsw_finds_the_nearest() {
+    let idx = SemanticIndex::new(DIM, small_cfg(100));
+    let mut rng = Rng(2);
+    let items = fill(&idx, key(2), 1500, &mut rng);
+    let mut hits = 0;
+    let probes: Vec<_> = items.iter().step_by(15).collect();
+    for (id, v) in &probes {
+        let q = near(v, &mut rng, 0.05);
+        let got = idx.search(&key(2), &q, 5);
+        assert_eq!(got.len(), 5);
+        if got[0].id == *id {
+            hits += 1;
+        }
+    }
+    assert!(hits * 100 >= probes.len() * 95, "{hits}/{}", probes.len());
+}
+
+#[test]
+fn partitions_never_leak() {
+    let idx = SemanticIndex::new(DIM, small_cfg(50));
+    let mut rng = Rng(3);
+    // One partition on the exact path, one on the graph path.
+    let a = fill(&idx, key(10), 30, &mut rng);
+    let b = fill(&idx, key(11), 300, &mut rng);
+    assert_eq!(idx.partitions(), 2);
+    assert_eq!(idx.len(), 330);
+    for (_, v) in a.iter().take(10) {
+        for c in idx.search(&key(11), v, 10) {
+            assert!(b.iter().any(|(id, _)| *id == c.id));
+        }
+    }
+    for (_, v) in b.iter().take(10) {
+        for c in idx.search(&key(10), v, 10) {
+            assert!(a.iter().any(|(id, _)| *id == c.id));
+        }
+    }
+    assert!(idx.search(&key(12), &a[0].1, 5).is_empty());
+}
+
+#[test]
+fn removed_ids_never_come_back() {
+    for exact_scan_max in [10_000, 50] {
+        let idx = SemanticIndex::new(DIM, small_cfg(exact_scan_max));
+        let mut rng = Rng(4);
+        let items = fill(&idx, key(4), 400, &mut rng);
+        let removed: Vec<EntryId> = items.iter().step_by(3).map(|(id, _)| *id).collect();
+        for id in &removed {
+            assert!(idx.remove(*id));
+            assert!(!idx.remove(*id), "second removal of {id}");
+        }
+        assert_eq!(idx.len(), 400 - removed.len());
+        for (id, v) in items.iter().step_by(3) {
+            let got = idx.search(&key(4), v, 10);
+            assert_eq!(got.len(), 10);
+            assert!(
+                got.iter().all(|c| !removed.contains(&c.id)),
+                "{id} came back"
+            );
+        }
+    }
+}
+
+#[test]
+fn rebuild_drops_tombstones_and_keeps_the_live() {
+    for exact_scan_max in [10_000, 100] {
+        let idx = SemanticIndex::new(DIM, small_cfg(exact_scan_max));
+        let mut rng = Rng(5);
+        let items = fill(&idx, key(5), 600, &mut rng);
+        let removed: Vec<EntryId> = items.iter().step_by(2).map(|(id, _)| *id).collect();
+        for id in &removed {
+            idx.remove(*id);
+        }
+        let report = idx.maintain();
+        assert_eq!(report.rebuilt, 1);
+        assert_eq!(report.tombstones_dropped, removed.len());
+        // Nothing left to do a second time.
+        assert_eq!(idx.maintain().rebuilt, 0);
+        assert_eq!(idx.len(), 300);
+        let mut hits = 0;
+        for (id, v) in items.iter().skip(1).step_by(2) {
+            let got = idx.search(&key(5), v, 3);
+            assert!(got.iter().all(|c| !removed.contains(&c.id)));
+            if got[0].id == *id {
+                hits += 1;
+            }
+        }
+        assert!(hits >= 295, "{hits}/300 live entries found themselves");
+        // Removing after a rebuild still works.
+        assert!(idx.remove(items[1].0));
+        assert!(idx
+            .search(&key(5), &items[1].1, 3)
+            .iter()
+            .all(|c| c.id != items[1].0));
+    }
+}
+
+#[test]
+fn maintain_drops_emptied_partitions() {
+    let idx = SemanticIndex::new(DIM, IndexConfig::default());
+    let mut rng = Rng(6);
+    let items = fill(&idx, key(6), 5, &mut rng);
+    for (id, _) in &items {
+        idx.remove(*id);
+    }
+    assert_eq!(idx.partitions(), 1);
+    assert_eq!(idx.maintain().emptied, 1);
+    assert_eq!(idx.partitions(), 0);
+    assert!(idx.is_empty());
+}
+
+#[test]
+fn crossing_the_threshold_keeps_recall() {
+    // 3000 random vectors, graph built at 2048 and grown afterwards.
+    let idx = SemanticIndex::new(DIM, small_cfg(2048));
+    let mut rng = Rng(7);
+    let items = fill(&idx, key(7), 3000, &mut rng);
+    let queries: Vec<Arc<[f32]>> = (0..200).map(|_| rng.unit()).collect();
+    let mut agree = 0;
+    for q in &queries {
+        let got = idx.search(&key(7), q, 1);
+        if got[0].id == brute_best(&items, q, &[]) {
+            agree += 1;
+        }
+    }
+    assert!(
+        agree as f32 / queries.len() as f32 >= 0.95,
+        "recall {agree}/200"
+    );
+}
+
+#[test]
+fn concurrent_inserts_and_searches() {
+    let idx = Arc::new(SemanticIndex::new(DIM, small_cfg(200)));
+    let threads: Vec<_> = (0..4u8)
+        .map(|t| {
+            let idx = Arc::clone(&idx);
+            std::thread::spawn(move || {
+                let mut rng = Rng(100 + t as u64);
+                let items = fill(&idx, key(20 + t % 2), 300, &mut rng);
+                for (_, v) in items.iter().step_by(10) {
+                    assert!(!idx.search(&key(20 + t % 2), v, 3).is_empty());
+                }
+                for (id, _) in items.iter().step_by(4) {
+                    assert!(idx.remove(*id));
+                }
+                idx.maintain();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(idx.len(), 4 * (300 - 75));
+}

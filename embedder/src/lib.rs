@@ -1,0 +1,43 @@
+//! Sentence embeddings for reprise.
+//!
+//! - [`Embedder`]: the trait the server depends on — text in, L2-normalised vector out, so
+//!   cosine similarity is a plain dot product.
+//! - [`FastEmbedder`]: the local implementation, all-MiniLM-L6-v2 run by ONNX Runtime through
+//!   fastembed, with micro-batching of concurrent requests and an LRU of recent texts.
+//! - [`EmbedderConfig`]: where the model and runtime live and how batching behaves.
+//! - [`EmbedError`]: everything that can go wrong, with a low-cardinality [`EmbedError::kind`].
+
+mod config;
+mod error;
+mod fast;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+pub use config::EmbedderConfig;
+pub use error::EmbedError;
+pub use fast::{EmbedderStats, FastEmbedder};
+
+/// Turns text into a fixed-size, L2-normalised vector.
+///
+/// Implementations are shared across request tasks, hence `Send + Sync + 'static`.
+#[async_trait]
+pub trait Embedder: Send + Sync + 'static {
+    /// Embeds one text. The vector has [`Embedder::dim`] components and norm 1.
+    async fn embed(&self, text: &str) -> Result<Arc<[f32]>, EmbedError>;
+
+    /// Embeds several texts; the result is in the order of `texts`.
+    async fn embed_many(&self, texts: &[String]) -> Result<Vec<Arc<[f32]>>, EmbedError>;
+
+    /// Number of components of every vector this embedder returns.
+    fn dim(&self) -> usize;
+}
+
+/// Cosine similarity of two L2-normalised vectors (their dot product).
+///
+/// Panics in debug builds if the lengths differ.
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}

@@ -1,0 +1,157 @@
+//! The real ONNX embedder: similarity sanity, normalisation, micro-batching, the LRU and
+//! load errors.
+
+mod common;
+
+use std::sync::Arc;
+
+use reprise_embedder::{cosine, EmbedError, Embedder, EmbedderConfig, FastEmbedder};
+
+fn load(cfg: EmbedderConfig) -> FastEmbedder {
+    FastEmbedder::load(cfg).expect("the model files are in models/ (see scripts/)")
+}
+
+#[tokio::test]
+async fn paraphrases_are_close_and_unrelated_questions_are_not() {
+    let e = load(common::config());
+    let reset = e.embed("How do I reset my password?").await.unwrap();
+    let forgot = e
+        .embed("I forgot my password, how can I change it?")
+        .await
+        .unwrap();
+    let capital = e.embed("What is the capital of France?").await.unwrap();
+
+    let close = cosine(&reset, &forgot);
+    assert!(close > 0.8, "paraphrase cosine {close}");
+    assert!((close - 0.894).abs() < 0.02, "paraphrase cosine {close}");
+    assert!(cosine(&reset, &capital) < 0.3);
+    assert!(cosine(&forgot, &capital) < 0.3);
+}
+
+#[tokio::test]
+async fn vectors_are_normalised_with_384_components() {
+    let e = load(common::config());
+    assert_eq!(e.dim(), 384);
+    let texts: Vec<String> = [
+        "short",
+        "a somewhat longer sentence about caching answers",
+        "",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let vectors = e.embed_many(&texts).await.unwrap();
+    assert_eq!(vectors.len(), 3);
+    for v in &vectors {
+        assert_eq!(v.len(), 384);
+        let norm: f32 = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-3, "norm {norm}");
+    }
+}
+
+#[tokio::test]
+async fn batched_and_single_embeddings_agree() {
+    // Padding to the longest in a batch must not change a short text's vector.
+    let e = load(EmbedderConfig {
+        cache_entries: 0,
+        ..common::config()
+    });
+    let alone = e.embed("hi").await.unwrap();
+    let texts = vec![
+        "hi".to_string(),
+        "a much longer sentence that forces padding of the short one in the same batch".to_string(),
+    ];
+    let batched = e.embed_many(&texts).await.unwrap();
+    assert!(cosine(&alone, &batched[0]) > 0.999);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_share_model_batches() {
+    let e = Arc::new(load(EmbedderConfig {
+        // A wide window so the test does not depend on scheduling luck.
+        batch_wait_us: 20_000,
+        ..common::config()
+    }));
+    let before = e.stats();
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let e = Arc::clone(&e);
+            tokio::spawn(async move { e.embed(&format!("question number {i}")).await })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().len(), 384);
+    }
+    let after = e.stats();
+    let batches = after.batches - before.batches;
+    assert_eq!(after.texts_embedded - before.texts_embedded, 16);
+    assert!(batches < 16, "16 concurrent texts took {batches} batches");
+    assert!(batches <= 4, "16 concurrent texts took {batches} batches");
+}
+
+#[tokio::test]
+async fn a_repeat_is_answered_by_the_cache() {
+    let e = load(common::config());
+    let first = e.embed("Where is my order?").await.unwrap();
+    let before = e.stats();
+    let again = e.embed("Where is my order?").await.unwrap();
+    let after = e.stats();
+    assert_eq!(after.batches, before.batches);
+    assert_eq!(after.cache_hits, before.cache_hits + 1);
+    assert!(Arc::ptr_eq(&first, &again));
+}
+
+#[tokio::test]
+async fn a_missing_model_dir_is_an_error_naming_it() {
+    let cfg = EmbedderConfig {
+        model_dir: "/nonexistent/reprise-model".into(),
+        ..common::config()
+    };
+    let err = FastEmbedder::load(cfg).unwrap_err();
+    assert!(matches!(err, EmbedError::ModelFile { .. }), "{err:?}");
+    assert_eq!(err.kind(), "model_file");
+    assert!(
+        err.to_string().contains("/nonexistent/reprise-model"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_model_file_is_an_error_naming_it() {
+    let dir = std::env::temp_dir().join(format!("reprise-embedder-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = EmbedderConfig {
+        model_dir: dir.clone(),
+        ..common::config()
+    };
+    let err = FastEmbedder::load(cfg).unwrap_err();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(err.kind(), "model_file");
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+}
+
+#[test]
+fn zero_max_batch_is_refused() {
+    let err = FastEmbedder::load(EmbedderConfig {
+        max_batch: 0,
+        ..common::config()
+    })
+    .unwrap_err();
+    assert_eq!(err.kind(), "config");
+}
+
+#[test]
+fn config_rejects_unknown_fields_and_fills_defaults() {
+    // serde_json is not a dependency here; the `IntoDeserializer` route keeps it that way.
+    use serde::de::value::{Error, MapDeserializer};
+    use serde::Deserialize;
+    let fields = [("max_batch", 8u64)];
+    let cfg =
+        EmbedderConfig::deserialize(MapDeserializer::<_, Error>::new(fields.into_iter())).unwrap();
+    assert_eq!(cfg.max_batch, 8);
+    assert_eq!(cfg.max_tokens, 256);
+    let bad = [("max_batchez", 8u64)];
+    assert!(
+        EmbedderConfig::deserialize(MapDeserializer::<_, Error>::new(bad.into_iter())).is_err()
+    );
+}

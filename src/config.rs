@@ -1,0 +1,394 @@
+//! Configuration: one TOML file, `REPRISE__SECTION__KEY` environment overrides on top,
+//! validated once into [`Config`].
+//!
+//! Every key has a default, so a file names only what it changes. Unknown keys and bad values
+//! are start-up errors that name the key. `reprise.example.toml` at the repository root lists
+//! every key with its default; keep it in step with this file.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::providers::{Env, Format, Toml};
+use figment::Figment;
+use serde::Deserialize;
+
+/// The whole configuration.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// HTTP server.
+    pub server: ServerConfig,
+    /// Where misses go.
+    pub backend: BackendConfig,
+    /// Exact tier and entry lifetime.
+    pub cache: CacheConfig,
+    /// Near-duplicate tier.
+    pub semantic: SemanticConfig,
+    /// Request log.
+    pub log: LogConfig,
+}
+
+/// `[server]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address to listen on (`reprise serve --listen` overrides it).
+    pub listen: SocketAddr,
+    /// Largest accepted request body in bytes; larger bodies get 413.
+    pub max_body_bytes: usize,
+    /// Longest a non-streaming request may take end to end, in seconds (504 after that).
+    pub request_timeout_secs: f64,
+    /// Longest a request waits for its first token from the backend, in seconds (504 after
+    /// that). Applies to streaming and non-streaming requests.
+    pub first_token_timeout_secs: f64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".parse().expect("valid default address"),
+            max_body_bytes: 4 * 1024 * 1024,
+            request_timeout_secs: 300.0,
+            first_token_timeout_secs: 60.0,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// `request_timeout_secs` as a duration.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.request_timeout_secs)
+    }
+    /// `first_token_timeout_secs` as a duration.
+    pub fn first_token_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.first_token_timeout_secs)
+    }
+}
+
+/// Which backend answers misses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// llama.cpp in-process with a local GGUF model (the embedded default).
+    #[default]
+    Llama,
+    /// Any OpenAI-compatible server over HTTP.
+    Openai,
+    /// A scripted backend that answers instantly from a template; for tests and benchmarks.
+    Fake,
+}
+
+/// `[backend]`: one flat table; which keys apply depends on `kind`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackendConfig {
+    /// `llama`, `openai` or `fake`.
+    pub kind: BackendKind,
+    /// llama: path of the GGUF model file.
+    pub model: PathBuf,
+    /// Name under which the model is served (`/v1/models`, the `model` field). llama and fake:
+    /// defaults to the GGUF file stem / `fake`. openai: if set, the only model accepted;
+    /// requests naming another model get 404.
+    pub model_name: Option<String>,
+    /// openai: extra model names accepted besides `model_name` (empty and no `model_name`:
+    /// any model is passed through and the upstream decides).
+    pub models: Vec<String>,
+    /// openai: base URL including the version prefix, e.g. `http://127.0.0.1:8000/v1`.
+    pub base_url: Option<String>,
+    /// openai: name of the environment variable that holds the API key (the key itself never
+    /// appears in config files or logs).
+    pub api_key_env: Option<String>,
+    /// openai: TCP connect timeout in seconds.
+    pub connect_timeout_secs: f64,
+    /// openai: idle keep-alive connections kept per upstream host.
+    pub pool_max_idle: usize,
+    /// llama: total context size in tokens, shared by the parallel sequences.
+    pub n_ctx: u32,
+    /// llama: CPU threads used for decoding.
+    pub n_threads: i32,
+    /// llama: layers offloaded to the GPU (needs a build with the `cuda` feature; ignored
+    /// with a log line otherwise).
+    pub n_gpu_layers: u32,
+    /// llama: sequences decoded together (continuous batching slots).
+    pub parallel: usize,
+    /// llama: requests allowed to wait for a slot; beyond that requests get 429.
+    pub max_queue: usize,
+    /// llama and fake: `max_tokens` used when a request does not set one.
+    pub default_max_tokens: u32,
+    /// fake: reply template; `{prompt}` is replaced by the last user message.
+    pub fake_reply: String,
+    /// fake: delay between streamed tokens in milliseconds.
+    pub fake_token_delay_ms: u64,
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        Self {
+            kind: BackendKind::Llama,
+            model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            model_name: None,
+            models: Vec::new(),
+            base_url: None,
+            api_key_env: None,
+            connect_timeout_secs: 5.0,
+            pool_max_idle: 64,
+            n_ctx: 4096,
+            n_threads: default_threads(),
+            n_gpu_layers: 0,
+            parallel: 4,
+            max_queue: 64,
+            default_max_tokens: 256,
+            fake_reply: "You asked: {prompt}".to_string(),
+            fake_token_delay_ms: 0,
+        }
+    }
+}
+
+fn default_threads() -> i32 {
+    std::thread::available_parallelism()
+        .map(|n| n.get().min(8) as i32)
+        .unwrap_or(2)
+}
+
+/// `[cache]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Master switch: when false every request goes to the backend and nothing is stored.
+    pub enabled: bool,
+    /// Bytes of answers held in memory (the in-process tier); least recently used go first.
+    pub memory_bytes: u64,
+    /// Lifetime of an entry in seconds.
+    pub ttl_secs: u64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            memory_bytes: 256 * 1024 * 1024,
+            ttl_secs: 24 * 3600,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// `ttl_secs` as a duration.
+    pub fn ttl(&self) -> Duration {
+        Duration::from_secs(self.ttl_secs)
+    }
+}
+
+/// `[semantic]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SemanticConfig {
+    /// Serve near-duplicates of earlier prompts.
+    pub enabled: bool,
+    /// Lowest cosine similarity a candidate needs to be served.
+    pub threshold: f32,
+    /// Candidates fetched from the index per lookup; the best one passing the gate is served.
+    pub top_k: usize,
+    /// Run the false-hit gate (negation, numbers, entities, direction, antonyms) before
+    /// serving a candidate.
+    pub gate: bool,
+    /// Directory with the ONNX sentence-embedding model and its tokenizer files.
+    pub model_dir: PathBuf,
+    /// Path of the ONNX Runtime shared library.
+    pub onnx_runtime: PathBuf,
+}
+
+impl Default for SemanticConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            threshold: 0.90,
+            top_k: 4,
+            gate: true,
+            model_dir: PathBuf::from("models/all-MiniLM-L6-v2"),
+            onnx_runtime: PathBuf::from("models/libonnxruntime.so"),
+        }
+    }
+}
+
+/// `[log]`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// Write one JSON line per request to this file (off when absent).
+    pub request_log: Option<PathBuf>,
+}
+
+/// A configuration that could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file is missing, not TOML, has an unknown key or a value of the wrong type.
+    #[error("{0}")]
+    Parse(#[from] Box<figment::Error>),
+    /// A value parsed but makes no sense.
+    #[error("invalid config value for `{key}`: {reason}")]
+    Invalid {
+        /// Dotted key, e.g. `cache.memory_bytes`.
+        key: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl Config {
+    /// Loads the file (if given) and the `REPRISE__SECTION__KEY` environment overrides, then
+    /// validates the result.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut fig = Figment::new();
+        if let Some(path) = path {
+            if !path.exists() {
+                return Err(ConfigError::Invalid {
+                    key: "--config",
+                    reason: format!("file {} does not exist", path.display()),
+                });
+            }
+            fig = fig.merge(Toml::file_exact(path));
+        }
+        fig = fig.merge(Env::prefixed("REPRISE__").split("__"));
+        Self::from_figment(fig)
+    }
+
+    /// Parses a TOML string (no environment); used by tests.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        Self::from_figment(Figment::new().merge(Toml::string(text)))
+    }
+
+    fn from_figment(fig: Figment) -> Result<Config, ConfigError> {
+        let config: Config = fig.extract().map_err(Box::new)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks values that parse but make no sense.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn invalid(key: &'static str, reason: impl Into<String>) -> ConfigError {
+            ConfigError::Invalid {
+                key,
+                reason: reason.into(),
+            }
+        }
+        let s = &self.server;
+        if s.max_body_bytes == 0 {
+            return Err(invalid("server.max_body_bytes", "must be positive"));
+        }
+        if !(s.request_timeout_secs > 0.0) {
+            return Err(invalid("server.request_timeout_secs", "must be positive"));
+        }
+        if !(s.first_token_timeout_secs > 0.0) {
+            return Err(invalid("server.first_token_timeout_secs", "must be positive"));
+        }
+        let b = &self.backend;
+        match b.kind {
+            BackendKind::Openai => {
+                let Some(url) = &b.base_url else {
+                    return Err(invalid(
+                        "backend.base_url",
+                        "required when backend.kind = \"openai\"",
+                    ));
+                };
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return Err(invalid(
+                        "backend.base_url",
+                        format!("`{url}` is not an http(s) URL"),
+                    ));
+                }
+            }
+            BackendKind::Llama => {
+                if b.parallel == 0 {
+                    return Err(invalid("backend.parallel", "must be at least 1"));
+                }
+                if b.n_threads <= 0 {
+                    return Err(invalid("backend.n_threads", "must be at least 1"));
+                }
+                if b.n_ctx < 64 {
+                    return Err(invalid("backend.n_ctx", "must be at least 64"));
+                }
+            }
+            BackendKind::Fake => {}
+        }
+        if b.default_max_tokens == 0 {
+            return Err(invalid("backend.default_max_tokens", "must be positive"));
+        }
+        if self.cache.memory_bytes == 0 {
+            return Err(invalid("cache.memory_bytes", "must be positive"));
+        }
+        if self.cache.ttl_secs == 0 {
+            return Err(invalid("cache.ttl_secs", "must be positive"));
+        }
+        let t = self.semantic.threshold;
+        if !(t > 0.0 && t <= 1.0) {
+            return Err(invalid("semantic.threshold", "must be in (0, 1]"));
+        }
+        if self.semantic.top_k == 0 {
+            return Err(invalid("semantic.top_k", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        let c = Config::from_toml("").unwrap();
+        assert_eq!(c.backend.kind, BackendKind::Llama);
+        assert_eq!(c.server.listen.port(), 8080);
+        assert!(c.cache.enabled);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = Config::from_toml("[cache]\nmemory_byte = 5\n").unwrap_err();
+        assert!(err.to_string().contains("memory_byte"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_is_named() {
+        let err = Config::from_toml("[cache]\nttl_secs = \"soon\"\n").unwrap_err();
+        assert!(err.to_string().contains("ttl_secs"), "{err}");
+    }
+
+    #[test]
+    fn bad_value_is_named() {
+        let err = Config::from_toml("[semantic]\nthreshold = 1.5\n").unwrap_err();
+        assert!(err.to_string().contains("semantic.threshold"), "{err}");
+        let err = Config::from_toml("[backend]\nkind = \"openai\"\n").unwrap_err();
+        assert!(err.to_string().contains("backend.base_url"), "{err}");
+    }
+
+    #[test]
+    fn example_file_matches_the_defaults() {
+        let text = include_str!("../reprise.example.toml");
+        let c = Config::from_toml(text).unwrap();
+        let d = Config::default();
+        assert_eq!(c.server.listen, d.server.listen);
+        assert_eq!(c.server.max_body_bytes, d.server.max_body_bytes);
+        assert_eq!(c.backend.model, d.backend.model);
+        assert_eq!(c.backend.parallel, d.backend.parallel);
+        assert_eq!(c.cache.memory_bytes, d.cache.memory_bytes);
+        assert_eq!(c.cache.ttl_secs, d.cache.ttl_secs);
+        assert_eq!(c.semantic.threshold, d.semantic.threshold);
+        assert_eq!(c.semantic.model_dir, d.semantic.model_dir);
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("r.toml", "[cache]\nttl_secs = 10\n")?;
+            jail.set_env("REPRISE__CACHE__TTL_SECS", "20");
+            jail.set_env("REPRISE__SERVER__LISTEN", "127.0.0.1:9999");
+            let c = Config::load(Some(Path::new("r.toml"))).unwrap();
+            assert_eq!(c.cache.ttl_secs, 20);
+            assert_eq!(c.server.listen.port(), 9999);
+            Ok(())
+        });
+    }
+}

@@ -1,0 +1,239 @@
+//! The one error type the HTTP layer returns, rendered in the OpenAI error shape
+//! `{"error":{"message","type","param","code"}}`.
+//!
+//! 4xx bodies explain what was wrong with the request. 5xx bodies never carry internal
+//! detail: the detail goes to the log, the client gets a fixed message.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use reprise_backend::BackendError;
+use serde_json::json;
+
+/// Everything a request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not JSON or does not have the expected shape.
+    #[error("{message}")]
+    InvalidRequest {
+        /// What is wrong, for the client.
+        message: String,
+        /// The offending field, if known.
+        param: Option<String>,
+    },
+    /// The body is larger than `server.max_body_bytes`.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge {
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The model is not served here.
+    #[error("the model `{0}` does not exist")]
+    UnknownModel(String),
+    /// A request header has a bad value.
+    #[error("invalid value for header `{header}`: {reason}")]
+    BadHeader {
+        /// Header name.
+        header: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The request took longer than the configured timeout.
+    #[error("the request timed out")]
+    Timeout,
+    /// The backend or models are still loading.
+    #[error("the server is not ready")]
+    NotReady,
+    /// An admin endpoint was called without the right token.
+    #[error("unauthorized")]
+    Unauthorized,
+    /// Something that should not happen; the detail is logged, never sent.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// Shorthand for an invalid request about one field.
+    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
+        ApiError::InvalidRequest {
+            message: message.into(),
+            param: param.map(str::to_string),
+        }
+    }
+
+    /// Low-cardinality label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ApiError::InvalidRequest { .. } => "invalid_request",
+            ApiError::BodyTooLarge { .. } => "body_too_large",
+            ApiError::UnknownModel(_) => "unknown_model",
+            ApiError::BadHeader { .. } => "bad_header",
+            ApiError::Backend(e) => e.kind(),
+            ApiError::Timeout => "timeout",
+            ApiError::NotReady => "not_ready",
+            ApiError::Unauthorized => "unauthorized",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+
+    /// HTTP status for this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidRequest { .. } | ApiError::BadHeader { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            ApiError::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Backend(e) => match e {
+                BackendError::Unavailable(_) | BackendError::Internal(_) => StatusCode::BAD_GATEWAY,
+                BackendError::Timeout => StatusCode::GATEWAY_TIMEOUT,
+                BackendError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+                BackendError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+                BackendError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            },
+        }
+    }
+
+    /// The OpenAI error object: `(message, type, param, code)`. Server-side failures get a
+    /// fixed message so no internal detail leaks.
+    pub fn body(&self) -> serde_json::Value {
+        let (message, kind, param, code): (String, &str, Option<String>, Option<&str>) = match self
+        {
+            ApiError::InvalidRequest { message, param } => (
+                message.clone(),
+                "invalid_request_error",
+                param.clone(),
+                None,
+            ),
+            ApiError::BodyTooLarge { .. } => (
+                self.to_string(),
+                "invalid_request_error",
+                None,
+                Some("request_too_large"),
+            ),
+            ApiError::UnknownModel(_) => (
+                self.to_string(),
+                "invalid_request_error",
+                Some("model".into()),
+                Some("model_not_found"),
+            ),
+            ApiError::BadHeader { header, .. } => (
+                self.to_string(),
+                "invalid_request_error",
+                Some((*header).into()),
+                None,
+            ),
+            ApiError::Timeout => (
+                "the request timed out waiting for the model".into(),
+                "server_error",
+                None,
+                Some("timeout"),
+            ),
+            ApiError::NotReady => (
+                "the server is still loading; retry shortly".into(),
+                "server_error",
+                None,
+                Some("not_ready"),
+            ),
+            ApiError::Unauthorized => (
+                "missing or invalid admin token".into(),
+                "invalid_request_error",
+                None,
+                Some("unauthorized"),
+            ),
+            ApiError::Internal(_) => (
+                "internal server error".into(),
+                "server_error",
+                None,
+                None,
+            ),
+            ApiError::Backend(e) => match e {
+                BackendError::Unavailable(_) | BackendError::Internal(_) => (
+                    "the model backend failed to answer".into(),
+                    "server_error",
+                    None,
+                    Some("upstream_error"),
+                ),
+                BackendError::Timeout => (
+                    "the model backend timed out".into(),
+                    "server_error",
+                    None,
+                    Some("timeout"),
+                ),
+                BackendError::Overloaded { .. } => (
+                    "the model backend is overloaded; retry later".into(),
+                    "rate_limit_error",
+                    None,
+                    Some("rate_limit_exceeded"),
+                ),
+                BackendError::InvalidRequest { message, param } => (
+                    message.clone(),
+                    "invalid_request_error",
+                    param.clone(),
+                    None,
+                ),
+                BackendError::UnknownModel(m) => (
+                    format!("the model `{m}` does not exist"),
+                    "invalid_request_error",
+                    Some("model".into()),
+                    Some("model_not_found"),
+                ),
+            },
+        };
+        json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::warn!(error = %self, kind = self.kind(), "request failed");
+        }
+        let mut resp = (status, axum::Json(self.body())).into_response();
+        if let ApiError::Backend(BackendError::Overloaded { retry_after_secs }) = &self {
+            resp.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after_secs.max(&1).to_owned()),
+            );
+        }
+        if let ApiError::NotReady = &self {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_errors_do_not_leak_detail() {
+        let e = ApiError::Backend(BackendError::Unavailable(
+            "connect 10.1.2.3:443 refused".into(),
+        ));
+        assert_eq!(e.status(), StatusCode::BAD_GATEWAY);
+        let body = e.body().to_string();
+        assert!(!body.contains("10.1.2.3"), "{body}");
+        let e = ApiError::Internal("secret path /etc/x".into());
+        assert!(!e.body().to_string().contains("/etc/x"));
+    }
+
+    #[test]
+    fn overload_sets_retry_after() {
+        let resp = ApiError::Backend(BackendError::Overloaded {
+            retry_after_secs: 2,
+        })
+        .into_response();
+        assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "2");
+    }
+}

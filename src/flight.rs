@@ -1,0 +1,249 @@
+//! Single-flight: identical concurrent misses share one backend generation.
+//!
+//! A [`Flight`] records every event of one generation. Each waiting client holds a
+//! [`Subscriber`] that replays the events from the start and then follows them live, so a
+//! streaming client that joins late still gets the whole answer, chunk by chunk. The
+//! generation is cancelled when the last subscriber goes away before it finished: nobody is
+//! left to read it, and an abandoned answer is never cached.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use reprise_backend::{BackendError, GenEvent};
+use reprise_cache::Digest;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+/// How a flight ended.
+#[derive(Debug, Clone)]
+pub enum End {
+    /// A `Finish` event was recorded.
+    Finished,
+    /// The backend failed or the stream was cut off.
+    Failed(BackendError),
+}
+
+/// One generation shared by its waiters.
+pub struct Flight {
+    events: Mutex<Vec<GenEvent>>,
+    /// Number of recorded events and, once known, how it ended.
+    progress: watch::Sender<(usize, Option<End>)>,
+    subscribers: Mutex<usize>,
+    cancel: CancellationToken,
+}
+
+impl Flight {
+    fn new() -> Arc<Self> {
+        Arc::new(Flight {
+            events: Mutex::new(Vec::new()),
+            progress: watch::channel((0, None)).0,
+            subscribers: Mutex::new(0),
+            cancel: CancellationToken::new(),
+        })
+    }
+
+    /// Records an event and wakes the subscribers.
+    pub fn push(&self, ev: GenEvent) {
+        let mut events = self.events.lock();
+        events.push(ev);
+        let n = events.len();
+        drop(events);
+        self.progress.send_modify(|p| p.0 = n);
+    }
+
+    /// Marks the flight ended.
+    pub fn end(&self, end: End) {
+        self.progress.send_modify(|p| p.1 = Some(end));
+    }
+
+    /// Cancelled when the last subscriber left before the end.
+    pub fn cancelled(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// A new subscriber replaying from the first event.
+    fn subscribe(self: &Arc<Self>) -> Subscriber {
+        *self.subscribers.lock() += 1;
+        Subscriber {
+            flight: self.clone(),
+            rx: self.progress.subscribe(),
+            pos: 0,
+            done: false,
+        }
+    }
+
+    fn is_ended(&self) -> bool {
+        self.progress.borrow().1.is_some()
+    }
+}
+
+/// One waiter's view of a flight.
+pub struct Subscriber {
+    flight: Arc<Flight>,
+    rx: watch::Receiver<(usize, Option<End>)>,
+    pos: usize,
+    done: bool,
+}
+
+impl Subscriber {
+    /// The next event; `None` after the end. A failure is delivered once as `Err`.
+    pub async fn next(&mut self) -> Option<Result<GenEvent, BackendError>> {
+        if self.done {
+            return None;
+        }
+        loop {
+            let (len, end) = {
+                let p = self.rx.borrow_and_update();
+                (p.0, p.1.clone())
+            };
+            if self.pos < len {
+                let ev = self.flight.events.lock()[self.pos].clone();
+                self.pos += 1;
+                return Some(Ok(ev));
+            }
+            match end {
+                Some(End::Finished) => {
+                    self.done = true;
+                    return None;
+                }
+                Some(End::Failed(e)) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+                None => {}
+            }
+            if self.rx.changed().await.is_err() {
+                // The driver is gone without an end: treat as cut off.
+                self.done = true;
+                return Some(Err(BackendError::Internal("generation abandoned".into())));
+            }
+        }
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        let mut n = self.flight.subscribers.lock();
+        *n -= 1;
+        if *n == 0 && !self.flight.is_ended() {
+            self.flight.cancel.cancel();
+        }
+    }
+}
+
+/// The in-flight generations by exact key.
+#[derive(Default)]
+pub struct Flights {
+    map: Mutex<HashMap<Digest, Arc<Flight>>>,
+}
+
+/// The result of [`Flights::join`].
+pub enum Joined {
+    /// A generation for this key was already running; follow it.
+    Follower(Subscriber),
+    /// This caller must start the generation and drive the returned flight.
+    Leader(Arc<Flight>, Subscriber),
+}
+
+impl Flights {
+    /// Joins the running flight for `key`, or registers a new one for the caller to drive.
+    pub fn join(&self, key: Digest) -> Joined {
+        let mut map = self.map.lock();
+        if let Some(f) = map.get(&key) {
+            // A cancelled flight is on its way out; start afresh rather than join a corpse.
+            if !f.cancel.is_cancelled() && !f.is_ended() {
+                return Joined::Follower(f.subscribe());
+            }
+        }
+        let f = Flight::new();
+        let sub = f.subscribe();
+        map.insert(key, f.clone());
+        Joined::Leader(f, sub)
+    }
+
+    /// A flight that is not shared (requests that must not be joined, e.g. `no-store`).
+    pub fn solo(&self) -> (Arc<Flight>, Subscriber) {
+        let f = Flight::new();
+        let sub = f.subscribe();
+        (f, sub)
+    }
+
+    /// Removes `flight` from the registry if it is still the one registered for `key`.
+    pub fn remove(&self, key: &Digest, flight: &Arc<Flight>) {
+        let mut map = self.map.lock();
+        if map.get(key).is_some_and(|f| Arc::ptr_eq(f, flight)) {
+            map.remove(key);
+        }
+    }
+
+    /// Number of generations in flight.
+    pub fn len(&self) -> usize {
+        self.map.lock().len()
+    }
+
+    /// Whether nothing is in flight.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reprise_backend::{FinishReason, Usage};
+
+    #[tokio::test]
+    async fn late_joiner_replays_everything() {
+        let flights = Flights::default();
+        let Joined::Leader(f, mut a) = flights.join([1; 32]) else {
+            panic!("first must lead")
+        };
+        f.push(GenEvent::Delta("a".into()));
+        let Joined::Follower(mut b) = flights.join([1; 32]) else {
+            panic!("second must follow")
+        };
+        f.push(GenEvent::Delta("b".into()));
+        f.push(GenEvent::Finish {
+            reason: FinishReason::Stop,
+            usage: Usage::default(),
+        });
+        f.end(End::Finished);
+        for sub in [&mut a, &mut b] {
+            let mut n = 0;
+            while let Some(ev) = sub.next().await {
+                ev.unwrap();
+                n += 1;
+            }
+            assert_eq!(n, 3);
+        }
+    }
+
+    #[tokio::test]
+    async fn last_subscriber_leaving_cancels() {
+        let flights = Flights::default();
+        let Joined::Leader(f, a) = flights.join([2; 32]) else {
+            panic!()
+        };
+        let Joined::Follower(b) = flights.join([2; 32]) else {
+            panic!()
+        };
+        drop(a);
+        assert!(!f.cancelled().is_cancelled());
+        drop(b);
+        assert!(f.cancelled().is_cancelled());
+        // A new request for the same key starts a fresh flight.
+        assert!(matches!(flights.join([2; 32]), Joined::Leader(..)));
+    }
+
+    #[tokio::test]
+    async fn failure_reaches_subscribers() {
+        let flights = Flights::default();
+        let Joined::Leader(f, mut a) = flights.join([3; 32]) else {
+            panic!()
+        };
+        f.end(End::Failed(BackendError::Timeout));
+        assert!(matches!(a.next().await, Some(Err(BackendError::Timeout))));
+        assert!(a.next().await.is_none());
+    }
+}

@@ -1,0 +1,269 @@
+//! Cache keys: blake3 digests over the canonical form of a request.
+//!
+//! Every field is written with a tag and a length prefix, so the encoding is prefix-free:
+//! no two different requests can produce the same byte sequence. The key functions
+//! destructure [`GenRequest`] and [`SamplingParams`], so adding a field to either is a
+//! compile error here until someone decides whether it belongs in the key.
+
+use reprise_backend::{ChatMessage, GenRequest, Input, SamplingParams};
+use reprise_cache::Digest;
+
+use crate::openai::Endpoint;
+
+/// Incremental, prefix-free encoder over blake3.
+pub struct KeyHasher(blake3::Hasher);
+
+impl KeyHasher {
+    /// A hasher for one kind of key (the domain separates exact keys from partitions etc.).
+    pub fn new(domain: &str) -> Self {
+        let mut h = KeyHasher(blake3::Hasher::new());
+        h.bytes(b"reprise/v1");
+        h.bytes(domain.as_bytes());
+        h
+    }
+
+    /// Writes a length-prefixed byte string.
+    pub fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.0.update(&(b.len() as u64).to_le_bytes());
+        self.0.update(b);
+        self
+    }
+
+    /// Writes a string.
+    pub fn str(&mut self, s: &str) -> &mut Self {
+        self.bytes(s.as_bytes())
+    }
+
+    /// Writes an optional value: a presence byte, then the value.
+    fn opt<T>(&mut self, v: Option<T>, f: impl FnOnce(&mut Self, T)) -> &mut Self {
+        match v {
+            None => {
+                self.0.update(&[0]);
+            }
+            Some(v) => {
+                self.0.update(&[1]);
+                f(self, v);
+            }
+        }
+        self
+    }
+
+    fn f32(&mut self, v: Option<f32>) -> &mut Self {
+        self.opt(v, |h, v| {
+            h.0.update(&v.to_bits().to_le_bytes());
+        })
+    }
+
+    fn u64(&mut self, v: Option<u64>) -> &mut Self {
+        self.opt(v, |h, v| {
+            h.0.update(&v.to_le_bytes());
+        })
+    }
+
+    /// Writes a digest.
+    pub fn digest(&mut self, d: &Digest) -> &mut Self {
+        self.bytes(d)
+    }
+
+    /// The key.
+    pub fn finish(&self) -> Digest {
+        *self.0.finalize().as_bytes()
+    }
+
+    fn messages(&mut self, msgs: &[ChatMessage]) -> &mut Self {
+        self.0.update(&(msgs.len() as u64).to_le_bytes());
+        for ChatMessage { role, content } in msgs {
+            self.str(role).str(content);
+        }
+        self
+    }
+
+    /// Everything except the input: model, sampling parameters, pass-through fields.
+    fn settings(&mut self, model: &str, params: &SamplingParams, extra: &serde_json::Map<String, serde_json::Value>) -> &mut Self {
+        let SamplingParams {
+            max_tokens,
+            temperature,
+            top_p,
+            seed,
+            stop,
+            presence_penalty,
+            frequency_penalty,
+        } = params;
+        self.str(model);
+        self.u64(max_tokens.map(u64::from));
+        self.f32(*temperature);
+        self.f32(*top_p);
+        self.u64(*seed);
+        self.0.update(&(stop.len() as u64).to_le_bytes());
+        for s in stop {
+            self.str(s);
+        }
+        self.f32(*presence_penalty);
+        self.f32(*frequency_penalty);
+        // serde_json's Map is ordered by key, so this serialisation is canonical.
+        let extra = serde_json::to_string(extra).unwrap_or_default();
+        self.str(&extra)
+    }
+}
+
+/// The exact-tier key: namespace, endpoint and the whole request (not the stream flag, so
+/// stream and non-stream requests share one entry; not the priority or the `user` field).
+pub fn exact_key(namespace: &str, endpoint: Endpoint, req: &GenRequest) -> Digest {
+    let GenRequest {
+        model,
+        input,
+        params,
+        priority: _,
+        extra,
+    } = req;
+    let mut h = KeyHasher::new("exact");
+    h.str(namespace).str(endpoint.as_str());
+    h.settings(model, params, extra);
+    match input {
+        Input::Chat(msgs) => h.str("chat").messages(msgs),
+        Input::Prompt(p) => h.str("prompt").str(p),
+    };
+    h.finish()
+}
+
+/// The semantic partition: everything that must match exactly for a near-duplicate to be
+/// served — namespace, endpoint, model, sampling parameters, pass-through fields and the
+/// conversation context — but not the text that is matched by meaning.
+pub fn partition_key(
+    namespace: &str,
+    endpoint: Endpoint,
+    req: &GenRequest,
+    context: &Digest,
+) -> Digest {
+    let GenRequest {
+        model,
+        input: _,
+        params,
+        priority: _,
+        extra,
+    } = req;
+    let mut h = KeyHasher::new("partition");
+    h.str(namespace).str(endpoint.as_str());
+    h.settings(model, params, extra);
+    h.digest(context);
+    h.finish()
+}
+
+/// A chat request split for semantic matching: the context turns and the last user message.
+#[derive(Debug)]
+pub struct Conversation<'a> {
+    /// System/developer messages before the first turn.
+    pub preamble: Vec<&'a ChatMessage>,
+    /// Earlier turns: the messages up to each assistant answer, and that answer.
+    pub turns: Vec<(Vec<&'a ChatMessage>, &'a ChatMessage)>,
+    /// Messages after the last answer and before the query (e.g. a second user message).
+    pub pending: Vec<&'a ChatMessage>,
+    /// The text matched by meaning: the last message, which must be from the user.
+    pub query: &'a str,
+}
+
+/// Splits a chat for semantic matching; `None` when the last message is not a user message
+/// (an assistant prefill or a tool result is not a question to match by meaning).
+pub fn split_conversation(msgs: &[ChatMessage]) -> Option<Conversation<'_>> {
+    let (last, rest) = msgs.split_last()?;
+    if last.role != "user" {
+        return None;
+    }
+    let mut preamble = Vec::new();
+    let mut turns = Vec::new();
+    let mut cur: Vec<&ChatMessage> = Vec::new();
+    for m in rest {
+        if m.role == "assistant" {
+            turns.push((std::mem::take(&mut cur), m));
+        } else if turns.is_empty() && cur.is_empty() && (m.role == "system" || m.role == "developer") {
+            preamble.push(m);
+        } else {
+            cur.push(m);
+        }
+    }
+    Some(Conversation {
+        preamble,
+        turns,
+        pending: cur,
+        query: &last.content,
+    })
+}
+
+/// The digest of raw messages (used where no served entry stands for them).
+pub fn messages_digest(domain: &str, msgs: &[&ChatMessage]) -> Digest {
+    let mut h = KeyHasher::new(domain);
+    h.0.update(&(msgs.len() as u64).to_le_bytes());
+    for m in msgs {
+        h.str(&m.role).str(&m.content);
+    }
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reprise_backend::Priority;
+
+    fn chat(msgs: &[(&str, &str)]) -> GenRequest {
+        GenRequest {
+            model: "m".into(),
+            input: Input::Chat(
+                msgs.iter()
+                    .map(|(r, c)| ChatMessage {
+                        role: r.to_string(),
+                        content: c.to_string(),
+                    })
+                    .collect(),
+            ),
+            params: SamplingParams::default(),
+            priority: Priority::Interactive,
+            extra: Default::default(),
+        }
+    }
+
+    #[test]
+    fn keys_differ_on_every_output_affecting_field() {
+        let base = chat(&[("user", "hi")]);
+        let k = exact_key("ns", Endpoint::Chat, &base);
+        assert_eq!(k, exact_key("ns", Endpoint::Chat, &base.clone()));
+        assert_ne!(k, exact_key("other", Endpoint::Chat, &base));
+        let mut r = base.clone();
+        r.params.temperature = Some(0.5);
+        assert_ne!(k, exact_key("ns", Endpoint::Chat, &r));
+        let mut r = base.clone();
+        r.params.stop = vec!["x".into()];
+        assert_ne!(k, exact_key("ns", Endpoint::Chat, &r));
+        let mut r = base.clone();
+        r.extra.insert("response_format".into(), serde_json::json!({"type": "json_object"}));
+        assert_ne!(k, exact_key("ns", Endpoint::Chat, &r));
+        let mut r = base.clone();
+        r.priority = Priority::Background;
+        assert_eq!(k, exact_key("ns", Endpoint::Chat, &r), "priority is not output");
+    }
+
+    #[test]
+    fn encoding_is_prefix_free() {
+        let a = chat(&[("user", "ab"), ("user", "c")]);
+        let b = chat(&[("user", "a"), ("user", "bc")]);
+        assert_ne!(
+            exact_key("ns", Endpoint::Chat, &a),
+            exact_key("ns", Endpoint::Chat, &b)
+        );
+    }
+
+    #[test]
+    fn conversation_split() {
+        let r = chat(&[
+            ("system", "be brief"),
+            ("user", "who is Ada?"),
+            ("assistant", "A mathematician."),
+            ("user", "how old is she?"),
+        ]);
+        let Input::Chat(msgs) = &r.input else { panic!() };
+        let c = split_conversation(msgs).unwrap();
+        assert_eq!(c.preamble.len(), 1);
+        assert_eq!(c.turns.len(), 1);
+        assert_eq!(c.query, "how old is she?");
+        assert!(split_conversation(&msgs[..3]).is_none());
+    }
+}

@@ -1,0 +1,81 @@
+//! reprise: an OpenAI-compatible caching proxy for LLM traffic.
+//!
+//! Apps point their OpenAI base URL at reprise. Exact repeats are answered from memory,
+//! near-duplicates from a semantic index, and misses go to a backend (llama.cpp in-process or
+//! any OpenAI-compatible upstream), streamed as they are generated.
+//!
+//! - [`run`] serves on a listener the caller owns until `shutdown` resolves.
+//! - [`app`] is the router over a built [`AppState`] (tests build the state from parts).
+//! - [`pipeline`] is the request path, top to bottom.
+
+pub mod bench;
+pub mod config;
+pub mod error;
+pub mod flight;
+pub mod http;
+pub mod key;
+pub mod metrics;
+pub mod openai;
+pub mod pipeline;
+pub mod reqlog;
+pub mod state;
+
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+
+use axum::extract::Request;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use tokio::net::TcpListener;
+use tower::ServiceExt;
+
+pub use config::Config;
+pub use http::app;
+pub use state::AppState;
+
+/// Serves reprise on `listener` until `shutdown` resolves.
+///
+/// The listener answers at once: `/healthz` is alive while the model and embedder load, every
+/// other route (including `/readyz`) answers 503 until loading finished. A loading failure
+/// ends `run` with the error.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let loaded: Arc<OnceLock<Router>> = Arc::new(OnceLock::new());
+    let slot = loaded.clone();
+    let router = Router::new()
+        .route("/healthz", get(http::healthz))
+        .fallback(move |req: Request| {
+            let slot = slot.clone();
+            async move {
+                match slot.get() {
+                    Some(app) => app.clone().oneshot(req).await.into_response(),
+                    None => error::ApiError::NotReady.into_response(),
+                }
+            }
+        });
+    tracing::info!(addr = %listener.local_addr()?, "listening");
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown)
+            .await
+    });
+    let started = std::time::Instant::now();
+    let state = match AppState::build(config).await {
+        Ok(s) => s,
+        Err(e) => {
+            server.abort();
+            return Err(e);
+        }
+    };
+    let _ = loaded.set(app(state));
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
+        "ready: models loaded"
+    );
+    server.await??;
+    Ok(())
+}

@@ -1,0 +1,84 @@
+//! The `reprise` command line: `serve` and `bench`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use reprise::Config;
+use tracing_subscriber::EnvFilter;
+
+/// An OpenAI-compatible semantic caching proxy for LLM traffic.
+#[derive(Parser)]
+#[command(name = "reprise", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the OpenAI-compatible API.
+    Serve {
+        /// TOML configuration file (every key has a default; see reprise.example.toml).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Address to listen on; overrides `[server] listen`.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
+    /// Measure reprise side by side with its baselines on loopback.
+    Bench(reprise::bench::BenchArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        match cli.command {
+            Command::Serve { config, listen } => serve(config, listen).await,
+            Command::Bench(args) => reprise::bench::run(args).await,
+        }
+    })
+}
+
+async fn serve(config: Option<PathBuf>, listen: Option<SocketAddr>) -> anyhow::Result<()> {
+    let mut config = Config::load(config.as_deref())?;
+    if let Some(addr) = listen {
+        config.server.listen = addr;
+    }
+    let listener = tokio::net::TcpListener::bind(config.server.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.server.listen))?;
+    reprise::run(listener, config, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down");
+}

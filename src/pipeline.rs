@@ -1,0 +1,911 @@
+//! The request path, top to bottom:
+//!
+//! 1. **parse** the body into a [`GenRequest`] (OpenAI error shape on bad input);
+//! 2. **controls** from headers: namespace, `Cache-Control`, threshold;
+//! 3. **policy**: may this request read / write the cache?
+//! 4. **exact lookup** by the blake3 key of the canonical request;
+//! 5. **semantic lookup**: embed the last user turn, search its partition (namespace, model,
+//!    parameters, conversation context), check the false-hit gate;
+//! 6. **single-flight**: join an identical generation already running, or lead a new one;
+//! 7. **backend** generation, driven by a task that records events for every waiter;
+//! 8. **write-back** once the generation finished (never for errors, cut-off streams or
+//!    abandoned generations), then the response is rendered as JSON or SSE.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use reprise_backend::{
+    BackendError, ChatMessage, FinishReason, GenEvent, GenRequest, Input, Priority, SamplingParams,
+    Usage,
+};
+use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
+
+use crate::error::ApiError;
+use crate::flight::{End, Flight, Joined, Subscriber};
+use crate::key::{self, Conversation, KeyHasher};
+use crate::metrics::{Outcome, Tier};
+use crate::openai::{
+    ChatCompletionRequest, CompletionRequest, Content, Endpoint, Prompt, Renderer,
+};
+use crate::reqlog::LogRecord;
+use crate::state::AppState;
+
+/// Header naming the tenant namespace.
+pub const NAMESPACE_HEADER: &str = "x-reprise-namespace";
+/// Response header saying how the request was answered.
+pub const CACHE_HEADER: &str = "x-reprise-cache";
+/// Response header with the similarity of a semantic hit.
+pub const SIMILARITY_HEADER: &str = "x-reprise-similarity";
+/// Request header raising the similarity threshold for this request.
+pub const THRESHOLD_HEADER: &str = "x-reprise-threshold";
+/// The namespace of requests that name none.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+/// A parsed request.
+pub struct Parsed {
+    /// What the backend would be asked.
+    pub req: GenRequest,
+    /// Answer as SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of the stream.
+    pub include_usage: bool,
+    /// The OpenAI `user` field.
+    pub user: Option<String>,
+}
+
+/// Request controls taken from headers.
+#[derive(Debug, Clone)]
+pub struct Controls {
+    /// Tenant namespace.
+    pub namespace: String,
+    /// `Cache-Control: no-cache`: do not read, do store the fresh answer.
+    pub no_cache: bool,
+    /// `Cache-Control: no-store`: neither read nor write.
+    pub no_store: bool,
+    /// Similarity threshold requested by the client (only ever raises the configured one).
+    pub threshold: Option<f32>,
+}
+
+impl Controls {
+    /// Reads and validates the control headers.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Controls, ApiError> {
+        let namespace = match headers.get(NAMESPACE_HEADER) {
+            None => DEFAULT_NAMESPACE.to_string(),
+            Some(v) => {
+                let s = v.to_str().map_err(|_| ApiError::BadHeader {
+                    header: NAMESPACE_HEADER,
+                    reason: "must be visible ASCII".into(),
+                })?;
+                if s.is_empty() || s.len() > 128 {
+                    return Err(ApiError::BadHeader {
+                        header: NAMESPACE_HEADER,
+                        reason: "must be 1 to 128 characters".into(),
+                    });
+                }
+                s.to_string()
+            }
+        };
+        let mut no_cache = false;
+        let mut no_store = false;
+        for v in headers.get_all(axum::http::header::CACHE_CONTROL) {
+            for directive in v.to_str().unwrap_or("").split(',') {
+                match directive.trim().to_ascii_lowercase().as_str() {
+                    "no-cache" => no_cache = true,
+                    "no-store" => no_store = true,
+                    _ => {}
+                }
+            }
+        }
+        let threshold = match headers.get(THRESHOLD_HEADER) {
+            None => None,
+            Some(v) => {
+                let t: f32 = v
+                    .to_str()
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .filter(|t: &f32| t.is_finite() && (0.0..=1.0).contains(t))
+                    .ok_or_else(|| ApiError::BadHeader {
+                        header: THRESHOLD_HEADER,
+                        reason: "must be a number between 0 and 1".into(),
+                    })?;
+                Some(t)
+            }
+        };
+        Ok(Controls {
+            namespace,
+            no_cache,
+            no_store,
+            threshold,
+        })
+    }
+}
+
+/// Entry point of both completion endpoints.
+pub async fn handle(
+    state: Arc<AppState>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let mut trace = Trace::new(&state, endpoint);
+    match serve(&state, endpoint, &headers, body, &mut trace).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            trace.fail(&e);
+            let mut resp = e.into_response();
+            set_cache_headers(&mut resp, Outcome::Error, None);
+            resp
+        }
+    }
+}
+
+async fn serve(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    trace: &mut Trace,
+) -> Result<Response, ApiError> {
+    // 1. Parse.
+    let body = body.map_err(|e| body_error(e, state.config.server.max_body_bytes))?;
+    let parsed = parse(endpoint, &body)?;
+    // 2. Controls.
+    let ctl = Controls::from_headers(headers)?;
+    trace.record.namespace = ctl.namespace.clone();
+    if !state.is_ready() {
+        return Err(ApiError::NotReady);
+    }
+    if !state.models.is_empty() && !state.models.contains(&parsed.req.model) {
+        return Err(ApiError::UnknownModel(parsed.req.model));
+    }
+    // 3. Policy.
+    let enabled = state.config.cache.enabled;
+    let read = enabled && !ctl.no_cache && !ctl.no_store;
+    let write = enabled && !ctl.no_store;
+    let renderer = Renderer::new(endpoint, &parsed.req.model);
+    let exact = key::exact_key(&ctl.namespace, endpoint, &parsed.req);
+
+    // 4. Exact lookup.
+    if read {
+        let hit = state.memory.get_by_key(&exact).await;
+        state.metrics.lookup(Tier::Exact, hit.is_some());
+        if let Some(entry) = hit {
+            let outcome = hit_outcome(&entry, Outcome::Exact);
+            return Ok(respond_hit(&parsed, renderer, entry, outcome, None, trace));
+        }
+    }
+
+    // 5. Semantic lookup (also computes what a write-back needs: partition, embedding).
+    let mut plan = WritePlan {
+        exact,
+        namespace: ctl.namespace.clone(),
+        model: parsed.req.model.clone(),
+        prompt: String::new(),
+        partition: None,
+        embedding: None,
+        turn: None,
+        origin: Origin::Live,
+    };
+    if write || read {
+        if let Some(hit) = semantic_lookup(state, endpoint, &parsed.req, &ctl, read, &mut plan, trace).await? {
+            let (entry, similarity) = hit;
+            // An exact repeat of this phrasing is an exact hit next time.
+            if write {
+                state.memory.alias(exact, entry.id).await;
+                if let Some(turn) = plan.turn_key(&entry.text) {
+                    state.memory.alias(turn, entry.id).await;
+                }
+            }
+            let outcome = hit_outcome(&entry, Outcome::Semantic);
+            return Ok(respond_hit(&parsed, renderer, entry, outcome, Some(similarity), trace));
+        }
+    }
+
+    // 6. Single-flight, 7. backend, 8. write-back (in the driver task).
+    let outcome = if write { Outcome::Miss } else { Outcome::Bypass };
+    trace.outcome = outcome;
+    let sub = if write {
+        match state.flights.join(exact) {
+            Joined::Follower(sub) => {
+                state.metrics.singleflight_joins.increment(1);
+                sub
+            }
+            Joined::Leader(flight, sub) => {
+                spawn_generation(state.clone(), flight, Some(exact), parsed.req.clone(), Some(plan));
+                sub
+            }
+        }
+    } else {
+        let (flight, sub) = state.flights.solo();
+        spawn_generation(state.clone(), flight, None, parsed.req.clone(), None);
+        sub
+    };
+    respond_generation(state, &parsed, renderer, sub, outcome, trace).await
+}
+
+/// Maps the axum body rejection to our error shape.
+fn body_error(e: BytesRejection, limit: usize) -> ApiError {
+    if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::BodyTooLarge { limit }
+    } else {
+        ApiError::invalid(format!("could not read the request body: {e}"), None)
+    }
+}
+
+/// Parses and validates a request body.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
+    fn de<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+        let de = &mut serde_json::Deserializer::from_slice(body);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if inner.is_syntax() || inner.is_eof() {
+                return ApiError::invalid(format!("the body is not valid JSON: {inner}"), None);
+            }
+            let param = (path != ".").then_some(path);
+            ApiError::InvalidRequest {
+                message: format!("invalid request: {inner}"),
+                param,
+            }
+        })
+    }
+    let (req, stream, include_usage, user, n) = match endpoint {
+        Endpoint::Chat => {
+            let r: ChatCompletionRequest = de(body)?;
+            if r.messages.is_empty() {
+                return Err(ApiError::invalid("`messages` must not be empty", Some("messages")));
+            }
+            let mut msgs = Vec::with_capacity(r.messages.len());
+            for (i, m) in r.messages.into_iter().enumerate() {
+                if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                    return Err(ApiError::invalid(
+                        format!("unknown role `{}`", m.role),
+                        Some(&format!("messages[{i}].role")),
+                    ));
+                }
+                let content = match m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t,
+                    Some(Content::Parts(parts)) => {
+                        let mut text = String::new();
+                        for p in parts {
+                            match (p.kind.as_str(), p.text) {
+                                ("text", Some(t)) => text.push_str(&t),
+                                (kind, _) => {
+                                    return Err(ApiError::invalid(
+                                        format!("content part type `{kind}` is not supported"),
+                                        Some(&format!("messages[{i}].content")),
+                                    ))
+                                }
+                            }
+                        }
+                        text
+                    }
+                };
+                msgs.push(ChatMessage { role: m.role, content });
+            }
+            let params = SamplingParams {
+                max_tokens: r.max_completion_tokens.or(r.max_tokens),
+                temperature: r.temperature,
+                top_p: r.top_p,
+                seed: r.seed,
+                stop: r.stop.map(|s| s.into_vec()).unwrap_or_default(),
+                presence_penalty: r.presence_penalty,
+                frequency_penalty: r.frequency_penalty,
+            };
+            let req = GenRequest {
+                model: r.model,
+                input: Input::Chat(msgs),
+                params,
+                priority: Priority::Interactive,
+                extra: r.extra,
+            };
+            (req, r.stream.unwrap_or(false), r.stream_options.is_some_and(|o| o.include_usage), r.user, r.n)
+        }
+        Endpoint::Completion => {
+            let r: CompletionRequest = de(body)?;
+            let prompt = match r.prompt {
+                Prompt::One(p) => p,
+                Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
+                Prompt::Many(_) => {
+                    return Err(ApiError::invalid(
+                        "only one prompt per request is supported",
+                        Some("prompt"),
+                    ))
+                }
+            };
+            let params = SamplingParams {
+                max_tokens: r.max_tokens,
+                temperature: r.temperature,
+                top_p: r.top_p,
+                seed: r.seed,
+                stop: r.stop.map(|s| s.into_vec()).unwrap_or_default(),
+                presence_penalty: r.presence_penalty,
+                frequency_penalty: r.frequency_penalty,
+            };
+            let req = GenRequest {
+                model: r.model,
+                input: Input::Prompt(prompt),
+                params,
+                priority: Priority::Interactive,
+                extra: r.extra,
+            };
+            (req, r.stream.unwrap_or(false), r.stream_options.is_some_and(|o| o.include_usage), r.user, r.n)
+        }
+    };
+    if n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+    }
+    let p = &req.params;
+    if p.temperature.is_some_and(|t| !(0.0..=2.0).contains(&t)) {
+        return Err(ApiError::invalid("`temperature` must be between 0 and 2", Some("temperature")));
+    }
+    if p.top_p.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
+        return Err(ApiError::invalid("`top_p` must be in (0, 1]", Some("top_p")));
+    }
+    if p.max_tokens == Some(0) {
+        return Err(ApiError::invalid("`max_tokens` must be at least 1", Some("max_tokens")));
+    }
+    if p.stop.len() > 4 || p.stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("`stop` takes up to 4 non-empty strings", Some("stop")));
+    }
+    for (name, v) in [("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty)] {
+        if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
+            return Err(ApiError::invalid(format!("`{name}` must be between -2 and 2"), Some(name)));
+        }
+    }
+    Ok(Parsed {
+        req,
+        stream,
+        include_usage,
+        user,
+    })
+}
+
+/// What a write-back stores, gathered along the request path.
+#[derive(Debug, Clone)]
+pub struct WritePlan {
+    /// The exact key the new entry is stored under.
+    pub exact: Digest,
+    /// Tenant.
+    pub namespace: String,
+    /// Model.
+    pub model: String,
+    /// The text matched semantically (empty when the request has none).
+    pub prompt: String,
+    /// Semantic partition, when the request can be matched semantically.
+    pub partition: Option<Digest>,
+    /// Embedding of `prompt`.
+    pub embedding: Option<Arc<[f32]>>,
+    /// Context and query of this turn, to link the answer to the next turn's context.
+    pub turn: Option<(Digest, Digest)>,
+    /// Live, prefetch or refresh.
+    pub origin: Origin,
+}
+
+impl WritePlan {
+    /// The key that links "this context, this query, this answer" to the entry that answered,
+    /// so a later turn whose history contains this exchange resolves its context to the entry.
+    fn turn_key(&self, answer: &str) -> Option<Digest> {
+        let (context, query) = self.turn?;
+        Some(turn_key(&self.namespace, &self.model, &context, &query, answer))
+    }
+}
+
+fn turn_key(namespace: &str, model: &str, context: &Digest, query: &Digest, answer: &str) -> Digest {
+    let mut h = KeyHasher::new("turn");
+    h.str(namespace).str(model).digest(context).digest(query).str(answer);
+    h.finish()
+}
+
+/// Resolves a conversation's context: the preamble, then each earlier exchange. An exchange
+/// that reprise itself answered stands for the entry that answered it, so two histories that
+/// reached the same answer through different phrasings share one context.
+///
+/// Returns the turn context (to link this turn's answer for the next turn), the partition
+/// context (the turn context plus any messages pending before the query, which are not matched
+/// by meaning) and the digest of this turn's query messages.
+async fn resolve_context(
+    state: &AppState,
+    namespace: &str,
+    model: &str,
+    conv: &Conversation<'_>,
+) -> (Digest, Digest, Digest) {
+    let mut ctx = key::messages_digest("preamble", &conv.preamble);
+    for (msgs, answer) in &conv.turns {
+        let query = key::messages_digest("query", msgs);
+        let link = turn_key(namespace, model, &ctx, &query, &answer.content);
+        let mut h;
+        match state.memory.get_by_key(&link).await {
+            Some(entry) => {
+                h = KeyHasher::new("ctx-entry");
+                h.str(&entry.id.to_string());
+            }
+            None => {
+                h = KeyHasher::new("ctx-raw");
+                h.digest(&ctx).digest(&query).str(&answer.content);
+            }
+        }
+        ctx = h.finish();
+    }
+    let last = ChatMessage {
+        role: "user".into(),
+        content: conv.query.to_string(),
+    };
+    let mut query_msgs = conv.pending.clone();
+    query_msgs.push(&last);
+    let query = key::messages_digest("query", &query_msgs);
+    let mut h = KeyHasher::new("ctx-pending");
+    h.digest(&ctx);
+    for m in &conv.pending {
+        h.str(&m.role).str(&m.content);
+    }
+    (ctx, h.finish(), query)
+}
+
+/// Step 5. Fills `plan` with the partition and embedding; returns a servable entry if one
+/// passes the threshold and the gate.
+async fn semantic_lookup(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    req: &GenRequest,
+    ctl: &Controls,
+    read: bool,
+    plan: &mut WritePlan,
+    trace: &mut Trace,
+) -> Result<Option<(Arc<Entry>, f32)>, ApiError> {
+    let (query, context, turn) = match &req.input {
+        Input::Prompt(p) => (p.clone(), key::messages_digest("preamble", &[]), None),
+        Input::Chat(msgs) => {
+            let Some(conv) = key::split_conversation(msgs) else {
+                return Ok(None);
+            };
+            let (turn_ctx, part_ctx, query) =
+                resolve_context(state, &ctl.namespace, &req.model, &conv).await;
+            (conv.query.to_string(), part_ctx, Some((turn_ctx, query)))
+        }
+    };
+    plan.turn = turn;
+    plan.prompt = query.clone();
+    let Some(sem) = &state.semantic else {
+        return Ok(None);
+    };
+    let partition = key::partition_key(&ctl.namespace, endpoint, req, &context);
+    plan.partition = Some(partition);
+    let t = Instant::now();
+    let embedding = match sem.embedder.embed(&query).await {
+        Ok(e) => e,
+        Err(e) => {
+            // The semantic tier is an optimisation: a failing embedder degrades to exact-only.
+            tracing::warn!(error = %e, "embedding failed; semantic tier skipped");
+            return Ok(None);
+        }
+    };
+    trace.record.embed_ms = Some(ms(t));
+    plan.embedding = Some(embedding.clone());
+    if !read {
+        return Ok(None);
+    }
+    let t = Instant::now();
+    let threshold = ctl
+        .threshold
+        .map_or(state.config.semantic.threshold, |h| h.max(state.config.semantic.threshold));
+    let candidates = sem.index.search(&partition, &embedding, state.config.semantic.top_k);
+    let mut found = None;
+    for c in candidates {
+        if trace.record.similarity.is_none() {
+            trace.record.similarity = Some(c.similarity);
+        }
+        if c.similarity < threshold {
+            break;
+        }
+        let Some(entry) = state.memory.get(c.id).await else {
+            sem.index.remove(c.id);
+            continue;
+        };
+        if state.config.semantic.gate {
+            let verdict = reprise_policies::gate(&query, &entry.prompt);
+            if !verdict.is_pass() {
+                if trace.record.gate.is_none() {
+                    trace.record.gate = verdict.reason();
+                }
+                continue;
+            }
+        }
+        trace.record.gate = Some("pass");
+        trace.record.similarity = Some(c.similarity);
+        found = Some((entry, c.similarity));
+        break;
+    }
+    trace.record.search_ms = Some(ms(t));
+    state.metrics.lookup(Tier::Semantic, found.is_some());
+    Ok(found)
+}
+
+/// A prefetched entry says so on its first use; after that it is a normal entry.
+fn hit_outcome(entry: &Entry, tier: Outcome) -> Outcome {
+    match entry.origin {
+        Origin::Prefetch => Outcome::Prefetch,
+        _ => tier,
+    }
+}
+
+/// Starts the task that runs one generation into `flight` and writes the entry back.
+pub fn spawn_generation(
+    state: Arc<AppState>,
+    flight: Arc<Flight>,
+    key: Option<Digest>,
+    req: GenRequest,
+    plan: Option<WritePlan>,
+) {
+    tokio::spawn(async move {
+        let start = Instant::now();
+        state.metrics.backend_calls.increment(1);
+        let result = tokio::select! {
+            r = run_generation(&state, &flight, req) => r,
+            _ = flight.cancelled().cancelled() => Err(BackendError::Internal("abandoned by every client".into())),
+        };
+        state.metrics.backend_duration.record(start.elapsed().as_secs_f64());
+        match result {
+            Ok((text, reason, usage)) => {
+                // Stored before the waiters learn of the end, so a request that arrives right
+                // after a client got its answer finds it (a moka insert is microseconds).
+                if let Some(plan) = plan {
+                    write_back(&state, plan, text, reason, usage).await;
+                }
+                flight.end(End::Finished);
+            }
+            Err(e) => {
+                state.metrics.incomplete_generations.increment(1);
+                flight.end(End::Failed(e));
+            }
+        }
+        if let Some(key) = key {
+            state.flights.remove(&key, &flight);
+        }
+    });
+}
+
+/// Runs the backend stream into the flight; returns the assembled answer only if a finish
+/// reason was seen.
+async fn run_generation(
+    state: &AppState,
+    flight: &Flight,
+    req: GenRequest,
+) -> Result<(String, FinishReason, Usage), BackendError> {
+    let mut stream = state.backend.generate(req).await?;
+    let mut text = String::new();
+    while let Some(ev) = stream.next().await {
+        match ev? {
+            GenEvent::Delta(d) => {
+                text.push_str(&d);
+                flight.push(GenEvent::Delta(d));
+            }
+            GenEvent::Finish { reason, usage } => {
+                flight.push(GenEvent::Finish { reason, usage });
+                return Ok((text, reason, usage));
+            }
+        }
+    }
+    Err(BackendError::Unavailable("the backend stream ended without a finish reason".into()))
+}
+
+/// Stores a finished answer in every tier and links it for the next turn.
+pub async fn write_back(state: &AppState, plan: WritePlan, text: String, reason: FinishReason, usage: Usage) -> EntryId {
+    let now = now_ms();
+    let ttl = state.config.cache.ttl_secs * 1000;
+    let turn = plan.turn_key(&text);
+    let entry = Arc::new(Entry {
+        id: EntryId::random(),
+        namespace: plan.namespace,
+        model: plan.model,
+        text,
+        finish_reason: reason.as_str().to_string(),
+        prompt_tokens: usage.prompt_tokens,
+        completion_tokens: usage.completion_tokens,
+        prompt: plan.prompt,
+        partition: plan.partition.unwrap_or([0; 32]),
+        embedding: plan.embedding.clone(),
+        origin: plan.origin,
+        created_ms: now,
+        expires_ms: now + ttl,
+    });
+    let id = entry.id;
+    state.memory.insert(plan.exact, entry).await;
+    if let Some(turn) = turn {
+        state.memory.alias(turn, id).await;
+    }
+    if let (Some(sem), Some(partition), Some(embedding)) = (&state.semantic, plan.partition, plan.embedding) {
+        sem.index.insert(partition, id, embedding);
+    }
+    state.metrics.cache_writes.increment(1);
+    id
+}
+
+/// Answers from a cached entry, as JSON or SSE.
+fn respond_hit(
+    parsed: &Parsed,
+    renderer: Renderer,
+    entry: Arc<Entry>,
+    outcome: Outcome,
+    similarity: Option<f32>,
+    trace: &mut Trace,
+) -> Response {
+    trace.outcome = outcome;
+    trace.record.entry_id = Some(entry.id.to_string());
+    trace.first_token();
+    let reason = match entry.finish_reason.as_str() {
+        "length" => FinishReason::Length,
+        "content_filter" => FinishReason::ContentFilter,
+        _ => FinishReason::Stop,
+    };
+    let usage = Usage {
+        prompt_tokens: entry.prompt_tokens,
+        completion_tokens: entry.completion_tokens,
+    };
+    let mut resp = if parsed.stream {
+        let mut sse = SseState::new(renderer, parsed.include_usage);
+        let mut events = sse.push(Ok(GenEvent::Delta(entry.text.clone())));
+        events.extend(sse.push(Ok(GenEvent::Finish { reason, usage })));
+        events.push(Event::default().data("[DONE]"));
+        // The trace moves into the stream so the request is counted when the body is done.
+        let trace = std::mem::replace(trace, Trace::detached());
+        let stream = async_stream::stream! {
+            let _trace = trace;
+            for ev in events {
+                yield Ok::<_, std::convert::Infallible>(ev);
+            }
+        };
+        Sse::new(stream).into_response()
+    } else {
+        axum::Json(renderer.full(&entry.text, reason, usage)).into_response()
+    };
+    set_cache_headers(&mut resp, outcome, Some(&entry));
+    if let Some(sim) = similarity {
+        if let Ok(v) = HeaderValue::from_str(&format!("{sim:.4}")) {
+            resp.headers_mut().insert(SIMILARITY_HEADER, v);
+        }
+    }
+    resp
+}
+
+/// Answers from a generation (led or joined).
+async fn respond_generation(
+    state: &Arc<AppState>,
+    parsed: &Parsed,
+    renderer: Renderer,
+    mut sub: Subscriber,
+    outcome: Outcome,
+    trace: &mut Trace,
+) -> Result<Response, ApiError> {
+    let server = &state.config.server;
+    // Wait for the first event before answering, so a backend that fails at once becomes a
+    // real status code.
+    let first = tokio::time::timeout(server.first_token_timeout(), sub.next())
+        .await
+        .map_err(|_| ApiError::Timeout)?;
+    let first = match first {
+        Some(Ok(ev)) => ev,
+        Some(Err(e)) => return Err(e.into()),
+        None => return Err(ApiError::Internal("generation ended without events".into())),
+    };
+    trace.first_token();
+    let mut resp = if parsed.stream {
+        let mut sse = SseState::new(renderer, parsed.include_usage);
+        let mut trace = std::mem::replace(trace, Trace::detached());
+        let initial = sse.push(Ok(first));
+        let stream = async_stream::stream! {
+            for ev in initial {
+                yield Ok::<_, std::convert::Infallible>(ev);
+            }
+            while !sse.done {
+                let next = sub.next().await;
+                for ev in sse.push_next(next, &mut trace) {
+                    yield Ok(ev);
+                }
+            }
+        };
+        Sse::new(stream).into_response()
+    } else {
+        let deadline = tokio::time::Instant::now() + server.request_timeout();
+        let mut text = String::new();
+        let mut ev: Option<Result<GenEvent, BackendError>> = Some(Ok(first));
+        let (reason, usage) = loop {
+            match ev {
+                Some(Ok(GenEvent::Delta(d))) => text.push_str(&d),
+                Some(Ok(GenEvent::Finish { reason, usage })) => break (reason, usage),
+                Some(Err(e)) => return Err(e.into()),
+                None => {
+                    return Err(ApiError::Backend(BackendError::Unavailable(
+                        "generation ended without a finish reason".into(),
+                    )))
+                }
+            }
+            ev = tokio::time::timeout_at(deadline, sub.next())
+                .await
+                .map_err(|_| ApiError::Timeout)?;
+        };
+        axum::Json(renderer.full(&text, reason, usage)).into_response()
+    };
+    set_cache_headers(&mut resp, outcome, None);
+    Ok(resp)
+}
+
+/// Turns generation events into SSE events (kept out of the `stream!` macro so rustfmt and
+/// the compiler's diagnostics reach it).
+struct SseState {
+    renderer: Renderer,
+    include_usage: bool,
+    sent_role: bool,
+    done: bool,
+}
+
+impl SseState {
+    fn new(renderer: Renderer, include_usage: bool) -> Self {
+        SseState {
+            renderer,
+            include_usage,
+            sent_role: false,
+            done: false,
+        }
+    }
+
+    fn json(v: serde_json::Value) -> Event {
+        Event::default().data(v.to_string())
+    }
+
+    /// The SSE events for one generation event.
+    fn push(&mut self, ev: Result<GenEvent, BackendError>) -> Vec<Event> {
+        let mut out = Vec::new();
+        if !self.sent_role {
+            self.sent_role = true;
+            if let Some(role) = self.renderer.role_chunk() {
+                out.push(Self::json(role));
+            }
+        }
+        match ev {
+            Ok(GenEvent::Delta(d)) => out.push(Self::json(self.renderer.delta_chunk(&d))),
+            Ok(GenEvent::Finish { reason, usage }) => {
+                out.push(Self::json(self.renderer.finish_chunk(reason)));
+                if self.include_usage {
+                    out.push(Self::json(self.renderer.usage_chunk(usage)));
+                }
+                self.done = true;
+            }
+            Err(e) => {
+                // After the 200 the error travels in-band, then the stream ends (no [DONE]).
+                out.push(Self::json(ApiError::Backend(e).body()));
+                self.done = true;
+            }
+        }
+        out
+    }
+
+    /// Handles the next subscriber item, including the end of the stream.
+    fn push_next(&mut self, next: Option<Result<GenEvent, BackendError>>, trace: &mut Trace) -> Vec<Event> {
+        match next {
+            Some(Ok(ev)) => {
+                let finished = matches!(ev, GenEvent::Finish { .. });
+                let mut out = self.push(Ok(ev));
+                if finished {
+                    out.push(Event::default().data("[DONE]"));
+                }
+                out
+            }
+            Some(Err(e)) => {
+                trace.error = Some(e.kind());
+                self.push(Err(e))
+            }
+            None => {
+                self.done = true;
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// Sets `x-reprise-cache`, `Cache-Status` (RFC 9211) and, on hits, `Age`.
+fn set_cache_headers(resp: &mut Response, outcome: Outcome, entry: Option<&Entry>) {
+    let h = resp.headers_mut();
+    h.insert(CACHE_HEADER, HeaderValue::from_static(outcome.as_str()));
+    let status = match outcome {
+        Outcome::Exact => "reprise; hit",
+        Outcome::Semantic => "reprise; hit; detail=semantic",
+        Outcome::Prefetch => "reprise; hit; detail=prefetch",
+        Outcome::Miss => "reprise; fwd=miss; stored",
+        Outcome::Bypass => "reprise; fwd=bypass",
+        Outcome::Error => "reprise; fwd=miss; detail=error",
+    };
+    h.insert("cache-status", HeaderValue::from_static(status));
+    if let Some(e) = entry {
+        h.insert(axum::http::header::AGE, HeaderValue::from(e.age_secs()));
+    }
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+/// Per-request bookkeeping: metrics and the request log, written when the request is done
+/// (for streams, when the stream ends or the client goes away).
+pub struct Trace {
+    state: Option<Arc<AppState>>,
+    start: Instant,
+    outcome: Outcome,
+    error: Option<&'static str>,
+    first_token: Option<f64>,
+    record: LogRecord,
+}
+
+impl Trace {
+    fn new(state: &Arc<AppState>, endpoint: Endpoint) -> Self {
+        Trace {
+            state: Some(state.clone()),
+            start: Instant::now(),
+            outcome: Outcome::Error,
+            error: None,
+            first_token: None,
+            record: LogRecord {
+                time_ms: now_ms(),
+                endpoint: match endpoint {
+                    Endpoint::Chat => "/v1/chat/completions",
+                    Endpoint::Completion => "/v1/completions",
+                },
+                ..Default::default()
+            },
+        }
+    }
+
+    /// A trace that records nothing (left behind when the real one moves into a stream).
+    fn detached() -> Self {
+        Trace {
+            state: None,
+            start: Instant::now(),
+            outcome: Outcome::Error,
+            error: None,
+            first_token: None,
+            record: LogRecord::default(),
+        }
+    }
+
+    fn first_token(&mut self) {
+        if self.first_token.is_none() {
+            let t = self.start.elapsed().as_secs_f64();
+            self.first_token = Some(t);
+            if matches!(self.outcome, Outcome::Miss | Outcome::Bypass) {
+                self.record.backend_ms = Some(t * 1000.0);
+            }
+        }
+    }
+
+    fn fail(&mut self, e: &ApiError) {
+        self.error = Some(e.kind());
+    }
+}
+
+impl Drop for Trace {
+    fn drop(&mut self) {
+        let Some(state) = self.state.take() else {
+            return;
+        };
+        let outcome = if self.error.is_some() { Outcome::Error } else { self.outcome };
+        let total = self.start.elapsed().as_secs_f64();
+        state.metrics.request(outcome, total);
+        if let Some(t) = self.first_token {
+            state.metrics.first_token(outcome, t);
+        }
+        if let Some(log) = &state.request_log {
+            let mut rec = std::mem::take(&mut self.record);
+            rec.outcome = outcome.as_str();
+            rec.error = self.error;
+            rec.total_ms = total * 1000.0;
+            log.write(rec);
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! The shared state of one server: configuration, backend, cache tiers, in-flight
+//! generations, metrics. Built once at start-up ([`AppState::build`]) or by tests from parts
+//! ([`AppState::new`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+use reprise_backend::llama::{LlamaBackend, LlamaConfig};
+use reprise_backend::openai::{OpenAiBackend, OpenAiConfig};
+use reprise_backend::Backend;
+use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+use reprise_cache::{EvictionHook, MemoryTier};
+use reprise_embedder::{Embedder, EmbedderConfig, FastEmbedder};
+
+use crate::config::{BackendKind, Config};
+use crate::flight::Flights;
+use crate::metrics::Metrics;
+use crate::reqlog::RequestLog;
+
+/// The semantic tier: an embedder and the index over entry embeddings.
+pub struct Semantic {
+    /// Turns prompts into vectors.
+    pub embedder: Arc<dyn Embedder>,
+    /// Near-duplicate index, partitioned.
+    pub index: Arc<SemanticIndex>,
+}
+
+/// Everything a request handler needs.
+pub struct AppState {
+    /// Validated configuration.
+    pub config: Config,
+    /// Where misses go.
+    pub backend: Arc<dyn Backend>,
+    /// Model names accepted; empty means any (an upstream decides).
+    pub models: Vec<String>,
+    /// In-process tier.
+    pub memory: MemoryTier,
+    /// Near-duplicate tier, when enabled.
+    pub semantic: Option<Semantic>,
+    /// Generations in flight, by exact key.
+    pub flights: Flights,
+    /// Metric handles.
+    pub metrics: Metrics,
+    /// Per-request JSON log, when configured.
+    pub request_log: Option<RequestLog>,
+    ready: AtomicBool,
+}
+
+impl AppState {
+    /// Assembles a state from parts (tests inject a scripted backend or a shared embedder).
+    pub fn new(
+        config: Config,
+        backend: Arc<dyn Backend>,
+        embedder: Option<Arc<dyn Embedder>>,
+    ) -> anyhow::Result<Arc<AppState>> {
+        let metrics = Metrics::new();
+        let semantic = match (config.semantic.enabled, embedder) {
+            (true, Some(embedder)) => Some(Semantic {
+                index: Arc::new(SemanticIndex::new(embedder.dim(), IndexConfig::default())),
+                embedder,
+            }),
+            _ => None,
+        };
+        let index = semantic.as_ref().map(|s| s.index.clone());
+        let evictions = metrics.cache_evictions.clone();
+        // Keep the index in step with memory: an entry that leaves memory can no longer be
+        // served, so its vector is tombstoned.
+        let hook: EvictionHook = Arc::new(move |id, _entry, _cause| {
+            evictions.increment(1);
+            if let Some(index) = &index {
+                index.remove(id);
+            }
+        });
+        let memory = MemoryTier::new(
+            config.cache.memory_bytes,
+            config.cache.ttl(),
+            Some(hook),
+        );
+        let request_log = match &config.log.request_log {
+            Some(path) => Some(RequestLog::open(path).with_context(|| {
+                format!("cannot open request log {}", path.display())
+            })?),
+            None => None,
+        };
+        let models = match config.backend.kind {
+            BackendKind::Openai => {
+                let mut m = config.backend.models.clone();
+                m.extend(config.backend.model_name.clone());
+                m
+            }
+            _ => backend.models(),
+        };
+        Ok(Arc::new(AppState {
+            config,
+            backend,
+            models,
+            memory,
+            semantic,
+            flights: Flights::default(),
+            metrics,
+            request_log,
+            ready: AtomicBool::new(true),
+        }))
+    }
+
+    /// Builds the state the configuration describes: loads the model and the embedder
+    /// (blocking work runs on the blocking pool; progress is logged).
+    pub async fn build(config: Config) -> anyhow::Result<Arc<AppState>> {
+        let backend = build_backend(&config).await?;
+        let embedder: Option<Arc<dyn Embedder>> = if config.semantic.enabled {
+            let cfg = EmbedderConfig {
+                model_dir: config.semantic.model_dir.clone(),
+                onnx_runtime: config.semantic.onnx_runtime.clone(),
+                ..EmbedderConfig::default()
+            };
+            tracing::info!(model_dir = %cfg.model_dir.display(), "loading embedder");
+            let e = tokio::task::spawn_blocking(move || FastEmbedder::load(cfg))
+                .await
+                .context("embedder loader panicked")??;
+            Some(Arc::new(e))
+        } else {
+            None
+        };
+        AppState::new(config, backend, embedder)
+    }
+
+    /// Whether the backend and models are loaded.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed) && self.backend.ready()
+    }
+
+    /// Marks the server ready or not.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    /// Refreshes gauges that are read rather than counted.
+    pub fn update_gauges(&self) {
+        self.metrics
+            .cache_entries
+            .set(self.memory.entry_count() as f64);
+        self.metrics
+            .cache_bytes
+            .set(self.memory.weighted_size() as f64);
+    }
+}
+
+/// Creates the configured backend.
+pub async fn build_backend(config: &Config) -> anyhow::Result<Arc<dyn Backend>> {
+    let b = &config.backend;
+    Ok(match b.kind {
+        BackendKind::Fake => Arc::new(ScriptedBackend::new(ScriptConfig {
+            model: b.model_name.clone().unwrap_or_else(|| "fake".into()),
+            reply: b.fake_reply.clone(),
+            first_token_delay: Duration::ZERO,
+            token_delay: Duration::from_millis(b.fake_token_delay_ms),
+            default_max_tokens: b.default_max_tokens,
+        })),
+        BackendKind::Openai => {
+            let api_key = match &b.api_key_env {
+                Some(var) => Some(std::env::var(var).with_context(|| {
+                    format!("backend.api_key_env names `{var}`, which is not set")
+                })?),
+                None => None,
+            };
+            let mut models = b.models.clone();
+            models.extend(b.model_name.clone());
+            Arc::new(OpenAiBackend::new(OpenAiConfig {
+                base_url: b.base_url.clone().unwrap_or_default(),
+                api_key,
+                connect_timeout: Duration::from_secs_f64(b.connect_timeout_secs),
+                pool_max_idle: b.pool_max_idle,
+                models,
+            })?)
+        }
+        BackendKind::Llama => {
+            let cfg = LlamaConfig {
+                model: b.model.clone(),
+                model_name: b.model_name.clone(),
+                n_ctx: b.n_ctx,
+                n_threads: b.n_threads,
+                n_gpu_layers: b.n_gpu_layers,
+                parallel: b.parallel,
+                max_queue: b.max_queue,
+                default_max_tokens: b.default_max_tokens,
+                ..LlamaConfig::default()
+            };
+            tracing::info!(model = %cfg.model.display(), "loading model");
+            let backend = tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
+                .await
+                .context("model loader panicked")??;
+            Arc::new(backend)
+        }
+    })
+}
