@@ -1,12 +1,321 @@
-//! `reprise bench`: measurements side by side in one run, reported as ratios.
+//! `reprise bench`: measurements side by side in one run on loopback, reported as ratios.
+//!
+//! Every mode starts what it measures in this process on 127.0.0.1:0 and interleaves the
+//! candidate and its baseline in alternating rounds, so both see the same machine noise.
 
-use clap::Args;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Subcommand};
+use futures::StreamExt;
+use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+use crate::config::{BackendKind, Config};
+use crate::state::AppState;
 
 /// Arguments of `reprise bench`.
 #[derive(Debug, Args)]
-pub struct BenchArgs {}
+pub struct BenchArgs {
+    #[command(subcommand)]
+    mode: Mode,
+}
+
+#[derive(Debug, Subcommand)]
+enum Mode {
+    /// Exact-hit throughput and latency against a plain axum handler returning the same bytes
+    /// (the ceiling), and the proxy's added time to first token on a miss against calling the
+    /// upstream directly.
+    Proxy(ProxyArgs),
+    /// Semantic hit quality on labelled pairs: store side A through the HTTP path, ask side B,
+    /// report hit rate on true pairs and false hits, over thresholds, with and without the gate.
+    Quality(crate::bench_quality::QualityArgs),
+}
+
+/// Options of `reprise bench proxy`.
+#[derive(Debug, Args)]
+pub struct ProxyArgs {
+    /// Concurrent client connections.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Seconds per measured round.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Alternating rounds per side.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Misses measured for time to first token, per side.
+    #[arg(long, default_value_t = 300)]
+    misses: usize,
+    /// Write the results as JSON here as well.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
 
 /// Runs the selected benchmark.
-pub async fn run(_args: BenchArgs) -> anyhow::Result<()> {
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.mode {
+        Mode::Proxy(a) => proxy(a).await,
+        Mode::Quality(a) => crate::bench_quality::run(a).await,
+    }
+}
+
+/// Latency samples of one side.
+#[derive(Debug, Default, Clone)]
+pub struct Samples {
+    /// Seconds per request.
+    pub lat: Vec<f64>,
+    /// Wall time the samples took.
+    pub wall: f64,
+}
+
+impl Samples {
+    /// Requests per second.
+    pub fn throughput(&self) -> f64 {
+        self.lat.len() as f64 / self.wall.max(1e-9)
+    }
+
+    /// The `p`-th percentile in seconds (p in 0..=100).
+    pub fn pct(&self, p: f64) -> f64 {
+        percentile(&self.lat, p)
+    }
+
+    fn merge(&mut self, other: Samples) {
+        self.lat.extend(other.lat);
+        self.wall += other.wall;
+    }
+}
+
+/// The `p`-th percentile of unsorted samples.
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let idx = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
+    s[idx.min(s.len() - 1)]
+}
+
+/// Closed-loop load: `concurrency` clients POST `body` to `url` for `seconds`.
+async fn load(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    concurrency: usize,
+    seconds: f64,
+) -> Samples {
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let client = client.clone();
+            let url = url.to_string();
+            let body = body.to_string();
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                while Instant::now() < deadline {
+                    let t = Instant::now();
+                    let r = client
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(body.clone())
+                        .send()
+                        .await;
+                    if let Ok(r) = r {
+                        if r.bytes().await.is_ok() {
+                            lat.push(t.elapsed().as_secs_f64());
+                        }
+                    }
+                }
+                lat
+            })
+        })
+        .collect();
+    let mut s = Samples::default();
+    for t in tasks {
+        s.lat.extend(t.await.unwrap_or_default());
+    }
+    s.wall = start.elapsed().as_secs_f64();
+    s
+}
+
+/// Serves `router` on a free loopback port.
+async fn serve_router(router: axum::Router) -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok(addr)
+}
+
+/// A reprise over the scripted backend, in this process.
+async fn fake_reprise(mut config: Config) -> anyhow::Result<SocketAddr> {
+    config.backend.kind = BackendKind::Fake;
+    config.semantic.enabled = false;
+    let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+    let state = AppState::new(config, backend, None)?;
+    serve_router(crate::app(state)).await
+}
+
+/// Time to first byte of an SSE body for `n` distinct prompts.
+async fn ttft(client: &reqwest::Client, url: &str, model: &str, tag: &str, n: usize) -> Samples {
+    let mut s = Samples::default();
+    let start = Instant::now();
+    for i in 0..n {
+        let body = json!({"model": model, "stream": true,
+            "messages": [{"role": "user", "content": format!("bench {tag} question number {i}")}]});
+        let t = Instant::now();
+        let Ok(r) = client.post(url).json(&body).send().await else {
+            continue;
+        };
+        let mut stream = r.bytes_stream();
+        if let Some(Ok(_)) = stream.next().await {
+            s.lat.push(t.elapsed().as_secs_f64());
+        }
+        while stream.next().await.is_some() {}
+    }
+    s.wall = start.elapsed().as_secs_f64();
+    s
+}
+
+fn ms(x: f64) -> String {
+    format!("{:.3} ms", x * 1000.0)
+}
+
+async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(a.concurrency * 2)
+        .tcp_nodelay(true)
+        .build()?;
+    // The candidate: reprise with one warm entry.
+    let reprise = fake_reprise(Config::default()).await?;
+    let url = format!("http://{reprise}/v1/chat/completions");
+    let body = json!({"model": "fake", "messages": [{"role": "user", "content": "What is the capital of France?"}]});
+    let warm = client.post(&url).json(&body).send().await?;
+    let hit_bytes = warm.bytes().await?;
+    let check = client.post(&url).json(&body).send().await?;
+    anyhow::ensure!(
+        check
+            .headers()
+            .get("x-reprise-cache")
+            .and_then(|v| v.to_str().ok())
+            == Some("exact"),
+        "the warm request did not become an exact hit"
+    );
+    // The ceiling: a plain axum handler returning the same bytes.
+    let bytes = hit_bytes.clone();
+    let ceiling = serve_router(axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(move |_body: axum::body::Bytes| {
+            let bytes = bytes.clone();
+            async move { ([("content-type", "application/json")], bytes) }
+        }),
+    ))
+    .await?;
+    let ceiling_url = format!("http://{ceiling}/v1/chat/completions");
+
+    eprintln!(
+        "exact-hit throughput: {} rounds x {:.1} s per side, {} connections",
+        a.rounds, a.seconds, a.concurrency
+    );
+    let mut hit = Samples::default();
+    let mut base = Samples::default();
+    for round in 0..a.rounds {
+        base.merge(load(&client, &ceiling_url, &body, a.concurrency, a.seconds).await);
+        hit.merge(load(&client, &url, &body, a.concurrency, a.seconds).await);
+        eprintln!("  round {}/{} done", round + 1, a.rounds);
+    }
+
+    // Added time to first token on a miss: reprise (openai backend) → scripted upstream,
+    // against calling the same upstream directly.
+    let mut up_cfg = Config::default();
+    up_cfg.cache.enabled = false;
+    let upstream = fake_reprise(up_cfg).await?;
+    let mut proxy_cfg = Config::default();
+    proxy_cfg.backend.kind = BackendKind::Openai;
+    proxy_cfg.backend.base_url = Some(format!("http://{upstream}/v1"));
+    proxy_cfg.semantic.enabled = false;
+    let backend = crate::state::build_backend(&proxy_cfg).await?;
+    let proxy_state = AppState::new(proxy_cfg, backend, None)?;
+    let proxy_addr = serve_router(crate::app(proxy_state)).await?;
+    eprintln!(
+        "miss time to first token: {} distinct prompts per side",
+        a.misses
+    );
+    let mut direct = Samples::default();
+    let mut via = Samples::default();
+    let per_round = (a.misses / a.rounds.max(1)).max(1);
+    for round in 0..a.rounds {
+        let tag = format!("r{round}");
+        direct.merge(
+            ttft(
+                &client,
+                &format!("http://{upstream}/v1/chat/completions"),
+                "fake",
+                &tag,
+                per_round,
+            )
+            .await,
+        );
+        via.merge(
+            ttft(
+                &client,
+                &format!("http://{proxy_addr}/v1/chat/completions"),
+                "fake",
+                &tag,
+                per_round,
+            )
+            .await,
+        );
+    }
+
+    let ratio = hit.throughput() / base.throughput();
+    println!("== reprise bench proxy ==");
+    println!(
+        "exact hit        {:>10.0} req/s  p50 {}  p99 {}",
+        hit.throughput(),
+        ms(hit.pct(50.0)),
+        ms(hit.pct(99.0))
+    );
+    println!(
+        "ceiling (axum)   {:>10.0} req/s  p50 {}  p99 {}",
+        base.throughput(),
+        ms(base.pct(50.0)),
+        ms(base.pct(99.0))
+    );
+    println!("throughput ratio exact/ceiling: {ratio:.2}x  (goal >= 0.70x)");
+    let added50 = via.pct(50.0) - direct.pct(50.0);
+    let added99 = via.pct(99.0) - direct.pct(99.0);
+    println!(
+        "miss TTFT direct p50 {}  p99 {}",
+        ms(direct.pct(50.0)),
+        ms(direct.pct(99.0))
+    );
+    println!(
+        "miss TTFT via    p50 {}  p99 {}",
+        ms(via.pct(50.0)),
+        ms(via.pct(99.0))
+    );
+    println!(
+        "added TTFT p50 {}  p99 {}  (goal p50 <= 1 ms); ratio via/direct p50 {:.2}x",
+        ms(added50),
+        ms(added99),
+        via.pct(50.0) / direct.pct(50.0)
+    );
+    if let Some(path) = a.json {
+        let out = json!({
+            "exact_rps": hit.throughput(), "ceiling_rps": base.throughput(), "ratio": ratio,
+            "exact_p50_s": hit.pct(50.0), "exact_p99_s": hit.pct(99.0),
+            "ceiling_p50_s": base.pct(50.0), "ceiling_p99_s": base.pct(99.0),
+            "ttft_direct_p50_s": direct.pct(50.0), "ttft_via_p50_s": via.pct(50.0),
+            "ttft_added_p50_s": added50, "ttft_added_p99_s": added99,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
+    }
     Ok(())
 }

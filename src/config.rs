@@ -203,7 +203,7 @@ impl Default for SemanticConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            threshold: 0.90,
+            threshold: 0.86,
             top_k: 4,
             gate: true,
             model_dir: PathBuf::from("models/all-MiniLM-L6-v2"),
@@ -281,7 +281,10 @@ impl Config {
             return Err(invalid("server.request_timeout_secs", "must be positive"));
         }
         if !(s.first_token_timeout_secs > 0.0) {
-            return Err(invalid("server.first_token_timeout_secs", "must be positive"));
+            return Err(invalid(
+                "server.first_token_timeout_secs",
+                "must be positive",
+            ));
         }
         let b = &self.backend;
         match b.kind {

@@ -43,6 +43,9 @@ pub enum ApiError {
     /// The request took longer than the configured timeout.
     #[error("the request timed out")]
     Timeout,
+    /// `Cache-Control: only-if-cached` and nothing cached answers the request.
+    #[error("no cached answer for this request")]
+    NotCached,
     /// The backend or models are still loading.
     #[error("the server is not ready")]
     NotReady,
@@ -72,6 +75,7 @@ impl ApiError {
             ApiError::BadHeader { .. } => "bad_header",
             ApiError::Backend(e) => e.kind(),
             ApiError::Timeout => "timeout",
+            ApiError::NotCached => "not_cached",
             ApiError::NotReady => "not_ready",
             ApiError::Unauthorized => "unauthorized",
             ApiError::Internal(_) => "internal",
@@ -81,12 +85,10 @@ impl ApiError {
     /// HTTP status for this error.
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidRequest { .. } | ApiError::BadHeader { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::InvalidRequest { .. } | ApiError::BadHeader { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
-            ApiError::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Timeout | ApiError::NotCached => StatusCode::GATEWAY_TIMEOUT,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -135,6 +137,12 @@ impl ApiError {
                 None,
                 Some("timeout"),
             ),
+            ApiError::NotCached => (
+                self.to_string(),
+                "invalid_request_error",
+                None,
+                Some("not_cached"),
+            ),
             ApiError::NotReady => (
                 "the server is still loading; retry shortly".into(),
                 "server_error",
@@ -147,12 +155,7 @@ impl ApiError {
                 None,
                 Some("unauthorized"),
             ),
-            ApiError::Internal(_) => (
-                "internal server error".into(),
-                "server_error",
-                None,
-                None,
-            ),
+            ApiError::Internal(_) => ("internal server error".into(), "server_error", None, None),
             ApiError::Backend(e) => match e {
                 BackendError::Unavailable(_) | BackendError::Internal(_) => (
                     "the model backend failed to answer".into(),

@@ -79,7 +79,12 @@ impl KeyHasher {
     }
 
     /// Everything except the input: model, sampling parameters, pass-through fields.
-    fn settings(&mut self, model: &str, params: &SamplingParams, extra: &serde_json::Map<String, serde_json::Value>) -> &mut Self {
+    fn settings(
+        &mut self,
+        model: &str,
+        params: &SamplingParams,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> &mut Self {
         let SamplingParams {
             max_tokens,
             temperature,
@@ -175,7 +180,10 @@ pub fn split_conversation(msgs: &[ChatMessage]) -> Option<Conversation<'_>> {
     for m in rest {
         if m.role == "assistant" {
             turns.push((std::mem::take(&mut cur), m));
-        } else if turns.is_empty() && cur.is_empty() && (m.role == "system" || m.role == "developer") {
+        } else if turns.is_empty()
+            && cur.is_empty()
+            && (m.role == "system" || m.role == "developer")
+        {
             preamble.push(m);
         } else {
             cur.push(m);
@@ -234,11 +242,18 @@ mod tests {
         r.params.stop = vec!["x".into()];
         assert_ne!(k, exact_key("ns", Endpoint::Chat, &r));
         let mut r = base.clone();
-        r.extra.insert("response_format".into(), serde_json::json!({"type": "json_object"}));
+        r.extra.insert(
+            "response_format".into(),
+            serde_json::json!({"type": "json_object"}),
+        );
         assert_ne!(k, exact_key("ns", Endpoint::Chat, &r));
         let mut r = base.clone();
         r.priority = Priority::Background;
-        assert_eq!(k, exact_key("ns", Endpoint::Chat, &r), "priority is not output");
+        assert_eq!(
+            k,
+            exact_key("ns", Endpoint::Chat, &r),
+            "priority is not output"
+        );
     }
 
     #[test]
@@ -259,7 +274,9 @@ mod tests {
             ("assistant", "A mathematician."),
             ("user", "how old is she?"),
         ]);
-        let Input::Chat(msgs) = &r.input else { panic!() };
+        let Input::Chat(msgs) = &r.input else {
+            panic!()
+        };
         let c = split_conversation(msgs).unwrap();
         assert_eq!(c.preamble.len(), 1);
         assert_eq!(c.turns.len(), 1);

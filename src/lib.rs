@@ -9,6 +9,7 @@
 //! - [`pipeline`] is the request path, top to bottom.
 
 pub mod bench;
+pub mod bench_quality;
 pub mod config;
 pub mod error;
 pub mod flight;

@@ -7,7 +7,9 @@
 
 use std::sync::OnceLock;
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit};
+use metrics::{
+    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
+};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// How a request was answered; the `outcome` label.
@@ -139,12 +141,18 @@ fn describe() {
         Unit::Seconds,
         "Time the backend took for a whole generation."
     );
-    describe_counter!("reprise_backend_calls_total", "Backend generations started.");
+    describe_counter!(
+        "reprise_backend_calls_total",
+        "Backend generations started."
+    );
     describe_counter!(
         "reprise_singleflight_joins_total",
         "Requests that joined an identical generation already in flight."
     );
-    describe_counter!("reprise_cache_writes_total", "Entries written to the cache.");
+    describe_counter!(
+        "reprise_cache_writes_total",
+        "Entries written to the cache."
+    );
     describe_gauge!("reprise_cache_entries", "Entries held in memory.");
     describe_gauge!("reprise_cache_bytes", Unit::Bytes, "Bytes held in memory.");
     describe_counter!(
@@ -169,9 +177,9 @@ impl Metrics {
             Outcome::ALL.map(|o| metrics::histogram!(name, "outcome" => o.as_str()))
         };
         let lookup = |tier: &'static str| {
-            ["hit", "miss"].map(|r| {
-                metrics::counter!("reprise_cache_lookups_total", "tier" => tier, "result" => r)
-            })
+            ["hit", "miss"].map(
+                |r| metrics::counter!("reprise_cache_lookups_total", "tier" => tier, "result" => r),
+            )
         };
         Metrics {
             requests: by_outcome("reprise_requests_total"),

@@ -68,6 +68,9 @@ pub struct Controls {
     pub no_cache: bool,
     /// `Cache-Control: no-store`: neither read nor write.
     pub no_store: bool,
+    /// `Cache-Control: only-if-cached`: answer from the cache or fail with 504; never call
+    /// the backend, never store (RFC 9111).
+    pub only_if_cached: bool,
     /// Similarity threshold requested by the client (only ever raises the configured one).
     pub threshold: Option<f32>,
 }
@@ -93,11 +96,13 @@ impl Controls {
         };
         let mut no_cache = false;
         let mut no_store = false;
+        let mut only_if_cached = false;
         for v in headers.get_all(axum::http::header::CACHE_CONTROL) {
             for directive in v.to_str().unwrap_or("").split(',') {
                 match directive.trim().to_ascii_lowercase().as_str() {
                     "no-cache" => no_cache = true,
                     "no-store" => no_store = true,
+                    "only-if-cached" => only_if_cached = true,
                     _ => {}
                 }
             }
@@ -121,6 +126,7 @@ impl Controls {
             namespace,
             no_cache,
             no_store,
+            only_if_cached,
             threshold,
         })
     }
@@ -167,7 +173,7 @@ async fn serve(
     // 3. Policy.
     let enabled = state.config.cache.enabled;
     let read = enabled && !ctl.no_cache && !ctl.no_store;
-    let write = enabled && !ctl.no_store;
+    let write = enabled && !ctl.no_store && !ctl.only_if_cached;
     let renderer = Renderer::new(endpoint, &parsed.req.model);
     let exact = key::exact_key(&ctl.namespace, endpoint, &parsed.req);
 
@@ -193,7 +199,9 @@ async fn serve(
         origin: Origin::Live,
     };
     if write || read {
-        if let Some(hit) = semantic_lookup(state, endpoint, &parsed.req, &ctl, read, &mut plan, trace).await? {
+        if let Some(hit) =
+            semantic_lookup(state, endpoint, &parsed.req, &ctl, read, &mut plan, trace).await?
+        {
             let (entry, similarity) = hit;
             // An exact repeat of this phrasing is an exact hit next time.
             if write {
@@ -203,12 +211,27 @@ async fn serve(
                 }
             }
             let outcome = hit_outcome(&entry, Outcome::Semantic);
-            return Ok(respond_hit(&parsed, renderer, entry, outcome, Some(similarity), trace));
+            return Ok(respond_hit(
+                &parsed,
+                renderer,
+                entry,
+                outcome,
+                Some(similarity),
+                trace,
+            ));
         }
     }
 
+    if ctl.only_if_cached {
+        return Err(ApiError::NotCached);
+    }
+
     // 6. Single-flight, 7. backend, 8. write-back (in the driver task).
-    let outcome = if write { Outcome::Miss } else { Outcome::Bypass };
+    let outcome = if write {
+        Outcome::Miss
+    } else {
+        Outcome::Bypass
+    };
     trace.outcome = outcome;
     let sub = if write {
         match state.flights.join(exact) {
@@ -217,7 +240,13 @@ async fn serve(
                 sub
             }
             Joined::Leader(flight, sub) => {
-                spawn_generation(state.clone(), flight, Some(exact), parsed.req.clone(), Some(plan));
+                spawn_generation(
+                    state.clone(),
+                    flight,
+                    Some(exact),
+                    parsed.req.clone(),
+                    Some(plan),
+                );
                 sub
             }
         }
@@ -259,11 +288,17 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
         Endpoint::Chat => {
             let r: ChatCompletionRequest = de(body)?;
             if r.messages.is_empty() {
-                return Err(ApiError::invalid("`messages` must not be empty", Some("messages")));
+                return Err(ApiError::invalid(
+                    "`messages` must not be empty",
+                    Some("messages"),
+                ));
             }
             let mut msgs = Vec::with_capacity(r.messages.len());
             for (i, m) in r.messages.into_iter().enumerate() {
-                if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                if !matches!(
+                    m.role.as_str(),
+                    "system" | "developer" | "user" | "assistant" | "tool"
+                ) {
                     return Err(ApiError::invalid(
                         format!("unknown role `{}`", m.role),
                         Some(&format!("messages[{i}].role")),
@@ -288,7 +323,10 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
                         text
                     }
                 };
-                msgs.push(ChatMessage { role: m.role, content });
+                msgs.push(ChatMessage {
+                    role: m.role,
+                    content,
+                });
             }
             let params = SamplingParams {
                 max_tokens: r.max_completion_tokens.or(r.max_tokens),
@@ -306,7 +344,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
                 priority: Priority::Interactive,
                 extra: r.extra,
             };
-            (req, r.stream.unwrap_or(false), r.stream_options.is_some_and(|o| o.include_usage), r.user, r.n)
+            (
+                req,
+                r.stream.unwrap_or(false),
+                r.stream_options.is_some_and(|o| o.include_usage),
+                r.user,
+                r.n,
+            )
         }
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
@@ -336,7 +380,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
                 priority: Priority::Interactive,
                 extra: r.extra,
             };
-            (req, r.stream.unwrap_or(false), r.stream_options.is_some_and(|o| o.include_usage), r.user, r.n)
+            (
+                req,
+                r.stream.unwrap_or(false),
+                r.stream_options.is_some_and(|o| o.include_usage),
+                r.user,
+                r.n,
+            )
         }
     };
     if n.is_some_and(|n| n != 1) {
@@ -344,20 +394,38 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
     }
     let p = &req.params;
     if p.temperature.is_some_and(|t| !(0.0..=2.0).contains(&t)) {
-        return Err(ApiError::invalid("`temperature` must be between 0 and 2", Some("temperature")));
+        return Err(ApiError::invalid(
+            "`temperature` must be between 0 and 2",
+            Some("temperature"),
+        ));
     }
     if p.top_p.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
-        return Err(ApiError::invalid("`top_p` must be in (0, 1]", Some("top_p")));
+        return Err(ApiError::invalid(
+            "`top_p` must be in (0, 1]",
+            Some("top_p"),
+        ));
     }
     if p.max_tokens == Some(0) {
-        return Err(ApiError::invalid("`max_tokens` must be at least 1", Some("max_tokens")));
+        return Err(ApiError::invalid(
+            "`max_tokens` must be at least 1",
+            Some("max_tokens"),
+        ));
     }
     if p.stop.len() > 4 || p.stop.iter().any(String::is_empty) {
-        return Err(ApiError::invalid("`stop` takes up to 4 non-empty strings", Some("stop")));
+        return Err(ApiError::invalid(
+            "`stop` takes up to 4 non-empty strings",
+            Some("stop"),
+        ));
     }
-    for (name, v) in [("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty)] {
+    for (name, v) in [
+        ("presence_penalty", p.presence_penalty),
+        ("frequency_penalty", p.frequency_penalty),
+    ] {
         if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
-            return Err(ApiError::invalid(format!("`{name}` must be between -2 and 2"), Some(name)));
+            return Err(ApiError::invalid(
+                format!("`{name}` must be between -2 and 2"),
+                Some(name),
+            ));
         }
     }
     Ok(Parsed {
@@ -394,13 +462,29 @@ impl WritePlan {
     /// so a later turn whose history contains this exchange resolves its context to the entry.
     fn turn_key(&self, answer: &str) -> Option<Digest> {
         let (context, query) = self.turn?;
-        Some(turn_key(&self.namespace, &self.model, &context, &query, answer))
+        Some(turn_key(
+            &self.namespace,
+            &self.model,
+            &context,
+            &query,
+            answer,
+        ))
     }
 }
 
-fn turn_key(namespace: &str, model: &str, context: &Digest, query: &Digest, answer: &str) -> Digest {
+fn turn_key(
+    namespace: &str,
+    model: &str,
+    context: &Digest,
+    query: &Digest,
+    answer: &str,
+) -> Digest {
     let mut h = KeyHasher::new("turn");
-    h.str(namespace).str(model).digest(context).digest(query).str(answer);
+    h.str(namespace)
+        .str(model)
+        .digest(context)
+        .digest(query)
+        .str(answer);
     h.finish()
 }
 
@@ -493,10 +577,12 @@ async fn semantic_lookup(
         return Ok(None);
     }
     let t = Instant::now();
-    let threshold = ctl
-        .threshold
-        .map_or(state.config.semantic.threshold, |h| h.max(state.config.semantic.threshold));
-    let candidates = sem.index.search(&partition, &embedding, state.config.semantic.top_k);
+    let threshold = ctl.threshold.map_or(state.config.semantic.threshold, |h| {
+        h.max(state.config.semantic.threshold)
+    });
+    let candidates = sem
+        .index
+        .search(&partition, &embedding, state.config.semantic.top_k);
     let mut found = None;
     for c in candidates {
         if trace.record.similarity.is_none() {
@@ -551,7 +637,10 @@ pub fn spawn_generation(
             r = run_generation(&state, &flight, req) => r,
             _ = flight.cancelled().cancelled() => Err(BackendError::Internal("abandoned by every client".into())),
         };
-        state.metrics.backend_duration.record(start.elapsed().as_secs_f64());
+        state
+            .metrics
+            .backend_duration
+            .record(start.elapsed().as_secs_f64());
         match result {
             Ok((text, reason, usage)) => {
                 // Stored before the waiters learn of the end, so a request that arrives right
@@ -593,11 +682,19 @@ async fn run_generation(
             }
         }
     }
-    Err(BackendError::Unavailable("the backend stream ended without a finish reason".into()))
+    Err(BackendError::Unavailable(
+        "the backend stream ended without a finish reason".into(),
+    ))
 }
 
 /// Stores a finished answer in every tier and links it for the next turn.
-pub async fn write_back(state: &AppState, plan: WritePlan, text: String, reason: FinishReason, usage: Usage) -> EntryId {
+pub async fn write_back(
+    state: &AppState,
+    plan: WritePlan,
+    text: String,
+    reason: FinishReason,
+    usage: Usage,
+) -> EntryId {
     let now = now_ms();
     let ttl = state.config.cache.ttl_secs * 1000;
     let turn = plan.turn_key(&text);
@@ -621,7 +718,9 @@ pub async fn write_back(state: &AppState, plan: WritePlan, text: String, reason:
     if let Some(turn) = turn {
         state.memory.alias(turn, id).await;
     }
-    if let (Some(sem), Some(partition), Some(embedding)) = (&state.semantic, plan.partition, plan.embedding) {
+    if let (Some(sem), Some(partition), Some(embedding)) =
+        (&state.semantic, plan.partition, plan.embedding)
+    {
         sem.index.insert(partition, id, embedding);
     }
     state.metrics.cache_writes.increment(1);
@@ -788,7 +887,11 @@ impl SseState {
     }
 
     /// Handles the next subscriber item, including the end of the stream.
-    fn push_next(&mut self, next: Option<Result<GenEvent, BackendError>>, trace: &mut Trace) -> Vec<Event> {
+    fn push_next(
+        &mut self,
+        next: Option<Result<GenEvent, BackendError>>,
+        trace: &mut Trace,
+    ) -> Vec<Event> {
         match next {
             Some(Ok(ev)) => {
                 let finished = matches!(ev, GenEvent::Finish { .. });
@@ -894,7 +997,11 @@ impl Drop for Trace {
         let Some(state) = self.state.take() else {
             return;
         };
-        let outcome = if self.error.is_some() { Outcome::Error } else { self.outcome };
+        let outcome = if self.error.is_some() {
+            Outcome::Error
+        } else {
+            self.outcome
+        };
         let total = self.start.elapsed().as_secs_f64();
         state.metrics.request(outcome, total);
         if let Some(t) = self.first_token {

@@ -74,15 +74,12 @@ impl AppState {
                 index.remove(id);
             }
         });
-        let memory = MemoryTier::new(
-            config.cache.memory_bytes,
-            config.cache.ttl(),
-            Some(hook),
-        );
+        let memory = MemoryTier::new(config.cache.memory_bytes, config.cache.ttl(), Some(hook));
         let request_log = match &config.log.request_log {
-            Some(path) => Some(RequestLog::open(path).with_context(|| {
-                format!("cannot open request log {}", path.display())
-            })?),
+            Some(path) => Some(
+                RequestLog::open(path)
+                    .with_context(|| format!("cannot open request log {}", path.display()))?,
+            ),
             None => None,
         };
         let models = match config.backend.kind {
@@ -110,20 +107,7 @@ impl AppState {
     /// (blocking work runs on the blocking pool; progress is logged).
     pub async fn build(config: Config) -> anyhow::Result<Arc<AppState>> {
         let backend = build_backend(&config).await?;
-        let embedder: Option<Arc<dyn Embedder>> = if config.semantic.enabled {
-            let cfg = EmbedderConfig {
-                model_dir: config.semantic.model_dir.clone(),
-                onnx_runtime: config.semantic.onnx_runtime.clone(),
-                ..EmbedderConfig::default()
-            };
-            tracing::info!(model_dir = %cfg.model_dir.display(), "loading embedder");
-            let e = tokio::task::spawn_blocking(move || FastEmbedder::load(cfg))
-                .await
-                .context("embedder loader panicked")??;
-            Some(Arc::new(e))
-        } else {
-            None
-        };
+        let embedder = build_embedder(&config).await?;
         AppState::new(config, backend, embedder)
     }
 
@@ -146,6 +130,23 @@ impl AppState {
             .cache_bytes
             .set(self.memory.weighted_size() as f64);
     }
+}
+
+/// Loads the embedder when the semantic tier is enabled.
+pub async fn build_embedder(config: &Config) -> anyhow::Result<Option<Arc<dyn Embedder>>> {
+    if !config.semantic.enabled {
+        return Ok(None);
+    }
+    let cfg = EmbedderConfig {
+        model_dir: config.semantic.model_dir.clone(),
+        onnx_runtime: config.semantic.onnx_runtime.clone(),
+        ..EmbedderConfig::default()
+    };
+    tracing::info!(model_dir = %cfg.model_dir.display(), "loading embedder");
+    let e = tokio::task::spawn_blocking(move || FastEmbedder::load(cfg))
+        .await
+        .context("embedder loader panicked")??;
+    Ok(Some(Arc::new(e)))
 }
 
 /// Creates the configured backend.

@@ -47,7 +47,8 @@ async fn any_change_to_the_request_is_a_miss() {
     b["temperature"] = json!(0.3);
     assert_eq!(cache_status(&app.chat(&b, &[]).await), "miss");
     let mut b = body.clone();
-    b["messages"] = json!([{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello"}]);
+    b["messages"] =
+        json!([{"role": "system", "content": "be terse"}, {"role": "user", "content": "hello"}]);
     assert_eq!(cache_status(&app.chat(&b, &[]).await), "miss");
     // `user` and `stream` do not change the answer, so they do not change the key.
     let mut b = body.clone();
@@ -167,7 +168,11 @@ async fn single_flight_makes_one_backend_call() {
         assert_eq!(text, "You asked: a slow question with several words in it");
         assert!(status == "miss" || status == "exact", "{status}");
     }
-    assert_eq!(backend.calls(), 1, "identical concurrent misses share one call");
+    assert_eq!(
+        backend.calls(),
+        1,
+        "identical concurrent misses share one call"
+    );
 }
 
 #[tokio::test]
@@ -244,29 +249,38 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
     assert_openai_error(post("{not json".into()).await.unwrap(), 400, None).await;
     assert_openai_error(post(r#"{"model":"fake"}"#.into()).await.unwrap(), 400, None).await;
     assert_openai_error(
-        post(r#"{"model":"fake","messages":"hi"}"#.into()).await.unwrap(),
+        post(r#"{"model":"fake","messages":"hi"}"#.into())
+            .await
+            .unwrap(),
         400,
         Some("messages"),
     )
     .await;
     assert_openai_error(
-        post(r#"{"model":"fake","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#.into())
-            .await
-            .unwrap(),
+        post(
+            r#"{"model":"fake","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#
+                .into(),
+        )
+        .await
+        .unwrap(),
         400,
         Some("temperature"),
     )
     .await;
     assert_openai_error(
-        post(r#"{"model":"fake","messages":[{"role":"user","content":"x"}],"temperature":7}"#.into())
-            .await
-            .unwrap(),
+        post(
+            r#"{"model":"fake","messages":[{"role":"user","content":"x"}],"temperature":7}"#.into(),
+        )
+        .await
+        .unwrap(),
         400,
         Some("temperature"),
     )
     .await;
     assert_openai_error(
-        post(r#"{"model":"fake","messages":[]}"#.into()).await.unwrap(),
+        post(r#"{"model":"fake","messages":[]}"#.into())
+            .await
+            .unwrap(),
         400,
         Some("messages"),
     )
@@ -308,7 +322,11 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
     assert_eq!(backend.calls(), 0, "bad input never reaches the backend");
     assert_eq!(app.state.memory.entry_count(), 0);
     let r = app.chat(&chat_body("x"), &[]).await;
-    assert_eq!(cache_status(&r), "miss", "nothing was stored by bad requests");
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "nothing was stored by bad requests"
+    );
 }
 
 #[tokio::test]
@@ -364,7 +382,11 @@ async fn cut_off_stream_is_never_cached() {
     assert!(!data.iter().any(|d| d == "[DONE]"));
     backend.set_failure(Failure::None);
     let r = app.chat(&body, &[]).await;
-    assert_eq!(cache_status(&r), "miss", "the cut-off answer was not stored");
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "the cut-off answer was not stored"
+    );
     let data = sse_data(&r.text().await.unwrap());
     assert_eq!(sse_text(&data), "You asked: one two three four five");
     assert_eq!(backend.calls(), 2);
@@ -525,12 +547,21 @@ async fn upstream_backend_streams_and_caches() {
     let r = app.chat(&plain, &[]).await;
     assert_eq!(cache_status(&r), "exact");
     let j: Value = r.json().await.unwrap();
-    assert_eq!(j["choices"][0]["message"]["content"], "You asked: via upstream");
-    assert!(j["usage"]["completion_tokens"].as_u64().unwrap() > 0, "usage from upstream");
+    assert_eq!(
+        j["choices"][0]["message"]["content"],
+        "You asked: via upstream"
+    );
+    assert!(
+        j["usage"]["completion_tokens"].as_u64().unwrap() > 0,
+        "usage from upstream"
+    );
     assert_eq!(up_backend.calls(), 1);
     // Upstream errors for the client's request pass through as 4xx.
     let r = app
-        .chat(&json!({"model": "other", "messages": [{"role": "user", "content": "x"}]}), &[])
+        .chat(
+            &json!({"model": "other", "messages": [{"role": "user", "content": "x"}]}),
+            &[],
+        )
         .await;
     assert_eq!(r.status(), 404);
     // Sampling parameters reach the upstream.
@@ -585,7 +616,10 @@ async fn upstream_down_is_502_and_slow_is_504() {
     config.server.first_token_timeout_secs = 0.3;
     let app = proxy_to(config).await;
     let r = app
-        .chat(&json!({"model": "up-model", "messages": [{"role": "user", "content": "slow"}]}), &[])
+        .chat(
+            &json!({"model": "up-model", "messages": [{"role": "user", "content": "slow"}]}),
+            &[],
+        )
         .await;
     assert_openai_error(r, 504, None).await;
 }

@@ -11,9 +11,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::{
-    Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Usage,
-};
+use crate::{Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Usage};
 
 /// How the scripted backend should misbehave.
 #[derive(Debug, Clone)]
@@ -280,10 +278,7 @@ fn async_stream_like(
             }
             None => {
                 st.done = true;
-                st.guard
-                    .inner
-                    .completed
-                    .fetch_add(1, Ordering::SeqCst);
+                st.guard.inner.completed.fetch_add(1, Ordering::SeqCst);
                 let usage = Usage {
                     prompt_tokens: st.prompt_tokens,
                     completion_tokens: st.sent as u32,

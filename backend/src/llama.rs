@@ -2,9 +2,9 @@
 //!
 //! [`LlamaBackend::load`] loads a GGUF model and starts one engine thread that owns the
 //! llama.cpp context and decodes up to `parallel` sequences together (continuous batching,
-//! see [`engine`]). [`Backend::generate`] validates and tokenizes on the caller's thread, then
-//! hands the request to the engine through a bounded two-class queue and returns a stream
-//! fed from a bounded channel.
+//! see the `engine` submodule). [`Backend::generate`] validates and tokenizes on the
+//! caller's thread, then hands the request to the engine through a bounded two-class queue
+//! and returns a stream fed from a bounded channel.
 //!
 //! Scheduling classes: interactive requests are always admitted first. Background requests
 //! only start when no interactive request waits and, with `parallel > 1`, never take the
@@ -162,11 +162,17 @@ impl LlamaConfig {
 
     fn validate(&self) -> Result<(), LoadError> {
         let bad = |msg: String| Err(LoadError::InvalidConfig(msg));
+        if self.model.as_os_str().is_empty() {
+            return bad("`model` (the GGUF file path) is not set".into());
+        }
         if self.n_ctx < 16 {
             return bad(format!("n_ctx must be at least 16, got {}", self.n_ctx));
         }
         if self.n_threads < 1 {
-            return bad(format!("n_threads must be at least 1, got {}", self.n_threads));
+            return bad(format!(
+                "n_threads must be at least 1, got {}",
+                self.n_threads
+            ));
         }
         // llama.cpp's LLAMA_MAX_SEQ.
         if !(1..=256).contains(&self.parallel) {
@@ -496,10 +502,17 @@ fn invalid(message: &str, param: &str) -> BackendError {
 }
 
 /// Builds a request's sampler chain; see the module documentation for the choices.
-fn build_sampler(params: &SamplingParams, n_vocab: i32, max_tokens: u32) -> Result<LlamaSampler, BackendError> {
+fn build_sampler(
+    params: &SamplingParams,
+    n_vocab: i32,
+    max_tokens: u32,
+) -> Result<LlamaSampler, BackendError> {
     let temperature = params.temperature.unwrap_or(1.0);
     if !temperature.is_finite() || temperature < 0.0 {
-        return Err(invalid("temperature must be a non-negative number", "temperature"));
+        return Err(invalid(
+            "temperature must be a non-negative number",
+            "temperature",
+        ));
     }
     let top_p = params.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
@@ -508,16 +521,24 @@ fn build_sampler(params: &SamplingParams, n_vocab: i32, max_tokens: u32) -> Resu
     let presence = params.presence_penalty.unwrap_or(0.0);
     let frequency = params.frequency_penalty.unwrap_or(0.0);
     if !(-2.0..=2.0).contains(&presence) {
-        return Err(invalid("presence_penalty must be in [-2, 2]", "presence_penalty"));
+        return Err(invalid(
+            "presence_penalty must be in [-2, 2]",
+            "presence_penalty",
+        ));
     }
     if !(-2.0..=2.0).contains(&frequency) {
-        return Err(invalid("frequency_penalty must be in [-2, 2]", "frequency_penalty"));
+        return Err(invalid(
+            "frequency_penalty must be in [-2, 2]",
+            "frequency_penalty",
+        ));
     }
 
     let mut chain = Vec::new();
     if presence != 0.0 || frequency != 0.0 {
         let window = max_tokens.min(PENALTY_WINDOW_MAX) as i32;
-        chain.push(LlamaSampler::penalties(n_vocab, window, 1.0, frequency, presence));
+        chain.push(LlamaSampler::penalties(
+            n_vocab, window, 1.0, frequency, presence,
+        ));
     }
     if temperature == 0.0 {
         chain.push(LlamaSampler::greedy());

@@ -11,9 +11,7 @@ use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
-use crate::{
-    Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Usage,
-};
+use crate::{Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Usage};
 
 /// Settings of an [`OpenAiBackend`].
 #[derive(Clone)]
@@ -144,9 +142,7 @@ fn status_error(status: reqwest::StatusCode, retry_after: Option<u64>, body: &st
         .and_then(|v| v.pointer("/error/code"))
         .and_then(Value::as_str);
     match status.as_u16() {
-        404 | 400 if code == Some("model_not_found") => {
-            BackendError::UnknownModel(message)
-        }
+        404 | 400 if code == Some("model_not_found") => BackendError::UnknownModel(message),
         404 => BackendError::UnknownModel(message),
         429 => BackendError::Overloaded {
             retry_after_secs: retry_after.unwrap_or(1),
@@ -307,8 +303,10 @@ mod tests {
         assert!(s.finish().is_err(), "no finish reason yet: cut off");
         s.push(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#)
             .unwrap();
-        s.push(r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}"#)
-            .unwrap();
+        s.push(
+            r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}"#,
+        )
+        .unwrap();
         assert_eq!(
             s.finish().unwrap(),
             GenEvent::Finish {
@@ -333,7 +331,9 @@ mod tests {
         );
         assert!(matches!(
             status_error(reqwest::StatusCode::TOO_MANY_REQUESTS, Some(3), ""),
-            BackendError::Overloaded { retry_after_secs: 3 }
+            BackendError::Overloaded {
+                retry_after_secs: 3
+            }
         ));
         assert!(matches!(
             status_error(reqwest::StatusCode::BAD_GATEWAY, None, "x"),

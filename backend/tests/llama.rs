@@ -131,11 +131,7 @@ async fn chat_streams_deltas_then_finish() {
     assert!(backend.ready());
     assert_eq!(backend.models(), vec![MODEL_NAME.to_string()]);
 
-    let out = run(
-        &backend,
-        chat("What is the capital of France?", greedy(24)),
-    )
-    .await;
+    let out = run(&backend, chat("What is the capital of France?", greedy(24))).await;
     let (_, usage) = out.finished();
     assert!(!out.text.trim().is_empty(), "empty answer: {out:?}");
     assert!(out.deltas >= 1);
@@ -173,7 +169,10 @@ async fn stop_string_ends_generation_and_is_not_emitted() {
     // A two-character stop string from the middle of the greedy answer.
     let chars: Vec<(usize, char)> = free.text.char_indices().collect();
     let mid = chars.len() / 2;
-    let (start, end) = (chars[mid].0, chars.get(mid + 2).map_or(free.text.len(), |c| c.0));
+    let (start, end) = (
+        chars[mid].0,
+        chars.get(mid + 2).map_or(free.text.len(), |c| c.0),
+    );
     let stop = free.text[start..end].to_string();
     let expected = &free.text[..free.text.find(&stop).expect("stop occurs")];
 
@@ -304,7 +303,11 @@ async fn background_leaves_a_slot_free_for_interactive() {
     let (a, b) = tokio::join!(collect(a), collect(b));
     a.finished();
     b.finished();
-    assert_eq!(backend.stats().peak_occupancy, 1, "two background sequences ran together");
+    assert_eq!(
+        backend.stats().peak_occupancy,
+        1,
+        "two background sequences ran together"
+    );
 
     let mut running = backend.generate(bg(COUNTING)).await.expect("accepted");
     first_delta(&mut running).await;
@@ -363,10 +366,11 @@ async fn full_queue_is_refused_at_once() {
 #[tokio::test]
 async fn invalid_requests_are_refused() {
     let backend = load(LlamaConfig {
-        n_ctx: 64,
+        // llama.cpp rounds the context up to a multiple of 256.
+        n_ctx: 256,
         ..config(1, 4)
     });
-    let long = "word ".repeat(200);
+    let long = "word ".repeat(2000);
     match backend.generate(completion(&long, greedy(4))).await {
         Err(BackendError::InvalidRequest { message, .. }) => {
             assert!(message.contains("context"), "{message}")
@@ -385,7 +389,9 @@ async fn invalid_requests_are_refused() {
     ));
 
     // An answer that would overflow the context ends with `Length` when it is full.
-    let out = run(&backend, completion(COUNTING, greedy(1000))).await;
+    let numbers: Vec<String> = (1..=60).map(|i| i.to_string()).collect();
+    let prompt = format!("{},", numbers.join(", "));
+    let out = run(&backend, completion(&prompt, greedy(1000))).await;
     let (reason, usage) = out.finished();
     assert_eq!(reason, FinishReason::Length);
     assert_eq!(usage.total_tokens(), backend.n_ctx());
@@ -395,12 +401,15 @@ async fn invalid_requests_are_refused() {
 fn bad_model_paths_are_named_in_the_error() {
     let missing = PathBuf::from("/nonexistent/dir/model.gguf");
     let err = LlamaBackend::load(LlamaConfig {
-        model: missing.clone(),
+        model: missing,
         ..LlamaConfig::default()
     })
     .expect_err("missing model");
     assert!(matches!(err, LoadError::Unreadable { .. }));
-    assert!(err.to_string().contains("/nonexistent/dir/model.gguf"), "{err}");
+    assert!(
+        err.to_string().contains("/nonexistent/dir/model.gguf"),
+        "{err}"
+    );
 
     let not_gguf = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"));
     let err = LlamaBackend::load(LlamaConfig {
@@ -408,7 +417,11 @@ fn bad_model_paths_are_named_in_the_error() {
         ..LlamaConfig::default()
     })
     .expect_err("not a model");
-    assert!(err.to_string().contains(not_gguf.to_str().unwrap()), "{err}");
+    assert!(matches!(err, LoadError::BadModel { .. }));
+    assert!(
+        err.to_string().contains(not_gguf.to_str().unwrap()),
+        "{err}"
+    );
 }
 
 #[test]
@@ -417,4 +430,37 @@ fn bare_benchmark_decodes() {
     assert!(stats.prompt_tokens > 0);
     assert_eq!(stats.generated_tokens, 16);
     assert!(stats.tokens_per_second > 0.0);
+}
+
+/// Not a check: prints the backend's decode rate next to the bare llama.cpp loop's.
+/// `cargo test -p reprise-backend --test llama -- --ignored --nocapture throughput`
+#[tokio::test]
+#[ignore]
+async fn throughput_report() {
+    let cfg = config(1, 1);
+    let bare = bare_decode_benchmark(&cfg, COUNTING, 128).expect("benchmark runs");
+    let backend = load(cfg);
+    let started = std::time::Instant::now();
+    let mut stream = backend
+        .generate(completion(COUNTING, greedy(128)))
+        .await
+        .expect("accepted");
+    let mut first = None;
+    let mut tokens = 0;
+    while let Some(event) = stream.next().await {
+        first.get_or_insert_with(std::time::Instant::now);
+        if let Ok(GenEvent::Finish { usage, .. }) = event {
+            tokens = usage.completion_tokens;
+        }
+    }
+    let first = first.expect("events");
+    let rate = f64::from(tokens - 1) / first.elapsed().as_secs_f64();
+    println!(
+        "bare: ttft {:?}, {:.1} tok/s over {} tokens; backend: ttft {:?}, {:.1} tok/s over {tokens}",
+        bare.time_to_first_token,
+        bare.tokens_per_second,
+        bare.generated_tokens,
+        first.duration_since(started),
+        rate
+    );
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`entry`]: what is cached — a finished answer with its metadata — and its id.
 //! - [`memory`]: the in-process tier (moka), bounded by bytes.
+//! - [`redis`]: the shared tier (L2) in Redis, with replication events between replicas.
 //! - [`semantic`]: the near-duplicate index (hnsw_rs), partitioned by everything that must
 //!   match exactly.
 //!
@@ -10,7 +11,10 @@
 
 pub mod entry;
 pub mod memory;
+pub mod redis;
 pub mod semantic;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use entry::{now_ms, Digest, Entry, EntryId, Origin};
 pub use memory::{EvictionHook, MemoryTier};

@@ -11,7 +11,7 @@
 //!
 //! Vectors are expected L2-normalised, so similarity is a dot product (= cosine).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -42,10 +42,16 @@ struct Counters {
     cache_misses: AtomicU64,
 }
 
+/// Where the batching thread sends one text's vector.
+type Reply = oneshot::Sender<Result<Arc<[f32]>, EmbedError>>;
+
+/// The caller's end of a [`Reply`].
+type Pending = oneshot::Receiver<Result<Arc<[f32]>, EmbedError>>;
+
 /// One text waiting for its vector.
 struct Job {
     text: String,
-    reply: oneshot::Sender<Result<Arc<[f32]>, EmbedError>>,
+    reply: Reply,
 }
 
 /// all-MiniLM-L6-v2 (384 dimensions) run locally, with micro-batching and an LRU.
@@ -165,10 +171,7 @@ impl FastEmbedder {
     }
 
     /// Queues a text for the batching thread; the receiver yields its vector.
-    fn submit(
-        &self,
-        text: &str,
-    ) -> Result<oneshot::Receiver<Result<Arc<[f32]>, EmbedError>>, EmbedError> {
+    fn submit(&self, text: &str) -> Result<Pending, EmbedError> {
         let (reply, rx) = oneshot::channel();
         self.jobs
             .send(Job {

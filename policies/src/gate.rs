@@ -355,7 +355,7 @@ fn number_words(tokens: &[Token]) -> Option<(String, usize)> {
         let w = t.lower.as_str();
         if let Some(v) = unit_word(w) {
             // "twenty five": units after tens; a second unit in a row starts a new number.
-            if used > 0 && (current % 10 != 0 || current == 0) {
+            if used > 0 && (!current.is_multiple_of(10) || current == 0) {
                 break;
             }
             current += v;

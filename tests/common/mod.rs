@@ -67,7 +67,10 @@ impl TestApp {
 
     /// POSTs a chat completion body with extra headers.
     pub async fn chat(&self, body: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
-        let mut req = self.client.post(self.url("/v1/chat/completions")).json(body);
+        let mut req = self
+            .client
+            .post(self.url("/v1/chat/completions"))
+            .json(body);
         for (k, v) in headers {
             req = req.header(*k, *v);
         }

@@ -181,7 +181,11 @@ impl Shared {
                     let _ = victim.tx.try_send(Err(preempted()));
                     self.counters.preempted.fetch_add(1, Ordering::Relaxed);
                 }
-                None => return Err(BackendError::Overloaded { retry_after_secs: 1 }),
+                None => {
+                    return Err(BackendError::Overloaded {
+                        retry_after_secs: 1,
+                    })
+                }
             }
         }
         match job.priority {
@@ -361,10 +365,10 @@ impl<'a> Engine<'a> {
                 .iter()
                 .flatten()
                 .filter(|s| s.priority == Priority::Background)
-                .fold((0, 0), |(n, r), s| (n + 1, r + s.reservation));
-            let free = self.slots.iter().filter(|s| s.is_none()).count();
-            let room_after = free + bg_count > 0 && self.reserved - bg_reserved + need <= self.limits.n_ctx;
-            if bg_count == 0 || !room_after {
+                .fold((0usize, 0u32), |(n, r), s| (n + 1, r + s.reservation));
+            // Preempting every background sequence frees a slot; it must also free enough
+            // KV, or the request waits for interactive work to finish instead.
+            if bg_count == 0 || self.reserved - bg_reserved + need > self.limits.n_ctx {
                 break;
             }
             self.preempt_youngest_background();

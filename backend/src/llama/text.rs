@@ -103,7 +103,10 @@ impl TextStream {
 
     /// Byte offset of the earliest stop-string occurrence in `held`.
     fn first_stop(&self) -> Option<usize> {
-        self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min()
+        self.stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
     }
 
     /// Length of the longest suffix of `held` that is a proper prefix of some stop string.
@@ -165,19 +168,22 @@ mod tests {
     #[test]
     fn finish_flushes_held_prefix_and_broken_bytes() {
         assert_eq!(run(&["STOP"], &[b"x ST"]), ("x ST".into(), false));
-        assert_eq!(run(&[], &[b"a", &[0xE2, 0x82]]), ("a\u{FFFD}".into(), false));
-    }
-
-    #[test]
-    fn earliest_of_several_stops_wins() {
         assert_eq!(
-            run(&["cd", "b"], &[b"abcdef"]),
-            ("a".into(), true)
+            run(&[], &[b"a", &[0xE2, 0x82]]),
+            ("a\u{FFFD}".into(), false)
         );
     }
 
     #[test]
+    fn earliest_of_several_stops_wins() {
+        assert_eq!(run(&["cd", "b"], &[b"abcdef"]), ("a".into(), true));
+    }
+
+    #[test]
     fn invalid_bytes_become_replacement_characters() {
-        assert_eq!(run(&[], &[&[b'a', 0xFF, b'b']]), ("a\u{FFFD}b".into(), false));
+        assert_eq!(
+            run(&[], &[&[b'a', 0xFF, b'b']]),
+            ("a\u{FFFD}b".into(), false)
+        );
     }
 }

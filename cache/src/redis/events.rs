@@ -1,0 +1,334 @@
+//! Replication events: what one replica tells the others through the `{prefix}:events` stream.
+//!
+//! Every put, delete and namespace delete is appended (XADD, capped with `MAXLEN ~`) with the
+//! writer's replica id, so each replica can keep its in-process tiers (memory, semantic index)
+//! in step with the shared Redis tier and skip its own events. A reader that may have missed
+//! events (it was disconnected while the stream was trimmed, or Redis lost the stream in a
+//! restart) is told so with [`ReplicationEvent::Resync`] and rebuilds from a full scan.
+
+use std::fmt;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use ::redis::streams::{StreamId, StreamRangeReply, StreamReadReply};
+use futures::Stream;
+use tokio::sync::mpsc;
+
+use super::conn::{Conn, Connector};
+use super::RedisError;
+use crate::entry::EntryId;
+
+/// One change made by another replica.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplicationEvent {
+    /// An entry was stored; fetch it with [`super::RedisTier::get`].
+    Put {
+        /// The entry's id.
+        id: EntryId,
+        /// Its namespace.
+        namespace: String,
+    },
+    /// An entry was deleted.
+    Delete {
+        /// The entry's id.
+        id: EntryId,
+    },
+    /// Every entry of a namespace was deleted.
+    DeleteNamespace {
+        /// The namespace.
+        namespace: String,
+    },
+    /// Events may have been missed: rebuild from [`super::RedisTier::scan_entries`]. Events
+    /// after this one continue from the stream's position at the time of the resync.
+    Resync,
+}
+
+/// Stream field values of the `op` field.
+pub(crate) const OP_PUT: &str = "put";
+pub(crate) const OP_DEL: &str = "del";
+pub(crate) const OP_DEL_NS: &str = "del_ns";
+
+/// How long one XREAD blocks waiting for new events.
+const BLOCK: Duration = Duration::from_millis(1000);
+/// Events fetched per XREAD.
+const READ_COUNT: usize = 256;
+/// Reconnect backoff bounds.
+const MIN_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Events buffered between the reader task and the consumer; when full the reader waits,
+/// which is the backpressure we want (the stream keeps the rest in Redis).
+const CHANNEL: usize = 1024;
+
+/// A position in a Redis stream (`<ms>-<seq>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct StreamPos(u64, u64);
+
+impl StreamPos {
+    const ZERO: StreamPos = StreamPos(0, 0);
+}
+
+impl FromStr for StreamPos {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        let (ms, seq) = s.split_once('-').ok_or(())?;
+        Ok(StreamPos(
+            ms.parse().map_err(|_| ())?,
+            seq.parse().map_err(|_| ())?,
+        ))
+    }
+}
+
+impl fmt::Display for StreamPos {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.0, self.1)
+    }
+}
+
+/// The events of other replicas, as a [`Stream`]. Dropping it stops the reader task.
+pub struct ReplicationStream {
+    rx: mpsc::Receiver<ReplicationEvent>,
+}
+
+impl Stream for ReplicationStream {
+    type Item = ReplicationEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+/// Everything the reader task needs; it owns its own connection because a blocking XREAD
+/// would stall every other command multiplexed on a shared one.
+pub(crate) struct Subscriber {
+    pub(crate) connector: Connector,
+    pub(crate) stream_key: String,
+    pub(crate) replica_id: String,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) timeout: Duration,
+    pub(crate) from_last: bool,
+    /// `reprise_redis_errors_total{op="events"}`.
+    pub(crate) errors: metrics::Counter,
+}
+
+/// Where the reader stands.
+struct ReadState {
+    /// Last event seen; `None` until the start position is resolved.
+    cursor: Option<StreamPos>,
+    /// The connection failed since the last successful read: check for a gap before reading.
+    lost: bool,
+    /// Resolving the start position failed at least once (Redis was down at subscription).
+    start_failed: bool,
+}
+
+impl Subscriber {
+    /// Starts the reader task and returns its stream.
+    pub(crate) fn spawn(self) -> ReplicationStream {
+        let (tx, rx) = mpsc::channel(CHANNEL);
+        tokio::spawn(self.run(tx));
+        ReplicationStream { rx }
+    }
+
+    async fn run(self, tx: mpsc::Sender<ReplicationEvent>) {
+        let mut conn: Option<Conn> = None;
+        let mut state = ReadState {
+            cursor: None,
+            lost: false,
+            start_failed: false,
+        };
+        let mut backoff = MIN_BACKOFF;
+        loop {
+            let result = match &conn {
+                Some(c) => {
+                    let c = c.clone();
+                    tokio::select! {
+                        _ = tx.closed() => return,
+                        r = self.step(&c, &mut state) => r,
+                    }
+                }
+                // The reply of a blocking read may take BLOCK plus the usual command time.
+                None => match self
+                    .connector
+                    .connect(self.connect_timeout, BLOCK + self.timeout)
+                {
+                    Ok(c) => {
+                        conn = Some(c);
+                        continue;
+                    }
+                    Err(e) => Err(RedisError::Connection(e)),
+                },
+            };
+            match result {
+                Ok(events) => {
+                    backoff = MIN_BACKOFF;
+                    for event in events {
+                        if tx.send(event).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "redis events: read failed, reconnecting");
+                    self.errors.increment(1);
+                    // A fresh connection on the next turn; the redis-rs handle might keep
+                    // waiting on a dead socket otherwise.
+                    conn = None;
+                    if state.cursor.is_some() {
+                        state.lost = true;
+                    } else {
+                        state.start_failed = true;
+                    }
+                    tokio::select! {
+                        _ = tx.closed() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    /// One turn: resolve the start or check for a gap when needed, then one blocking read.
+    async fn step(
+        &self,
+        conn: &Conn,
+        state: &mut ReadState,
+    ) -> Result<Vec<ReplicationEvent>, RedisError> {
+        let mut events = Vec::new();
+        match state.cursor {
+            None => {
+                let start = if self.from_last {
+                    self.last(conn).await?.unwrap_or(StreamPos::ZERO)
+                } else {
+                    StreamPos::ZERO
+                };
+                state.cursor = Some(start);
+                // Whatever happened while Redis could not be reached is unknown to the caller.
+                if state.start_failed && self.from_last {
+                    events.push(ReplicationEvent::Resync);
+                }
+            }
+            Some(cursor) if state.lost => {
+                let first = self.first(conn).await?;
+                let last = self.last(conn).await?;
+                let gap = match (first, last) {
+                    // The stream is gone (Redis restarted without it) though we had read some.
+                    (None, _) | (_, None) => cursor != StreamPos::ZERO,
+                    // Trimmed past our position, or recreated with smaller ids.
+                    (Some(first), Some(last)) => first > cursor || last < cursor,
+                };
+                if gap {
+                    tracing::info!("redis events: possible gap after reconnect, resyncing");
+                    state.cursor = Some(last.unwrap_or(StreamPos::ZERO));
+                    events.push(ReplicationEvent::Resync);
+                }
+                state.lost = false;
+            }
+            Some(_) => {}
+        }
+        let cursor = state.cursor.unwrap_or(StreamPos::ZERO);
+        let cmd = ::redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(READ_COUNT)
+            .arg("BLOCK")
+            .arg(BLOCK.as_millis() as u64)
+            .arg("STREAMS")
+            .arg(&self.stream_key)
+            .arg(cursor.to_string())
+            .clone();
+        let reply: Option<StreamReadReply> = self.bounded(conn, &cmd, BLOCK).await?;
+        for key in reply.into_iter().flat_map(|r| r.keys) {
+            for item in key.ids {
+                if let Ok(pos) = item.id.parse() {
+                    state.cursor = Some(pos);
+                }
+                if let Some(event) = self.decode(&item) {
+                    events.push(event);
+                }
+            }
+        }
+        Ok(events)
+    }
+
+    /// The oldest event's position.
+    async fn first(&self, conn: &Conn) -> Result<Option<StreamPos>, RedisError> {
+        let cmd = ::redis::cmd("XRANGE")
+            .arg(&self.stream_key)
+            .arg("-")
+            .arg("+")
+            .arg("COUNT")
+            .arg(1)
+            .clone();
+        let reply: StreamRangeReply = self.bounded(conn, &cmd, Duration::ZERO).await?;
+        Ok(reply.ids.first().and_then(|i| i.id.parse().ok()))
+    }
+
+    /// The newest event's position.
+    async fn last(&self, conn: &Conn) -> Result<Option<StreamPos>, RedisError> {
+        let cmd = ::redis::cmd("XREVRANGE")
+            .arg(&self.stream_key)
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .clone();
+        let reply: StreamRangeReply = self.bounded(conn, &cmd, Duration::ZERO).await?;
+        Ok(reply.ids.first().and_then(|i| i.id.parse().ok()))
+    }
+
+    /// A command bounded by the configured timeout plus `extra` (the block time of a read).
+    async fn bounded<T: ::redis::FromRedisValue>(
+        &self,
+        conn: &Conn,
+        cmd: &::redis::Cmd,
+        extra: Duration,
+    ) -> Result<T, RedisError> {
+        match tokio::time::timeout(self.timeout + extra, conn.query(cmd)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(RedisError::Connection(e)),
+            Err(_) => Err(RedisError::Timeout),
+        }
+    }
+
+    /// The event an item stands for, unless it is ours or not understood.
+    fn decode(&self, item: &StreamId) -> Option<ReplicationEvent> {
+        let origin: String = item.get("origin").unwrap_or_default();
+        if origin == self.replica_id {
+            return None;
+        }
+        let op: String = item.get("op")?;
+        let id = || item.get::<String>("id").and_then(|s| s.parse().ok());
+        let namespace = || item.get::<String>("ns");
+        let event = match op.as_str() {
+            OP_PUT => ReplicationEvent::Put {
+                id: id()?,
+                namespace: namespace()?,
+            },
+            OP_DEL => ReplicationEvent::Delete { id: id()? },
+            OP_DEL_NS => ReplicationEvent::DeleteNamespace {
+                namespace: namespace()?,
+            },
+            other => {
+                tracing::debug!(op = other, id = %item.id, "redis events: unknown op skipped");
+                return None;
+            }
+        };
+        Some(event)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_positions_order_numerically() {
+        let a: StreamPos = "1700000000000-9".parse().unwrap();
+        let b: StreamPos = "1700000000000-10".parse().unwrap();
+        let c: StreamPos = "1700000000001-0".parse().unwrap();
+        assert!(a < b && b < c);
+        assert_eq!(b.to_string(), "1700000000000-10");
+        assert!("nope".parse::<StreamPos>().is_err());
+    }
+}

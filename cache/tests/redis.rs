@@ -1,0 +1,588 @@
+//! The Redis tier against real `redis-server` processes (one per test, on free ports):
+//! round trips, expiry, replication events between replicas, foreign values, outages and
+//! recovery through the circuit breaker, invalidation, full scans, and a 3-master cluster.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures::StreamExt;
+use metrics::{
+    Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+};
+use parking_lot::Mutex;
+use reprise_cache::redis::{
+    RedisConfig, RedisError, RedisTier, ReplicationEvent, ReplicationStream,
+};
+use reprise_cache::testing::{RedisCluster, RedisServer};
+use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
+
+/// A recorder that only keeps counters, so tests can read `reprise_redis_skipped_total`.
+#[derive(Default)]
+struct Counters(Mutex<HashMap<String, Arc<TestCounter>>>);
+
+#[derive(Default)]
+struct TestCounter(AtomicU64);
+
+impl CounterFn for TestCounter {
+    fn increment(&self, value: u64) {
+        self.0.fetch_add(value, Ordering::Relaxed);
+    }
+    fn absolute(&self, value: u64) {
+        self.0.fetch_max(value, Ordering::Relaxed);
+    }
+}
+
+impl Recorder for Counters {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        let c = self
+            .0
+            .lock()
+            .entry(key.name().to_string())
+            .or_default()
+            .clone();
+        Counter::from_arc(c)
+    }
+    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::noop()
+    }
+    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::noop()
+    }
+}
+
+/// The process-wide recorder (installed before any tier is created).
+fn counters() -> &'static Counters {
+    static RECORDER: OnceLock<&'static Counters> = OnceLock::new();
+    RECORDER.get_or_init(|| {
+        let r: &'static Counters = Box::leak(Box::default());
+        metrics::set_global_recorder(r).expect("no other recorder in this test binary");
+        r
+    })
+}
+
+/// Sum of a counter over all label sets registered so far.
+fn counter(name: &str) -> u64 {
+    counters()
+        .0
+        .lock()
+        .get(name)
+        .map_or(0, |c| c.0.load(Ordering::Relaxed))
+}
+
+fn config(url: String) -> RedisConfig {
+    RedisConfig {
+        url: Some(url),
+        ..RedisConfig::default()
+    }
+}
+
+async fn tier(cfg: RedisConfig, replica: &str) -> RedisTier {
+    counters();
+    RedisTier::connect(cfg, replica.to_string()).await.unwrap()
+}
+
+fn entry(namespace: &str, text: &str, ttl_ms: u64) -> Entry {
+    Entry {
+        id: EntryId::random(),
+        namespace: namespace.into(),
+        model: "m".into(),
+        text: text.into(),
+        finish_reason: "stop".into(),
+        prompt_tokens: 3,
+        completion_tokens: 5,
+        prompt: format!("prompt for {text}"),
+        partition: [7; 32],
+        embedding: Some(Arc::from(vec![0.25f32, -1.5, 3.0e-7])),
+        origin: Origin::Live,
+        created_ms: now_ms(),
+        expires_ms: now_ms() + ttl_ms,
+    }
+}
+
+fn digest(n: u32) -> Digest {
+    *blake3::hash(&n.to_le_bytes()).as_bytes()
+}
+
+/// The next event, failing the test after a generous wait.
+async fn next_event(stream: &mut ReplicationStream) -> ReplicationEvent {
+    tokio::time::timeout(Duration::from_secs(20), stream.next())
+        .await
+        .expect("an event within 20 s")
+        .expect("the stream stays open")
+}
+
+/// A plain connection for writing foreign values and inspecting keys.
+async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn put_get_and_alias_round_trip() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let e = entry("ns", "hello", 60_000);
+    assert!(t.put(&e, &[digest(1), digest(2)]));
+    t.flush().await.unwrap();
+
+    assert_eq!(t.get_by_key(&digest(1)).await.unwrap().as_ref(), Some(&e));
+    assert_eq!(t.get_by_key(&digest(2)).await.unwrap().as_ref(), Some(&e));
+    assert_eq!(t.get(e.id).await.unwrap().as_ref(), Some(&e));
+    assert_eq!(t.get_by_key(&digest(3)).await.unwrap(), None);
+    assert_eq!(t.get(EntryId::random()).await.unwrap(), None);
+
+    assert!(t.alias(digest(3), e.id, Duration::from_secs(60)));
+    t.flush().await.unwrap();
+    assert_eq!(t.get_by_key(&digest(3)).await.unwrap().unwrap().id, e.id);
+
+    // The stored layout: a versioned envelope under the entry key, the id under the key,
+    // both expiring with the entry.
+    let mut c = raw(&server.url()).await;
+    let stored: String = redis::cmd("GET")
+        .arg(format!("reprise:e:{{{}}}", e.id))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(stored.starts_with(r#"{"v":1,"entry":{"#), "{stored}");
+    let key = format!("reprise:k:{}", blake3::Hash::from(digest(1)).to_hex());
+    let id: String = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(id, e.id.to_string());
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(pttl > 0 && pttl <= 60_000, "{pttl}");
+    let h = t.health();
+    assert!(h.up && !h.breaker_open);
+    assert_eq!(h.dropped_writes, 0);
+}
+
+#[tokio::test]
+async fn entries_expire_with_their_ttl() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let short = entry("ns", "short", 400);
+    let long = entry("ns", "long", 60_000);
+    t.put(&short, &[digest(1)]);
+    t.put(&long, &[digest(2)]);
+    t.flush().await.unwrap();
+    assert!(t.get(short.id).await.unwrap().is_some());
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(t.get(short.id).await.unwrap(), None);
+    assert_eq!(t.get_by_key(&digest(1)).await.unwrap(), None);
+    assert!(t.get_by_key(&digest(2)).await.unwrap().is_some());
+
+    // An already expired entry is not written at all.
+    let dead = entry("ns", "dead", 0);
+    assert!(!t.put(&dead, &[digest(9)]));
+}
+
+#[tokio::test]
+async fn events_reach_other_replicas_but_not_their_writer() {
+    let server = RedisServer::start();
+    let a = tier(config(server.url()), "replica-a").await;
+    let b = tier(config(server.url()), "replica-b").await;
+    // From the start of the (empty) stream, so nothing written below can be missed.
+    let mut b_events = b.subscribe(false);
+    let mut a_events = a.subscribe(false);
+
+    let from_b = entry("ns-b", "by b", 60_000);
+    b.put(&from_b, &[digest(1)]);
+    b.flush().await.unwrap();
+    let from_a = entry("ns-a", "by a", 60_000);
+    a.put(&from_a, &[digest(2)]);
+    a.flush().await.unwrap();
+    assert!(a.delete(from_a.id).await.unwrap());
+    assert_eq!(a.delete_namespace("ns-a").await.unwrap(), 0);
+
+    // B sees A's three events in order, never its own put.
+    assert_eq!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::Put {
+            id: from_a.id,
+            namespace: "ns-a".into()
+        }
+    );
+    assert_eq!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::Delete { id: from_a.id }
+    );
+    assert_eq!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::DeleteNamespace {
+            namespace: "ns-a".into()
+        }
+    );
+    // A sees only B's put.
+    assert_eq!(
+        next_event(&mut a_events).await,
+        ReplicationEvent::Put {
+            id: from_b.id,
+            namespace: "ns-b".into()
+        }
+    );
+    // And the entry named in an event can be fetched by the reader.
+    assert_eq!(a.get(from_b.id).await.unwrap().unwrap().text, "by b");
+
+    // Nothing else is pending for either (B's own put was filtered out).
+    let b_more = tokio::time::timeout(Duration::from_millis(1500), b_events.next()).await;
+    assert!(b_more.is_err(), "unexpected event for b: {b_more:?}");
+    let a_more = tokio::time::timeout(Duration::from_millis(300), a_events.next()).await;
+    assert!(a_more.is_err(), "unexpected event for a: {a_more:?}");
+}
+
+#[tokio::test]
+async fn a_restart_that_loses_events_asks_for_a_resync() {
+    let mut server = RedisServer::start();
+    let cfg = RedisConfig {
+        breaker_cooldown_ms: 200,
+        ..config(server.url())
+    };
+    let a = tier(cfg.clone(), "a").await;
+    let b = tier(cfg, "b").await;
+    let mut b_events = b.subscribe(false);
+    let first = entry("ns", "one", 60_000);
+    a.put(&first, &[]);
+    a.flush().await.unwrap();
+    assert!(matches!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::Put { id, .. } if id == first.id
+    ));
+
+    // Redis restarts empty: the stream B was reading is gone.
+    server.restart();
+    assert_eq!(next_event(&mut b_events).await, ReplicationEvent::Resync);
+
+    // Events written after the restart still arrive.
+    let second = entry("ns", "two", 60_000);
+    let mut delivered = false;
+    for _ in 0..50 {
+        if a.put(&second, &[])
+            && a.flush().await.is_ok()
+            && a.get(second.id).await.is_ok_and(|e| e.is_some())
+        {
+            delivered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(delivered, "a could not write after the restart");
+    loop {
+        match next_event(&mut b_events).await {
+            ReplicationEvent::Put { id, .. } if id == second.id => break,
+            // A retried put may be seen twice; anything else is a bug.
+            ReplicationEvent::Put { .. } | ReplicationEvent::Resync => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn foreign_and_corrupt_values_are_skipped_and_counted() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let good = entry("ns", "good", 60_000);
+    t.put(&good, &[digest(1)]);
+    t.flush().await.unwrap();
+
+    let mut c = raw(&server.url()).await;
+    let garbage = EntryId::random();
+    let future = EntryId::random();
+    let wrong_type = EntryId::random();
+    let mismatched = EntryId::random();
+    let set = |key: String, value: String| redis::cmd("SET").arg(key).arg(value).clone();
+    let cmds = [
+        set(
+            format!("reprise:e:{{{garbage}}}"),
+            "\u{0}not json at all".into(),
+        ),
+        set(
+            format!("reprise:e:{{{future}}}"),
+            r#"{"v":2,"entry":{"whatever":true}}"#.into(),
+        ),
+        // A valid envelope stored under another id's key.
+        set(
+            format!("reprise:e:{{{mismatched}}}"),
+            format!(
+                r#"{{"v":1,"entry":{}}}"#,
+                serde_json::to_string(&good).unwrap()
+            ),
+        ),
+        set(
+            format!("reprise:k:{}", blake3::Hash::from(digest(2)).to_hex()),
+            "not an id".into(),
+        ),
+        set(
+            format!("reprise:k:{}", blake3::Hash::from(digest(3)).to_hex()),
+            garbage.to_string(),
+        ),
+        set("reprise:e:not-even-an-id".into(), "x".into()),
+        redis::cmd("RPUSH")
+            .arg(format!("reprise:e:{{{wrong_type}}}"))
+            .arg("x")
+            .clone(),
+    ];
+    for cmd in &cmds {
+        let _: () = cmd.query_async(&mut c).await.unwrap();
+    }
+
+    let before = counter("reprise_redis_skipped_total");
+    for id in [garbage, future, wrong_type, mismatched] {
+        assert_eq!(t.get(id).await.unwrap(), None, "{id}");
+    }
+    assert_eq!(t.get_by_key(&digest(2)).await.unwrap(), None);
+    assert_eq!(t.get_by_key(&digest(3)).await.unwrap(), None);
+    assert!(counter("reprise_redis_skipped_total") >= before + 6);
+
+    // A scan returns the good entry only.
+    let all = t.scan_entries(|_| {}).await.unwrap();
+    assert_eq!(all, vec![good.clone()]);
+    assert!(counter("reprise_redis_skipped_total") >= before + 11);
+    assert!(t.health().up);
+}
+
+#[tokio::test]
+async fn an_outage_opens_the_breaker_and_recovery_closes_it() {
+    let mut server = RedisServer::start();
+    let cfg = RedisConfig {
+        breaker_failures: 3,
+        breaker_cooldown_ms: 1000,
+        ..config(server.url())
+    };
+    let t = tier(cfg, "a").await;
+    let e = entry("ns", "before", 600_000);
+    t.put(&e, &[digest(1)]);
+    t.flush().await.unwrap();
+    assert!(t.get_by_key(&digest(1)).await.unwrap().is_some());
+
+    server.stop();
+    // Failures first (each bounded by the command timeout), then fast failures without
+    // trying Redis at all.
+    let mut unavailable = 0;
+    for _ in 0..20 {
+        match t.get(e.id).await {
+            Err(RedisError::Unavailable) => unavailable += 1,
+            Err(_) => {}
+            Ok(v) => panic!("redis is down, got {v:?}"),
+        }
+    }
+    assert!(
+        unavailable >= 15,
+        "breaker should open after 3 failures: {unavailable}"
+    );
+    let h = t.health();
+    assert!(h.breaker_open && !h.up, "{h:?}");
+
+    // Writes are dropped and counted, never buffered while the breaker is open.
+    let dropped = h.dropped_writes;
+    assert!(!t.put(&entry("ns", "lost", 60_000), &[digest(2)]));
+    assert!(!t.alias(digest(3), e.id, Duration::from_secs(60)));
+    assert_eq!(t.health().dropped_writes, dropped + 2);
+    assert!(matches!(t.delete(e.id).await, Err(RedisError::Unavailable)));
+
+    // Redis comes back on the same port, empty: the same tier serves again after the
+    // cooldown, without being recreated.
+    server.restart();
+    let after = entry("ns", "after", 60_000);
+    let mut recovered = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if t.get(after.id).await.is_ok() {
+            recovered = true;
+            break;
+        }
+    }
+    assert!(recovered, "the tier did not recover");
+    assert!(t.put(&after, &[digest(4)]));
+    t.flush().await.unwrap();
+    assert_eq!(t.get_by_key(&digest(4)).await.unwrap(), Some(after));
+    let h = t.health();
+    assert!(h.up && !h.breaker_open, "{h:?}");
+}
+
+#[tokio::test]
+async fn redis_down_at_start_is_not_fatal() {
+    let mut server = RedisServer::start();
+    server.stop();
+    let cfg = RedisConfig {
+        breaker_failures: 1,
+        breaker_cooldown_ms: 200,
+        ..config(server.url())
+    };
+    let t = tier(cfg, "a").await;
+    assert!(t.get(EntryId::random()).await.is_err());
+    server.restart();
+    let e = entry("ns", "late", 60_000);
+    let mut stored = false;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if t.put(&e, &[digest(1)]) && t.flush().await.is_ok() {
+            if let Ok(Some(got)) = t.get_by_key(&digest(1)).await {
+                assert_eq!(got, e);
+                stored = true;
+                break;
+            }
+        }
+    }
+    assert!(stored);
+}
+
+#[tokio::test]
+async fn delete_namespace_and_tag_invalidation() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let a: Vec<Entry> = (0..3)
+        .map(|i| entry("a", &format!("a{i}"), 60_000))
+        .collect();
+    let b: Vec<Entry> = (0..2)
+        .map(|i| entry("b", &format!("b{i}"), 60_000))
+        .collect();
+    for (i, e) in a.iter().chain(&b).enumerate() {
+        t.put(e, &[digest(i as u32)]);
+    }
+    t.flush().await.unwrap();
+
+    assert!(t.delete(a[0].id).await.unwrap());
+    assert!(!t.delete(a[0].id).await.unwrap());
+    assert_eq!(t.get(a[0].id).await.unwrap(), None);
+    assert_eq!(t.get_by_key(&digest(0)).await.unwrap(), None);
+
+    assert_eq!(t.delete_namespace("a").await.unwrap(), 2);
+    for (i, e) in a.iter().enumerate() {
+        assert_eq!(t.get(e.id).await.unwrap(), None);
+        assert_eq!(t.get_by_key(&digest(i as u32)).await.unwrap(), None);
+    }
+    for e in &b {
+        assert!(t.get(e.id).await.unwrap().is_some());
+    }
+    assert_eq!(t.delete_namespace("a").await.unwrap(), 0);
+
+    // A delete is applied after the writes queued before it: no resurrection.
+    let late = entry("b", "late", 60_000);
+    t.put(&late, &[]);
+    assert_eq!(t.delete_namespace("b").await.unwrap(), 3);
+    assert_eq!(t.get(late.id).await.unwrap(), None);
+
+    let tagged: Vec<Entry> = (0..2)
+        .map(|i| entry("c", &format!("t{i}"), 60_000))
+        .collect();
+    let other = entry("c", "untagged", 60_000);
+    for e in &tagged {
+        t.put_with_tags(e, &[], &["doc-1".to_string()]);
+    }
+    t.put_with_tags(&other, &[], &["doc-2".to_string()]);
+    assert_eq!(t.delete_tag("doc-1").await.unwrap(), 2);
+    for e in &tagged {
+        assert_eq!(t.get(e.id).await.unwrap(), None);
+    }
+    assert!(t.get(other.id).await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn scan_finds_every_live_entry() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let n = 1_234;
+    let mut ids = std::collections::HashSet::new();
+    for i in 0..n {
+        let e = entry(&format!("ns{}", i % 7), &format!("text {i}"), 60_000);
+        ids.insert(e.id);
+        // Queue capacity is 10 000, so nothing is dropped.
+        assert!(t.put(&e, &[digest(i)]));
+    }
+    // Something under another prefix is not ours.
+    let other = tier(
+        RedisConfig {
+            prefix: "other".into(),
+            ..config(server.url())
+        },
+        "x",
+    )
+    .await;
+    other.put(&entry("ns", "elsewhere", 60_000), &[]);
+    other.flush().await.unwrap();
+    t.flush().await.unwrap();
+
+    let calls = AtomicUsize::new(0);
+    let last = AtomicUsize::new(0);
+    let all = t
+        .scan_entries(|count| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            last.store(count, Ordering::Relaxed);
+        })
+        .await
+        .unwrap();
+    assert_eq!(all.len(), n as usize);
+    assert_eq!(
+        all.iter()
+            .map(|e| e.id)
+            .collect::<std::collections::HashSet<_>>(),
+        ids
+    );
+    assert!(calls.load(Ordering::Relaxed) > 1);
+    assert_eq!(last.load(Ordering::Relaxed), n as usize);
+}
+
+#[tokio::test]
+async fn cluster_round_trip() {
+    let cluster = RedisCluster::start(3);
+    let cfg = RedisConfig {
+        cluster_urls: cluster.urls(),
+        // A fresh cluster may still be settling on the first commands.
+        timeout_ms: 1000,
+        ..RedisConfig::default()
+    };
+    let t = tier(cfg.clone(), "a").await;
+    let b = tier(cfg, "b").await;
+    let mut b_events = b.subscribe(false);
+
+    let entries: Vec<Entry> = (0..60)
+        .map(|i| entry(&format!("ns{}", i % 3), &format!("c{i}"), 60_000))
+        .collect();
+    for (i, e) in entries.iter().enumerate() {
+        assert!(t.put(e, &[digest(i as u32)]));
+    }
+    t.flush().await.unwrap();
+    assert_eq!(t.health().dropped_writes, 0);
+    for (i, e) in entries.iter().enumerate() {
+        assert_eq!(
+            t.get_by_key(&digest(i as u32)).await.unwrap().as_ref(),
+            Some(e)
+        );
+    }
+    t.alias(digest(1000), entries[5].id, Duration::from_secs(60));
+    t.flush().await.unwrap();
+    assert_eq!(
+        t.get_by_key(&digest(1000)).await.unwrap().unwrap().id,
+        entries[5].id
+    );
+
+    // Entries are spread over every master, and the scan visits them all.
+    let all = b.scan_entries(|_| {}).await.unwrap();
+    assert_eq!(all.len(), entries.len());
+    for node in cluster.nodes() {
+        let mut c = raw(&node.url()).await;
+        let keys: u64 = redis::cmd("DBSIZE").query_async(&mut c).await.unwrap();
+        assert!(keys > 0, "node {} holds nothing", node.port());
+    }
+
+    assert!(matches!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::Put { .. }
+    ));
+    assert_eq!(t.delete_namespace("ns0").await.unwrap(), 20);
+    assert_eq!(b.scan_entries(|_| {}).await.unwrap().len(), 40);
+}

@@ -1,0 +1,311 @@
+//! `reprise bench quality`: semantic hit quality on labelled pairs, measured the way a cache
+//! sees traffic.
+//!
+//! Every side A is stored through the real HTTP path (`Cache-Control: no-cache`, so each A
+//! gets its own entry); then every side B is asked with `Cache-Control: only-if-cached`, so a
+//! miss neither calls the backend nor stores B. The scripted backend answers with the prompt
+//! itself, so the body of a hit names the A it came from. A hit is correct only when it was
+//! served from its own A and the pair is labelled the same.
+//!
+//! Two passes: the curve (threshold near 0, gate off, top-1: every B is answered by its best
+//! candidate; each threshold and the gate are then applied to that candidate), and the
+//! configured policy measured exactly as served.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::Args;
+use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+use serde_json::{json, Value};
+
+use crate::config::Config;
+use crate::state::AppState;
+
+/// Options of `reprise bench quality`.
+#[derive(Debug, Args)]
+pub struct QualityArgs {
+    /// Labelled pairs: a JSON list of {origin, similar} (all true), or JSON lines of
+    /// {text_a, text_b, label} or {a, b, same_answer, category}.
+    #[arg(long, required = true)]
+    pairs: Vec<PathBuf>,
+    /// Configuration whose `[semantic]` policy is measured (threshold, gate, top_k, model).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Use at most this many pairs per file (0 = all).
+    #[arg(long, default_value_t = 0)]
+    limit: usize,
+    /// Concurrent requests while loading and asking.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+}
+
+/// One labelled pair.
+#[derive(Debug, Clone)]
+pub struct Pair {
+    /// Stored side.
+    pub a: String,
+    /// Asked side.
+    pub b: String,
+    /// Whether one answer serves both.
+    pub same: bool,
+    /// Trap category, when the file has one.
+    pub category: String,
+}
+
+/// Reads any of the supported pair formats.
+pub fn load_pairs(path: &Path) -> anyhow::Result<Vec<Pair>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let rows: Vec<Value> = match serde_json::from_str::<Value>(&text) {
+        Ok(Value::Array(v)) => v,
+        _ => text
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()?,
+    };
+    let s = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
+    rows.iter()
+        .map(|r| {
+            if let (Some(a), Some(b)) = (s(r, "origin"), s(r, "similar")) {
+                return Ok(Pair {
+                    a,
+                    b,
+                    same: true,
+                    category: "paraphrase".into(),
+                });
+            }
+            if let (Some(a), Some(b)) = (s(r, "text_a"), s(r, "text_b")) {
+                let same = r.get("label").and_then(Value::as_i64) == Some(1);
+                return Ok(Pair {
+                    a,
+                    b,
+                    same,
+                    category: if same { "duplicate" } else { "different" }.into(),
+                });
+            }
+            if let (Some(a), Some(b)) = (s(r, "a"), s(r, "b")) {
+                let same = r
+                    .get("same_answer")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                return Ok(Pair {
+                    a,
+                    b,
+                    same,
+                    category: s(r, "category").unwrap_or_default(),
+                });
+            }
+            anyhow::bail!("unrecognised pair row in {}: {r}", path.display())
+        })
+        .collect()
+}
+
+/// What asking one B returned.
+#[derive(Debug, Clone)]
+struct Answer {
+    /// The A text the hit was served from, if any.
+    served: Option<String>,
+    similarity: f32,
+}
+
+async fn start(config: Config) -> anyhow::Result<(std::net::SocketAddr, Arc<AppState>)> {
+    let backend = Arc::new(ScriptedBackend::new(ScriptConfig {
+        reply: "{prompt}".into(),
+        ..ScriptConfig::default()
+    }));
+    let embedder = crate::state::build_embedder(&config).await?;
+    let state = AppState::new(config, backend, embedder)?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let app = crate::app(state.clone());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((addr, state))
+}
+
+async fn ask_all(
+    client: &reqwest::Client,
+    url: &str,
+    texts: Vec<String>,
+    cache_control: &'static str,
+    concurrency: usize,
+) -> Vec<Answer> {
+    let results = futures::stream::iter(texts.into_iter().map(|t| {
+        let client = client.clone();
+        let url = url.to_string();
+        async move {
+            let body = json!({"model": "fake", "max_tokens": 4096, "messages": [{"role": "user", "content": t}]});
+            let Ok(r) = client.post(&url).header("cache-control", cache_control).json(&body).send().await else {
+                return Answer { served: None, similarity: f32::NAN };
+            };
+            let outcome = r.headers().get("x-reprise-cache").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+            let similarity = r
+                .headers()
+                .get("x-reprise-similarity")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(if outcome == "exact" { 1.0 } else { f32::NAN });
+            let body: Value = r.json().await.unwrap_or(Value::Null);
+            let served = matches!(outcome.as_str(), "exact" | "semantic")
+                .then(|| body.pointer("/choices/0/message/content").and_then(Value::as_str).map(str::to_string))
+                .flatten();
+            Answer { served, similarity }
+        }
+    }))
+    .buffered(concurrency)
+    .collect::<Vec<_>>()
+    .await;
+    results
+}
+
+use futures::StreamExt;
+
+/// Stores every A, asks every B; returns the answers in pair order.
+async fn cache_view(
+    config: Config,
+    pairs: &[Pair],
+    concurrency: usize,
+) -> anyhow::Result<Vec<Answer>> {
+    let (addr, _state) = start(config).await?;
+    let client = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/chat/completions");
+    let mut seen = std::collections::HashSet::new();
+    let a_texts: Vec<String> = pairs
+        .iter()
+        .filter(|p| seen.insert(p.a.clone()))
+        .map(|p| p.a.clone())
+        .collect();
+    eprintln!("  storing {} prompts", a_texts.len());
+    ask_all(&client, &url, a_texts, "no-cache", concurrency).await;
+    eprintln!("  asking {} prompts", pairs.len());
+    Ok(ask_all(
+        &client,
+        &url,
+        pairs.iter().map(|p| p.b.clone()).collect(),
+        "only-if-cached",
+        concurrency,
+    )
+    .await)
+}
+
+/// Counts at one operating point.
+#[derive(Debug, Default, Clone, Copy)]
+struct Point {
+    true_pairs: usize,
+    true_hits: usize,
+    served: usize,
+    wrong: usize,
+    false_pairs: usize,
+    false_served: usize,
+}
+
+impl Point {
+    fn add(&mut self, p: &Pair, served: Option<&str>) {
+        let correct = served == Some(p.a.as_str()) && p.same;
+        if p.same {
+            self.true_pairs += 1;
+            self.true_hits += usize::from(correct);
+        } else {
+            self.false_pairs += 1;
+            self.false_served += usize::from(served.is_some());
+        }
+        if served.is_some() {
+            self.served += 1;
+            self.wrong += usize::from(!correct);
+        }
+    }
+
+    fn line(&self) -> String {
+        let pct = |a: usize, b: usize| {
+            if b == 0 {
+                f64::NAN
+            } else {
+                100.0 * a as f64 / b as f64
+            }
+        };
+        format!(
+            "hit rate on true pairs {:5.1} %  | wrong among served {:5.1} %  | false pairs served {:5.1} %  (served {})",
+            pct(self.true_hits, self.true_pairs),
+            pct(self.wrong, self.served),
+            pct(self.false_served, self.false_pairs),
+            self.served
+        )
+    }
+}
+
+/// Runs the quality benchmark.
+pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
+    let mut config = Config::load(a.config.as_deref())?;
+    config.semantic.enabled = true;
+    config.cache.enabled = true;
+    config.backend.kind = crate::config::BackendKind::Fake;
+    for path in &a.pairs {
+        let mut pairs = load_pairs(path)?;
+        if a.limit > 0 {
+            pairs.truncate(a.limit);
+        }
+        println!(
+            "== reprise bench quality: {} ({} pairs) ==",
+            path.display(),
+            pairs.len()
+        );
+
+        eprintln!("curve pass (best candidate of every question)");
+        let mut curve_cfg = config.clone();
+        curve_cfg.semantic.threshold = 1e-6;
+        curve_cfg.semantic.gate = false;
+        curve_cfg.semantic.top_k = 1;
+        let answers = cache_view(curve_cfg, &pairs, a.concurrency).await?;
+        let gate_ok: Vec<bool> = pairs
+            .iter()
+            .zip(&answers)
+            .map(|(p, ans)| {
+                ans.served
+                    .as_deref()
+                    .is_none_or(|s| reprise_policies::gate(&p.b, s).is_pass())
+            })
+            .collect();
+        println!("threshold | without gate | with gate");
+        let mut t = 0.70f32;
+        while t <= 0.981 {
+            let (mut plain, mut gated) = (Point::default(), Point::default());
+            for ((p, ans), ok) in pairs.iter().zip(&answers).zip(&gate_ok) {
+                let served = ans.served.as_deref().filter(|_| ans.similarity >= t);
+                plain.add(p, served);
+                gated.add(p, served.filter(|_| *ok));
+            }
+            println!("{t:.2} | {} \n     | {}", plain.line(), gated.line());
+            t += 0.02;
+        }
+
+        eprintln!(
+            "policy pass (threshold {}, gate {}, top_k {})",
+            config.semantic.threshold, config.semantic.gate, config.semantic.top_k
+        );
+        let answers = cache_view(config.clone(), &pairs, a.concurrency).await?;
+        let mut total = Point::default();
+        let mut by_cat: BTreeMap<String, Point> = BTreeMap::new();
+        for (p, ans) in pairs.iter().zip(&answers) {
+            total.add(p, ans.served.as_deref());
+            by_cat
+                .entry(p.category.clone())
+                .or_default()
+                .add(p, ans.served.as_deref());
+        }
+        println!(
+            "configured policy (threshold {:.2}, gate {}): {}",
+            config.semantic.threshold,
+            if config.semantic.gate { "on" } else { "off" },
+            total.line()
+        );
+        if by_cat.len() > 1 {
+            for (cat, p) in &by_cat {
+                println!("  {cat:<12} {}", p.line());
+            }
+        }
+    }
+    Ok(())
+}

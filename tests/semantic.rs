@@ -1,0 +1,365 @@
+//! The semantic tier over real TCP with the real ONNX embedder: paraphrases hit, traps and
+//! other contexts never do. The scripted backend answers "You asked: <prompt>", so a hit's
+//! body names the prompt it was generated for.
+
+mod common;
+
+use common::*;
+use reprise::Config;
+use reprise_backend::fake::ScriptConfig;
+use serde_json::{json, Value};
+
+fn semantic_config() -> Config {
+    let mut c = test_config();
+    c.semantic.enabled = true;
+    c
+}
+
+async fn content(r: reqwest::Response) -> String {
+    let j: Value = r.json().await.unwrap();
+    j["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+fn convo(msgs: &[(&str, &str)]) -> Value {
+    let m: Vec<Value> = msgs
+        .iter()
+        .map(|(r, c)| json!({"role": r, "content": c}))
+        .collect();
+    json!({"model": "fake", "messages": m})
+}
+
+#[tokio::test]
+async fn paraphrase_is_a_semantic_hit_without_a_backend_call() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let r = app
+        .chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(r.headers()["cache-status"], "reprise; hit; detail=semantic");
+    let sim: f32 = r.headers()["x-reprise-similarity"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(sim > 0.86 && sim <= 1.0, "{sim}");
+    assert_eq!(content(r).await, "You asked: How do I reset my password?");
+    assert_eq!(backend.calls(), 1);
+    // An exact repeat of the paraphrase is now an exact hit.
+    let r = app
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "exact");
+    // Streaming paraphrase hits too.
+    let mut b = chat_body("how can I reset my password");
+    b["stream"] = json!(true);
+    let r = app.chat(&b, &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    let data = sse_data(&r.text().await.unwrap());
+    assert_eq!(sse_text(&data), "You asked: How do I reset my password?");
+    assert_eq!(backend.calls(), 1);
+}
+
+#[tokio::test]
+async fn unrelated_prompt_is_a_miss() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    app.chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    let r = app
+        .chat(&chat_body("What is the capital of France?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 2);
+}
+
+#[tokio::test]
+async fn traps_are_never_served() {
+    let (app, _backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let traps = [
+        (
+            "How do I cancel my subscription?",
+            "How do I not cancel my subscription?",
+        ),
+        (
+            "Can I upgrade my plan today?",
+            "Can't I upgrade my plan today?",
+        ),
+        (
+            "What is the flight time from Paris to London?",
+            "What is the flight time from London to Paris?",
+        ),
+        (
+            "How do I install the printer driver?",
+            "How do I uninstall the printer driver?",
+        ),
+        (
+            "What is the minimum order value?",
+            "What is the maximum order value?",
+        ),
+        (
+            "Is the store open on Monday?",
+            "Is the store open on Tuesday?",
+        ),
+        (
+            "Can I book a table for 4 people?",
+            "Can I book a table for 6 people?",
+        ),
+        ("Who is the CEO of Microsoft?", "Who is the CEO of Google?"),
+        (
+            "How do I enable two-factor authentication?",
+            "How do I disable two-factor authentication?",
+        ),
+    ];
+    for (a, b) in traps {
+        let ns = format!("trap-{}", a.len());
+        let h = [("x-reprise-namespace", ns.as_str())];
+        app.chat(&chat_body(a), &h).await;
+        let r = app.chat(&chat_body(b), &h).await;
+        assert_eq!(cache_status(&r), "miss", "trap served: {a:?} -> {b:?}");
+        assert_eq!(content(r).await, format!("You asked: {b}"));
+    }
+}
+
+#[tokio::test]
+async fn follow_up_after_different_histories_is_a_miss() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let ada = convo(&[("user", "Who is Ada Lovelace?")]);
+    let alan = convo(&[("user", "Who is Alan Turing?")]);
+    let a1 = content(app.chat(&ada, &[]).await).await;
+    let t1 = content(app.chat(&alan, &[]).await).await;
+    let r = app
+        .chat(
+            &convo(&[
+                ("user", "Who is Ada Lovelace?"),
+                ("assistant", &a1),
+                ("user", "How old was she when she died?"),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app
+        .chat(
+            &convo(&[
+                ("user", "Who is Alan Turing?"),
+                ("assistant", &t1),
+                ("user", "How old was he when he died?"),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "a pronoun follow-up must not match across different people"
+    );
+    assert_eq!(backend.calls(), 4);
+}
+
+#[tokio::test]
+async fn same_history_through_a_paraphrased_first_turn_hits() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    // User 1: turn 1, answered fresh; turn 2, answered fresh.
+    let q1 = "How do I reset my password?";
+    let a1 = content(app.chat(&convo(&[("user", q1)]), &[]).await).await;
+    let r = app
+        .chat(
+            &convo(&[
+                ("user", q1),
+                ("assistant", &a1),
+                ("user", "What if I no longer have access to my email?"),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let turn2 = content(r).await;
+    // User 2 phrases turn 1 differently and is served the same entry.
+    let q1b = "I forgot my password, how can I change it?";
+    let r = app.chat(&convo(&[("user", q1b)]), &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    let a1b = content(r).await;
+    assert_eq!(a1b, a1);
+    // Their turn 2 (paraphrased) lands in the same context: a hit.
+    let r = app
+        .chat(
+            &convo(&[
+                ("user", q1b),
+                ("assistant", &a1b),
+                ("user", "What if I can no longer access my email?"),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(content(r).await, turn2);
+    assert_eq!(backend.calls(), 2);
+}
+
+#[tokio::test]
+async fn different_system_prompt_is_a_miss() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    app.chat(
+        &convo(&[
+            ("system", "You are a pirate."),
+            ("user", "How do I reset my password?"),
+        ]),
+        &[],
+    )
+    .await;
+    let r = app
+        .chat(
+            &convo(&[
+                ("system", "You are a lawyer."),
+                ("user", "How can I reset my password?"),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app
+        .chat(
+            &convo(&[
+                ("system", "You are a pirate."),
+                ("user", "How can I reset my password?"),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(backend.calls(), 2);
+}
+
+#[tokio::test]
+async fn namespaces_and_parameters_isolate_semantic_hits() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    app.chat(
+        &chat_body("How do I reset my password?"),
+        &[("x-reprise-namespace", "a")],
+    )
+    .await;
+    let para = chat_body("How can I reset my password?");
+    let r = app.chat(&para, &[("x-reprise-namespace", "b")]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let mut hot = para.clone();
+    hot["temperature"] = json!(1.5);
+    let r = app.chat(&hot, &[("x-reprise-namespace", "a")]).await;
+    assert_eq!(cache_status(&r), "miss", "other sampling parameters");
+    let r = app.chat(&para, &[("x-reprise-namespace", "a")]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(backend.calls(), 3);
+}
+
+#[tokio::test]
+async fn threshold_header_raises_but_never_lowers() {
+    let mut config = semantic_config();
+    config.semantic.threshold = 0.86;
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    app.chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    let para = chat_body("I forgot my password, how can I change it?");
+    // Raised above the pair's similarity (about 0.89): no hit.
+    let r = app.chat(&para, &[("x-reprise-threshold", "0.99")]).await;
+    assert_eq!(cache_status(&r), "miss");
+    // Lowering is ignored: an unrelated prompt does not hit even with threshold 0.1.
+    let r = app
+        .chat(
+            &chat_body("How do I bake sourdough bread?"),
+            &[("x-reprise-threshold", "0.1")],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    // The configured threshold still applies when the header asks for less.
+    let r = app
+        .chat(
+            &chat_body("how can i reset my password"),
+            &[("x-reprise-threshold", "0.5")],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+}
+
+#[tokio::test]
+async fn only_if_cached_never_calls_the_backend() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let r = app
+        .chat(
+            &chat_body("How do I reset my password?"),
+            &[("cache-control", "only-if-cached")],
+        )
+        .await;
+    assert_eq!(r.status(), 504);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["error"]["code"], "not_cached");
+    assert_eq!(backend.calls(), 0);
+    app.chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    let r = app
+        .chat(
+            &chat_body("How can I reset my password?"),
+            &[("cache-control", "only-if-cached")],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(backend.calls(), 1);
+}
+
+#[tokio::test]
+async fn request_log_records_every_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("requests.jsonl");
+    let mut config = semantic_config();
+    config.log.request_log = Some(path.clone());
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    app.chat(
+        &chat_body("How do I reset my password?"),
+        &[("x-reprise-namespace", "logged")],
+    )
+    .await;
+    app.chat(
+        &chat_body("How can I reset my password?"),
+        &[("x-reprise-namespace", "logged")],
+    )
+    .await;
+    app.chat(
+        &chat_body("How do I not reset my password?"),
+        &[("x-reprise-namespace", "logged")],
+    )
+    .await;
+    let lines = || {
+        std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert!(eventually(std::time::Duration::from_secs(5), || lines().len() == 3).await);
+    let l = lines();
+    assert_eq!(l[0]["outcome"], "miss");
+    assert_eq!(l[0]["namespace"], "logged");
+    assert!(l[0]["embed_ms"].as_f64().is_some());
+    assert!(l[0]["backend_ms"].as_f64().is_some());
+    assert_eq!(l[1]["outcome"], "semantic");
+    assert_eq!(l[1]["gate"], "pass");
+    assert!(l[1]["similarity"].as_f64().unwrap() > 0.86);
+    assert!(l[1]["entry_id"].as_str().is_some());
+    assert!(l[1]["search_ms"].as_f64().is_some());
+    assert_eq!(l[2]["outcome"], "miss");
+    assert_eq!(l[2]["gate"], "negation", "{}", l[2]);
+    for rec in &l {
+        assert!(rec["total_ms"].as_f64().unwrap() >= 0.0);
+        assert!(rec["time_ms"].as_u64().unwrap() > 0);
+    }
+}
