@@ -33,6 +33,9 @@ enum Mode {
     /// Semantic hit quality on labelled pairs: store side A through the HTTP path, ask side B,
     /// report hit rate on true pairs and false hits, over thresholds, with and without the gate.
     Quality(crate::bench_quality::QualityArgs),
+    /// The llama backend through reprise's HTTP API against a bare llama.cpp decode loop
+    /// (tokens/s, time to first token), and aggregate throughput at 1, 2, 4, 8 streams.
+    Llama(crate::bench_llama::LlamaArgs),
 }
 
 /// Options of `reprise bench proxy`.
@@ -60,6 +63,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.mode {
         Mode::Proxy(a) => proxy(a).await,
         Mode::Quality(a) => crate::bench_quality::run(a).await,
+        Mode::Llama(a) => crate::bench_llama::run(a).await,
     }
 }
 

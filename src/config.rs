@@ -27,6 +27,8 @@ pub struct Config {
     pub semantic: SemanticConfig,
     /// Request log.
     pub log: LogConfig,
+    /// Predictive prefetch and refresh-ahead.
+    pub prefetch: crate::prefetch::PrefetchConfig,
 }
 
 /// `[server]`

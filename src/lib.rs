@@ -9,6 +9,7 @@
 //! - [`pipeline`] is the request path, top to bottom.
 
 pub mod bench;
+pub mod bench_llama;
 pub mod bench_quality;
 pub mod config;
 pub mod error;
@@ -18,6 +19,7 @@ pub mod key;
 pub mod metrics;
 pub mod openai;
 pub mod pipeline;
+pub mod prefetch;
 pub mod reqlog;
 pub mod state;
 

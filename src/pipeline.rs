@@ -30,6 +30,7 @@ use crate::error::ApiError;
 use crate::flight::{End, Flight, Joined, Subscriber};
 use crate::key::{self, Conversation, KeyHasher};
 use crate::metrics::{Outcome, Tier};
+use crate::prefetch::Observation;
 use crate::openai::{
     ChatCompletionRequest, CompletionRequest, Content, Endpoint, Prompt, Renderer,
 };
@@ -44,6 +45,8 @@ pub const CACHE_HEADER: &str = "x-reprise-cache";
 pub const SIMILARITY_HEADER: &str = "x-reprise-similarity";
 /// Request header raising the similarity threshold for this request.
 pub const THRESHOLD_HEADER: &str = "x-reprise-threshold";
+/// Request header linking consecutive single-turn prompts of one session (for prefetch).
+pub const SESSION_HEADER: &str = "x-reprise-session";
 /// The namespace of requests that name none.
 pub const DEFAULT_NAMESPACE: &str = "default";
 
@@ -73,6 +76,8 @@ pub struct Controls {
     pub only_if_cached: bool,
     /// Similarity threshold requested by the client (only ever raises the configured one).
     pub threshold: Option<f32>,
+    /// Session id linking consecutive prompts (`x-reprise-session`).
+    pub session: Option<String>,
 }
 
 impl Controls {
@@ -128,6 +133,11 @@ impl Controls {
             no_store,
             only_if_cached,
             threshold,
+            session: headers
+                .get(SESSION_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .filter(|s| !s.is_empty() && s.len() <= 256)
+                .map(str::to_string),
         })
     }
 }
@@ -175,51 +185,49 @@ async fn serve(
     let read = enabled && !ctl.no_cache && !ctl.no_store;
     let write = enabled && !ctl.no_store && !ctl.only_if_cached;
     let renderer = Renderer::new(endpoint, &parsed.req.model);
-    let exact = key::exact_key(&ctl.namespace, endpoint, &parsed.req);
 
-    // 4. Exact lookup.
-    if read {
-        let hit = state.memory.get_by_key(&exact).await;
-        state.metrics.lookup(Tier::Exact, hit.is_some());
-        if let Some(entry) = hit {
-            let outcome = hit_outcome(&entry, Outcome::Exact);
-            return Ok(respond_hit(&parsed, renderer, entry, outcome, None, trace));
-        }
-    }
-
-    // 5. Semantic lookup (also computes what a write-back needs: partition, embedding).
-    let mut plan = WritePlan {
-        exact,
-        namespace: ctl.namespace.clone(),
-        model: parsed.req.model.clone(),
-        prompt: String::new(),
-        partition: None,
-        embedding: None,
-        turn: None,
-        origin: Origin::Live,
-    };
-    if write || read {
-        if let Some(hit) =
-            semantic_lookup(state, endpoint, &parsed.req, &ctl, read, &mut plan, trace).await?
-        {
-            let (entry, similarity) = hit;
-            // An exact repeat of this phrasing is an exact hit next time.
-            if write {
-                state.memory.alias(exact, entry.id).await;
-                if let Some(turn) = plan.turn_key(&entry.text) {
-                    state.memory.alias(turn, entry.id).await;
-                }
+    // 4. Exact and 5. semantic lookup.
+    let found = lookup(state, &ctl.namespace, endpoint, &parsed.req, read, write, ctl.threshold, trace).await;
+    let session = ctl.session.clone().or_else(|| parsed.user.clone());
+    if let Some(hit) = found.hit {
+        if write {
+            // An exact repeat of this phrasing, and the next turn of this conversation, find
+            // the entry directly next time.
+            state.memory.alias(found.plan.exact, hit.entry.id).await;
+            if let Some(turn) = found.plan.turn_key(&hit.entry.text) {
+                state.memory.alias(turn, hit.entry.id).await;
             }
-            let outcome = hit_outcome(&entry, Outcome::Semantic);
-            return Ok(respond_hit(
-                &parsed,
-                renderer,
-                entry,
-                outcome,
-                Some(similarity),
-                trace,
-            ));
         }
+        if hit.entry.origin == Origin::Prefetch {
+            // A prefetched entry says so on its first use; after that it is a normal entry.
+            let mut used = (*hit.entry).clone();
+            used.origin = Origin::Live;
+            state.memory.insert_entry(Arc::new(used)).await;
+            if let Some(p) = &state.prefetch {
+                p.used(hit.entry.id);
+            }
+        }
+        if let Some(p) = &state.prefetch {
+            p.observe(Observation {
+                namespace: ctl.namespace.clone(),
+                endpoint,
+                request: parsed.req.clone(),
+                session,
+                prev_entry: found.prev_entry,
+                entry: hit.entry.clone(),
+            });
+        }
+        return Ok(respond_hit(&parsed, renderer, hit.entry, hit.outcome, hit.similarity, trace));
+    }
+    let exact = found.plan.exact;
+    let mut plan = found.plan;
+    if state.prefetch.is_some() {
+        plan.observe = Some(ObserveLater {
+            endpoint,
+            request: parsed.req.clone(),
+            session,
+            prev_entry: found.prev_entry,
+        });
     }
 
     if ctl.only_if_cached {
@@ -455,6 +463,21 @@ pub struct WritePlan {
     pub turn: Option<(Digest, Digest)>,
     /// Live, prefetch or refresh.
     pub origin: Origin,
+    /// Report the stored entry to the prefetcher (live requests, when prefetch is on).
+    pub observe: Option<ObserveLater>,
+}
+
+/// What the prefetcher is told about a miss once its answer is stored.
+#[derive(Debug, Clone)]
+pub struct ObserveLater {
+    /// Endpoint of the request.
+    pub endpoint: Endpoint,
+    /// The request as asked.
+    pub request: GenRequest,
+    /// Session id (`x-reprise-session` or the `user` field).
+    pub session: Option<String>,
+    /// The entry that answered the previous turn.
+    pub prev_entry: Option<EntryId>,
 }
 
 impl WritePlan {
@@ -488,20 +511,30 @@ fn turn_key(
     h.finish()
 }
 
+/// A conversation's resolved context.
+struct Context {
+    /// The context of this turn (to link this turn's answer for the next turn).
+    turn: Digest,
+    /// The turn context plus any messages pending before the query (they are not matched by
+    /// meaning, so they must match exactly).
+    partition: Digest,
+    /// Digest of this turn's query messages.
+    query: Digest,
+    /// The entry that answered the previous exchange, when reprise served it.
+    prev_entry: Option<EntryId>,
+}
+
 /// Resolves a conversation's context: the preamble, then each earlier exchange. An exchange
 /// that reprise itself answered stands for the entry that answered it, so two histories that
 /// reached the same answer through different phrasings share one context.
-///
-/// Returns the turn context (to link this turn's answer for the next turn), the partition
-/// context (the turn context plus any messages pending before the query, which are not matched
-/// by meaning) and the digest of this turn's query messages.
 async fn resolve_context(
     state: &AppState,
     namespace: &str,
     model: &str,
     conv: &Conversation<'_>,
-) -> (Digest, Digest, Digest) {
+) -> Context {
     let mut ctx = key::messages_digest("preamble", &conv.preamble);
+    let mut prev_entry = None;
     for (msgs, answer) in &conv.turns {
         let query = key::messages_digest("query", msgs);
         let link = turn_key(namespace, model, &ctx, &query, &answer.content);
@@ -510,10 +543,12 @@ async fn resolve_context(
             Some(entry) => {
                 h = KeyHasher::new("ctx-entry");
                 h.str(&entry.id.to_string());
+                prev_entry = Some(entry.id);
             }
             None => {
                 h = KeyHasher::new("ctx-raw");
                 h.digest(&ctx).digest(&query).str(&answer.content);
+                prev_entry = None;
             }
         }
         ctx = h.finish();
@@ -530,60 +565,122 @@ async fn resolve_context(
     for m in &conv.pending {
         h.str(&m.role).str(&m.content);
     }
-    (ctx, h.finish(), query)
+    Context {
+        turn: ctx,
+        partition: h.finish(),
+        query,
+        prev_entry,
+    }
 }
 
-/// Step 5. Fills `plan` with the partition and embedding; returns a servable entry if one
-/// passes the threshold and the gate.
-async fn semantic_lookup(
+/// A servable entry found for a request.
+pub struct Hit {
+    /// The entry.
+    pub entry: Arc<Entry>,
+    /// Exact, semantic or prefetch.
+    pub outcome: Outcome,
+    /// Cosine similarity for semantic hits.
+    pub similarity: Option<f32>,
+}
+
+/// What the cache knows about one request.
+pub struct Lookup {
+    /// What a write-back of this request's answer would store (keys, partition, embedding).
+    pub plan: WritePlan,
+    /// A servable entry, when one was found.
+    pub hit: Option<Hit>,
+    /// The entry that answered the previous turn of this conversation, when reprise served it.
+    pub prev_entry: Option<EntryId>,
+}
+
+/// Steps 4 and 5: exact lookup, then semantic lookup. Always fills the write plan (only the
+/// parts `write` needs) and reads only when `read`.
+#[allow(clippy::too_many_arguments)]
+pub async fn lookup(
     state: &Arc<AppState>,
+    namespace: &str,
     endpoint: Endpoint,
     req: &GenRequest,
-    ctl: &Controls,
     read: bool,
-    plan: &mut WritePlan,
+    write: bool,
+    threshold: Option<f32>,
     trace: &mut Trace,
-) -> Result<Option<(Arc<Entry>, f32)>, ApiError> {
-    let (query, context, turn) = match &req.input {
-        Input::Prompt(p) => (p.clone(), key::messages_digest("preamble", &[]), None),
-        Input::Chat(msgs) => {
-            let Some(conv) = key::split_conversation(msgs) else {
-                return Ok(None);
-            };
-            let (turn_ctx, part_ctx, query) =
-                resolve_context(state, &ctl.namespace, &req.model, &conv).await;
-            (conv.query.to_string(), part_ctx, Some((turn_ctx, query)))
+) -> Lookup {
+    let exact = key::exact_key(namespace, endpoint, req);
+    let mut plan = WritePlan {
+        exact,
+        namespace: namespace.to_string(),
+        model: req.model.clone(),
+        prompt: String::new(),
+        partition: None,
+        embedding: None,
+        turn: None,
+        origin: Origin::Live,
+        observe: None,
+    };
+    // The conversation: what is matched by meaning, and the context it must match in.
+    let (query, context, prev_entry) = match &req.input {
+        Input::Prompt(p) => (Some(p.clone()), key::messages_digest("preamble", &[]), None),
+        Input::Chat(msgs) => match key::split_conversation(msgs) {
+            Some(conv) => {
+                let ctx = resolve_context(state, namespace, &req.model, &conv).await;
+                plan.turn = Some((ctx.turn, ctx.query));
+                (Some(conv.query.to_string()), ctx.partition, ctx.prev_entry)
+            }
+            None => (None, [0; 32], None),
+        },
+    };
+    let mut found = Lookup {
+        plan,
+        hit: None,
+        prev_entry,
+    };
+    // Background lookups (detached traces) are not client traffic: keep them out of the
+    // lookup metrics analysts read.
+    let counted = trace.state.is_some();
+    if read {
+        let hit = state.memory.get_by_key(&exact).await;
+        if counted {
+            state.metrics.lookup(Tier::Exact, hit.is_some());
         }
+        if let Some(entry) = hit {
+            found.hit = Some(Hit {
+                outcome: hit_outcome(&entry, Outcome::Exact),
+                entry,
+                similarity: None,
+            });
+            return found;
+        }
+    }
+    let (Some(query), Some(sem)) = (query, &state.semantic) else {
+        return found;
     };
-    plan.turn = turn;
-    plan.prompt = query.clone();
-    let Some(sem) = &state.semantic else {
-        return Ok(None);
-    };
-    let partition = key::partition_key(&ctl.namespace, endpoint, req, &context);
-    plan.partition = Some(partition);
+    if !read && !write {
+        return found;
+    }
+    let partition = key::partition_key(namespace, endpoint, req, &context);
+    found.plan.partition = Some(partition);
+    found.plan.prompt = query.clone();
     let t = Instant::now();
     let embedding = match sem.embedder.embed(&query).await {
         Ok(e) => e,
         Err(e) => {
             // The semantic tier is an optimisation: a failing embedder degrades to exact-only.
             tracing::warn!(error = %e, "embedding failed; semantic tier skipped");
-            return Ok(None);
+            return found;
         }
     };
     trace.record.embed_ms = Some(ms(t));
-    plan.embedding = Some(embedding.clone());
+    found.plan.embedding = Some(embedding.clone());
     if !read {
-        return Ok(None);
+        return found;
     }
     let t = Instant::now();
-    let threshold = ctl.threshold.map_or(state.config.semantic.threshold, |h| {
-        h.max(state.config.semantic.threshold)
-    });
+    let configured = state.config.semantic.threshold;
+    let threshold = threshold.map_or(configured, |h| h.max(configured));
     let candidates = sem
         .index
         .search(&partition, &embedding, state.config.semantic.top_k);
-    let mut found = None;
     for c in candidates {
         if trace.record.similarity.is_none() {
             trace.record.similarity = Some(c.similarity);
@@ -606,12 +703,18 @@ async fn semantic_lookup(
         }
         trace.record.gate = Some("pass");
         trace.record.similarity = Some(c.similarity);
-        found = Some((entry, c.similarity));
+        found.hit = Some(Hit {
+            outcome: hit_outcome(&entry, Outcome::Semantic),
+            entry,
+            similarity: Some(c.similarity),
+        });
         break;
     }
     trace.record.search_ms = Some(ms(t));
-    state.metrics.lookup(Tier::Semantic, found.is_some());
-    Ok(found)
+    if counted {
+        state.metrics.lookup(Tier::Semantic, found.hit.is_some());
+    }
+    found
 }
 
 /// A prefetched entry says so on its first use; after that it is a normal entry.
@@ -619,6 +722,60 @@ fn hit_outcome(entry: &Entry, tier: Outcome) -> Outcome {
     match entry.origin {
         Origin::Prefetch => Outcome::Prefetch,
         _ => tier,
+    }
+}
+
+/// What a background generation came to.
+#[derive(Debug)]
+pub enum Background {
+    /// The cache can already answer the request in its context; nothing was generated.
+    Cached,
+    /// Generated and stored.
+    Generated {
+        /// The new entry.
+        id: EntryId,
+        /// Its token usage.
+        usage: Usage,
+    },
+    /// The backend failed, was preempted, or the answer was incomplete; nothing stored.
+    Failed(BackendError),
+}
+
+/// Generates `req` at background priority and stores the answer as an entry of `origin`,
+/// unless the cache can already answer it (`check_cache`). Used by prefetch (the follow-up as
+/// it will arrive) and refresh-ahead (`check_cache = false`: the entry exists but is expiring).
+/// Background flights are never joined by interactive requests: a preempted background
+/// generation must not fail a user's request.
+pub async fn generate_in_background(
+    state: &Arc<AppState>,
+    namespace: &str,
+    endpoint: Endpoint,
+    mut req: GenRequest,
+    origin: Origin,
+    check_cache: bool,
+) -> Background {
+    req.priority = Priority::Background;
+    let mut trace = Trace::detached();
+    let found = lookup(state, namespace, endpoint, &req, check_cache, true, None, &mut trace).await;
+    if found.hit.is_some() {
+        return Background::Cached;
+    }
+    let mut plan = found.plan;
+    plan.origin = origin;
+    let exact = plan.exact;
+    let (flight, mut sub) = state.flights.solo();
+    spawn_generation(state.clone(), flight, None, req, Some(plan));
+    let mut usage = None;
+    while let Some(ev) = sub.next().await {
+        match ev {
+            Ok(GenEvent::Finish { usage: u, .. }) => usage = Some(u),
+            Ok(GenEvent::Delta(_)) => {}
+            Err(e) => return Background::Failed(e),
+        }
+    }
+    match (usage, state.memory.get_by_key(&exact).await) {
+        (Some(usage), Some(entry)) => Background::Generated { id: entry.id, usage },
+        _ => Background::Failed(BackendError::Internal("no entry after generation".into())),
     }
 }
 
@@ -714,6 +871,16 @@ pub async fn write_back(
         expires_ms: now + ttl,
     });
     let id = entry.id;
+    if let (Some(p), Some(o)) = (&state.prefetch, plan.observe) {
+        p.observe(Observation {
+            namespace: entry.namespace.clone(),
+            endpoint: o.endpoint,
+            request: o.request,
+            session: o.session,
+            prev_entry: o.prev_entry,
+            entry: entry.clone(),
+        });
+    }
     state.memory.insert(plan.exact, entry).await;
     if let Some(turn) = turn {
         state.memory.alias(turn, id).await;

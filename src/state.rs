@@ -46,6 +46,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Per-request JSON log, when configured.
     pub request_log: Option<RequestLog>,
+    /// Follow-up prediction and background generation, when enabled.
+    pub prefetch: Option<Arc<crate::prefetch::Prefetcher>>,
     ready: AtomicBool,
 }
 
@@ -90,7 +92,11 @@ impl AppState {
             }
             _ => backend.models(),
         };
-        Ok(Arc::new(AppState {
+        let prefetch = config
+            .prefetch
+            .enabled
+            .then(|| crate::prefetch::Prefetcher::new(config.prefetch.clone()));
+        let state = Arc::new(AppState {
             config,
             backend,
             models,
@@ -99,8 +105,14 @@ impl AppState {
             flights: Flights::default(),
             metrics,
             request_log,
+            prefetch,
             ready: AtomicBool::new(true),
-        }))
+        });
+        if let Some(p) = &state.prefetch {
+            // The worker holds a weak reference: it must not keep a dropped server alive.
+            p.start(Arc::downgrade(&state));
+        }
+        Ok(state)
     }
 
     /// Builds the state the configuration describes: loads the model and the embedder

@@ -34,7 +34,7 @@ mod conn;
 mod events;
 
 use std::collections::HashSet;
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -304,7 +304,8 @@ impl Keys {
         s.push_str(&self.prefix);
         s.push_str(":k:");
         for b in digest {
-            s.push_str(&format!("{b:02x}"));
+            // Writing into a String cannot fail.
+            let _ = write!(s, "{b:02x}");
         }
         s
     }

@@ -20,8 +20,9 @@ use ::redis::{Client, Cmd, FromRedisValue, RedisResult};
 pub(crate) enum Connector {
     /// One server.
     Single(Client),
-    /// A cluster, reached through any of its seed nodes.
-    Cluster(ClusterClient),
+    /// A cluster, reached through any of its seed nodes (boxed: the client is large and
+    /// the connector is cloned into every subscription).
+    Cluster(Box<ClusterClient>),
 }
 
 /// A live (or lazily connecting) handle; clones share the underlying connection(s).
@@ -56,7 +57,7 @@ impl Connector {
                 // loops would only hold requests past their deadline.
                 .retries(2)
                 .build()?;
-            return Ok(Connector::Cluster(client));
+            return Ok(Connector::Cluster(Box::new(client)));
         }
         match url {
             Some(url) => Ok(Connector::Single(Client::open(url)?)),
