@@ -21,7 +21,6 @@ use reprise_backend::llama::{bare_decode_benchmark, BareStats, LlamaBackend, Lla
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use crate::bench::percentile;
 use crate::config::{BackendKind, Config};
 use crate::state::AppState;
 
@@ -187,8 +186,15 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// The middle value, or the mean of the two middle values of an even count.
 fn median(v: &[f64]) -> f64 {
-    percentile(v, 50.0)
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    match s.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }
 
 /// Runs `reprise bench llama`.

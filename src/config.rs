@@ -27,6 +27,8 @@ pub struct Config {
     pub semantic: SemanticConfig,
     /// Request log.
     pub log: LogConfig,
+    /// Shared Redis tier (absent `url`: memory only).
+    pub redis: reprise_cache::redis::RedisConfig,
     /// Predictive prefetch and refresh-ahead.
     pub prefetch: crate::prefetch::PrefetchConfig,
 }
@@ -44,6 +46,9 @@ pub struct ServerConfig {
     /// Longest a request waits for its first token from the backend, in seconds (504 after
     /// that). Applies to streaming and non-streaming requests.
     pub first_token_timeout_secs: f64,
+    /// Name of the environment variable holding the admin token for `/admin/*` endpoints
+    /// (unset: those endpoints answer 401 to everyone).
+    pub admin_token_env: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -53,6 +58,7 @@ impl Default for ServerConfig {
             max_body_bytes: 4 * 1024 * 1024,
             request_timeout_secs: 300.0,
             first_token_timeout_secs: 60.0,
+            admin_token_env: None,
         }
     }
 }

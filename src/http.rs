@@ -7,7 +7,8 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::extract::Path;
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
@@ -26,6 +27,9 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/admin/entries/{id}", delete(delete_entry))
+        .route("/admin/namespaces/{namespace}", delete(delete_namespace))
+        .route("/admin/tags/{tag}", delete(delete_tag))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -62,11 +66,89 @@ pub async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
-    if state.is_ready() {
-        Json(json!({"status": "ready"})).into_response()
-    } else {
-        ApiError::NotReady.into_response()
+    if !state.is_ready() {
+        return ApiError::NotReady.into_response();
     }
+    // Redis being down degrades the cache, not the service: still ready, and says so.
+    let redis = state.redis.as_ref().map(|r| {
+        let h = r.health();
+        json!({"up": h.up, "breaker_open": h.breaker_open,
+               "queued_writes": h.queued_writes, "dropped_writes": h.dropped_writes})
+    });
+    Json(json!({"status": "ready", "redis": redis})).into_response()
+}
+
+/// Checks `Authorization: Bearer <token>` against the token named by
+/// `server.admin_token_env`.
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let expected = state
+        .config
+        .server
+        .admin_token_env
+        .as_ref()
+        .and_then(|var| std::env::var(var).ok())
+        .filter(|t| !t.is_empty())
+        .ok_or(ApiError::Unauthorized)?;
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or(ApiError::Unauthorized)?;
+    if given.as_bytes() == expected.as_bytes() {
+        Ok(())
+    } else {
+        Err(ApiError::Unauthorized)
+    }
+}
+
+fn redis_error(e: reprise_cache::redis::RedisError) -> ApiError {
+    ApiError::Internal(format!("redis: {e}"))
+}
+
+async fn delete_entry(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let id: reprise_cache::EntryId = id
+        .parse()
+        .map_err(|_| ApiError::invalid("not an entry id", Some("id")))?;
+    let local = state.memory.get(id).await.is_some();
+    crate::replication::remove_local(&state, id).await;
+    let shared = match &state.redis {
+        Some(r) => r.delete(id).await.map_err(redis_error)?,
+        None => false,
+    };
+    Ok(Json(json!({"deleted": u64::from(local || shared)})))
+}
+
+async fn delete_namespace(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(namespace): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let local = crate::replication::remove_where(&state, |e| e.namespace == namespace).await;
+    let shared = match &state.redis {
+        Some(r) => r.delete_namespace(&namespace).await.map_err(redis_error)?,
+        None => 0,
+    };
+    Ok(Json(json!({"deleted": local.max(shared)})))
+}
+
+async fn delete_tag(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(tag): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let local = crate::replication::remove_where(&state, |e| e.tags.contains(&tag)).await;
+    let shared = match &state.redis {
+        Some(r) => r.delete_tag(&tag).await.map_err(redis_error)?,
+        None => 0,
+    };
+    Ok(Json(json!({"deleted": local.max(shared)})))
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod openai;
 pub mod pipeline;
 pub mod prefetch;
+pub mod replication;
 pub mod reqlog;
 pub mod state;
 

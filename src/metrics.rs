@@ -64,6 +64,8 @@ pub enum Tier {
     Exact,
     /// Near-duplicate index.
     Semantic,
+    /// Exact key in the shared Redis tier.
+    Redis,
 }
 
 /// Typed handles to every metric the server records.
@@ -72,7 +74,7 @@ pub struct Metrics {
     requests: [Counter; 6],
     duration: [Histogram; 6],
     ttft: [Histogram; 6],
-    lookups: [[Counter; 2]; 2],
+    lookups: [[Counter; 2]; 3],
     /// Time the backend took for a whole generation.
     pub backend_duration: Histogram,
     /// Backend generations started.
@@ -134,7 +136,7 @@ fn describe() {
     );
     describe_counter!(
         "reprise_cache_lookups_total",
-        "Cache lookups by tier (exact, semantic) and result (hit, miss)."
+        "Cache lookups by tier (exact, semantic, redis) and result (hit, miss)."
     );
     describe_histogram!(
         "reprise_backend_duration_seconds",
@@ -164,6 +166,7 @@ fn describe() {
         "Generations that failed, were cut off or were abandoned; never cached."
     );
     reprise_backend::llama::describe_metrics();
+    reprise_cache::redis::describe_metrics();
 }
 
 impl Metrics {
@@ -185,7 +188,7 @@ impl Metrics {
             requests: by_outcome("reprise_requests_total"),
             duration: hist_by_outcome("reprise_request_duration_seconds"),
             ttft: hist_by_outcome("reprise_time_to_first_token_seconds"),
-            lookups: [lookup("exact"), lookup("semantic")],
+            lookups: [lookup("exact"), lookup("semantic"), lookup("redis")],
             backend_duration: metrics::histogram!("reprise_backend_duration_seconds"),
             backend_calls: metrics::counter!("reprise_backend_calls_total"),
             singleflight_joins: metrics::counter!("reprise_singleflight_joins_total"),
@@ -213,6 +216,7 @@ impl Metrics {
         let t = match tier {
             Tier::Exact => 0,
             Tier::Semantic => 1,
+            Tier::Redis => 2,
         };
         self.lookups[t][usize::from(!hit)].increment(1);
     }

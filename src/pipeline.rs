@@ -47,6 +47,8 @@ pub const SIMILARITY_HEADER: &str = "x-reprise-similarity";
 pub const THRESHOLD_HEADER: &str = "x-reprise-threshold";
 /// Request header linking consecutive single-turn prompts of one session (for prefetch).
 pub const SESSION_HEADER: &str = "x-reprise-session";
+/// Request header with comma-separated invalidation tags for the stored answer.
+pub const TAGS_HEADER: &str = "x-reprise-tags";
 /// The namespace of requests that name none.
 pub const DEFAULT_NAMESPACE: &str = "default";
 
@@ -78,6 +80,8 @@ pub struct Controls {
     pub threshold: Option<f32>,
     /// Session id linking consecutive prompts (`x-reprise-session`).
     pub session: Option<String>,
+    /// Invalidation tags for the entry this request creates (`x-reprise-tags: a,b`).
+    pub tags: Vec<String>,
 }
 
 impl Controls {
@@ -133,6 +137,17 @@ impl Controls {
             no_store,
             only_if_cached,
             threshold,
+            tags: headers
+                .get(TAGS_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| {
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|t| !t.is_empty())
+                        .map(str::to_string)
+                        .collect()
+                })
+                .unwrap_or_default(),
             session: headers
                 .get(SESSION_HEADER)
                 .and_then(|v| v.to_str().ok())
@@ -193,9 +208,13 @@ async fn serve(
         if write {
             // An exact repeat of this phrasing, and the next turn of this conversation, find
             // the entry directly next time.
-            state.memory.alias(found.plan.exact, hit.entry.id).await;
-            if let Some(turn) = found.plan.turn_key(&hit.entry.text) {
-                state.memory.alias(turn, hit.entry.id).await;
+            let mut keys = vec![found.plan.exact];
+            keys.extend(found.plan.turn_key(&hit.entry.text));
+            for k in keys {
+                state.memory.alias(k, hit.entry.id).await;
+                if let Some(redis) = &state.redis {
+                    redis.alias(k, hit.entry.id, hit.entry.ttl_left());
+                }
             }
         }
         if hit.entry.origin == Origin::Prefetch {
@@ -221,6 +240,7 @@ async fn serve(
     }
     let exact = found.plan.exact;
     let mut plan = found.plan;
+    plan.tags = ctl.tags.clone();
     if state.prefetch.is_some() {
         plan.observe = Some(ObserveLater {
             endpoint,
@@ -465,6 +485,8 @@ pub struct WritePlan {
     pub origin: Origin,
     /// Report the stored entry to the prefetcher (live requests, when prefetch is on).
     pub observe: Option<ObserveLater>,
+    /// Invalidation tags from `x-reprise-tags`.
+    pub tags: Vec<String>,
 }
 
 /// What the prefetcher is told about a miss once its answer is stored.
@@ -617,6 +639,7 @@ pub async fn lookup(
         turn: None,
         origin: Origin::Live,
         observe: None,
+        tags: Vec::new(),
     };
     // The conversation: what is matched by meaning, and the context it must match in.
     let (query, context, prev_entry) = match &req.input {
@@ -639,9 +662,23 @@ pub async fn lookup(
     // lookup metrics analysts read.
     let counted = trace.state.is_some();
     if read {
-        let hit = state.memory.get_by_key(&exact).await;
+        let mut hit = state.memory.get_by_key(&exact).await;
         if counted {
             state.metrics.lookup(Tier::Exact, hit.is_some());
+        }
+        if hit.is_none() {
+            if let Some(redis) = &state.redis {
+                // L2: a hit is promoted into this replica's memory and index.
+                let l2 = redis.get_by_key(&exact).await.ok().flatten();
+                if counted {
+                    state.metrics.lookup(Tier::Redis, l2.is_some());
+                }
+                if let Some(entry) = l2 {
+                    let entry = crate::replication::install(state, entry).await;
+                    state.memory.alias(exact, entry.id).await;
+                    hit = Some(entry);
+                }
+            }
         }
         if let Some(entry) = hit {
             found.hit = Some(Hit {
@@ -688,9 +725,21 @@ pub async fn lookup(
         if c.similarity < threshold {
             break;
         }
-        let Some(entry) = state.memory.get(c.id).await else {
-            sem.index.remove(c.id);
-            continue;
+        let entry = match state.memory.get(c.id).await {
+            Some(e) => e,
+            None => match &state.redis {
+                Some(redis) => match redis.get(c.id).await {
+                    Ok(Some(e)) => crate::replication::install(state, e).await,
+                    _ => {
+                        sem.index.remove(c.id);
+                        continue;
+                    }
+                },
+                None => {
+                    sem.index.remove(c.id);
+                    continue;
+                }
+            },
         };
         if state.config.semantic.gate {
             let verdict = reprise_policies::gate(&query, &entry.prompt);
@@ -867,10 +916,17 @@ pub async fn write_back(
         partition: plan.partition.unwrap_or([0; 32]),
         embedding: plan.embedding.clone(),
         origin: plan.origin,
+        tags: plan.tags,
         created_ms: now,
         expires_ms: now + ttl,
     });
     let id = entry.id;
+    if let Some(redis) = &state.redis {
+        // Queued: Redis being slow or down never delays or fails the answer.
+        let mut keys = vec![plan.exact];
+        keys.extend(turn);
+        redis.put_with_tags(&entry, &keys, &entry.tags);
+    }
     if let (Some(p), Some(o)) = (&state.prefetch, plan.observe) {
         p.observe(Observation {
             namespace: entry.namespace.clone(),

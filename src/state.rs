@@ -12,6 +12,7 @@ use reprise_backend::llama::{LlamaBackend, LlamaConfig};
 use reprise_backend::openai::{OpenAiBackend, OpenAiConfig};
 use reprise_backend::Backend;
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+use reprise_cache::redis::RedisTier;
 use reprise_cache::{EvictionHook, MemoryTier};
 use reprise_embedder::{Embedder, EmbedderConfig, FastEmbedder};
 
@@ -36,8 +37,10 @@ pub struct AppState {
     pub backend: Arc<dyn Backend>,
     /// Model names accepted; empty means any (an upstream decides).
     pub models: Vec<String>,
-    /// In-process tier.
+    /// In-process tier (L1).
     pub memory: MemoryTier,
+    /// Shared Redis tier (L2), when configured.
+    pub redis: Option<RedisTier>,
     /// Near-duplicate tier, when enabled.
     pub semantic: Option<Semantic>,
     /// Generations in flight, by exact key.
@@ -57,6 +60,17 @@ impl AppState {
         config: Config,
         backend: Arc<dyn Backend>,
         embedder: Option<Arc<dyn Embedder>>,
+    ) -> anyhow::Result<Arc<AppState>> {
+        Self::with_redis(config, backend, embedder, None)
+    }
+
+    /// Like [`AppState::new`], with a connected Redis tier; starts the replication task that
+    /// keeps this replica's memory and index in step with the others.
+    pub fn with_redis(
+        config: Config,
+        backend: Arc<dyn Backend>,
+        embedder: Option<Arc<dyn Embedder>>,
+        redis: Option<RedisTier>,
     ) -> anyhow::Result<Arc<AppState>> {
         let metrics = Metrics::new();
         let semantic = match (config.semantic.enabled, embedder) {
@@ -101,6 +115,7 @@ impl AppState {
             backend,
             models,
             memory,
+            redis,
             semantic,
             flights: Flights::default(),
             metrics,
@@ -112,6 +127,9 @@ impl AppState {
             // The worker holds a weak reference: it must not keep a dropped server alive.
             p.start(Arc::downgrade(&state));
         }
+        if state.redis.is_some() {
+            crate::replication::start(&state);
+        }
         Ok(state)
     }
 
@@ -120,7 +138,8 @@ impl AppState {
     pub async fn build(config: Config) -> anyhow::Result<Arc<AppState>> {
         let backend = build_backend(&config).await?;
         let embedder = build_embedder(&config).await?;
-        AppState::new(config, backend, embedder)
+        let redis = connect_redis(&config).await?;
+        AppState::with_redis(config, backend, embedder, redis)
     }
 
     /// Whether the backend and models are loaded.
@@ -135,6 +154,11 @@ impl AppState {
 
     /// Refreshes gauges that are read rather than counted.
     pub fn update_gauges(&self) {
+        if let Some(r) = &self.redis {
+            let h = r.health();
+            metrics::gauge!("reprise_redis_up").set(if h.up { 1.0 } else { 0.0 });
+            metrics::gauge!("reprise_redis_breaker_open").set(if h.breaker_open { 1.0 } else { 0.0 });
+        }
         self.metrics
             .cache_entries
             .set(self.memory.entry_count() as f64);
@@ -142,6 +166,19 @@ impl AppState {
             .cache_bytes
             .set(self.memory.weighted_size() as f64);
     }
+}
+
+/// Connects the Redis tier when `[redis] url` (or `cluster_urls`) is set. A Redis that is
+/// down at start is not an error: the tier reconnects by itself.
+pub async fn connect_redis(config: &Config) -> anyhow::Result<Option<RedisTier>> {
+    if !config.redis.is_enabled() {
+        return Ok(None);
+    }
+    let replica = format!("{}-{}", std::process::id(), uuid::Uuid::new_v4().simple());
+    let tier = RedisTier::connect(config.redis.clone(), replica)
+        .await
+        .context("invalid [redis] configuration")?;
+    Ok(Some(tier))
 }
 
 /// Loads the embedder when the semantic tier is enabled.

@@ -132,13 +132,13 @@ async fn openai_error(r: reqwest::Response, status: u16) -> Value {
 /// The finish reason of the last chunk that carries one.
 fn stream_finish_reason(data: &[String]) -> Option<String> {
     data.iter()
+        .rev()
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|v| {
+        .find_map(|v| {
             v.pointer("/choices/0/finish_reason")?
                 .as_str()
                 .map(String::from)
         })
-        .last()
 }
 
 /// Usage of the stream's usage chunk, if it has one.

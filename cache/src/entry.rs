@@ -87,6 +87,9 @@ pub struct Entry {
     pub embedding: Option<Arc<[f32]>>,
     /// Where the entry came from.
     pub origin: Origin,
+    /// Labels for invalidation by tag (`x-reprise-tags` on the request that created it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<String>,
     /// Creation time, milliseconds since the Unix epoch.
     pub created_ms: u64,
     /// Expiry time, milliseconds since the Unix epoch.

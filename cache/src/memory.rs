@@ -167,6 +167,7 @@ mod tests {
             partition: [0; 32],
             embedding: None,
             origin: Origin::Live,
+            tags: Vec::new(),
             created_ms: now_ms(),
             expires_ms: now_ms() + ttl_ms,
         })

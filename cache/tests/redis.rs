@@ -99,6 +99,7 @@ fn entry(namespace: &str, text: &str, ttl_ms: u64) -> Entry {
         partition: [7; 32],
         embedding: Some(Arc::from(vec![0.25f32, -1.5, 3.0e-7])),
         origin: Origin::Live,
+        tags: Vec::new(),
         created_ms: now_ms(),
         expires_ms: now_ms() + ttl_ms,
     }

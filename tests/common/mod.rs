@@ -167,3 +167,32 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
     }
     f()
 }
+
+/// A server over `backend` with the Redis tier of `config` (and the real embedder when
+/// `config.semantic.enabled`).
+pub async fn spawn_replica(config: Config, backend: Arc<dyn Backend>) -> TestApp {
+    let emb = config.semantic.enabled.then(embedder);
+    let redis = reprise::state::connect_redis(&config).await.unwrap();
+    let state = AppState::with_redis(config, backend, emb, redis).unwrap();
+    serve(state).await
+}
+
+/// A scripted backend shared by several replicas.
+pub fn scripted() -> ScriptedBackend {
+    ScriptedBackend::new(ScriptConfig::default())
+}
+
+/// Waits for an answer from a `Duration` of polls; returns the last status seen.
+pub async fn poll_status(app: &TestApp, body: &Value, headers: &[(&str, &str)], want: &str) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut h = headers.to_vec();
+    h.push(("cache-control", "only-if-cached"));
+    loop {
+        let r = app.chat(body, &h).await;
+        let s = cache_status(&r);
+        if s == want || tokio::time::Instant::now() > deadline {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

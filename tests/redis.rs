@@ -1,0 +1,210 @@
+//! The shared Redis tier through the server: replicas share hits, restarts keep them, outages
+//! fail no request, invalidation reaches every replica. Real redis-server processes on free
+//! loopback ports; the real embedder for semantic hits.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use reprise::Config;
+use reprise_cache::testing::{RedisCluster, RedisServer};
+use serde_json::{json, Value};
+
+fn redis_config(url: String) -> Config {
+    let mut c = test_config();
+    c.semantic.enabled = true;
+    c.redis.url = Some(url);
+    c.redis.breaker_cooldown_ms = 300;
+    c
+}
+
+#[tokio::test]
+async fn two_replicas_share_exact_and_semantic_hits_both_ways() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let a = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    let b = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+
+    assert_eq!(cache_status(&a.chat(&chat_body("How do I reset my password?"), &[]).await), "miss");
+    // B: exact (from Redis) and semantic (replicated into B's index).
+    assert_eq!(poll_status(&b, &chat_body("How do I reset my password?"), &[], "exact").await, "exact");
+    assert_eq!(
+        poll_status(&b, &chat_body("I forgot my password, how can I change it?"), &[], "semantic").await,
+        "semantic"
+    );
+    // The other way round.
+    assert_eq!(cache_status(&b.chat(&chat_body("What is the capital of France?"), &[]).await), "miss");
+    assert_eq!(poll_status(&a, &chat_body("Which city is the capital of France?"), &[], "semantic").await, "semantic");
+    assert_eq!(poll_status(&a, &chat_body("What is the capital of France?"), &[], "exact").await, "exact");
+    assert_eq!(backend.calls(), 2);
+}
+
+#[tokio::test]
+async fn restarted_replica_gets_its_hits_back_from_redis() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let a = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    a.chat(&chat_body("How do I export a PNG?"), &[]).await;
+    a.state.redis.as_ref().unwrap().flush().await.unwrap();
+    drop(a);
+    let a2 = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    assert_eq!(poll_status(&a2, &chat_body("How do I export a PNG?"), &[], "exact").await, "exact");
+    // The index is rebuilt from Redis: a paraphrase hits.
+    assert_eq!(
+        poll_status(&a2, &chat_body("How can I export a PNG file?"), &[], "semantic").await,
+        "semantic"
+    );
+    assert_eq!(backend.calls(), 1);
+}
+
+#[tokio::test]
+async fn redis_outage_fails_no_request_and_recovers_by_itself() {
+    let mut redis = RedisServer::start();
+    let backend = scripted();
+    let app = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    app.chat(&chat_body("before the outage"), &[]).await;
+    redis.stop();
+    for i in 0..20 {
+        let r = app.chat(&chat_body(&format!("during the outage {i}")), &[]).await;
+        assert_eq!(r.status(), 200, "a Redis outage must not fail requests");
+    }
+    // Memory still serves what it has.
+    assert_eq!(cache_status(&app.chat(&chat_body("before the outage"), &[]).await), "exact");
+    let ready: Value = app.client.get(app.url("/readyz")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(ready["redis"]["up"], false, "{ready}");
+    redis.restart();
+    // Writes resume without restarting reprise: a fresh replica sees a new answer.
+    let mut resumed = false;
+    for i in 0..50 {
+        let q = format!("after the outage {i}");
+        app.chat(&chat_body(&q), &[]).await;
+        let _ = app.state.redis.as_ref().unwrap().flush().await;
+        let other = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+        let r = other.chat(&chat_body(&q), &[("cache-control", "only-if-cached")]).await;
+        if cache_status(&r) == "exact" {
+            resumed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(resumed, "writes to Redis resumed after it came back");
+}
+
+#[tokio::test]
+async fn foreign_values_under_the_prefix_are_skipped() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let app = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    app.chat(&chat_body("a real entry"), &[]).await;
+    app.state.redis.as_ref().unwrap().flush().await.unwrap();
+    // Overwrite every stored value with garbage.
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port().to_string(), "--scan", "--pattern", "reprise:*"])
+        .output()
+        .unwrap();
+    for key in String::from_utf8_lossy(&out.stdout).lines() {
+        let t = std::process::Command::new("redis-cli")
+            .args(["-p", &redis.port().to_string(), "type", key])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&t.stdout).trim() == "string" {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &redis.port().to_string(), "set", key, "\u{1}garbage{"])
+                .output()
+                .unwrap();
+        }
+    }
+    // A new replica finds only garbage: misses, no crash, requests answered.
+    let other = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    let r = other.chat(&chat_body("a real entry"), &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+}
+
+#[tokio::test]
+async fn invalidation_reaches_every_replica_and_needs_the_token() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_ADMIN_TOKEN", "s3cret");
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let mut cfg = redis_config(redis.url());
+    cfg.server.admin_token_env = Some("REPRISE_TEST_ADMIN_TOKEN".into());
+    let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    let b = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    let ns = [("x-reprise-namespace", "tenant-x")];
+    a.chat(&chat_body("first question"), &ns).await;
+    a.chat(&chat_body("second question"), &[("x-reprise-namespace", "tenant-x"), ("x-reprise-tags", "docs-v1")]).await;
+    assert_eq!(poll_status(&b, &chat_body("first question"), &ns, "exact").await, "exact");
+    assert_eq!(poll_status(&b, &chat_body("second question"), &ns, "exact").await, "exact");
+
+    let r = a.client.delete(a.url("/admin/tags/docs-v1")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = a.client.delete(a.url("/admin/tags/docs-v1")).bearer_auth("wrong").send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = a.client.delete(a.url("/admin/tags/docs-v1")).bearer_auth("s3cret").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(poll_status(&b, &chat_body("second question"), &ns, "error").await, "error", "tag gone on B");
+    assert_eq!(poll_status(&a, &chat_body("second question"), &ns, "error").await, "error", "tag gone on A");
+    assert_eq!(poll_status(&b, &chat_body("first question"), &ns, "exact").await, "exact", "untagged kept");
+
+    let r = b.client.delete(b.url("/admin/namespaces/tenant-x")).bearer_auth("s3cret").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let j: Value = r.json().await.unwrap();
+    assert!(j["deleted"].as_u64().unwrap() >= 1, "{j}");
+    assert_eq!(poll_status(&a, &chat_body("first question"), &ns, "error").await, "error", "namespace gone on A");
+    assert_eq!(poll_status(&b, &chat_body("first question"), &ns, "error").await, "error", "namespace gone on B");
+
+    // One entry by id.
+    let r = a.chat(&chat_body("third question"), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let id = a.state.memory.iter_entries().into_iter().find(|e| e.prompt == "third question").unwrap().id;
+    assert_eq!(poll_status(&b, &chat_body("third question"), &[], "exact").await, "exact");
+    let r = a.client.delete(a.url(&format!("/admin/entries/{id}"))).bearer_auth("s3cret").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(poll_status(&b, &chat_body("third question"), &[], "error").await, "error");
+}
+
+#[tokio::test]
+async fn ttl_is_respected_in_both_tiers() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let mut cfg = redis_config(redis.url());
+    cfg.cache.ttl_secs = 1;
+    let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    a.chat(&chat_body("short lived"), &[]).await;
+    a.state.redis.as_ref().unwrap().flush().await.unwrap();
+    let b = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    assert_eq!(poll_status(&b, &chat_body("short lived"), &[], "exact").await, "exact");
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let r = a.chat(&chat_body("short lived"), &[("cache-control", "only-if-cached")]).await;
+    assert_eq!(r.status(), 504, "expired in memory");
+    let c = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    let r = c.chat(&chat_body("short lived"), &[("cache-control", "only-if-cached")]).await;
+    assert_eq!(r.status(), 504, "expired in Redis");
+}
+
+#[tokio::test]
+async fn cluster_mode_round_trip() {
+    let cluster = RedisCluster::start(3);
+    let backend = scripted();
+    let mut cfg = test_config();
+    cfg.semantic.enabled = true;
+    cfg.redis.cluster_urls = cluster.urls();
+    let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    let b = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    for q in ["cluster one", "cluster two", "cluster three", "How do I reset my password?"] {
+        assert_eq!(cache_status(&a.chat(&chat_body(q), &[]).await), "miss");
+    }
+    for q in ["cluster one", "cluster two", "cluster three"] {
+        assert_eq!(poll_status(&b, &chat_body(q), &[], "exact").await, "exact", "{q}");
+    }
+    assert_eq!(
+        poll_status(&b, &chat_body("How can I reset my password?"), &[], "semantic").await,
+        "semantic"
+    );
+    let r = b.chat(&json!({"model": "fake", "messages": [{"role": "user", "content": "cluster one"}], "stream": true}), &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(backend.calls(), 4);
+}
