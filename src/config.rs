@@ -205,6 +205,17 @@ pub struct SemanticConfig {
     pub model_dir: PathBuf,
     /// Path of the ONNX Runtime shared library.
     pub onnx_runtime: PathBuf,
+    /// Overrides per namespace and/or model (`[[semantic.rules]]`, first match wins):
+    /// `namespace`, `model` select; `enabled`, `threshold`, `top_k`, `gate` override.
+    pub rules: Vec<reprise_policies::semantic::Rule>,
+    /// Longest the embedder waits to fill a batch, in microseconds.
+    pub batch_wait_us: u64,
+    /// Most prompts embedded in one batch.
+    pub max_batch: usize,
+    /// Prompt embeddings kept in the embedder's LRU.
+    pub embedding_cache_entries: u64,
+    /// Seconds between index maintenance passes (rebuilding partitions full of tombstones).
+    pub maintain_interval_secs: u64,
 }
 
 impl Default for SemanticConfig {
@@ -216,6 +227,11 @@ impl Default for SemanticConfig {
             gate: true,
             model_dir: PathBuf::from("models/all-MiniLM-L6-v2"),
             onnx_runtime: PathBuf::from("models/libonnxruntime.so"),
+            rules: Vec::new(),
+            batch_wait_us: 300,
+            max_batch: 32,
+            embedding_cache_entries: 10_000,
+            maintain_interval_secs: 60,
         }
     }
 }
@@ -285,10 +301,10 @@ impl Config {
         if s.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be positive"));
         }
-        if !(s.request_timeout_secs > 0.0) {
+        if s.request_timeout_secs.is_nan() || s.request_timeout_secs <= 0.0 {
             return Err(invalid("server.request_timeout_secs", "must be positive"));
         }
-        if !(s.first_token_timeout_secs > 0.0) {
+        if s.first_token_timeout_secs.is_nan() || s.first_token_timeout_secs <= 0.0 {
             return Err(invalid(
                 "server.first_token_timeout_secs",
                 "must be positive",
@@ -333,8 +349,19 @@ impl Config {
             return Err(invalid("cache.ttl_secs", "must be positive"));
         }
         let t = self.semantic.threshold;
-        if !(t > 0.0 && t <= 1.0) {
+        if t.is_nan() || t <= 0.0 || t > 1.0 {
             return Err(invalid("semantic.threshold", "must be in (0, 1]"));
+        }
+        for r in &self.semantic.rules {
+            if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
+                return Err(invalid("semantic.rules.threshold", "must be in (0, 1]"));
+            }
+            if r.top_k == Some(0) {
+                return Err(invalid("semantic.rules.top_k", "must be at least 1"));
+            }
+        }
+        if self.semantic.max_batch == 0 {
+            return Err(invalid("semantic.max_batch", "must be at least 1"));
         }
         if self.semantic.top_k == 0 {
             return Err(invalid("semantic.top_k", "must be at least 1"));
@@ -391,6 +418,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::result_large_err)] // figment's Jail dictates the closure's error type
     fn env_overrides_file() {
         figment::Jail::expect_with(|jail| {
             jail.create_file("r.toml", "[cache]\nttl_secs = 10\n")?;

@@ -4,10 +4,10 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::Path;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::extract::Path;
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde_json::json;

@@ -30,10 +30,10 @@ use crate::error::ApiError;
 use crate::flight::{End, Flight, Joined, Subscriber};
 use crate::key::{self, Conversation, KeyHasher};
 use crate::metrics::{Outcome, Tier};
-use crate::prefetch::Observation;
 use crate::openai::{
     ChatCompletionRequest, CompletionRequest, Content, Endpoint, Prompt, Renderer,
 };
+use crate::prefetch::Observation;
 use crate::reqlog::LogRecord;
 use crate::state::AppState;
 
@@ -196,13 +196,29 @@ async fn serve(
         return Err(ApiError::UnknownModel(parsed.req.model));
     }
     // 3. Policy.
-    let enabled = state.config.cache.enabled;
-    let read = enabled && !ctl.no_cache && !ctl.no_store;
-    let write = enabled && !ctl.no_store && !ctl.only_if_cached;
+    let access = reprise_policies::cache::access(
+        state.config.cache.enabled,
+        reprise_policies::cache::Directives {
+            no_cache: ctl.no_cache,
+            no_store: ctl.no_store,
+            only_if_cached: ctl.only_if_cached,
+        },
+    );
+    let (read, write) = (access.read, access.write);
     let renderer = Renderer::new(endpoint, &parsed.req.model);
 
     // 4. Exact and 5. semantic lookup.
-    let found = lookup(state, &ctl.namespace, endpoint, &parsed.req, read, write, ctl.threshold, trace).await;
+    let found = lookup(
+        state,
+        &ctl.namespace,
+        endpoint,
+        &parsed.req,
+        read,
+        write,
+        ctl.threshold,
+        trace,
+    )
+    .await;
     let session = ctl.session.clone().or_else(|| parsed.user.clone());
     if let Some(hit) = found.hit {
         if write {
@@ -236,7 +252,14 @@ async fn serve(
                 entry: hit.entry.clone(),
             });
         }
-        return Ok(respond_hit(&parsed, renderer, hit.entry, hit.outcome, hit.similarity, trace));
+        return Ok(respond_hit(
+            &parsed,
+            renderer,
+            hit.entry,
+            hit.outcome,
+            hit.similarity,
+            trace,
+        ));
     }
     let exact = found.plan.exact;
     let mut plan = found.plan;
@@ -250,7 +273,7 @@ async fn serve(
         });
     }
 
-    if ctl.only_if_cached {
+    if !access.forward {
         return Err(ApiError::NotCached);
     }
 
@@ -692,7 +715,20 @@ pub async fn lookup(
     let (Some(query), Some(sem)) = (query, &state.semantic) else {
         return found;
     };
-    if !read && !write {
+    let cfg = &state.config.semantic;
+    let policy = reprise_policies::semantic::resolve(
+        reprise_policies::semantic::SemanticPolicy {
+            enabled: cfg.enabled,
+            threshold: cfg.threshold,
+            top_k: cfg.top_k,
+            gate: cfg.gate,
+        },
+        &cfg.rules,
+        namespace,
+        &req.model,
+        threshold,
+    );
+    if !policy.enabled || (!read && !write) {
         return found;
     }
     let partition = key::partition_key(namespace, endpoint, req, &context);
@@ -713,11 +749,8 @@ pub async fn lookup(
         return found;
     }
     let t = Instant::now();
-    let configured = state.config.semantic.threshold;
-    let threshold = threshold.map_or(configured, |h| h.max(configured));
-    let candidates = sem
-        .index
-        .search(&partition, &embedding, state.config.semantic.top_k);
+    let threshold = policy.threshold;
+    let candidates = sem.index.search(&partition, &embedding, policy.top_k);
     for c in candidates {
         if trace.record.similarity.is_none() {
             trace.record.similarity = Some(c.similarity);
@@ -741,7 +774,7 @@ pub async fn lookup(
                 }
             },
         };
-        if state.config.semantic.gate {
+        if policy.gate {
             let verdict = reprise_policies::gate(&query, &entry.prompt);
             if !verdict.is_pass() {
                 if trace.record.gate.is_none() {
@@ -805,7 +838,17 @@ pub async fn generate_in_background(
 ) -> Background {
     req.priority = Priority::Background;
     let mut trace = Trace::detached();
-    let found = lookup(state, namespace, endpoint, &req, check_cache, true, None, &mut trace).await;
+    let found = lookup(
+        state,
+        namespace,
+        endpoint,
+        &req,
+        check_cache,
+        true,
+        None,
+        &mut trace,
+    )
+    .await;
     if found.hit.is_some() {
         return Background::Cached;
     }
@@ -823,7 +866,10 @@ pub async fn generate_in_background(
         }
     }
     match (usage, state.memory.get_by_key(&exact).await) {
-        (Some(usage), Some(entry)) => Background::Generated { id: entry.id, usage },
+        (Some(usage), Some(entry)) => Background::Generated {
+            id: entry.id,
+            usage,
+        },
         _ => Background::Failed(BackendError::Internal("no entry after generation".into())),
     }
 }

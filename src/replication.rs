@@ -83,7 +83,8 @@ pub async fn install(state: &AppState, entry: Entry) -> Arc<Entry> {
     state.memory.insert_entry(entry.clone()).await;
     if let (Some(sem), Some(embedding)) = (&state.semantic, &entry.embedding) {
         if embedding.len() == sem.index.dim() && entry.partition != [0; 32] {
-            sem.index.insert(entry.partition, entry.id, embedding.clone());
+            sem.index
+                .insert(entry.partition, entry.id, embedding.clone());
         }
     }
     entry

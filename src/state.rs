@@ -11,8 +11,8 @@ use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use reprise_backend::llama::{LlamaBackend, LlamaConfig};
 use reprise_backend::openai::{OpenAiBackend, OpenAiConfig};
 use reprise_backend::Backend;
-use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::redis::RedisTier;
+use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::{EvictionHook, MemoryTier};
 use reprise_embedder::{Embedder, EmbedderConfig, FastEmbedder};
 
@@ -130,6 +130,9 @@ impl AppState {
         if state.redis.is_some() {
             crate::replication::start(&state);
         }
+        if state.semantic.is_some() {
+            start_maintenance(&state);
+        }
         Ok(state)
     }
 
@@ -157,7 +160,11 @@ impl AppState {
         if let Some(r) = &self.redis {
             let h = r.health();
             metrics::gauge!("reprise_redis_up").set(if h.up { 1.0 } else { 0.0 });
-            metrics::gauge!("reprise_redis_breaker_open").set(if h.breaker_open { 1.0 } else { 0.0 });
+            metrics::gauge!("reprise_redis_breaker_open").set(if h.breaker_open {
+                1.0
+            } else {
+                0.0
+            });
         }
         self.metrics
             .cache_entries
@@ -166,6 +173,35 @@ impl AppState {
             .cache_bytes
             .set(self.memory.weighted_size() as f64);
     }
+}
+
+/// Periodically rebuilds index partitions that collected many tombstones (off the async
+/// workers: a rebuild of a large partition takes a while).
+fn start_maintenance(state: &Arc<AppState>) {
+    let weak = Arc::downgrade(state);
+    let every = Duration::from_secs(state.config.semantic.maintain_interval_secs.max(1));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let Some(state) = weak.upgrade() else { break };
+            let Some(index) = state.semantic.as_ref().map(|s| s.index.clone()) else {
+                break;
+            };
+            drop(state);
+            let report = tokio::task::spawn_blocking(move || index.maintain()).await;
+            if let Ok(r) = report {
+                if r.rebuilt > 0 {
+                    tracing::info!(
+                        rebuilt = r.rebuilt,
+                        dropped = r.tombstones_dropped,
+                        "index maintenance"
+                    );
+                }
+            }
+        }
+    });
 }
 
 /// Connects the Redis tier when `[redis] url` (or `cluster_urls`) is set. A Redis that is
@@ -189,6 +225,9 @@ pub async fn build_embedder(config: &Config) -> anyhow::Result<Option<Arc<dyn Em
     let cfg = EmbedderConfig {
         model_dir: config.semantic.model_dir.clone(),
         onnx_runtime: config.semantic.onnx_runtime.clone(),
+        batch_wait_us: config.semantic.batch_wait_us,
+        max_batch: config.semantic.max_batch,
+        cache_entries: config.semantic.embedding_cache_entries,
         ..EmbedderConfig::default()
     };
     tracing::info!(model_dir = %cfg.model_dir.display(), "loading embedder");

@@ -27,17 +27,53 @@ async fn two_replicas_share_exact_and_semantic_hits_both_ways() {
     let a = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
     let b = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
 
-    assert_eq!(cache_status(&a.chat(&chat_body("How do I reset my password?"), &[]).await), "miss");
-    // B: exact (from Redis) and semantic (replicated into B's index).
-    assert_eq!(poll_status(&b, &chat_body("How do I reset my password?"), &[], "exact").await, "exact");
     assert_eq!(
-        poll_status(&b, &chat_body("I forgot my password, how can I change it?"), &[], "semantic").await,
+        cache_status(&a.chat(&chat_body("How do I reset my password?"), &[]).await),
+        "miss"
+    );
+    // B: exact (from Redis) and semantic (replicated into B's index).
+    assert_eq!(
+        poll_status(&b, &chat_body("How do I reset my password?"), &[], "exact").await,
+        "exact"
+    );
+    assert_eq!(
+        poll_status(
+            &b,
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+            "semantic"
+        )
+        .await,
         "semantic"
     );
     // The other way round.
-    assert_eq!(cache_status(&b.chat(&chat_body("What is the capital of France?"), &[]).await), "miss");
-    assert_eq!(poll_status(&a, &chat_body("Which city is the capital of France?"), &[], "semantic").await, "semantic");
-    assert_eq!(poll_status(&a, &chat_body("What is the capital of France?"), &[], "exact").await, "exact");
+    assert_eq!(
+        cache_status(
+            &b.chat(&chat_body("What is the capital of France?"), &[])
+                .await
+        ),
+        "miss"
+    );
+    assert_eq!(
+        poll_status(
+            &a,
+            &chat_body("Which city is the capital of France?"),
+            &[],
+            "semantic"
+        )
+        .await,
+        "semantic"
+    );
+    assert_eq!(
+        poll_status(
+            &a,
+            &chat_body("What is the capital of France?"),
+            &[],
+            "exact"
+        )
+        .await,
+        "exact"
+    );
     assert_eq!(backend.calls(), 2);
 }
 
@@ -50,10 +86,19 @@ async fn restarted_replica_gets_its_hits_back_from_redis() {
     a.state.redis.as_ref().unwrap().flush().await.unwrap();
     drop(a);
     let a2 = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
-    assert_eq!(poll_status(&a2, &chat_body("How do I export a PNG?"), &[], "exact").await, "exact");
+    assert_eq!(
+        poll_status(&a2, &chat_body("How do I export a PNG?"), &[], "exact").await,
+        "exact"
+    );
     // The index is rebuilt from Redis: a paraphrase hits.
     assert_eq!(
-        poll_status(&a2, &chat_body("How can I export a PNG file?"), &[], "semantic").await,
+        poll_status(
+            &a2,
+            &chat_body("How can I export a PNG file?"),
+            &[],
+            "semantic"
+        )
+        .await,
         "semantic"
     );
     assert_eq!(backend.calls(), 1);
@@ -67,12 +112,25 @@ async fn redis_outage_fails_no_request_and_recovers_by_itself() {
     app.chat(&chat_body("before the outage"), &[]).await;
     redis.stop();
     for i in 0..20 {
-        let r = app.chat(&chat_body(&format!("during the outage {i}")), &[]).await;
+        let r = app
+            .chat(&chat_body(&format!("during the outage {i}")), &[])
+            .await;
         assert_eq!(r.status(), 200, "a Redis outage must not fail requests");
     }
     // Memory still serves what it has.
-    assert_eq!(cache_status(&app.chat(&chat_body("before the outage"), &[]).await), "exact");
-    let ready: Value = app.client.get(app.url("/readyz")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(
+        cache_status(&app.chat(&chat_body("before the outage"), &[]).await),
+        "exact"
+    );
+    let ready: Value = app
+        .client
+        .get(app.url("/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(ready["redis"]["up"], false, "{ready}");
     redis.restart();
     // Writes resume without restarting reprise: a fresh replica sees a new answer.
@@ -82,7 +140,9 @@ async fn redis_outage_fails_no_request_and_recovers_by_itself() {
         app.chat(&chat_body(&q), &[]).await;
         let _ = app.state.redis.as_ref().unwrap().flush().await;
         let other = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
-        let r = other.chat(&chat_body(&q), &[("cache-control", "only-if-cached")]).await;
+        let r = other
+            .chat(&chat_body(&q), &[("cache-control", "only-if-cached")])
+            .await;
         if cache_status(&r) == "exact" {
             resumed = true;
             break;
@@ -101,7 +161,13 @@ async fn foreign_values_under_the_prefix_are_skipped() {
     app.state.redis.as_ref().unwrap().flush().await.unwrap();
     // Overwrite every stored value with garbage.
     let out = std::process::Command::new("redis-cli")
-        .args(["-p", &redis.port().to_string(), "--scan", "--pattern", "reprise:*"])
+        .args([
+            "-p",
+            &redis.port().to_string(),
+            "--scan",
+            "--pattern",
+            "reprise:*",
+        ])
         .output()
         .unwrap();
     for key in String::from_utf8_lossy(&out.stdout).lines() {
@@ -135,35 +201,110 @@ async fn invalidation_reaches_every_replica_and_needs_the_token() {
     let b = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
     let ns = [("x-reprise-namespace", "tenant-x")];
     a.chat(&chat_body("first question"), &ns).await;
-    a.chat(&chat_body("second question"), &[("x-reprise-namespace", "tenant-x"), ("x-reprise-tags", "docs-v1")]).await;
-    assert_eq!(poll_status(&b, &chat_body("first question"), &ns, "exact").await, "exact");
-    assert_eq!(poll_status(&b, &chat_body("second question"), &ns, "exact").await, "exact");
+    a.chat(
+        &chat_body("second question"),
+        &[
+            ("x-reprise-namespace", "tenant-x"),
+            ("x-reprise-tags", "docs-v1"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        poll_status(&b, &chat_body("first question"), &ns, "exact").await,
+        "exact"
+    );
+    assert_eq!(
+        poll_status(&b, &chat_body("second question"), &ns, "exact").await,
+        "exact"
+    );
 
-    let r = a.client.delete(a.url("/admin/tags/docs-v1")).send().await.unwrap();
+    let r = a
+        .client
+        .delete(a.url("/admin/tags/docs-v1"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
-    let r = a.client.delete(a.url("/admin/tags/docs-v1")).bearer_auth("wrong").send().await.unwrap();
+    let r = a
+        .client
+        .delete(a.url("/admin/tags/docs-v1"))
+        .bearer_auth("wrong")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
-    let r = a.client.delete(a.url("/admin/tags/docs-v1")).bearer_auth("s3cret").send().await.unwrap();
+    let r = a
+        .client
+        .delete(a.url("/admin/tags/docs-v1"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(poll_status(&b, &chat_body("second question"), &ns, "error").await, "error", "tag gone on B");
-    assert_eq!(poll_status(&a, &chat_body("second question"), &ns, "error").await, "error", "tag gone on A");
-    assert_eq!(poll_status(&b, &chat_body("first question"), &ns, "exact").await, "exact", "untagged kept");
+    assert_eq!(
+        poll_status(&b, &chat_body("second question"), &ns, "error").await,
+        "error",
+        "tag gone on B"
+    );
+    assert_eq!(
+        poll_status(&a, &chat_body("second question"), &ns, "error").await,
+        "error",
+        "tag gone on A"
+    );
+    assert_eq!(
+        poll_status(&b, &chat_body("first question"), &ns, "exact").await,
+        "exact",
+        "untagged kept"
+    );
 
-    let r = b.client.delete(b.url("/admin/namespaces/tenant-x")).bearer_auth("s3cret").send().await.unwrap();
+    let r = b
+        .client
+        .delete(b.url("/admin/namespaces/tenant-x"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let j: Value = r.json().await.unwrap();
     assert!(j["deleted"].as_u64().unwrap() >= 1, "{j}");
-    assert_eq!(poll_status(&a, &chat_body("first question"), &ns, "error").await, "error", "namespace gone on A");
-    assert_eq!(poll_status(&b, &chat_body("first question"), &ns, "error").await, "error", "namespace gone on B");
+    assert_eq!(
+        poll_status(&a, &chat_body("first question"), &ns, "error").await,
+        "error",
+        "namespace gone on A"
+    );
+    assert_eq!(
+        poll_status(&b, &chat_body("first question"), &ns, "error").await,
+        "error",
+        "namespace gone on B"
+    );
 
     // One entry by id.
     let r = a.chat(&chat_body("third question"), &[]).await;
     assert_eq!(cache_status(&r), "miss");
-    let id = a.state.memory.iter_entries().into_iter().find(|e| e.prompt == "third question").unwrap().id;
-    assert_eq!(poll_status(&b, &chat_body("third question"), &[], "exact").await, "exact");
-    let r = a.client.delete(a.url(&format!("/admin/entries/{id}"))).bearer_auth("s3cret").send().await.unwrap();
+    let id = a
+        .state
+        .memory
+        .iter_entries()
+        .into_iter()
+        .find(|e| e.prompt == "third question")
+        .unwrap()
+        .id;
+    assert_eq!(
+        poll_status(&b, &chat_body("third question"), &[], "exact").await,
+        "exact"
+    );
+    let r = a
+        .client
+        .delete(a.url(&format!("/admin/entries/{id}")))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(poll_status(&b, &chat_body("third question"), &[], "error").await, "error");
+    assert_eq!(
+        poll_status(&b, &chat_body("third question"), &[], "error").await,
+        "error"
+    );
 }
 
 #[tokio::test]
@@ -176,12 +317,25 @@ async fn ttl_is_respected_in_both_tiers() {
     a.chat(&chat_body("short lived"), &[]).await;
     a.state.redis.as_ref().unwrap().flush().await.unwrap();
     let b = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
-    assert_eq!(poll_status(&b, &chat_body("short lived"), &[], "exact").await, "exact");
+    assert_eq!(
+        poll_status(&b, &chat_body("short lived"), &[], "exact").await,
+        "exact"
+    );
     tokio::time::sleep(Duration::from_millis(1300)).await;
-    let r = a.chat(&chat_body("short lived"), &[("cache-control", "only-if-cached")]).await;
+    let r = a
+        .chat(
+            &chat_body("short lived"),
+            &[("cache-control", "only-if-cached")],
+        )
+        .await;
     assert_eq!(r.status(), 504, "expired in memory");
     let c = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
-    let r = c.chat(&chat_body("short lived"), &[("cache-control", "only-if-cached")]).await;
+    let r = c
+        .chat(
+            &chat_body("short lived"),
+            &[("cache-control", "only-if-cached")],
+        )
+        .await;
     assert_eq!(r.status(), 504, "expired in Redis");
 }
 
@@ -194,14 +348,29 @@ async fn cluster_mode_round_trip() {
     cfg.redis.cluster_urls = cluster.urls();
     let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
     let b = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
-    for q in ["cluster one", "cluster two", "cluster three", "How do I reset my password?"] {
+    for q in [
+        "cluster one",
+        "cluster two",
+        "cluster three",
+        "How do I reset my password?",
+    ] {
         assert_eq!(cache_status(&a.chat(&chat_body(q), &[]).await), "miss");
     }
     for q in ["cluster one", "cluster two", "cluster three"] {
-        assert_eq!(poll_status(&b, &chat_body(q), &[], "exact").await, "exact", "{q}");
+        assert_eq!(
+            poll_status(&b, &chat_body(q), &[], "exact").await,
+            "exact",
+            "{q}"
+        );
     }
     assert_eq!(
-        poll_status(&b, &chat_body("How can I reset my password?"), &[], "semantic").await,
+        poll_status(
+            &b,
+            &chat_body("How can I reset my password?"),
+            &[],
+            "semantic"
+        )
+        .await,
         "semantic"
     );
     let r = b.chat(&json!({"model": "fake", "messages": [{"role": "user", "content": "cluster one"}], "stream": true}), &[]).await;

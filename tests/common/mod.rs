@@ -183,7 +183,12 @@ pub fn scripted() -> ScriptedBackend {
 }
 
 /// Waits for an answer from a `Duration` of polls; returns the last status seen.
-pub async fn poll_status(app: &TestApp, body: &Value, headers: &[(&str, &str)], want: &str) -> String {
+pub async fn poll_status(
+    app: &TestApp,
+    body: &Value,
+    headers: &[(&str, &str)],
+    want: &str,
+) -> String {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let mut h = headers.to_vec();
     h.push(("cache-control", "only-if-cached"));

@@ -1,0 +1,99 @@
+//! The semantic policy of one request: on or off, threshold, candidates, gate — the
+//! configured defaults, overridden per namespace and/or model by the first matching rule, and
+//! raised (never lowered) by the request's own threshold.
+
+use serde::Deserialize;
+
+/// The effective semantic policy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SemanticPolicy {
+    /// Serve near-duplicates at all.
+    pub enabled: bool,
+    /// Lowest cosine similarity served.
+    pub threshold: f32,
+    /// Candidates examined.
+    pub top_k: usize,
+    /// Run the false-hit gate.
+    pub gate: bool,
+}
+
+/// One override rule (`[[semantic.rules]]`): applies when every given selector matches.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Rule {
+    /// Namespace the rule applies to (any when absent).
+    pub namespace: Option<String>,
+    /// Model the rule applies to (any when absent).
+    pub model: Option<String>,
+    /// Overrides `enabled`.
+    pub enabled: Option<bool>,
+    /// Overrides `threshold`.
+    pub threshold: Option<f32>,
+    /// Overrides `top_k`.
+    pub top_k: Option<usize>,
+    /// Overrides `gate`.
+    pub gate: Option<bool>,
+}
+
+impl Rule {
+    fn matches(&self, namespace: &str, model: &str) -> bool {
+        self.namespace.as_deref().is_none_or(|n| n == namespace)
+            && self.model.as_deref().is_none_or(|m| m == model)
+    }
+}
+
+/// The policy for a request: defaults, then the first matching rule, then the request's
+/// threshold if it is higher.
+pub fn resolve(
+    defaults: SemanticPolicy,
+    rules: &[Rule],
+    namespace: &str,
+    model: &str,
+    requested_threshold: Option<f32>,
+) -> SemanticPolicy {
+    let mut p = defaults;
+    if let Some(r) = rules.iter().find(|r| r.matches(namespace, model)) {
+        p.enabled = r.enabled.unwrap_or(p.enabled);
+        p.threshold = r.threshold.unwrap_or(p.threshold);
+        p.top_k = r.top_k.unwrap_or(p.top_k);
+        p.gate = r.gate.unwrap_or(p.gate);
+    }
+    if let Some(t) = requested_threshold {
+        p.threshold = p.threshold.max(t);
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D: SemanticPolicy = SemanticPolicy {
+        enabled: true,
+        threshold: 0.86,
+        top_k: 4,
+        gate: true,
+    };
+
+    #[test]
+    fn first_matching_rule_wins_and_header_only_raises() {
+        let rules = vec![
+            Rule {
+                namespace: Some("legal".into()),
+                threshold: Some(0.95),
+                ..Default::default()
+            },
+            Rule {
+                model: Some("big".into()),
+                enabled: Some(false),
+                ..Default::default()
+            },
+        ];
+        assert_eq!(resolve(D, &rules, "default", "small", None), D);
+        assert_eq!(resolve(D, &rules, "legal", "big", None).threshold, 0.95);
+        assert!(resolve(D, &rules, "legal", "big", None).enabled);
+        assert!(!resolve(D, &rules, "other", "big", None).enabled);
+        assert_eq!(resolve(D, &rules, "legal", "x", Some(0.5)).threshold, 0.95);
+        assert_eq!(resolve(D, &rules, "x", "x", Some(0.97)).threshold, 0.97);
+    }
+}
