@@ -36,6 +36,12 @@ enum Mode {
     /// The llama backend through reprise's HTTP API against a bare llama.cpp decode loop
     /// (tokens/s, time to first token), and aggregate throughput at 1, 2, 4, 8 streams.
     Llama(crate::bench_llama::LlamaArgs),
+    /// Semantic-hit latency and throughput at 1..16 clients on new paraphrases (each one
+    /// embedded), side by side with exact hits and the embedding alone.
+    Latency(crate::bench_latency::LatencyArgs),
+    /// The Redis tier: L2 against L1 exact hits, a fresh replica's index rebuild time and
+    /// memory, replica-to-replica propagation delay.
+    Redis(crate::bench_redis::RedisArgs),
 }
 
 /// Options of `reprise bench proxy`.
@@ -64,6 +70,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Mode::Proxy(a) => proxy(a).await,
         Mode::Quality(a) => crate::bench_quality::run(a).await,
         Mode::Llama(a) => crate::bench_llama::run(a).await,
+        Mode::Latency(a) => crate::bench_latency::run(a).await,
+        Mode::Redis(a) => crate::bench_redis::run(a).await,
     }
 }
 

@@ -162,6 +162,13 @@ impl Flights {
         Joined::Leader(f, sub)
     }
 
+    /// Follows the running flight for `key`, if there is one.
+    pub fn follow(&self, key: &Digest) -> Option<Subscriber> {
+        let map = self.map.lock();
+        let f = map.get(key)?;
+        (!f.cancel.is_cancelled() && !f.is_ended()).then(|| f.subscribe())
+    }
+
     /// A flight that is not shared (requests that must not be joined, e.g. `no-store`).
     pub fn solo(&self) -> (Arc<Flight>, Subscriber) {
         let f = Flight::new();
@@ -185,6 +192,61 @@ impl Flights {
     /// Whether nothing is in flight.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// A generation in flight that a paraphrase may wait for instead of generating again.
+struct Twin {
+    exact: Digest,
+    prompt: String,
+    embedding: Arc<[f32]>,
+}
+
+/// In-flight generations by semantic partition: single-flight extended to near-duplicates.
+#[derive(Default)]
+pub struct Twins {
+    map: Mutex<HashMap<Digest, Vec<Twin>>>,
+}
+
+impl Twins {
+    /// Registers a generation led for `exact` in `partition`.
+    pub fn register(&self, partition: Digest, exact: Digest, prompt: String, embedding: Arc<[f32]>) {
+        self.map.lock().entry(partition).or_default().push(Twin {
+            exact,
+            prompt,
+            embedding,
+        });
+    }
+
+    /// Forgets the generation for `exact` in `partition`.
+    pub fn remove(&self, partition: &Digest, exact: &Digest) {
+        let mut map = self.map.lock();
+        if let Some(v) = map.get_mut(partition) {
+            v.retain(|t| &t.exact != exact);
+            if v.is_empty() {
+                map.remove(partition);
+            }
+        }
+    }
+
+    /// The most similar in-flight twin at or above `threshold` whose prompt `accept`s;
+    /// returns its exact key and the similarity.
+    pub fn find(
+        &self,
+        partition: &Digest,
+        embedding: &[f32],
+        threshold: f32,
+        accept: impl Fn(&str) -> bool,
+    ) -> Option<(Digest, f32)> {
+        let map = self.map.lock();
+        let mut best: Option<(Digest, f32)> = None;
+        for t in map.get(partition)? {
+            let sim: f32 = t.embedding.iter().zip(embedding).map(|(a, b)| a * b).sum();
+            if sim >= threshold && best.is_none_or(|(_, b)| sim > b) && accept(&t.prompt) {
+                best = Some((t.exact, sim));
+            }
+        }
+        best
     }
 }
 

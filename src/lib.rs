@@ -9,8 +9,10 @@
 //! - [`pipeline`] is the request path, top to bottom.
 
 pub mod bench;
+pub mod bench_latency;
 pub mod bench_llama;
 pub mod bench_quality;
+pub mod bench_redis;
 pub mod config;
 pub mod error;
 pub mod flight;

@@ -284,6 +284,23 @@ async fn serve(
         Outcome::Bypass
     };
     trace.outcome = outcome;
+    // A paraphrase of a question being generated right now waits for that answer.
+    if let (true, Some(policy), Some(partition), Some(embedding)) =
+        (read && write, found.policy, plan.partition, plan.embedding.clone())
+    {
+        let twin = state.twins.find(&partition, &embedding, policy.threshold, |p| {
+            !policy.gate || reprise_policies::gate(&plan.prompt, p).is_pass()
+        });
+        if let Some(sub) = twin.and_then(|(key, sim)| state.flights.follow(&key).map(|s| (s, sim))) {
+            let (sub, sim) = sub;
+            state.metrics.singleflight_joins.increment(1);
+            trace.outcome = Outcome::Semantic;
+            trace.record.similarity = Some(sim);
+            let mut resp = respond_generation(state, &parsed, renderer, sub, Outcome::Semantic, trace).await?;
+            set_similarity(&mut resp, sim);
+            return Ok(resp);
+        }
+    }
     let sub = if write {
         match state.flights.join(exact) {
             Joined::Follower(sub) => {
@@ -291,6 +308,9 @@ async fn serve(
                 sub
             }
             Joined::Leader(flight, sub) => {
+                if let (Some(partition), Some(embedding)) = (plan.partition, plan.embedding.clone()) {
+                    state.twins.register(partition, exact, plan.prompt.clone(), embedding);
+                }
                 spawn_generation(
                     state.clone(),
                     flight,
@@ -636,6 +656,8 @@ pub struct Lookup {
     pub hit: Option<Hit>,
     /// The entry that answered the previous turn of this conversation, when reprise served it.
     pub prev_entry: Option<EntryId>,
+    /// The semantic policy applied, when the request could be matched semantically.
+    pub policy: Option<reprise_policies::semantic::SemanticPolicy>,
 }
 
 /// Steps 4 and 5: exact lookup, then semantic lookup. Always fills the write plan (only the
@@ -680,6 +702,7 @@ pub async fn lookup(
         plan,
         hit: None,
         prev_entry,
+        policy: None,
     };
     // Background lookups (detached traces) are not client traffic: keep them out of the
     // lookup metrics analysts read.
@@ -731,6 +754,7 @@ pub async fn lookup(
     if !policy.enabled || (!read && !write) {
         return found;
     }
+    found.policy = Some(policy);
     let partition = key::partition_key(namespace, endpoint, req, &context);
     found.plan.partition = Some(partition);
     found.plan.prompt = query.clone();
@@ -882,6 +906,9 @@ pub fn spawn_generation(
     req: GenRequest,
     plan: Option<WritePlan>,
 ) {
+    let twin = plan
+        .as_ref()
+        .and_then(|p| p.partition.map(|partition| (partition, p.exact)));
     tokio::spawn(async move {
         let start = Instant::now();
         state.metrics.backend_calls.increment(1);
@@ -909,6 +936,9 @@ pub fn spawn_generation(
         }
         if let Some(key) = key {
             state.flights.remove(&key, &flight);
+        }
+        if let Some((partition, exact)) = twin {
+            state.twins.remove(&partition, &exact);
         }
     });
 }
@@ -1036,9 +1066,7 @@ fn respond_hit(
     };
     set_cache_headers(&mut resp, outcome, Some(&entry));
     if let Some(sim) = similarity {
-        if let Ok(v) = HeaderValue::from_str(&format!("{sim:.4}")) {
-            resp.headers_mut().insert(SIMILARITY_HEADER, v);
-        }
+        set_similarity(&mut resp, sim);
     }
     resp
 }
@@ -1179,6 +1207,13 @@ impl SseState {
                 Vec::new()
             }
         }
+    }
+}
+
+/// Sets `x-reprise-similarity`.
+fn set_similarity(resp: &mut Response, sim: f32) {
+    if let Ok(v) = HeaderValue::from_str(&format!("{sim:.4}")) {
+        resp.headers_mut().insert(SIMILARITY_HEADER, v);
     }
 }
 

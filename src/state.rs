@@ -45,6 +45,8 @@ pub struct AppState {
     pub semantic: Option<Semantic>,
     /// Generations in flight, by exact key.
     pub flights: Flights,
+    /// Generations in flight, by semantic partition (paraphrases wait for their twin).
+    pub twins: crate::flight::Twins,
     /// Metric handles.
     pub metrics: Metrics,
     /// Per-request JSON log, when configured.
@@ -118,6 +120,7 @@ impl AppState {
             redis,
             semantic,
             flights: Flights::default(),
+            twins: Default::default(),
             metrics,
             request_log,
             prefetch,

@@ -363,3 +363,48 @@ async fn request_log_records_every_request() {
         assert!(rec["time_ms"].as_u64().unwrap() > 0);
     }
 }
+
+#[tokio::test]
+async fn paraphrase_waits_for_its_twin_in_flight() {
+    let script = ScriptConfig {
+        token_delay: std::time::Duration::from_millis(40),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(semantic_config(), script).await;
+    let app = std::sync::Arc::new(app);
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            app.chat(&chat_body("How do I reset my password?"), &[])
+                .await
+        })
+    };
+    // Let the first request start generating.
+    assert!(eventually(std::time::Duration::from_secs(5), || backend.calls() == 1).await);
+    let mut body = chat_body("I forgot my password, how can I change it?");
+    body["stream"] = json!(true);
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert!(r.headers().get("x-reprise-similarity").is_some());
+    let data = sse_data(&r.text().await.unwrap());
+    assert_eq!(sse_text(&data), "You asked: How do I reset my password?");
+    let r = first.await.unwrap();
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 1, "the paraphrase did not generate again");
+    // A trap arriving while its look-alike generates does not wait for it.
+    let slow = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            app.chat(&chat_body("How do I enable dark mode?"), &[])
+                .await
+        })
+    };
+    assert!(eventually(std::time::Duration::from_secs(5), || backend.calls() == 2).await);
+    let r = app
+        .chat(&chat_body("How do I disable dark mode?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(content(r).await, "You asked: How do I disable dark mode?");
+    slow.await.unwrap();
+    assert_eq!(backend.calls(), 3);
+}

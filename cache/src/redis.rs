@@ -322,6 +322,10 @@ impl Keys {
         format!("{}:events", self.prefix)
     }
 
+    fn blob(&self, name: &str) -> String {
+        format!("{}:blob:{{{name}}}", self.prefix)
+    }
+
     /// SCAN pattern matching every entry key; glob characters of the prefix are escaped.
     fn entry_pattern(&self) -> String {
         let mut s = String::with_capacity(self.prefix.len() + 4);
@@ -404,6 +408,8 @@ enum Write {
         id: EntryId,
         expires_ms: u64,
     },
+    /// A named value without expiry (see [`RedisTier::put_blob`]).
+    Blob { name: String, bytes: Vec<u8> },
 }
 
 /// A queued operation whose caller waits for the result.
@@ -599,6 +605,33 @@ impl RedisTier {
             id,
             expires_ms: now_ms().saturating_add(ttl_ms),
         })
+    }
+
+    /// Queues a named value (e.g. learned state of a component) under the prefix, without
+    /// expiry, replacing any earlier one. Returns `false` when the write was dropped.
+    pub fn put_blob(&self, name: &str, bytes: Vec<u8>) -> bool {
+        self.enqueue(Write::Blob {
+            name: name.to_string(),
+            bytes,
+        })
+    }
+
+    /// The value stored by [`RedisTier::put_blob`] under `name`, if any.
+    pub async fn get_blob(&self, name: &str) -> Result<Option<Vec<u8>>, RedisError> {
+        let key = self.shared.keys.blob(name);
+        let cmd = ::redis::cmd("GET").arg(&key).clone();
+        match self
+            .shared
+            .run(Op::Get, |c| async move { c.query(&cmd).await })
+            .await
+        {
+            Ok(raw) => Ok(raw),
+            Err(e) if is_wrong_type(&e) => {
+                self.shared.skip(&key, "not a string");
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Deletes an entry (its keys become misses) and tells the other replicas. Returns
@@ -1014,6 +1047,15 @@ impl Shared {
                     .arg(ttl)
                     .clone();
                 self.run(Op::Alias, |c| async move { c.query::<Value>(&cmd).await })
+                    .await
+                    .map(drop)
+            }
+            Write::Blob { name, bytes } => {
+                let cmd = ::redis::cmd("SET")
+                    .arg(self.keys.blob(&name))
+                    .arg(bytes)
+                    .clone();
+                self.run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
                     .await
                     .map(drop)
             }

@@ -1,20 +1,176 @@
-//! Predictive prefetch (in progress): learns which follow-ups come after which answers and
-//! generates likely follow-ups in the background.
+//! Predictive prefetch and refresh-ahead: learns which follow-up comes after which answer and
+//! generates likely follow-ups in the background, before the user asks; regenerates hot
+//! entries before they expire.
+//!
+//! # How it works
+//!
+//! 1. **Learning** ([`model`]): every answered request is an [`Observation`]. Its previous
+//!    turn is the entry that answered the conversation's previous exchange (`prev_entry`,
+//!    multi-turn history) or else the last entry served in the same session (single-turn
+//!    prompts linked by `x-reprise-session` or the OpenAI `user` field). The model counts
+//!    previous → this, per namespace, with exponential decay.
+//! 2. **Predicting**: after an observation answered by `E`, the follow-ups of `E` are ranked;
+//!    when `E` was seen too rarely, the counts of entries with a similar embedding are pooled
+//!    in. Those clearing `min_probability` (at most `max_predictions`) become jobs.
+//! 3. **Prefetching**: each job is the follow-up request as it will arrive (the history plus
+//!    `E`'s answer plus the predicted question, or the same single-turn request with the
+//!    question replaced), generated with [`generate_in_background`] at background priority,
+//!    which skips what the cache can already answer. A job starts only while no interactive
+//!    request is running (and none ran for a short quiet period), within `max_concurrent`,
+//!    `max_tokens_per_minute` and `max_backend_share`; waiting jobs are bounded, newest
+//!    first, the oldest dropped.
+//! 4. **Refresh-ahead**: entries served at least `refresh_min_hits` times are regenerated
+//!    (`Origin::Refresh`) when they come within `refresh_window_secs` of expiry, under the
+//!    same budgets. What was learned about the old entry moves to the new one.
+//! 5. **Persistence**: the counts can be exported and imported; with a Redis tier attached
+//!    ([`Prefetcher::attach_redis`]) they are restored at start and saved every 30 s when
+//!    they changed.
+//!
+//! Model-proposed follow-ups (asking the model what a user would ask next) are not
+//! implemented: every prediction comes from observed traffic.
+//!
+//! [`generate_in_background`]: crate::pipeline::generate_in_background
 
-use std::sync::Arc;
+pub mod model;
 
-use reprise_backend::GenRequest;
-use reprise_cache::{Entry, EntryId};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use metrics::{describe_counter, describe_gauge, Counter, Gauge, Unit};
+use parking_lot::Mutex;
+use reprise_backend::{ChatMessage, GenRequest, Input};
+use reprise_cache::redis::{RedisError, RedisTier};
+use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
 use serde::Deserialize;
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::openai::Endpoint;
+use crate::pipeline::{generate_in_background, Background};
+use crate::state::AppState;
+use model::{Model, PredictParams, Snapshot};
 
-/// `[prefetch]`
-#[derive(Debug, Clone, Default, Deserialize)]
+/// Observations waiting for the worker; beyond this they are dropped (learning is best
+/// effort, the request path never waits).
+const OBSERVATION_QUEUE: usize = 4096;
+/// Jobs waiting for the backend to be free; beyond this the oldest is dropped.
+const JOB_QUEUE: usize = 32;
+/// A job that waited this long is dropped: its user has most likely asked already.
+const JOB_TTL: Duration = Duration::from_secs(30);
+/// How long the backend must have had no interactive request before a job starts. Requests
+/// of one client follow each other with a gap of a few milliseconds (the client reads the
+/// answer, sends the next, the server looks it up); a job started in such a gap would run
+/// beside the next request.
+const QUIET: Duration = Duration::from_millis(50);
+/// Worker tick while jobs wait (to catch the backend going idle).
+const POLL: Duration = Duration::from_millis(10);
+/// Worker tick while nothing waits.
+const IDLE_TICK: Duration = Duration::from_millis(100);
+/// How often hot entries are checked for refresh and prefetched entries for waste.
+const SCAN_EVERY: Duration = Duration::from_millis(250);
+/// How often the counts are saved to Redis (when they changed).
+const PERSIST_EVERY: Duration = Duration::from_secs(30);
+/// The window of the token and backend-share budgets.
+const BUDGET_WINDOW: Duration = Duration::from_secs(60);
+/// Sessions remembered for linking single-turn prompts.
+const MAX_SESSIONS: u64 = 100_000;
+/// A session idle this long is forgotten.
+const SESSION_IDLE: Duration = Duration::from_secs(3600);
+/// Hot-entry records kept for refresh-ahead.
+const MAX_HOT: u64 = 10_000;
+/// Prefetched entries tracked until used or gone (beyond this, new ones go untracked).
+const MAX_TRACKED: usize = 100_000;
+/// An observation of a live entry this young is the miss that created it, not a hit.
+const CREATION_GRACE_MS: u64 = 1000;
+/// Name of the saved counts under the Redis tier's prefix.
+const BLOB_NAME: &str = "prefetch-transitions";
+
+/// `[prefetch]`: predictive prefetch and refresh-ahead. Both spend backend compute on answers
+/// nobody asked for yet, so both are off by default.
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PrefetchConfig {
-    /// Predict follow-ups and generate them in the background.
+    /// Predict follow-ups and generate them in the background. Off by default: every
+    /// prefetch costs a backend generation that may never be used.
     pub enabled: bool,
+    /// Lowest estimated probability of a follow-up worth prefetching (0 to 1).
+    pub min_probability: f64,
+    /// Most follow-ups prefetched after one answer.
+    pub max_predictions: usize,
+    /// Lowest (decayed) number of times an answer was served before its follow-up
+    /// probabilities are trusted; rarer answers borrow counts from similar ones.
+    pub min_observations: f64,
+    /// Lowest cosine similarity of an answer whose follow-ups a rarely seen answer borrows.
+    pub similar_threshold: f32,
+    /// Half-life of the learned counts in seconds: old habits fade.
+    pub half_life_secs: f64,
+    /// Background generations (prefetch and refresh) running at once.
+    pub max_concurrent: usize,
+    /// Tokens background generations may produce per sliding minute; none start once spent.
+    pub max_tokens_per_minute: u64,
+    /// Share of wall time (0 to 1) background generations may have run over the last minute.
+    pub max_backend_share: f64,
+    /// Regenerate hot entries before they expire (needs `enabled`).
+    pub refresh_ahead: bool,
+    /// How close to expiry, in seconds, a hot entry is regenerated.
+    pub refresh_window_secs: f64,
+    /// Hits that make an entry hot.
+    pub refresh_min_hits: u64,
+}
+
+impl Default for PrefetchConfig {
+    fn default() -> Self {
+        PrefetchConfig {
+            enabled: false,
+            min_probability: 0.2,
+            max_predictions: 3,
+            min_observations: 2.0,
+            similar_threshold: 0.8,
+            half_life_secs: 3600.0,
+            max_concurrent: 1,
+            max_tokens_per_minute: 20_000,
+            max_backend_share: 0.5,
+            refresh_ahead: false,
+            refresh_window_secs: 300.0,
+            refresh_min_hits: 3,
+        }
+    }
+}
+
+impl PrefetchConfig {
+    /// Checks value ranges; the error names the key.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        let unit = |v: f64| v.is_finite() && (0.0..=1.0).contains(&v);
+        if !unit(self.min_probability) {
+            return Err(("prefetch.min_probability", "must be between 0 and 1".into()));
+        }
+        if !unit(f64::from(self.similar_threshold)) {
+            return Err((
+                "prefetch.similar_threshold",
+                "must be between 0 and 1".into(),
+            ));
+        }
+        if !unit(self.max_backend_share) {
+            return Err((
+                "prefetch.max_backend_share",
+                "must be between 0 and 1".into(),
+            ));
+        }
+        if !(self.min_observations.is_finite() && self.min_observations >= 0.0) {
+            return Err(("prefetch.min_observations", "must not be negative".into()));
+        }
+        if !(self.half_life_secs.is_finite() && self.half_life_secs > 0.0) {
+            return Err(("prefetch.half_life_secs", "must be positive".into()));
+        }
+        if self.max_concurrent == 0 {
+            return Err(("prefetch.max_concurrent", "must be at least 1".into()));
+        }
+        if !(self.refresh_window_secs.is_finite() && self.refresh_window_secs >= 0.0) {
+            return Err(("prefetch.refresh_window_secs", "must not be negative".into()));
+        }
+        Ok(())
+    }
 }
 
 /// One served request, as the prefetcher learns from it.
@@ -34,21 +190,937 @@ pub struct Observation {
     pub entry: Arc<Entry>,
 }
 
+/// Counters since start, cheap to read (tests, benchmarks, admin pages).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefetchStats {
+    /// Observations learned from.
+    pub observations: u64,
+    /// Observations dropped because the worker was behind.
+    pub observations_dropped: u64,
+    /// Follow-up links learned (previous entry → this entry).
+    pub links: u64,
+    /// Follow-ups predicted.
+    pub predictions: u64,
+    /// Jobs queued (prefetch and refresh).
+    pub queued: u64,
+    /// Jobs started.
+    pub started: u64,
+    /// Jobs that generated and stored an entry.
+    pub completed: u64,
+    /// Prefetch jobs the cache could already answer (nothing generated).
+    pub skipped: u64,
+    /// Jobs that failed, were preempted, or were dropped from the queue.
+    pub cancelled: u64,
+    /// Prefetched entries served for the first time.
+    pub hits: u64,
+    /// Prefetched entries gone (evicted or expired) without ever being served.
+    pub wasted: u64,
+    /// Entries regenerated by refresh-ahead.
+    pub refreshed: u64,
+    /// Tokens generated by background jobs.
+    pub tokens: u64,
+    /// Seconds background jobs spent generating.
+    pub backend_seconds: f64,
+    /// Jobs running now.
+    pub active: u64,
+    /// Most jobs ever running at once.
+    pub peak_active: u64,
+    /// Jobs waiting now.
+    pub waiting: u64,
+}
+
+/// Describes the prefetcher's metrics to the recorder; call once at start-up.
+pub fn describe_metrics() {
+    describe_counter!(
+        "reprise_prefetch_predictions_total",
+        "Follow-ups predicted after an answer."
+    );
+    describe_counter!(
+        "reprise_prefetch_queued_total",
+        "Background jobs queued (prefetch and refresh)."
+    );
+    describe_counter!(
+        "reprise_prefetch_started_total",
+        "Background jobs started."
+    );
+    describe_counter!(
+        "reprise_prefetch_completed_total",
+        "Background jobs that generated and stored an entry."
+    );
+    describe_counter!(
+        "reprise_prefetch_cancelled_total",
+        "Background jobs that failed, were preempted or were dropped from the queue."
+    );
+    describe_counter!(
+        "reprise_prefetch_hits_total",
+        "Prefetched entries served for the first time."
+    );
+    // A gauge only because the facade's counters count integers; it only ever grows.
+    describe_gauge!(
+        "reprise_prefetch_backend_seconds_total",
+        Unit::Seconds,
+        "Seconds of background generation (prefetch and refresh); only ever grows."
+    );
+    describe_counter!(
+        "reprise_prefetch_tokens_total",
+        "Tokens generated by background jobs (prefetch and refresh)."
+    );
+    describe_counter!(
+        "reprise_prefetch_wasted_total",
+        "Prefetched entries evicted or expired without ever being served."
+    );
+    describe_counter!(
+        "reprise_refresh_total",
+        "Entries regenerated before expiry by refresh-ahead."
+    );
+}
+
+/// Metric handles.
+struct Handles {
+    predictions: Counter,
+    queued: Counter,
+    started: Counter,
+    completed: Counter,
+    cancelled: Counter,
+    hits: Counter,
+    backend_seconds: Gauge,
+    tokens: Counter,
+    wasted: Counter,
+    refresh: Counter,
+}
+
+impl Handles {
+    fn new() -> Self {
+        Handles {
+            predictions: metrics::counter!("reprise_prefetch_predictions_total"),
+            queued: metrics::counter!("reprise_prefetch_queued_total"),
+            started: metrics::counter!("reprise_prefetch_started_total"),
+            completed: metrics::counter!("reprise_prefetch_completed_total"),
+            cancelled: metrics::counter!("reprise_prefetch_cancelled_total"),
+            hits: metrics::counter!("reprise_prefetch_hits_total"),
+            backend_seconds: metrics::gauge!("reprise_prefetch_backend_seconds_total"),
+            tokens: metrics::counter!("reprise_prefetch_tokens_total"),
+            wasted: metrics::counter!("reprise_prefetch_wasted_total"),
+            refresh: metrics::counter!("reprise_refresh_total"),
+        }
+    }
+}
+
+/// Counters behind [`PrefetchStats`].
+#[derive(Default)]
+struct Counts {
+    observations: AtomicU64,
+    observations_dropped: AtomicU64,
+    links: AtomicU64,
+    predictions: AtomicU64,
+    queued: AtomicU64,
+    started: AtomicU64,
+    completed: AtomicU64,
+    skipped: AtomicU64,
+    cancelled: AtomicU64,
+    hits: AtomicU64,
+    wasted: AtomicU64,
+    refreshed: AtomicU64,
+    tokens: AtomicU64,
+    backend_micros: AtomicU64,
+    active: AtomicU64,
+    peak_active: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// What a job does.
+#[derive(Debug, Clone, Copy)]
+enum JobKind {
+    /// Generate a predicted follow-up.
+    Prefetch,
+    /// Regenerate this entry before it expires.
+    Refresh(EntryId),
+}
+
+/// One background generation waiting for the backend.
+struct Job {
+    kind: JobKind,
+    namespace: String,
+    endpoint: Endpoint,
+    request: GenRequest,
+    /// Exact key of the request, to queue each follow-up once.
+    key: Digest,
+    queued_at: Instant,
+}
+
+/// The last answer of a session, to link its next single-turn prompt.
+#[derive(Clone)]
+struct SessionLast {
+    entry: EntryId,
+}
+
+/// An entry that gets hits: what to ask to regenerate it.
+struct Hot {
+    namespace: String,
+    endpoint: Endpoint,
+    request: GenRequest,
+    expires_ms: u64,
+    hits: AtomicU64,
+    refreshing: std::sync::atomic::AtomicBool,
+}
+
+/// Sliding-window accounting of background generation.
+#[derive(Default)]
+struct Budget {
+    /// Tokens generated, by finish time.
+    tokens: VecDeque<(Instant, u64)>,
+    /// Finished generations: start and end.
+    busy: VecDeque<(Instant, Instant)>,
+    /// Running generations: start, by job number.
+    running: HashMap<u64, Instant>,
+}
+
+impl Budget {
+    fn prune(&mut self, now: Instant) {
+        let Some(from) = now.checked_sub(BUDGET_WINDOW) else {
+            return;
+        };
+        while self.tokens.front().is_some_and(|(t, _)| *t < from) {
+            self.tokens.pop_front();
+        }
+        while self.busy.front().is_some_and(|(_, end)| *end < from) {
+            self.busy.pop_front();
+        }
+    }
+
+    fn tokens(&self) -> u64 {
+        self.tokens.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Seconds of generation within the window, running ones included.
+    fn busy_secs(&self, now: Instant) -> f64 {
+        let from = now.checked_sub(BUDGET_WINDOW);
+        let clip = |start: Instant| from.map_or(start, |f| start.max(f));
+        let done: f64 = self
+            .busy
+            .iter()
+            .map(|(s, e)| e.saturating_duration_since(clip(*s)).as_secs_f64())
+            .sum();
+        let running: f64 = self
+            .running
+            .values()
+            .map(|s| now.saturating_duration_since(clip(*s)).as_secs_f64())
+            .sum();
+        done + running
+    }
+}
+
+/// State shared by the handle, the worker and the job tasks.
+struct Shared {
+    cfg: PrefetchConfig,
+    model: Mutex<Model>,
+    sessions: moka::sync::Cache<(String, String), SessionLast>,
+    hot: moka::sync::Cache<EntryId, Arc<Hot>>,
+    queue: Mutex<VecDeque<Job>>,
+    /// Exact keys queued or running.
+    pending: Mutex<HashSet<Digest>>,
+    /// Prefetched entries not yet used, with their expiry.
+    prefetched: Mutex<HashMap<EntryId, u64>>,
+    budget: Mutex<Budget>,
+    slots: Arc<Semaphore>,
+    counts: Counts,
+    handles: Handles,
+    wake: Notify,
+    redis: Mutex<Option<RedisTier>>,
+    next_job: AtomicU64,
+}
+
 /// Handle to the prefetcher.
-pub struct Prefetcher {}
+pub struct Prefetcher {
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<Observation>,
+    rx: Mutex<Option<mpsc::Receiver<Observation>>>,
+}
 
 impl Prefetcher {
     /// A prefetcher (not yet running).
-    pub fn new(_cfg: PrefetchConfig) -> Arc<Prefetcher> {
-        Arc::new(Prefetcher {})
+    pub fn new(cfg: PrefetchConfig) -> Arc<Prefetcher> {
+        let (tx, rx) = mpsc::channel(OBSERVATION_QUEUE);
+        let shared = Arc::new(Shared {
+            model: Mutex::new(Model::new(cfg.half_life_secs)),
+            sessions: moka::sync::Cache::builder()
+                .max_capacity(MAX_SESSIONS)
+                .time_to_idle(SESSION_IDLE)
+                .build(),
+            hot: moka::sync::Cache::builder().max_capacity(MAX_HOT).build(),
+            queue: Mutex::new(VecDeque::new()),
+            pending: Mutex::new(HashSet::new()),
+            prefetched: Mutex::new(HashMap::new()),
+            budget: Mutex::new(Budget::default()),
+            slots: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
+            counts: Counts::default(),
+            handles: Handles::new(),
+            wake: Notify::new(),
+            redis: Mutex::new(None),
+            next_job: AtomicU64::new(0),
+            cfg,
+        });
+        Arc::new(Prefetcher {
+            shared,
+            tx,
+            rx: Mutex::new(Some(rx)),
+        })
     }
 
-    /// Starts the background worker.
-    pub fn start(&self, _state: std::sync::Weak<crate::state::AppState>) {}
+    /// Starts the background worker (once; later calls do nothing). It holds `state` weakly
+    /// and stops when the server is dropped.
+    pub fn start(&self, state: Weak<AppState>) {
+        let Some(rx) = self.rx.lock().take() else {
+            return;
+        };
+        let shared = self.shared.clone();
+        tokio::spawn(worker(shared, rx, state));
+    }
 
-    /// Records a served request (never blocks).
-    pub fn observe(&self, _obs: Observation) {}
+    /// Records a served request (never blocks; dropped when the worker is far behind).
+    pub fn observe(&self, obs: Observation) {
+        if self.tx.try_send(obs).is_err() {
+            bump(&self.shared.counts.observations_dropped, 1);
+        }
+    }
 
     /// Records the first use of a prefetched entry.
-    pub fn used(&self, _id: EntryId) {}
+    pub fn used(&self, id: EntryId) {
+        self.shared.prefetched.lock().remove(&id);
+        bump(&self.shared.counts.hits, 1);
+        self.shared.handles.hits.increment(1);
+    }
+
+    /// Counters since start.
+    pub fn stats(&self) -> PrefetchStats {
+        let c = &self.shared.counts;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PrefetchStats {
+            observations: l(&c.observations),
+            observations_dropped: l(&c.observations_dropped),
+            links: l(&c.links),
+            predictions: l(&c.predictions),
+            queued: l(&c.queued),
+            started: l(&c.started),
+            completed: l(&c.completed),
+            skipped: l(&c.skipped),
+            cancelled: l(&c.cancelled),
+            hits: l(&c.hits),
+            wasted: l(&c.wasted),
+            refreshed: l(&c.refreshed),
+            tokens: l(&c.tokens),
+            backend_seconds: l(&c.backend_micros) as f64 / 1e6,
+            active: l(&c.active),
+            peak_active: l(&c.peak_active),
+            waiting: self.shared.queue.lock().len() as u64,
+        }
+    }
+
+    /// The learned counts.
+    pub fn export(&self) -> Snapshot {
+        self.shared.model.lock().export(now_ms())
+    }
+
+    /// Adds saved counts to what was learned; returns the number of entries read.
+    pub fn import(&self, snap: &Snapshot) -> usize {
+        self.shared.model.lock().import(snap, now_ms())
+    }
+
+    /// Saves the learned counts in Redis (queued like any Redis write; `false` when the
+    /// write was dropped).
+    pub fn persist(&self, tier: &RedisTier) -> bool {
+        self.shared.persist(tier)
+    }
+
+    /// Adds the counts saved in Redis, if any; returns the number of entries read.
+    pub async fn restore(&self, tier: &RedisTier) -> Result<usize, RedisError> {
+        self.shared.restore(tier).await
+    }
+
+    /// Lets the worker restore the counts from `tier` and save them there every 30 s when
+    /// they changed. May be called before or after [`Prefetcher::start`].
+    pub fn attach_redis(&self, tier: RedisTier) {
+        *self.shared.redis.lock() = Some(tier);
+        self.shared.wake.notify_one();
+    }
+}
+
+impl Shared {
+    fn persist(&self, tier: &RedisTier) -> bool {
+        let snap = self.model.lock().export(now_ms());
+        match serde_json::to_vec(&snap) {
+            Ok(bytes) => tier.put_blob(BLOB_NAME, bytes),
+            Err(e) => {
+                tracing::warn!(error = %e, "prefetch: counts not serialisable");
+                false
+            }
+        }
+    }
+
+    async fn restore(&self, tier: &RedisTier) -> Result<usize, RedisError> {
+        let Some(bytes) = tier.get_blob(BLOB_NAME).await? else {
+            return Ok(0);
+        };
+        match serde_json::from_slice::<Snapshot>(&bytes) {
+            Ok(snap) => Ok(self.model.lock().import(&snap, now_ms())),
+            Err(e) => {
+                tracing::warn!(error = %e, "prefetch: saved counts do not decode; ignored");
+                Ok(0)
+            }
+        }
+    }
+
+    fn predict_params(&self) -> PredictParams {
+        PredictParams {
+            min_probability: self.cfg.min_probability,
+            max_predictions: self.cfg.max_predictions,
+            min_observations: self.cfg.min_observations,
+            similar_threshold: self.cfg.similar_threshold,
+        }
+    }
+
+    /// Learns from one observation and queues the follow-ups it predicts.
+    fn learn(&self, state: &AppState, obs: Observation) {
+        let now = now_ms();
+        bump(&self.counts.observations, 1);
+        let entry = &obs.entry;
+        let prompt = if entry.prompt.is_empty() {
+            last_user_text(&obs.request).unwrap_or_default()
+        } else {
+            entry.prompt.clone()
+        };
+        let session_key = obs
+            .session
+            .as_ref()
+            .map(|s| (obs.namespace.clone(), s.clone()));
+        // The previous turn: from the conversation history, else from the session.
+        let prev = obs.prev_entry.or_else(|| {
+            let key = session_key.as_ref()?;
+            self.sessions.get(key).map(|s| s.entry)
+        });
+        let multi = has_history(&obs.request);
+        let predictions = {
+            let mut model = self.model.lock();
+            model.observe(
+                &obs.namespace,
+                entry.id,
+                &prompt,
+                entry.embedding.as_ref(),
+                now,
+            );
+            if let Some(prev) = prev.filter(|p| *p != entry.id) {
+                model.link(&obs.namespace, prev, entry.id, multi, now);
+                bump(&self.counts.links, 1);
+            }
+            if self.cfg.enabled {
+                let threshold = state.config.semantic.threshold;
+                let gate = state.config.semantic.gate;
+                // Two follow-ups are one question when the semantic tier would serve one for
+                // the other.
+                let same = |a: &str, ea: Option<&[f32]>, b: &str, eb: Option<&[f32]>| {
+                    a == b
+                        || match (ea, eb) {
+                            (Some(ea), Some(eb)) => {
+                                model::cosine(ea, eb) >= threshold
+                                    && (!gate || reprise_policies::gate(a, b).is_pass())
+                            }
+                            _ => false,
+                        }
+                };
+                let p = model.predict(
+                    &obs.namespace,
+                    entry.id,
+                    &self.predict_params(),
+                    now,
+                    same,
+                );
+                let style = model.prefers_multi(&obs.namespace, now);
+                Some((p, style))
+            } else {
+                None
+            }
+        };
+        if let Some(key) = session_key {
+            self.sessions.insert(key, SessionLast { entry: entry.id });
+        }
+        if self.cfg.refresh_ahead {
+            self.note_hit(&obs, now);
+        }
+        let Some((predictions, style)) = predictions else {
+            return;
+        };
+        if predictions.is_empty() {
+            return;
+        }
+        bump(&self.counts.predictions, predictions.len() as u64);
+        self.handles
+            .predictions
+            .increment(predictions.len() as u64);
+        // How the next turn will arrive: with its history when the request already carries
+        // one; as a replaced single-turn prompt for completions; otherwise as this
+        // namespace's follow-ups usually do (with no data: single-turn when a session links
+        // them, else with history).
+        let multi = match &obs.request.input {
+            Input::Prompt(_) => false,
+            Input::Chat(_) if multi => true,
+            Input::Chat(_) => style.unwrap_or(obs.session.is_none()),
+        };
+        // Highest probability first: queued in reverse so the best ends up at the front.
+        for p in predictions.iter().rev() {
+            let Some(request) = follow_up(&obs.request, &entry.text, &p.prompt, multi) else {
+                continue;
+            };
+            let key = crate::key::exact_key(&obs.namespace, obs.endpoint, &request);
+            self.enqueue(Job {
+                kind: JobKind::Prefetch,
+                namespace: obs.namespace.clone(),
+                endpoint: obs.endpoint,
+                request,
+                key,
+                queued_at: Instant::now(),
+            });
+        }
+    }
+
+    /// Counts a hit for refresh-ahead, remembering the request that reaches the entry.
+    fn note_hit(&self, obs: &Observation, now: u64) {
+        let e = &obs.entry;
+        // The miss that created a live entry is observed right after it was stored; every
+        // other observation is a hit.
+        let creation =
+            e.origin == Origin::Live && now.saturating_sub(e.created_ms) < CREATION_GRACE_MS;
+        let hot = self.hot.get_with(e.id, || {
+            Arc::new(Hot {
+                namespace: obs.namespace.clone(),
+                endpoint: obs.endpoint,
+                request: obs.request.clone(),
+                expires_ms: e.expires_ms,
+                hits: AtomicU64::new(0),
+                refreshing: std::sync::atomic::AtomicBool::new(false),
+            })
+        });
+        if !creation {
+            hot.hits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Queues a job (newest first); drops the oldest beyond the bound.
+    fn enqueue(&self, job: Job) {
+        if !self.pending.lock().insert(job.key) {
+            return;
+        }
+        bump(&self.counts.queued, 1);
+        self.handles.queued.increment(1);
+        let dropped = {
+            let mut q = self.queue.lock();
+            q.push_front(job);
+            if q.len() > JOB_QUEUE {
+                q.pop_back()
+            } else {
+                None
+            }
+        };
+        if let Some(old) = dropped {
+            self.cancel(&old);
+        }
+    }
+
+    fn cancel(&self, job: &Job) {
+        self.pending.lock().remove(&job.key);
+        if let JobKind::Refresh(id) = job.kind {
+            if let Some(h) = self.hot.get(&id) {
+                h.refreshing.store(false, Ordering::Relaxed);
+            }
+        }
+        bump(&self.counts.cancelled, 1);
+        self.handles.cancelled.increment(1);
+    }
+
+    /// Whether the token and backend-share budgets allow starting another job.
+    fn budget_allows(&self, now: Instant) -> bool {
+        let mut b = self.budget.lock();
+        b.prune(now);
+        if b.tokens() >= self.cfg.max_tokens_per_minute {
+            return false;
+        }
+        b.busy_secs(now) < self.cfg.max_backend_share * BUDGET_WINDOW.as_secs_f64()
+    }
+
+    /// Starts waiting jobs while the backend is free of interactive work and budgets allow.
+    fn dispatch(self: &Arc<Self>, state: &Arc<AppState>, quiet_since: &mut Option<Instant>) {
+        loop {
+            let now = Instant::now();
+            {
+                // Stale jobs go first, whatever the backend is doing.
+                let mut q = self.queue.lock();
+                let mut stale = Vec::new();
+                while q.back().is_some_and(|j| j.queued_at + JOB_TTL < now) {
+                    stale.extend(q.pop_back());
+                }
+                let empty = q.is_empty();
+                drop(q);
+                for j in &stale {
+                    self.cancel(j);
+                }
+                if empty {
+                    return;
+                }
+            }
+            // Re-checked before every start: never beside an interactive request.
+            if state.backend.interactive_load() > 0 {
+                *quiet_since = None;
+                return;
+            }
+            if quiet_since.get_or_insert(now).elapsed() < QUIET {
+                return;
+            }
+            if !self.budget_allows(now) {
+                return;
+            }
+            let Ok(permit) = self.slots.clone().try_acquire_owned() else {
+                return;
+            };
+            let Some(job) = self.queue.lock().pop_front() else {
+                return;
+            };
+            let n = self.next_job.fetch_add(1, Ordering::Relaxed);
+            self.budget.lock().running.insert(n, Instant::now());
+            bump(&self.counts.started, 1);
+            self.handles.started.increment(1);
+            let active = self.counts.active.fetch_add(1, Ordering::Relaxed) + 1;
+            self.counts.peak_active.fetch_max(active, Ordering::Relaxed);
+            tokio::spawn(run_job(self.clone(), state.clone(), job, n, permit));
+        }
+    }
+
+    /// Queues refresh jobs for hot entries close to expiry.
+    async fn scan_hot(&self, state: &AppState) {
+        let now = now_ms();
+        let window = (self.cfg.refresh_window_secs * 1000.0) as u64;
+        let mut gone = Vec::new();
+        let mut due = Vec::new();
+        for (id, hot) in self.hot.iter() {
+            if hot.expires_ms <= now {
+                gone.push(*id);
+            } else if hot.expires_ms.saturating_sub(now) <= window
+                && hot.hits.load(Ordering::Relaxed) >= self.cfg.refresh_min_hits
+                && !hot.refreshing.load(Ordering::Relaxed)
+            {
+                due.push((*id, hot));
+            }
+        }
+        for id in gone {
+            self.hot.invalidate(&id);
+        }
+        for (id, hot) in due {
+            if state.memory.get(id).await.is_none() {
+                self.hot.invalidate(&id);
+                continue;
+            }
+            hot.refreshing.store(true, Ordering::Relaxed);
+            let mut request = hot.request.clone();
+            request.priority = reprise_backend::Priority::Background;
+            let key = crate::key::exact_key(&hot.namespace, hot.endpoint, &request);
+            self.enqueue(Job {
+                kind: JobKind::Refresh(id),
+                namespace: hot.namespace.clone(),
+                endpoint: hot.endpoint,
+                request,
+                key,
+                queued_at: Instant::now(),
+            });
+        }
+    }
+
+    /// Counts prefetched entries that left the cache without being used.
+    async fn scan_wasted(&self, state: &AppState) {
+        let now = now_ms();
+        let ids: Vec<(EntryId, u64)> = self
+            .prefetched
+            .lock()
+            .iter()
+            .map(|(k, v)| (*k, *v))
+            .collect();
+        let mut wasted = Vec::new();
+        for (id, expires) in ids {
+            let gone = expires <= now || state.memory.get(id).await.is_none();
+            if gone {
+                wasted.push(id);
+            }
+        }
+        if wasted.is_empty() {
+            return;
+        }
+        let mut map = self.prefetched.lock();
+        let mut n = 0;
+        for id in wasted {
+            // Still there: not used meanwhile.
+            if map.remove(&id).is_some() {
+                n += 1;
+            }
+        }
+        drop(map);
+        bump(&self.counts.wasted, n);
+        self.handles.wasted.increment(n);
+    }
+}
+
+/// Runs one job and accounts for it.
+async fn run_job(
+    shared: Arc<Shared>,
+    state: Arc<AppState>,
+    job: Job,
+    n: u64,
+    permit: OwnedSemaphorePermit,
+) {
+    let start = Instant::now();
+    let (origin, check_cache) = match job.kind {
+        JobKind::Prefetch => (Origin::Prefetch, true),
+        JobKind::Refresh(_) => (Origin::Refresh, false),
+    };
+    let result = generate_in_background(
+        &state,
+        &job.namespace,
+        job.endpoint,
+        job.request,
+        origin,
+        check_cache,
+    )
+    .await;
+    let end = Instant::now();
+    let secs = end.duration_since(start).as_secs_f64();
+    let mut tokens = 0;
+    let generated = !matches!(result, Background::Cached);
+    match result {
+        Background::Cached => {
+            bump(&shared.counts.skipped, 1);
+        }
+        Background::Generated { id, usage } => {
+            tokens = u64::from(usage.completion_tokens);
+            bump(&shared.counts.completed, 1);
+            shared.handles.completed.increment(1);
+            match job.kind {
+                JobKind::Prefetch => {
+                    // Served already (its first use made it a live entry): nothing to track.
+                    if let Some(e) = state.memory.get(id).await {
+                        if e.origin == Origin::Prefetch {
+                            let mut map = shared.prefetched.lock();
+                            if map.len() < MAX_TRACKED {
+                                map.insert(id, e.expires_ms);
+                            }
+                        }
+                    }
+                }
+                JobKind::Refresh(old) => {
+                    bump(&shared.counts.refreshed, 1);
+                    shared.handles.refresh.increment(1);
+                    shared.hot.invalidate(&old);
+                    shared.model.lock().rename(&job.namespace, old, id);
+                }
+            }
+        }
+        Background::Failed(e) => {
+            tracing::debug!(error = %e, "prefetch: background generation failed");
+            if let JobKind::Refresh(old) = job.kind {
+                if let Some(h) = shared.hot.get(&old) {
+                    h.refreshing.store(false, Ordering::Relaxed);
+                }
+            }
+            bump(&shared.counts.cancelled, 1);
+            shared.handles.cancelled.increment(1);
+        }
+    }
+    {
+        let mut b = shared.budget.lock();
+        b.running.remove(&n);
+        if generated {
+            b.busy.push_back((start, end));
+            b.tokens.push_back((end, tokens));
+        }
+    }
+    if generated {
+        bump(&shared.counts.tokens, tokens);
+        shared.handles.tokens.increment(tokens);
+        bump(&shared.counts.backend_micros, (secs * 1e6) as u64);
+        shared.handles.backend_seconds.increment(secs);
+    }
+    shared.pending.lock().remove(&job.key);
+    shared.counts.active.fetch_sub(1, Ordering::Relaxed);
+    drop(permit);
+    shared.wake.notify_one();
+}
+
+/// The worker: learns from observations, starts jobs, scans for refresh and waste, saves
+/// the counts.
+async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state: Weak<AppState>) {
+    let mut quiet_since: Option<Instant> = None;
+    let mut last_scan = Instant::now();
+    let mut last_persist = Instant::now();
+    let mut restored = false;
+    loop {
+        let wait = if shared.queue.lock().is_empty() {
+            IDLE_TICK
+        } else {
+            POLL
+        };
+        let first = tokio::select! {
+            m = rx.recv() => match m {
+                Some(m) => Some(m),
+                None => return,
+            },
+            _ = shared.wake.notified() => None,
+            _ = tokio::time::sleep(wait) => None,
+        };
+        let Some(state) = state.upgrade() else {
+            return;
+        };
+        for obs in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+            // An answer was just served: a request ended (or is about to), so the backend
+            // is not quiet yet.
+            quiet_since = None;
+            shared.learn(&state, obs);
+        }
+        let tier = shared.redis.lock().clone();
+        if let Some(tier) = tier {
+            if !restored {
+                match shared.restore(&tier).await {
+                    Ok(n) => {
+                        restored = true;
+                        tracing::info!(entries = n, "prefetch: counts restored");
+                    }
+                    Err(e) => tracing::debug!(error = %e, "prefetch: restore failed"),
+                }
+            } else if last_persist.elapsed() >= PERSIST_EVERY {
+                last_persist = Instant::now();
+                if shared.model.lock().take_changed() {
+                    shared.persist(&tier);
+                }
+            }
+        }
+        if last_scan.elapsed() >= SCAN_EVERY {
+            last_scan = Instant::now();
+            if shared.cfg.refresh_ahead {
+                shared.scan_hot(&state).await;
+            }
+            shared.scan_wasted(&state).await;
+        }
+        if shared.cfg.enabled || shared.cfg.refresh_ahead {
+            shared.dispatch(&state, &mut quiet_since);
+        }
+    }
+}
+
+/// Whether a request carries earlier exchanges.
+fn has_history(req: &GenRequest) -> bool {
+    matches!(&req.input, Input::Chat(m) if m.iter().any(|m| m.role == "assistant"))
+}
+
+/// The last user message of a chat, or the raw prompt.
+fn last_user_text(req: &GenRequest) -> Option<String> {
+    match &req.input {
+        Input::Prompt(p) => Some(p.clone()),
+        Input::Chat(m) => m
+            .iter()
+            .rev()
+            .find(|m| m.role == "user")
+            .map(|m| m.content.clone()),
+    }
+}
+
+/// The follow-up request as it will arrive. `multi`: the history, the answer, then the
+/// question; otherwise the same request with its last user message (or prompt) replaced.
+fn follow_up(req: &GenRequest, answer: &str, question: &str, multi: bool) -> Option<GenRequest> {
+    let mut next = req.clone();
+    match &mut next.input {
+        Input::Prompt(p) => *p = question.to_string(),
+        Input::Chat(msgs) if multi => {
+            msgs.push(ChatMessage {
+                role: "assistant".into(),
+                content: answer.to_string(),
+            });
+            msgs.push(ChatMessage {
+                role: "user".into(),
+                content: question.to_string(),
+            });
+        }
+        Input::Chat(msgs) => {
+            let last = msgs.iter_mut().rev().find(|m| m.role == "user")?;
+            last.content = question.to_string();
+        }
+    }
+    Some(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reprise_backend::{Priority, SamplingParams};
+
+    fn chat(msgs: &[(&str, &str)]) -> GenRequest {
+        GenRequest {
+            model: "m".into(),
+            input: Input::Chat(
+                msgs.iter()
+                    .map(|(r, c)| ChatMessage {
+                        role: (*r).into(),
+                        content: (*c).into(),
+                    })
+                    .collect(),
+            ),
+            params: SamplingParams {
+                max_tokens: Some(7),
+                ..Default::default()
+            },
+            priority: Priority::Interactive,
+            extra: Default::default(),
+        }
+    }
+
+    #[test]
+    fn follow_ups_keep_the_request_shape() {
+        let r = chat(&[("system", "be brief"), ("user", "x?")]);
+        let m = follow_up(&r, "ans", "y?", true).unwrap();
+        assert_eq!(
+            m,
+            chat(&[
+                ("system", "be brief"),
+                ("user", "x?"),
+                ("assistant", "ans"),
+                ("user", "y?")
+            ])
+        );
+        let s = follow_up(&r, "ans", "y?", false).unwrap();
+        assert_eq!(s, chat(&[("system", "be brief"), ("user", "y?")]));
+        assert!(has_history(&m) && !has_history(&s));
+    }
+
+    #[test]
+    fn config_defaults_and_validation() {
+        let c = PrefetchConfig::default();
+        assert!(!c.enabled && !c.refresh_ahead);
+        assert!(c.validate().is_ok());
+        let bad = PrefetchConfig {
+            min_probability: 1.5,
+            ..PrefetchConfig::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().0, "prefetch.min_probability");
+        let parsed: PrefetchConfig = toml::from_str("enabled = true\nmax_concurrent = 2").unwrap();
+        assert!(parsed.enabled && parsed.max_concurrent == 2);
+        assert!(toml::from_str::<PrefetchConfig>("nope = 1").is_err());
+    }
+
+    #[test]
+    fn budget_window_counts_running_and_finished() {
+        let mut b = Budget::default();
+        let now = Instant::now();
+        b.busy.push_back((now - Duration::from_secs(3), now - Duration::from_secs(1)));
+        b.running.insert(1, now - Duration::from_secs(2));
+        let s = b.busy_secs(now);
+        assert!((s - 4.0).abs() < 0.01, "{s}");
+        b.tokens.push_back((now, 10));
+        assert_eq!(b.tokens(), 10);
+    }
 }

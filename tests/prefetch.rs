@@ -1,0 +1,553 @@
+//! Predictive prefetch and refresh-ahead over real TCP: after a pattern of turns was seen, a
+//! new session reaching the first turn gets the follow-up answered from an entry generated in
+//! the background (`x-reprise-cache: prefetch`, then a normal entry); background work never
+//! starts beside an interactive request and keeps to its budgets; hot entries are renewed
+//! before they expire; learned counts survive a restart through Redis.
+//!
+//! The scripted backend answers "You asked: <last user message>", so an answer names the
+//! question it was generated for. A probe wrapped around it records, for every background
+//! generation, whether an interactive one was running when it started and how many background
+//! streams ran at once. Assertions poll with generous timeouts; none measures durations.
+
+mod common;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use reprise::config::BackendKind;
+use reprise::prefetch::PrefetchStats;
+use reprise::Config;
+use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+use reprise_backend::llama::{LlamaBackend, LlamaConfig};
+use reprise_backend::{Backend, BackendError, GenRequest, GenStream, Priority};
+use reprise_cache::redis::{RedisConfig, RedisTier};
+use reprise_cache::testing::RedisServer;
+use reprise_cache::{EntryId, Origin};
+use serde_json::{json, Value};
+
+/// Generous bound for anything that happens in the background.
+const WAIT: Duration = Duration::from_secs(30);
+
+const X: &str = "How do I create an account?";
+const Y: &str = "How do I reset my password?";
+/// A paraphrase of `Y` the semantic tier serves `Y`'s answer for.
+const Y_PARAPHRASE: &str = "I forgot my password, how can I change it?";
+
+/// A test configuration with prefetch on.
+fn prefetch_config(semantic: bool) -> Config {
+    let mut c = test_config();
+    c.semantic.enabled = semantic;
+    c.prefetch.enabled = true;
+    c
+}
+
+/// Counts what the background does, around a scripted backend.
+#[derive(Default)]
+struct ProbeCounts {
+    background_started: AtomicUsize,
+    background_beside_interactive: AtomicUsize,
+    background_active: AtomicUsize,
+    background_peak: AtomicUsize,
+}
+
+#[derive(Clone)]
+struct Probe {
+    inner: ScriptedBackend,
+    counts: Arc<ProbeCounts>,
+}
+
+/// Decrements the active background count when its stream ends.
+struct ActiveGuard(Arc<ProbeCounts>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.background_active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Backend for Probe {
+    // Written out as `async_trait` expands it (the root crate does not depend on the macro).
+    fn generate<'a, 'b>(
+        &'a self,
+        req: GenRequest,
+    ) -> Pin<Box<dyn Future<Output = Result<GenStream, BackendError>> + Send + 'b>>
+    where
+        'a: 'b,
+        Self: 'b,
+    {
+        Box::pin(async move {
+            let background = req.priority == Priority::Background;
+            if background {
+                let c = &self.counts;
+                c.background_started.fetch_add(1, Ordering::SeqCst);
+                if self.inner.interactive_load() > 0 {
+                    c.background_beside_interactive
+                        .fetch_add(1, Ordering::SeqCst);
+                }
+                let active = c.background_active.fetch_add(1, Ordering::SeqCst) + 1;
+                c.background_peak.fetch_max(active, Ordering::SeqCst);
+                let guard = ActiveGuard(c.clone());
+                let stream = match self.inner.generate(req).await {
+                    Ok(s) => s,
+                    Err(e) => return Err(e),
+                };
+                let stream: GenStream = Box::pin(stream.map(move |ev| {
+                    let _keep = &guard;
+                    ev
+                }));
+                return Ok(stream);
+            }
+            self.inner.generate(req).await
+        })
+    }
+
+    fn models(&self) -> Vec<String> {
+        self.inner.models()
+    }
+
+    fn ready(&self) -> bool {
+        true
+    }
+
+    fn interactive_load(&self) -> usize {
+        self.inner.interactive_load()
+    }
+}
+
+/// A server over a probed scripted backend.
+async fn spawn_probe(config: Config, script: ScriptConfig) -> (TestApp, Probe) {
+    let probe = Probe {
+        inner: ScriptedBackend::new(script),
+        counts: Arc::new(ProbeCounts::default()),
+    };
+    let app = spawn_app(config, Arc::new(probe.clone())).await;
+    (app, probe)
+}
+
+fn stats(app: &TestApp) -> PrefetchStats {
+    app.state.prefetch.as_ref().expect("prefetch on").stats()
+}
+
+async fn content(r: reqwest::Response) -> String {
+    let j: Value = r.json().await.unwrap();
+    j["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+fn convo(msgs: &[(&str, &str)]) -> Value {
+    let m: Vec<Value> = msgs
+        .iter()
+        .map(|(r, c)| json!({"role": r, "content": c}))
+        .collect();
+    json!({"model": "fake", "messages": m})
+}
+
+/// One single-turn prompt of a session; returns the cache outcome.
+async fn ask(app: &TestApp, session: &str, text: &str) -> String {
+    let r = app
+        .chat(&chat_body(text), &[("x-reprise-session", session)])
+        .await;
+    assert_eq!(r.status(), 200);
+    cache_status(&r)
+}
+
+/// The id of the entry whose answer names `question`.
+fn entry_answering(app: &TestApp, question: &str) -> Option<EntryId> {
+    let text = format!("You asked: {question}");
+    app.state
+        .memory
+        .iter_entries()
+        .into_iter()
+        .find(|e| e.text == text)
+        .map(|e| e.id)
+}
+
+/// Several sessions ask `X` then `Y` (single-turn prompts linked by session id); then `Y`'s
+/// entry is dropped, so only a prefetch can bring it back before it is asked.
+async fn learn_x_then_y(app: &TestApp, sessions: usize) {
+    for i in 0..sessions {
+        let s = format!("learn-{i}");
+        ask(app, &s, X).await;
+        ask(app, &s, Y).await;
+    }
+    assert!(
+        eventually(WAIT, || stats(app).links >= sessions as u64).await,
+        "{:?}",
+        stats(app)
+    );
+    let y = entry_answering(app, Y).expect("Y was answered");
+    app.state.memory.remove(y).await;
+    app.state.memory.run_pending_tasks().await;
+}
+
+#[tokio::test]
+async fn single_turn_session_gets_the_follow_up_prefetched() {
+    let (app, probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
+    learn_x_then_y(&app, 3).await;
+    let before = stats(&app);
+    // A new session reaches X: Y is predicted and generated in the background.
+    assert_eq!(ask(&app, "new", X).await, "exact");
+    assert!(
+        eventually(WAIT, || stats(&app).completed > before.completed).await,
+        "{:?}",
+        stats(&app)
+    );
+    assert!(probe.counts.background_started.load(Ordering::SeqCst) >= 1);
+    let bg: Vec<GenRequest> = probe
+        .inner
+        .requests()
+        .into_iter()
+        .filter(|r| r.priority == Priority::Background)
+        .collect();
+    assert!(
+        bg.iter().any(|r| format!("{:?}", r.input).contains(Y)),
+        "{bg:?}"
+    );
+    let calls = probe.inner.calls();
+    // The session asks Y in other words: served from the prefetched entry.
+    let r = app
+        .chat(&chat_body(Y_PARAPHRASE), &[("x-reprise-session", "new")])
+        .await;
+    assert_eq!(cache_status(&r), "prefetch");
+    assert_eq!(r.headers()["cache-status"], "reprise; hit; detail=prefetch");
+    assert_eq!(content(r).await, format!("You asked: {Y}"));
+    assert_eq!(probe.inner.calls(), calls, "no backend call for the hit");
+    assert!(eventually(WAIT, || stats(&app).hits == 1).await);
+    // After its first use it is a normal entry.
+    assert_eq!(ask(&app, "other", Y_PARAPHRASE).await, "exact");
+    assert_eq!(ask(&app, "third", Y).await, "exact");
+}
+
+#[tokio::test]
+async fn multi_turn_history_gets_the_follow_up_prefetched_in_a_new_context() {
+    let (app, probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
+    let answer = format!("You asked: {X}");
+    // Two conversations under one system prompt: X, then Y with the history.
+    for _ in 0..2 {
+        app.chat(&convo(&[("system", "You are terse."), ("user", X)]), &[])
+            .await;
+        let r = app
+            .chat(
+                &convo(&[
+                    ("system", "You are terse."),
+                    ("user", X),
+                    ("assistant", &answer),
+                    ("user", Y),
+                ]),
+                &[],
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+    }
+    assert!(eventually(WAIT, || stats(&app).links >= 2).await);
+    // A conversation under another system prompt reaches X: a new entry (another context)
+    // that borrows the follow-ups of the similar one.
+    let r = app
+        .chat(&convo(&[("system", "You are kind."), ("user", X)]), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    assert!(
+        eventually(WAIT, || stats(&app).completed >= 1).await,
+        "{:?}",
+        stats(&app)
+    );
+    let calls = probe.inner.calls();
+    let r = app
+        .chat(
+            &convo(&[
+                ("system", "You are kind."),
+                ("user", X),
+                ("assistant", &answer),
+                ("user", Y_PARAPHRASE),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "prefetch");
+    assert_eq!(content(r).await, format!("You asked: {Y}"));
+    assert_eq!(probe.inner.calls(), calls);
+}
+
+#[tokio::test]
+async fn prefetch_never_starts_beside_interactive_requests() {
+    let script = ScriptConfig {
+        token_delay: Duration::from_millis(15),
+        ..ScriptConfig::default()
+    };
+    let (app, probe) = spawn_probe(prefetch_config(false), script).await;
+    learn_x_then_y(&app, 3).await;
+    // Back-to-back interactive misses keep the backend busy.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let driver = {
+        let (client, url, stop) = (
+            app.client.clone(),
+            app.url("/v1/chat/completions"),
+            stop.clone(),
+        );
+        tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let body = chat_body(&format!("busy question number {i} for the backend"));
+                let r = client.post(&url).json(&body).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+                r.bytes().await.unwrap();
+                i += 1;
+            }
+            i
+        })
+    };
+    assert!(eventually(WAIT, || probe.inner.interactive_load() > 0).await);
+    assert_eq!(ask(&app, "new", X).await, "exact");
+    assert!(eventually(WAIT, || stats(&app).queued >= 1).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    let sent = driver.await.unwrap();
+    assert!(sent >= 2, "{sent}");
+    assert!(
+        eventually(WAIT, || stats(&app).completed >= 1).await,
+        "{:?}",
+        stats(&app)
+    );
+    assert_eq!(
+        probe
+            .counts
+            .background_beside_interactive
+            .load(Ordering::SeqCst),
+        0,
+        "a background generation started while an interactive one ran"
+    );
+    assert_eq!(ask(&app, "new", Y).await, "prefetch");
+}
+
+/// X was followed by three different questions: all three are predicted at once.
+async fn learn_three_follow_ups(app: &TestApp) -> Vec<String> {
+    let follow: Vec<String> = (1..=3)
+        .map(|i| format!("Which option number {i} do you recommend?"))
+        .collect();
+    for (i, f) in follow.iter().enumerate() {
+        let s = format!("learn-{i}");
+        ask(app, &s, X).await;
+        ask(app, &s, f).await;
+    }
+    assert!(eventually(WAIT, || stats(app).links >= 3).await);
+    for f in &follow {
+        let id = entry_answering(app, f).unwrap();
+        app.state.memory.remove(id).await;
+    }
+    app.state.memory.run_pending_tasks().await;
+    follow
+}
+
+#[tokio::test]
+async fn one_background_stream_at_a_time() {
+    let script = ScriptConfig {
+        token_delay: Duration::from_millis(10),
+        ..ScriptConfig::default()
+    };
+    let mut config = prefetch_config(false);
+    config.prefetch.max_concurrent = 1;
+    let (app, probe) = spawn_probe(config, script).await;
+    let follow = learn_three_follow_ups(&app).await;
+    assert_eq!(ask(&app, "new", X).await, "exact");
+    assert!(
+        eventually(WAIT, || stats(&app).completed >= 3).await,
+        "{:?}",
+        stats(&app)
+    );
+    assert_eq!(probe.counts.background_peak.load(Ordering::SeqCst), 1);
+    assert_eq!(stats(&app).peak_active, 1);
+    for f in &follow {
+        assert_eq!(ask(&app, "new", f).await, "prefetch");
+    }
+}
+
+#[tokio::test]
+async fn token_budget_stops_further_prefetches() {
+    let mut config = prefetch_config(false);
+    // One answer ("You asked: Which option number N do you recommend?") is 8 tokens.
+    config.prefetch.max_tokens_per_minute = 5;
+    let (app, probe) = spawn_probe(config, ScriptConfig::default()).await;
+    learn_three_follow_ups(&app).await;
+    assert_eq!(ask(&app, "new", X).await, "exact");
+    assert!(eventually(WAIT, || stats(&app).completed >= 1).await);
+    // The budget is spent: the other two wait. Give the worker many ticks to misbehave.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let s = stats(&app);
+    assert_eq!(s.started, 1, "{s:?}");
+    assert_eq!(s.waiting, 2, "{s:?}");
+    assert!(s.tokens >= 5, "{s:?}");
+    assert_eq!(probe.counts.background_started.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
+    let mut config = prefetch_config(false);
+    config.cache.ttl_secs = 2;
+    config.prefetch.refresh_ahead = true;
+    config.prefetch.refresh_window_secs = 1.5;
+    config.prefetch.refresh_min_hits = 2;
+    let (app, probe) = spawn_probe(config, ScriptConfig::default()).await;
+    assert_eq!(ask(&app, "a", X).await, "miss");
+    let old = entry_answering(&app, X).unwrap();
+    assert_eq!(ask(&app, "b", X).await, "exact");
+    assert_eq!(ask(&app, "c", X).await, "exact");
+    let refreshed = || {
+        app.state
+            .memory
+            .iter_entries()
+            .into_iter()
+            .find(|e| e.origin == Origin::Refresh && e.text == format!("You asked: {X}"))
+    };
+    assert!(
+        eventually(WAIT, || refreshed().is_some()).await,
+        "{:?}",
+        stats(&app)
+    );
+    let new = refreshed().unwrap();
+    assert_ne!(new.id, old);
+    assert!(probe
+        .inner
+        .requests()
+        .iter()
+        .any(|r| r.priority == Priority::Background));
+    assert!(stats(&app).refreshed >= 1);
+    // The exact key now leads to the renewed entry, which outlives the old one.
+    let calls = probe.inner.calls();
+    let mut gone = false;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while tokio::time::Instant::now() < deadline {
+        if app.state.memory.get(old).await.is_none() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "the old entry expires");
+    let r = app.chat(&chat_body(X), &[("x-reprise-session", "d")]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(probe.inner.calls(), calls, "served without the backend");
+}
+
+#[tokio::test]
+async fn predictions_survive_a_restart_through_redis() {
+    let server = RedisServer::start();
+    let cfg = RedisConfig {
+        url: Some(server.url()),
+        ..RedisConfig::default()
+    };
+    let tier = RedisTier::connect(cfg.clone(), "first".into())
+        .await
+        .unwrap();
+    let (app, _probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
+    for i in 0..3 {
+        let s = format!("learn-{i}");
+        ask(&app, &s, X).await;
+        ask(&app, &s, Y).await;
+    }
+    assert!(eventually(WAIT, || stats(&app).links >= 3).await);
+    let p = app.state.prefetch.clone().unwrap();
+    assert!(p.persist(&tier));
+    tier.flush().await.unwrap();
+    drop(app);
+
+    // A new process: empty cache, counts restored by the worker from Redis.
+    let (app, probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
+    let second = RedisTier::connect(cfg, "second".into()).await.unwrap();
+    let p = app.state.prefetch.clone().unwrap();
+    assert!(p.export().namespaces.is_empty());
+    p.attach_redis(second);
+    assert!(
+        eventually(WAIT, || !p.export().namespaces.is_empty()).await,
+        "counts restored"
+    );
+    // X is a miss here (a new entry); it borrows the restored follow-ups of the old X.
+    assert_eq!(ask(&app, "new", X).await, "miss");
+    assert!(
+        eventually(WAIT, || stats(&app).completed >= 1).await,
+        "{:?}",
+        stats(&app)
+    );
+    let calls = probe.inner.calls();
+    assert_eq!(ask(&app, "new", Y_PARAPHRASE).await, "prefetch");
+    assert_eq!(probe.inner.calls(), calls);
+}
+
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
+
+#[tokio::test]
+async fn llama_backend_prefetches_a_follow_up() {
+    let mut config = prefetch_config(true);
+    config.backend.kind = BackendKind::Llama;
+    config.backend.model = models_dir().join(MODEL_FILE);
+    config.backend.n_ctx = 2048;
+    config.backend.n_threads = 1;
+    config.backend.parallel = 2;
+    config.backend.default_max_tokens = 8;
+    let b = &config.backend;
+    assert!(b.model.is_file(), "run scripts/fetch-models.sh");
+    let cfg = LlamaConfig {
+        model: b.model.clone(),
+        n_ctx: b.n_ctx,
+        n_threads: b.n_threads,
+        parallel: b.parallel,
+        max_queue: 16,
+        default_max_tokens: b.default_max_tokens,
+        ..LlamaConfig::default()
+    };
+    let engine = Arc::new(
+        tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
+            .await
+            .unwrap()
+            .expect("model loads"),
+    );
+    let app = spawn_app(config, engine.clone()).await;
+    let ask = |session: &'static str, text: &'static str| {
+        let app = &app;
+        async move {
+            let body = json!({"model": MODEL, "messages": [{"role": "user", "content": text}],
+                              "max_tokens": 8, "temperature": 0});
+            let r = app.chat(&body, &[("x-reprise-session", session)]).await;
+            assert_eq!(r.status(), 200);
+            let status = cache_status(&r);
+            (status, content(r).await)
+        }
+    };
+    for s in ["l1", "l2", "l3"] {
+        ask(s, X).await;
+        ask(s, Y).await;
+    }
+    assert!(eventually(WAIT, || stats(&app).links >= 3).await);
+    let y = app
+        .state
+        .memory
+        .iter_entries()
+        .into_iter()
+        .find(|e| e.prompt == Y)
+        .expect("Y's entry")
+        .id;
+    app.state.memory.remove(y).await;
+    app.state.memory.run_pending_tasks().await;
+    let generated = engine.stats().completed;
+    assert_eq!(ask("new", X).await.0, "exact");
+    assert!(
+        eventually(Duration::from_secs(120), || stats(&app).completed >= 1).await,
+        "{:?}",
+        stats(&app)
+    );
+    assert!(
+        engine.stats().completed > generated,
+        "the engine generated it"
+    );
+    let (status, _) = ask("new", Y_PARAPHRASE).await;
+    assert_eq!(status, "prefetch");
+    let (status, _) = ask("again", Y_PARAPHRASE).await;
+    assert_eq!(status, "exact");
+}
