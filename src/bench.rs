@@ -42,6 +42,9 @@ enum Mode {
     /// The Redis tier: L2 against L1 exact hits, a fresh replica's index rebuild time and
     /// memory, replica-to-replica propagation delay.
     Redis(crate::bench_redis::RedisArgs),
+    /// Predictive prefetch on recorded sessions: the same conversations through reprise with
+    /// prefetch off and on, side by side; hit rates, latency, compute spent and wasted.
+    Replay(crate::bench_replay::ReplayArgs),
 }
 
 /// Options of `reprise bench proxy`.
@@ -72,6 +75,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Mode::Llama(a) => crate::bench_llama::run(a).await,
         Mode::Latency(a) => crate::bench_latency::run(a).await,
         Mode::Redis(a) => crate::bench_redis::run(a).await,
+        Mode::Replay(a) => crate::bench_replay::run(a).await,
     }
 }
 

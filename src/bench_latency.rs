@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
-use reprise_embedder::Embedder;
 use serde_json::json;
 
 use crate::bench::Samples;
@@ -440,7 +439,8 @@ pub async fn run(a: LatencyArgs) -> anyhow::Result<()> {
     );
     let mut rows = Vec::new();
     for &c in &a.concurrency {
-        let (mut exact, mut semantic, mut embed) = (Side::default(), Side::default(), Side::default());
+        let (mut exact, mut semantic, mut embed) =
+            (Side::default(), Side::default(), Side::default());
         for _ in 0..a.rounds.max(1) {
             exact.merge(closed_loop(exact_op.clone(), c, a.seconds).await);
             semantic.merge(closed_loop(semantic_op.clone(), c, a.seconds).await);
@@ -469,9 +469,7 @@ pub async fn run(a: LatencyArgs) -> anyhow::Result<()> {
         config.semantic.threshold,
         if config.semantic.gate { "on" } else { "off" }
     );
-    println!(
-        "times in ms; semantic percentiles over hits; every semantic and embed text is new"
-    );
+    println!("times in ms; semantic percentiles over hits; every semantic and embed text is new");
     println!(
         "clients |  exact p50    p99    req/s | semantic p50    p99   hits/s  hit % | embed p50    p99      /s | sem/exact p50"
     );

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use clap::Args;
 use futures::StreamExt;
-use reprise_backend::llama::{bare_decode_benchmark, BareStats, LlamaBackend, LlamaConfig};
+use reprise_backend::llama::{bare_decode_benchmark, BareStats, LlamaBackend};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
@@ -222,17 +222,7 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
     config.semantic.enabled = false;
     config.validate()?;
     let b = &config.backend;
-    let llama_cfg = LlamaConfig {
-        model: b.model.clone(),
-        model_name: b.model_name.clone(),
-        n_ctx: b.n_ctx,
-        n_threads: b.n_threads,
-        n_gpu_layers: b.n_gpu_layers,
-        parallel: b.parallel,
-        max_queue: b.max_queue,
-        default_max_tokens: b.default_max_tokens,
-        ..LlamaConfig::default()
-    };
+    let llama_cfg = b.llama_config();
     let model_name = llama_cfg.served_name();
 
     eprintln!(

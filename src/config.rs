@@ -153,6 +153,23 @@ impl Default for BackendConfig {
     }
 }
 
+impl BackendConfig {
+    /// The llama engine settings this table describes.
+    pub fn llama_config(&self) -> reprise_backend::llama::LlamaConfig {
+        reprise_backend::llama::LlamaConfig {
+            model: self.model.clone(),
+            model_name: self.model_name.clone(),
+            n_ctx: self.n_ctx,
+            n_threads: self.n_threads,
+            n_gpu_layers: self.n_gpu_layers,
+            parallel: self.parallel,
+            max_queue: self.max_queue,
+            default_max_tokens: self.default_max_tokens,
+            ..Default::default()
+        }
+    }
+}
+
 fn default_threads() -> i32 {
     std::thread::available_parallelism()
         .map(|n| n.get().min(8) as i32)

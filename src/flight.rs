@@ -210,7 +210,13 @@ pub struct Twins {
 
 impl Twins {
     /// Registers a generation led for `exact` in `partition`.
-    pub fn register(&self, partition: Digest, exact: Digest, prompt: String, embedding: Arc<[f32]>) {
+    pub fn register(
+        &self,
+        partition: Digest,
+        exact: Digest,
+        prompt: String,
+        embedding: Arc<[f32]>,
+    ) {
         self.map.lock().entry(partition).or_default().push(Twin {
             exact,
             prompt,

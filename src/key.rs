@@ -257,6 +257,37 @@ mod tests {
     }
 
     #[test]
+    fn partitions_isolate_namespace_model_params_and_context() {
+        let base = chat(&[("user", "hi")]);
+        let ctx = [7; 32];
+        let p = partition_key("ns", Endpoint::Chat, &base, &ctx);
+        // The matched text itself is not part of the partition.
+        let other_text = chat(&[("user", "hello there")]);
+        assert_eq!(p, partition_key("ns", Endpoint::Chat, &other_text, &ctx));
+        let mut m = base.clone();
+        m.model = "other-model".into();
+        assert_ne!(p, partition_key("ns", Endpoint::Chat, &m, &ctx), "model");
+        assert_ne!(
+            p,
+            partition_key("ns2", Endpoint::Chat, &base, &ctx),
+            "namespace"
+        );
+        assert_ne!(
+            p,
+            partition_key("ns", Endpoint::Completion, &base, &ctx),
+            "endpoint"
+        );
+        assert_ne!(
+            p,
+            partition_key("ns", Endpoint::Chat, &base, &[8; 32]),
+            "context"
+        );
+        let mut t = base.clone();
+        t.params.max_tokens = Some(5);
+        assert_ne!(p, partition_key("ns", Endpoint::Chat, &t, &ctx), "params");
+    }
+
+    #[test]
     fn encoding_is_prefix_free() {
         let a = chat(&[("user", "ab"), ("user", "c")]);
         let b = chat(&[("user", "a"), ("user", "bc")]);

@@ -13,6 +13,7 @@ pub mod bench_latency;
 pub mod bench_llama;
 pub mod bench_quality;
 pub mod bench_redis;
+pub mod bench_replay;
 pub mod config;
 pub mod error;
 pub mod flight;

@@ -285,18 +285,25 @@ async fn serve(
     };
     trace.outcome = outcome;
     // A paraphrase of a question being generated right now waits for that answer.
-    if let (true, Some(policy), Some(partition), Some(embedding)) =
-        (read && write, found.policy, plan.partition, plan.embedding.clone())
-    {
-        let twin = state.twins.find(&partition, &embedding, policy.threshold, |p| {
-            !policy.gate || reprise_policies::gate(&plan.prompt, p).is_pass()
-        });
-        if let Some(sub) = twin.and_then(|(key, sim)| state.flights.follow(&key).map(|s| (s, sim))) {
+    if let (true, Some(policy), Some(partition), Some(embedding)) = (
+        read && write,
+        found.policy,
+        plan.partition,
+        plan.embedding.clone(),
+    ) {
+        let twin = state
+            .twins
+            .find(&partition, &embedding, policy.threshold, |p| {
+                !policy.gate || reprise_policies::gate(&plan.prompt, p).is_pass()
+            });
+        if let Some(sub) = twin.and_then(|(key, sim)| state.flights.follow(&key).map(|s| (s, sim)))
+        {
             let (sub, sim) = sub;
             state.metrics.singleflight_joins.increment(1);
             trace.outcome = Outcome::Semantic;
             trace.record.similarity = Some(sim);
-            let mut resp = respond_generation(state, &parsed, renderer, sub, Outcome::Semantic, trace).await?;
+            let mut resp =
+                respond_generation(state, &parsed, renderer, sub, Outcome::Semantic, trace).await?;
             set_similarity(&mut resp, sim);
             return Ok(resp);
         }
@@ -308,8 +315,11 @@ async fn serve(
                 sub
             }
             Joined::Leader(flight, sub) => {
-                if let (Some(partition), Some(embedding)) = (plan.partition, plan.embedding.clone()) {
-                    state.twins.register(partition, exact, plan.prompt.clone(), embedding);
+                if let (Some(partition), Some(embedding)) = (plan.partition, plan.embedding.clone())
+                {
+                    state
+                        .twins
+                        .register(partition, exact, plan.prompt.clone(), embedding);
                 }
                 spawn_generation(
                     state.clone(),

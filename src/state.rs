@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
-use reprise_backend::llama::{LlamaBackend, LlamaConfig};
+use reprise_backend::llama::LlamaBackend;
 use reprise_backend::openai::{OpenAiBackend, OpenAiConfig};
 use reprise_backend::Backend;
 use reprise_cache::redis::RedisTier;
@@ -269,17 +269,7 @@ pub async fn build_backend(config: &Config) -> anyhow::Result<Arc<dyn Backend>> 
             })?)
         }
         BackendKind::Llama => {
-            let cfg = LlamaConfig {
-                model: b.model.clone(),
-                model_name: b.model_name.clone(),
-                n_ctx: b.n_ctx,
-                n_threads: b.n_threads,
-                n_gpu_layers: b.n_gpu_layers,
-                parallel: b.parallel,
-                max_queue: b.max_queue,
-                default_max_tokens: b.default_max_tokens,
-                ..LlamaConfig::default()
-            };
+            let cfg = b.llama_config();
             tracing::info!(model = %cfg.model.display(), "loading model");
             let backend = tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
                 .await

@@ -16,7 +16,7 @@ use common::*;
 use futures::StreamExt;
 use reprise::config::BackendKind;
 use reprise::Config;
-use reprise_backend::llama::{LlamaBackend, LlamaConfig};
+use reprise_backend::llama::LlamaBackend;
 use serde_json::{json, Value};
 
 const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -49,17 +49,7 @@ async fn spawn_llama(config: Config) -> (TestApp, Arc<LlamaBackend>) {
         "test model {} is missing (run scripts/fetch-models.sh)",
         b.model.display()
     );
-    let cfg = LlamaConfig {
-        model: b.model.clone(),
-        model_name: b.model_name.clone(),
-        n_ctx: b.n_ctx,
-        n_threads: b.n_threads,
-        n_gpu_layers: b.n_gpu_layers,
-        parallel: b.parallel,
-        max_queue: b.max_queue,
-        default_max_tokens: b.default_max_tokens,
-        ..LlamaConfig::default()
-    };
+    let cfg = b.llama_config();
     let engine = tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
         .await
         .unwrap()

@@ -167,7 +167,10 @@ impl PrefetchConfig {
             return Err(("prefetch.max_concurrent", "must be at least 1".into()));
         }
         if !(self.refresh_window_secs.is_finite() && self.refresh_window_secs >= 0.0) {
-            return Err(("prefetch.refresh_window_secs", "must not be negative".into()));
+            return Err((
+                "prefetch.refresh_window_secs",
+                "must not be negative".into(),
+            ));
         }
         Ok(())
     }
@@ -239,10 +242,7 @@ pub fn describe_metrics() {
         "reprise_prefetch_queued_total",
         "Background jobs queued (prefetch and refresh)."
     );
-    describe_counter!(
-        "reprise_prefetch_started_total",
-        "Background jobs started."
-    );
+    describe_counter!("reprise_prefetch_started_total", "Background jobs started.");
     describe_counter!(
         "reprise_prefetch_completed_total",
         "Background jobs that generated and stored an entry."
@@ -630,13 +630,7 @@ impl Shared {
                             _ => false,
                         }
                 };
-                let p = model.predict(
-                    &obs.namespace,
-                    entry.id,
-                    &self.predict_params(),
-                    now,
-                    same,
-                );
+                let p = model.predict(&obs.namespace, entry.id, &self.predict_params(), now, same);
                 let style = model.prefers_multi(&obs.namespace, now);
                 Some((p, style))
             } else {
@@ -656,9 +650,7 @@ impl Shared {
             return;
         }
         bump(&self.counts.predictions, predictions.len() as u64);
-        self.handles
-            .predictions
-            .increment(predictions.len() as u64);
+        self.handles.predictions.increment(predictions.len() as u64);
         // How the next turn will arrive: with its history when the request already carries
         // one; as a replaced single-turn prompt for completions; otherwise as this
         // namespace's follow-ups usually do (with no data: single-turn when a session links
@@ -688,11 +680,11 @@ impl Shared {
     /// Counts a hit for refresh-ahead, remembering the request that reaches the entry.
     fn note_hit(&self, obs: &Observation, now: u64) {
         let e = &obs.entry;
-        // The miss that created a live entry is observed right after it was stored; every
-        // other observation is a hit.
-        let creation =
-            e.origin == Origin::Live && now.saturating_sub(e.created_ms) < CREATION_GRACE_MS;
+        // The miss that created a live entry is its first observation, right after it was
+        // stored; every other observation is a hit.
+        let mut first = false;
         let hot = self.hot.get_with(e.id, || {
+            first = true;
             Arc::new(Hot {
                 namespace: obs.namespace.clone(),
                 endpoint: obs.endpoint,
@@ -702,6 +694,9 @@ impl Shared {
                 refreshing: std::sync::atomic::AtomicBool::new(false),
             })
         });
+        let creation = first
+            && e.origin == Origin::Live
+            && now.saturating_sub(e.created_ms) < CREATION_GRACE_MS;
         if !creation {
             hot.hits.fetch_add(1, Ordering::Relaxed);
         }
@@ -977,7 +972,10 @@ async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state:
         let Some(state) = state.upgrade() else {
             return;
         };
-        for obs in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+        for obs in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
             // An answer was just served: a request ended (or is about to), so the backend
             // is not quiet yet.
             quiet_since = None;
@@ -1116,7 +1114,8 @@ mod tests {
     fn budget_window_counts_running_and_finished() {
         let mut b = Budget::default();
         let now = Instant::now();
-        b.busy.push_back((now - Duration::from_secs(3), now - Duration::from_secs(1)));
+        b.busy
+            .push_back((now - Duration::from_secs(3), now - Duration::from_secs(1)));
         b.running.insert(1, now - Duration::from_secs(2));
         let s = b.busy_secs(now);
         assert!((s - 4.0).abs() < 0.01, "{s}");

@@ -341,7 +341,10 @@ impl Model {
         for n in space.nodes.values_mut() {
             if let Some(d) = n.next.remove(&old) {
                 let now = d.at_ms;
-                n.next.entry(new).or_default().add(d.value(now, hl), now, hl);
+                n.next
+                    .entry(new)
+                    .or_default()
+                    .add(d.value(now, hl), now, hl);
             }
         }
         self.changed = true;
@@ -414,7 +417,13 @@ impl Model {
                 let Ok(id) = n.id.parse::<EntryId>() else {
                     continue;
                 };
-                let decay = |v: f64| Decayed { value: v, at_ms: at }.value(now_ms, hl);
+                let decay = |v: f64| {
+                    Decayed {
+                        value: v,
+                        at_ms: at,
+                    }
+                    .value(now_ms, hl)
+                };
                 let node = space.nodes.entry(id).or_default();
                 if node.prompt.is_empty() {
                     node.prompt = n.prompt.clone();

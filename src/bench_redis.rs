@@ -1,0 +1,711 @@
+//! `reprise bench redis`: the shared Redis tier (L2) measured against the in-process one.
+//!
+//! Three parts, each on its own key prefix of one Redis (started here on a free loopback port
+//! with nothing persisted, or `--redis-url`):
+//!
+//! - **(b) rebuild**: entries with synthetic 384-dimension unit vectors are written straight
+//!   through [`RedisTier::put`]; a fresh replica is then built and timed until its semantic
+//!   index holds them all, with the process's resident memory before and after. Runs first so
+//!   the memory figures are not blurred by the other parts' allocations.
+//! - **(a) L2 against L1**: replica A stores entries through HTTP misses; replica B, started
+//!   before, has received them by replication into its memory by id, but an exact key is only
+//!   linked to its entry by a lookup. So B's *first* request for a key is an L2 hit (memory
+//!   misses the key, Redis answers `GET key` then `GET entry`, the entry is promoted) and the
+//!   *second* request for the same key is an L1 hit. Each batch of fresh keys is asked twice
+//!   in a row, first pass L2, second pass L1: same keys, same moment. Run twice: with the
+//!   semantic tier off (the bare exact path) and on (values carry embeddings, and a
+//!   promotion re-inserts the entry into B's index).
+//! - **(c) propagation**: a miss on A, then the time from its answer reaching the client until
+//!   B has it, two ways in alternating samples: B's semantic index holds the entry (the event
+//!   stream delivered it; polled in process), and B answers the request as an exact hit over
+//!   HTTP (`Cache-Control: only-if-cached`, polled back to back; served through L2).
+//!
+//! Progress goes to stderr, results to stdout.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use futures::StreamExt;
+use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+use reprise_cache::redis::{RedisConfig, RedisTier};
+use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
+use reprise_embedder::Embedder;
+use serde_json::json;
+
+use crate::bench::{percentile, Samples};
+use crate::config::{BackendKind, Config};
+use crate::openai::Endpoint;
+use crate::state::AppState;
+
+/// Options of `reprise bench redis`.
+#[derive(Debug, Args)]
+pub struct RedisArgs {
+    /// Use this Redis instead of starting `redis-server` on a free port. Everything is
+    /// written under a fresh `reprise-bench-*` prefix and expires within `--ttl-secs`.
+    #[arg(long)]
+    redis_url: Option<String>,
+    /// Which parts to run: any of `a` (L2 against L1, with the semantic tier off, then on),
+    /// `b` (rebuild), `c` (propagation).
+    #[arg(long, default_value = "abc")]
+    parts: String,
+    /// (b) Entries a fresh replica rebuilds its index from.
+    #[arg(long, default_value_t = 100_000)]
+    entries: usize,
+    /// (b) Semantic partitions the synthetic entries are spread over.
+    #[arg(long, default_value_t = 16)]
+    partitions: usize,
+    /// (a) Distinct keys stored through replica A.
+    #[arg(long, default_value_t = 9000)]
+    keys: usize,
+    /// (a) Concurrent clients, measured in turn.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    concurrency: Vec<usize>,
+    /// (a) Alternating L2/L1 rounds per concurrency.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// (c) Propagation samples per way.
+    #[arg(long, default_value_t = 200)]
+    samples: usize,
+    /// Lifetime of everything this benchmark writes, in seconds.
+    #[arg(long, default_value_t = 3600)]
+    ttl_secs: u64,
+}
+
+/// A `redis-server` started for this run on a free loopback port; killed on drop.
+struct LocalRedis {
+    child: Child,
+    port: u16,
+}
+
+impl LocalRedis {
+    /// Starts a server that keeps nothing on disk and waits until it answers PING.
+    fn start() -> anyhow::Result<LocalRedis> {
+        // Another process may take the probed port before the server binds it: retry.
+        for _ in 0..10 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port();
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .current_dir(std::env::temp_dir())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| anyhow::anyhow!("cannot start redis-server: {e}"))?;
+            let mut server = LocalRedis { child, port };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if server.ping() {
+                    return Ok(server);
+                }
+                if let Ok(Some(_)) = server.child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        anyhow::bail!("redis-server did not start on a free port")
+    }
+
+    fn ping(&self) -> bool {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+        let mut buf = [0u8; 7];
+        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for LocalRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Resident and peak resident memory of this process, bytes (`/proc/self/status`).
+fn rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+fn ms(x: f64) -> String {
+    format!("{:.3} ms", x * 1000.0)
+}
+
+/// A small deterministic generator (splitmix64): synthetic vectors need no quality.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    /// A random unit vector of `dim` components.
+    fn vector(&mut self, dim: usize) -> Arc<[f32]> {
+        let mut v: Vec<f32> = (0..dim).map(|_| self.unit()).collect();
+        let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+        v.iter_mut().for_each(|x| *x /= norm);
+        v.into()
+    }
+}
+
+/// The configuration of one replica in this benchmark.
+fn replica_config(url: &str, prefix: &str, semantic: bool, ttl_secs: u64) -> Config {
+    let mut c = Config::default();
+    c.backend.kind = BackendKind::Fake;
+    c.cache.enabled = true;
+    c.cache.ttl_secs = ttl_secs;
+    c.semantic.enabled = semantic;
+    c.redis.url = Some(url.to_string());
+    c.redis.prefix = prefix.to_string();
+    c
+}
+
+/// A replica: state with a Redis tier, served on a free loopback port.
+async fn replica(
+    config: Config,
+    embedder: Option<Arc<dyn Embedder>>,
+) -> anyhow::Result<(String, Arc<AppState>)> {
+    let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+    let redis = crate::state::connect_redis(&config).await?;
+    let state = AppState::with_redis(config, backend, embedder, redis)?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let app = crate::app(state.clone());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((format!("http://{addr}/v1/chat/completions"), state))
+}
+
+fn chat_body(text: &str) -> String {
+    json!({"model": "fake", "messages": [{"role": "user", "content": text}]}).to_string()
+}
+
+/// Posts `body`; returns the `x-reprise-cache` outcome once the whole body arrived.
+async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    body: String,
+    headers: &[(&str, &str)],
+) -> Option<String> {
+    let mut req = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let r = req.send().await.ok()?;
+    let outcome = r
+        .headers()
+        .get(crate::pipeline::CACHE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    r.bytes().await.ok()?;
+    Some(outcome)
+}
+
+/// Runs the Redis benchmark.
+pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
+    let local = match &a.redis_url {
+        Some(_) => None,
+        None => Some(LocalRedis::start()?),
+    };
+    let url = match (&a.redis_url, &local) {
+        (Some(u), _) => u.clone(),
+        (None, Some(l)) => l.url(),
+        (None, None) => unreachable!("a local server is started when no url is given"),
+    };
+    let run_id = uuid::Uuid::new_v4().simple().to_string();
+    let prefix = |part: &str| format!("reprise-bench-{}-{part}", &run_id[..8]);
+    eprintln!(
+        "redis: {}",
+        if local.is_some() {
+            "redis-server started on a free port"
+        } else {
+            "--redis-url"
+        }
+    );
+    let parts = a.parts.to_ascii_lowercase();
+    // One embedder for every replica of this process (each would load its own in a real
+    // deployment; sharing it changes nothing that is measured here).
+    let embedder = {
+        let cfg = replica_config(&url, "unused", true, a.ttl_secs);
+        crate::state::build_embedder(&cfg).await?
+    };
+    println!("== reprise bench redis ==");
+    if parts.contains('b') {
+        rebuild(&a, &url, &prefix("b"), embedder.clone()).await?;
+    }
+    if parts.contains('a') {
+        l2_vs_l1(&a, &url, &prefix("a"), None).await?;
+        l2_vs_l1(&a, &url, &prefix("a-semantic"), embedder.clone()).await?;
+    }
+    if parts.contains('c') {
+        propagation(&a, &url, &prefix("c"), embedder.clone()).await?;
+    }
+    Ok(())
+}
+
+/// (b) A fresh replica rebuilding its index from `--entries` entries.
+async fn rebuild(
+    a: &RedisArgs,
+    url: &str,
+    prefix: &str,
+    embedder: Option<Arc<dyn Embedder>>,
+) -> anyhow::Result<()> {
+    let embedder = embedder.ok_or_else(|| anyhow::anyhow!("no embedder"))?;
+    let dim = embedder.dim();
+    let n = a.entries;
+    eprintln!(
+        "(b) writing {n} entries ({dim}-dim vectors, {} partitions) to redis",
+        a.partitions
+    );
+    let mut cfg = replica_config(url, prefix, true, a.ttl_secs);
+    let writer = RedisTier::connect(
+        RedisConfig {
+            prefix: prefix.to_string(),
+            ..cfg.redis.clone()
+        },
+        "bench-writer".into(),
+    )
+    .await?;
+    let partitions: Vec<Digest> = (0..a.partitions.max(1))
+        .map(|p| *blake3::hash(format!("{prefix} partition {p}").as_bytes()).as_bytes())
+        .collect();
+    let mut rng = SplitMix(0x5EED);
+    let t = Instant::now();
+    let now = now_ms();
+    let mut dropped = 0usize;
+    for i in 0..n {
+        let entry = Entry {
+            id: EntryId::random(),
+            namespace: crate::pipeline::DEFAULT_NAMESPACE.into(),
+            model: "fake".into(),
+            text: format!("synthetic answer number {i}, about as long as a short reply"),
+            finish_reason: "stop".into(),
+            prompt_tokens: 20,
+            completion_tokens: 12,
+            prompt: format!("synthetic prompt number {i}"),
+            partition: partitions[i % partitions.len()],
+            embedding: Some(rng.vector(dim)),
+            origin: Origin::Live,
+            tags: Vec::new(),
+            created_ms: now,
+            expires_ms: now + a.ttl_secs * 1000,
+        };
+        let key = *blake3::hash(format!("{prefix} key {i}").as_bytes()).as_bytes();
+        dropped += usize::from(!writer.put(&entry, &[key]));
+        // The write queue holds `write_queue` writes; beyond that puts are dropped, so let
+        // the writer catch up well before.
+        if (i + 1) % 2000 == 0 {
+            writer.flush().await?;
+        }
+        if (i + 1) % 20_000 == 0 {
+            eprintln!("  {} written ({:.1} s)", i + 1, t.elapsed().as_secs_f64());
+        }
+    }
+    writer.flush().await?;
+    drop(writer);
+    anyhow::ensure!(
+        dropped == 0,
+        "{dropped} puts were dropped by the write queue"
+    );
+    let write_s = t.elapsed().as_secs_f64();
+    eprintln!("  written in {write_s:.1} s");
+
+    // The entries must all fit: an entry evicted from memory is tombstoned in the index and
+    // the count would never be reached.
+    cfg.cache.memory_bytes = cfg.cache.memory_bytes.max(n as u64 * 8 * 1024);
+    let (rss_before, _) = rss();
+    eprintln!("(b) starting a fresh replica");
+    let t = Instant::now();
+    let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+    let redis = crate::state::connect_redis(&cfg).await?;
+    let state = AppState::with_redis(cfg, backend, Some(embedder), redis)?;
+    let index = state
+        .semantic
+        .as_ref()
+        .map(|s| s.index.clone())
+        .ok_or_else(|| anyhow::anyhow!("no semantic index"))?;
+    // The rebuild scans everything first, then installs: the first vector in the index marks
+    // the end of the scan.
+    let mut scanned_s = None;
+    let mut next_report = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    loop {
+        let len = index.len();
+        if len > 0 && scanned_s.is_none() {
+            scanned_s = Some(t.elapsed().as_secs_f64());
+        }
+        if len >= n {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the index holds {len} of {n} vectors after an hour"
+        );
+        if Instant::now() >= next_report {
+            eprintln!(
+                "  {len} of {n} indexed ({:.1} s)",
+                t.elapsed().as_secs_f64()
+            );
+            next_report += Duration::from_secs(5);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let total_s = t.elapsed().as_secs_f64();
+    let (rss_after, hwm) = rss();
+    let scanned_s = scanned_s.unwrap_or(total_s);
+    println!(
+        "(b) fresh replica rebuilding {n} entries ({dim}-dim, {} partitions)",
+        a.partitions
+    );
+    println!(
+        "    rebuild {total_s:.2} s ({:.0} entries/s): scan and decode {scanned_s:.2} s, index {:.2} s",
+        n as f64 / total_s,
+        total_s - scanned_s
+    );
+    println!("    (writing them through RedisTier::put took {write_s:.1} s)");
+    println!(
+        "    RSS before {:.0} MiB, after {:.0} MiB: +{:.0} MiB ({:.0} bytes/entry); peak RSS of the process {:.0} MiB",
+        mib(rss_before),
+        mib(rss_after),
+        mib(rss_after.saturating_sub(rss_before)),
+        rss_after.saturating_sub(rss_before) as f64 / n as f64,
+        mib(hwm)
+    );
+    // Dropping the state stops its replication task; its memory goes back to the allocator.
+    drop(index);
+    drop(state);
+    Ok(())
+}
+
+/// (a) Exact hits on replica B served from Redis (first request of each key) against the
+/// same keys' second request (memory).
+async fn l2_vs_l1(
+    a: &RedisArgs,
+    url: &str,
+    prefix: &str,
+    embedder: Option<Arc<dyn Embedder>>,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !a.concurrency.is_empty() && a.concurrency.iter().all(|&c| c > 0),
+        "--concurrency needs positive values"
+    );
+    // Without an embedder the semantic tier is off and only the exact path is measured; with
+    // one, entries carry embeddings (bigger values to decode) and a promotion also inserts
+    // into B's index, as on a real replica.
+    let semantic = embedder.is_some();
+    let label = if semantic {
+        "semantic tier on"
+    } else {
+        "semantic tier off"
+    };
+    let cfg = replica_config(url, prefix, semantic, a.ttl_secs);
+    let (url_a, state_a) = replica(cfg.clone(), embedder.clone()).await?;
+    let (url_b, state_b) = replica(cfg, embedder).await?;
+    let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(max_c * 2)
+        .tcp_nodelay(true)
+        .build()?;
+    let texts: Vec<String> = (0..a.keys)
+        .map(|i| format!("redis tier benchmark question {i}: what is stored under this key?"))
+        .collect();
+    eprintln!(
+        "(a, {label}) storing {} entries through replica A",
+        texts.len()
+    );
+    let t = Instant::now();
+    let stored = futures::stream::iter(texts.iter().map(|text| {
+        let (client, url_a) = (client.clone(), url_a.clone());
+        let body = chat_body(text);
+        async move { post(&client, &url_a, body, &[]).await.as_deref() == Some("miss") }
+    }))
+    .buffer_unordered(8)
+    .filter(|ok| futures::future::ready(*ok))
+    .count()
+    .await;
+    anyhow::ensure!(
+        stored == texts.len(),
+        "only {stored} of {} stored",
+        texts.len()
+    );
+    if let Some(r) = &state_a.redis {
+        r.flush().await?;
+    }
+    eprintln!("  stored in {:.1} s", t.elapsed().as_secs_f64());
+    // Let replication deliver them to B (by id), so that B is in the state of a replica that
+    // has been running along: entries in memory, exact keys not yet linked.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let index_b = state_b.semantic.as_ref().map(|s| s.index.clone());
+    loop {
+        state_b.memory.run_pending_tasks().await;
+        let delivered = match &index_b {
+            Some(index) => index.len() as u64,
+            None => state_b.memory.entry_count(),
+        };
+        if delivered >= texts.len() as u64 || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "  replica B holds {} entries by id ({} in its index)",
+        state_b.memory.entry_count(),
+        index_b.as_ref().map_or(0, |i| i.len())
+    );
+
+    // Each key is used by exactly one L2 pass (then one L1 pass): the rounds consume keys.
+    let batches = a.concurrency.len() * a.rounds.max(1);
+    let per_batch = texts.len() / batches;
+    anyhow::ensure!(
+        per_batch >= max_c,
+        "--keys {} is too few for {batches} batches of at least {max_c}",
+        a.keys
+    );
+    let mut next = 0usize;
+    let mut rows = Vec::new();
+    let mut wrong = 0usize;
+    for &c in &a.concurrency {
+        let (mut l2, mut l1) = (Samples::default(), Samples::default());
+        for _ in 0..a.rounds.max(1) {
+            let batch: Vec<String> = texts[next..next + per_batch].to_vec();
+            next += per_batch;
+            // Make sure what is about to be measured as L2 really is not linked in B's memory.
+            let probe = crate::pipeline::parse(Endpoint::Chat, chat_body(&batch[0]).as_bytes())
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let key = crate::key::exact_key(
+                crate::pipeline::DEFAULT_NAMESPACE,
+                Endpoint::Chat,
+                &probe.req,
+            );
+            anyhow::ensure!(
+                state_b.memory.get_by_key(&key).await.is_none(),
+                "a key meant for an L2 pass is already in B's memory"
+            );
+            let (s, w) = pass(&client, &url_b, &batch, c).await;
+            l2.lat.extend(s.lat);
+            l2.wall += s.wall;
+            wrong += w;
+            anyhow::ensure!(
+                state_b.memory.get_by_key(&key).await.is_some(),
+                "an L2 hit was not promoted into B's memory"
+            );
+            let (s, w) = pass(&client, &url_b, &batch, c).await;
+            l1.lat.extend(s.lat);
+            l1.wall += s.wall;
+            wrong += w;
+        }
+        eprintln!(
+            "  {c:>2} clients: L2 {:.0}/s, L1 {:.0}/s",
+            l2.throughput(),
+            l1.throughput()
+        );
+        rows.push((c, l2, l1));
+    }
+    println!(
+        "(a, {label}) exact hits on replica B, {per_batch} keys per pass: first request of a key (L2: memory misses the key, Redis GET key + GET entry, promoted) vs the same keys again (L1)"
+    );
+    println!("    clients |    L2 p50      p99     req/s |    L1 p50      p99     req/s | L2/L1 p50  L1/L2 req/s");
+    for (c, l2, l1) in &rows {
+        println!(
+            "    {c:>7} | {:>9} {:>9} {:>8.0} | {:>9} {:>9} {:>8.0} | {:>8.2}x {:>9.2}x",
+            ms(l2.pct(50.0)),
+            ms(l2.pct(99.0)),
+            l2.throughput(),
+            ms(l1.pct(50.0)),
+            ms(l1.pct(99.0)),
+            l1.throughput(),
+            l2.pct(50.0) / l1.pct(50.0),
+            l1.throughput() / l2.throughput()
+        );
+    }
+    if wrong > 0 {
+        println!("    warning: {wrong} requests were not exact hits (left out of the figures)");
+    }
+    if let Some(index) = index_b {
+        // A promotion re-installs an entry replication had already indexed: each one leaves
+        // a tombstone behind, which maintenance reports when it drops them.
+        let len = index.len();
+        let report = tokio::task::spawn_blocking(move || index.maintain()).await?;
+        println!(
+            "    B's index after the passes: {len} live vectors; maintenance then dropped {} tombstones in {} rebuilt partitions",
+            report.tombstones_dropped, report.rebuilt
+        );
+    }
+    drop((state_a, state_b));
+    Ok(())
+}
+
+/// Asks every text once with `concurrency` clients; latencies of exact hits, and how many
+/// were not.
+async fn pass(
+    client: &reqwest::Client,
+    url: &str,
+    texts: &[String],
+    concurrency: usize,
+) -> (Samples, usize) {
+    let start = Instant::now();
+    let results: Vec<Option<f64>> = futures::stream::iter(texts.iter().map(|text| {
+        let (client, url) = (client.clone(), url.to_string());
+        let body = chat_body(text);
+        async move {
+            let t = Instant::now();
+            let outcome = post(&client, &url, body, &[("cache-control", "only-if-cached")]).await;
+            (outcome.as_deref() == Some("exact")).then(|| t.elapsed().as_secs_f64())
+        }
+    }))
+    .buffer_unordered(concurrency)
+    .collect()
+    .await;
+    let wall = start.elapsed().as_secs_f64();
+    let wrong = results.iter().filter(|r| r.is_none()).count();
+    (
+        Samples {
+            lat: results.into_iter().flatten().collect(),
+            wall,
+        },
+        wrong,
+    )
+}
+
+/// (c) Time from a miss answered on A until B has the entry.
+async fn propagation(
+    a: &RedisArgs,
+    url: &str,
+    prefix: &str,
+    embedder: Option<Arc<dyn Embedder>>,
+) -> anyhow::Result<()> {
+    // The semantic tier is on so that B's index shows when replication installed an entry.
+    let (url_a, _state_a) = replica(
+        replica_config(url, prefix, true, a.ttl_secs),
+        embedder.clone(),
+    )
+    .await?;
+    let (url_b, state_b) = replica(replica_config(url, prefix, true, a.ttl_secs), embedder).await?;
+    let index_b = state_b
+        .semantic
+        .as_ref()
+        .map(|s| s.index.clone())
+        .ok_or_else(|| anyhow::anyhow!("no semantic index"))?;
+    let client = reqwest::Client::builder().tcp_nodelay(true).build()?;
+    // Let both replicas finish their (empty) start-up rebuild and subscribe.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    eprintln!("(c) {} samples per way", a.samples);
+    let timeout = Duration::from_secs(2);
+    let (mut via_index, mut via_http) = (Vec::new(), Vec::new());
+    let mut lost = 0usize;
+    // A few unrecorded samples first: connections, the embedder's LRU.
+    let warmup = 6;
+    for i in 0..(2 * a.samples + warmup) {
+        // A namespace per sample: its own exact key and partition, so no sample can be served
+        // (exactly or semantically) from another one. The text stays the same, so the
+        // embedding comes from the LRU and A's miss is quick.
+        let ns = format!("probe-{i}");
+        let body = chat_body("How long does an entry take to reach the other replica?");
+        let ns_header = [("x-reprise-namespace", ns.as_str())];
+        let by_index = i % 2 == 0;
+        let before = index_b.len();
+        let outcome = post(&client, &url_a, body.clone(), &ns_header).await;
+        anyhow::ensure!(
+            outcome.as_deref() == Some("miss"),
+            "the write on A was not a miss: {outcome:?}"
+        );
+        let t0 = Instant::now();
+        let seen = if by_index {
+            // Polled from a blocking thread with short sleeps: finer than tokio's
+            // millisecond timer, without spinning a core away from the replication task.
+            let index = index_b.clone();
+            tokio::task::spawn_blocking(move || {
+                while t0.elapsed() < timeout {
+                    if index.len() > before {
+                        return Some(t0.elapsed().as_secs_f64());
+                    }
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+                None
+            })
+            .await?
+        } else {
+            let headers = [
+                ("x-reprise-namespace", ns.as_str()),
+                ("cache-control", "only-if-cached"),
+            ];
+            let mut seen = None;
+            while t0.elapsed() < timeout {
+                if post(&client, &url_b, body.clone(), &headers)
+                    .await
+                    .as_deref()
+                    == Some("exact")
+                {
+                    seen = Some(t0.elapsed().as_secs_f64());
+                    break;
+                }
+            }
+            seen
+        };
+        if i < warmup {
+            continue;
+        }
+        match (seen, by_index) {
+            (Some(s), true) => via_index.push(s),
+            (Some(s), false) => via_http.push(s),
+            (None, _) => lost += 1,
+        }
+    }
+    println!("(c) propagation A -> B, from A's answer reaching its client until B has the entry");
+    println!(
+        "    B's index holds it (event stream + fetch): p50 {}  p99 {}  max {}  ({} samples)",
+        ms(percentile(&via_index, 50.0)),
+        ms(percentile(&via_index, 99.0)),
+        ms(percentile(&via_index, 100.0)),
+        via_index.len()
+    );
+    println!(
+        "    B answers it as an exact hit (HTTP polls, via L2): p50 {}  p99 {}  max {}  ({} samples)",
+        ms(percentile(&via_http, 50.0)),
+        ms(percentile(&via_http, 99.0)),
+        ms(percentile(&via_http, 100.0)),
+        via_http.len()
+    );
+    if lost > 0 {
+        println!("    {lost} samples did not arrive within {timeout:?}");
+    }
+    Ok(())
+}

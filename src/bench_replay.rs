@@ -1,0 +1,577 @@
+//! `reprise bench replay`: plays recorded support sessions through two in-process reprise
+//! servers side by side, one with prefetch off and one with it on, and reports hit rates
+//! (exact, semantic, prefetch; by turn depth), interactive latency, the compute prefetch
+//! spent and how much of it was never used.
+//!
+//! Each session is one multi-turn conversation: every request carries the earlier user turns
+//! and the answers reprise served as assistant turns, so follow-ups are linked through the
+//! conversation history (no session header). Both servers run the scripted backend with a
+//! per-token delay, so prefetch competes with live traffic for a busy backend, and the
+//! semantic tier with the real embedder (one instance, shared by both sides).
+//!
+//! The scripted answer starts with `You asked: <question>` and then pads to a realistic
+//! length, so every answer names the question it was generated for; a hit whose question
+//! belongs to another intent than the turn's (per the session file's labels) is a false hit.
+//! The session file's format is described next to it (`README.md`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use futures::StreamExt;
+use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::bench::percentile;
+use crate::config::{BackendKind, Config};
+use crate::prefetch::PrefetchStats;
+use crate::state::AppState;
+
+/// Options of `reprise bench replay`.
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// Session file (JSON lines: `session_id`, `turns` of `intent` and `text`).
+    #[arg(long)]
+    sessions: PathBuf,
+    /// Play only the first N sessions.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Sessions played before measuring (the cache and the predictor learn from them).
+    #[arg(long, default_value_t = 1000)]
+    warmup: usize,
+    /// Sessions in progress at once, per side.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Mean think time between a turn's answer and the next question, milliseconds (each
+    /// pause is drawn between half and one and a half times this, the same on both sides).
+    #[arg(long, default_value_t = 600)]
+    think_ms: u64,
+    /// Scripted backend: delay per generated token, milliseconds.
+    #[arg(long, default_value_t = 5)]
+    token_delay_ms: u64,
+    /// Scripted backend: words of padding after the `You asked:` line (answer length).
+    #[arg(long, default_value_t = 40)]
+    reply_words: usize,
+    /// Prefetch side: background generations at once (`prefetch.max_concurrent`).
+    #[arg(long, default_value_t = 1)]
+    max_concurrent: usize,
+    /// Seed of the think-time draws.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write the results as JSON here as well.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Session {
+    #[allow(dead_code)]
+    session_id: String,
+    turns: Vec<Turn>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Turn {
+    intent: String,
+    text: String,
+}
+
+/// How one turn was answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Served {
+    Exact,
+    Semantic,
+    Prefetch,
+    Miss,
+    Error,
+}
+
+impl Served {
+    fn parse(s: &str) -> Served {
+        match s {
+            "exact" => Served::Exact,
+            "semantic" => Served::Semantic,
+            "prefetch" => Served::Prefetch,
+            "miss" | "bypass" => Served::Miss,
+            _ => Served::Error,
+        }
+    }
+
+    fn is_hit(self) -> bool {
+        matches!(self, Served::Exact | Served::Semantic | Served::Prefetch)
+    }
+}
+
+/// One measured turn.
+#[derive(Debug, Clone)]
+struct TurnResult {
+    depth: usize,
+    served: Served,
+    /// The answer was generated for another intent than the turn's.
+    false_hit: bool,
+    total_s: f64,
+    ttft_s: f64,
+}
+
+/// One side of the comparison.
+struct Side {
+    name: &'static str,
+    url: String,
+    state: Arc<AppState>,
+    results: parking_lot::Mutex<Vec<TurnResult>>,
+    /// Prefetch counters when the first measured session started.
+    at_measure: parking_lot::Mutex<Option<PrefetchStats>>,
+    done: AtomicUsize,
+}
+
+/// Runs the benchmark.
+pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&a.sessions)?;
+    let mut sessions: Vec<Session> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    if let Some(n) = a.limit {
+        sessions.truncate(n);
+    }
+    anyhow::ensure!(
+        sessions.len() > a.warmup,
+        "{} sessions leave none to measure after a warm-up of {}",
+        sessions.len(),
+        a.warmup
+    );
+    // Question text → intent, to tell which intent an answer was generated for.
+    let mut intent_of: HashMap<String, String> = HashMap::new();
+    for s in &sessions {
+        for t in &s.turns {
+            intent_of.insert(t.text.clone(), t.intent.clone());
+        }
+    }
+    let intent_of = Arc::new(intent_of);
+    let sessions = Arc::new(sessions);
+
+    let mut base = Config::default();
+    base.backend.kind = BackendKind::Fake;
+    base.semantic.enabled = true;
+    eprintln!(
+        "loading the embedder from {}",
+        base.semantic.model_dir.display()
+    );
+    let embedder = crate::state::build_embedder(&base)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("semantic tier is off"))?;
+    let padding: Vec<&str> = "Open the editor and follow these steps to get it done quickly"
+        .split(' ')
+        .cycle()
+        .take(a.reply_words)
+        .collect();
+    let script = ScriptConfig {
+        reply: format!("You asked: {{prompt}}\n{}", padding.join(" ")),
+        token_delay: Duration::from_millis(a.token_delay_ms),
+        ..ScriptConfig::default()
+    };
+    let mut sides = Vec::new();
+    for (name, prefetch) in [("prefetch off", false), ("prefetch on", true)] {
+        let mut config = base.clone();
+        config.prefetch.enabled = prefetch;
+        config.prefetch.max_concurrent = a.max_concurrent.max(1);
+        let backend = Arc::new(ScriptedBackend::new(script.clone()));
+        let state = AppState::new(config, backend, Some(embedder.clone()))?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let app = crate::app(state.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        sides.push(Arc::new(Side {
+            name,
+            url: format!("http://{addr}/v1/chat/completions"),
+            state,
+            results: parking_lot::Mutex::new(Vec::new()),
+            at_measure: parking_lot::Mutex::new(None),
+            done: AtomicUsize::new(0),
+        }));
+    }
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(a.concurrency * 4)
+        .tcp_nodelay(true)
+        .build()?;
+    eprintln!(
+        "replaying {} sessions ({} warm-up), {} at a time per side, think {} ms, {} ms/token, {} reply words",
+        sessions.len(),
+        a.warmup,
+        a.concurrency,
+        a.think_ms,
+        a.token_delay_ms,
+        a.reply_words + 3
+    );
+    let started = Instant::now();
+    let runs: Vec<_> = sides
+        .iter()
+        .map(|side| {
+            tokio::spawn(play_side(
+                side.clone(),
+                client.clone(),
+                sessions.clone(),
+                intent_of.clone(),
+                a.clone(),
+            ))
+        })
+        .collect();
+    for r in runs {
+        r.await??;
+    }
+    eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
+    report(&a, &sides)
+}
+
+/// Plays every session on one side, `concurrency` at a time, in file order.
+async fn play_side(
+    side: Arc<Side>,
+    client: reqwest::Client,
+    sessions: Arc<Vec<Session>>,
+    intent_of: Arc<HashMap<String, String>>,
+    a: ReplayArgs,
+) -> anyhow::Result<()> {
+    let slots = Arc::new(Semaphore::new(a.concurrency.max(1)));
+    let mut tasks = Vec::with_capacity(sessions.len());
+    let total = sessions.len();
+    for i in 0..total {
+        let permit = slots.clone().acquire_owned().await?;
+        if i == a.warmup {
+            *side.at_measure.lock() = side.state.prefetch.as_ref().map(|p| p.stats());
+        }
+        let (side, client, sessions, intent_of, a) = (
+            side.clone(),
+            client.clone(),
+            sessions.clone(),
+            intent_of.clone(),
+            a.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let out = play_session(&side, &client, &sessions[i], i, &intent_of, &a).await;
+            drop(permit);
+            let done = side.done.fetch_add(1, Ordering::Relaxed) + 1;
+            if done % 100 == 0 || done == total {
+                eprintln!("  {}: {done}/{total} sessions", side.name);
+            }
+            out
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// A deterministic draw in [0, 1) for (seed, session, turn): both sides pause alike.
+fn unit(seed: u64, session: usize, turn: usize) -> f64 {
+    // splitmix64
+    let mut z = seed
+        .wrapping_add((session as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .wrapping_add((turn as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Plays one session as a multi-turn conversation.
+async fn play_session(
+    side: &Side,
+    client: &reqwest::Client,
+    session: &Session,
+    index: usize,
+    intent_of: &HashMap<String, String>,
+    a: &ReplayArgs,
+) -> anyhow::Result<()> {
+    let measured = index >= a.warmup;
+    let mut messages: Vec<Value> = Vec::new();
+    for (depth, turn) in session.turns.iter().enumerate() {
+        if depth > 0 {
+            let pause = a.think_ms as f64 * (0.5 + unit(a.seed, index, depth));
+            tokio::time::sleep(Duration::from_secs_f64(pause / 1000.0)).await;
+        }
+        messages.push(json!({"role": "user", "content": turn.text}));
+        let body = json!({"model": "fake", "messages": messages, "stream": true});
+        let t = Instant::now();
+        let (served, ttft, answer) = match client.post(&side.url).json(&body).send().await {
+            Ok(r) if r.status().is_success() => {
+                let served = Served::parse(
+                    r.headers()
+                        .get("x-reprise-cache")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or(""),
+                );
+                let mut stream = r.bytes_stream();
+                let mut body = Vec::new();
+                let mut ttft = None;
+                while let Some(chunk) = stream.next().await {
+                    let chunk = chunk?;
+                    ttft.get_or_insert_with(|| t.elapsed().as_secs_f64());
+                    body.extend_from_slice(&chunk);
+                }
+                let answer = sse_text(&String::from_utf8_lossy(&body));
+                (served, ttft.unwrap_or(f64::NAN), answer)
+            }
+            _ => (Served::Error, f64::NAN, String::new()),
+        };
+        let total_s = t.elapsed().as_secs_f64();
+        // The question the answer was generated for, and so its intent.
+        let asked = answer
+            .strip_prefix("You asked: ")
+            .and_then(|s| s.split('\n').next())
+            .unwrap_or("");
+        let false_hit = served.is_hit() && intent_of.get(asked) != Some(&turn.intent);
+        if measured {
+            side.results.lock().push(TurnResult {
+                depth: depth + 1,
+                served,
+                false_hit,
+                total_s,
+                ttft_s: ttft,
+            });
+        }
+        if served == Served::Error {
+            // The conversation cannot go on without an answer.
+            break;
+        }
+        messages.push(json!({"role": "assistant", "content": answer}));
+    }
+    Ok(())
+}
+
+/// The text of an SSE chat completion body.
+fn sse_text(body: &str) -> String {
+    let mut out = String::new();
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data:") else {
+            continue;
+        };
+        let data = data.trim_start();
+        if data == "[DONE]" {
+            continue;
+        }
+        if let Ok(v) = serde_json::from_str::<Value>(data) {
+            if let Some(s) = v
+                .pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+            {
+                out.push_str(s);
+            }
+        }
+    }
+    out
+}
+
+/// Summary of one side.
+#[derive(Debug, Clone, Default)]
+struct Summary {
+    turns: usize,
+    exact: usize,
+    semantic: usize,
+    prefetch: usize,
+    misses: usize,
+    errors: usize,
+    false_hits: usize,
+    p50: f64,
+    p95: f64,
+    ttft50: f64,
+    ttft95: f64,
+    by_depth: Vec<(usize, usize, usize)>,
+    spent: PrefetchStats,
+    whole: PrefetchStats,
+}
+
+impl Summary {
+    fn hits(&self) -> usize {
+        self.exact + self.semantic + self.prefetch
+    }
+
+    fn hit_rate(&self) -> f64 {
+        self.hits() as f64 / self.turns.max(1) as f64
+    }
+
+    /// Correct hits only (a false hit served the wrong answer).
+    fn correct_rate(&self) -> f64 {
+        (self.hits() - self.false_hits) as f64 / self.turns.max(1) as f64
+    }
+
+    /// Share of prefetched entries (measured part) not used by the end of the run.
+    fn unused_share(&self) -> f64 {
+        let made = self.spent.completed;
+        if made == 0 {
+            return 0.0;
+        }
+        made.saturating_sub(self.spent.hits) as f64 / made as f64
+    }
+}
+
+fn delta(end: &PrefetchStats, start: &PrefetchStats) -> PrefetchStats {
+    PrefetchStats {
+        predictions: end.predictions - start.predictions,
+        queued: end.queued - start.queued,
+        started: end.started - start.started,
+        completed: end.completed - start.completed,
+        skipped: end.skipped - start.skipped,
+        cancelled: end.cancelled - start.cancelled,
+        hits: end.hits - start.hits,
+        wasted: end.wasted - start.wasted,
+        tokens: end.tokens - start.tokens,
+        backend_seconds: end.backend_seconds - start.backend_seconds,
+        ..*end
+    }
+}
+
+fn summarise(side: &Side) -> Summary {
+    let results = side.results.lock().clone();
+    let mut s = Summary {
+        turns: results.len(),
+        ..Summary::default()
+    };
+    for r in &results {
+        match r.served {
+            Served::Exact => s.exact += 1,
+            Served::Semantic => s.semantic += 1,
+            Served::Prefetch => s.prefetch += 1,
+            Served::Miss => s.misses += 1,
+            Served::Error => s.errors += 1,
+        }
+        s.false_hits += usize::from(r.false_hit);
+        let d = r.depth;
+        if s.by_depth.len() < d {
+            s.by_depth.resize(d, (0, 0, 0));
+        }
+        s.by_depth[d - 1].0 += 1;
+        s.by_depth[d - 1].1 += usize::from(r.served.is_hit());
+        s.by_depth[d - 1].2 += usize::from(r.served == Served::Prefetch);
+    }
+    let ok: Vec<&TurnResult> = results
+        .iter()
+        .filter(|r| r.served != Served::Error)
+        .collect();
+    let lat: Vec<f64> = ok.iter().map(|r| r.total_s).collect();
+    let ttft: Vec<f64> = ok
+        .iter()
+        .map(|r| r.ttft_s)
+        .filter(|t| t.is_finite())
+        .collect();
+    s.p50 = percentile(&lat, 50.0);
+    s.p95 = percentile(&lat, 95.0);
+    s.ttft50 = percentile(&ttft, 50.0);
+    s.ttft95 = percentile(&ttft, 95.0);
+    if let Some(p) = &side.state.prefetch {
+        let end = p.stats();
+        let start = side.at_measure.lock().unwrap_or_default();
+        s.spent = delta(&end, &start);
+        s.whole = end;
+    }
+    s
+}
+
+fn pct(x: f64) -> String {
+    format!("{:5.1} %", x * 100.0)
+}
+
+fn ms(x: f64) -> String {
+    format!("{:7.1} ms", x * 1000.0)
+}
+
+fn report(a: &ReplayArgs, sides: &[Arc<Side>]) -> anyhow::Result<()> {
+    let sums: Vec<Summary> = sides.iter().map(|s| summarise(s)).collect();
+    println!("== reprise bench replay ==");
+    println!(
+        "measured: {} turns per side (sessions {}..), multi-turn conversations",
+        sums[0].turns, a.warmup
+    );
+    for (side, s) in sides.iter().zip(&sums) {
+        println!("-- {} --", side.name);
+        println!(
+            "hit rate {}  (exact {}, semantic {}, prefetch {})  misses {}  errors {}",
+            pct(s.hit_rate()),
+            pct(s.exact as f64 / s.turns.max(1) as f64),
+            pct(s.semantic as f64 / s.turns.max(1) as f64),
+            pct(s.prefetch as f64 / s.turns.max(1) as f64),
+            s.misses,
+            s.errors
+        );
+        println!(
+            "false hits {} ({} of hits); correct-hit rate {}",
+            s.false_hits,
+            pct(s.false_hits as f64 / s.hits().max(1) as f64),
+            pct(s.correct_rate())
+        );
+        println!(
+            "latency p50 {}  p95 {}   TTFT p50 {}  p95 {}",
+            ms(s.p50),
+            ms(s.p95),
+            ms(s.ttft50),
+            ms(s.ttft95)
+        );
+        let depth: Vec<String> = s
+            .by_depth
+            .iter()
+            .enumerate()
+            .map(|(i, (n, h, p))| {
+                format!(
+                    "{}:{}{}",
+                    i + 1,
+                    pct(*h as f64 / (*n).max(1) as f64).trim(),
+                    if *p > 0 {
+                        format!(" ({} pf)", pct(*p as f64 / (*n).max(1) as f64).trim())
+                    } else {
+                        String::new()
+                    }
+                )
+            })
+            .collect();
+        println!("hit rate by turn depth: {}", depth.join("  "));
+        if side.state.prefetch.is_some() {
+            let p = &s.spent;
+            println!(
+                "prefetch (measured part): {} predicted, {} queued, {} started, {} generated, {} already cached, {} cancelled; {:.1} backend s, {} tokens; {} used, unused {}",
+                p.predictions, p.queued, p.started, p.completed, p.skipped, p.cancelled,
+                p.backend_seconds, p.tokens, p.hits, pct(s.unused_share())
+            );
+            let w = &s.whole;
+            println!(
+                "prefetch (whole run): {} generated, {} used, {:.1} backend s, {} tokens, {} observations dropped",
+                w.completed, w.hits, w.backend_seconds, w.tokens, w.observations_dropped
+            );
+        }
+    }
+    let (off, on) = (&sums[0], &sums[1]);
+    let hit_ratio = on.correct_rate() / off.correct_rate().max(1e-9);
+    let p95_ratio = on.p95 / off.p95;
+    let ttft_ratio = on.ttft95 / off.ttft95;
+    println!("-- ratios (on / off) --");
+    println!("correct-hit rate {hit_ratio:.2}x  (goal >= 1.5x)");
+    println!("latency p95 {p95_ratio:.3}x  (goal <= 1.05x);  TTFT p95 {ttft_ratio:.3}x");
+    println!(
+        "prefetched and never used {}  (goal <= 50 %)",
+        pct(on.unused_share())
+    );
+    if let Some(path) = &a.json {
+        let side = |s: &Summary| {
+            json!({"turns": s.turns, "hit_rate": s.hit_rate(), "correct_hit_rate": s.correct_rate(),
+                   "exact": s.exact, "semantic": s.semantic, "prefetch": s.prefetch,
+                   "misses": s.misses, "errors": s.errors, "false_hits": s.false_hits,
+                   "p50_s": s.p50, "p95_s": s.p95, "ttft_p50_s": s.ttft50, "ttft_p95_s": s.ttft95,
+                   "by_depth": s.by_depth.iter().map(|(n, h, p)| json!({"turns": n, "hits": h, "prefetch": p})).collect::<Vec<_>>(),
+                   "prefetch_generated": s.spent.completed, "prefetch_used": s.spent.hits,
+                   "prefetch_backend_s": s.spent.backend_seconds, "prefetch_tokens": s.spent.tokens,
+                   "prefetch_unused_share": s.unused_share()})
+        };
+        let out = json!({"off": side(off), "on": side(on), "hit_ratio": hit_ratio,
+                         "p95_ratio": p95_ratio, "ttft_p95_ratio": ttft_ratio});
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
+    }
+    Ok(())
+}
