@@ -4,8 +4,10 @@
 //! Every side A is stored through the real HTTP path (`Cache-Control: no-cache`, so each A
 //! gets its own entry); then every side B is asked with `Cache-Control: only-if-cached`, so a
 //! miss neither calls the backend nor stores B. The scripted backend answers with the prompt
-//! itself, so the body of a hit names the A it came from. A hit is correct only when it was
-//! served from its own A and the pair is labelled the same.
+//! itself, so the body of a hit names the A it came from. A hit is correct when it was served
+//! from the very same text or from a text the file labels the same as the question (its own A
+//! when the pair is labelled the same, or another pair's side with such a label); any other hit
+//! is wrong — including hits from texts whose relation to the question is unknown.
 //!
 //! Two passes: the curve (threshold near 0, gate off, top-1: every B is answered by its best
 //! candidate; each threshold and the gate are then applied to that candidate), and the
@@ -202,15 +204,34 @@ struct Point {
     false_served: usize,
 }
 
+/// Which questions one answer serves: identical texts, and every pair labelled the same
+/// (in either order). A hit from another pair's A is correct only when the labels say so.
+struct Equivalence(std::collections::HashSet<(String, String)>);
+
+impl Equivalence {
+    fn new(pairs: &[Pair]) -> Self {
+        let mut set = std::collections::HashSet::new();
+        for p in pairs.iter().filter(|p| p.same) {
+            set.insert((p.a.clone(), p.b.clone()));
+            set.insert((p.b.clone(), p.a.clone()));
+        }
+        Equivalence(set)
+    }
+
+    fn serves(&self, served: &str, asked: &str) -> bool {
+        served == asked || self.0.contains(&(served.to_string(), asked.to_string()))
+    }
+}
+
 impl Point {
-    fn add(&mut self, p: &Pair, served: Option<&str>) {
-        let correct = served == Some(p.a.as_str()) && p.same;
+    fn add(&mut self, eq: &Equivalence, p: &Pair, served: Option<&str>) {
+        let correct = served.is_some_and(|s| eq.serves(s, &p.b));
         if p.same {
             self.true_pairs += 1;
             self.true_hits += usize::from(correct);
         } else {
             self.false_pairs += 1;
-            self.false_served += usize::from(served.is_some());
+            self.false_served += usize::from(served.is_some() && !correct);
         }
         if served.is_some() {
             self.served += 1;
@@ -258,6 +279,7 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
         curve_cfg.semantic.threshold = 1e-6;
         curve_cfg.semantic.gate = false;
         curve_cfg.semantic.top_k = 1;
+        let eq = Equivalence::new(&pairs);
         let answers = cache_view(curve_cfg, &pairs, a.concurrency).await?;
         let gate_ok: Vec<bool> = pairs
             .iter()
@@ -274,8 +296,8 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
             let (mut plain, mut gated) = (Point::default(), Point::default());
             for ((p, ans), ok) in pairs.iter().zip(&answers).zip(&gate_ok) {
                 let served = ans.served.as_deref().filter(|_| ans.similarity >= t);
-                plain.add(p, served);
-                gated.add(p, served.filter(|_| *ok));
+                plain.add(&eq, p, served);
+                gated.add(&eq, p, served.filter(|_| *ok));
             }
             println!("{t:.2} | {} \n     | {}", plain.line(), gated.line());
             t += 0.02;
@@ -289,11 +311,11 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
         let mut total = Point::default();
         let mut by_cat: BTreeMap<String, Point> = BTreeMap::new();
         for (p, ans) in pairs.iter().zip(&answers) {
-            total.add(p, ans.served.as_deref());
+            total.add(&eq, p, ans.served.as_deref());
             by_cat
                 .entry(p.category.clone())
                 .or_default()
-                .add(p, ans.served.as_deref());
+                .add(&eq, p, ans.served.as_deref());
         }
         println!(
             "configured policy (threshold {:.2}, gate {}): {}",

@@ -50,16 +50,16 @@ pub struct ReplayArgs {
     concurrency: usize,
     /// Mean think time between a turn's answer and the next question, milliseconds (each
     /// pause is drawn between half and one and a half times this, the same on both sides).
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 800)]
     think_ms: u64,
     /// Scripted backend: delay per generated token, milliseconds.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 3)]
     token_delay_ms: u64,
     /// Scripted backend: words of padding after the `You asked:` line (answer length).
     #[arg(long, default_value_t = 40)]
     reply_words: usize,
     /// Prefetch side: background generations at once (`prefetch.max_concurrent`).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 4)]
     max_concurrent: usize,
     /// Seed of the think-time draws.
     #[arg(long, default_value_t = 1)]
@@ -174,6 +174,8 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         .collect();
     let script = ScriptConfig {
         reply: format!("You asked: {{prompt}}\n{}", padding.join(" ")),
+        // Prompt processing before the first token: a few tokens' worth.
+        first_token_delay: Duration::from_millis(a.token_delay_ms * 5),
         token_delay: Duration::from_millis(a.token_delay_ms),
         ..ScriptConfig::default()
     };

@@ -976,9 +976,6 @@ async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state:
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
-            // An answer was just served: a request ended (or is about to), so the backend
-            // is not quiet yet.
-            quiet_since = None;
             shared.learn(&state, obs);
         }
         let tier = shared.redis.lock().clone();
