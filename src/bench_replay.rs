@@ -61,6 +61,9 @@ pub struct ReplayArgs {
     /// Prefetch side: background generations at once (`prefetch.max_concurrent`).
     #[arg(long, default_value_t = 4)]
     max_concurrent: usize,
+    /// Semantic similarity threshold of both sides (default: the configured default).
+    #[arg(long)]
+    threshold: Option<f32>,
     /// Seed of the think-time draws.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -160,6 +163,9 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
     let mut base = Config::default();
     base.backend.kind = BackendKind::Fake;
     base.semantic.enabled = true;
+    if let Some(t) = a.threshold {
+        base.semantic.threshold = t;
+    }
     eprintln!(
         "loading the embedder from {}",
         base.semantic.model_dir.display()

@@ -231,6 +231,8 @@ pub struct SemanticConfig {
     pub max_batch: usize,
     /// Prompt embeddings kept in the embedder's LRU.
     pub embedding_cache_entries: u64,
+    /// ONNX Runtime threads per embedding batch.
+    pub embedder_threads: usize,
     /// Seconds between index maintenance passes (rebuilding partitions full of tombstones).
     pub maintain_interval_secs: u64,
 }
@@ -248,6 +250,7 @@ impl Default for SemanticConfig {
             batch_wait_us: 300,
             max_batch: 32,
             embedding_cache_entries: 10_000,
+            embedder_threads: 1,
             maintain_interval_secs: 60,
         }
     }

@@ -34,7 +34,9 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+            // llama.cpp's own log is very chatty at info: warnings only unless RUST_LOG says more.
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new("info,llama-cpp-2=warn")),
         )
         .with_writer(std::io::stderr)
         .init();

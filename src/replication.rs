@@ -61,11 +61,28 @@ async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier) {
     };
     let Some(state) = weak.upgrade() else { return };
     let total = entries.len();
+    let mut vectors = Vec::new();
     for (i, entry) in entries.into_iter().enumerate() {
-        install(&state, entry).await;
-        if (i + 1) % 10_000 == 0 {
-            tracing::info!(done = i + 1, total, "index rebuild: loaded");
+        if entry.is_expired() || state.memory.get(entry.id).await.is_some() {
+            continue;
         }
+        let entry = Arc::new(entry);
+        state.memory.insert_entry(entry.clone()).await;
+        if let (Some(sem), Some(v)) = (&state.semantic, &entry.embedding) {
+            if indexable(sem.index.dim(), &entry, v) && !sem.index.contains(entry.id) {
+                vectors.push((entry.partition, entry.id, v.clone()));
+            }
+        }
+        if (i + 1) % 10_000 == 0 {
+            tracing::info!(done = i + 1, total, "index rebuild: loaded into memory");
+        }
+    }
+    if let Some(index) = state.semantic.as_ref().map(|s| s.index.clone()) {
+        let n = vectors.len();
+        tracing::info!(vectors = n, "index rebuild: indexing");
+        // Graph construction is CPU work: off the async workers, one parallel pass per
+        // partition.
+        let _ = tokio::task::spawn_blocking(move || index.insert_many(vectors)).await;
     }
     tracing::info!(
         entries = total,
@@ -74,15 +91,24 @@ async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier) {
     );
 }
 
-/// Puts an entry into this replica's memory and semantic index.
+/// Whether an entry's vector belongs in the index (right size, a real partition).
+fn indexable(dim: usize, entry: &Entry, v: &[f32]) -> bool {
+    v.len() == dim && entry.partition != [0; 32]
+}
+
+/// Puts an entry into this replica's memory and semantic index, unless it is already held
+/// (then the held copy is returned and nothing is re-indexed).
 pub async fn install(state: &AppState, entry: Entry) -> Arc<Entry> {
+    if let Some(held) = state.memory.get(entry.id).await {
+        return held;
+    }
     let entry = Arc::new(entry);
     if entry.is_expired() {
         return entry;
     }
     state.memory.insert_entry(entry.clone()).await;
     if let (Some(sem), Some(embedding)) = (&state.semantic, &entry.embedding) {
-        if embedding.len() == sem.index.dim() && entry.partition != [0; 32] {
+        if indexable(sem.index.dim(), &entry, embedding) && !sem.index.contains(entry.id) {
             sem.index
                 .insert(entry.partition, entry.id, embedding.clone());
         }

@@ -231,6 +231,7 @@ pub async fn build_embedder(config: &Config) -> anyhow::Result<Option<Arc<dyn Em
         batch_wait_us: config.semantic.batch_wait_us,
         max_batch: config.semantic.max_batch,
         cache_entries: config.semantic.embedding_cache_entries,
+        threads: config.semantic.embedder_threads.max(1),
         ..EmbedderConfig::default()
     };
     tracing::info!(model_dir = %cfg.model_dir.display(), "loading embedder");

@@ -142,6 +142,46 @@ impl SemanticIndex {
         p.inner.write().push(id, &vector, self.dim, &self.cfg);
     }
 
+    /// Adds (or replaces) many entries at once: each partition is locked once, and a partition
+    /// that needs a graph gets it built in one parallel pass instead of point by point. This
+    /// is the bulk load of a replica's rebuild; it is CPU work, so call it off the async
+    /// workers.
+    pub fn insert_many(&self, items: Vec<(PartitionKey, EntryId, Arc<[f32]>)>) {
+        let mut by_partition: HashMap<PartitionKey, Vec<(EntryId, Arc<[f32]>)>> = HashMap::new();
+        for (partition, id, vector) in items {
+            assert_eq!(vector.len(), self.dim, "vector dimension mismatch");
+            let previous = self.location.write().insert(id, partition);
+            if let Some(old) = previous {
+                if let Some(p) = self.partition(&old) {
+                    p.inner.write().tombstone(id);
+                }
+            }
+            by_partition
+                .entry(partition)
+                .or_default()
+                .push((id, vector));
+        }
+        for (partition, items) in by_partition {
+            {
+                let map = self.partitions.read();
+                if let Some(p) = map.get(&partition) {
+                    p.inner.write().push_many(&items, self.dim, &self.cfg);
+                    continue;
+                }
+            }
+            let mut map = self.partitions.write();
+            let p = map
+                .entry(partition)
+                .or_insert_with(|| Arc::new(Partition::default()));
+            p.inner.write().push_many(&items, self.dim, &self.cfg);
+        }
+    }
+
+    /// Whether `id` is indexed (and not removed).
+    pub fn contains(&self, id: EntryId) -> bool {
+        self.location.read().contains_key(&id)
+    }
+
     /// Tombstones `id`; it is never returned by a search again. False if it was not present.
     pub fn remove(&self, id: EntryId) -> bool {
         let Some(key) = self.location.write().remove(&id) else {
@@ -324,6 +364,24 @@ impl PartitionInner {
         let slot = self.push_flat(id, vector);
         match &self.graph {
             Some(graph) => graph.insert_slice((vector, slot)),
+            None if self.ids.len() > cfg.exact_scan_max => self.build_graph(dim, cfg),
+            None => {}
+        }
+    }
+
+    /// Appends many; the graph (existing or newly needed) is fed in one parallel pass.
+    fn push_many(&mut self, items: &[(EntryId, Arc<[f32]>)], dim: usize, cfg: &IndexConfig) {
+        let first = self.ids.len();
+        for (id, v) in items {
+            self.push_flat(*id, v);
+        }
+        match &self.graph {
+            Some(graph) => {
+                let data: Vec<(&[f32], usize)> = (first..self.ids.len())
+                    .map(|s| (self.vector(s, dim), s))
+                    .collect();
+                graph.parallel_insert_slice(&data);
+            }
             None if self.ids.len() > cfg.exact_scan_max => self.build_graph(dim, cfg),
             None => {}
         }

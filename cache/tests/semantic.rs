@@ -248,3 +248,41 @@ fn concurrent_inserts_and_searches() {
     }
     assert_eq!(idx.len(), 4 * (300 - 75));
 }
+
+#[test]
+fn bulk_insert_builds_the_graph_once_and_finds_the_same() {
+    let dim = 16;
+    let cfg = IndexConfig {
+        exact_scan_max: 64,
+        ..IndexConfig::default()
+    };
+    let bulk = SemanticIndex::new(dim, cfg.clone());
+    let point = SemanticIndex::new(dim, cfg);
+    let part = [9u8; 32];
+    let mut items = Vec::new();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    for i in 0..500u32 {
+        let v: Vec<f32> = (0..dim)
+            .map(|_| {
+                // xorshift: distinct pseudo-random vectors without a dependency.
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed % 1000) as f32 / 1000.0 - 0.5
+            })
+            .collect();
+        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let v: Arc<[f32]> = v.iter().map(|x| x / n).collect();
+        items.push((part, EntryId(i as u128), v.clone()));
+        point.insert(part, EntryId(i as u128), v);
+    }
+    let query = items[123].2.clone();
+    bulk.insert_many(items);
+    assert_eq!(bulk.len(), 500);
+    assert!(bulk.contains(EntryId(123)));
+    assert!(!bulk.contains(EntryId(9999)));
+    let a = bulk.search(&part, &query, 1);
+    let b = point.search(&part, &query, 1);
+    assert_eq!(a[0].id, EntryId(123));
+    assert_eq!(a[0].id, b[0].id);
+}
