@@ -380,6 +380,9 @@ impl Config {
                 return Err(invalid("semantic.rules.top_k", "must be at least 1"));
             }
         }
+        if let Err((key, reason)) = self.prefetch.validate() {
+            return Err(ConfigError::Invalid { key, reason });
+        }
         if self.semantic.max_batch == 0 {
             return Err(invalid("semantic.max_batch", "must be at least 1"));
         }

@@ -167,6 +167,7 @@ fn describe() {
     );
     reprise_backend::llama::describe_metrics();
     reprise_cache::redis::describe_metrics();
+    crate::prefetch::describe_metrics();
 }
 
 impl Metrics {

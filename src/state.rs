@@ -127,6 +127,10 @@ impl AppState {
             ready: AtomicBool::new(true),
         });
         if let Some(p) = &state.prefetch {
+            if let Some(tier) = &state.redis {
+                // Learned follow-ups are persisted with the cache and restored at start.
+                p.attach_redis(tier.clone());
+            }
             // The worker holds a weak reference: it must not keep a dropped server alive.
             p.start(Arc::downgrade(&state));
         }

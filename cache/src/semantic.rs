@@ -25,6 +25,12 @@ use crate::EntryId;
 /// A digest of everything that must match exactly for two prompts to share an answer.
 pub type PartitionKey = [u8; 32];
 
+/// An entry id and its vector.
+type IdVector = (EntryId, Arc<[f32]>);
+
+/// One vector to index: its partition, entry id and vector.
+pub type IndexItem = (PartitionKey, EntryId, Arc<[f32]>);
+
 /// Tuning of the semantic index.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -146,8 +152,8 @@ impl SemanticIndex {
     /// that needs a graph gets it built in one parallel pass instead of point by point. This
     /// is the bulk load of a replica's rebuild; it is CPU work, so call it off the async
     /// workers.
-    pub fn insert_many(&self, items: Vec<(PartitionKey, EntryId, Arc<[f32]>)>) {
-        let mut by_partition: HashMap<PartitionKey, Vec<(EntryId, Arc<[f32]>)>> = HashMap::new();
+    pub fn insert_many(&self, items: Vec<IndexItem>) {
+        let mut by_partition: HashMap<PartitionKey, Vec<IdVector>> = HashMap::new();
         for (partition, id, vector) in items {
             assert_eq!(vector.len(), self.dim, "vector dimension mismatch");
             let previous = self.location.write().insert(id, partition);
@@ -370,7 +376,7 @@ impl PartitionInner {
     }
 
     /// Appends many; the graph (existing or newly needed) is fed in one parallel pass.
-    fn push_many(&mut self, items: &[(EntryId, Arc<[f32]>)], dim: usize, cfg: &IndexConfig) {
+    fn push_many(&mut self, items: &[IdVector], dim: usize, cfg: &IndexConfig) {
         let first = self.ids.len();
         for (id, v) in items {
             self.push_flat(*id, v);
