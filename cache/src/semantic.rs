@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use hnsw_rs::anndists::dist::Distance;
 use hnsw_rs::hnsw::Hnsw;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use serde::Deserialize;
 
 use crate::EntryId;
@@ -80,6 +80,10 @@ pub struct SemanticIndex {
     partitions: RwLock<HashMap<PartitionKey, Arc<Partition>>>,
     /// Which partition each live id is in, so `remove` needs only the id.
     location: RwLock<HashMap<EntryId, PartitionKey>>,
+    /// One maintenance pass at a time: a rebuild snapshots a partition, builds without locks
+    /// and swaps in; two overlapping rebuilds of one partition would replay against a
+    /// structure the other one already replaced.
+    maintaining: Mutex<()>,
 }
 
 impl std::fmt::Debug for SemanticIndex {
@@ -111,6 +115,7 @@ impl SemanticIndex {
             cfg,
             partitions: RwLock::new(HashMap::new()),
             location: RwLock::new(HashMap::new()),
+            maintaining: Mutex::new(()),
         }
     }
 
@@ -235,6 +240,7 @@ impl SemanticIndex {
     /// no lock held (searches and inserts go on meanwhile), then swaps it in under a short
     /// write lock, replaying what changed in between.
     pub fn maintain(&self) -> MaintainReport {
+        let _one_at_a_time = self.maintaining.lock();
         let mut report = MaintainReport::default();
         let all: Vec<(PartitionKey, Arc<Partition>)> = self
             .partitions
@@ -257,7 +263,12 @@ impl SemanticIndex {
                 }
                 continue;
             }
-            if slots == 0 || (dead as f32) < self.cfg.rebuild_tombstone_ratio * slots as f32 {
+            let needs_graph = {
+                let inner = part.inner.read();
+                inner.graph.is_none() && slots - dead > self.cfg.exact_scan_max
+            };
+            let worn = (dead as f32) >= self.cfg.rebuild_tombstone_ratio * slots as f32;
+            if slots == 0 || !(worn || needs_graph) {
                 continue;
             }
             report.tombstones_dropped += self.rebuild(&part);
@@ -370,7 +381,13 @@ impl PartitionInner {
         let slot = self.push_flat(id, vector);
         match &self.graph {
             Some(graph) => graph.insert_slice((vector, slot)),
-            None if self.ids.len() > cfg.exact_scan_max => self.build_graph(dim, cfg),
+            // Building a graph over thousands of vectors inside one request would stall it:
+            // the periodic `maintain` builds it off the request path, and exact scans serve
+            // meanwhile. Only a partition growing far past the limit between two passes gets
+            // its graph built here.
+            None if self.ids.len() > cfg.exact_scan_max.saturating_mul(4) => {
+                self.build_graph(dim, cfg)
+            }
             None => {}
         }
     }

@@ -286,3 +286,17 @@ fn bulk_insert_builds_the_graph_once_and_finds_the_same() {
     assert_eq!(a[0].id, EntryId(123));
     assert_eq!(a[0].id, b[0].id);
 }
+
+#[test]
+fn maintenance_builds_the_graph_of_a_partition_that_outgrew_exact_scans() {
+    let idx = SemanticIndex::new(DIM, small_cfg(100));
+    let mut rng = Rng(77);
+    let items = fill(&idx, key(42), 150, &mut rng);
+    // Past the limit but not far past it: no graph was built inside an insert.
+    let report = idx.maintain();
+    assert_eq!(report.rebuilt, 1, "{report:?}");
+    // A second pass has nothing to do, and the graph answers.
+    assert_eq!(idx.maintain().rebuilt, 0);
+    let (id, v) = &items[17];
+    assert_eq!(idx.search(&key(42), v, 1)[0].id, *id);
+}
