@@ -363,7 +363,7 @@ async fn rebuild(
         .map(|s| s.index.clone())
         .ok_or_else(|| anyhow::anyhow!("no semantic index"))?;
     // The rebuild scans everything first, then installs: the first vector in the index marks
-    // the end of the scan.
+    // the end of the scan; `state.rebuilds` marks the end of graph construction.
     let mut scanned_s = None;
     let mut next_report = Instant::now() + Duration::from_secs(5);
     let deadline = Instant::now() + Duration::from_secs(3600);
@@ -372,7 +372,9 @@ async fn rebuild(
         if len > 0 && scanned_s.is_none() {
             scanned_s = Some(t.elapsed().as_secs_f64());
         }
-        if len >= n {
+        // The vectors are counted as soon as they are placed; the rebuild is done when the
+        // replica says so (graphs built).
+        if len >= n && state.rebuilds.load(std::sync::atomic::Ordering::SeqCst) > 0 {
             break;
         }
         anyhow::ensure!(

@@ -75,7 +75,8 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         json!({"up": h.up, "breaker_open": h.breaker_open,
                "queued_writes": h.queued_writes, "dropped_writes": h.dropped_writes})
     });
-    Json(json!({"status": "ready", "redis": redis})).into_response()
+    let rebuilds = state.rebuilds.load(std::sync::atomic::Ordering::Relaxed);
+    Json(json!({"status": "ready", "redis": redis, "index_rebuilds": rebuilds})).into_response()
 }
 
 /// Checks `Authorization: Bearer <token>` against the token named by

@@ -34,9 +34,10 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            // llama.cpp's own log is very chatty at info: warnings only unless RUST_LOG says more.
+            // llama.cpp's and hnsw_rs's own logs are very chatty at info: warnings only unless
+            // RUST_LOG says more.
             EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("info,llama-cpp-2=warn")),
+                .unwrap_or_else(|_| EnvFilter::new("info,llama-cpp-2=warn,hnsw_rs=warn")),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -84,6 +84,9 @@ async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier) {
         // partition.
         let _ = tokio::task::spawn_blocking(move || index.insert_many(vectors)).await;
     }
+    state
+        .rebuilds
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     tracing::info!(
         entries = total,
         seconds = started.elapsed().as_secs_f64(),

@@ -51,6 +51,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Per-request JSON log, when configured.
     pub request_log: Option<RequestLog>,
+    /// Completed rebuilds of this replica's memory and index from Redis.
+    pub rebuilds: std::sync::atomic::AtomicU64,
     /// Follow-up prediction and background generation, when enabled.
     pub prefetch: Option<Arc<crate::prefetch::Prefetcher>>,
     ready: AtomicBool,
@@ -124,6 +126,7 @@ impl AppState {
             metrics,
             request_log,
             prefetch,
+            rebuilds: Default::default(),
             ready: AtomicBool::new(true),
         });
         if let Some(p) = &state.prefetch {

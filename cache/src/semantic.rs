@@ -405,6 +405,7 @@ impl PartitionInner {
                     .collect();
                 graph.parallel_insert_slice(&data);
             }
+            // Bulk loads run off the request path, so the graph is built right away.
             None if self.ids.len() > cfg.exact_scan_max => self.build_graph(dim, cfg),
             None => {}
         }

@@ -8,14 +8,23 @@
 //!    turn is the entry that answered the conversation's previous exchange (`prev_entry`,
 //!    multi-turn history) or else the last entry served in the same session (single-turn
 //!    prompts linked by `x-reprise-session` or the OpenAI `user` field). The model counts
-//!    previous → this, per namespace, with exponential decay.
-//! 2. **Predicting**: after an observation answered by `E`, the follow-ups of `E` are ranked;
-//!    when `E` was seen too rarely, the counts of entries with a similar embedding are pooled
-//!    in. Those clearing `min_probability` (at most `max_predictions`) become jobs.
+//!    previous → this, per namespace, with exponential decay; and, so that the counts are
+//!    not split over the many wordings of one question, cluster → cluster as well (a
+//!    question joins a cluster when its embedding is within `cluster_threshold` of the
+//!    cluster's representative and the false-hit gate passes).
+//! 2. **Predicting**: after an observation answered by `E`, the follow-up clusters of `E` are
+//!    ranked; when `E` was seen too rarely, the counts of its cluster are used, else those of
+//!    entries with a similar embedding. Those clearing `min_probability` (at most
+//!    `max_predictions`) become jobs.
 //! 3. **Prefetching**: each job is the follow-up request as it will arrive (the history plus
-//!    `E`'s answer plus the predicted question, or the same single-turn request with the
-//!    question replaced), generated with [`generate_in_background`] at background priority,
-//!    which skips what the cache can already answer. A job starts only while no interactive
+//!    `E`'s answer plus the predicted question in the cluster's most used wording, or the
+//!    same single-turn request with the question replaced), generated with
+//!    [`generate_in_background`] at background priority, which skips what the cache can
+//!    already answer. The same request in up to `max_wordings` other observed wordings of the
+//!    cluster is then aliased (by exact key: same context, same parameters) to the answer,
+//!    so the user's own wording finds it although the semantic tier would not match it. The
+//!    semantic index is left alone: it holds one vector per entry, and a looser match by
+//!    vector would reach unobserved wordings that no cluster check vetted. A job starts only while no interactive
 //!    request is running (and none ran for a short quiet period), within `max_concurrent`,
 //!    `max_tokens_per_minute` and `max_backend_share`; waiting jobs are bounded, newest
 //!    first, the oldest dropped.
@@ -103,6 +112,15 @@ pub struct PrefetchConfig {
     pub min_observations: f64,
     /// Lowest cosine similarity of an answer whose follow-ups a rarely seen answer borrows.
     pub similar_threshold: f32,
+    /// Lowest cosine similarity at which a question is counted as another wording of a
+    /// cluster's representative (the false-hit gate must pass too, whatever
+    /// `semantic.gate` says). Looser than the serving threshold: wordings that the semantic
+    /// tier would not serve for each other still share their follow-up counts, and a
+    /// prefetched answer is made reachable for the cluster's observed wordings.
+    pub cluster_threshold: f32,
+    /// Most observed wordings of a predicted follow-up (besides the one generated) whose
+    /// requests, in the same context, are pointed at the prefetched answer; 0 points none.
+    pub max_wordings: usize,
     /// Half-life of the learned counts in seconds: old habits fade.
     pub half_life_secs: f64,
     /// Background generations (prefetch and refresh) running at once.
@@ -127,6 +145,8 @@ impl Default for PrefetchConfig {
             max_predictions: 3,
             min_observations: 2.0,
             similar_threshold: 0.8,
+            cluster_threshold: 0.8,
+            max_wordings: 8,
             half_life_secs: 3600.0,
             max_concurrent: 1,
             max_tokens_per_minute: 20_000,
@@ -148,6 +168,12 @@ impl PrefetchConfig {
         if !unit(f64::from(self.similar_threshold)) {
             return Err((
                 "prefetch.similar_threshold",
+                "must be between 0 and 1".into(),
+            ));
+        }
+        if !unit(f64::from(self.cluster_threshold)) {
+            return Err((
+                "prefetch.cluster_threshold",
                 "must be between 0 and 1".into(),
             ));
         }
@@ -348,6 +374,9 @@ struct Job {
     request: GenRequest,
     /// Exact key of the request, to queue each follow-up once.
     key: Digest,
+    /// Exact keys of the same follow-up asked in the cluster's other observed wordings (same
+    /// history, same parameters): pointed at the generated entry.
+    aliases: Vec<Digest>,
     queued_at: Instant,
 }
 
@@ -519,6 +548,12 @@ impl Prefetcher {
         }
     }
 
+    /// The question clusters of namespace `ns`, each as its observed wordings (the
+    /// representative first): for diagnostics and benchmarks.
+    pub fn clusters(&self, ns: &str) -> Vec<Vec<String>> {
+        self.shared.model.lock().clusters(ns)
+    }
+
     /// The learned counts.
     pub fn export(&self) -> Snapshot {
         self.shared.model.lock().export(now_ms())
@@ -583,7 +618,7 @@ impl Shared {
     }
 
     /// Learns from one observation and queues the follow-ups it predicts.
-    fn learn(&self, state: &AppState, obs: Observation) {
+    fn learn(&self, obs: Observation) {
         let now = now_ms();
         bump(&self.counts.observations, 1);
         let entry = &obs.entry;
@@ -604,33 +639,34 @@ impl Shared {
         let multi = has_history(&obs.request);
         let predictions = {
             let mut model = self.model.lock();
+            // One question for counting: close enough to the cluster's representative, and
+            // the gate passes. The gate applies even when the semantic tier runs without it:
+            // a cluster's wordings may be served one another's prefetched answer.
+            let cluster_threshold = self.cfg.cluster_threshold;
+            let join = |a: &str, ea: Option<&[f32]>, b: &str, eb: Option<&[f32]>| {
+                a == b
+                    || match (ea, eb) {
+                        (Some(ea), Some(eb)) => {
+                            model::cosine(ea, eb) >= cluster_threshold
+                                && reprise_policies::gate(a, b).is_pass()
+                        }
+                        _ => false,
+                    }
+            };
             model.observe(
                 &obs.namespace,
                 entry.id,
                 &prompt,
                 entry.embedding.as_ref(),
                 now,
+                join,
             );
             if let Some(prev) = prev.filter(|p| *p != entry.id) {
                 model.link(&obs.namespace, prev, entry.id, multi, now);
                 bump(&self.counts.links, 1);
             }
             if self.cfg.enabled {
-                let threshold = state.config.semantic.threshold;
-                let gate = state.config.semantic.gate;
-                // Two follow-ups are one question when the semantic tier would serve one for
-                // the other.
-                let same = |a: &str, ea: Option<&[f32]>, b: &str, eb: Option<&[f32]>| {
-                    a == b
-                        || match (ea, eb) {
-                            (Some(ea), Some(eb)) => {
-                                model::cosine(ea, eb) >= threshold
-                                    && (!gate || reprise_policies::gate(a, b).is_pass())
-                            }
-                            _ => false,
-                        }
-                };
-                let p = model.predict(&obs.namespace, entry.id, &self.predict_params(), now, same);
+                let p = model.predict(&obs.namespace, entry.id, &self.predict_params(), now);
                 let style = model.prefers_multi(&obs.namespace, now);
                 Some((p, style))
             } else {
@@ -666,12 +702,21 @@ impl Shared {
                 continue;
             };
             let key = crate::key::exact_key(&obs.namespace, obs.endpoint, &request);
+            let aliases = p
+                .wordings
+                .iter()
+                .take(self.cfg.max_wordings)
+                .filter_map(|w| follow_up(&obs.request, &entry.text, w, multi))
+                .map(|r| crate::key::exact_key(&obs.namespace, obs.endpoint, &r))
+                .filter(|k| *k != key)
+                .collect();
             self.enqueue(Job {
                 kind: JobKind::Prefetch,
                 namespace: obs.namespace.clone(),
                 endpoint: obs.endpoint,
                 request,
                 key,
+                aliases,
                 queued_at: Instant::now(),
             });
         }
@@ -825,6 +870,7 @@ impl Shared {
                 endpoint: hot.endpoint,
                 request,
                 key,
+                aliases: Vec::new(),
                 queued_at: Instant::now(),
             });
         }
@@ -885,6 +931,17 @@ async fn run_job(
         check_cache,
     )
     .await;
+    // The answer serves the follow-up in the cluster's other observed wordings too: their
+    // exact keys point at it. When the asked wording was already cached exactly, that entry
+    // is the answer (nothing was generated, the aliases cost nothing).
+    let answer = match &result {
+        Background::Generated { id, .. } => state.memory.get(*id).await,
+        Background::Cached => state.memory.get_by_key(&job.key).await,
+        Background::Failed(_) => None,
+    };
+    if let (JobKind::Prefetch, Some(entry)) = (job.kind, answer) {
+        alias_wordings(&state, &entry, &job.aliases).await;
+    }
     let end = Instant::now();
     let secs = end.duration_since(start).as_secs_f64();
     let mut tokens = 0;
@@ -948,6 +1005,20 @@ async fn run_job(
     shared.wake.notify_one();
 }
 
+/// Points the exact keys of other wordings at `entry`, leaving keys that already lead to an
+/// entry alone (an answer generated for that very wording is at least as good).
+async fn alias_wordings(state: &AppState, entry: &Entry, keys: &[Digest]) {
+    for k in keys {
+        if state.memory.get_by_key(k).await.is_some() {
+            continue;
+        }
+        state.memory.alias(*k, entry.id).await;
+        if let Some(redis) = &state.redis {
+            redis.alias(*k, entry.id, entry.ttl_left());
+        }
+    }
+}
+
 /// The worker: learns from observations, starts jobs, scans for refresh and waste, saves
 /// the counts.
 async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state: Weak<AppState>) {
@@ -976,7 +1047,7 @@ async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state:
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
-            shared.learn(&state, obs);
+            shared.learn(obs);
         }
         let tier = shared.redis.lock().clone();
         if let Some(tier) = tier {

@@ -1,5 +1,5 @@
 //! The transition model: per namespace, decayed counts of which entry answered the turn that
-//! followed which entry.
+//! followed which entry, and of which *cluster* of questions followed which.
 //!
 //! Every observed entry is a *node* holding the text it was matched by (its prompt), its
 //! embedding, how often it was served (`seen`) and how often each other entry answered the
@@ -7,11 +7,20 @@
 //! fade. The probability of a follow-up `Y` after `E` is `next[Y] / seen(E)`: the share of the
 //! times `E` was served that were followed by `Y` (ending the conversation is the rest).
 //!
-//! A node seen too rarely borrows the counts of its nearest neighbours by embedding, so a
-//! brand-new answer (the same question in a new conversation context, or after its entry
-//! expired) still gets predictions. Follow-ups pooled from several nodes are merged when they
-//! are the same question (same entry, same text, or what the semantic tier would serve one
-//! for the other), so their counts add up instead of splitting.
+//! # Clusters
+//!
+//! Users ask one question in many wordings, and the semantic tier (rightly strict) serves one
+//! wording's answer for few of the others, so per-entry counts fragment: each wording, in each
+//! conversation context, is an entry of its own. For *counting*, every node therefore also
+//! belongs to a cluster: the first cluster whose representative (the prompt that founded it)
+//! the node's prompt joins by the caller's rule (a looser similarity than serving, plus the
+//! false-hit gate), or a new one. A cluster keeps its own decayed `seen` and cluster → cluster
+//! follow-up counts, and the wordings observed for it (bounded, the most used kept).
+//!
+//! A prediction names a follow-up cluster, the wording to ask (the most used one) and the
+//! cluster's other wordings, so the prefetcher can make one generated answer reachable for
+//! each of them. Counts come from the node itself when it was seen often enough, else from
+//! its cluster, else from nodes with a similar embedding (a brand-new question).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,14 +30,21 @@ use serde::{Deserialize, Serialize};
 
 /// Nodes kept per namespace; beyond this the least recently touched tenth is forgotten.
 const MAX_NODES: usize = 20_000;
+/// Clusters kept per namespace; beyond this the least recently touched tenth is forgotten.
+/// Assigning a new node scans them, so this also bounds that cost.
+const MAX_CLUSTERS: usize = 4096;
 /// Namespaces kept; beyond this the least recently touched one is forgotten.
 const MAX_NAMESPACES: usize = 1024;
-/// Follow-ups kept per node; beyond this the weakest is forgotten.
+/// Follow-ups kept per node and per cluster; beyond this the weakest is forgotten.
 const MAX_NEXT: usize = 64;
+/// Wordings kept per cluster; beyond this the least used one (never the representative)
+/// makes room.
+pub const MAX_WORDINGS: usize = 16;
 /// Neighbours pooled for a rarely seen node.
 const MAX_NEIGHBOURS: usize = 16;
-/// Version of the exported snapshot; imports skip any other.
-pub const SNAPSHOT_VERSION: u32 = 1;
+/// Version of the exported snapshot; imports read this one and the previous one (which has
+/// no clusters: each imported node then founds or joins one by its exact prompt).
+pub const SNAPSHOT_VERSION: u32 = 2;
 
 /// A count that halves every half-life.
 #[derive(Debug, Clone, Copy, Default)]
@@ -47,6 +63,10 @@ impl Decayed {
         self.value = self.value(now_ms, half_life_ms) + x;
         self.at_ms = now_ms.max(self.at_ms);
     }
+
+    fn at(value: f64, at_ms: u64) -> Decayed {
+        Decayed { value, at_ms }
+    }
 }
 
 /// One entry as the model knows it.
@@ -57,16 +77,115 @@ struct Node {
     seen: Decayed,
     next: HashMap<EntryId, Decayed>,
     touched_ms: u64,
+    /// The cluster its prompt belongs to (assigned on first observation).
+    cluster: Option<u64>,
 }
 
-/// One namespace's nodes, and how its follow-ups arrive (multi-turn history or single-turn
-/// prompts linked by a session id).
+/// One observed wording of a cluster.
+#[derive(Debug, Clone)]
+struct Wording {
+    text: String,
+    used: Decayed,
+}
+
+/// Questions counted as one: a representative and the wordings that joined it.
+#[derive(Debug, Clone, Default)]
+struct Cluster {
+    /// The prompt that founded the cluster; joining is decided against it alone, so a chain
+    /// of near neighbours cannot drift into another question.
+    prompt: String,
+    embedding: Option<Arc<[f32]>>,
+    /// Observed wordings, the representative first.
+    wordings: Vec<Wording>,
+    seen: Decayed,
+    next: HashMap<u64, Decayed>,
+    touched_ms: u64,
+}
+
+/// One namespace's nodes and clusters, and how its follow-ups arrive (multi-turn history or
+/// single-turn prompts linked by a session id).
 #[derive(Debug, Default)]
 struct Namespace {
     nodes: HashMap<EntryId, Node>,
+    clusters: HashMap<u64, Cluster>,
+    next_cluster: u64,
     multi: Decayed,
     single: Decayed,
     touched_ms: u64,
+}
+
+impl Namespace {
+    /// The cluster `prompt` belongs to: the one holding this exact wording, else the most
+    /// similar representative that `join` accepts, else a new one.
+    fn assign(
+        &mut self,
+        prompt: &str,
+        embedding: Option<&Arc<[f32]>>,
+        now_ms: u64,
+        join: &dyn Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool,
+    ) -> u64 {
+        let emb = embedding.map(|e| &e[..]);
+        let mut best: Option<(f32, u64)> = None;
+        for (id, c) in &self.clusters {
+            let score = if c.wordings.iter().any(|w| w.text == prompt) {
+                2.0
+            } else if join(prompt, emb, &c.prompt, c.embedding.as_deref()) {
+                match (emb, c.embedding.as_deref()) {
+                    (Some(a), Some(b)) => cosine(a, b),
+                    _ => 1.0,
+                }
+            } else {
+                continue;
+            };
+            if best.map_or(true, |(s, _)| score > s) {
+                best = Some((score, *id));
+            }
+        }
+        if let Some((_, id)) = best {
+            return id;
+        }
+        if self.clusters.len() >= MAX_CLUSTERS {
+            forget_oldest_clusters(&mut self.clusters, MAX_CLUSTERS / 10);
+        }
+        let id = self.next_cluster;
+        self.next_cluster += 1;
+        self.clusters.insert(
+            id,
+            Cluster {
+                prompt: prompt.to_string(),
+                embedding: embedding.cloned(),
+                wordings: vec![Wording {
+                    text: prompt.to_string(),
+                    used: Decayed::default(),
+                }],
+                touched_ms: now_ms,
+                ..Cluster::default()
+            },
+        );
+        id
+    }
+
+    /// The live cluster of a node, assigning one when it has none (or it was forgotten).
+    fn cluster_of(
+        &mut self,
+        id: EntryId,
+        now_ms: u64,
+        join: &dyn Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool,
+    ) -> Option<u64> {
+        let node = self.nodes.get(&id)?;
+        if let Some(c) = node.cluster.filter(|c| self.clusters.contains_key(c)) {
+            return Some(c);
+        }
+        if node.prompt.is_empty() {
+            return None;
+        }
+        let (prompt, emb) = (node.prompt.clone(), node.embedding.clone());
+        let c = self.assign(&prompt, emb.as_ref(), now_ms, join);
+        if let Some(n) = self.nodes.get_mut(&id) {
+            n.cluster = Some(c);
+        }
+        Some(c)
+    }
 }
 
 /// Thresholds of a prediction.
@@ -85,23 +204,18 @@ pub struct PredictParams {
 /// A predicted follow-up.
 #[derive(Debug, Clone)]
 pub struct Prediction {
-    /// The entry that answered this follow-up before.
+    /// The entry that answered this follow-up most often before.
     pub target: EntryId,
-    /// Its prompt text: what to ask.
+    /// The follow-up's cluster.
+    pub cluster: u64,
+    /// What to ask: the cluster's most used wording.
     pub prompt: String,
-    /// Estimated probability that the next turn asks it.
+    /// The cluster's other observed wordings, most used first (at most [`MAX_WORDINGS`]).
+    pub wordings: Vec<String>,
+    /// Estimated probability that the next turn asks it (in any of its wordings).
     pub probability: f64,
-    /// Whether the counts were borrowed from similar entries.
+    /// Whether the counts were borrowed (from the cluster or from similar entries).
     pub borrowed: bool,
-}
-
-/// What one node carries into a pooled prediction.
-struct Candidate<'a> {
-    target: EntryId,
-    prompt: &'a str,
-    embedding: Option<&'a [f32]>,
-    count: f64,
-    members: Vec<EntryId>,
 }
 
 /// The transition counts of every namespace.
@@ -110,6 +224,12 @@ pub struct Model {
     half_life_ms: f64,
     namespaces: HashMap<String, Namespace>,
     changed: bool,
+}
+
+/// Two prompts are one question by exact text only (the join rule when nothing better is
+/// known, e.g. for imported nodes of an older snapshot).
+fn same_text(a: &str, _: Option<&[f32]>, b: &str, _: Option<&[f32]>) -> bool {
+    a == b
 }
 
 /// Cosine similarity (vectors are L2-normalised by the embedder; normalised again here so
@@ -166,7 +286,9 @@ impl Model {
         n
     }
 
-    /// Records that `id` was served (creating its node with its prompt and embedding).
+    /// Records that `id` was served (creating its node with its prompt and embedding, and
+    /// placing it in a cluster: `join(a, ea, b, eb)` says whether prompt `a` may be counted
+    /// as the same question as a cluster's representative `b`).
     pub fn observe(
         &mut self,
         ns: &str,
@@ -174,6 +296,7 @@ impl Model {
         prompt: &str,
         embedding: Option<&Arc<[f32]>>,
         now_ms: u64,
+        join: impl Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool,
     ) {
         let hl = self.half_life_ms;
         let space = self.namespace(ns, now_ms);
@@ -186,6 +309,14 @@ impl Model {
         }
         node.seen.add(1.0, now_ms, hl);
         node.touched_ms = now_ms;
+        let text = node.prompt.clone();
+        if let Some(cid) = space.cluster_of(id, now_ms, &join) {
+            if let Some(c) = space.clusters.get_mut(&cid) {
+                c.seen.add(1.0, now_ms, hl);
+                c.touched_ms = now_ms;
+                note_wording(c, &text, now_ms, hl);
+            }
+        }
         if space.nodes.len() > MAX_NODES {
             forget_oldest(&mut space.nodes, MAX_NODES / 10);
         }
@@ -208,15 +339,16 @@ impl Model {
         let node = space.nodes.entry(prev).or_default();
         node.touched_ms = now_ms;
         node.next.entry(next).or_default().add(1.0, now_ms, hl);
-        if node.next.len() > MAX_NEXT {
-            if let Some(weakest) = node
-                .next
-                .iter()
-                .map(|(k, d)| (*k, d.value(now_ms, hl)))
-                .min_by(|a, b| a.1.total_cmp(&b.1))
-                .map(|(k, _)| k)
-            {
-                node.next.remove(&weakest);
+        trim_next(&mut node.next, now_ms, hl);
+        // Cluster counts: both ends were observed before they are linked, so both normally
+        // have a cluster; a node observed only through an old snapshot may lack one.
+        let from = space.cluster_of(prev, now_ms, &same_text);
+        let to = space.cluster_of(next, now_ms, &same_text);
+        if let (Some(from), Some(to)) = (from, to) {
+            if let Some(c) = space.clusters.get_mut(&from) {
+                c.touched_ms = now_ms;
+                c.next.entry(to).or_default().add(1.0, now_ms, hl);
+                trim_next(&mut c.next, now_ms, hl);
             }
         }
         self.changed = true;
@@ -234,15 +366,16 @@ impl Model {
         Some(m >= s)
     }
 
-    /// Ranks the follow-ups of `id`. `same(a, b)` says whether two prompts are one question
-    /// (used to merge follow-ups pooled from several nodes).
+    /// Ranks the follow-up clusters of `id`. The counts come from the node itself when it
+    /// was seen at least `min_observations` times (its own context says most), else from its
+    /// cluster (every wording of the question, in every context), else from the nodes with a
+    /// similar embedding.
     pub fn predict(
         &self,
         ns: &str,
         id: EntryId,
         p: &PredictParams,
         now_ms: u64,
-        same: impl Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool,
     ) -> Vec<Prediction> {
         let hl = self.half_life_ms;
         let Some(space) = self.namespaces.get(ns) else {
@@ -251,10 +384,49 @@ impl Model {
         let Some(node) = space.nodes.get(&id) else {
             return Vec::new();
         };
-        let mut sources: Vec<&Node> = vec![node];
+        let live = |c: Option<u64>| c.filter(|c| space.clusters.contains_key(c));
+        let own_cluster = live(node.cluster);
+        // Counts by follow-up cluster, with the entry that carried the most of each.
+        let mut counts: HashMap<u64, (f64, EntryId, f64)> = HashMap::new();
+        let mut add_nodes = |sources: &[&Node], counts: &mut HashMap<u64, (f64, EntryId, f64)>| {
+            for src in sources {
+                for (target, count) in &src.next {
+                    if *target == id {
+                        continue;
+                    }
+                    // A target forgotten since (or never seen served) has no prompt to ask.
+                    let Some(cid) = space.nodes.get(target).and_then(|t| live(t.cluster)) else {
+                        continue;
+                    };
+                    let v = count.value(now_ms, hl);
+                    let e = counts.entry(cid).or_insert((0.0, *target, 0.0));
+                    e.0 += v;
+                    if v > e.2 {
+                        e.1 = *target;
+                        e.2 = v;
+                    }
+                }
+            }
+        };
         let own = node.seen.value(now_ms, hl);
-        let borrowed = own < p.min_observations;
-        if borrowed {
+        let cluster_seen = own_cluster
+            .and_then(|c| space.clusters.get(&c))
+            .map_or(0.0, |c| c.seen.value(now_ms, hl));
+        let (total, borrowed) = if own >= p.min_observations {
+            add_nodes(&[node], &mut counts);
+            (own, false)
+        } else if cluster_seen >= p.min_observations {
+            let c = &space.clusters[&own_cluster.unwrap_or_default()];
+            for (target, count) in &c.next {
+                if space.clusters.contains_key(target) {
+                    // The representative entry is unknown at cluster level: the best node
+                    // target is looked up below when needed.
+                    counts.insert(*target, (count.value(now_ms, hl), id, 0.0));
+                }
+            }
+            (cluster_seen, true)
+        } else {
+            let mut sources: Vec<&Node> = vec![node];
             if let Some(emb) = &node.embedding {
                 let mut near: Vec<(f32, &Node)> = space
                     .nodes
@@ -268,49 +440,48 @@ impl Model {
                 near.sort_by(|a, b| b.0.total_cmp(&a.0));
                 sources.extend(near.into_iter().take(MAX_NEIGHBOURS).map(|(_, n)| n));
             }
-        }
-        let total: f64 = sources.iter().map(|n| n.seen.value(now_ms, hl)).sum();
+            let total: f64 = sources.iter().map(|n| n.seen.value(now_ms, hl)).sum();
+            add_nodes(&sources, &mut counts);
+            (total, true)
+        };
         if total < p.min_observations || total <= 0.0 {
             return Vec::new();
         }
-        let mut pooled: Vec<Candidate<'_>> = Vec::new();
-        for src in &sources {
-            for (target, count) in &src.next {
-                if *target == id {
-                    continue;
-                }
-                // A target forgotten since (or never seen served) has no prompt to ask.
-                let Some(t) = space.nodes.get(target).filter(|t| !t.prompt.is_empty()) else {
-                    continue;
-                };
-                let count = count.value(now_ms, hl);
-                let temb = t.embedding.as_deref();
-                match pooled.iter_mut().find(|c| {
-                    c.members.contains(target) || same(c.prompt, c.embedding, &t.prompt, temb)
-                }) {
-                    Some(c) => {
-                        c.count += count;
-                        c.members.push(*target);
-                    }
-                    None => pooled.push(Candidate {
-                        target: *target,
-                        prompt: &t.prompt,
-                        embedding: temb,
-                        count,
-                        members: vec![*target],
-                    }),
-                }
-            }
-        }
-        let mut out: Vec<Prediction> = pooled
+        let mut out: Vec<Prediction> = counts
             .into_iter()
-            .map(|c| Prediction {
-                target: c.target,
-                prompt: c.prompt.to_string(),
-                probability: (c.count / total).min(1.0),
-                borrowed,
+            .filter_map(|(cid, (count, target, _))| {
+                let probability = (count / total).min(1.0);
+                if probability < p.min_probability {
+                    return None;
+                }
+                let c = &space.clusters[&cid];
+                let mut words: Vec<(f64, &str)> = c
+                    .wordings
+                    .iter()
+                    .map(|w| (w.used.value(now_ms, hl), w.text.as_str()))
+                    .collect();
+                // Most used first; the representative (first) wins ties.
+                words.sort_by(|a, b| b.0.total_cmp(&a.0));
+                let prompt = words.first().map_or(c.prompt.as_str(), |w| w.1).to_string();
+                let target = if target == id {
+                    // Cluster-level counts: any entry of that cluster will do as a name.
+                    space
+                        .nodes
+                        .iter()
+                        .find(|(_, n)| n.cluster == Some(cid))
+                        .map_or(id, |(k, _)| *k)
+                } else {
+                    target
+                };
+                Some(Prediction {
+                    target,
+                    cluster: cid,
+                    wordings: words.iter().skip(1).map(|w| w.1.to_string()).collect(),
+                    prompt,
+                    probability,
+                    borrowed,
+                })
             })
-            .filter(|pr| pr.probability >= p.min_probability)
             .collect();
         out.sort_by(|a, b| b.probability.total_cmp(&a.probability));
         out.truncate(p.max_predictions);
@@ -318,7 +489,8 @@ impl Model {
     }
 
     /// Moves everything known about `old` to `new` (a refreshed entry replaces its
-    /// predecessor), in both directions.
+    /// predecessor), in both directions. Cluster counts are about questions, not entries, and
+    /// stay as they are.
     pub fn rename(&mut self, ns: &str, old: EntryId, new: EntryId) {
         let hl = self.half_life_ms;
         let Some(space) = self.namespaces.get_mut(ns) else {
@@ -329,6 +501,7 @@ impl Model {
                 Some(n) => {
                     let now = node.touched_ms.max(n.touched_ms);
                     n.seen.add(node.seen.value(now, hl), now, hl);
+                    n.cluster = n.cluster.or(node.cluster);
                     for (k, d) in node.next {
                         n.next.entry(k).or_default().add(d.value(now, hl), now, hl);
                     }
@@ -348,6 +521,18 @@ impl Model {
             }
         }
         self.changed = true;
+    }
+
+    /// The clusters of `ns`, each as its wordings (the representative first), for
+    /// diagnostics: a cluster mixing two questions is a false hit waiting to happen.
+    pub fn clusters(&self, ns: &str) -> Vec<Vec<String>> {
+        self.namespaces.get(ns).map_or_else(Vec::new, |space| {
+            space
+                .clusters
+                .values()
+                .map(|c| c.wordings.iter().map(|w| w.text.clone()).collect())
+                .collect()
+        })
     }
 
     /// Every count, for persistence.
@@ -373,6 +558,27 @@ impl Model {
                             .iter()
                             .map(|(k, d)| (k.to_string(), d.value(now_ms, hl)))
                             .collect(),
+                        cluster: n.cluster.filter(|c| space.clusters.contains_key(c)),
+                    })
+                    .collect(),
+                clusters: space
+                    .clusters
+                    .iter()
+                    .map(|(id, c)| ClusterSnapshot {
+                        id: *id,
+                        prompt: c.prompt.clone(),
+                        embedding: c.embedding.as_ref().map(|e| e.to_vec()),
+                        wordings: c
+                            .wordings
+                            .iter()
+                            .map(|w| (w.text.clone(), w.used.value(now_ms, hl)))
+                            .collect(),
+                        seen: c.seen.value(now_ms, hl),
+                        next: c
+                            .next
+                            .iter()
+                            .map(|(k, d)| (*k, d.value(now_ms, hl)))
+                            .collect(),
                     })
                     .collect(),
             })
@@ -385,44 +591,58 @@ impl Model {
     }
 
     /// Adds a snapshot's counts to the model (decayed from when it was saved). Returns the
-    /// number of nodes read; a snapshot of another version is ignored.
+    /// number of nodes read; a snapshot of an unknown version is ignored.
     pub fn import(&mut self, snap: &Snapshot, now_ms: u64) -> usize {
-        if snap.version != SNAPSHOT_VERSION {
+        if snap.version != SNAPSHOT_VERSION && snap.version != 1 {
             return 0;
         }
         let hl = self.half_life_ms;
         let at = snap.saved_ms.min(now_ms);
+        let decay = |v: f64| Decayed::at(v, at).value(now_ms, hl);
         let mut read = 0;
         for ns in &snap.namespaces {
             let space = self.namespace(&ns.name, now_ms);
-            space.multi.add(
-                Decayed {
-                    value: ns.multi,
-                    at_ms: at,
+            space.multi.add(decay(ns.multi), now_ms, hl);
+            space.single.add(decay(ns.single), now_ms, hl);
+            // Saved cluster ids → ids here (a merged import must not collide with ours).
+            let mut ids: HashMap<u64, u64> = HashMap::new();
+            for c in &ns.clusters {
+                let id = space.next_cluster;
+                space.next_cluster += 1;
+                ids.insert(c.id, id);
+                space.clusters.insert(
+                    id,
+                    Cluster {
+                        prompt: c.prompt.clone(),
+                        embedding: c.embedding.as_ref().map(|e| Arc::from(e.as_slice())),
+                        wordings: c
+                            .wordings
+                            .iter()
+                            .take(MAX_WORDINGS)
+                            .map(|(t, v)| Wording {
+                                text: t.clone(),
+                                used: Decayed::at(decay(*v), now_ms),
+                            })
+                            .collect(),
+                        seen: Decayed::at(decay(c.seen), now_ms),
+                        next: HashMap::new(),
+                        touched_ms: at,
+                    },
+                );
+            }
+            for c in &ns.clusters {
+                let Some(cl) = space.clusters.get_mut(&ids[&c.id]) else {
+                    continue;
+                };
+                for (k, v) in &c.next {
+                    if let Some(k) = ids.get(k) {
+                        cl.next.entry(*k).or_default().add(decay(*v), now_ms, hl);
+                    }
                 }
-                .value(now_ms, hl),
-                now_ms,
-                hl,
-            );
-            space.single.add(
-                Decayed {
-                    value: ns.single,
-                    at_ms: at,
-                }
-                .value(now_ms, hl),
-                now_ms,
-                hl,
-            );
+            }
             for n in &ns.nodes {
                 let Ok(id) = n.id.parse::<EntryId>() else {
                     continue;
-                };
-                let decay = |v: f64| {
-                    Decayed {
-                        value: v,
-                        at_ms: at,
-                    }
-                    .value(now_ms, hl)
                 };
                 let node = space.nodes.entry(id).or_default();
                 if node.prompt.is_empty() {
@@ -430,6 +650,9 @@ impl Model {
                 }
                 if node.embedding.is_none() {
                     node.embedding = n.embedding.as_ref().map(|e| Arc::from(e.as_slice()));
+                }
+                if node.cluster.is_none() {
+                    node.cluster = n.cluster.and_then(|c| ids.get(&c).copied());
                 }
                 node.seen.add(decay(n.seen), now_ms, hl);
                 node.touched_ms = node.touched_ms.max(at);
@@ -440,13 +663,74 @@ impl Model {
                 }
                 read += 1;
             }
+            // Nodes of an older snapshot have no cluster: found or join one by exact text.
+            let orphans: Vec<EntryId> = space
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.cluster.is_none())
+                .map(|(k, _)| *k)
+                .collect();
+            for id in orphans {
+                space.cluster_of(id, now_ms, &same_text);
+            }
             if space.nodes.len() > MAX_NODES {
                 let excess = space.nodes.len() - MAX_NODES;
                 forget_oldest(&mut space.nodes, excess);
             }
+            if space.clusters.len() > MAX_CLUSTERS {
+                let excess = space.clusters.len() - MAX_CLUSTERS;
+                forget_oldest_clusters(&mut space.clusters, excess);
+            }
         }
         self.changed = true;
         read
+    }
+}
+
+/// Counts one more use of `text` for a cluster, keeping at most [`MAX_WORDINGS`].
+fn note_wording(c: &mut Cluster, text: &str, now_ms: u64, hl: f64) {
+    if let Some(w) = c.wordings.iter_mut().find(|w| w.text == text) {
+        w.used.add(1.0, now_ms, hl);
+        return;
+    }
+    if c.wordings.len() >= MAX_WORDINGS {
+        // The representative (first) stays: joining is decided against it.
+        let Some(weakest) = c
+            .wordings
+            .iter()
+            .enumerate()
+            .skip(1)
+            .min_by(|a, b| {
+                a.1.used
+                    .value(now_ms, hl)
+                    .total_cmp(&b.1.used.value(now_ms, hl))
+            })
+            .map(|(i, _)| i)
+        else {
+            return;
+        };
+        c.wordings.remove(weakest);
+    }
+    let mut used = Decayed::default();
+    used.add(1.0, now_ms, hl);
+    c.wordings.push(Wording {
+        text: text.to_string(),
+        used,
+    });
+}
+
+/// Forgets the weakest follow-up beyond [`MAX_NEXT`].
+fn trim_next<K: Copy + Eq + std::hash::Hash>(next: &mut HashMap<K, Decayed>, now_ms: u64, hl: f64) {
+    if next.len() <= MAX_NEXT {
+        return;
+    }
+    if let Some(weakest) = next
+        .iter()
+        .map(|(k, d)| (*k, d.value(now_ms, hl)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(k, _)| k)
+    {
+        next.remove(&weakest);
     }
 }
 
@@ -456,6 +740,15 @@ fn forget_oldest(nodes: &mut HashMap<EntryId, Node>, n: usize) {
     ages.sort_unstable();
     for (_, k) in ages.into_iter().take(n.max(1)) {
         nodes.remove(&k);
+    }
+}
+
+/// Drops the `n` least recently touched clusters (their nodes are reassigned when next seen).
+fn forget_oldest_clusters(clusters: &mut HashMap<u64, Cluster>, n: usize) {
+    let mut ages: Vec<(u64, u64)> = clusters.iter().map(|(k, v)| (v.touched_ms, *k)).collect();
+    ages.sort_unstable();
+    for (_, k) in ages.into_iter().take(n.max(1)) {
+        clusters.remove(&k);
     }
 }
 
@@ -481,6 +774,9 @@ pub struct NamespaceSnapshot {
     pub single: f64,
     /// Every node.
     pub nodes: Vec<NodeSnapshot>,
+    /// Every cluster (absent from version 1).
+    #[serde(default)]
+    pub clusters: Vec<ClusterSnapshot>,
 }
 
 /// One node of a [`NamespaceSnapshot`].
@@ -497,6 +793,27 @@ pub struct NodeSnapshot {
     pub seen: f64,
     /// Follow-ups: entry id and count.
     pub next: Vec<(String, f64)>,
+    /// Its cluster (an id of this snapshot's [`ClusterSnapshot`]s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<u64>,
+}
+
+/// One cluster of a [`NamespaceSnapshot`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClusterSnapshot {
+    /// Id within the snapshot.
+    pub id: u64,
+    /// The representative prompt.
+    pub prompt: String,
+    /// Its embedding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedding: Option<Vec<f32>>,
+    /// Observed wordings and their use counts, the representative first.
+    pub wordings: Vec<(String, f64)>,
+    /// Times a member was served.
+    pub seen: f64,
+    /// Follow-up clusters (ids of this snapshot) and counts.
+    pub next: Vec<(u64, f64)>,
 }
 
 #[cfg(test)]
@@ -512,8 +829,9 @@ mod tests {
         }
     }
 
-    fn same_text(a: &str, _: Option<&[f32]>, b: &str, _: Option<&[f32]>) -> bool {
-        a == b
+    /// Joins prompts that share their first word (a stand-in for "similar and gate passes").
+    fn first_word(a: &str, _: Option<&[f32]>, b: &str, _: Option<&[f32]>) -> bool {
+        a.split(' ').next() == b.split(' ').next()
     }
 
     #[test]
@@ -521,14 +839,22 @@ mod tests {
         let mut m = Model::new(3600.0);
         let (x, y, z) = (EntryId(1), EntryId(2), EntryId(3));
         for i in 0..4 {
-            m.observe("ns", x, "x?", None, 1000);
+            m.observe("ns", x, "x?", None, 1000, same_text);
             let next = if i < 3 { y } else { z };
-            m.observe("ns", next, if i < 3 { "y?" } else { "z?" }, None, 1000);
+            m.observe(
+                "ns",
+                next,
+                if i < 3 { "y?" } else { "z?" },
+                None,
+                1000,
+                same_text,
+            );
             m.link("ns", x, next, true, 1000);
         }
-        let p = m.predict("ns", x, &params(), 1000, same_text);
+        let p = m.predict("ns", x, &params(), 1000);
         assert_eq!(p.len(), 2);
         assert_eq!(p[0].target, y);
+        assert_eq!(p[0].prompt, "y?");
         assert!((p[0].probability - 0.75).abs() < 1e-9);
         assert!((p[1].probability - 0.25).abs() < 1e-9);
         assert!(!p[0].borrowed);
@@ -551,17 +877,63 @@ mod tests {
         let far: Arc<[f32]> = Arc::from(vec![0.0f32, 1.0]);
         let (x, y, x2, w) = (EntryId(1), EntryId(2), EntryId(3), EntryId(4));
         for _ in 0..3 {
-            m.observe("ns", x, "x?", Some(&e1), 0);
-            m.observe("ns", y, "y?", None, 0);
+            m.observe("ns", x, "x?", Some(&e1), 0, same_text);
+            m.observe("ns", y, "y?", None, 0, same_text);
             m.link("ns", x, y, true, 0);
         }
-        m.observe("ns", x2, "x again?", Some(&e2), 0);
-        m.observe("ns", w, "w?", Some(&far), 0);
-        let p = m.predict("ns", x2, &params(), 0, same_text);
+        m.observe("ns", x2, "x again?", Some(&e2), 0, same_text);
+        m.observe("ns", w, "w?", Some(&far), 0, same_text);
+        let p = m.predict("ns", x2, &params(), 0);
         assert_eq!(p.len(), 1);
         assert_eq!(p[0].prompt, "y?");
         assert!(p[0].borrowed);
-        assert!(m.predict("ns", w, &params(), 0, same_text).is_empty());
+        assert!(m.predict("ns", w, &params(), 0).is_empty());
+    }
+
+    #[test]
+    fn clusters_pool_wordings_for_counting_and_prediction() {
+        let mut m = Model::new(3600.0);
+        // Three wordings of "open" and of "save", each its own entry (as per context and
+        // wording); no entry is seen twice, but the clusters are.
+        let opens = ["open a file?", "open files how", "open: where?"];
+        let saves = ["save it how?", "save the file?", "save now?"];
+        for i in 0..3u128 {
+            let (o, s) = (EntryId(10 + i), EntryId(20 + i));
+            m.observe("ns", o, opens[i as usize], None, 0, first_word);
+            m.observe("ns", s, saves[i as usize], None, 0, first_word);
+            m.link("ns", o, s, true, 0);
+        }
+        // A fresh entry of "open" predicts the "save" cluster from the cluster counts.
+        let fresh = EntryId(99);
+        m.observe("ns", fresh, "open a file?", None, 0, first_word);
+        let p = m.predict("ns", fresh, &params(), 0);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].borrowed);
+        // 3 follow-ups over 4 sightings of the cluster.
+        assert!((p[0].probability - 0.75).abs() < 1e-9, "{p:?}");
+        assert!(saves.contains(&p[0].prompt.as_str()));
+        let mut all = p[0].wordings.clone();
+        all.push(p[0].prompt.clone());
+        all.sort();
+        let mut want: Vec<String> = saves.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        assert_eq!(all, want);
+        // A prompt that does not join stays apart.
+        m.observe("ns", EntryId(50), "close it?", None, 0, first_word);
+        let clusters = m.clusters("ns");
+        assert_eq!(clusters.len(), 3);
+    }
+
+    #[test]
+    fn wordings_are_bounded_and_keep_the_representative() {
+        let mut m = Model::new(3600.0);
+        for i in 0..(MAX_WORDINGS as u128 + 5) {
+            m.observe("ns", EntryId(i), &format!("q {i}"), None, 0, first_word);
+        }
+        let c = m.clusters("ns");
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].len(), MAX_WORDINGS);
+        assert_eq!(c[0][0], "q 0");
     }
 
     #[test]
@@ -569,19 +941,34 @@ mod tests {
         let mut m = Model::new(3600.0);
         let (x, y, y2) = (EntryId(1), EntryId(2), EntryId(5));
         for _ in 0..2 {
-            m.observe("ns", x, "x?", None, 0);
-            m.observe("ns", y, "y?", None, 0);
+            m.observe("ns", x, "x?", None, 0, same_text);
+            m.observe("ns", y, "y?", None, 0, same_text);
             m.link("ns", x, y, false, 0);
         }
         let json = serde_json::to_string(&m.export(0)).unwrap();
         let snap: Snapshot = serde_json::from_str(&json).unwrap();
         let mut m2 = Model::new(3600.0);
         assert_eq!(m2.import(&snap, 0), 2);
-        let p = m2.predict("ns", x, &params(), 0, same_text);
+        let p = m2.predict("ns", x, &params(), 0);
         assert_eq!(p[0].target, y);
+        // A fresh entry of x's question predicts from the imported cluster counts.
+        m2.observe("ns", EntryId(7), "x?", None, 0, same_text);
+        assert_eq!(m2.predict("ns", EntryId(7), &params(), 0)[0].prompt, "y?");
         m2.rename("ns", y, y2);
-        let p = m2.predict("ns", x, &params(), 0, same_text);
+        let p = m2.predict("ns", x, &params(), 0);
         assert_eq!(p[0].target, y2);
         assert_eq!(m2.prefers_multi("ns", 0), Some(false));
+        // A version-1 snapshot (no clusters) still imports.
+        let mut old = snap.clone();
+        old.version = 1;
+        for ns in &mut old.namespaces {
+            ns.clusters.clear();
+            for n in &mut ns.nodes {
+                n.cluster = None;
+            }
+        }
+        let mut m3 = Model::new(3600.0);
+        assert_eq!(m3.import(&old, 0), 2);
+        assert_eq!(m3.predict("ns", x, &params(), 0)[0].target, y);
     }
 }
