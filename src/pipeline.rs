@@ -586,6 +586,26 @@ fn turn_key(
     h.finish()
 }
 
+/// The entry a key points at: memory (L1), then Redis (L2), whose hits are promoted into this
+/// replica's memory and index. `counted` records the lookups in the metrics.
+async fn find_by_key(state: &AppState, key: &Digest, counted: bool) -> Option<Arc<Entry>> {
+    let hit = state.memory.get_by_key(key).await;
+    if counted {
+        state.metrics.lookup(Tier::Exact, hit.is_some());
+    }
+    if hit.is_some() {
+        return hit;
+    }
+    let redis = state.redis.as_ref()?;
+    let l2 = redis.get_by_key(key).await.ok().flatten();
+    if counted {
+        state.metrics.lookup(Tier::Redis, l2.is_some());
+    }
+    let entry = crate::replication::install(state, l2?).await;
+    state.memory.alias(*key, entry.id).await;
+    Some(entry)
+}
+
 /// A conversation's resolved context.
 struct Context {
     /// The context of this turn (to link this turn's answer for the next turn).
@@ -614,7 +634,8 @@ async fn resolve_context(
         let query = key::messages_digest("query", msgs);
         let link = turn_key(namespace, model, &ctx, &query, &answer.content);
         let mut h;
-        match state.memory.get_by_key(&link).await {
+        // L2 too: the link may have been written by another replica.
+        match find_by_key(state, &link, false).await {
             Some(entry) => {
                 h = KeyHasher::new("ctx-entry");
                 h.str(&entry.id.to_string());
@@ -718,24 +739,7 @@ pub async fn lookup(
     // lookup metrics analysts read.
     let counted = trace.state.is_some();
     if read {
-        let mut hit = state.memory.get_by_key(&exact).await;
-        if counted {
-            state.metrics.lookup(Tier::Exact, hit.is_some());
-        }
-        if hit.is_none() {
-            if let Some(redis) = &state.redis {
-                // L2: a hit is promoted into this replica's memory and index.
-                let l2 = redis.get_by_key(&exact).await.ok().flatten();
-                if counted {
-                    state.metrics.lookup(Tier::Redis, l2.is_some());
-                }
-                if let Some(entry) = l2 {
-                    let entry = crate::replication::install(state, entry).await;
-                    state.memory.alias(exact, entry.id).await;
-                    hit = Some(entry);
-                }
-            }
-        }
+        let hit = find_by_key(state, &exact, counted).await;
         if let Some(entry) = hit {
             found.hit = Some(Hit {
                 outcome: hit_outcome(&entry, Outcome::Exact),

@@ -377,3 +377,46 @@ async fn cluster_mode_round_trip() {
     assert_eq!(cache_status(&r), "exact");
     assert_eq!(backend.calls(), 4);
 }
+
+#[tokio::test]
+async fn conversation_context_is_shared_across_replicas() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let a = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    let b = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    let q1 = "How do I reset my password?";
+    let r = a
+        .chat(
+            &json!({"model": "fake", "messages": [{"role": "user", "content": q1}]}),
+            &[],
+        )
+        .await;
+    let a1 = r.json::<Value>().await.unwrap()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let turn2 = |q: &str| {
+        json!({"model": "fake", "messages": [
+            {"role": "user", "content": q1},
+            {"role": "assistant", "content": a1},
+            {"role": "user", "content": q},
+        ]})
+    };
+    let r = a
+        .chat(&turn2("What if I no longer have access to my email?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    // On B, a paraphrase of turn 2 in the same conversation is a semantic hit: B resolves the
+    // conversation's context through the link A wrote to Redis.
+    assert_eq!(
+        poll_status(
+            &b,
+            &turn2("What if I can no longer access my email?"),
+            &[],
+            "semantic"
+        )
+        .await,
+        "semantic"
+    );
+    assert_eq!(backend.calls(), 2);
+}
