@@ -221,9 +221,9 @@ async fn serve(
     .await;
     let session = ctl.session.clone().or_else(|| parsed.user.clone());
     if let Some(hit) = found.hit {
-        if write {
+        if write && hit.outcome != Outcome::Exact {
             // An exact repeat of this phrasing, and the next turn of this conversation, find
-            // the entry directly next time.
+            // the entry directly next time (an exact hit found it by these keys already).
             let mut keys = vec![found.plan.exact];
             keys.extend(found.plan.turn_key(&hit.entry.text));
             for k in keys {
@@ -705,7 +705,7 @@ pub async fn lookup(
     trace: &mut Trace,
 ) -> Lookup {
     let exact = key::exact_key(namespace, endpoint, req);
-    let mut plan = WritePlan {
+    let plan = WritePlan {
         exact,
         namespace: namespace.to_string(),
         model: req.model.clone(),
@@ -717,37 +717,50 @@ pub async fn lookup(
         observe: None,
         tags: Vec::new(),
     };
-    // The conversation: what is matched by meaning, and the context it must match in.
-    let (query, context, prev_entry) = match &req.input {
-        Input::Prompt(p) => (Some(p.clone()), key::messages_digest("preamble", &[]), None),
-        Input::Chat(msgs) => match key::split_conversation(msgs) {
-            Some(conv) => {
-                let ctx = resolve_context(state, namespace, &req.model, &conv).await;
-                plan.turn = Some((ctx.turn, ctx.query));
-                (Some(conv.query.to_string()), ctx.partition, ctx.prev_entry)
-            }
-            None => (None, [0; 32], None),
-        },
-    };
     let mut found = Lookup {
         plan,
         hit: None,
-        prev_entry,
+        prev_entry: None,
         policy: None,
     };
     // Background lookups (detached traces) are not client traffic: keep them out of the
     // lookup metrics analysts read.
     let counted = trace.state.is_some();
-    if read {
-        let hit = find_by_key(state, &exact, counted).await;
-        if let Some(entry) = hit {
-            found.hit = Some(Hit {
-                outcome: hit_outcome(&entry, Outcome::Exact),
-                entry,
-                similarity: None,
-            });
-            return found;
-        }
+    // Exact first: a hit needs no conversation analysis (the hot path), unless the prefetcher
+    // wants to know which earlier answer this turn followed.
+    let exact_hit = if read {
+        find_by_key(state, &exact, counted).await
+    } else {
+        None
+    };
+    if exact_hit.is_some() && state.prefetch.is_none() {
+        found.hit = exact_hit.map(|entry| Hit {
+            outcome: hit_outcome(&entry, Outcome::Exact),
+            entry,
+            similarity: None,
+        });
+        return found;
+    }
+    // The conversation: what is matched by meaning, and the context it must match in.
+    let (query, context) = match &req.input {
+        Input::Prompt(p) => (Some(p.clone()), key::messages_digest("preamble", &[])),
+        Input::Chat(msgs) => match key::split_conversation(msgs) {
+            Some(conv) => {
+                let ctx = resolve_context(state, namespace, &req.model, &conv).await;
+                found.plan.turn = Some((ctx.turn, ctx.query));
+                found.prev_entry = ctx.prev_entry;
+                (Some(conv.query.to_string()), ctx.partition)
+            }
+            None => (None, [0; 32]),
+        },
+    };
+    if let Some(entry) = exact_hit {
+        found.hit = Some(Hit {
+            outcome: hit_outcome(&entry, Outcome::Exact),
+            entry,
+            similarity: None,
+        });
+        return found;
     }
     let (Some(query), Some(sem)) = (query, &state.semantic) else {
         return found;
