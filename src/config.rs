@@ -225,13 +225,16 @@ pub struct SemanticConfig {
     /// Overrides per namespace and/or model (`[[semantic.rules]]`, first match wins):
     /// `namespace`, `model` select; `enabled`, `threshold`, `top_k`, `gate` override.
     pub rules: Vec<reprise_policies::semantic::Rule>,
-    /// Longest the embedder waits to fill a batch, in microseconds.
+    /// Longest the embedder waits to fill a batch, in microseconds. 0 (the default) batches
+    /// naturally: prompts that arrive while the model runs form the next batch, and a lone
+    /// prompt never waits.
     pub batch_wait_us: u64,
     /// Most prompts embedded in one batch.
     pub max_batch: usize,
     /// Prompt embeddings kept in the embedder's LRU.
     pub embedding_cache_entries: u64,
-    /// ONNX Runtime threads per embedding batch.
+    /// ONNX Runtime threads per embedding batch. 2 measured best on 2 cores (semantic-hit
+    /// p50 3.6 ms vs 5.8 ms with 1, and higher throughput at every concurrency).
     pub embedder_threads: usize,
     /// Seconds between index maintenance passes (rebuilding partitions full of tombstones).
     pub maintain_interval_secs: u64,
@@ -247,10 +250,10 @@ impl Default for SemanticConfig {
             model_dir: PathBuf::from("models/all-MiniLM-L6-v2"),
             onnx_runtime: PathBuf::from("models/libonnxruntime.so"),
             rules: Vec::new(),
-            batch_wait_us: 300,
+            batch_wait_us: 0,
             max_batch: 32,
             embedding_cache_entries: 10_000,
-            embedder_threads: 1,
+            embedder_threads: 2,
             maintain_interval_secs: 60,
         }
     }

@@ -16,7 +16,8 @@ pub struct EmbedderConfig {
     /// Most texts embedded in one model call.
     pub max_batch: usize,
     /// How long (microseconds) the batcher waits for more texts after the first one arrives
-    /// before running the model. Adds at most this much latency to a lone request.
+    /// before running the model. Adds at most this much latency to a lone request. The
+    /// default 0 batches naturally: texts that arrive while the model runs form the next batch.
     pub batch_wait_us: u64,
     /// Entries of the text → vector LRU in front of the model (0 disables it).
     pub cache_entries: u64,
@@ -32,7 +33,7 @@ impl Default for EmbedderConfig {
             model_dir: PathBuf::from("models/all-MiniLM-L6-v2"),
             onnx_runtime: PathBuf::from("models/libonnxruntime.so"),
             max_batch: 32,
-            batch_wait_us: 300,
+            batch_wait_us: 0,
             cache_entries: 10_000,
             max_tokens: 256,
             threads: 1,
