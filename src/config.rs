@@ -186,6 +186,9 @@ pub struct CacheConfig {
     pub memory_bytes: u64,
     /// Lifetime of an entry in seconds.
     pub ttl_secs: u64,
+    /// Without Redis: save the memory tier here on shutdown and load it at start, so a restart
+    /// keeps the cache and the semantic index (off when absent).
+    pub snapshot_path: Option<PathBuf>,
 }
 
 impl Default for CacheConfig {
@@ -194,6 +197,7 @@ impl Default for CacheConfig {
             enabled: true,
             memory_bytes: 256 * 1024 * 1024,
             ttl_secs: 24 * 3600,
+            snapshot_path: None,
         }
     }
 }

@@ -25,6 +25,7 @@ pub mod pipeline;
 pub mod prefetch;
 pub mod replication;
 pub mod reqlog;
+pub mod snapshot;
 pub mod state;
 
 use std::future::Future;
@@ -78,11 +79,32 @@ pub async fn run(
             return Err(e);
         }
     };
-    let _ = loaded.set(app(state));
+    if let Some(path) = &state.config.cache.snapshot_path {
+        match snapshot::load(&state, path).await {
+            Ok(c) => tracing::info!(
+                entries = c.entries,
+                keys = c.keys,
+                skipped = c.skipped,
+                "snapshot loaded"
+            ),
+            Err(e) => tracing::warn!(error = %e, path = %path.display(), "snapshot not loaded"),
+        }
+    }
+    let _ = loaded.set(app(state.clone()));
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
         "ready: models loaded"
     );
     server.await??;
+    if let Some(path) = &state.config.cache.snapshot_path {
+        let st = state.clone();
+        let p = path.clone();
+        match tokio::task::spawn_blocking(move || snapshot::save(&st, &p)).await? {
+            Ok(c) => {
+                tracing::info!(entries = c.entries, keys = c.keys, path = %path.display(), "snapshot saved")
+            }
+            Err(e) => tracing::warn!(error = %e, path = %path.display(), "snapshot not saved"),
+        }
+    }
     Ok(())
 }

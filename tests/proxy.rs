@@ -675,3 +675,35 @@ except openai.NotFoundError as e:
     assert_eq!(lines[4], "notfound model_not_found");
     assert_eq!(backend.calls(), 1);
 }
+
+#[tokio::test]
+async fn run_saves_a_snapshot_on_shutdown_and_loads_it_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config();
+    config.backend.kind = reprise::config::BackendKind::Fake;
+    config.cache.snapshot_path = Some(dir.path().join("snap"));
+    let client = reqwest::Client::new();
+    let body = chat_body("survive a restart");
+    for expected in ["miss", "exact"] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(reprise::run(listener, config.clone(), async {
+            let _ = stopped.await;
+        }));
+        let url = format!("http://{addr}/v1/chat/completions");
+        let mut status = String::new();
+        for _ in 0..200 {
+            if let Ok(r) = client.post(&url).json(&body).send().await {
+                if r.status() == 200 {
+                    status = cache_status(&r);
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(status, expected);
+        stop.send(()).unwrap();
+        server.await.unwrap().unwrap();
+    }
+}

@@ -408,3 +408,46 @@ async fn paraphrase_waits_for_its_twin_in_flight() {
     slow.await.unwrap();
     assert_eq!(backend.calls(), 3);
 }
+
+#[tokio::test]
+async fn snapshot_keeps_exact_and_semantic_hits_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cache.snapshot");
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    app.chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    app.chat(&chat_body("What is the capital of France?"), &[])
+        .await;
+    let saved = reprise::snapshot::save(&app.state, &path).unwrap();
+    assert_eq!(saved.entries, 2);
+    drop(app);
+
+    let (app2, backend2) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let loaded = reprise::snapshot::load(&app2.state, &path).await.unwrap();
+    assert_eq!(loaded.entries, 2);
+    assert!(loaded.keys >= 2);
+    let r = app2
+        .chat(&chat_body("What is the capital of France?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "exact");
+    let r = app2
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        cache_status(&r),
+        "semantic",
+        "the index was rebuilt from the snapshot"
+    );
+    assert_eq!(content(r).await, "You asked: How do I reset my password?");
+    assert_eq!(backend.calls(), 2);
+    assert_eq!(backend2.calls(), 0);
+
+    // A corrupt snapshot is ignored, never fatal.
+    std::fs::write(&path, "garbage\n{not json").unwrap();
+    let (app3, _b) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let loaded = reprise::snapshot::load(&app3.state, &path).await.unwrap();
+    assert_eq!(loaded.entries, 0);
+}

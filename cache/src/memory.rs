@@ -142,6 +142,11 @@ impl MemoryTier {
         self.keys.run_pending_tasks().await;
     }
 
+    /// A snapshot of the exact keys and aliases and the entries they point at.
+    pub fn iter_keys(&self) -> Vec<(Digest, EntryId)> {
+        self.keys.iter().map(|(k, v)| (*k, v)).collect()
+    }
+
     /// A snapshot of the live entries (for index rebuilds and admin listings).
     pub fn iter_entries(&self) -> Vec<Arc<Entry>> {
         self.entries.iter().map(|(_, v)| v).collect()
