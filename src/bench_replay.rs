@@ -52,6 +52,11 @@ pub struct ReplayArgs {
     /// pause is drawn between half and one and a half times this, the same on both sides).
     #[arg(long, default_value_t = 800)]
     think_ms: u64,
+    /// Mean think time during the warm-up sessions (default: `--think-ms`). The warm-up only
+    /// teaches the cache and the predictor, so a short pause there bounds the run time of
+    /// realistic (long) think times; both sides get the same.
+    #[arg(long)]
+    warmup_think_ms: Option<u64>,
     /// Scripted backend: delay per generated token, milliseconds.
     #[arg(long, default_value_t = 3)]
     token_delay_ms: u64,
@@ -64,6 +69,15 @@ pub struct ReplayArgs {
     /// Semantic similarity threshold of both sides (default: the configured default).
     #[arg(long)]
     threshold: Option<f32>,
+    /// Prefetch side: `prefetch.cluster_threshold` (default: the configured default).
+    #[arg(long)]
+    cluster_threshold: Option<f32>,
+    /// Prefetch side: `prefetch.max_wordings` (default: the configured default).
+    #[arg(long)]
+    max_wordings: Option<usize>,
+    /// Prefetch side: `prefetch.min_probability` (default: the configured default).
+    #[arg(long)]
+    min_probability: Option<f64>,
     /// Seed of the think-time draws.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -190,6 +204,15 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         let mut config = base.clone();
         config.prefetch.enabled = prefetch;
         config.prefetch.max_concurrent = a.max_concurrent.max(1);
+        if let Some(t) = a.cluster_threshold {
+            config.prefetch.cluster_threshold = t;
+        }
+        if let Some(n) = a.max_wordings {
+            config.prefetch.max_wordings = n;
+        }
+        if let Some(p) = a.min_probability {
+            config.prefetch.min_probability = p;
+        }
         let backend = Arc::new(ScriptedBackend::new(script.clone()));
         let state = AppState::new(config, backend, Some(embedder.clone()))?;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
@@ -212,9 +235,10 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         .tcp_nodelay(true)
         .build()?;
     eprintln!(
-        "replaying {} sessions ({} warm-up), {} at a time per side, think {} ms, {} ms/token, {} reply words",
+        "replaying {} sessions ({} warm-up, think {} ms), {} at a time per side, think {} ms, {} ms/token, {} reply words",
         sessions.len(),
         a.warmup,
+        a.warmup_think_ms.unwrap_or(a.think_ms),
         a.concurrency,
         a.think_ms,
         a.token_delay_ms,
@@ -237,7 +261,7 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         r.await??;
     }
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
-    report(&a, &sides)
+    report(&a, &sides, &intent_of)
 }
 
 /// Plays every session on one side, `concurrency` at a time, in file order.
@@ -304,7 +328,12 @@ async fn play_session(
     let mut messages: Vec<Value> = Vec::new();
     for (depth, turn) in session.turns.iter().enumerate() {
         if depth > 0 {
-            let pause = a.think_ms as f64 * (0.5 + unit(a.seed, index, depth));
+            let mean = if measured {
+                a.think_ms
+            } else {
+                a.warmup_think_ms.unwrap_or(a.think_ms)
+            };
+            let pause = mean as f64 * (0.5 + unit(a.seed, index, depth));
             tokio::time::sleep(Duration::from_secs_f64(pause / 1000.0)).await;
         }
         messages.push(json!({"role": "user", "content": turn.text}));
@@ -492,7 +521,33 @@ fn ms(x: f64) -> String {
     format!("{:7.1} ms", x * 1000.0)
 }
 
-fn report(a: &ReplayArgs, sides: &[Arc<Side>]) -> anyhow::Result<()> {
+/// How the prefetch side's question clusters split by intent: clusters, wordings clustered,
+/// and clusters whose wordings belong to more than one intent (each such wording can be
+/// served another intent's prefetched answer).
+fn cluster_purity(
+    side: &Side,
+    intent_of: &HashMap<String, String>,
+) -> Option<(usize, usize, usize)> {
+    let p = side.state.prefetch.as_ref()?;
+    let clusters = p.clusters(crate::pipeline::DEFAULT_NAMESPACE);
+    let wordings = clusters.iter().map(Vec::len).sum();
+    let mixed = clusters
+        .iter()
+        .filter(|c| {
+            let mut intents: Vec<&String> = c.iter().filter_map(|w| intent_of.get(w)).collect();
+            intents.sort();
+            intents.dedup();
+            intents.len() > 1
+        })
+        .count();
+    Some((clusters.len(), wordings, mixed))
+}
+
+fn report(
+    a: &ReplayArgs,
+    sides: &[Arc<Side>],
+    intent_of: &HashMap<String, String>,
+) -> anyhow::Result<()> {
     let sums: Vec<Summary> = sides.iter().map(|s| summarise(s)).collect();
     println!("== reprise bench replay ==");
     println!(
@@ -553,6 +608,9 @@ fn report(a: &ReplayArgs, sides: &[Arc<Side>]) -> anyhow::Result<()> {
                 "prefetch (whole run): {} generated, {} used, {:.1} backend s, {} tokens, {} observations dropped",
                 w.completed, w.hits, w.backend_seconds, w.tokens, w.observations_dropped
             );
+            if let Some((n, words, mixed)) = cluster_purity(side, intent_of) {
+                println!("question clusters: {n} holding {words} wordings; {mixed} mix intents");
+            }
         }
     }
     let (off, on) = (&sums[0], &sums[1]);

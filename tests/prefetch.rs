@@ -551,3 +551,67 @@ async fn llama_backend_prefetches_a_follow_up() {
     let (status, _) = ask("again", Y_PARAPHRASE).await;
     assert_eq!(status, "exact");
 }
+
+/// Other wordings of `Y`'s question, and a look-alike question that needs another answer.
+const Y_SO: &str = "How do I reset my password?";
+const Y_OTHER: &str = "Where do I go to reset my password?";
+const Z_LOOKALIKE: &str = "I didn't get the password reset email.";
+
+#[tokio::test]
+async fn a_follow_up_in_another_known_wording_is_served_from_the_prefetch() {
+    let mut config = prefetch_config(true);
+    // The semantic tier matches no paraphrase here: a hit can only come from the prefetch
+    // and the aliases of its cluster's wordings.
+    config.semantic.threshold = 0.99;
+    // The look-alike, seen once after X, stays below the bar and is not prefetched itself.
+    config.prefetch.min_probability = 0.3;
+    let (app, probe) = spawn_probe(config, ScriptConfig::default()).await;
+    let x_answer = format!("You asked: {X}");
+    let turn = |system: &str, q: &str| {
+        convo(&[
+            ("system", system),
+            ("user", X),
+            ("assistant", &x_answer),
+            ("user", q),
+        ])
+    };
+    // X, then Y in its most used wording twice, in another wording once; the look-alike once.
+    for q in [Y_SO, Y_SO, Y_OTHER, Z_LOOKALIKE] {
+        app.chat(&convo(&[("system", "You are terse."), ("user", X)]), &[])
+            .await;
+        let r = app.chat(&turn("You are terse.", q), &[]).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(content(r).await, format!("You asked: {q}"));
+    }
+    assert!(eventually(WAIT, || stats(&app).links >= 4).await);
+    let clusters = app.state.prefetch.as_ref().unwrap().clusters("default");
+    let y_cluster = clusters
+        .iter()
+        .find(|c| c.iter().any(|w| w == Y_SO))
+        .unwrap();
+    assert!(y_cluster.iter().any(|w| w == Y_OTHER), "{clusters:?}");
+    assert!(!y_cluster.iter().any(|w| w == Z_LOOKALIKE), "{clusters:?}");
+
+    // New contexts reach X: Y is prefetched in its most used wording.
+    for system in ["You are kind.", "You are brief."] {
+        let r = app
+            .chat(&convo(&[("system", system), ("user", X)]), &[])
+            .await;
+        assert_eq!(cache_status(&r), "miss");
+    }
+    assert!(
+        eventually(WAIT, || stats(&app).completed >= 2).await,
+        "{:?}",
+        stats(&app)
+    );
+    let calls = probe.inner.calls();
+    // Asked in the other wording: served from the prefetched answer, no backend call.
+    let r = app.chat(&turn("You are kind.", Y_OTHER), &[]).await;
+    assert_eq!(cache_status(&r), "prefetch");
+    assert_eq!(content(r).await, format!("You asked: {Y_SO}"));
+    assert_eq!(probe.inner.calls(), calls, "no backend call for the hit");
+    // The look-alike of another question is not served that answer.
+    let r = app.chat(&turn("You are brief.", Z_LOOKALIKE), &[]).await;
+    assert_ne!(cache_status(&r), "prefetch");
+    assert_eq!(content(r).await, format!("You asked: {Z_LOOKALIKE}"));
+}

@@ -102,6 +102,10 @@ struct Cluster {
     touched_ms: u64,
 }
 
+/// Whether prompt `a` (with its embedding) may be counted as the same question as a
+/// cluster's representative `b`.
+type JoinRule<'a> = dyn Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool + 'a;
+
 /// One namespace's nodes and clusters, and how its follow-ups arrive (multi-turn history or
 /// single-turn prompts linked by a session id).
 #[derive(Debug, Default)]
@@ -122,7 +126,7 @@ impl Namespace {
         prompt: &str,
         embedding: Option<&Arc<[f32]>>,
         now_ms: u64,
-        join: &dyn Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool,
+        join: &JoinRule<'_>,
     ) -> u64 {
         let emb = embedding.map(|e| &e[..]);
         let mut best: Option<(f32, u64)> = None;
@@ -137,7 +141,7 @@ impl Namespace {
             } else {
                 continue;
             };
-            if best.map_or(true, |(s, _)| score > s) {
+            if best.is_none_or(|(s, _)| score > s) {
                 best = Some((score, *id));
             }
         }
@@ -166,12 +170,7 @@ impl Namespace {
     }
 
     /// The live cluster of a node, assigning one when it has none (or it was forgotten).
-    fn cluster_of(
-        &mut self,
-        id: EntryId,
-        now_ms: u64,
-        join: &dyn Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool,
-    ) -> Option<u64> {
+    fn cluster_of(&mut self, id: EntryId, now_ms: u64, join: &JoinRule) -> Option<u64> {
         let node = self.nodes.get(&id)?;
         if let Some(c) = node.cluster.filter(|c| self.clusters.contains_key(c)) {
             return Some(c);
@@ -388,7 +387,7 @@ impl Model {
         let own_cluster = live(node.cluster);
         // Counts by follow-up cluster, with the entry that carried the most of each.
         let mut counts: HashMap<u64, (f64, EntryId, f64)> = HashMap::new();
-        let mut add_nodes = |sources: &[&Node], counts: &mut HashMap<u64, (f64, EntryId, f64)>| {
+        let add_nodes = |sources: &[&Node], counts: &mut HashMap<u64, (f64, EntryId, f64)>| {
             for src in sources {
                 for (target, count) in &src.next {
                     if *target == id {
@@ -895,7 +894,7 @@ mod tests {
         let mut m = Model::new(3600.0);
         // Three wordings of "open" and of "save", each its own entry (as per context and
         // wording); no entry is seen twice, but the clusters are.
-        let opens = ["open a file?", "open files how", "open: where?"];
+        let opens = ["open a file?", "open files how", "open where?"];
         let saves = ["save it how?", "save the file?", "save now?"];
         for i in 0..3u128 {
             let (o, s) = (EntryId(10 + i), EntryId(20 + i));
