@@ -28,7 +28,7 @@ use reprise_backend::{Backend, BackendError, GenRequest, GenStream, Priority};
 use reprise_cache::redis::{RedisConfig, RedisTier};
 use reprise_cache::testing::RedisServer;
 use reprise_cache::{EntryId, Origin};
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// Generous bound for anything that happens in the background.
 const WAIT: Duration = Duration::from_secs(30);
@@ -131,22 +131,6 @@ async fn spawn_probe(config: Config, script: ScriptConfig) -> (TestApp, Probe) {
 
 fn stats(app: &TestApp) -> PrefetchStats {
     app.state.prefetch.as_ref().expect("prefetch on").stats()
-}
-
-async fn content(r: reqwest::Response) -> String {
-    let j: Value = r.json().await.unwrap();
-    j["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
-fn convo(msgs: &[(&str, &str)]) -> Value {
-    let m: Vec<Value> = msgs
-        .iter()
-        .map(|(r, c)| json!({"role": r, "content": c}))
-        .collect();
-    json!({"model": "fake", "messages": m})
 }
 
 /// One single-turn prompt of a session; returns the cache outcome.

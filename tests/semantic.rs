@@ -15,22 +15,6 @@ fn semantic_config() -> Config {
     c
 }
 
-async fn content(r: reqwest::Response) -> String {
-    let j: Value = r.json().await.unwrap();
-    j["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
-fn convo(msgs: &[(&str, &str)]) -> Value {
-    let m: Vec<Value> = msgs
-        .iter()
-        .map(|(r, c)| json!({"role": r, "content": c}))
-        .collect();
-    json!({"model": "fake", "messages": m})
-}
-
 #[tokio::test]
 async fn paraphrase_is_a_semantic_hit_without_a_backend_call() {
     let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;

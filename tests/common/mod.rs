@@ -201,3 +201,21 @@ pub async fn poll_status(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// The assistant text of a chat completion body.
+pub async fn content(r: reqwest::Response) -> String {
+    let j: Value = r.json().await.unwrap();
+    j["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// A chat body for model `fake` from (role, content) pairs.
+pub fn convo(msgs: &[(&str, &str)]) -> Value {
+    let m: Vec<Value> = msgs
+        .iter()
+        .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+        .collect();
+    serde_json::json!({"model": "fake", "messages": m})
+}
