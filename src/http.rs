@@ -95,7 +95,11 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .ok_or(ApiError::Unauthorized)?;
-    if given.as_bytes() == expected.as_bytes() {
+    // Constant-time: the comparison must not tell an attacker how much of a guess was right.
+    if bool::from(subtle::ConstantTimeEq::ct_eq(
+        given.as_bytes(),
+        expected.as_bytes(),
+    )) {
         Ok(())
     } else {
         Err(ApiError::Unauthorized)

@@ -169,6 +169,27 @@ async fn chat_miss_then_exact_hit_without_the_engine() {
         "a hit must not reach the engine"
     );
     assert_eq!(engine.stats().generated_tokens, completion_tokens);
+    // The engine's metrics reach /metrics (the recorder is process-wide: names, not values).
+    let text = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "reprise_backend_prompt_tokens_total",
+        "reprise_backend_generated_tokens_total",
+        "reprise_backend_queue_length{class=\"interactive\"}",
+        "reprise_backend_queue_wait_seconds_bucket{class=\"interactive\"",
+        "reprise_backend_batch_occupancy_bucket",
+        "reprise_backend_time_to_first_token_seconds_bucket",
+        "reprise_backend_tokens_per_second_bucket",
+    ] {
+        assert!(text.contains(name), "missing {name}");
+    }
 }
 
 #[tokio::test]
