@@ -833,6 +833,12 @@ pub async fn lookup(
                 }
                 continue;
             }
+            if substituted_meaning(sem, cfg.substitution_threshold, &query, &entry.prompt).await {
+                if trace.record.gate.is_none() {
+                    trace.record.gate = Some("substitution");
+                }
+                continue;
+            }
         }
         trace.record.gate = Some("pass");
         trace.record.similarity = Some(c.similarity);
@@ -848,6 +854,27 @@ pub async fn lookup(
         state.metrics.lookup(Tier::Semantic, found.hit.is_some());
     }
     found
+}
+
+/// Whether the two prompts differ by substituted words whose meanings are far apart
+/// ("home" vs "car" insurance), judged by the embedder; `threshold` 0 turns the check off.
+async fn substituted_meaning(
+    sem: &crate::state::Semantic,
+    threshold: f32,
+    query: &str,
+    candidate: &str,
+) -> bool {
+    if threshold <= 0.0 {
+        return false;
+    }
+    let Some((a, b)) = reprise_policies::gate::substitution(query, candidate) else {
+        return false;
+    };
+    match sem.embedder.embed_many(&[a, b]).await {
+        Ok(v) => reprise_embedder::cosine(&v[0], &v[1]) < threshold,
+        // Cannot tell: the candidate already passed the threshold and the gate.
+        Err(_) => false,
+    }
 }
 
 /// A prefetched entry says so on its first use; after that it is a normal entry.

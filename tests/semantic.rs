@@ -435,3 +435,24 @@ async fn snapshot_keeps_exact_and_semantic_hits_across_a_restart() {
     let loaded = reprise::snapshot::load(&app3.state, &path).await.unwrap();
     assert_eq!(loaded.entries, 0);
 }
+
+#[tokio::test]
+async fn substituted_words_far_apart_in_meaning_are_not_served() {
+    let mut config = semantic_config();
+    config.semantic.substitution_threshold = 0.6;
+    config.semantic.threshold = 0.8;
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    app.chat(&chat_body("What does my home insurance cover?"), &[])
+        .await;
+    let r = app
+        .chat(&chat_body("What does my car insurance cover?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss", "home vs car insurance");
+    app.chat(&chat_body("Which shop sells stamps?"), &[]).await;
+    let r = app.chat(&chat_body("Which store sells stamps?"), &[]).await;
+    assert_eq!(
+        cache_status(&r),
+        "semantic",
+        "shop vs store is the same question"
+    );
+}
