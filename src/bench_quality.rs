@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::Args;
+use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::{json, Value};
 
@@ -162,8 +163,6 @@ async fn ask_all(
     .await;
     results
 }
-
-use futures::StreamExt;
 
 /// Stores every A, asks every B; returns the answers in pair order.
 async fn cache_view(
