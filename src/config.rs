@@ -282,7 +282,7 @@ pub struct LogConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file is missing, not TOML, has an unknown key or a value of the wrong type.
-    #[error("{0}")]
+    #[error(transparent)]
     Parse(#[from] Box<figment::Error>),
     /// A value parsed but makes no sense.
     #[error("invalid config value for `{key}`: {reason}")]

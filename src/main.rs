@@ -31,7 +31,18 @@ enum Command {
     Bench(reprise::bench::BenchArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line with the cause chain; no backtrace for configuration and start-up errors.
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             // llama.cpp's and hnsw_rs's own logs are very chatty at info: warnings only unless

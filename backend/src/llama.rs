@@ -202,11 +202,11 @@ pub enum LoadError {
     #[error("invalid llama backend configuration: {0}")]
     InvalidConfig(String),
     /// The model file cannot be opened or read.
-    #[error("cannot read model file {}: {source}", path.display())]
+    #[error("cannot read model file {}", path.display())]
     Unreadable {
         /// The configured model path.
         path: PathBuf,
-        /// The I/O error.
+        /// The I/O error (the error's source, so `{:#}` chains show it once).
         source: std::io::Error,
     },
     /// The file is not a model llama.cpp can load.
