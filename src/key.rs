@@ -163,8 +163,8 @@ pub struct Conversation<'a> {
     pub turns: Vec<(Vec<&'a ChatMessage>, &'a ChatMessage)>,
     /// Messages after the last answer and before the query (e.g. a second user message).
     pub pending: Vec<&'a ChatMessage>,
-    /// The text matched by meaning: the last message, which must be from the user.
-    pub query: &'a str,
+    /// The last message, from the user: its content is the text matched by meaning.
+    pub last: &'a ChatMessage,
 }
 
 /// Splits a chat for semantic matching; `None` when the last message is not a user message
@@ -193,7 +193,7 @@ pub fn split_conversation(msgs: &[ChatMessage]) -> Option<Conversation<'_>> {
         preamble,
         turns,
         pending: cur,
-        query: &last.content,
+        last,
     })
 }
 
@@ -311,7 +311,7 @@ mod tests {
         let c = split_conversation(msgs).unwrap();
         assert_eq!(c.preamble.len(), 1);
         assert_eq!(c.turns.len(), 1);
-        assert_eq!(c.query, "how old is she?");
+        assert_eq!(c.last.content, "how old is she?");
         assert!(split_conversation(&msgs[..3]).is_none());
     }
 }

@@ -649,12 +649,8 @@ async fn resolve_context(
         }
         ctx = h.finish();
     }
-    let last = ChatMessage {
-        role: "user".into(),
-        content: conv.query.to_string(),
-    };
     let mut query_msgs = conv.pending.clone();
-    query_msgs.push(&last);
+    query_msgs.push(conv.last);
     let query = key::messages_digest("query", &query_msgs);
     let mut h = KeyHasher::new("ctx-pending");
     h.digest(&ctx);
@@ -749,7 +745,7 @@ pub async fn lookup(
                 let ctx = resolve_context(state, namespace, &req.model, &conv).await;
                 found.plan.turn = Some((ctx.turn, ctx.query));
                 found.prev_entry = ctx.prev_entry;
-                (Some(conv.query.to_string()), ctx.partition)
+                (Some(conv.last.content.clone()), ctx.partition)
             }
             None => (None, [0; 32]),
         },
