@@ -255,6 +255,7 @@ pub async fn build_backend(config: &Config) -> anyhow::Result<Arc<dyn Backend>> 
         BackendKind::Fake => Arc::new(ScriptedBackend::new(ScriptConfig {
             model: b.model_name.clone().unwrap_or_else(|| "fake".into()),
             reply: b.fake_reply.clone(),
+            rules: Vec::new(),
             first_token_delay: Duration::ZERO,
             token_delay: Duration::from_millis(b.fake_token_delay_ms),
             default_max_tokens: b.default_max_tokens,

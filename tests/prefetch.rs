@@ -599,3 +599,171 @@ async fn a_follow_up_in_another_known_wording_is_served_from_the_prefetch() {
     assert_ne!(cache_status(&r), "prefetch");
     assert_eq!(content(r).await, format!("You asked: {Z_LOOKALIKE}"));
 }
+
+/// A phrase of every proposal request (its instructions), for the scripted backend's rule.
+const PROPOSAL_MARK: &str = "most likely to ask next";
+
+#[tokio::test]
+async fn the_model_proposes_follow_ups_that_traffic_has_not_shown() {
+    let mut config = prefetch_config(false);
+    config.prefetch.propose = true;
+    let other = "How do I delete my account?";
+    let script = ScriptConfig {
+        rules: vec![(
+            PROPOSAL_MARK.into(),
+            format!("Here are the questions:\n1. {Y}\n2. {other}\n3. Can I pay by card?"),
+        )],
+        ..ScriptConfig::default()
+    };
+    let (app, probe) = spawn_probe(config, script).await;
+    let answer = format!("You asked: {X}");
+    // Nothing was learned yet: only the model can guess what comes after X.
+    let r = app.chat(&convo(&[("user", X)]), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert!(
+        eventually(WAIT, || {
+            let s = stats(&app);
+            s.proposed == 2 && s.completed + s.skipped + s.cancelled >= s.queued
+        })
+        .await,
+        "{:?}",
+        stats(&app)
+    );
+    // One proposal, at background priority, quoting the conversation.
+    let proposals: Vec<GenRequest> = probe
+        .inner
+        .requests()
+        .into_iter()
+        .filter(|r| format!("{:?}", r.input).contains(PROPOSAL_MARK))
+        .collect();
+    assert_eq!(proposals.len(), 1);
+    assert_eq!(proposals[0].priority, Priority::Background);
+    assert!(format!("{:?}", proposals[0].input).contains(&answer));
+    // Its first two questions were prefetched in the conversation's context (the third is
+    // beyond `propose_questions`).
+    for q in [Y, other] {
+        let r = app
+            .chat(
+                &convo(&[("user", X), ("assistant", &answer), ("user", q)]),
+                &[],
+            )
+            .await;
+        assert_eq!(cache_status(&r), "prefetch", "{q}");
+        assert_eq!(content(r).await, format!("You asked: {q}"));
+    }
+    let r = app
+        .chat(
+            &convo(&[
+                ("user", X),
+                ("assistant", &answer),
+                ("user", "Can I pay by card?"),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    // Every new answer gets its proposal, once: the same answer again asks nothing more.
+    let proposals = || {
+        probe
+            .inner
+            .requests()
+            .into_iter()
+            .filter(|r| format!("{:?}", r.input).contains(PROPOSAL_MARK))
+            .count()
+    };
+    assert!(
+        eventually(WAIT, || {
+            let s = stats(&app);
+            s.active == 0 && s.waiting == 0 && proposals() == 4
+        })
+        .await,
+        "{:?} after {} proposals",
+        stats(&app),
+        proposals()
+    );
+    let r = app.chat(&convo(&[("user", X)]), &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(proposals(), 4);
+}
+
+#[tokio::test]
+async fn proposals_are_off_by_default() {
+    let script = ScriptConfig {
+        rules: vec![(PROPOSAL_MARK.into(), Y.to_string())],
+        ..ScriptConfig::default()
+    };
+    let (app, probe) = spawn_probe(prefetch_config(false), script).await;
+    let r = app.chat(&convo(&[("user", X)]), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert!(eventually(WAIT, || stats(&app).observations >= 1).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(probe.inner.calls(), 1, "only the answer itself");
+    assert_eq!(stats(&app).proposed, 0);
+}
+
+#[tokio::test]
+async fn llama_backend_proposes_follow_ups() {
+    let mut config = prefetch_config(true);
+    config.prefetch.propose = true;
+    config.backend.kind = BackendKind::Llama;
+    config.backend.model = models_dir().join(MODEL_FILE);
+    config.backend.n_ctx = 2048;
+    config.backend.n_threads = 1;
+    config.backend.parallel = 2;
+    let b = &config.backend;
+    assert!(b.model.is_file(), "run scripts/fetch-models.sh");
+    let cfg = LlamaConfig {
+        model: b.model.clone(),
+        n_ctx: b.n_ctx,
+        n_threads: b.n_threads,
+        parallel: b.parallel,
+        max_queue: 16,
+        default_max_tokens: 16,
+        ..LlamaConfig::default()
+    };
+    let engine = Arc::new(
+        tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
+            .await
+            .unwrap()
+            .expect("model loads"),
+    );
+    let app = spawn_app(config, engine.clone()).await;
+    let question = "How do I reset my password?";
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": question}],
+                      "max_tokens": 16, "temperature": 0});
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+    let answer = content(r).await;
+    // The model proposes follow-ups; each is generated by the engine in the background.
+    assert!(
+        eventually(Duration::from_secs(120), || {
+            let s = stats(&app);
+            s.proposed >= 1 && s.completed + s.skipped + s.cancelled >= s.queued
+        })
+        .await,
+        "{:?}",
+        stats(&app)
+    );
+    let prefetched: Vec<String> = app
+        .state
+        .memory
+        .iter_entries()
+        .into_iter()
+        .filter(|e| e.origin == Origin::Prefetch)
+        .map(|e| e.prompt.clone())
+        .filter(|p| !p.is_empty())
+        .collect();
+    assert!(!prefetched.is_empty(), "{:?}", stats(&app));
+    // The user asks what the model proposed, with the history: answered from the prefetch.
+    let next = &prefetched[0];
+    let body = json!({"model": MODEL, "messages": [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": next}],
+        "max_tokens": 16, "temperature": 0});
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "prefetch", "{next}");
+}

@@ -31,6 +31,9 @@ pub struct ScriptConfig {
     pub model: String,
     /// Reply template; `{prompt}` is replaced by the last user message or the raw prompt.
     pub reply: String,
+    /// Replies for particular requests: the first rule whose needle occurs in any message
+    /// (or the raw prompt) gives the template instead of `reply`.
+    pub rules: Vec<(String, String)>,
     /// Delay before the first chunk.
     pub first_token_delay: Duration,
     /// Delay between chunks.
@@ -44,6 +47,7 @@ impl Default for ScriptConfig {
         ScriptConfig {
             model: "fake".into(),
             reply: "You asked: {prompt}".into(),
+            rules: Vec::new(),
             first_token_delay: Duration::ZERO,
             token_delay: Duration::ZERO,
             default_max_tokens: 256,
@@ -176,7 +180,16 @@ impl Backend for ScriptedBackend {
             Input::Prompt(p) => pieces(p).len(),
             Input::Chat(msgs) => msgs.iter().map(|m| pieces(&m.content).len()).sum(),
         } as u32;
-        let mut text = cfg.reply.replace("{prompt}", &prompt);
+        let mentions = |needle: &str| match &req.input {
+            Input::Prompt(p) => p.contains(needle),
+            Input::Chat(msgs) => msgs.iter().any(|m| m.content.contains(needle)),
+        };
+        let template = cfg
+            .rules
+            .iter()
+            .find(|(needle, _)| mentions(needle))
+            .map_or(&cfg.reply, |(_, t)| t);
+        let mut text = template.replace("{prompt}", &prompt);
         let mut reason = FinishReason::Stop;
         if let Some(pos) = req
             .params

@@ -47,9 +47,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use metrics::{describe_counter, describe_gauge, Counter, Gauge, Unit};
 use parking_lot::Mutex;
-use reprise_backend::{ChatMessage, GenRequest, Input};
+use reprise_backend::{
+    BackendError, ChatMessage, GenEvent, GenRequest, Input, Priority, SamplingParams, Usage,
+};
 use reprise_cache::redis::{RedisError, RedisTier};
 use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
 use serde::Deserialize;
@@ -58,7 +61,7 @@ use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use crate::openai::Endpoint;
 use crate::pipeline::{generate_in_background, Background};
 use crate::state::AppState;
-use model::{Model, PredictParams, Snapshot};
+use model::{Model, PredictParams, RegroupParams, Snapshot};
 
 /// Observations waiting for the worker; beyond this they are dropped (learning is best
 /// effort, the request path never waits).
@@ -78,6 +81,8 @@ const POLL: Duration = Duration::from_millis(10);
 const IDLE_TICK: Duration = Duration::from_millis(100);
 /// How often hot entries are checked for refresh and prefetched entries for waste.
 const SCAN_EVERY: Duration = Duration::from_millis(250);
+/// How often clusters are regrouped by use (when links were learned since).
+const REGROUP_EVERY: Duration = Duration::from_secs(2);
 /// How often the counts are saved to Redis (when they changed).
 const PERSIST_EVERY: Duration = Duration::from_secs(30);
 /// The window of the token and backend-share budgets.
@@ -118,9 +123,31 @@ pub struct PrefetchConfig {
     /// tier would not serve for each other still share their follow-up counts, and a
     /// prefetched answer is made reachable for the cluster's observed wordings.
     pub cluster_threshold: f32,
+    /// Also ask the model itself for likely follow-ups of an answer that traffic predicts
+    /// fewer than `max_predictions` follow-ups for (one background prompt per answer, its
+    /// questions then prefetched like the others). Off by default: it spends a generation on
+    /// every new answer, and the model's guesses are less often asked than observed ones.
+    pub propose: bool,
+    /// Most follow-up questions taken from one proposal.
+    pub propose_questions: usize,
     /// Most observed wordings of a predicted follow-up (besides the one generated) whose
     /// requests, in the same context, are pointed at the prefetched answer; 0 points none.
     pub max_wordings: usize,
+    /// Also merge clusters that are one question by how they are used: wordings asked in
+    /// the same places of conversations and followed by the same questions, although their
+    /// embeddings are too far apart for `cluster_threshold` (see `regroup_score`).
+    pub regroup: bool,
+    /// Lowest score of such a merge: cosine of the two questions plus cosine of what
+    /// follows each plus cosine of what precedes each (each a count-weighted mean of the
+    /// neighbouring questions' embeddings with the share of conversations that end or
+    /// start there), at most 3.
+    pub regroup_score: f32,
+    /// Lowest cosine of two questions merged by `regroup` (questions that share nothing are
+    /// never merged, however alike their neighbours).
+    pub regroup_min_cosine: f32,
+    /// Lowest (decayed) number of times each of two clusters was served before they may be
+    /// merged by `regroup`.
+    pub regroup_min_seen: f64,
     /// Half-life of the learned counts in seconds: old habits fade.
     pub half_life_secs: f64,
     /// Background generations (prefetch and refresh) running at once.
@@ -146,7 +173,13 @@ impl Default for PrefetchConfig {
             min_observations: 2.0,
             similar_threshold: 0.8,
             cluster_threshold: 0.8,
+            propose: false,
+            propose_questions: 2,
             max_wordings: 8,
+            regroup: true,
+            regroup_score: 2.35,
+            regroup_min_cosine: 0.4,
+            regroup_min_seen: 3.0,
             half_life_secs: 3600.0,
             max_concurrent: 1,
             max_tokens_per_minute: 20_000,
@@ -177,6 +210,19 @@ impl PrefetchConfig {
                 "must be between 0 and 1".into(),
             ));
         }
+        if !(self.regroup_score.is_finite() && (-3.0..=3.0).contains(&self.regroup_score)) {
+            return Err(("prefetch.regroup_score", "must be between -3 and 3".into()));
+        }
+        if !(self.regroup_min_cosine.is_finite() && (-1.0..=1.0).contains(&self.regroup_min_cosine))
+        {
+            return Err((
+                "prefetch.regroup_min_cosine",
+                "must be between -1 and 1".into(),
+            ));
+        }
+        if !(self.regroup_min_seen.is_finite() && self.regroup_min_seen >= 0.0) {
+            return Err(("prefetch.regroup_min_seen", "must not be negative".into()));
+        }
         if !unit(self.max_backend_share) {
             return Err((
                 "prefetch.max_backend_share",
@@ -188,6 +234,12 @@ impl PrefetchConfig {
         }
         if !(self.half_life_secs.is_finite() && self.half_life_secs > 0.0) {
             return Err(("prefetch.half_life_secs", "must be positive".into()));
+        }
+        if self.propose && self.propose_questions == 0 {
+            return Err((
+                "prefetch.propose_questions",
+                "must be at least 1 when prefetch.propose is on".into(),
+            ));
         }
         if self.max_concurrent == 0 {
             return Err(("prefetch.max_concurrent", "must be at least 1".into()));
@@ -230,6 +282,10 @@ pub struct PrefetchStats {
     pub links: u64,
     /// Follow-ups predicted.
     pub predictions: u64,
+    /// Question clusters merged by how they are used (`regroup`).
+    pub merges: u64,
+    /// Follow-up questions proposed by the model (`propose`).
+    pub proposed: u64,
     /// Jobs queued (prefetch and refresh).
     pub queued: u64,
     /// Jobs started.
@@ -270,6 +326,14 @@ pub fn describe_metrics() {
     );
     describe_counter!("reprise_prefetch_started_total", "Background jobs started.");
     describe_counter!(
+        "reprise_prefetch_proposed_total",
+        "Follow-up questions proposed by the model itself (prefetch.propose)."
+    );
+    describe_counter!(
+        "reprise_prefetch_cluster_merges_total",
+        "Question clusters merged because they are used alike (prefetch.regroup)."
+    );
+    describe_counter!(
         "reprise_prefetch_completed_total",
         "Background jobs that generated and stored an entry."
     );
@@ -304,6 +368,8 @@ pub fn describe_metrics() {
 /// Metric handles.
 struct Handles {
     predictions: Counter,
+    merges: Counter,
+    proposed: Counter,
     queued: Counter,
     started: Counter,
     completed: Counter,
@@ -319,6 +385,8 @@ impl Handles {
     fn new() -> Self {
         Handles {
             predictions: metrics::counter!("reprise_prefetch_predictions_total"),
+            merges: metrics::counter!("reprise_prefetch_cluster_merges_total"),
+            proposed: metrics::counter!("reprise_prefetch_proposed_total"),
             queued: metrics::counter!("reprise_prefetch_queued_total"),
             started: metrics::counter!("reprise_prefetch_started_total"),
             completed: metrics::counter!("reprise_prefetch_completed_total"),
@@ -339,6 +407,8 @@ struct Counts {
     observations_dropped: AtomicU64,
     links: AtomicU64,
     predictions: AtomicU64,
+    merges: AtomicU64,
+    proposed: AtomicU64,
     queued: AtomicU64,
     started: AtomicU64,
     completed: AtomicU64,
@@ -358,12 +428,26 @@ fn bump(c: &AtomicU64, n: u64) {
 }
 
 /// What a job does.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum JobKind {
     /// Generate a predicted follow-up.
     Prefetch,
     /// Regenerate this entry before it expires.
     Refresh(EntryId),
+    /// Ask the model for likely follow-ups of `answer` (the job's request is that question
+    /// to the model; the follow-ups are built from `asked`) and queue them as prefetches.
+    Propose(Box<Proposal>),
+}
+
+/// What a proposal job needs to turn the model's questions into prefetch jobs.
+#[derive(Debug, Clone)]
+struct Proposal {
+    /// The request that was answered.
+    asked: GenRequest,
+    /// Its answer.
+    answer: String,
+    /// Whether the follow-up carries the history.
+    multi: bool,
 }
 
 /// One background generation waiting for the backend.
@@ -448,6 +532,8 @@ struct Shared {
     model: Mutex<Model>,
     sessions: moka::sync::Cache<(String, String), SessionLast>,
     hot: moka::sync::Cache<EntryId, Arc<Hot>>,
+    /// Entries the model was already asked to propose follow-ups for.
+    proposed_for: moka::sync::Cache<EntryId, ()>,
     queue: Mutex<VecDeque<Job>>,
     /// Exact keys queued or running.
     pending: Mutex<HashSet<Digest>>,
@@ -480,6 +566,7 @@ impl Prefetcher {
                 .time_to_idle(SESSION_IDLE)
                 .build(),
             hot: moka::sync::Cache::builder().max_capacity(MAX_HOT).build(),
+            proposed_for: moka::sync::Cache::builder().max_capacity(MAX_HOT).build(),
             queue: Mutex::new(VecDeque::new()),
             pending: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashMap::new()),
@@ -532,6 +619,8 @@ impl Prefetcher {
             observations_dropped: l(&c.observations_dropped),
             links: l(&c.links),
             predictions: l(&c.predictions),
+            merges: l(&c.merges),
+            proposed: l(&c.proposed),
             queued: l(&c.queued),
             started: l(&c.started),
             completed: l(&c.completed),
@@ -617,6 +706,27 @@ impl Shared {
         }
     }
 
+    /// Merges the clusters that are one question by use (`regroup`); returns the merges.
+    fn regroup(&self) -> usize {
+        let p = RegroupParams {
+            min_score: self.cfg.regroup_score,
+            min_cosine: self.cfg.regroup_min_cosine,
+            min_seen: self.cfg.regroup_min_seen,
+        };
+        // The gate vets every merge, as it vets every join: a cluster's wordings may be
+        // served one another's prefetched answer.
+        let merged = self
+            .model
+            .lock()
+            .regroup(&p, now_ms(), |a, b| reprise_policies::gate(a, b).is_pass());
+        if merged > 0 {
+            bump(&self.counts.merges, merged as u64);
+            self.handles.merges.increment(merged as u64);
+            tracing::debug!(merged, "prefetch: clusters regrouped by use");
+        }
+        merged
+    }
+
     /// Learns from one observation and queues the follow-ups it predicts.
     fn learn(&self, obs: Observation) {
         let now = now_ms();
@@ -682,9 +792,6 @@ impl Shared {
         let Some((predictions, style)) = predictions else {
             return;
         };
-        if predictions.is_empty() {
-            return;
-        }
         bump(&self.counts.predictions, predictions.len() as u64);
         self.handles.predictions.increment(predictions.len() as u64);
         // How the next turn will arrive: with its history when the request already carries
@@ -696,6 +803,11 @@ impl Shared {
             Input::Chat(_) if multi => true,
             Input::Chat(_) => style.unwrap_or(obs.session.is_none()),
         };
+        // Queued first, so that the observed follow-ups (queued next, newest first) run
+        // before the model's guesses.
+        if self.cfg.propose && predictions.len() < self.cfg.max_predictions {
+            self.queue_proposal(&obs, multi);
+        }
         // Highest probability first: queued in reverse so the best ends up at the front.
         for p in predictions.iter().rev() {
             let Some(request) = follow_up(&obs.request, &entry.text, &p.prompt, multi) else {
@@ -720,6 +832,70 @@ impl Shared {
                 queued_at: Instant::now(),
             });
         }
+    }
+
+    /// Queues one question to the model for the likely follow-ups of `obs`'s answer (once
+    /// per answer).
+    fn queue_proposal(&self, obs: &Observation, multi: bool) {
+        let id = obs.entry.id;
+        if self.proposed_for.contains_key(&id) {
+            return;
+        }
+        self.proposed_for.insert(id, ());
+        let request = proposal_request(&obs.request, &obs.entry.text, self.cfg.propose_questions);
+        let key = crate::key::exact_key(&obs.namespace, obs.endpoint, &request);
+        self.enqueue(Job {
+            kind: JobKind::Propose(Box::new(Proposal {
+                asked: obs.request.clone(),
+                answer: obs.entry.text.clone(),
+                multi,
+            })),
+            namespace: obs.namespace.clone(),
+            endpoint: obs.endpoint,
+            request,
+            key,
+            aliases: Vec::new(),
+            queued_at: Instant::now(),
+        });
+    }
+
+    /// Runs a proposal job: asks the model, queues its questions as prefetch jobs. Returns
+    /// whether the backend generated and the tokens it generated.
+    async fn propose(&self, state: &AppState, job: &Job, p: &Proposal) -> (bool, u64) {
+        let text = match ask_backend(state, job.request.clone()).await {
+            Ok((text, usage)) => (text, u64::from(usage.completion_tokens)),
+            Err(e) => {
+                tracing::debug!(error = %e, "prefetch: proposal failed");
+                bump(&self.counts.cancelled, 1);
+                self.handles.cancelled.increment(1);
+                return (true, 0);
+            }
+        };
+        let (text, tokens) = text;
+        bump(&self.counts.completed, 1);
+        self.handles.completed.increment(1);
+        let asked = last_user_text(&p.asked).unwrap_or_default();
+        let questions = parse_questions(&text, self.cfg.propose_questions, &asked);
+        bump(&self.counts.proposed, questions.len() as u64);
+        self.handles.proposed.increment(questions.len() as u64);
+        bump(&self.counts.predictions, questions.len() as u64);
+        self.handles.predictions.increment(questions.len() as u64);
+        for q in questions.iter().rev() {
+            let Some(request) = follow_up(&p.asked, &p.answer, q, p.multi) else {
+                continue;
+            };
+            let key = crate::key::exact_key(&job.namespace, job.endpoint, &request);
+            self.enqueue(Job {
+                kind: JobKind::Prefetch,
+                namespace: job.namespace.clone(),
+                endpoint: job.endpoint,
+                request,
+                key,
+                aliases: Vec::new(),
+                queued_at: Instant::now(),
+            });
+        }
+        (true, tokens)
     }
 
     /// Counts a hit for refresh-ahead, remembering the request that reaches the entry.
@@ -918,73 +1094,12 @@ async fn run_job(
     permit: OwnedSemaphorePermit,
 ) {
     let start = Instant::now();
-    let (origin, check_cache) = match job.kind {
-        JobKind::Prefetch => (Origin::Prefetch, true),
-        JobKind::Refresh(_) => (Origin::Refresh, false),
+    let (generated, tokens) = match &job.kind {
+        JobKind::Propose(p) => shared.propose(&state, &job, p).await,
+        JobKind::Prefetch | JobKind::Refresh(_) => generate_job(&shared, &state, &job).await,
     };
-    let result = generate_in_background(
-        &state,
-        &job.namespace,
-        job.endpoint,
-        job.request,
-        origin,
-        check_cache,
-    )
-    .await;
-    // The answer serves the follow-up in the cluster's other observed wordings too: their
-    // exact keys point at it. When the asked wording was already cached exactly, that entry
-    // is the answer (nothing was generated, the aliases cost nothing).
-    let answer = match &result {
-        Background::Generated { id, .. } => state.memory.get(*id).await,
-        Background::Cached => state.memory.get_by_key(&job.key).await,
-        Background::Failed(_) => None,
-    };
-    if let (JobKind::Prefetch, Some(entry)) = (job.kind, answer) {
-        alias_wordings(&state, &entry, &job.aliases).await;
-    }
     let end = Instant::now();
     let secs = end.duration_since(start).as_secs_f64();
-    let mut tokens = 0;
-    let generated = !matches!(result, Background::Cached);
-    match result {
-        Background::Cached => {
-            bump(&shared.counts.skipped, 1);
-        }
-        Background::Generated { id, usage } => {
-            tokens = u64::from(usage.completion_tokens);
-            bump(&shared.counts.completed, 1);
-            shared.handles.completed.increment(1);
-            match job.kind {
-                JobKind::Prefetch => {
-                    // Served already (its first use made it a live entry): nothing to track.
-                    if let Some(e) = state.memory.get(id).await {
-                        if e.origin == Origin::Prefetch {
-                            let mut map = shared.prefetched.lock();
-                            if map.len() < MAX_TRACKED {
-                                map.insert(id, e.expires_ms);
-                            }
-                        }
-                    }
-                }
-                JobKind::Refresh(old) => {
-                    bump(&shared.counts.refreshed, 1);
-                    shared.handles.refresh.increment(1);
-                    shared.hot.invalidate(&old);
-                    shared.model.lock().rename(&job.namespace, old, id);
-                }
-            }
-        }
-        Background::Failed(e) => {
-            tracing::debug!(error = %e, "prefetch: background generation failed");
-            if let JobKind::Refresh(old) = job.kind {
-                if let Some(h) = shared.hot.get(&old) {
-                    h.refreshing.store(false, Ordering::Relaxed);
-                }
-            }
-            bump(&shared.counts.cancelled, 1);
-            shared.handles.cancelled.increment(1);
-        }
-    }
     {
         let mut b = shared.budget.lock();
         b.running.remove(&n);
@@ -1003,6 +1118,207 @@ async fn run_job(
     shared.counts.active.fetch_sub(1, Ordering::Relaxed);
     drop(permit);
     shared.wake.notify_one();
+}
+
+/// Runs a prefetch or refresh job. Returns whether the backend generated (or tried to) and
+/// the tokens it generated.
+async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (bool, u64) {
+    let (origin, check_cache) = match job.kind {
+        JobKind::Refresh(_) => (Origin::Refresh, false),
+        _ => (Origin::Prefetch, true),
+    };
+    let result = generate_in_background(
+        state,
+        &job.namespace,
+        job.endpoint,
+        job.request.clone(),
+        origin,
+        check_cache,
+    )
+    .await;
+    // The answer serves the follow-up in the cluster's other observed wordings too: their
+    // exact keys point at it. When the asked wording was already cached exactly, that entry
+    // is the answer (nothing was generated, the aliases cost nothing).
+    let answer = match &result {
+        Background::Generated { id, .. } => state.memory.get(*id).await,
+        Background::Cached => state.memory.get_by_key(&job.key).await,
+        Background::Failed(_) => None,
+    };
+    if let (JobKind::Prefetch, Some(entry)) = (&job.kind, answer) {
+        alias_wordings(state, &entry, &job.aliases).await;
+    }
+    let mut tokens = 0;
+    let generated = !matches!(result, Background::Cached);
+    match result {
+        Background::Cached => {
+            bump(&shared.counts.skipped, 1);
+        }
+        Background::Generated { id, usage } => {
+            tokens = u64::from(usage.completion_tokens);
+            bump(&shared.counts.completed, 1);
+            shared.handles.completed.increment(1);
+            match job.kind {
+                JobKind::Refresh(old) => {
+                    bump(&shared.counts.refreshed, 1);
+                    shared.handles.refresh.increment(1);
+                    shared.hot.invalidate(&old);
+                    shared.model.lock().rename(&job.namespace, old, id);
+                }
+                _ => {
+                    // Served already (its first use made it a live entry): nothing to track.
+                    if let Some(e) = state.memory.get(id).await {
+                        if e.origin == Origin::Prefetch {
+                            let mut map = shared.prefetched.lock();
+                            if map.len() < MAX_TRACKED {
+                                map.insert(id, e.expires_ms);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Background::Failed(e) => {
+            tracing::debug!(error = %e, "prefetch: background generation failed");
+            if let JobKind::Refresh(old) = job.kind {
+                if let Some(h) = shared.hot.get(&old) {
+                    h.refreshing.store(false, Ordering::Relaxed);
+                }
+            }
+            bump(&shared.counts.cancelled, 1);
+            shared.handles.cancelled.increment(1);
+        }
+    }
+    (generated, tokens)
+}
+
+/// Generates `req` on the backend without storing it; returns the text and the usage. An
+/// incomplete stream is an error.
+async fn ask_backend(state: &AppState, req: GenRequest) -> Result<(String, Usage), BackendError> {
+    let mut stream = state.backend.generate(req).await?;
+    let mut text = String::new();
+    while let Some(ev) = stream.next().await {
+        match ev? {
+            GenEvent::Delta(t) => text.push_str(&t),
+            GenEvent::Finish { usage, .. } => return Ok((text, usage)),
+        }
+    }
+    Err(BackendError::Internal(
+        "the stream ended without finishing".into(),
+    ))
+}
+
+/// Instructions of a proposal request.
+const PROPOSE_SYSTEM: &str = "You predict what a user will ask an assistant next. Reply with \
+only the questions this user is most likely to ask next, most likely first, one per line, \
+each short and in the user's own words. No numbering, no other text.";
+/// The worked example of a proposal request: a conversation and its likely next questions.
+const PROPOSE_EXAMPLE: (&str, &str) = (
+    "User: How do I change my email address?\nAssistant: Open Settings, choose Account and \
+     enter the new address.",
+    "Do I have to confirm the new address?\nCan I still log in with my old email?",
+);
+/// Characters of each message quoted in a proposal request.
+const PROPOSE_CLIP: usize = 600;
+/// Latest messages of the conversation quoted in a proposal request.
+const PROPOSE_MESSAGES: usize = 6;
+
+/// The question to the model for the likely follow-ups of `answer` to `asked` (greedy, at
+/// background priority).
+fn proposal_request(asked: &GenRequest, answer: &str, n: usize) -> GenRequest {
+    let clip = |t: &str| -> String {
+        let t = t.trim();
+        match t.char_indices().nth(PROPOSE_CLIP) {
+            Some((i, _)) => format!("{}…", &t[..i]),
+            None => t.to_string(),
+        }
+    };
+    let mut lines = Vec::new();
+    match &asked.input {
+        Input::Prompt(p) => lines.push(format!("User: {}", clip(p))),
+        Input::Chat(msgs) => {
+            if let Some(sys) = msgs
+                .iter()
+                .find(|m| m.role == "system" || m.role == "developer")
+            {
+                lines.push(format!(
+                    "(The assistant's instructions: {})",
+                    clip(&sys.content)
+                ));
+            }
+            let turns: Vec<&ChatMessage> = msgs
+                .iter()
+                .filter(|m| m.role == "user" || m.role == "assistant")
+                .collect();
+            for m in &turns[turns.len().saturating_sub(PROPOSE_MESSAGES)..] {
+                let who = if m.role == "user" {
+                    "User"
+                } else {
+                    "Assistant"
+                };
+                lines.push(format!("{who}: {}", clip(&m.content)));
+            }
+        }
+    }
+    lines.push(format!("Assistant: {}", clip(answer)));
+    let ask = |conversation: &str, n: usize| {
+        format!(
+            "The conversation so far:\n\n{conversation}\n\nWrite the {n} questions the user \
+             is most likely to ask next (not what was already asked), one per line."
+        )
+    };
+    let msg = |role: &str, content: String| ChatMessage {
+        role: role.into(),
+        content,
+    };
+    GenRequest {
+        model: asked.model.clone(),
+        // One worked example first: small models follow an example better than a rule.
+        input: Input::Chat(vec![
+            msg("system", PROPOSE_SYSTEM.into()),
+            msg("user", ask(PROPOSE_EXAMPLE.0, 2)),
+            msg("assistant", PROPOSE_EXAMPLE.1.into()),
+            msg("user", ask(&lines.join("\n"), n)),
+        ]),
+        params: SamplingParams {
+            max_tokens: Some(32 * n.max(1) as u32),
+            temperature: Some(0.0),
+            ..SamplingParams::default()
+        },
+        priority: Priority::Background,
+        extra: serde_json::Map::new(),
+    }
+}
+
+/// The questions of a proposal's text: one per line, list markers and quotes removed,
+/// headings, fragments, repeats and the question just asked left out; at most `n`.
+fn parse_questions(text: &str, n: usize, asked: &str) -> Vec<String> {
+    let asked = asked.trim().to_lowercase();
+    let mut out: Vec<String> = Vec::new();
+    for line in text.lines() {
+        let mut q = line.trim();
+        // List markers: "1.", "2)", "-", "*", "•", then "User:" / "Q:".
+        q = q.trim_start_matches(|c: char| c.is_ascii_digit());
+        q = q.trim_start_matches(['.', ')', '-', '*', '•', ' ']);
+        for prefix in ["User:", "Q:", "Question:"] {
+            if let Some(rest) = q.strip_prefix(prefix) {
+                q = rest;
+            }
+        }
+        let q = q.trim().trim_matches(['"', '\'', '“', '”']).trim();
+        let words = q.split_whitespace().count();
+        if words < 2 || q.len() > 300 || q.ends_with(':') {
+            continue;
+        }
+        let lower = q.to_lowercase();
+        if lower == asked || out.iter().any(|o| o.to_lowercase() == lower) {
+            continue;
+        }
+        out.push(q.to_string());
+        if out.len() == n {
+            break;
+        }
+    }
+    out
 }
 
 /// Points the exact keys of other wordings at `entry`, leaving keys that already lead to an
@@ -1025,6 +1341,8 @@ async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state:
     let mut quiet_since: Option<Instant> = None;
     let mut last_scan = Instant::now();
     let mut last_persist = Instant::now();
+    let mut last_regroup = Instant::now();
+    let mut links_at_regroup = 0;
     let mut restored = false;
     loop {
         let wait = if shared.queue.lock().is_empty() {
@@ -1064,6 +1382,16 @@ async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state:
                 if shared.model.lock().take_changed() {
                     shared.persist(&tier);
                 }
+            }
+        }
+        if shared.cfg.regroup && last_regroup.elapsed() >= REGROUP_EVERY {
+            last_regroup = Instant::now();
+            let links = shared.counts.links.load(Ordering::Relaxed);
+            if links != links_at_regroup {
+                links_at_regroup = links;
+                // Quadratic in the clusters compared (bounded): off the async threads.
+                let s = shared.clone();
+                let _ = tokio::task::spawn_blocking(move || s.regroup()).await;
             }
         }
         if last_scan.elapsed() >= SCAN_EVERY {
@@ -1123,7 +1451,6 @@ fn follow_up(req: &GenRequest, answer: &str, question: &str, multi: bool) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reprise_backend::{Priority, SamplingParams};
 
     fn chat(msgs: &[(&str, &str)]) -> GenRequest {
         GenRequest {
@@ -1176,6 +1503,61 @@ mod tests {
         let parsed: PrefetchConfig = toml::from_str("enabled = true\nmax_concurrent = 2").unwrap();
         assert!(parsed.enabled && parsed.max_concurrent == 2);
         assert!(toml::from_str::<PrefetchConfig>("nope = 1").is_err());
+    }
+
+    #[test]
+    fn proposals_quote_the_conversation_and_ask_greedily_in_the_background() {
+        let r = chat(&[
+            ("system", "You support PhotoApp."),
+            ("user", "How do I export?"),
+        ]);
+        let p = proposal_request(&r, "Click Export.", 2);
+        assert_eq!(p.priority, Priority::Background);
+        assert_eq!(p.params.temperature, Some(0.0));
+        assert_eq!(p.model, "m");
+        let Input::Chat(msgs) = &p.input else {
+            panic!("a chat request");
+        };
+        assert_eq!(msgs[0].role, "system");
+        assert_eq!(
+            msgs.len(),
+            4,
+            "instructions, a worked example, the question"
+        );
+        let ask = &msgs[3].content;
+        for part in [
+            "You support PhotoApp.",
+            "User: How do I export?",
+            "Assistant: Click Export.",
+            "2 questions",
+        ] {
+            assert!(ask.contains(part), "{part} in {ask}");
+        }
+        // Long messages are clipped.
+        let long = "word ".repeat(1000);
+        let p = proposal_request(&chat(&[("user", &long)]), "a", 1);
+        let Input::Chat(msgs) = &p.input else {
+            panic!("a chat request");
+        };
+        assert!(msgs[3].content.len() < 1000);
+    }
+
+    #[test]
+    fn proposed_questions_are_cleaned_deduplicated_and_bounded() {
+        let text = "Here are some questions:\n1. How do I export as PNG?\n2) \"Can I undo?\"\n\
+                    - how do I export as png?\n* User: Why is it blurry?\nok\n\
+                    • How do I export?\n3. What about JPEG?";
+        let q = parse_questions(text, 3, "How do I export?");
+        assert_eq!(
+            q,
+            [
+                "How do I export as PNG?",
+                "Can I undo?",
+                "Why is it blurry?"
+            ]
+        );
+        assert_eq!(parse_questions(text, 1, "x").len(), 1);
+        assert!(parse_questions("", 3, "x").is_empty());
     }
 
     #[test]

@@ -42,6 +42,12 @@ const MAX_NEXT: usize = 64;
 pub const MAX_WORDINGS: usize = 16;
 /// Neighbours pooled for a rarely seen node.
 const MAX_NEIGHBOURS: usize = 16;
+/// Clusters compared by [`Model::regroup`] per namespace (the most seen); bounds its cost
+/// (pairs grow with the square).
+const MAX_REGROUP: usize = 512;
+/// Merge passes of one [`Model::regroup`] (each pass merges disjoint pairs, then the
+/// profiles are computed again).
+const MAX_REGROUP_PASSES: usize = 16;
 /// Version of the exported snapshot; imports read this one and the previous one (which has
 /// no clusters: each imported node then founds or joins one by its exact prompt).
 pub const SNAPSHOT_VERSION: u32 = 2;
@@ -187,6 +193,201 @@ impl Namespace {
     }
 }
 
+impl Namespace {
+    /// Merges clusters that are one question by how they are used; returns the merges.
+    ///
+    /// Each cluster gets two profiles: what follows it (the counts of its follow-up
+    /// clusters, each as its representative's embedding, plus the share of conversations
+    /// that end there) and what precedes it (the same over the clusters it follows, plus the
+    /// share of times it opened a conversation). Wordings of one question are asked in the
+    /// same places of a conversation and lead to the same next questions, so their profiles
+    /// agree even when their embeddings are far apart; two different questions that look
+    /// alike ("How do I upload photos?" / "Why won't my photos upload?") lead elsewhere.
+    /// A pair merges when the representatives' cosine, plus the cosines of both profiles,
+    /// reaches `p.min_score`, the representatives' cosine reaches `p.min_cosine` and
+    /// `allow` (the false-hit gate) accepts the two representatives.
+    fn regroup(
+        &mut self,
+        p: &RegroupParams,
+        now_ms: u64,
+        hl: f64,
+        allow: &dyn Fn(&str, &str) -> bool,
+    ) -> usize {
+        let mut merged = 0;
+        for _ in 0..MAX_REGROUP_PASSES {
+            let pairs = self.merge_candidates(p, now_ms, hl, allow);
+            if pairs.is_empty() {
+                break;
+            }
+            let mut done: std::collections::HashSet<u64> = std::collections::HashSet::new();
+            for (a, b) in pairs {
+                if done.contains(&a) || done.contains(&b) {
+                    continue;
+                }
+                done.insert(a);
+                done.insert(b);
+                self.merge(a, b, now_ms, hl);
+                merged += 1;
+            }
+        }
+        merged
+    }
+
+    /// Pairs of clusters worth merging, best first (see [`Namespace::regroup`]).
+    fn merge_candidates(
+        &self,
+        p: &RegroupParams,
+        now_ms: u64,
+        hl: f64,
+        allow: &dyn Fn(&str, &str) -> bool,
+    ) -> Vec<(u64, u64)> {
+        let Some(dim) = self
+            .clusters
+            .values()
+            .find_map(|c| c.embedding.as_ref().map(|e| e.len()))
+        else {
+            return Vec::new();
+        };
+        fn emb(c: &Cluster, dim: usize) -> Option<&[f32]> {
+            c.embedding.as_deref().filter(|e| e.len() == dim)
+        }
+        let mut cands: Vec<(f64, u64)> = self
+            .clusters
+            .iter()
+            .filter(|(_, c)| emb(c, dim).is_some())
+            .map(|(id, c)| (c.seen.value(now_ms, hl), *id))
+            .filter(|(seen, _)| *seen >= p.min_seen && *seen > 0.0)
+            .collect();
+        if cands.len() < 2 {
+            return Vec::new();
+        }
+        cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        cands.truncate(MAX_REGROUP);
+        let index: HashMap<u64, usize> = cands
+            .iter()
+            .enumerate()
+            .map(|(i, (_, id))| (*id, i))
+            .collect();
+        // Profiles: `dim` components of neighbour embeddings, then the end (or start) share.
+        let mut succ = vec![vec![0.0f32; dim + 1]; cands.len()];
+        let mut pred = vec![vec![0.0f32; dim + 1]; cands.len()];
+        let mut out = vec![0.0f64; cands.len()];
+        let mut inc = vec![0.0f64; cands.len()];
+        for (from_id, from) in &self.clusters {
+            let from_idx = index.get(from_id).copied();
+            let from_emb = emb(from, dim);
+            for (to_id, count) in &from.next {
+                let v = count.value(now_ms, hl);
+                let Some(to) = self.clusters.get(to_id) else {
+                    continue;
+                };
+                if let (Some(i), Some(e)) = (from_idx, emb(to, dim)) {
+                    axpy(&mut succ[i], v as f32, e);
+                    out[i] += v;
+                }
+                if let (Some(j), Some(e)) = (index.get(to_id), from_emb) {
+                    axpy(&mut pred[*j], v as f32, e);
+                    inc[*j] += v;
+                }
+            }
+        }
+        for (i, (seen, _)) in cands.iter().enumerate() {
+            succ[i][dim] = (seen - out[i]).max(0.0) as f32;
+            pred[i][dim] = (seen - inc[i]).max(0.0) as f32;
+            normalise(&mut succ[i]);
+            normalise(&mut pred[i]);
+        }
+        let mut pairs: Vec<(f32, u64, u64)> = Vec::new();
+        for i in 0..cands.len() {
+            let ci = &self.clusters[&cands[i].1];
+            let ei = emb(ci, dim).unwrap_or_default();
+            for j in i + 1..cands.len() {
+                let cj = &self.clusters[&cands[j].1];
+                let q = cosine(ei, emb(cj, dim).unwrap_or_default());
+                if q < p.min_cosine {
+                    continue;
+                }
+                let score = q + dot(&succ[i], &succ[j]) + dot(&pred[i], &pred[j]);
+                if score >= p.min_score && allow(&ci.prompt, &cj.prompt) {
+                    // The more seen cluster (first in `cands`) absorbs the other.
+                    pairs.push((score, cands[i].1, cands[j].1));
+                }
+            }
+        }
+        pairs.sort_by(|a, b| b.0.total_cmp(&a.0));
+        pairs.into_iter().map(|(_, a, b)| (a, b)).collect()
+    }
+
+    /// Moves cluster `b` into `a`: counts, wordings, follow-ups in both directions, nodes.
+    fn merge(&mut self, a: u64, b: u64, now_ms: u64, hl: f64) {
+        let Some(gone) = self.clusters.remove(&b) else {
+            return;
+        };
+        for c in self.clusters.values_mut() {
+            if let Some(d) = c.next.remove(&b) {
+                c.next
+                    .entry(a)
+                    .or_default()
+                    .add(d.value(now_ms, hl), now_ms, hl);
+            }
+        }
+        let Some(keep) = self.clusters.get_mut(&a) else {
+            return;
+        };
+        keep.seen.add(gone.seen.value(now_ms, hl), now_ms, hl);
+        keep.touched_ms = keep.touched_ms.max(gone.touched_ms);
+        for (k, d) in gone.next {
+            let k = if k == b { a } else { k };
+            keep.next
+                .entry(k)
+                .or_default()
+                .add(d.value(now_ms, hl), now_ms, hl);
+        }
+        trim_next(&mut keep.next, now_ms, hl);
+        for w in gone.wordings {
+            match keep.wordings.iter_mut().find(|x| x.text == w.text) {
+                Some(x) => x.used.add(w.used.value(now_ms, hl), now_ms, hl),
+                None => keep.wordings.push(w),
+            }
+        }
+        if keep.wordings.len() > MAX_WORDINGS {
+            // The representative stays first; the most used of the rest are kept.
+            let mut rest = keep.wordings.split_off(1);
+            rest.sort_by(|x, y| {
+                y.used
+                    .value(now_ms, hl)
+                    .total_cmp(&x.used.value(now_ms, hl))
+            });
+            rest.truncate(MAX_WORDINGS - 1);
+            keep.wordings.extend(rest);
+        }
+        for n in self.nodes.values_mut() {
+            if n.cluster == Some(b) {
+                n.cluster = Some(a);
+            }
+        }
+    }
+}
+
+/// `y += a * x` over the common length.
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Scales `v` to norm 1 (a zero vector stays zero).
+fn normalise(v: &mut [f32]) {
+    let n = dot(v, v).sqrt();
+    if n > 0.0 {
+        v.iter_mut().for_each(|x| *x /= n);
+    }
+}
+
 /// Thresholds of a prediction.
 #[derive(Debug, Clone, Copy)]
 pub struct PredictParams {
@@ -198,6 +399,20 @@ pub struct PredictParams {
     pub min_observations: f64,
     /// Lowest cosine similarity of a neighbour whose counts a rarely seen node borrows.
     pub similar_threshold: f32,
+}
+
+/// When two clusters are one question by how they are used (see [`Model::regroup`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RegroupParams {
+    /// Lowest score of a merge: the cosine of the representatives plus the cosine of the
+    /// follow-up profiles plus the cosine of the predecessor profiles (at most 3).
+    pub min_score: f32,
+    /// Lowest cosine of the representatives: wordings that share nothing are never merged,
+    /// however alike their neighbours.
+    pub min_cosine: f32,
+    /// Lowest (decayed) number of times each cluster was served before its profiles are
+    /// trusted.
+    pub min_seen: f64,
 }
 
 /// A predicted follow-up.
@@ -485,6 +700,27 @@ impl Model {
         out.sort_by(|a, b| b.probability.total_cmp(&a.probability));
         out.truncate(p.max_predictions);
         out
+    }
+
+    /// Merges, in every namespace, the clusters that are one question by how they are used
+    /// (see [`RegroupParams`]); `allow(a, b)` vets each pair of representatives. Returns the
+    /// number of merges.
+    pub fn regroup(
+        &mut self,
+        p: &RegroupParams,
+        now_ms: u64,
+        allow: impl Fn(&str, &str) -> bool,
+    ) -> usize {
+        let hl = self.half_life_ms;
+        let merged: usize = self
+            .namespaces
+            .values_mut()
+            .map(|space| space.regroup(p, now_ms, hl, &allow))
+            .sum();
+        if merged > 0 {
+            self.changed = true;
+        }
+        merged
     }
 
     /// Moves everything known about `old` to `new` (a refreshed entry replaces its
@@ -921,6 +1157,105 @@ mod tests {
         m.observe("ns", EntryId(50), "close it?", None, 0, first_word);
         let clusters = m.clusters("ns");
         assert_eq!(clusters.len(), 3);
+    }
+
+    fn unit(v: &[f32]) -> Arc<[f32]> {
+        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        v.iter().map(|x| x / n).collect::<Vec<_>>().into()
+    }
+
+    fn regroup_params() -> RegroupParams {
+        RegroupParams {
+            min_score: 2.35,
+            min_cosine: 0.4,
+            min_seen: 3.0,
+        }
+    }
+
+    /// Sessions `X? → A1 → B?` and `X? → A2 → B?` (A1, A2: one question, cosine 0.55) and
+    /// `C → D?` (C: cosine 0.88 to A1, but opens conversations and leads elsewhere).
+    fn regroup_fixture(m: &mut Model) {
+        let e_x = unit(&[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        let e_b = unit(&[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+        let e_d = unit(&[0.0, 0.0, 1.0, 0.0, 0.0, 0.0]);
+        let e_a1 = unit(&[0.0, 0.0, 0.0, 1.0, 0.9, 0.0]);
+        let e_a2 = unit(&[0.0, 0.0, 0.0, 1.0, 0.0, 0.9]);
+        let e_c = unit(&[0.0, 0.0, 0.0, 1.0, 0.5, -0.5]);
+        assert!((cosine(&e_a1, &e_a2) - 0.55).abs() < 0.01);
+        assert!(cosine(&e_a1, &e_c) > 0.85);
+        let mut id = 0u128;
+        let mut step = |m: &mut Model, prompt: &str, e: &Arc<[f32]>, prev: Option<EntryId>| {
+            id += 1;
+            let me = EntryId(id);
+            m.observe("ns", me, prompt, Some(e), 0, same_text);
+            if let Some(prev) = prev {
+                m.link("ns", prev, me, true, 0);
+            }
+            me
+        };
+        for i in 0..6 {
+            let (a, e_a) = if i % 2 == 0 {
+                ("a one?", &e_a1)
+            } else {
+                ("a two?", &e_a2)
+            };
+            let x = step(m, "x?", &e_x, None);
+            let a = step(m, a, e_a, Some(x));
+            step(m, "b?", &e_b, Some(a));
+            let c = step(m, "c?", &e_c, None);
+            step(m, "d?", &e_d, Some(c));
+        }
+    }
+
+    #[test]
+    fn regroup_merges_wordings_used_alike_and_only_those() {
+        let mut m = Model::new(3600.0);
+        regroup_fixture(&mut m);
+        let x = EntryId(1);
+        // Before: the two wordings are two follow-ups of x, half each.
+        let before = m.predict("ns", x, &params(), 0);
+        assert_eq!(before.len(), 2, "{before:?}");
+        assert!((before[0].probability - 0.5).abs() < 1e-9);
+        assert_eq!(m.clusters("ns").len(), 6);
+
+        assert_eq!(m.regroup(&regroup_params(), 0, |_, _| true), 1);
+        let clusters = m.clusters("ns");
+        assert_eq!(clusters.len(), 5, "{clusters:?}");
+        let mut merged = clusters
+            .iter()
+            .find(|c| c.len() == 2)
+            .expect("a merged cluster")
+            .clone();
+        merged.sort();
+        assert_eq!(merged, ["a one?", "a two?"]);
+        // After: one follow-up asked every time, reachable in both wordings.
+        let after = m.predict("ns", x, &params(), 0);
+        assert_eq!(after.len(), 1, "{after:?}");
+        assert!((after[0].probability - 1.0).abs() < 1e-9);
+        let mut all = after[0].wordings.clone();
+        all.push(after[0].prompt.clone());
+        all.sort();
+        assert_eq!(all, ["a one?", "a two?"]);
+        // Nothing more to merge.
+        assert_eq!(m.regroup(&regroup_params(), 0, |_, _| true), 0);
+    }
+
+    #[test]
+    fn regroup_respects_the_gate_the_evidence_and_the_cosine_floor() {
+        let mut m = Model::new(3600.0);
+        regroup_fixture(&mut m);
+        assert_eq!(m.regroup(&regroup_params(), 0, |_, _| false), 0);
+        let rare = RegroupParams {
+            min_seen: 4.0,
+            ..regroup_params()
+        };
+        assert_eq!(m.regroup(&rare, 0, |_, _| true), 0, "3 sightings each");
+        let far = RegroupParams {
+            min_cosine: 0.6,
+            ..regroup_params()
+        };
+        assert_eq!(m.regroup(&far, 0, |_, _| true), 0, "cosine 0.55");
+        assert_eq!(m.clusters("ns").len(), 6);
     }
 
     #[test]
