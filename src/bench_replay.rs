@@ -75,9 +75,21 @@ pub struct ReplayArgs {
     /// Prefetch side: `prefetch.max_wordings` (default: the configured default).
     #[arg(long)]
     max_wordings: Option<usize>,
+    /// Prefetch side: `prefetch.max_backend_share` (default: the configured default).
+    #[arg(long)]
+    max_backend_share: Option<f64>,
+    /// Prefetch side: `prefetch.regroup` (default: the configured default).
+    #[arg(long)]
+    regroup: Option<bool>,
     /// Prefetch side: `prefetch.min_probability` (default: the configured default).
     #[arg(long)]
     min_probability: Option<f64>,
+    /// The sessions' domain file (`domain_dev.json`: its `transitions`). When given, the
+    /// report adds a reference ceiling: what a predictor that knew the true transition table
+    /// and grouped every wording of a question perfectly would reach under the same counting,
+    /// with unlimited background compute (the table is never shown to reprise).
+    #[arg(long)]
+    domain: Option<PathBuf>,
     /// Seed of the think-time draws.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -207,6 +219,12 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         if let Some(t) = a.cluster_threshold {
             config.prefetch.cluster_threshold = t;
         }
+        if let Some(v) = a.max_backend_share {
+            config.prefetch.max_backend_share = v;
+        }
+        if let Some(v) = a.regroup {
+            config.prefetch.regroup = v;
+        }
         if let Some(n) = a.max_wordings {
             config.prefetch.max_wordings = n;
         }
@@ -261,7 +279,7 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         r.await??;
     }
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
-    report(&a, &sides, &intent_of)
+    report(&a, &sides, &intent_of, &sessions)
 }
 
 /// Plays every session on one side, `concurrency` at a time, in file order.
@@ -547,6 +565,7 @@ fn report(
     a: &ReplayArgs,
     sides: &[Arc<Side>],
     intent_of: &HashMap<String, String>,
+    sessions: &[Session],
 ) -> anyhow::Result<()> {
     let sums: Vec<Summary> = sides.iter().map(|s| summarise(s)).collect();
     println!("== reprise bench replay ==");
@@ -624,6 +643,24 @@ fn report(
         "prefetched and never used {}  (goal <= 50 %)",
         pct(on.unused_share())
     );
+    let ceiling = match &a.domain {
+        Some(path) => {
+            let domain: Domain = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+            let cfg = crate::prefetch::PrefetchConfig::default();
+            let min_p = a.min_probability.unwrap_or(cfg.min_probability);
+            let c = ceiling(sessions, a.warmup, &domain, min_p, cfg.max_predictions);
+            println!(
+                "reference ceiling (true transition table, perfect wording groups, unlimited compute; \
+                 min_probability {min_p}): hit rate {} -> {} = {:.2}x, unused {}",
+                pct(c.off),
+                pct(c.on),
+                c.on / c.off.max(1e-9),
+                pct(c.unused)
+            );
+            Some(c)
+        }
+        None => None,
+    };
     if let Some(path) = &a.json {
         let side = |s: &Summary| {
             json!({"turns": s.turns, "hit_rate": s.hit_rate(), "correct_hit_rate": s.correct_rate(),
@@ -636,8 +673,153 @@ fn report(
                    "prefetch_unused_share": s.unused_share()})
         };
         let out = json!({"off": side(off), "on": side(on), "hit_ratio": hit_ratio,
-                         "p95_ratio": p95_ratio, "ttft_p95_ratio": ttft_ratio});
+                         "p95_ratio": p95_ratio, "ttft_p95_ratio": ttft_ratio,
+                         "ceiling": ceiling.map(|c| json!({"off": c.off, "on": c.on, "unused": c.unused}))});
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
     }
     Ok(())
+}
+
+/// The sessions' domain, as far as the reference ceiling needs it.
+#[derive(Debug, Deserialize)]
+struct Domain {
+    /// Intent → next intent (or `END`) → probability.
+    transitions: HashMap<String, HashMap<String, f64>>,
+}
+
+/// Hit rates of the reference ceiling over the measured sessions.
+#[derive(Debug, Clone, Copy)]
+struct Ceiling {
+    /// Exact repeats only (same context, same wording).
+    off: f64,
+    /// Exact repeats or a prefetched intent in that context.
+    on: f64,
+    /// Share of the measured part's prefetches never used in it.
+    unused: f64,
+}
+
+/// Replays the sessions on paper: after every turn of intent `X`, the (at most
+/// `max_predictions`) intents with a true probability of at least `min_p` are prefetched in
+/// the new context and serve any wording of theirs. A first turn's context is its wording
+/// (shared by every session that opens with it, as reprise's entry for it is); a later
+/// turn's context is its session's own (deep histories rarely repeat). Before the second
+/// turn, `END` is impossible and left out, as the session generator does.
+fn ceiling(
+    sessions: &[Session],
+    warmup: usize,
+    domain: &Domain,
+    min_p: f64,
+    max_predictions: usize,
+) -> Ceiling {
+    use std::collections::HashSet;
+    #[derive(Clone, PartialEq, Eq, Hash)]
+    enum Ctx<'a> {
+        Start,
+        Opened(&'a str),
+        Deep(usize, usize),
+    }
+    let predict = |intent: &str, first: bool| -> Vec<&str> {
+        let Some(row) = domain.transitions.get(intent) else {
+            return Vec::new();
+        };
+        let total: f64 = row
+            .iter()
+            .filter(|(k, _)| !(first && k.as_str() == "END"))
+            .map(|(_, v)| v)
+            .sum();
+        let mut p: Vec<(f64, &str)> = row
+            .iter()
+            .filter(|(k, _)| k.as_str() != "END")
+            .map(|(k, v)| (v / total.max(1e-12), k.as_str()))
+            .filter(|(p, _)| *p >= min_p)
+            .collect();
+        p.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(b.1)));
+        p.into_iter()
+            .take(max_predictions)
+            .map(|(_, k)| k)
+            .collect()
+    };
+    let mut exact: HashSet<(Ctx, &str)> = HashSet::new();
+    let mut fetched: HashSet<(Ctx, &str)> = HashSet::new();
+    let mut fetched_measured: HashSet<(Ctx, &str)> = HashSet::new();
+    let mut used: HashSet<(Ctx, &str)> = HashSet::new();
+    let (mut n, mut off, mut on) = (0usize, 0usize, 0usize);
+    for (si, s) in sessions.iter().enumerate() {
+        let measured = si >= warmup;
+        let mut ctx = Ctx::Start;
+        for (t, turn) in s.turns.iter().enumerate() {
+            let repeat = exact.contains(&(ctx.clone(), turn.text.as_str()));
+            let pf = (ctx.clone(), turn.intent.as_str());
+            let prefetched = fetched.contains(&pf);
+            if measured {
+                n += 1;
+                off += usize::from(repeat);
+                on += usize::from(repeat || prefetched);
+                if prefetched {
+                    used.insert(pf);
+                }
+            }
+            exact.insert((ctx.clone(), turn.text.as_str()));
+            ctx = if t == 0 {
+                Ctx::Opened(turn.text.as_str())
+            } else {
+                Ctx::Deep(si, t)
+            };
+            for y in predict(&turn.intent, t == 0) {
+                if fetched.insert((ctx.clone(), y)) && measured {
+                    fetched_measured.insert((ctx.clone(), y));
+                }
+            }
+        }
+    }
+    let unused = fetched_measured
+        .iter()
+        .filter(|k| !used.contains(*k))
+        .count();
+    Ceiling {
+        off: off as f64 / n.max(1) as f64,
+        on: on as f64 / n.max(1) as f64,
+        unused: unused as f64 / fetched_measured.len().max(1) as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session(turns: &[(&str, &str)]) -> Session {
+        Session {
+            session_id: String::new(),
+            turns: turns
+                .iter()
+                .map(|(i, t)| Turn {
+                    intent: (*i).into(),
+                    text: (*t).into(),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_ceiling_counts_repeats_and_prefetched_intents() {
+        let domain: Domain = serde_json::from_str(
+            r#"{"transitions": {"A": {"B": 0.6, "C": 0.1, "END": 0.3}, "B": {"END": 1.0}}}"#,
+        )
+        .unwrap();
+        let sessions = [
+            session(&[("A", "a1"), ("B", "b1")]),
+            session(&[("A", "a1"), ("B", "b2")]),
+            session(&[("A", "a2"), ("C", "c1")]),
+        ];
+        // Measured: a1 (repeat), b2 (B prefetched after a1), a2 (new), c1 (C below 0.2).
+        let c = ceiling(&sessions, 1, &domain, 0.2, 3);
+        assert!((c.off - 0.25).abs() < 1e-9, "{c:?}");
+        assert!((c.on - 0.5).abs() < 1e-9, "{c:?}");
+        // B after a2 was prefetched in the measured part and never used.
+        assert!((c.unused - 1.0).abs() < 1e-9, "{c:?}");
+        // With a lower bar, C is prefetched after a2 too, and c1 finds it.
+        let c = ceiling(&sessions, 1, &domain, 0.1, 3);
+        assert!((c.on - 0.75).abs() < 1e-9, "{c:?}");
+        assert!((c.unused - 0.5).abs() < 1e-9, "{c:?}");
+    }
 }

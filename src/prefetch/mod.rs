@@ -35,8 +35,17 @@
 //!    ([`Prefetcher::attach_redis`]) they are restored at start and saved every 30 s when
 //!    they changed.
 //!
-//! Model-proposed follow-ups (asking the model what a user would ask next) are not
-//! implemented: every prediction comes from observed traffic.
+//! 6. **Regrouping by use** (`regroup`): every 2 s while links are learned, clusters whose
+//!    representatives are moderately similar (`regroup_min_cosine`) and that are used alike
+//!    (what follows them and what precedes them, as count-weighted embedding profiles) are
+//!    merged ([`model::Model::regroup`]), with the gate vetting each pair. Wordings of one
+//!    question that no safe cosine threshold joins end up in one cluster, so their counts
+//!    pool and a prefetched answer is aliased to all of them.
+//! 7. **Model-proposed follow-ups** (`propose`, off by default): for a new answer that traffic
+//!    predicts fewer than `max_predictions` follow-ups for, a background prompt asks the model
+//!    for the user's likely next questions (one worked example, then the conversation); up to
+//!    `propose_questions` cleaned lines become prefetch jobs. The prompt is one background
+//!    job under the same budgets; each answer is proposed for once.
 //!
 //! [`generate_in_background`]: crate::pipeline::generate_in_background
 
