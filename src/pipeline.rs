@@ -884,8 +884,9 @@ fn hit_outcome(entry: &Entry, tier: Outcome) -> Outcome {
 /// What a background generation came to.
 #[derive(Debug)]
 pub enum Background {
-    /// The cache can already answer the request in its context; nothing was generated.
-    Cached,
+    /// The cache can already answer the request in its context with this entry (exactly or
+    /// semantically); nothing was generated.
+    Cached(Arc<Entry>),
     /// Generated and stored.
     Generated {
         /// The new entry.
@@ -923,8 +924,8 @@ pub async fn generate_in_background(
         &mut trace,
     )
     .await;
-    if found.hit.is_some() {
-        return Background::Cached;
+    if let Some(hit) = found.hit {
+        return Background::Cached(hit.entry);
     }
     let mut plan = found.plan;
     plan.origin = origin;

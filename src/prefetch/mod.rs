@@ -92,6 +92,9 @@ const IDLE_TICK: Duration = Duration::from_millis(100);
 const SCAN_EVERY: Duration = Duration::from_millis(250);
 /// How often clusters are regrouped by use (when links were learned since).
 const REGROUP_EVERY: Duration = Duration::from_secs(2);
+/// Time one regrouping round may take (the model is locked meanwhile, so learning waits;
+/// namespaces left over are regrouped in the next round).
+const REGROUP_BUDGET: Duration = Duration::from_millis(200);
 /// How often the counts are saved to Redis (when they changed).
 const PERSIST_EVERY: Duration = Duration::from_secs(30);
 /// The window of the token and backend-share budgets.
@@ -141,6 +144,7 @@ pub struct PrefetchConfig {
     pub propose_questions: usize,
     /// Most observed wordings of a predicted follow-up (besides the one generated) whose
     /// requests, in the same context, are pointed at the prefetched answer; 0 points none.
+    /// A cluster keeps at most 16 wordings, so 15 points them all.
     pub max_wordings: usize,
     /// Also merge clusters that are one question by how they are used: wordings asked in
     /// the same places of conversations and followed by the same questions, although their
@@ -184,7 +188,7 @@ impl Default for PrefetchConfig {
             cluster_threshold: 0.8,
             propose: false,
             propose_questions: 2,
-            max_wordings: 8,
+            max_wordings: 15,
             regroup: true,
             regroup_score: 2.35,
             regroup_min_cosine: 0.4,
@@ -727,7 +731,9 @@ impl Shared {
         let merged = self
             .model
             .lock()
-            .regroup(&p, now_ms(), |a, b| reprise_policies::gate(a, b).is_pass());
+            .regroup(&p, now_ms(), REGROUP_BUDGET, |a, b| {
+                reprise_policies::gate(a, b).is_pass()
+            });
         if merged > 0 {
             bump(&self.counts.merges, merged as u64);
             self.handles.merges.increment(merged as u64);
@@ -1146,20 +1152,21 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
     )
     .await;
     // The answer serves the follow-up in the cluster's other observed wordings too: their
-    // exact keys point at it. When the asked wording was already cached exactly, that entry
-    // is the answer (nothing was generated, the aliases cost nothing).
+    // exact keys point at it. When the cache could already answer the asked wording (exactly
+    // or semantically), the entry it would serve is the answer (nothing was generated, the
+    // aliases cost nothing).
     let answer = match &result {
         Background::Generated { id, .. } => state.memory.get(*id).await,
-        Background::Cached => state.memory.get_by_key(&job.key).await,
+        Background::Cached(entry) => Some(entry.clone()),
         Background::Failed(_) => None,
     };
     if let (JobKind::Prefetch, Some(entry)) = (&job.kind, answer) {
         alias_wordings(state, &entry, &job.aliases).await;
     }
     let mut tokens = 0;
-    let generated = !matches!(result, Background::Cached);
+    let generated = !matches!(result, Background::Cached(_));
     match result {
-        Background::Cached => {
+        Background::Cached(_) => {
             bump(&shared.counts.skipped, 1);
         }
         Background::Generated { id, usage } => {

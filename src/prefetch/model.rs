@@ -122,6 +122,8 @@ struct Namespace {
     multi: Decayed,
     single: Decayed,
     touched_ms: u64,
+    /// Links were learned since the last regrouping.
+    regroup_due: bool,
 }
 
 impl Namespace {
@@ -545,6 +547,7 @@ impl Model {
         }
         let hl = self.half_life_ms;
         let space = self.namespace(ns, now_ms);
+        space.regroup_due = true;
         if multi {
             space.multi.add(1.0, now_ms, hl);
         } else {
@@ -702,21 +705,36 @@ impl Model {
         out
     }
 
-    /// Merges, in every namespace, the clusters that are one question by how they are used
-    /// (see [`RegroupParams`]); `allow(a, b)` vets each pair of representatives. Returns the
-    /// number of merges.
+    /// Merges the clusters that are one question by how they are used (see
+    /// [`RegroupParams`]) in the namespaces that learned links since their last regrouping,
+    /// most recently active first, until `budget` is spent (the rest wait for the next
+    /// call); `allow(a, b)` vets each pair of representatives. Returns the number of merges.
     pub fn regroup(
         &mut self,
         p: &RegroupParams,
         now_ms: u64,
+        budget: std::time::Duration,
         allow: impl Fn(&str, &str) -> bool,
     ) -> usize {
+        let started = std::time::Instant::now();
         let hl = self.half_life_ms;
-        let merged: usize = self
+        let mut due: Vec<(u64, String)> = self
             .namespaces
-            .values_mut()
-            .map(|space| space.regroup(p, now_ms, hl, &allow))
-            .sum();
+            .iter()
+            .filter(|(_, s)| s.regroup_due)
+            .map(|(k, s)| (s.touched_ms, k.clone()))
+            .collect();
+        due.sort_by_key(|d| std::cmp::Reverse(d.0));
+        let mut merged = 0;
+        for (_, ns) in due {
+            if started.elapsed() >= budget {
+                break;
+            }
+            if let Some(space) = self.namespaces.get_mut(&ns) {
+                space.regroup_due = false;
+                merged += space.regroup(p, now_ms, hl, &allow);
+            }
+        }
         if merged > 0 {
             self.changed = true;
         }
@@ -837,6 +855,7 @@ impl Model {
         let mut read = 0;
         for ns in &snap.namespaces {
             let space = self.namespace(&ns.name, now_ms);
+            space.regroup_due = true;
             space.multi.add(decay(ns.multi), now_ms, hl);
             space.single.add(decay(ns.single), now_ms, hl);
             // Saved cluster ids → ids here (a merged import must not collide with ours).
@@ -1164,6 +1183,8 @@ mod tests {
         v.iter().map(|x| x / n).collect::<Vec<_>>().into()
     }
 
+    const BUDGET: std::time::Duration = std::time::Duration::from_secs(60);
+
     fn regroup_params() -> RegroupParams {
         RegroupParams {
             min_score: 2.35,
@@ -1218,7 +1239,7 @@ mod tests {
         assert!((before[0].probability - 0.5).abs() < 1e-9);
         assert_eq!(m.clusters("ns").len(), 6);
 
-        assert_eq!(m.regroup(&regroup_params(), 0, |_, _| true), 1);
+        assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 1);
         let clusters = m.clusters("ns");
         assert_eq!(clusters.len(), 5, "{clusters:?}");
         let mut merged = clusters
@@ -1237,25 +1258,46 @@ mod tests {
         all.sort();
         assert_eq!(all, ["a one?", "a two?"]);
         // Nothing more to merge.
-        assert_eq!(m.regroup(&regroup_params(), 0, |_, _| true), 0);
+        assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 0);
     }
 
     #[test]
     fn regroup_respects_the_gate_the_evidence_and_the_cosine_floor() {
-        let mut m = Model::new(3600.0);
-        regroup_fixture(&mut m);
-        assert_eq!(m.regroup(&regroup_params(), 0, |_, _| false), 0);
+        let fresh = || {
+            let mut m = Model::new(3600.0);
+            regroup_fixture(&mut m);
+            m
+        };
+        assert_eq!(
+            fresh().regroup(&regroup_params(), 0, BUDGET, |_, _| false),
+            0
+        );
         let rare = RegroupParams {
             min_seen: 4.0,
             ..regroup_params()
         };
-        assert_eq!(m.regroup(&rare, 0, |_, _| true), 0, "3 sightings each");
+        assert_eq!(
+            fresh().regroup(&rare, 0, BUDGET, |_, _| true),
+            0,
+            "seen 3 times"
+        );
         let far = RegroupParams {
             min_cosine: 0.6,
             ..regroup_params()
         };
-        assert_eq!(m.regroup(&far, 0, |_, _| true), 0, "cosine 0.55");
-        assert_eq!(m.clusters("ns").len(), 6);
+        assert_eq!(
+            fresh().regroup(&far, 0, BUDGET, |_, _| true),
+            0,
+            "cosine 0.55"
+        );
+        // Without new links a namespace is not looked at again; a spent budget looks at none.
+        let mut m = fresh();
+        assert_eq!(m.regroup(&far, 0, BUDGET, |_, _| true), 0);
+        assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 0);
+        m.link("ns", EntryId(1), EntryId(3), true, 0);
+        let none = std::time::Duration::ZERO;
+        assert_eq!(m.regroup(&regroup_params(), 0, none, |_, _| true), 0);
+        assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 1);
     }
 
     #[test]
