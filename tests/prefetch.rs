@@ -466,15 +466,14 @@ async fn predictions_survive_a_restart_through_redis() {
 const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 
-#[tokio::test]
-async fn llama_backend_prefetches_a_follow_up() {
-    let mut config = prefetch_config(true);
+/// An app on the real llama backend (SmolLM2, one thread, two sequences).
+async fn spawn_llama(mut config: Config, max_tokens: u32) -> (TestApp, Arc<LlamaBackend>) {
     config.backend.kind = BackendKind::Llama;
     config.backend.model = models_dir().join(MODEL_FILE);
     config.backend.n_ctx = 2048;
     config.backend.n_threads = 1;
     config.backend.parallel = 2;
-    config.backend.default_max_tokens = 8;
+    config.backend.default_max_tokens = max_tokens;
     let b = &config.backend;
     assert!(b.model.is_file(), "run scripts/fetch-models.sh");
     let cfg = LlamaConfig {
@@ -492,7 +491,12 @@ async fn llama_backend_prefetches_a_follow_up() {
             .unwrap()
             .expect("model loads"),
     );
-    let app = spawn_app(config, engine.clone()).await;
+    (spawn_app(config, engine.clone()).await, engine)
+}
+
+#[tokio::test]
+async fn llama_backend_prefetches_a_follow_up() {
+    let (app, engine) = spawn_llama(prefetch_config(true), 8).await;
     let ask = |session: &'static str, text: &'static str| {
         let app = &app;
         async move {
@@ -706,29 +710,7 @@ async fn proposals_are_off_by_default() {
 async fn llama_backend_proposes_follow_ups() {
     let mut config = prefetch_config(true);
     config.prefetch.propose = true;
-    config.backend.kind = BackendKind::Llama;
-    config.backend.model = models_dir().join(MODEL_FILE);
-    config.backend.n_ctx = 2048;
-    config.backend.n_threads = 1;
-    config.backend.parallel = 2;
-    let b = &config.backend;
-    assert!(b.model.is_file(), "run scripts/fetch-models.sh");
-    let cfg = LlamaConfig {
-        model: b.model.clone(),
-        n_ctx: b.n_ctx,
-        n_threads: b.n_threads,
-        parallel: b.parallel,
-        max_queue: 16,
-        default_max_tokens: 16,
-        ..LlamaConfig::default()
-    };
-    let engine = Arc::new(
-        tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
-            .await
-            .unwrap()
-            .expect("model loads"),
-    );
-    let app = spawn_app(config, engine.clone()).await;
+    let (app, _) = spawn_llama(config, 16).await;
     let question = "How do I reset my password?";
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": question}],
                       "max_tokens": 16, "temperature": 0});
