@@ -40,7 +40,8 @@
 //!    (what follows them and what precedes them, as count-weighted embedding profiles) are
 //!    merged ([`model::Model::regroup`]), with the gate vetting each pair. Wordings of one
 //!    question that no safe cosine threshold joins end up in one cluster, so their counts
-//!    pool and a prefetched answer is aliased to all of them.
+//!    pool and a prefetched answer is aliased to all of them. Questions never linked to
+//!    another (single-turn traffic) have no use to compare and are never merged.
 //! 7. **Model-proposed follow-ups** (`propose`, off by default): for a new answer that traffic
 //!    predicts fewer than `max_predictions` follow-ups for, a background prompt asks the model
 //!    for the user's likely next questions (one worked example, then the conversation); up to
@@ -159,7 +160,8 @@ pub struct PrefetchConfig {
     /// never merged, however alike their neighbours).
     pub regroup_min_cosine: f32,
     /// Lowest (decayed) number of times each of two clusters was served before they may be
-    /// merged by `regroup`.
+    /// merged by `regroup`; also the links a cluster needs on a side (follow-ups or
+    /// predecessors) for that side to count.
     pub regroup_min_seen: f64,
     /// Half-life of the learned counts in seconds: old habits fade.
     pub half_life_secs: f64,

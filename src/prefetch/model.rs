@@ -207,7 +207,10 @@ impl Namespace {
     /// alike ("How do I upload photos?" / "Why won't my photos upload?") lead elsewhere.
     /// A pair merges when the representatives' cosine, plus the cosines of both profiles,
     /// reaches `p.min_score`, the representatives' cosine reaches `p.min_cosine` and
-    /// `allow` (the false-hit gate) accepts the two representatives.
+    /// `allow` (the false-hit gate) accepts the two representatives. A side (follow-ups or
+    /// predecessors) on which neither cluster has `p.min_seen` links is left out and the
+    /// score scaled to the same range; questions never linked (single-turn traffic) are
+    /// never merged.
     fn regroup(
         &mut self,
         p: &RegroupParams,
@@ -309,7 +312,22 @@ impl Namespace {
                 if q < p.min_cosine {
                     continue;
                 }
-                let score = q + dot(&succ[i], &succ[j]) + dot(&pred[i], &pred[j]);
+                // A side on which neither cluster was linked often enough says nothing
+                // (every question can open or end a conversation): it is left out and the
+                // score scaled back to 3. With no side left, there is no evidence at all.
+                let (mut sum, mut sides) = (q, 1.0f32);
+                if out[i] >= p.min_seen || out[j] >= p.min_seen {
+                    sum += dot(&succ[i], &succ[j]);
+                    sides += 1.0;
+                }
+                if inc[i] >= p.min_seen || inc[j] >= p.min_seen {
+                    sum += dot(&pred[i], &pred[j]);
+                    sides += 1.0;
+                }
+                if sides == 1.0 {
+                    continue;
+                }
+                let score = sum / sides * 3.0;
                 if score >= p.min_score && allow(&ci.prompt, &cj.prompt) {
                     // The more seen cluster (first in `cands`) absorbs the other.
                     pairs.push((score, cands[i].1, cands[j].1));
@@ -1259,6 +1277,41 @@ mod tests {
         assert_eq!(all, ["a one?", "a two?"]);
         // Nothing more to merge.
         assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 0);
+    }
+
+    #[test]
+    fn questions_never_linked_are_never_merged() {
+        let mut m = Model::new(3600.0);
+        regroup_fixture(&mut m);
+        // Two stand-alone questions (no follow-up, no predecessor), close enough in
+        // embedding, each asked often: their profiles are alike only by saying nothing.
+        let e1 = unit(&[0.0, 0.0, 0.0, 0.0, 1.0, 1.0]);
+        let e2 = unit(&[0.0, 0.0, 1.0, 0.0, 1.0, 0.0]);
+        for i in 0..5u128 {
+            m.observe(
+                "ns",
+                EntryId(100 + i),
+                "alone one?",
+                Some(&e1),
+                0,
+                same_text,
+            );
+            m.observe(
+                "ns",
+                EntryId(200 + i),
+                "alone two?",
+                Some(&e2),
+                0,
+                same_text,
+            );
+        }
+        assert!(cosine(&e1, &e2) >= 0.4);
+        assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 1);
+        let clusters = m.clusters("ns");
+        assert_eq!(clusters.len(), 7, "{clusters:?}");
+        assert!(clusters
+            .iter()
+            .all(|c| c.len() == 1 || c.contains(&"a one?".to_string())));
     }
 
     #[test]
