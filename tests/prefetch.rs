@@ -627,7 +627,7 @@ async fn the_model_proposes_follow_ups_that_traffic_has_not_shown() {
     assert!(
         eventually(WAIT, || {
             let s = stats(&app);
-            s.proposed == 2 && s.completed + s.skipped + s.cancelled >= s.queued
+            s.proposed == 2 && s.completed + s.skipped + s.cancelled + s.proposals >= s.queued
         })
         .await,
         "{:?}",
@@ -693,6 +693,7 @@ async fn the_model_proposes_follow_ups_that_traffic_has_not_shown() {
 
 #[tokio::test]
 async fn proposals_are_off_by_default() {
+    assert!(!reprise::prefetch::PrefetchConfig::default().propose);
     let script = ScriptConfig {
         rules: vec![(PROPOSAL_MARK.into(), Y.to_string())],
         ..ScriptConfig::default()
@@ -722,7 +723,7 @@ async fn llama_backend_proposes_follow_ups() {
     assert!(
         eventually(Duration::from_secs(120), || {
             let s = stats(&app);
-            s.proposed >= 1 && s.completed + s.skipped + s.cancelled >= s.queued
+            s.proposed >= 1 && s.completed + s.skipped + s.cancelled + s.proposals >= s.queued
         })
         .await,
         "{:?}",
@@ -748,4 +749,73 @@ async fn llama_backend_proposes_follow_ups() {
     let r = app.chat(&body, &[]).await;
     assert_eq!(r.status(), 200);
     assert_eq!(cache_status(&r), "prefetch", "{next}");
+}
+
+#[tokio::test]
+async fn wordings_used_alike_are_regrouped_and_share_the_prefetch() {
+    // Y and its paraphrase (cosine 0.89) start as two clusters (cluster_threshold 0.95) and
+    // are not served for each other (semantic threshold 0.97): only their use joins them.
+    let mut config = prefetch_config(true);
+    config.semantic.threshold = 0.97;
+    config.prefetch.cluster_threshold = 0.95;
+    // Apart, each wording follows X about half the time: too rare to prefetch; together,
+    // nearly always.
+    config.prefetch.min_probability = 0.6;
+    let (app, probe) = spawn_probe(config, ScriptConfig::default()).await;
+    let together = |app: &TestApp| {
+        app.state
+            .prefetch
+            .as_ref()
+            .unwrap()
+            .clusters(reprise::pipeline::DEFAULT_NAMESPACE)
+            .iter()
+            .any(|c| c.iter().any(|w| w == Y) && c.iter().any(|w| w == Y_PARAPHRASE))
+    };
+    // Four times each: counts decay, so three sightings are a little under three.
+    for i in 0..4 {
+        for (j, y) in [Y, Y_PARAPHRASE].into_iter().enumerate() {
+            let s = format!("s{i}-{j}");
+            ask(&app, &s, X).await;
+            ask(&app, &s, y).await;
+        }
+    }
+    assert!(eventually(WAIT, || stats(&app).links >= 8).await);
+    assert!(
+        eventually(WAIT, || stats(&app).merges >= 1).await,
+        "{:?}",
+        stats(&app)
+    );
+    assert!(together(&app));
+    // The paraphrase's entry is gone: a new session reaching X gets Y prefetched, and the
+    // paraphrase finds that answer through its alias.
+    let p = app
+        .state
+        .memory
+        .iter_entries()
+        .into_iter()
+        .find(|e| e.prompt == Y_PARAPHRASE)
+        .expect("the paraphrase was answered")
+        .id;
+    app.state.memory.remove(p).await;
+    app.state.memory.run_pending_tasks().await;
+    let calls = probe.inner.calls();
+    ask(&app, "new", X).await;
+    assert!(
+        eventually(WAIT, || {
+            let s = stats(&app);
+            s.completed + s.skipped >= 1 && s.active == 0
+        })
+        .await,
+        "{:?}",
+        stats(&app)
+    );
+    let status = ask(&app, "new", Y_PARAPHRASE).await;
+    assert!(
+        status == "exact" || status == "prefetch",
+        "served from the alias, got {status}"
+    );
+    assert!(
+        probe.inner.calls() <= calls + 1,
+        "at most the prefetch generated"
+    );
 }
