@@ -1340,8 +1340,8 @@ fn proposal_request(asked: &GenRequest, answer: &str, n: usize) -> GenRequest {
 }
 
 /// The questions of a proposal's text: one per line, list markers and quotes removed; lines
-/// that are not a question (headings, remarks), repeats and the question just asked left
-/// out; at most `n`.
+/// that are not a question (headings, remarks), repeats, copies of the worked example and
+/// the question just asked left out; at most `n`.
 fn parse_questions(text: &str, n: usize, asked: &str) -> Vec<String> {
     let asked = asked.trim().to_lowercase();
     let mut out: Vec<String> = Vec::new();
@@ -1364,7 +1364,9 @@ fn parse_questions(text: &str, n: usize, asked: &str) -> Vec<String> {
             continue;
         }
         let lower = q.to_lowercase();
-        if lower == asked || out.iter().any(|o| o.to_lowercase() == lower) {
+        // Small models copy the worked example's questions: those are nobody's follow-up.
+        let copied = PROPOSE_EXAMPLE.1.lines().any(|e| e.to_lowercase() == lower);
+        if copied || lower == asked || out.iter().any(|o| o.to_lowercase() == lower) {
             continue;
         }
         out.push(q.to_string());
@@ -1621,6 +1623,9 @@ mod tests {
         );
         assert_eq!(parse_questions(text, 1, "x").len(), 1);
         assert!(parse_questions("", 3, "x").is_empty());
+        // The worked example's questions are not proposals.
+        let copied = format!("{}\nWhat next?", PROPOSE_EXAMPLE.1);
+        assert_eq!(parse_questions(&copied, 3, "x"), ["What next?"]);
         // Only a list marker is stripped, not a number that starts the question.
         assert_eq!(
             parse_questions("2FA codes never arrive, why?\n10) Is 2FA required?", 2, "x"),
