@@ -452,6 +452,16 @@ mod tests {
         assert_eq!(c.cache.ttl_secs, d.cache.ttl_secs);
         assert_eq!(c.semantic.threshold, d.semantic.threshold);
         assert_eq!(c.semantic.model_dir, d.semantic.model_dir);
+        let (p, q) = (&c.prefetch, &d.prefetch);
+        assert_eq!(p.enabled, q.enabled);
+        assert_eq!(p.min_probability, q.min_probability);
+        assert_eq!(p.max_wordings, q.max_wordings);
+        assert_eq!(p.regroup, q.regroup);
+        assert_eq!(p.regroup_score, q.regroup_score);
+        assert_eq!(p.regroup_min_cosine, q.regroup_min_cosine);
+        assert_eq!(p.regroup_min_seen, q.regroup_min_seen);
+        assert_eq!(p.propose, q.propose);
+        assert_eq!(p.propose_questions, q.propose_questions);
     }
 
     #[test]
