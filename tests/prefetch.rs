@@ -819,3 +819,46 @@ async fn wordings_used_alike_are_regrouped_and_share_the_prefetch() {
         "at most the prefetch generated"
     );
 }
+
+#[tokio::test]
+async fn a_follow_up_the_cache_answers_semantically_is_not_generated_and_names_the_answer() {
+    let (app, probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
+    let r = app.chat(&chat_body(Y), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let y = app
+        .state
+        .memory
+        .iter_entries()
+        .into_iter()
+        .find(|e| e.prompt == Y)
+        .expect("Y's entry")
+        .id;
+    let calls = probe.inner.calls();
+    // The paraphrase as a prefetch would ask it: the semantic tier already answers it.
+    let req = GenRequest {
+        model: "fake".into(),
+        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage {
+            role: "user".into(),
+            content: Y_PARAPHRASE.into(),
+        }]),
+        params: Default::default(),
+        priority: Priority::Background,
+        extra: Default::default(),
+    };
+    let got = reprise::pipeline::generate_in_background(
+        &app.state,
+        reprise::pipeline::DEFAULT_NAMESPACE,
+        reprise::openai::Endpoint::Chat,
+        req,
+        Origin::Prefetch,
+        true,
+    )
+    .await;
+    match got {
+        // The entry it would be served: the prefetcher points the question's other
+        // wordings at it.
+        reprise::pipeline::Background::Cached(entry) => assert_eq!(entry.id, y),
+        other => panic!("expected the cached answer, got {other:?}"),
+    }
+    assert_eq!(probe.inner.calls(), calls, "nothing generated");
+}
