@@ -153,6 +153,23 @@ fn entry_answering(app: &TestApp, question: &str) -> Option<EntryId> {
         .map(|e| e.id)
 }
 
+/// The id of the entry stored for the question `prompt` (as matched by the semantic tier).
+fn entry_asked(app: &TestApp, prompt: &str) -> EntryId {
+    app.state
+        .memory
+        .iter_entries()
+        .into_iter()
+        .find(|e| e.prompt == prompt)
+        .unwrap_or_else(|| panic!("an entry for {prompt:?}"))
+        .id
+}
+
+/// Drops an entry from the memory tier, so that only a new generation can bring it back.
+async fn forget(app: &TestApp, id: EntryId) {
+    app.state.memory.remove(id).await;
+    app.state.memory.run_pending_tasks().await;
+}
+
 /// Several sessions ask `X` then `Y` (single-turn prompts linked by session id); then `Y`'s
 /// entry is dropped, so only a prefetch can bring it back before it is asked.
 async fn learn_x_then_y(app: &TestApp, sessions: usize) {
@@ -166,9 +183,7 @@ async fn learn_x_then_y(app: &TestApp, sessions: usize) {
         "{:?}",
         stats(app)
     );
-    let y = entry_answering(app, Y).expect("Y was answered");
-    app.state.memory.remove(y).await;
-    app.state.memory.run_pending_tasks().await;
+    forget(app, entry_answering(app, Y).expect("Y was answered")).await;
 }
 
 #[tokio::test]
@@ -513,16 +528,7 @@ async fn llama_backend_prefetches_a_follow_up() {
         ask(s, Y).await;
     }
     assert!(eventually(WAIT, || stats(&app).links >= 3).await);
-    let y = app
-        .state
-        .memory
-        .iter_entries()
-        .into_iter()
-        .find(|e| e.prompt == Y)
-        .expect("Y's entry")
-        .id;
-    app.state.memory.remove(y).await;
-    app.state.memory.run_pending_tasks().await;
+    forget(&app, entry_asked(&app, Y)).await;
     let generated = engine.stats().completed;
     assert_eq!(ask("new", X).await.0, "exact");
     assert!(
@@ -788,16 +794,7 @@ async fn wordings_used_alike_are_regrouped_and_share_the_prefetch() {
     assert!(together(&app));
     // The paraphrase's entry is gone: a new session reaching X gets Y prefetched, and the
     // paraphrase finds that answer through its alias.
-    let p = app
-        .state
-        .memory
-        .iter_entries()
-        .into_iter()
-        .find(|e| e.prompt == Y_PARAPHRASE)
-        .expect("the paraphrase was answered")
-        .id;
-    app.state.memory.remove(p).await;
-    app.state.memory.run_pending_tasks().await;
+    forget(&app, entry_asked(&app, Y_PARAPHRASE)).await;
     let calls = probe.inner.calls();
     ask(&app, "new", X).await;
     assert!(
@@ -825,14 +822,7 @@ async fn a_follow_up_the_cache_answers_semantically_is_not_generated_and_names_t
     let (app, probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
     let r = app.chat(&chat_body(Y), &[]).await;
     assert_eq!(cache_status(&r), "miss");
-    let y = app
-        .state
-        .memory
-        .iter_entries()
-        .into_iter()
-        .find(|e| e.prompt == Y)
-        .expect("Y's entry")
-        .id;
+    let y = entry_asked(&app, Y);
     let calls = probe.inner.calls();
     // The paraphrase as a prefetch would ask it: the semantic tier already answers it.
     let req = GenRequest {
