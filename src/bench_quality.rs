@@ -12,6 +12,10 @@
 //! Two passes: the curve (threshold near 0, gate off, top-1: every B is answered by its best
 //! candidate; each threshold and the gate are then applied to that candidate), and the
 //! configured policy measured exactly as served.
+//!
+//! `--pairwise` measures each pair on its own instead: pair i's A is stored and its B asked in
+//! namespace `pair-i`, so B can only hit its own A and every hit is judged by the pair's own
+//! label (other pairs' unlabelled texts play no part).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -41,6 +45,10 @@ pub struct QualityArgs {
     /// Concurrent requests while loading and asking.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// Each pair in a namespace of its own: B can only hit its own A (judged by the pair's
+    /// label alone) instead of every stored A.
+    #[arg(long)]
+    pairwise: bool,
 }
 
 /// One labelled pair.
@@ -129,19 +137,24 @@ async fn start(config: Config) -> anyhow::Result<(std::net::SocketAddr, Arc<AppS
     Ok((addr, state))
 }
 
+/// Asks every text (in the namespace beside it, when given); returns the answers in order.
 async fn ask_all(
     client: &reqwest::Client,
     url: &str,
-    texts: Vec<String>,
+    texts: Vec<(String, Option<String>)>,
     cache_control: &'static str,
     concurrency: usize,
 ) -> Vec<Answer> {
-    let results = futures::stream::iter(texts.into_iter().map(|t| {
+    let results = futures::stream::iter(texts.into_iter().map(|(t, ns)| {
         let client = client.clone();
         let url = url.to_string();
         async move {
             let body = json!({"model": "fake", "max_tokens": 4096, "messages": [{"role": "user", "content": t}]});
-            let Ok(r) = client.post(&url).header("cache-control", cache_control).json(&body).send().await else {
+            let mut req = client.post(&url).header("cache-control", cache_control);
+            if let Some(ns) = ns {
+                req = req.header(crate::pipeline::NAMESPACE_HEADER, ns);
+            }
+            let Ok(r) = req.json(&body).send().await else {
                 return Answer { served: None, similarity: f32::NAN };
             };
             let outcome = r.headers().get("x-reprise-cache").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
@@ -164,28 +177,43 @@ async fn ask_all(
     results
 }
 
-/// Stores every A, asks every B; returns the answers in pair order.
+/// Stores every A, asks every B (all in one namespace, or each pair in its own with
+/// `pairwise`); returns the answers in pair order.
 async fn cache_view(
     config: Config,
     pairs: &[Pair],
     concurrency: usize,
+    pairwise: bool,
 ) -> anyhow::Result<Vec<Answer>> {
     let (addr, _state) = start(config).await?;
     let client = reqwest::Client::new();
     let url = format!("http://{addr}/v1/chat/completions");
-    let mut seen = std::collections::HashSet::new();
-    let a_texts: Vec<String> = pairs
-        .iter()
-        .filter(|p| seen.insert(p.a.clone()))
-        .map(|p| p.a.clone())
-        .collect();
+    let ns = |i: usize| pairwise.then(|| format!("pair-{i}"));
+    let a_texts: Vec<(String, Option<String>)> = if pairwise {
+        pairs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.a.clone(), ns(i)))
+            .collect()
+    } else {
+        let mut seen = std::collections::HashSet::new();
+        pairs
+            .iter()
+            .filter(|p| seen.insert(p.a.clone()))
+            .map(|p| (p.a.clone(), None))
+            .collect()
+    };
     eprintln!("  storing {} prompts", a_texts.len());
     ask_all(&client, &url, a_texts, "no-cache", concurrency).await;
     eprintln!("  asking {} prompts", pairs.len());
     Ok(ask_all(
         &client,
         &url,
-        pairs.iter().map(|p| p.b.clone()).collect(),
+        pairs
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.b.clone(), ns(i)))
+            .collect(),
         "only-if-cached",
         concurrency,
     )
@@ -268,9 +296,14 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
             pairs.truncate(a.limit);
         }
         println!(
-            "== reprise bench quality: {} ({} pairs) ==",
+            "== reprise bench quality: {} ({} pairs, {}) ==",
             path.display(),
-            pairs.len()
+            pairs.len(),
+            if a.pairwise {
+                "pair-wise: each pair in its own namespace"
+            } else {
+                "cache view: every A stored together"
+            }
         );
 
         eprintln!("curve pass (best candidate of every question)");
@@ -279,7 +312,7 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
         curve_cfg.semantic.gate = false;
         curve_cfg.semantic.top_k = 1;
         let eq = Equivalence::new(&pairs);
-        let answers = cache_view(curve_cfg, &pairs, a.concurrency).await?;
+        let answers = cache_view(curve_cfg, &pairs, a.concurrency, a.pairwise).await?;
         let gate_ok: Vec<bool> = pairs
             .iter()
             .zip(&answers)
@@ -306,7 +339,7 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
             "policy pass (threshold {}, gate {}, top_k {})",
             config.semantic.threshold, config.semantic.gate, config.semantic.top_k
         );
-        let answers = cache_view(config.clone(), &pairs, a.concurrency).await?;
+        let answers = cache_view(config.clone(), &pairs, a.concurrency, a.pairwise).await?;
         let mut total = Point::default();
         let mut by_cat: BTreeMap<String, Point> = BTreeMap::new();
         for (p, ans) in pairs.iter().zip(&answers) {

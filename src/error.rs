@@ -196,7 +196,8 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if status.is_server_error() {
+        // A 504 for `only-if-cached` is the answer the client asked for, not a failure.
+        if status.is_server_error() && !matches!(self, ApiError::NotCached) {
             tracing::warn!(error = %self, kind = self.kind(), "request failed");
         }
         let mut resp = (status, axum::Json(self.body())).into_response();
