@@ -216,18 +216,27 @@ impl Namespace {
     /// never merged.
     ///
     /// Returns the merges and whether the work is finished (`false`: `deadline` came first
-    /// or the passes ran out with merges still found; call again).
+    /// or the passes ran out with merges still found; call again). With `progress`, the
+    /// first pass ignores the deadline: a pass cut short merges nothing, so a namespace
+    /// whose one pass takes longer than any budget would otherwise never be regrouped (a
+    /// pass is bounded by [`MAX_REGROUP`] clusters).
     fn regroup(
         &mut self,
         p: &RegroupParams,
         now_ms: u64,
         hl: f64,
         deadline: Instant,
+        progress: bool,
         allow: &dyn Fn(&str, &str) -> bool,
     ) -> (usize, bool) {
         let mut merged = 0;
-        for _ in 0..MAX_REGROUP_PASSES {
-            let Some(pairs) = self.merge_candidates(p, now_ms, hl, deadline, allow) else {
+        for pass in 0..MAX_REGROUP_PASSES {
+            let pass_deadline = if progress && pass == 0 {
+                Instant::now() + std::time::Duration::from_secs(3600)
+            } else {
+                deadline
+            };
+            let Some(pairs) = self.merge_candidates(p, now_ms, hl, pass_deadline, allow) else {
                 return (merged, false);
             };
             if pairs.is_empty() {
@@ -775,12 +784,14 @@ impl Model {
             .collect();
         due.sort_by_key(|d| d.0);
         let mut merged = 0;
-        for (_, ns) in due {
-            if Instant::now() >= deadline {
+        for (i, (_, ns)) in due.into_iter().enumerate() {
+            // No budget, no work; otherwise the first namespace of a round always gets one
+            // whole pass (see `Namespace::regroup`).
+            if budget.is_zero() || (i > 0 && Instant::now() >= deadline) {
                 break;
             }
             if let Some(space) = self.namespaces.get_mut(&ns) {
-                let (n, finished) = space.regroup(p, now_ms, hl, deadline, &allow);
+                let (n, finished) = space.regroup(p, now_ms, hl, deadline, i == 0, &allow);
                 merged += n;
                 space.regroup_due = !finished;
                 space.regrouped_ms = now_ms;
@@ -1409,7 +1420,10 @@ mod tests {
         m.link("ns", EntryId(1), EntryId(3), true, 0);
         let none = std::time::Duration::ZERO;
         assert_eq!(m.regroup(&regroup_params(), 0, none, |_, _| true), 0);
-        assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 1);
+        // A budget shorter than one pass still gets the first namespace one whole pass.
+        let tiny = std::time::Duration::from_nanos(1);
+        assert_eq!(m.regroup(&regroup_params(), 0, tiny, |_, _| true), 1);
+        assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 0);
     }
 
     #[test]
