@@ -397,6 +397,10 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     let old = entry_answering(&app, X).unwrap();
     assert_eq!(ask(&app, "b", X).await, "exact");
     assert_eq!(ask(&app, "c", X).await, "exact");
+    // Another key that leads to the same answer (as a paraphrase's or a prefetched
+    // wording's alias does).
+    let alias: reprise_cache::Digest = [7; 32];
+    app.state.memory.alias(alias, old).await;
     let refreshed = || {
         app.state
             .memory
@@ -411,6 +415,16 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     );
     let new = refreshed().unwrap();
     assert_ne!(new.id, old);
+    // The alias follows the renewed entry.
+    assert!(
+        eventually(WAIT, || app
+            .state
+            .memory
+            .iter_keys()
+            .contains(&(alias, new.id)))
+        .await,
+        "the alias points at the renewed entry"
+    );
     assert!(probe
         .inner
         .requests()
@@ -432,6 +446,13 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     let r = app.chat(&chat_body(X), &[("x-reprise-session", "d")]).await;
     assert_eq!(cache_status(&r), "exact");
     assert_eq!(probe.inner.calls(), calls, "served without the backend");
+    let via_alias = app
+        .state
+        .memory
+        .get_by_key(&alias)
+        .await
+        .expect("alias alive");
+    assert_eq!(via_alias.id, new.id);
 }
 
 #[tokio::test]

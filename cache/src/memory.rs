@@ -147,6 +147,16 @@ impl MemoryTier {
         self.keys.iter().map(|(k, v)| (*k, v)).collect()
     }
 
+    /// The keys that lead to entry `id` (a scan of every key: for rare maintenance, off the
+    /// async threads).
+    pub fn keys_of(&self, id: EntryId) -> Vec<Digest> {
+        self.keys
+            .iter()
+            .filter(|(_, v)| *v == id)
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
     /// A snapshot of the live entries (for index rebuilds and admin listings).
     pub fn iter_entries(&self) -> Vec<Arc<Entry>> {
         self.entries.iter().map(|(_, v)| v).collect()

@@ -30,7 +30,8 @@
 //!    first, the oldest dropped.
 //! 4. **Refresh-ahead**: entries served at least `refresh_min_hits` times are regenerated
 //!    (`Origin::Refresh`) when they come within `refresh_window_secs` of expiry, under the
-//!    same budgets. What was learned about the old entry moves to the new one.
+//!    same budgets. What was learned about the old entry moves to the new one, and so do
+//!    the keys that led to it (aliases of paraphrases and wordings, here and in Redis).
 //! 5. **Persistence**: the counts can be exported and imported; with a Redis tier attached
 //!    ([`Prefetcher::attach_redis`]) they are restored at start and saved every 30 s when
 //!    they changed.
@@ -1211,6 +1212,7 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
                     shared.handles.refresh.increment(1);
                     shared.hot.invalidate(&old);
                     shared.model.lock().rename(&job.namespace, old, id);
+                    repoint_keys(state, old, id).await;
                 }
                 _ => {
                     // Served already (its first use made it a live entry): nothing to track.
@@ -1375,6 +1377,25 @@ fn parse_questions(text: &str, n: usize, asked: &str) -> Vec<String> {
         }
     }
     out
+}
+
+/// Points every other key that led to the `old` answer (aliases of paraphrases and other
+/// wordings) at its renewed entry `new`, here and in Redis, so they do not turn into misses
+/// when the old entry expires. A key already moved elsewhere is left alone.
+async fn repoint_keys(state: &Arc<AppState>, old: EntryId, new: EntryId) {
+    let Some(entry) = state.memory.get(new).await else {
+        return;
+    };
+    let memory = state.memory.clone();
+    let Ok(keys) = tokio::task::spawn_blocking(move || memory.keys_of(old)).await else {
+        return;
+    };
+    for k in keys {
+        state.memory.alias(k, new).await;
+        if let Some(redis) = &state.redis {
+            redis.alias(k, new, entry.ttl_left());
+        }
+    }
 }
 
 /// Points the exact keys of other wordings at `entry`, leaving keys that already lead to an
