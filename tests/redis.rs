@@ -32,20 +32,14 @@ async fn two_replicas_share_exact_and_semantic_hits_both_ways() {
         "miss"
     );
     // B: exact (from Redis) and semantic (replicated into B's index).
-    assert_eq!(
-        poll_status(&b, &chat_body("How do I reset my password?"), &[], "exact").await,
-        "exact"
-    );
-    assert_eq!(
-        poll_status(
-            &b,
-            &chat_body("I forgot my password, how can I change it?"),
-            &[],
-            "semantic"
-        )
-        .await,
-        "semantic"
-    );
+    expect_status(&b, &chat_body("How do I reset my password?"), &[], "exact").await;
+    expect_status(
+        &b,
+        &chat_body("I forgot my password, how can I change it?"),
+        &[],
+        "semantic",
+    )
+    .await;
     // The other way round.
     assert_eq!(
         cache_status(
@@ -54,26 +48,20 @@ async fn two_replicas_share_exact_and_semantic_hits_both_ways() {
         ),
         "miss"
     );
-    assert_eq!(
-        poll_status(
-            &a,
-            &chat_body("Which city is the capital of France?"),
-            &[],
-            "semantic"
-        )
-        .await,
-        "semantic"
-    );
-    assert_eq!(
-        poll_status(
-            &a,
-            &chat_body("What is the capital of France?"),
-            &[],
-            "exact"
-        )
-        .await,
-        "exact"
-    );
+    expect_status(
+        &a,
+        &chat_body("Which city is the capital of France?"),
+        &[],
+        "semantic",
+    )
+    .await;
+    expect_status(
+        &a,
+        &chat_body("What is the capital of France?"),
+        &[],
+        "exact",
+    )
+    .await;
     assert_eq!(backend.calls(), 2);
 }
 
@@ -86,21 +74,15 @@ async fn restarted_replica_gets_its_hits_back_from_redis() {
     a.state.redis.as_ref().unwrap().flush().await.unwrap();
     drop(a);
     let a2 = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
-    assert_eq!(
-        poll_status(&a2, &chat_body("How do I export a PNG?"), &[], "exact").await,
-        "exact"
-    );
+    expect_status(&a2, &chat_body("How do I export a PNG?"), &[], "exact").await;
     // The index is rebuilt from Redis: a paraphrase hits.
-    assert_eq!(
-        poll_status(
-            &a2,
-            &chat_body("How can I export a PNG file?"),
-            &[],
-            "semantic"
-        )
-        .await,
-        "semantic"
-    );
+    expect_status(
+        &a2,
+        &chat_body("How can I export a PNG file?"),
+        &[],
+        "semantic",
+    )
+    .await;
     assert_eq!(backend.calls(), 1);
 }
 
@@ -209,14 +191,8 @@ async fn invalidation_reaches_every_replica_and_needs_the_token() {
         ],
     )
     .await;
-    assert_eq!(
-        poll_status(&b, &chat_body("first question"), &ns, "exact").await,
-        "exact"
-    );
-    assert_eq!(
-        poll_status(&b, &chat_body("second question"), &ns, "exact").await,
-        "exact"
-    );
+    expect_status(&b, &chat_body("first question"), &ns, "exact").await;
+    expect_status(&b, &chat_body("second question"), &ns, "exact").await;
 
     let r = a
         .client
@@ -289,10 +265,7 @@ async fn invalidation_reaches_every_replica_and_needs_the_token() {
         .find(|e| e.prompt == "third question")
         .unwrap()
         .id;
-    assert_eq!(
-        poll_status(&b, &chat_body("third question"), &[], "exact").await,
-        "exact"
-    );
+    expect_status(&b, &chat_body("third question"), &[], "exact").await;
     let r = a
         .client
         .delete(a.url(&format!("/admin/entries/{id}")))
@@ -301,10 +274,7 @@ async fn invalidation_reaches_every_replica_and_needs_the_token() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(
-        poll_status(&b, &chat_body("third question"), &[], "error").await,
-        "error"
-    );
+    expect_status(&b, &chat_body("third question"), &[], "error").await;
 }
 
 #[tokio::test]
@@ -317,10 +287,7 @@ async fn ttl_is_respected_in_both_tiers() {
     a.chat(&chat_body("short lived"), &[]).await;
     a.state.redis.as_ref().unwrap().flush().await.unwrap();
     let b = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
-    assert_eq!(
-        poll_status(&b, &chat_body("short lived"), &[], "exact").await,
-        "exact"
-    );
+    expect_status(&b, &chat_body("short lived"), &[], "exact").await;
     tokio::time::sleep(Duration::from_millis(1300)).await;
     let r = a
         .chat(
@@ -363,16 +330,13 @@ async fn cluster_mode_round_trip() {
             "{q}"
         );
     }
-    assert_eq!(
-        poll_status(
-            &b,
-            &chat_body("How can I reset my password?"),
-            &[],
-            "semantic"
-        )
-        .await,
-        "semantic"
-    );
+    expect_status(
+        &b,
+        &chat_body("How can I reset my password?"),
+        &[],
+        "semantic",
+    )
+    .await;
     let r = b.chat(&json!({"model": "fake", "messages": [{"role": "user", "content": "cluster one"}], "stream": true}), &[]).await;
     assert_eq!(cache_status(&r), "exact");
     assert_eq!(backend.calls(), 4);
@@ -408,15 +372,12 @@ async fn conversation_context_is_shared_across_replicas() {
     assert_eq!(cache_status(&r), "miss");
     // On B, a paraphrase of turn 2 in the same conversation is a semantic hit: B resolves the
     // conversation's context through the link A wrote to Redis.
-    assert_eq!(
-        poll_status(
-            &b,
-            &turn2("What if I can no longer access my email?"),
-            &[],
-            "semantic"
-        )
-        .await,
-        "semantic"
-    );
+    expect_status(
+        &b,
+        &turn2("What if I can no longer access my email?"),
+        &[],
+        "semantic",
+    )
+    .await;
     assert_eq!(backend.calls(), 2);
 }

@@ -202,6 +202,13 @@ pub async fn poll_status(
     }
 }
 
+/// Asserts that `body` comes to be answered from the cache with status `want` (polled
+/// with `only-if-cached`, see [`poll_status`]).
+pub async fn expect_status(app: &TestApp, body: &Value, headers: &[(&str, &str)], want: &str) {
+    let got = poll_status(app, body, headers, want).await;
+    assert_eq!(got, want, "cache status of {body}");
+}
+
 /// The assistant text of a chat completion body.
 pub async fn content(r: reqwest::Response) -> String {
     let j: Value = r.json().await.unwrap();
