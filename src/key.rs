@@ -210,24 +210,8 @@ pub fn messages_digest(domain: &str, msgs: &[&ChatMessage]) -> Digest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::chat;
     use reprise_backend::Priority;
-
-    fn chat(msgs: &[(&str, &str)]) -> GenRequest {
-        GenRequest {
-            model: "m".into(),
-            input: Input::Chat(
-                msgs.iter()
-                    .map(|(r, c)| ChatMessage {
-                        role: r.to_string(),
-                        content: c.to_string(),
-                    })
-                    .collect(),
-            ),
-            params: SamplingParams::default(),
-            priority: Priority::Interactive,
-            extra: Default::default(),
-        }
-    }
 
     #[test]
     fn keys_differ_on_every_output_affecting_field() {

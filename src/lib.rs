@@ -27,6 +27,8 @@ pub mod replication;
 pub mod reqlog;
 pub mod snapshot;
 pub mod state;
+#[cfg(test)]
+mod test_support;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};

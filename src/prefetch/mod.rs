@@ -1528,26 +1528,7 @@ fn follow_up(req: &GenRequest, answer: &str, question: &str, multi: bool) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn chat(msgs: &[(&str, &str)]) -> GenRequest {
-        GenRequest {
-            model: "m".into(),
-            input: Input::Chat(
-                msgs.iter()
-                    .map(|(r, c)| ChatMessage {
-                        role: (*r).into(),
-                        content: (*c).into(),
-                    })
-                    .collect(),
-            ),
-            params: SamplingParams {
-                max_tokens: Some(7),
-                ..Default::default()
-            },
-            priority: Priority::Interactive,
-            extra: Default::default(),
-        }
-    }
+    use crate::test_support::chat;
 
     #[test]
     fn follow_ups_keep_the_request_shape() {

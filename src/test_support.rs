@@ -1,0 +1,21 @@
+//! Builders shared by the unit tests.
+
+use reprise_backend::{ChatMessage, GenRequest, Input, Priority, SamplingParams};
+
+/// An interactive chat request for model `m` with default sampling.
+pub fn chat(msgs: &[(&str, &str)]) -> GenRequest {
+    GenRequest {
+        model: "m".into(),
+        input: Input::Chat(
+            msgs.iter()
+                .map(|(r, c)| ChatMessage {
+                    role: (*r).into(),
+                    content: (*c).into(),
+                })
+                .collect(),
+        ),
+        params: SamplingParams::default(),
+        priority: Priority::Interactive,
+        extra: Default::default(),
+    }
+}
