@@ -170,15 +170,7 @@ async fn chat_miss_then_exact_hit_without_the_engine() {
     );
     assert_eq!(engine.stats().generated_tokens, completion_tokens);
     // The engine's metrics reach /metrics (the recorder is process-wide: names, not values).
-    let text = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     for name in [
         "reprise_backend_prompt_tokens_total",
         "reprise_backend_generated_tokens_total",

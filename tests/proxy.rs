@@ -471,15 +471,7 @@ async fn models_health_ready_metrics() {
     app.state.set_ready(true);
     app.chat(&chat_body("m"), &[]).await;
     app.chat(&chat_body("m"), &[]).await;
-    let text = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = app.metrics_text().await;
     for name in [
         "reprise_requests_total{outcome=\"exact\"}",
         "reprise_cache_lookups_total{tier=\"exact\",result=\"hit\"}",

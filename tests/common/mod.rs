@@ -76,6 +76,12 @@ impl TestApp {
         }
         req.send().await.expect("request sent")
     }
+
+    /// The Prometheus text of `/metrics`.
+    pub async fn metrics_text(&self) -> String {
+        let r = self.client.get(self.url("/metrics")).send().await;
+        r.expect("request sent").text().await.expect("a body")
+    }
 }
 
 /// Config for tests: in-memory, semantic off unless asked.
