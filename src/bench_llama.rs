@@ -42,6 +42,10 @@ pub struct LlamaArgs {
     /// Sequences the engine decodes together (continuous batching slots).
     #[arg(long, default_value_t = 8)]
     parallel: usize,
+    /// Model layers offloaded to the GPU, both sides (needs a build with `--features cuda`;
+    /// 99 offloads every layer).
+    #[arg(long, default_value_t = 0)]
+    n_gpu_layers: u32,
     /// Write the results as JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -216,6 +220,7 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
     config.backend.kind = BackendKind::Llama;
     config.backend.model = a.model.clone();
     config.backend.n_threads = a.threads;
+    config.backend.n_gpu_layers = a.n_gpu_layers;
     config.backend.parallel = a.parallel;
     config.backend.n_ctx = n_ctx;
     config.backend.max_queue = 64;
@@ -241,6 +246,16 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
             .context("model loader panicked")??,
     );
     eprintln!("  loaded in {:.2} s", started.elapsed().as_secs_f64());
+    let placement = match engine.gpu_offload() {
+        Some(g) => format!(
+            "{}/{} layers on the GPU ({})",
+            g.offloaded,
+            g.layers,
+            g.devices.join(", ")
+        ),
+        None => "CPU only".to_string(),
+    };
+    eprintln!("  {placement}");
     let state = AppState::new(config, engine.clone(), None)?;
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -368,13 +383,15 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
     let base = levels[0].aggregate();
     println!("== reprise bench llama ==");
     println!(
-        "model {}  threads {}  tokens {}  rounds {}  parallel {}",
+        "model {}  threads {}  tokens {}  rounds {}  parallel {}  n_gpu_layers {}",
         a.model.display(),
         a.threads,
         a.tokens,
         a.rounds,
-        a.parallel
+        a.parallel,
+        a.n_gpu_layers
     );
+    println!("placement: {placement}");
     println!("single stream, raw prompt, greedy (medians over rounds):");
     println!("  bare llama.cpp   TTFT {bare_ttft:>8.2} ms   {bare_tps:>8.1} tok/s");
     println!("  reprise (HTTP)   TTFT {via_ttft:>8.2} ms   {via_tps:>8.1} tok/s");
@@ -408,6 +425,7 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
         let out = json!({
             "model": a.model.display().to_string(),
             "threads": a.threads, "tokens": a.tokens, "rounds": a.rounds, "parallel": a.parallel,
+            "n_gpu_layers": a.n_gpu_layers, "placement": placement,
             "single": {
                 "bare_tokens_per_second": bare_tps, "reprise_tokens_per_second": via_tps,
                 "ratio": ratio, "bare_ttft_ms": bare_ttft, "reprise_ttft_ms": via_ttft,

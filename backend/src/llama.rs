@@ -290,7 +290,7 @@ fn check_model_file(path: &Path) -> Result<(), LoadError> {
 }
 
 /// Loads the model (and the runtime on first use), with the configured GPU offload.
-fn load_model(cfg: &LlamaConfig) -> Result<(&'static LlamaRuntime, LlamaModel), LoadError> {
+fn load_model(cfg: &LlamaConfig) -> Result<LoadedModel, LoadError> {
     cfg.validate()?;
     check_model_file(&cfg.model)?;
     let runtime = runtime().map_err(|reason| LoadError::Runtime {
@@ -303,6 +303,11 @@ fn load_model(cfg: &LlamaConfig) -> Result<(&'static LlamaRuntime, LlamaModel), 
             "n_gpu_layers is ignored: reprise was built without the `cuda` feature"
         );
     }
+    let gpus = if cfg.n_gpu_layers > 0 && cfg!(feature = "cuda") {
+        gpu_devices(runtime)
+    } else {
+        Vec::new()
+    };
     let params = LlamaModelParams::default().with_n_gpu_layers(cfg.n_gpu_layers);
     let model = LlamaModel::load_from_file(runtime, &cfg.model, &params).map_err(|e| {
         LoadError::BadModel {
@@ -310,7 +315,63 @@ fn load_model(cfg: &LlamaConfig) -> Result<(&'static LlamaRuntime, LlamaModel), 
             reason: e.to_string(),
         }
     })?;
-    Ok((runtime, model))
+    let gpu = (!gpus.is_empty()).then(|| {
+        // llama.cpp counts the output layer as one more offloadable layer.
+        let layers = model.n_layer() + 1;
+        let offload = GpuOffload {
+            offloaded: cfg.n_gpu_layers.min(layers),
+            layers,
+            devices: gpus,
+        };
+        tracing::info!(
+            offloaded = offload.offloaded,
+            layers,
+            devices = %offload.devices.join(", "),
+            "model layers offloaded to the GPU"
+        );
+        offload
+    });
+    Ok((runtime, model, gpu))
+}
+
+/// What [`load_model`] returns: the runtime, the model and where its layers run.
+type LoadedModel = (&'static LlamaRuntime, LlamaModel, Option<GpuOffload>);
+
+/// How much of the model runs on the GPU, as decided at load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuOffload {
+    /// Layers placed on the GPU: `n_gpu_layers`, capped at `layers`.
+    pub offloaded: u32,
+    /// Offloadable layers of the model (llama.cpp counts the output layer as one).
+    pub layers: u32,
+    /// The GPUs llama.cpp found, as `name (description, free/total MiB)` at load time.
+    pub devices: Vec<String>,
+}
+
+/// The GPUs llama.cpp can offload to, as `name (description, free/total MiB)`; warns when
+/// there are none, since `n_gpu_layers` then has no effect.
+fn gpu_devices(runtime: &LlamaRuntime) -> Vec<String> {
+    use llama_cpp_2::LlamaBackendDeviceType as Kind;
+    let gpus: Vec<String> = llama_cpp_2::list_llama_ggml_backend_devices()
+        .into_iter()
+        .filter(|d| matches!(d.device_type, Kind::Gpu | Kind::IntegratedGpu))
+        .map(|d| {
+            format!(
+                "{} ({}, {}/{} MiB free)",
+                d.name,
+                d.description,
+                d.memory_free >> 20,
+                d.memory_total >> 20
+            )
+        })
+        .collect();
+    if gpus.is_empty() || !runtime.supports_gpu_offload() {
+        tracing::warn!(
+            "n_gpu_layers is ignored: llama.cpp found no GPU to offload to (driver or device missing)"
+        );
+        return Vec::new();
+    }
+    gpus
 }
 
 fn context_params(cfg: &LlamaConfig, n_seq: u32) -> LlamaContextParams {
@@ -338,6 +399,7 @@ pub struct LlamaBackend {
     max_queue: usize,
     shared: Arc<Shared>,
     engine: Option<JoinHandle<()>>,
+    gpu: Option<GpuOffload>,
 }
 
 impl std::fmt::Debug for LlamaBackend {
@@ -355,7 +417,7 @@ impl LlamaBackend {
     pub fn load(cfg: LlamaConfig) -> Result<LlamaBackend, LoadError> {
         let started = Instant::now();
         tracing::info!(model = %cfg.model.display(), "loading llama model");
-        let (runtime, model) = load_model(&cfg)?;
+        let (runtime, model, gpu) = load_model(&cfg)?;
         let model = Arc::new(model);
         let template = match model.chat_template(None) {
             Ok(t) => Some(t),
@@ -433,7 +495,14 @@ impl LlamaBackend {
             max_queue: cfg.max_queue,
             shared,
             engine: Some(engine),
+            gpu,
         })
+    }
+
+    /// The GPU offload in effect, or `None` when every layer runs on the CPU (no `cuda`
+    /// feature, `n_gpu_layers = 0`, or no GPU found).
+    pub fn gpu_offload(&self) -> Option<&GpuOffload> {
+        self.gpu.as_ref()
     }
 
     /// Context size in tokens actually allocated (llama.cpp may round `n_ctx` up).
@@ -657,7 +726,7 @@ pub fn bare_decode_benchmark(
         reason,
     };
     let started = Instant::now();
-    let (runtime, model) = load_model(cfg)?;
+    let (runtime, model, _) = load_model(cfg)?;
     let mut ctx = model
         .new_context(runtime, context_params(cfg, 1))
         .map_err(|e| failure(format!("cannot create a context: {e}")))?;
