@@ -510,8 +510,12 @@ async fn l2_vs_l1(
             let batch: Vec<String> = texts[next..next + per_batch].to_vec();
             next += per_batch;
             // Make sure what is about to be measured as L2 really is not linked in B's memory.
-            let probe = crate::pipeline::parse(Endpoint::Chat, chat_body(&batch[0]).as_bytes())
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let crate::pipeline::Request::Cacheable(probe) =
+                crate::pipeline::parse(Endpoint::Chat, chat_body(&batch[0]).as_bytes())
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+            else {
+                anyhow::bail!("a plain chat body was not cacheable");
+            };
             let key = crate::key::exact_key(
                 crate::pipeline::DEFAULT_NAMESPACE,
                 Endpoint::Chat,

@@ -72,8 +72,23 @@ impl KeyHasher {
 
     fn messages(&mut self, msgs: &[ChatMessage]) -> &mut Self {
         self.0.update(&(msgs.len() as u64).to_le_bytes());
-        for ChatMessage { role, content } in msgs {
-            self.str(role).str(content);
+        for m in msgs {
+            self.message(m);
+        }
+        self
+    }
+
+    /// Writes one message. A name is marked by a pseudo-role no real role can equal, so
+    /// messages without names keep the keys they always had.
+    pub fn message(&mut self, m: &ChatMessage) -> &mut Self {
+        let ChatMessage {
+            role,
+            content,
+            name,
+        } = m;
+        self.str(role).str(content);
+        if let Some(name) = name {
+            self.str("\0name").str(name);
         }
         self
     }
@@ -168,10 +183,12 @@ pub struct Conversation<'a> {
 }
 
 /// Splits a chat for semantic matching; `None` when the last message is not a user message
-/// (an assistant prefill or a tool result is not a question to match by meaning).
+/// (an assistant prefill is not a question to match by meaning) or carries a `name`.
 pub fn split_conversation(msgs: &[ChatMessage]) -> Option<Conversation<'_>> {
     let (last, rest) = msgs.split_last()?;
-    if last.role != "user" {
+    // A named speaker's question is only matched exactly: the name is not part of the text
+    // matched by meaning, and who asks can change the answer.
+    if last.role != "user" || last.name.is_some() {
         return None;
     }
     let mut preamble = Vec::new();
@@ -202,7 +219,7 @@ pub fn messages_digest(domain: &str, msgs: &[&ChatMessage]) -> Digest {
     let mut h = KeyHasher::new(domain);
     h.0.update(&(msgs.len() as u64).to_le_bytes());
     for m in msgs {
-        h.str(&m.role).str(&m.content);
+        h.message(m);
     }
     h.finish()
 }
@@ -269,6 +286,43 @@ mod tests {
         let mut t = base.clone();
         t.params.max_tokens = Some(5);
         assert_ne!(p, partition_key("ns", Endpoint::Chat, &t, &ctx), "params");
+    }
+
+    #[test]
+    fn participant_names_are_part_of_the_key_and_only_matched_exactly() {
+        let set_name = |r: &mut GenRequest, i: usize, name: &str| {
+            if let Input::Chat(m) = &mut r.input {
+                m[i].name = Some(name.into());
+            }
+        };
+        let base = chat(&[("user", "What should I do next?")]);
+        let k = exact_key("ns", Endpoint::Chat, &base);
+        let (mut alice, mut bob) = (base.clone(), base.clone());
+        set_name(&mut alice, 0, "alice");
+        set_name(&mut bob, 0, "bob");
+        let ka = exact_key("ns", Endpoint::Chat, &alice);
+        assert_ne!(k, ka);
+        assert_ne!(ka, exact_key("ns", Endpoint::Chat, &bob));
+        // A name cannot pass for message text.
+        let text = chat(&[("user", "What should I do next?"), ("\0name", "alice")]);
+        assert_ne!(ka, exact_key("ns", Endpoint::Chat, &text));
+        // The asker's name keeps the question out of meaning matching; an earlier speaker's
+        // name is part of the context.
+        let Input::Chat(msgs) = &alice.input else {
+            unreachable!()
+        };
+        assert!(split_conversation(msgs).is_none());
+        let mut earlier = chat(&[("user", "hi"), ("assistant", "hello"), ("user", "and now?")]);
+        let Input::Chat(msgs) = &earlier.input else {
+            unreachable!()
+        };
+        let plain = messages_digest("ctx", &split_conversation(msgs).unwrap().turns[0].0);
+        set_name(&mut earlier, 0, "alice");
+        let Input::Chat(msgs) = &earlier.input else {
+            unreachable!()
+        };
+        let conv = split_conversation(msgs).expect("the last message has no name");
+        assert_ne!(plain, messages_digest("ctx", &conv.turns[0].0));
     }
 
     #[test]

@@ -162,6 +162,10 @@ fn describe() {
         "Entries removed from memory for size or expiry."
     );
     describe_counter!(
+        "reprise_forwarded_total",
+        "Requests sent upstream unchanged because the cache cannot represent them, by the field that required it (tools, n, logprobs, image parts, ...)."
+    );
+    describe_counter!(
         "reprise_incomplete_generations_total",
         "Generations that failed, were cut off or were abandoned; never cached."
     );
@@ -171,6 +175,11 @@ fn describe() {
 }
 
 impl Metrics {
+    /// Counts a request sent upstream unchanged; `field` is one of a fixed set of names.
+    pub fn forwarded(&self, field: &'static str) {
+        metrics::counter!("reprise_forwarded_total", "field" => field).increment(1);
+    }
+
     /// Registers (once) and returns the handles.
     pub fn new() -> Self {
         let _ = prometheus();

@@ -21,10 +21,11 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use reprise_backend::{
-    BackendError, ChatMessage, FinishReason, GenEvent, GenRequest, Input, Priority, SamplingParams,
-    Usage,
+    BackendError, ChatMessage, FinishReason, ForwardRequest, GenEvent, GenRequest, Input, Priority,
+    SamplingParams, Usage,
 };
 use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
+use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::flight::{End, Flight, Joined, Subscriber};
@@ -62,6 +63,112 @@ pub struct Parsed {
     pub include_usage: bool,
     /// The OpenAI `user` field.
     pub user: Option<String>,
+}
+
+/// What [`parse`] makes of a body.
+pub enum Request {
+    /// Answered from the cache, or generated and stored.
+    Cacheable(Parsed),
+    /// Asks for more than a cached text answer can give; goes upstream as it came.
+    Forward(Forward),
+}
+
+/// A request that only an upstream can answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forward {
+    /// The model the body names.
+    pub model: String,
+    /// The client asked for a stream.
+    pub stream: bool,
+    /// The field that needs the upstream, as a path: `tools`, `messages[2].tool_calls`, `n`.
+    pub param: String,
+    /// The same field without indices, for the metric label: `tools`, `messages.tool_calls`.
+    pub field: &'static str,
+}
+
+/// Chat request fields whose answer is more than text: tool calls, log-probabilities, audio.
+const CHAT_FORWARD_FIELDS: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "logprobs",
+    "top_logprobs",
+    "audio",
+    "modalities",
+];
+
+/// Message fields of tool and audio conversations, which the cache's text-only messages
+/// cannot carry.
+const MESSAGE_FORWARD_FIELDS: &[(&str, &str)] = &[
+    ("tool_calls", "messages.tool_calls"),
+    ("tool_call_id", "messages.tool_call_id"),
+    ("function_call", "messages.function_call"),
+    ("audio", "messages.audio"),
+];
+
+/// Completions request fields whose answer is more than one text.
+const COMPLETION_FORWARD_FIELDS: &[&str] = &["best_of", "logprobs", "echo", "suffix"];
+
+/// Whether a field's value asks for something: not null, `false`, `[]`, `""`, a
+/// `modalities` of text only or a `best_of` of 1.
+fn asks_for(field: &str, v: &Value) -> bool {
+    match v {
+        Value::Null | Value::Bool(false) => false,
+        Value::Array(a) if field == "modalities" => a.iter().any(|m| m.as_str() != Some("text")),
+        Value::Array(a) => !a.is_empty(),
+        Value::String(s) => !s.is_empty(),
+        Value::Number(n) if field == "best_of" => n.as_u64() != Some(1),
+        _ => true,
+    }
+}
+
+/// The first field of a chat request that needs the upstream, as (`param`, metric label).
+fn chat_forward_field(r: &ChatCompletionRequest) -> Option<(String, &'static str)> {
+    if let Some(f) = CHAT_FORWARD_FIELDS
+        .iter()
+        .find(|f| r.extra.get(**f).is_some_and(|v| asks_for(f, v)))
+    {
+        return Some((f.to_string(), *f));
+    }
+    if r.n.is_some_and(|n| n > 1) {
+        return Some(("n".into(), "n"));
+    }
+    for (i, m) in r.messages.iter().enumerate() {
+        if matches!(m.role.as_str(), "tool" | "function") {
+            return Some((format!("messages[{i}].role"), "messages.role"));
+        }
+        if let Some((f, label)) = MESSAGE_FORWARD_FIELDS
+            .iter()
+            .find(|(f, _)| m.extra.get(*f).is_some_and(|v| asks_for(f, v)))
+        {
+            return Some((format!("messages[{i}].{f}"), *label));
+        }
+        if let Some(Content::Parts(parts)) = &m.content {
+            if parts.iter().any(|p| p.kind != "text") {
+                return Some((format!("messages[{i}].content"), "messages.content"));
+            }
+        }
+    }
+    None
+}
+
+/// The first field of a completions request that needs the upstream.
+fn completion_forward_field(r: &CompletionRequest) -> Option<(String, &'static str)> {
+    if let Some(f) = COMPLETION_FORWARD_FIELDS
+        .iter()
+        .find(|f| r.extra.get(**f).is_some_and(|v| asks_for(f, v)))
+    {
+        return Some((f.to_string(), *f));
+    }
+    if r.n.is_some_and(|n| n > 1) {
+        return Some(("n".into(), "n"));
+    }
+    if matches!(&r.prompt, Prompt::Many(v) if v.len() > 1) {
+        return Some(("prompt".into(), "prompt"));
+    }
+    None
 }
 
 /// Request controls taken from headers.
@@ -185,7 +292,10 @@ async fn serve(
 ) -> Result<Response, ApiError> {
     // 1. Parse.
     let body = body.map_err(|e| body_error(e, state.config.server.max_body_bytes))?;
-    let parsed = parse(endpoint, &body)?;
+    let parsed = match parse(endpoint, &body)? {
+        Request::Cacheable(parsed) => parsed,
+        Request::Forward(f) => return forward(state, endpoint, headers, body, f, trace).await,
+    };
     // 2. Controls.
     let ctl = Controls::from_headers(headers)?;
     trace.record.namespace = ctl.namespace.clone();
@@ -339,6 +449,99 @@ async fn serve(
     respond_generation(state, &parsed, renderer, sub, outcome, trace).await
 }
 
+/// Sends a request the cache cannot represent upstream as it came and streams the answer
+/// back as it arrives. Nothing is looked up, stored or learned from it.
+async fn forward(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Bytes,
+    f: Forward,
+    trace: &mut Trace,
+) -> Result<Response, ApiError> {
+    let ctl = Controls::from_headers(headers)?;
+    trace.record.namespace = ctl.namespace;
+    if !state.is_ready() {
+        return Err(ApiError::NotReady);
+    }
+    if !state.models.is_empty() && !state.models.contains(&f.model) {
+        return Err(ApiError::UnknownModel(f.model));
+    }
+    if ctl.only_if_cached {
+        return Err(ApiError::NotCached);
+    }
+    if !state.backend.forwards() {
+        return Err(ApiError::invalid(
+            format!(
+                "`{}` needs an OpenAI-compatible upstream (backend.kind = \"openai\"): the \
+                 in-process llama backend answers with text only",
+                f.param
+            ),
+            Some(&f.param),
+        ));
+    }
+    trace.outcome = Outcome::Bypass;
+    state.metrics.forwarded(f.field);
+    let server = &state.config.server;
+    // A non-streaming upstream sends its headers only once the whole answer is ready.
+    let wait = if f.stream {
+        server.first_token_timeout()
+    } else {
+        server.request_timeout()
+    };
+    let req = ForwardRequest {
+        path: match endpoint {
+            Endpoint::Chat => "chat/completions",
+            Endpoint::Completion => "completions",
+        },
+        model: f.model,
+        body,
+    };
+    let answer = tokio::time::timeout(wait, state.backend.forward(req))
+        .await
+        .map_err(|_| ApiError::Timeout)??;
+    let deadline = (!f.stream).then(|| tokio::time::Instant::now() + server.request_timeout());
+    let mut trace = std::mem::replace(trace, Trace::detached());
+    let mut upstream = answer.body;
+    let body = async_stream::stream! {
+        loop {
+            let next = match deadline {
+                Some(d) => tokio::time::timeout_at(d, upstream.next()).await,
+                None => Ok(upstream.next().await),
+            };
+            match next {
+                Ok(Some(Ok(chunk))) => {
+                    trace.first_token();
+                    yield Ok::<Bytes, std::io::Error>(chunk);
+                }
+                Ok(Some(Err(e))) => {
+                    // The status is sent: cutting the body off is all that is left to say.
+                    trace.failed(e.kind());
+                    yield Err(std::io::Error::other(e));
+                    break;
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    trace.failed(ApiError::Timeout.kind());
+                    yield Err(std::io::Error::other("the request timed out"));
+                    break;
+                }
+            }
+        }
+    };
+    let mut resp = Response::new(axum::body::Body::from_stream(body));
+    *resp.status_mut() =
+        axum::http::StatusCode::from_u16(answer.status).unwrap_or(axum::http::StatusCode::OK);
+    let content_type = answer
+        .content_type
+        .and_then(|ct| HeaderValue::from_str(&ct).ok())
+        .unwrap_or(HeaderValue::from_static("application/json"));
+    resp.headers_mut()
+        .insert(axum::http::header::CONTENT_TYPE, content_type);
+    set_cache_headers(&mut resp, Outcome::Bypass, None);
+    Ok(resp)
+}
+
 /// Maps the axum body rejection to our error shape.
 fn body_error(e: BytesRejection, limit: usize) -> ApiError {
     if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
@@ -348,8 +551,10 @@ fn body_error(e: BytesRejection, limit: usize) -> ApiError {
     }
 }
 
-/// Parses and validates a request body.
-pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
+/// Parses and validates a request body. A request that asks for more than a text answer
+/// (tools, several choices, images, log-probabilities) is only checked for the fields reprise
+/// itself reads; the upstream validates the rest.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
     fn de<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
         let de = &mut serde_json::Deserializer::from_slice(body);
         serde_path_to_error::deserialize(de).map_err(|e| {
@@ -374,6 +579,14 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
                     Some("messages"),
                 ));
             }
+            if let Some((param, field)) = chat_forward_field(&r) {
+                return Ok(Request::Forward(Forward {
+                    model: r.model,
+                    stream: r.stream.unwrap_or(false),
+                    param,
+                    field,
+                }));
+            }
             let mut msgs = Vec::with_capacity(r.messages.len());
             for (i, m) in r.messages.into_iter().enumerate() {
                 if !matches!(
@@ -391,11 +604,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
                     Some(Content::Parts(parts)) => {
                         let mut text = String::new();
                         for p in parts {
-                            match (p.kind.as_str(), p.text) {
-                                ("text", Some(t)) => text.push_str(&t),
-                                (kind, _) => {
+                            // Other part types went to `Forward` above.
+                            match p.text {
+                                Some(t) => text.push_str(&t),
+                                None => {
                                     return Err(ApiError::invalid(
-                                        format!("content part type `{kind}` is not supported"),
+                                        "a `text` content part needs a `text` string",
                                         Some(&format!("messages[{i}].content")),
                                     ))
                                 }
@@ -407,6 +621,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
                 msgs.push(ChatMessage {
                     role: m.role,
                     content,
+                    name: m.name,
                 });
             }
             let params = SamplingParams {
@@ -435,12 +650,20 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
         }
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
+            if let Some((param, field)) = completion_forward_field(&r) {
+                return Ok(Request::Forward(Forward {
+                    model: r.model,
+                    stream: r.stream.unwrap_or(false),
+                    param,
+                    field,
+                }));
+            }
             let prompt = match r.prompt {
                 Prompt::One(p) => p,
                 Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
                 Prompt::Many(_) => {
                     return Err(ApiError::invalid(
-                        "only one prompt per request is supported",
+                        "`prompt` must not be empty",
                         Some("prompt"),
                     ))
                 }
@@ -470,8 +693,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
             )
         }
     };
-    if n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+    // `n > 1` went to `Forward` above.
+    if n == Some(0) {
+        return Err(ApiError::invalid("`n` must be at least 1", Some("n")));
     }
     let p = &req.params;
     if p.temperature.is_some_and(|t| !(0.0..=2.0).contains(&t)) {
@@ -509,12 +733,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, ApiError> {
             ));
         }
     }
-    Ok(Parsed {
+    Ok(Request::Cacheable(Parsed {
         req,
         stream,
         include_usage,
         user,
-    })
+    }))
 }
 
 /// What a write-back stores, gathered along the request path.
@@ -655,7 +879,7 @@ async fn resolve_context(
     let mut h = KeyHasher::new("ctx-pending");
     h.digest(&ctx);
     for m in &conv.pending {
-        h.str(&m.role).str(&m.content);
+        h.message(m);
     }
     Context {
         turn: ctx,
@@ -1343,7 +1567,11 @@ impl Trace {
     }
 
     fn fail(&mut self, e: &ApiError) {
-        self.error = Some(e.kind());
+        self.failed(e.kind());
+    }
+
+    fn failed(&mut self, kind: &'static str) {
+        self.error = Some(kind);
     }
 }
 
@@ -1369,5 +1597,117 @@ impl Drop for Trace {
             rec.total_ms = total * 1000.0;
             log.write(rec);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn classify(endpoint: Endpoint, body: Value) -> Result<Option<(String, &'static str)>, String> {
+        match parse(endpoint, body.to_string().as_bytes()) {
+            Ok(Request::Cacheable(_)) => Ok(None),
+            Ok(Request::Forward(f)) => Ok(Some((f.param, f.field))),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn chat_with(field: &str, value: Value) -> Value {
+        let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        b[field] = value;
+        b
+    }
+
+    #[test]
+    fn only_fields_that_ask_for_more_than_text_forward() {
+        let forward = |param: &str, field: &'static str| Ok(Some((param.to_string(), field)));
+        let chat = |f: &str, v: Value| classify(Endpoint::Chat, chat_with(f, v));
+        assert_eq!(
+            chat("tools", json!([{"type": "function"}])),
+            forward("tools", "tools")
+        );
+        assert_eq!(chat("tools", json!([])), Ok(None));
+        assert_eq!(
+            chat("tool_choice", json!("none")),
+            forward("tool_choice", "tool_choice")
+        );
+        assert_eq!(chat("logprobs", json!(false)), Ok(None));
+        assert_eq!(
+            chat("logprobs", json!(true)),
+            forward("logprobs", "logprobs")
+        );
+        assert_eq!(chat("modalities", json!(["text"])), Ok(None));
+        assert_eq!(
+            chat("modalities", json!(["text", "audio"])),
+            forward("modalities", "modalities")
+        );
+        assert_eq!(chat("n", json!(1)), Ok(None));
+        assert_eq!(chat("n", json!(2)), forward("n", "n"));
+        assert!(chat("n", json!(0)).is_err());
+        assert_eq!(
+            chat("response_format", json!({"type": "json_object"})),
+            Ok(None)
+        );
+
+        let msgs = |m: Value| classify(Endpoint::Chat, json!({"model": "m", "messages": m}));
+        assert_eq!(
+            msgs(
+                json!([{"role": "user", "content": "a"}, {"role": "function", "name": "f", "content": "1"}])
+            ),
+            forward("messages[1].role", "messages.role")
+        );
+        assert_eq!(
+            msgs(json!([{"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}])),
+            forward("messages[0].tool_calls", "messages.tool_calls")
+        );
+        assert_eq!(
+            msgs(
+                json!([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}])
+            ),
+            forward("messages[0].content", "messages.content")
+        );
+        assert_eq!(
+            msgs(
+                json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+            ),
+            Ok(None)
+        );
+        assert!(msgs(json!([{"role": "user", "content": [{"type": "text"}]}])).is_err());
+
+        let completion = |f: &str, v: Value| {
+            let mut b = json!({"model": "m", "prompt": "1, 2,"});
+            b[f] = v;
+            classify(Endpoint::Completion, b)
+        };
+        assert_eq!(completion("best_of", json!(1)), Ok(None));
+        assert_eq!(
+            completion("best_of", json!(3)),
+            forward("best_of", "best_of")
+        );
+        assert_eq!(completion("echo", json!(true)), forward("echo", "echo"));
+        assert_eq!(
+            completion("logprobs", json!(0)),
+            forward("logprobs", "logprobs")
+        );
+        assert_eq!(completion("prompt", json!(["a"])), Ok(None));
+        assert_eq!(
+            completion("prompt", json!(["a", "b"])),
+            forward("prompt", "prompt")
+        );
+        assert!(completion("prompt", json!([])).is_err());
+    }
+
+    #[test]
+    fn a_participant_name_is_kept() {
+        let body =
+            json!({"model": "m", "messages": [{"role": "user", "name": "alice", "content": "hi"}]});
+        let Ok(Request::Cacheable(p)) = parse(Endpoint::Chat, body.to_string().as_bytes()) else {
+            panic!("a named message is cacheable");
+        };
+        let Input::Chat(msgs) = &p.req.input else {
+            panic!("chat input");
+        };
+        assert_eq!(msgs[0].name.as_deref(), Some("alice"));
     }
 }

@@ -6,14 +6,7 @@ use reprise_backend::{ChatMessage, GenRequest, Input, Priority, SamplingParams};
 pub fn chat(msgs: &[(&str, &str)]) -> GenRequest {
     GenRequest {
         model: "m".into(),
-        input: Input::Chat(
-            msgs.iter()
-                .map(|(r, c)| ChatMessage {
-                    role: (*r).into(),
-                    content: (*c).into(),
-                })
-                .collect(),
-        ),
+        input: Input::Chat(msgs.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()),
         params: SamplingParams::default(),
         priority: Priority::Interactive,
         extra: Default::default(),

@@ -516,4 +516,24 @@ async fn reprise_with_llama_is_an_openai_upstream_for_reprise() {
     unknown["model"] = json!("gpt-4o");
     let r = post(&b, "/v1/chat/completions", &unknown, &[]).await;
     assert_eq!(r.status(), 404);
+
+    // Tools go from B to A unchanged; A's llama engine answers text only and says so, and
+    // its 400 (with the field) reaches the client through B. Nothing is generated.
+    let mut tools = chat("Weather in Paris?", 8);
+    tools["tools"] = json!([{"type": "function", "function": {"name": "weather"}}]);
+    let r = post(&b, "/v1/chat/completions", &tools, &[]).await;
+    assert_eq!(cache_status(&r), "error");
+    let status = r.status();
+    let j = json_body(r).await;
+    assert_eq!(status, 400, "{j}");
+    assert_eq!(j["error"]["param"], "tools");
+    assert!(
+        j["error"]["message"].as_str().unwrap().contains("upstream"),
+        "{j}"
+    );
+    assert_eq!(engine.stats().completed, 5);
+    assert!(b
+        .metrics_text()
+        .await
+        .contains(r#"reprise_forwarded_total{field="tools"} 1"#));
 }

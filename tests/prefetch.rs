@@ -848,10 +848,10 @@ async fn a_follow_up_the_cache_answers_semantically_is_not_generated_and_names_t
     // The paraphrase as a prefetch would ask it: the semantic tier already answers it.
     let req = GenRequest {
         model: "fake".into(),
-        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage {
-            role: "user".into(),
-            content: Y_PARAPHRASE.into(),
-        }]),
+        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage::new(
+            "user",
+            Y_PARAPHRASE,
+        )]),
         params: Default::default(),
         priority: Priority::Background,
         extra: Default::default(),

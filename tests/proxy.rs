@@ -699,3 +699,172 @@ async fn run_saves_a_snapshot_on_shutdown_and_loads_it_at_start() {
         server.await.unwrap().unwrap();
     }
 }
+
+/// What the tool-calling upstream answers: a JSON body, or these SSE events.
+const TOOL_ANSWER: &str = r#"{"id":"chatcmpl-up","object":"chat.completion","created":1,"model":"up-model","choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Paris\"}"}}]},"finish_reason":"tool_calls"}]}"#;
+const TOOL_STREAM: &str = concat!(
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Paris\"}"}}]},"finish_reason":null}]}"#,
+    "\n\n",
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+    "\n\n",
+    "data: [DONE]\n\n",
+);
+
+/// An OpenAI-compatible upstream that records every request (path and body) and answers
+/// with a tool call: the part of a model API that a scripted backend behind a second
+/// reprise cannot play, since reprise answers tools only by forwarding them.
+#[derive(Clone, Default)]
+struct ToolUpstream {
+    seen: Arc<std::sync::Mutex<Vec<(String, Value)>>>,
+    base_url: String,
+}
+
+impl ToolUpstream {
+    async fn spawn() -> ToolUpstream {
+        use axum::http::{header, Uri};
+        use axum::response::IntoResponse;
+        let seen: Arc<std::sync::Mutex<Vec<(String, Value)>>> = Arc::default();
+        let record = seen.clone();
+        let handler = move |uri: Uri, axum::Json(body): axum::Json<Value>| {
+            let record = record.clone();
+            async move {
+                let stream = body["stream"] == json!(true);
+                record.lock().unwrap().push((uri.path().to_string(), body));
+                if stream {
+                    ([(header::CONTENT_TYPE, "text/event-stream")], TOOL_STREAM).into_response()
+                } else {
+                    ([(header::CONTENT_TYPE, "application/json")], TOOL_ANSWER).into_response()
+                }
+            }
+        };
+        let app = axum::Router::new()
+            .route("/v1/chat/completions", axum::routing::post(handler.clone()))
+            .route("/v1/completions", axum::routing::post(handler));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        ToolUpstream {
+            seen,
+            base_url: format!("http://{addr}/v1"),
+        }
+    }
+
+    fn seen(&self) -> Vec<(String, Value)> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+#[tokio::test]
+async fn requests_beyond_text_go_upstream_unchanged_and_are_never_cached() {
+    let up = ToolUpstream::spawn().await;
+    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    let tools = json!({
+        "model": "up-model",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}],
+        "tool_choice": "auto"
+    });
+    for round in 1..=2 {
+        let r = app.chat(&tools, &[]).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(cache_status(&r), "bypass");
+        assert_eq!(r.headers()["content-type"], "application/json");
+        assert_eq!(
+            r.text().await.unwrap(),
+            TOOL_ANSWER,
+            "the answer comes back unchanged"
+        );
+        assert_eq!(up.seen().len(), round, "never answered from the cache");
+    }
+    let (path, body) = up.seen().pop().unwrap();
+    assert_eq!(path, "/v1/chat/completions");
+    assert_eq!(body, tools, "the body reaches the upstream unchanged");
+
+    // A tool conversation, streamed: call ids and tool results reach the upstream, and its
+    // events come back byte for byte.
+    let convo = json!({"model": "up-model", "stream": true, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}
+    ]});
+    let r = app.chat(&convo, &[]).await;
+    assert_eq!(cache_status(&r), "bypass");
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    assert_eq!(r.text().await.unwrap(), TOOL_STREAM);
+    assert_eq!(up.seen().pop().unwrap().1, convo);
+
+    // Several choices, image parts and the completions endpoint's log-probabilities take
+    // the same path.
+    let several = json!({"model": "up-model", "n": 2,
+        "messages": [{"role": "user", "content": "Two names for a cat?"}]});
+    let image = json!({"model": "up-model", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]});
+    for body in [&several, &image] {
+        let r = app.chat(body, &[]).await;
+        assert_eq!(cache_status(&r), "bypass");
+        assert_eq!(&up.seen().pop().unwrap().1, body);
+    }
+    let logprobs = json!({"model": "up-model", "prompt": "1, 2, 3,", "logprobs": 2});
+    let r = app
+        .client
+        .post(app.url("/v1/completions"))
+        .json(&logprobs)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cache_status(&r), "bypass");
+    assert_eq!(
+        up.seen().pop().unwrap(),
+        ("/v1/completions".into(), logprobs)
+    );
+
+    // `only-if-cached` cannot be met by a request that is never cached.
+    let before = up.seen().len();
+    let r = app
+        .chat(&tools, &[("cache-control", "only-if-cached")])
+        .await;
+    assert_openai_error(r, 504, None).await;
+    assert_eq!(up.seen().len(), before);
+
+    assert_eq!(app.state.memory.entry_count(), 0, "nothing was stored");
+    let m = app.metrics_text().await;
+    for line in [
+        r#"reprise_forwarded_total{field="tools"} 2"#,
+        r#"reprise_forwarded_total{field="messages.tool_calls"} 1"#,
+        r#"reprise_forwarded_total{field="n"} 1"#,
+        r#"reprise_forwarded_total{field="messages.content"} 1"#,
+        r#"reprise_forwarded_total{field="logprobs"} 1"#,
+    ] {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
+}
+
+#[tokio::test]
+async fn requests_beyond_text_are_refused_by_a_text_only_backend() {
+    let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;
+    let mut tools = chat_body("Weather in Paris?");
+    tools["tools"] = json!([{"type": "function", "function": {"name": "weather"}}]);
+    let j = assert_openai_error(app.chat(&tools, &[]).await, 400, Some("tools")).await;
+    assert!(
+        j["error"]["message"].as_str().unwrap().contains("upstream"),
+        "{j}"
+    );
+    let mut several = chat_body("Two names for a cat?");
+    several["n"] = json!(3);
+    assert_openai_error(app.chat(&several, &[]).await, 400, Some("n")).await;
+    // Fields that ask for nothing beyond text do not count: the request is served.
+    let mut plain = chat_body("Weather in Paris?");
+    plain["tools"] = json!([]);
+    plain["logprobs"] = json!(false);
+    plain["n"] = json!(1);
+    let r = app.chat(&plain, &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 1);
+}

@@ -317,10 +317,7 @@ mod tests {
     fn req(text: &str, max: Option<u32>) -> GenRequest {
         GenRequest {
             model: "fake".into(),
-            input: Input::Chat(vec![ChatMessage {
-                role: "user".into(),
-                content: text.into(),
-            }]),
+            input: Input::Chat(vec![ChatMessage::new("user", text)]),
             params: SamplingParams {
                 max_tokens: max,
                 ..Default::default()

@@ -12,6 +12,7 @@
 
 use std::pin::Pin;
 
+use bytes::Bytes;
 use futures::Stream;
 use serde::{Deserialize, Serialize};
 
@@ -32,10 +33,25 @@ pub enum Input {
 /// One chat message, reduced to the parts a text model consumes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, `developer` or `tool`.
+    /// `system`, `user`, `assistant` or `developer`.
     pub role: String,
     /// The message text (multi-part content is joined by the HTTP layer).
     pub content: String,
+    /// The participant's name, when the client gave one. Part of the cache key and sent to
+    /// upstreams; llama.cpp's chat templates have no place for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message without a participant name.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            name: None,
+        }
+    }
 }
 
 /// Sampling parameters that change the output.
@@ -194,6 +210,40 @@ impl BackendError {
 /// A stream of generation events. Dropping it cancels the generation.
 pub type GenStream = Pin<Box<dyn Stream<Item = Result<GenEvent, BackendError>> + Send + 'static>>;
 
+/// A response body passed on as it arrives. Dropping it closes the upstream request.
+pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, BackendError>> + Send + 'static>>;
+
+/// A request the cache cannot represent (tools, several choices, images, log-probabilities),
+/// to be sent to the backend exactly as the client wrote it.
+#[derive(Debug, Clone)]
+pub struct ForwardRequest {
+    /// Path below the backend's base URL: `chat/completions` or `completions`.
+    pub path: &'static str,
+    /// The model the body names (checked against the backend's model list).
+    pub model: String,
+    /// The client's body, unchanged.
+    pub body: Bytes,
+}
+
+/// The backend's successful answer to a [`ForwardRequest`], untouched.
+pub struct Forwarded {
+    /// HTTP status (a success; failures come back as [`BackendError`]).
+    pub status: u16,
+    /// The answer's `content-type`, if it had one.
+    pub content_type: Option<String>,
+    /// The body, chunk by chunk as it arrives.
+    pub body: ByteStream,
+}
+
+impl std::fmt::Debug for Forwarded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forwarded")
+            .field("status", &self.status)
+            .field("content_type", &self.content_type)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A model server that reprise sends misses to.
 #[async_trait::async_trait]
 pub trait Backend: Send + Sync + 'static {
@@ -212,5 +262,22 @@ pub trait Backend: Send + Sync + 'static {
     /// is above zero.
     fn interactive_load(&self) -> usize {
         0
+    }
+
+    /// Whether [`Backend::forward`] works: only an HTTP upstream can answer what the cache
+    /// cannot represent.
+    fn forwards(&self) -> bool {
+        false
+    }
+
+    /// Sends a request unchanged and passes the answer back unchanged (never cached).
+    async fn forward(&self, req: ForwardRequest) -> Result<Forwarded, BackendError> {
+        Err(BackendError::InvalidRequest {
+            message: format!(
+                "this backend cannot answer requests for `{}` that the cache cannot represent",
+                req.model
+            ),
+            param: None,
+        })
     }
 }

@@ -4,6 +4,10 @@
 //! `stream_options.include_usage`), whatever the client asked: the server needs the tokens
 //! as they come to fan them out to streaming clients and to measure time to first token, and
 //! it assembles whole answers itself. Connections are pooled and kept alive by reqwest.
+//!
+//! Requests the cache cannot represent (tools, several choices, images…) go through
+//! [`Backend::forward`] instead: the client's body is sent unchanged and the answer streamed
+//! back unchanged.
 
 use std::time::Duration;
 
@@ -11,7 +15,10 @@ use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
-use crate::{Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Usage};
+use crate::{
+    Backend, BackendError, FinishReason, ForwardRequest, Forwarded, GenEvent, GenRequest,
+    GenStream, Input, Usage,
+};
 
 /// Settings of an [`OpenAiBackend`].
 #[derive(Clone)]
@@ -65,6 +72,49 @@ impl OpenAiBackend {
         })
     }
 
+    fn check_model(&self, model: &str) -> Result<(), BackendError> {
+        if self.cfg.models.is_empty() || self.cfg.models.iter().any(|m| m == model) {
+            Ok(())
+        } else {
+            Err(BackendError::UnknownModel(model.to_string()))
+        }
+    }
+
+    /// Counts one interactive request in flight until the guard is dropped.
+    fn interactive_guard(&self) -> LoadGuard {
+        self.interactive
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        LoadGuard(self.interactive.clone())
+    }
+
+    /// Sends a request upstream; an unreachable upstream or a failure status is an error.
+    async fn send(
+        &self,
+        mut http: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, BackendError> {
+        if let Some(key) = &self.cfg.api_key {
+            http = http.bearer_auth(key);
+        }
+        let resp = http.send().await.map_err(|e| {
+            if e.is_timeout() {
+                BackendError::Timeout
+            } else {
+                BackendError::Unavailable(format!("upstream unreachable: {e}"))
+            }
+        })?;
+        let status = resp.status();
+        if !status.is_success() {
+            let retry = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok());
+            let text = resp.text().await.unwrap_or_default();
+            return Err(status_error(status, retry, &text));
+        }
+        Ok(resp)
+    }
+
     fn url(&self, input: &Input) -> String {
         let base = self.cfg.base_url.trim_end_matches('/');
         match input {
@@ -86,7 +136,10 @@ fn body(req: &GenRequest) -> Value {
         Input::Chat(msgs) => {
             let msgs: Vec<Value> = msgs
                 .iter()
-                .map(|m| json!({"role": m.role, "content": m.content}))
+                .map(|m| match &m.name {
+                    Some(name) => json!({"role": m.role, "content": m.content, "name": name}),
+                    None => json!({"role": m.role, "content": m.content}),
+                })
                 .collect();
             b.insert("messages".into(), Value::Array(msgs));
         }
@@ -225,39 +278,15 @@ impl Drop for LoadGuard {
 #[async_trait::async_trait]
 impl Backend for OpenAiBackend {
     async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError> {
-        if !self.cfg.models.is_empty() && !self.cfg.models.contains(&req.model) {
-            return Err(BackendError::UnknownModel(req.model));
-        }
-        let guard = (req.priority == crate::Priority::Interactive).then(|| {
-            self.interactive
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            LoadGuard(self.interactive.clone())
-        });
-        let mut http = self
+        self.check_model(&req.model)?;
+        let guard =
+            (req.priority == crate::Priority::Interactive).then(|| self.interactive_guard());
+        let http = self
             .client
             .post(self.url(&req.input))
             .header("accept", "text/event-stream")
             .json(&body(&req));
-        if let Some(key) = &self.cfg.api_key {
-            http = http.bearer_auth(key);
-        }
-        let resp = http.send().await.map_err(|e| {
-            if e.is_timeout() {
-                BackendError::Timeout
-            } else {
-                BackendError::Unavailable(format!("upstream unreachable: {e}"))
-            }
-        })?;
-        let status = resp.status();
-        if !status.is_success() {
-            let retry = resp
-                .headers()
-                .get("retry-after")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse().ok());
-            let text = resp.text().await.unwrap_or_default();
-            return Err(status_error(status, retry, &text));
-        }
+        let resp = self.send(http).await?;
         let mut events = resp.bytes_stream().eventsource();
         let stream = async_stream::try_stream! {
             let _guard = guard;
@@ -286,6 +315,38 @@ impl Backend for OpenAiBackend {
 
     fn interactive_load(&self) -> usize {
         self.interactive.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn forwards(&self) -> bool {
+        true
+    }
+
+    async fn forward(&self, req: ForwardRequest) -> Result<Forwarded, BackendError> {
+        self.check_model(&req.model)?;
+        let guard = self.interactive_guard();
+        let url = format!("{}/{}", self.cfg.base_url.trim_end_matches('/'), req.path);
+        let http = self
+            .client
+            .post(url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(req.body);
+        let resp = self.send(http).await?;
+        let status = resp.status().as_u16();
+        let content_type = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let body = resp.bytes_stream().map(move |chunk| {
+            // Counted as interactive load until the body is done or dropped.
+            let _ = &guard;
+            chunk.map_err(|e| BackendError::Unavailable(format!("upstream stream: {e}")))
+        });
+        Ok(Forwarded {
+            status,
+            content_type,
+            body: Box::pin(body),
+        })
     }
 }
 

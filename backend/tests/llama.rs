@@ -59,10 +59,7 @@ fn request(input: Input, params: SamplingParams, priority: Priority) -> GenReque
 }
 
 fn chat(text: &str, params: SamplingParams) -> GenRequest {
-    let messages = vec![ChatMessage {
-        role: "user".into(),
-        content: text.into(),
-    }];
+    let messages = vec![ChatMessage::new("user", text)];
     request(Input::Chat(messages), params, Priority::Interactive)
 }
 
@@ -424,6 +421,20 @@ fn bad_model_paths_are_named_in_the_error() {
     );
 }
 
+/// A build without the `cuda` feature runs every layer on the CPU whatever `n_gpu_layers`
+/// says (and logs that it ignores it).
+#[cfg(not(feature = "cuda"))]
+#[tokio::test]
+async fn n_gpu_layers_without_cuda_runs_on_the_cpu() {
+    let backend = load(LlamaConfig {
+        n_gpu_layers: 99,
+        ..config(1, 4)
+    });
+    assert_eq!(backend.gpu_offload(), None);
+    let out = run(&backend, completion(COUNTING, greedy(4))).await;
+    assert_eq!(out.finished().1.completion_tokens, 4);
+}
+
 #[test]
 fn bare_benchmark_decodes() {
     let stats = bare_decode_benchmark(&config(1, 1), COUNTING, 16).expect("benchmark runs");
@@ -463,4 +474,46 @@ async fn throughput_report() {
         first.duration_since(started),
         rate
     );
+}
+
+/// GPU offload. Built only with the `cuda` feature, which is meant for machines with a GPU:
+/// there a missing device fails these tests rather than skipping them.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+
+    fn on_gpu(n_gpu_layers: u32) -> LlamaBackend {
+        load(LlamaConfig {
+            n_gpu_layers,
+            ..config(2, 8)
+        })
+    }
+
+    #[tokio::test]
+    async fn every_layer_offloaded_and_greedy_text_matches_the_cpu() {
+        let gpu = on_gpu(99);
+        let offload = gpu.gpu_offload().cloned().expect("layers on a GPU");
+        assert_eq!(offload.offloaded, offload.layers, "{offload:?}");
+        assert!(!offload.devices.is_empty());
+        let on_gpu = run(&gpu, completion(COUNTING, greedy(24))).await;
+        drop(gpu);
+
+        let cpu = load(config(2, 8));
+        assert_eq!(cpu.gpu_offload(), None);
+        let on_cpu = run(&cpu, completion(COUNTING, greedy(24))).await;
+        assert_eq!(on_gpu.finished().1.completion_tokens, 24);
+        // Counting is decided by wide margins, so both devices pick the same tokens.
+        assert_eq!(on_gpu.text, on_cpu.text);
+    }
+
+    #[tokio::test]
+    async fn partial_offload_places_the_layers_asked_for() {
+        let backend = on_gpu(10);
+        let offload = backend.gpu_offload().cloned().expect("layers on a GPU");
+        assert_eq!(offload.offloaded, 10);
+        assert!(offload.layers > 10);
+        let out = run(&backend, chat("Say hello.", greedy(8))).await;
+        assert!(out.finished().1.completion_tokens > 0);
+        assert!(!out.text.is_empty());
+    }
 }

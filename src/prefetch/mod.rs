@@ -1318,10 +1318,7 @@ fn proposal_request(asked: &GenRequest, answer: &str, n: usize) -> GenRequest {
              most likely to ask next (not what was already asked), one per line."
         )
     };
-    let msg = |role: &str, content: String| ChatMessage {
-        role: role.into(),
-        content,
-    };
+    let msg = |role: &str, content: String| ChatMessage::new(role, content);
     GenRequest {
         model: asked.model.clone(),
         // One worked example first: small models follow an example better than a rule.
@@ -1508,14 +1505,8 @@ fn follow_up(req: &GenRequest, answer: &str, question: &str, multi: bool) -> Opt
     match &mut next.input {
         Input::Prompt(p) => *p = question.to_string(),
         Input::Chat(msgs) if multi => {
-            msgs.push(ChatMessage {
-                role: "assistant".into(),
-                content: answer.to_string(),
-            });
-            msgs.push(ChatMessage {
-                role: "user".into(),
-                content: question.to_string(),
-            });
+            msgs.push(ChatMessage::new("assistant", answer));
+            msgs.push(ChatMessage::new("user", question));
         }
         Input::Chat(msgs) => {
             let last = msgs.iter_mut().rev().find(|m| m.role == "user")?;
