@@ -51,6 +51,8 @@ fn run() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| EnvFilter::new("info,llama-cpp-2=warn,hnsw_rs=warn")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal, not in files and log collectors.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
