@@ -30,7 +30,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/admin/entries/{id}", delete(delete_entry))
         .route("/admin/namespaces/{namespace}", delete(delete_namespace))
         .route("/admin/tags/{tag}", delete(delete_tag))
-        .fallback(not_found)
+        .fallback(fallback)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
@@ -51,13 +51,26 @@ async fn completions(
     pipeline::handle(state, Endpoint::Completion, headers, body).await
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+/// The configured models; without a list, an upstream's own list.
+async fn models(
+    State(state): State<Arc<AppState>>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+) -> Response {
+    if state.models.is_empty() {
+        let get = axum::http::Method::GET;
+        if let Some(resp) =
+            pipeline::passthrough(&state, get, &uri, &headers, Ok(Bytes::new())).await
+        {
+            return resp;
+        }
+    }
     let data: Vec<_> = state
         .models
         .iter()
         .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "reprise"}))
         .collect();
-    Json(json!({"object": "list", "data": data}))
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// Liveness: the process answers.
@@ -165,6 +178,20 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         body,
     )
         .into_response()
+}
+
+/// Other `/v1/...` requests go to an upstream that can take them; the rest is 404.
+async fn fallback(
+    State(state): State<Arc<AppState>>,
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match pipeline::passthrough(&state, method, &uri, &headers, body).await {
+        Some(resp) => resp,
+        None => not_found().await,
+    }
 }
 
 async fn not_found() -> Response {

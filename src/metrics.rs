@@ -166,6 +166,10 @@ fn describe() {
         "Requests sent upstream unchanged because the cache cannot represent them, by the field that required it (tools, n, logprobs, image parts, ...)."
     );
     describe_counter!(
+        "reprise_passthrough_total",
+        "Requests to other endpoints of the API (embeddings, files, ...) passed to the upstream unchanged, by endpoint."
+    );
+    describe_counter!(
         "reprise_incomplete_generations_total",
         "Generations that failed, were cut off or were abandoned; never cached."
     );
@@ -178,6 +182,12 @@ impl Metrics {
     /// Counts a request sent upstream unchanged; `field` is one of a fixed set of names.
     pub fn forwarded(&self, field: &'static str) {
         metrics::counter!("reprise_forwarded_total", "field" => field).increment(1);
+    }
+
+    /// Counts a request to another endpoint of the API passed to the upstream; `endpoint` is
+    /// one of a fixed set of names.
+    pub fn passed_through(&self, endpoint: &'static str) {
+        metrics::counter!("reprise_passthrough_total", "endpoint" => endpoint).increment(1);
     }
 
     /// Registers (once) and returns the handles.

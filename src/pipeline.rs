@@ -490,18 +490,56 @@ async fn forward(
         server.request_timeout()
     };
     let req = ForwardRequest {
+        method: axum::http::Method::POST,
         path: match endpoint {
             Endpoint::Chat => "chat/completions",
             Endpoint::Completion => "completions",
-        },
-        model: f.model,
+        }
+        .to_string(),
+        headers: passed_on_headers(headers, "application/json"),
+        model: Some(f.model),
         body,
     };
     let answer = tokio::time::timeout(wait, state.backend.forward(req))
         .await
         .map_err(|_| ApiError::Timeout)??;
     let deadline = (!f.stream).then(|| tokio::time::Instant::now() + server.request_timeout());
-    let mut trace = std::mem::replace(trace, Trace::detached());
+    let trace = std::mem::replace(trace, Trace::detached());
+    Ok(forwarded_response(answer, deadline, trace))
+}
+
+/// Request headers that travel with a forwarded request; a missing content type is `default`.
+fn passed_on_headers(headers: &HeaderMap, default_type: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = ["content-type", "accept", "openai-beta"]
+        .into_iter()
+        .filter_map(|name| {
+            Some((
+                name.to_string(),
+                headers.get(name)?.to_str().ok()?.to_string(),
+            ))
+        })
+        .collect();
+    if !out.iter().any(|(name, _)| name == "content-type") && !default_type.is_empty() {
+        out.push(("content-type".into(), default_type.into()));
+    }
+    out
+}
+
+/// The client's response to a forwarded request: the upstream's status, headers and body as
+/// they come. A client error from the upstream counts as an error in the metrics.
+fn forwarded_response(
+    answer: reprise_backend::Forwarded,
+    deadline: Option<tokio::time::Instant>,
+    mut trace: Trace,
+) -> Response {
+    let status = axum::http::StatusCode::from_u16(answer.status)
+        .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
+    let outcome = if status.is_success() {
+        Outcome::Bypass
+    } else {
+        trace.failed("invalid_request");
+        Outcome::Error
+    };
     let mut upstream = answer.body;
     let body = async_stream::stream! {
         loop {
@@ -530,16 +568,81 @@ async fn forward(
         }
     };
     let mut resp = Response::new(axum::body::Body::from_stream(body));
-    *resp.status_mut() =
-        axum::http::StatusCode::from_u16(answer.status).unwrap_or(axum::http::StatusCode::OK);
-    let content_type = answer
-        .content_type
-        .and_then(|ct| HeaderValue::from_str(&ct).ok())
-        .unwrap_or(HeaderValue::from_static("application/json"));
-    resp.headers_mut()
-        .insert(axum::http::header::CONTENT_TYPE, content_type);
-    set_cache_headers(&mut resp, Outcome::Bypass, None);
-    Ok(resp)
+    *resp.status_mut() = status;
+    for (name, value) in answer.headers {
+        if let (Ok(name), Ok(value)) = (
+            axum::http::HeaderName::try_from(name),
+            HeaderValue::from_str(&value),
+        ) {
+            resp.headers_mut().insert(name, value);
+        }
+    }
+    set_cache_headers(&mut resp, outcome, None);
+    resp
+}
+
+/// Root paths of the OpenAI API that may be forwarded, as metric labels; others are `other`.
+const API_ROOTS: &[&str] = &[
+    "assistants",
+    "audio",
+    "batches",
+    "containers",
+    "conversations",
+    "embeddings",
+    "evals",
+    "files",
+    "fine_tuning",
+    "images",
+    "models",
+    "moderations",
+    "realtime",
+    "responses",
+    "threads",
+    "uploads",
+    "vector_stores",
+];
+
+/// Any other `/v1/...` request: sent to an OpenAI-compatible upstream as it came (method,
+/// path, query, body) and its answer passed back unchanged, so that an app can point its whole
+/// OpenAI base URL at reprise. `None` when the backend cannot forward (the caller answers 404).
+pub async fn passthrough(
+    state: &Arc<AppState>,
+    method: axum::http::Method,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Option<Response> {
+    let path = uri.path().strip_prefix("/v1/")?;
+    if !state.backend.forwards() {
+        return None;
+    }
+    let result = async {
+        let body = body.map_err(|e| body_error(e, state.config.server.max_body_bytes))?;
+        if !state.is_ready() {
+            return Err(ApiError::NotReady);
+        }
+        let root = path.split('/').next().unwrap_or_default();
+        let label = API_ROOTS.iter().find(|r| **r == root).copied();
+        state.metrics.passed_through(label.unwrap_or("other"));
+        let req = ForwardRequest {
+            method,
+            path: match uri.query() {
+                Some(q) => format!("{path}?{q}"),
+                None => path.to_string(),
+            },
+            headers: passed_on_headers(headers, ""),
+            model: None,
+            body,
+        };
+        let server = &state.config.server;
+        let answer = tokio::time::timeout(server.request_timeout(), state.backend.forward(req))
+            .await
+            .map_err(|_| ApiError::Timeout)??;
+        // Not a completion: no request metrics, no request log.
+        Ok(forwarded_response(answer, None, Trace::detached()))
+    }
+    .await;
+    Some(result.unwrap_or_else(IntoResponse::into_response))
 }
 
 /// Maps the axum body rejection to our error shape.

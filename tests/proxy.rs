@@ -710,9 +710,10 @@ const TOOL_STREAM: &str = concat!(
     "data: [DONE]\n\n",
 );
 
-/// An OpenAI-compatible upstream that records every request (path and body) and answers
-/// with a tool call: the part of a model API that a scripted backend behind a second
-/// reprise cannot play, since reprise answers tools only by forwarding them.
+/// An OpenAI-compatible upstream that records every request (path with query, and body) and
+/// answers completions with a tool call, plus fixed embeddings, models and moderation (422)
+/// answers: the parts of a model API that a scripted backend behind a second reprise cannot
+/// play, since reprise answers them only by forwarding.
 #[derive(Clone, Default)]
 struct ToolUpstream {
     seen: Arc<std::sync::Mutex<Vec<(String, Value)>>>,
@@ -725,21 +726,43 @@ impl ToolUpstream {
         use axum::response::IntoResponse;
         let seen: Arc<std::sync::Mutex<Vec<(String, Value)>>> = Arc::default();
         let record = seen.clone();
-        let handler = move |uri: Uri, axum::Json(body): axum::Json<Value>| {
+        let handler = move |uri: Uri, body: axum::body::Bytes| {
             let record = record.clone();
             async move {
+                let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 let stream = body["stream"] == json!(true);
-                record.lock().unwrap().push((uri.path().to_string(), body));
-                if stream {
-                    ([(header::CONTENT_TYPE, "text/event-stream")], TOOL_STREAM).into_response()
-                } else {
-                    ([(header::CONTENT_TYPE, "application/json")], TOOL_ANSWER).into_response()
+                let path = uri.path().to_string();
+                record.lock().unwrap().push((uri.to_string(), body));
+                match path.as_str() {
+                    "/v1/models" => (
+                        [(header::CONTENT_TYPE, "application/json"), (header::HeaderName::from_static("x-request-id"), "req_1")],
+                        r#"{"object":"list","data":[{"id":"up-model","object":"model"}]}"#,
+                    )
+                        .into_response(),
+                    "/v1/embeddings" => (
+                        [(header::CONTENT_TYPE, "application/json")],
+                        r#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.25,-0.5]}]}"#,
+                    )
+                        .into_response(),
+                    "/v1/moderations" => (
+                        axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+                        [(header::CONTENT_TYPE, "application/json")],
+                        r#"{"error":{"message":"input is required","type":"invalid_request_error","param":"input","code":null}}"#,
+                    )
+                        .into_response(),
+                    _ if stream => {
+                        ([(header::CONTENT_TYPE, "text/event-stream")], TOOL_STREAM).into_response()
+                    }
+                    _ => ([(header::CONTENT_TYPE, "application/json")], TOOL_ANSWER).into_response(),
                 }
             }
         };
         let app = axum::Router::new()
             .route("/v1/chat/completions", axum::routing::post(handler.clone()))
-            .route("/v1/completions", axum::routing::post(handler));
+            .route("/v1/completions", axum::routing::post(handler.clone()))
+            .route("/v1/embeddings", axum::routing::post(handler.clone()))
+            .route("/v1/moderations", axum::routing::post(handler.clone()))
+            .route("/v1/models", axum::routing::get(handler));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -867,4 +890,90 @@ async fn requests_beyond_text_are_refused_by_a_text_only_backend() {
     assert_eq!(r.status(), 200);
     assert_eq!(cache_status(&r), "miss");
     assert_eq!(backend.calls(), 1);
+}
+
+#[tokio::test]
+async fn other_api_endpoints_pass_through_to_the_upstream() {
+    let up = ToolUpstream::spawn().await;
+    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    let emb = json!({"model": "text-embedding-3-small", "input": "hello"});
+    let r = app
+        .client
+        .post(app.url("/v1/embeddings?trace=1"))
+        .json(&emb)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "bypass");
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["data"][0]["embedding"], json!([0.25, -0.5]));
+    assert_eq!(
+        up.seen().pop().unwrap(),
+        ("/v1/embeddings?trace=1".into(), emb),
+        "path, query and body arrive unchanged"
+    );
+
+    // Without a configured model list, /v1/models is the upstream's (its request id too).
+    let r = app.client.get(app.url("/v1/models")).send().await.unwrap();
+    assert_eq!(r.headers()["x-request-id"], "req_1");
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["data"][0]["id"], "up-model");
+
+    // The upstream's client errors come back as they are; an endpoint it does not have is
+    // its 404, not reprise's.
+    let r = app
+        .client
+        .post(app.url("/v1/moderations"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    assert_eq!(cache_status(&r), "error");
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["error"]["param"], "input");
+    let r = app
+        .client
+        .post(app.url("/v1/no-such-endpoint"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(cache_status(&r), "error");
+    let r = app
+        .client
+        .get(app.url("/not-the-api"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert!(
+        r.headers().get("x-reprise-cache").is_none(),
+        "reprise's own 404"
+    );
+
+    let m = app.metrics_text().await;
+    for line in [
+        r#"reprise_passthrough_total{endpoint="embeddings"} 1"#,
+        r#"reprise_passthrough_total{endpoint="models"} 1"#,
+        r#"reprise_passthrough_total{endpoint="other"} 1"#,
+    ] {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
+    assert_eq!(app.state.memory.entry_count(), 0);
+}
+
+#[tokio::test]
+async fn other_api_endpoints_are_404_without_an_upstream() {
+    let (app, _) = spawn_fake(test_config(), ScriptConfig::default()).await;
+    let r = app
+        .client
+        .post(app.url("/v1/embeddings"))
+        .json(&json!({"model": "fake", "input": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    let j = assert_openai_error(r, 404, None).await;
+    assert_eq!(j["error"]["code"], "not_found");
 }

@@ -213,24 +213,31 @@ pub type GenStream = Pin<Box<dyn Stream<Item = Result<GenEvent, BackendError>> +
 /// A response body passed on as it arrives. Dropping it closes the upstream request.
 pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, BackendError>> + Send + 'static>>;
 
-/// A request the cache cannot represent (tools, several choices, images, log-probabilities),
-/// to be sent to the backend exactly as the client wrote it.
+/// A request reprise does not answer itself, sent to the backend as the client wrote it: a
+/// completion the cache cannot represent (tools, several choices, images,
+/// log-probabilities), or another endpoint of the API (embeddings, files, ...).
 #[derive(Debug, Clone)]
 pub struct ForwardRequest {
-    /// Path below the backend's base URL: `chat/completions` or `completions`.
-    pub path: &'static str,
-    /// The model the body names (checked against the backend's model list).
-    pub model: String,
+    /// HTTP method.
+    pub method: reqwest::Method,
+    /// Path and query below the backend's base URL, e.g. `chat/completions`.
+    pub path: String,
+    /// Request headers passed on (content type, accept, API version selectors).
+    pub headers: Vec<(String, String)>,
+    /// The model the body names, checked against the backend's model list when known.
+    pub model: Option<String>,
     /// The client's body, unchanged.
     pub body: Bytes,
 }
 
-/// The backend's successful answer to a [`ForwardRequest`], untouched.
+/// The backend's answer to a [`ForwardRequest`], untouched: a success or a client error
+/// (4xx other than 401/403). Credential and server failures come back as [`BackendError`].
 pub struct Forwarded {
-    /// HTTP status (a success; failures come back as [`BackendError`]).
+    /// HTTP status.
     pub status: u16,
-    /// The answer's `content-type`, if it had one.
-    pub content_type: Option<String>,
+    /// Response headers passed back (content type and disposition, request id,
+    /// `retry-after`, rate-limit headers).
+    pub headers: Vec<(String, String)>,
     /// The body, chunk by chunk as it arrives.
     pub body: ByteStream,
 }
@@ -239,7 +246,7 @@ impl std::fmt::Debug for Forwarded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Forwarded")
             .field("status", &self.status)
-            .field("content_type", &self.content_type)
+            .field("headers", &self.headers)
             .finish_non_exhaustive()
     }
 }
@@ -264,8 +271,8 @@ pub trait Backend: Send + Sync + 'static {
         0
     }
 
-    /// Whether [`Backend::forward`] works: only an HTTP upstream can answer what the cache
-    /// cannot represent.
+    /// Whether [`Backend::forward`] works: only an HTTP upstream can answer what reprise does
+    /// not answer itself.
     fn forwards(&self) -> bool {
         false
     }
@@ -273,10 +280,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Sends a request unchanged and passes the answer back unchanged (never cached).
     async fn forward(&self, req: ForwardRequest) -> Result<Forwarded, BackendError> {
         Err(BackendError::InvalidRequest {
-            message: format!(
-                "this backend cannot answer requests for `{}` that the cache cannot represent",
-                req.model
-            ),
+            message: format!("this backend does not answer `{}`", req.path),
             param: None,
         })
     }

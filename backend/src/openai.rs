@@ -5,9 +5,9 @@
 //! as they come to fan them out to streaming clients and to measure time to first token, and
 //! it assembles whole answers itself. Connections are pooled and kept alive by reqwest.
 //!
-//! Requests the cache cannot represent (tools, several choices, images…) go through
-//! [`Backend::forward`] instead: the client's body is sent unchanged and the answer streamed
-//! back unchanged.
+//! Requests the cache cannot represent (tools, several choices, images…) and the API's other
+//! endpoints (embeddings, files, …) go through [`Backend::forward`] instead: the client's
+//! body is sent unchanged and the answer streamed back unchanged.
 
 use std::time::Duration;
 
@@ -87,21 +87,26 @@ impl OpenAiBackend {
         LoadGuard(self.interactive.clone())
     }
 
-    /// Sends a request upstream; an unreachable upstream or a failure status is an error.
-    async fn send(
+    /// Sends a request upstream with the configured key; an unreachable upstream is an error.
+    async fn request(
         &self,
         mut http: reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, BackendError> {
         if let Some(key) = &self.cfg.api_key {
             http = http.bearer_auth(key);
         }
-        let resp = http.send().await.map_err(|e| {
+        http.send().await.map_err(|e| {
             if e.is_timeout() {
                 BackendError::Timeout
             } else {
                 BackendError::Unavailable(format!("upstream unreachable: {e}"))
             }
-        })?;
+        })
+    }
+
+    /// Sends a request upstream; an unreachable upstream or a failure status is an error.
+    async fn send(&self, http: reqwest::RequestBuilder) -> Result<reqwest::Response, BackendError> {
+        let resp = self.request(http).await?;
         let status = resp.status();
         if !status.is_success() {
             let retry = resp
@@ -123,6 +128,15 @@ impl OpenAiBackend {
         }
     }
 }
+
+/// Response headers of a forwarded request that reach the client (besides `x-ratelimit-*`).
+const PASSED_BACK_HEADERS: &[&str] = &[
+    "content-type",
+    "content-disposition",
+    "retry-after",
+    "x-request-id",
+    "openai-processing-ms",
+];
 
 /// The upstream request body.
 fn body(req: &GenRequest) -> Value {
@@ -322,29 +336,41 @@ impl Backend for OpenAiBackend {
     }
 
     async fn forward(&self, req: ForwardRequest) -> Result<Forwarded, BackendError> {
-        self.check_model(&req.model)?;
+        if let Some(model) = &req.model {
+            self.check_model(model)?;
+        }
         let guard = self.interactive_guard();
         let url = format!("{}/{}", self.cfg.base_url.trim_end_matches('/'), req.path);
-        let http = self
-            .client
-            .post(url)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(req.body);
-        let resp = self.send(http).await?;
-        let status = resp.status().as_u16();
-        let content_type = resp
+        let mut http = self.client.request(req.method, url).body(req.body);
+        for (name, value) in &req.headers {
+            http = http.header(name, value);
+        }
+        let resp = self.request(http).await?;
+        let status = resp.status();
+        // The client's own mistakes are the upstream's to describe; a refused key or a failing
+        // upstream is reprise's problem and is reported as such.
+        if matches!(status.as_u16(), 401 | 403)
+            || !(status.is_success() || status.is_client_error())
+        {
+            return Err(status_error(status, None, ""));
+        }
+        let headers = resp
             .headers()
-            .get(reqwest::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+            .iter()
+            .filter(|(name, _)| {
+                let name = name.as_str();
+                PASSED_BACK_HEADERS.contains(&name) || name.starts_with("x-ratelimit-")
+            })
+            .filter_map(|(name, value)| Some((name.to_string(), value.to_str().ok()?.to_string())))
+            .collect();
         let body = resp.bytes_stream().map(move |chunk| {
             // Counted as interactive load until the body is done or dropped.
             let _ = &guard;
             chunk.map_err(|e| BackendError::Unavailable(format!("upstream stream: {e}")))
         });
         Ok(Forwarded {
-            status,
-            content_type,
+            status: status.as_u16(),
+            headers,
             body: Box::pin(body),
         })
     }
