@@ -602,6 +602,20 @@ const API_ROOTS: &[&str] = &[
     "vector_stores",
 ];
 
+/// Whether a forwarded path stays below the upstream's base URL: no `.` or `..` segment (also
+/// percent-encoded, which URL parsing resolves too), no encoded slash, no backslash.
+/// Otherwise `/v1/../admin` would reach the upstream's other paths with reprise's key.
+fn stays_below_base(path: &str) -> bool {
+    let lower = path.to_ascii_lowercase();
+    if lower.contains("%2f") || lower.contains("%5c") || lower.contains('\\') {
+        return false;
+    }
+    lower
+        .split('/')
+        .map(|seg| seg.replace("%2e", "."))
+        .all(|seg| seg != "." && seg != "..")
+}
+
 /// Any other `/v1/...` request: sent to an OpenAI-compatible upstream as it came (method,
 /// path, query, body) and its answer passed back unchanged, so that an app can point its whole
 /// OpenAI base URL at reprise. `None` when the backend cannot forward (the caller answers 404).
@@ -613,7 +627,7 @@ pub async fn passthrough(
     body: Result<Bytes, BytesRejection>,
 ) -> Option<Response> {
     let path = uri.path().strip_prefix("/v1/")?;
-    if !state.backend.forwards() {
+    if !state.backend.forwards() || !stays_below_base(path) {
         return None;
     }
     let result = async {
@@ -1799,6 +1813,31 @@ mod tests {
             forward("prompt", "prompt")
         );
         assert!(completion("prompt", json!([])).is_err());
+    }
+
+    #[test]
+    fn forwarded_paths_stay_below_the_base_url() {
+        for ok in [
+            "embeddings",
+            "files/file-abc/content",
+            "models/gpt-4o",
+            "a.b/c..d",
+        ] {
+            assert!(stays_below_base(ok), "{ok}");
+        }
+        for bad in [
+            "../admin",
+            "files/../../admin",
+            ".",
+            "files/./x",
+            "%2e%2e/admin",
+            "%2E./admin",
+            ".%2e/admin",
+            "files%2f..%2fadmin",
+            "files\\..\\admin",
+        ] {
+            assert!(!stays_below_base(bad), "{bad}");
+        }
     }
 
     #[test]
