@@ -107,6 +107,12 @@ pub struct BackendConfig {
     /// openai: name of the environment variable that holds the API key (the key itself never
     /// appears in config files or logs).
     pub api_key_env: Option<String>,
+    /// openai: the API's other endpoints (first path segment under `/v1/`, e.g. `embeddings`,
+    /// `files`, `responses`) passed to the upstream unchanged and uncached, with the upstream's
+    /// key: every method and sub-path of a listed endpoint. `models` also makes `/v1/models`
+    /// the upstream's list when no model is configured. The model list applies to the
+    /// completion endpoints only. `[]` closes them all.
+    pub passthrough: Vec<String>,
     /// openai: TCP connect timeout in seconds.
     pub connect_timeout_secs: f64,
     /// openai: idle keep-alive connections kept per upstream host.
@@ -139,6 +145,9 @@ impl Default for BackendConfig {
             models: Vec::new(),
             base_url: None,
             api_key_env: None,
+            passthrough: ["embeddings", "moderations", "models"]
+                .map(String::from)
+                .to_vec(),
             connect_timeout_secs: 5.0,
             pool_max_idle: 64,
             n_ctx: 4096,
@@ -359,6 +368,19 @@ impl Config {
                         format!("`{url}` is not an http(s) URL"),
                     ));
                 }
+                if let Some(e) = b
+                    .passthrough
+                    .iter()
+                    .find(|e| !crate::openai::API_ROOTS.contains(&e.as_str()))
+                {
+                    return Err(invalid(
+                        "backend.passthrough",
+                        format!(
+                            "`{e}` is not an endpoint that can pass through (one of: {})",
+                            crate::openai::API_ROOTS.join(", ")
+                        ),
+                    ));
+                }
             }
             BackendKind::Llama => {
                 if b.parallel == 0 {
@@ -437,6 +459,11 @@ mod tests {
         assert!(err.to_string().contains("semantic.threshold"), "{err}");
         let err = Config::from_toml("[backend]\nkind = \"openai\"\n").unwrap_err();
         assert!(err.to_string().contains("backend.base_url"), "{err}");
+        let err = Config::from_toml(
+            "[backend]\nkind = \"openai\"\nbase_url = \"http://h/v1\"\npassthrough = [\"realtime\"]\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("backend.passthrough"), "{err}");
     }
 
     #[test]
@@ -448,6 +475,7 @@ mod tests {
         assert_eq!(c.server.max_body_bytes, d.server.max_body_bytes);
         assert_eq!(c.backend.model, d.backend.model);
         assert_eq!(c.backend.parallel, d.backend.parallel);
+        assert_eq!(c.backend.passthrough, d.backend.passthrough);
         assert_eq!(c.cache.memory_bytes, d.cache.memory_bytes);
         assert_eq!(c.cache.ttl_secs, d.cache.ttl_secs);
         assert_eq!(c.semantic.threshold, d.semantic.threshold);

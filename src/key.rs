@@ -303,9 +303,16 @@ mod tests {
         let ka = exact_key("ns", Endpoint::Chat, &alice);
         assert_ne!(k, ka);
         assert_ne!(ka, exact_key("ns", Endpoint::Chat, &bob));
-        // A name cannot pass for message text.
-        let text = chat(&[("user", "What should I do next?"), ("\0name", "alice")]);
-        assert_ne!(ka, exact_key("ns", Endpoint::Chat, &text));
+        // A name cannot pass for message text: with the same number of messages, a name
+        // that reads like the next message's role and content is still a different key.
+        let mut named = chat(&[("user", "hi"), ("user", "q")]);
+        set_name(&mut named, 0, "assistant");
+        let mut shifted = chat(&[("user", "hi"), ("assistant", "user")]);
+        set_name(&mut shifted, 1, "q");
+        assert_ne!(
+            exact_key("ns", Endpoint::Chat, &named),
+            exact_key("ns", Endpoint::Chat, &shifted)
+        );
         // The asker's name keeps the question out of meaning matching; an earlier speaker's
         // name is part of the context.
         let Input::Chat(msgs) = &alice.input else {
@@ -323,6 +330,21 @@ mod tests {
         };
         let conv = split_conversation(msgs).expect("the last message has no name");
         assert_ne!(plain, messages_digest("ctx", &conv.turns[0].0));
+    }
+
+    /// Keys outlive the process (Redis, snapshots): a change to the encoding of requests that
+    /// do not use a new field must not turn every stored entry into a miss.
+    #[test]
+    fn keys_of_existing_requests_are_stable() {
+        let req = chat(&[
+            ("system", "Be brief."),
+            ("user", "What is the capital of France?"),
+        ]);
+        let hex = |d: Digest| d.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        assert_eq!(
+            hex(exact_key("default", Endpoint::Chat, &req)),
+            "1df48bedf8fe7c774db580d5003647b3f5f1e7704f30a1c3aa8c53c3727fdcb0"
+        );
     }
 
     #[test]

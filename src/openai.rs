@@ -177,6 +177,27 @@ pub struct CompletionRequest {
     pub extra: Map<String, Value>,
 }
 
+/// The first path segment under `/v1/` of the OpenAI API's other endpoints, which
+/// `backend.passthrough` may open to an upstream (WebSocket endpoints cannot pass).
+pub const API_ROOTS: &[&str] = &[
+    "assistants",
+    "audio",
+    "batches",
+    "containers",
+    "conversations",
+    "embeddings",
+    "evals",
+    "files",
+    "fine_tuning",
+    "images",
+    "models",
+    "moderations",
+    "responses",
+    "threads",
+    "uploads",
+    "vector_stores",
+];
+
 /// Which endpoint a request came in on; decides the response shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Endpoint {

@@ -97,6 +97,7 @@ const CHAT_FORWARD_FIELDS: &[&str] = &[
     "top_logprobs",
     "audio",
     "modalities",
+    "web_search_options",
 ];
 
 /// Message fields of tool and audio conversations, which the cache's text-only messages
@@ -483,12 +484,11 @@ async fn forward(
     trace.outcome = Outcome::Bypass;
     state.metrics.forwarded(f.field);
     let server = &state.config.server;
-    // A non-streaming upstream sends its headers only once the whole answer is ready.
-    let wait = if f.stream {
-        server.first_token_timeout()
-    } else {
-        server.request_timeout()
-    };
+    // A non-streaming upstream sends its headers only once the whole answer is ready, so the
+    // whole request has one deadline; a stream has the first-token timeout for its headers.
+    let deadline = (!f.stream).then(|| tokio::time::Instant::now() + server.request_timeout());
+    let headers_by =
+        deadline.unwrap_or_else(|| tokio::time::Instant::now() + server.first_token_timeout());
     let req = ForwardRequest {
         method: axum::http::Method::POST,
         path: match endpoint {
@@ -499,13 +499,13 @@ async fn forward(
         headers: passed_on_headers(headers, "application/json"),
         model: Some(f.model),
         body,
+        interactive: true,
     };
-    let answer = tokio::time::timeout(wait, state.backend.forward(req))
+    let answer = tokio::time::timeout_at(headers_by, state.backend.forward(req))
         .await
         .map_err(|_| ApiError::Timeout)??;
-    let deadline = (!f.stream).then(|| tokio::time::Instant::now() + server.request_timeout());
     let trace = std::mem::replace(trace, Trace::detached());
-    Ok(forwarded_response(answer, deadline, trace))
+    Ok(forwarded_response(answer, deadline, f.stream, trace))
 }
 
 /// Request headers that travel with a forwarded request; a missing content type is `default`.
@@ -526,10 +526,12 @@ fn passed_on_headers(headers: &HeaderMap, default_type: &str) -> Vec<(String, St
 }
 
 /// The client's response to a forwarded request: the upstream's status, headers and body as
-/// they come. A client error from the upstream counts as an error in the metrics.
+/// they come. A client error from the upstream counts as an error in the metrics; the first
+/// chunk of a stream is its first token (a whole body says nothing about that).
 fn forwarded_response(
     answer: reprise_backend::Forwarded,
     deadline: Option<tokio::time::Instant>,
+    stream: bool,
     mut trace: Trace,
 ) -> Response {
     let status = axum::http::StatusCode::from_u16(answer.status)
@@ -537,7 +539,11 @@ fn forwarded_response(
     let outcome = if status.is_success() {
         Outcome::Bypass
     } else {
-        trace.failed("invalid_request");
+        trace.failed(if status == axum::http::StatusCode::TOO_MANY_REQUESTS {
+            "overloaded"
+        } else {
+            "invalid_request"
+        });
         Outcome::Error
     };
     let mut upstream = answer.body;
@@ -549,7 +555,9 @@ fn forwarded_response(
             };
             match next {
                 Ok(Some(Ok(chunk))) => {
-                    trace.first_token();
+                    if stream {
+                        trace.first_token();
+                    }
                     yield Ok::<Bytes, std::io::Error>(chunk);
                 }
                 Ok(Some(Err(e))) => {
@@ -581,31 +589,11 @@ fn forwarded_response(
     resp
 }
 
-/// Root paths of the OpenAI API that may be forwarded, as metric labels; others are `other`.
-const API_ROOTS: &[&str] = &[
-    "assistants",
-    "audio",
-    "batches",
-    "containers",
-    "conversations",
-    "embeddings",
-    "evals",
-    "files",
-    "fine_tuning",
-    "images",
-    "models",
-    "moderations",
-    "realtime",
-    "responses",
-    "threads",
-    "uploads",
-    "vector_stores",
-];
-
-/// Whether a forwarded path stays below the upstream's base URL: no `.` or `..` segment (also
-/// percent-encoded, which URL parsing resolves too), no encoded slash, no backslash.
-/// Otherwise `/v1/../admin` would reach the upstream's other paths with reprise's key.
-fn stays_below_base(path: &str) -> bool {
+/// Whether a forwarded path is a plain path below the upstream's base URL: no empty, `.` or
+/// `..` segment (also percent-encoded, which URL parsing resolves), no encoded slash, no
+/// backslash. Otherwise `/v1/../admin` would reach the upstream's other paths with reprise's
+/// key, and `/v1/chat/completions/` would slip past reprise's own route.
+fn plain_api_path(path: &str) -> bool {
     let lower = path.to_ascii_lowercase();
     if lower.contains("%2f") || lower.contains("%5c") || lower.contains('\\') {
         return false;
@@ -613,12 +601,32 @@ fn stays_below_base(path: &str) -> bool {
     lower
         .split('/')
         .map(|seg| seg.replace("%2e", "."))
-        .all(|seg| seg != "." && seg != "..")
+        .all(|seg| !seg.is_empty() && seg != "." && seg != "..")
 }
 
-/// Any other `/v1/...` request: sent to an OpenAI-compatible upstream as it came (method,
-/// path, query, body) and its answer passed back unchanged, so that an app can point its whole
-/// OpenAI base URL at reprise. `None` when the backend cannot forward (the caller answers 404).
+/// The endpoint of a `/v1/...` path that `backend.passthrough` opens to the upstream, if any.
+fn passthrough_endpoint<'a>(state: &'a AppState, path: &str) -> Option<&'a str> {
+    if !state.backend.forwards() || !plain_api_path(path) {
+        return None;
+    }
+    let root = path.split('/').next()?;
+    // The completion endpoints are reprise's own, whatever the method or suffix.
+    if matches!(root, "chat" | "completions") {
+        return None;
+    }
+    state
+        .config
+        .backend
+        .passthrough
+        .iter()
+        .find(|e| e.as_str() == root)
+        .map(String::as_str)
+}
+
+/// A `/v1/...` request to another endpoint of the API that `backend.passthrough` lists: sent
+/// to the OpenAI-compatible upstream as it came (method, path, query, body) and its answer
+/// passed back unchanged, so that an app can point its whole OpenAI base URL at reprise.
+/// `None` when the endpoint is not open (the caller answers 404).
 pub async fn passthrough(
     state: &Arc<AppState>,
     method: axum::http::Method,
@@ -627,17 +635,18 @@ pub async fn passthrough(
     body: Result<Bytes, BytesRejection>,
 ) -> Option<Response> {
     let path = uri.path().strip_prefix("/v1/")?;
-    if !state.backend.forwards() || !stays_below_base(path) {
-        return None;
-    }
+    let endpoint = passthrough_endpoint(state, path)?;
     let result = async {
         let body = body.map_err(|e| body_error(e, state.config.server.max_body_bytes))?;
         if !state.is_ready() {
             return Err(ApiError::NotReady);
         }
-        let root = path.split('/').next().unwrap_or_default();
-        let label = API_ROOTS.iter().find(|r| **r == root).copied();
-        state.metrics.passed_through(label.unwrap_or("other"));
+        let label = crate::openai::API_ROOTS
+            .iter()
+            .find(|r| **r == endpoint)
+            .copied()
+            .unwrap_or("other");
+        state.metrics.passed_through(label);
         let req = ForwardRequest {
             method,
             path: match uri.query() {
@@ -647,16 +656,21 @@ pub async fn passthrough(
             headers: passed_on_headers(headers, ""),
             model: None,
             body,
+            interactive: false,
         };
         let server = &state.config.server;
         let answer = tokio::time::timeout(server.request_timeout(), state.backend.forward(req))
             .await
             .map_err(|_| ApiError::Timeout)??;
         // Not a completion: no request metrics, no request log.
-        Ok(forwarded_response(answer, None, Trace::detached()))
+        Ok(forwarded_response(answer, None, false, Trace::detached()))
     }
     .await;
-    Some(result.unwrap_or_else(IntoResponse::into_response))
+    Some(result.unwrap_or_else(|e| {
+        let mut resp = e.into_response();
+        set_cache_headers(&mut resp, Outcome::Error, None);
+        resp
+    }))
 }
 
 /// Maps the axum body rejection to our error shape.
@@ -1823,7 +1837,7 @@ mod tests {
             "models/gpt-4o",
             "a.b/c..d",
         ] {
-            assert!(stays_below_base(ok), "{ok}");
+            assert!(plain_api_path(ok), "{ok}");
         }
         for bad in [
             "../admin",
@@ -1835,8 +1849,11 @@ mod tests {
             ".%2e/admin",
             "files%2f..%2fadmin",
             "files\\..\\admin",
+            "embeddings/",
+            "files//x",
+            "",
         ] {
-            assert!(!stays_below_base(bad), "{bad}");
+            assert!(!plain_api_path(bad), "{bad}");
         }
     }
 

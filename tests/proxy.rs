@@ -717,6 +717,8 @@ const TOOL_STREAM: &str = concat!(
 #[derive(Clone, Default)]
 struct ToolUpstream {
     seen: Arc<std::sync::Mutex<Vec<(String, Value)>>>,
+    /// The `authorization` header of every request, in order.
+    auth: Arc<std::sync::Mutex<Vec<Option<String>>>>,
     base_url: String,
 }
 
@@ -725,14 +727,19 @@ impl ToolUpstream {
         use axum::http::{header, Uri};
         use axum::response::IntoResponse;
         let seen: Arc<std::sync::Mutex<Vec<(String, Value)>>> = Arc::default();
-        let record = seen.clone();
-        let handler = move |uri: Uri, body: axum::body::Bytes| {
-            let record = record.clone();
+        let auth: Arc<std::sync::Mutex<Vec<Option<String>>>> = Arc::default();
+        let (record, record_auth) = (seen.clone(), auth.clone());
+        let handler = move |uri: Uri, headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let (record, record_auth) = (record.clone(), record_auth.clone());
             async move {
                 let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 let stream = body["stream"] == json!(true);
                 let path = uri.path().to_string();
                 record.lock().unwrap().push((uri.to_string(), body));
+                let given = headers
+                    .get("authorization")
+                    .map(|v| v.to_str().unwrap().to_string());
+                record_auth.lock().unwrap().push(given);
                 match path.as_str() {
                     "/v1/models" => (
                         [(header::CONTENT_TYPE, "application/json"), (header::HeaderName::from_static("x-request-id"), "req_1")],
@@ -742,6 +749,11 @@ impl ToolUpstream {
                     "/v1/embeddings" => (
                         [(header::CONTENT_TYPE, "application/json")],
                         r#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.25,-0.5]}]}"#,
+                    )
+                        .into_response(),
+                    "/v1/models/old-name" => (
+                        axum::http::StatusCode::TEMPORARY_REDIRECT,
+                        [(header::LOCATION, "http://127.0.0.1:9/v1/models")],
                     )
                         .into_response(),
                     "/v1/moderations" => (
@@ -762,12 +774,14 @@ impl ToolUpstream {
             .route("/v1/completions", axum::routing::post(handler.clone()))
             .route("/v1/embeddings", axum::routing::post(handler.clone()))
             .route("/v1/moderations", axum::routing::post(handler.clone()))
+            .route("/v1/models/old-name", axum::routing::get(handler.clone()))
             .route("/v1/models", axum::routing::get(handler));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         ToolUpstream {
             seen,
+            auth,
             base_url: format!("http://{addr}/v1"),
         }
     }
@@ -893,13 +907,26 @@ async fn requests_beyond_text_are_refused_by_a_text_only_backend() {
 }
 
 #[tokio::test]
-async fn other_api_endpoints_pass_through_to_the_upstream() {
+async fn listed_api_endpoints_pass_through_to_the_upstream() {
     let up = ToolUpstream::spawn().await;
-    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    let mut config = openai_config(up.base_url.clone());
+    config.backend.passthrough.push("files".into());
+    // Built by hand to give it a key: the upstream sees reprise's key, never the client's.
+    let backend =
+        reprise_backend::openai::OpenAiBackend::new(reprise_backend::openai::OpenAiConfig {
+            base_url: up.base_url.clone(),
+            api_key: Some("sk-upstream".into()),
+            connect_timeout: Duration::from_secs(5),
+            pool_max_idle: 4,
+            models: Vec::new(),
+        })
+        .unwrap();
+    let app = spawn_app(config, Arc::new(backend)).await;
     let emb = json!({"model": "text-embedding-3-small", "input": "hello"});
     let r = app
         .client
         .post(app.url("/v1/embeddings?trace=1"))
+        .bearer_auth("client-token")
         .json(&emb)
         .send()
         .await
@@ -913,6 +940,8 @@ async fn other_api_endpoints_pass_through_to_the_upstream() {
         ("/v1/embeddings?trace=1".into(), emb),
         "path, query and body arrive unchanged"
     );
+    let auth = up.auth.lock().unwrap().last().cloned().flatten();
+    assert_eq!(auth.as_deref(), Some("Bearer sk-upstream"));
 
     // Without a configured model list, /v1/models is the upstream's (its request id too).
     let r = app.client.get(app.url("/v1/models")).send().await.unwrap();
@@ -920,8 +949,8 @@ async fn other_api_endpoints_pass_through_to_the_upstream() {
     let j: Value = r.json().await.unwrap();
     assert_eq!(j["data"][0]["id"], "up-model");
 
-    // The upstream's client errors come back as they are; an endpoint it does not have is
-    // its 404, not reprise's.
+    // The upstream's client errors come back as they are: its 422, and its 404 for a path of
+    // a listed endpoint that it does not have.
     let r = app
         .client
         .post(app.url("/v1/moderations"))
@@ -935,29 +964,52 @@ async fn other_api_endpoints_pass_through_to_the_upstream() {
     assert_eq!(j["error"]["param"], "input");
     let r = app
         .client
-        .post(app.url("/v1/no-such-endpoint"))
+        .get(app.url("/v1/files/file-1/content"))
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), 404);
     assert_eq!(cache_status(&r), "error");
+    let forwarded = up.seen().len();
+
+    // A redirect is not followed (it would carry the key elsewhere): reprise answers 502.
     let r = app
         .client
-        .get(app.url("/not-the-api"))
+        .get(app.url("/v1/models/old-name"))
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 404);
-    assert!(
-        r.headers().get("x-reprise-cache").is_none(),
-        "reprise's own 404"
-    );
+    assert_openai_error(r, 502, None).await;
+    assert_eq!(up.seen().len(), forwarded + 1);
+
+    // Endpoints not listed, paths that are not plain, and any variant of reprise's own
+    // routes never reach the upstream.
+    for (method, path) in [
+        ("POST", "/v1/batches"),
+        ("DELETE", "/v1/vector_stores/vs_1"),
+        ("POST", "/v1/chat/completions/"),
+        ("POST", "/v1//chat/completions"),
+        ("POST", "/v1/completions/x"),
+        ("POST", "/v1/embeddings/"),
+        ("GET", "/v1/files//x"),
+        ("GET", "/not-the-api"),
+    ] {
+        let r = app
+            .client
+            .request(method.parse().unwrap(), app.url(path))
+            .json(&json!({"model": "up-model", "messages": [{"role": "user", "content": "x"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404, "{method} {path}");
+    }
+    assert_eq!(up.seen().len(), forwarded + 1, "nothing else went upstream");
 
     let m = app.metrics_text().await;
     for line in [
         r#"reprise_passthrough_total{endpoint="embeddings"} 1"#,
-        r#"reprise_passthrough_total{endpoint="models"} 1"#,
-        r#"reprise_passthrough_total{endpoint="other"} 1"#,
+        r#"reprise_passthrough_total{endpoint="moderations"} 1"#,
+        r#"reprise_passthrough_total{endpoint="files"} 1"#,
     ] {
         assert!(m.contains(line), "{line} in\n{m}");
     }
@@ -976,4 +1028,27 @@ async fn other_api_endpoints_are_404_without_an_upstream() {
         .unwrap();
     let j = assert_openai_error(r, 404, None).await;
     assert_eq!(j["error"]["code"], "not_found");
+}
+
+#[tokio::test]
+async fn https_upstreams_are_reached_over_tls() {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let first_bytes = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut head = [0u8; 3];
+        socket.read_exact(&mut head).await.unwrap();
+        head
+    });
+    let app = proxy_to(openai_config(format!("https://{addr}/v1"))).await;
+    let r = app.chat(&chat_body("over tls?"), &[]).await;
+    // Not a TLS server, so no answer; what matters is that a TLS handshake began.
+    assert_openai_error(r, 502, None).await;
+    let head = tokio::time::timeout(Duration::from_secs(10), first_bytes)
+        .await
+        .expect("reprise connected to the https upstream")
+        .unwrap();
+    assert_eq!(head[0], 0x16, "a TLS handshake record");
+    assert_eq!(head[1], 0x03, "TLS version major");
 }

@@ -228,6 +228,9 @@ pub struct ForwardRequest {
     pub model: Option<String>,
     /// The client's body, unchanged.
     pub body: Bytes,
+    /// A completion a user waits for: counts as interactive load (background work backs
+    /// off) until its answer is read.
+    pub interactive: bool,
 }
 
 /// The backend's answer to a [`ForwardRequest`], untouched: a success or a client error

@@ -63,6 +63,9 @@ impl OpenAiBackend {
             .pool_max_idle_per_host(cfg.pool_max_idle)
             .pool_idle_timeout(Duration::from_secs(90))
             .tcp_nodelay(true)
+            // Following a redirect would re-send the body and the key to wherever the upstream
+            // points; a 3xx is an upstream failure (502) instead.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| BackendError::Internal(format!("http client: {e}")))?;
         Ok(OpenAiBackend {
@@ -339,7 +342,7 @@ impl Backend for OpenAiBackend {
         if let Some(model) = &req.model {
             self.check_model(model)?;
         }
-        let guard = self.interactive_guard();
+        let guard = req.interactive.then(|| self.interactive_guard());
         let url = format!("{}/{}", self.cfg.base_url.trim_end_matches('/'), req.path);
         let mut http = self.client.request(req.method, url).body(req.body);
         for (name, value) in &req.headers {
