@@ -308,6 +308,7 @@ fn load_model(cfg: &LlamaConfig) -> Result<LoadedModel, LoadError> {
     } else {
         Vec::new()
     };
+    let free_before = gpu_free_bytes();
     let params = LlamaModelParams::default().with_n_gpu_layers(cfg.n_gpu_layers);
     let model = LlamaModel::load_from_file(runtime, &cfg.model, &params).map_err(|e| {
         LoadError::BadModel {
@@ -322,10 +323,12 @@ fn load_model(cfg: &LlamaConfig) -> Result<LoadedModel, LoadError> {
             offloaded: cfg.n_gpu_layers.min(layers),
             layers,
             devices: gpus,
+            weight_bytes: free_before.saturating_sub(gpu_free_bytes()),
         };
         tracing::info!(
             offloaded = offload.offloaded,
             layers,
+            weights_mib = offload.weight_bytes >> 20,
             devices = %offload.devices.join(", "),
             "model layers offloaded to the GPU"
         );
@@ -346,6 +349,20 @@ pub struct GpuOffload {
     pub layers: u32,
     /// The GPUs llama.cpp found, as `name (description, free/total MiB)` at load time.
     pub devices: Vec<String>,
+    /// GPU memory the model load took (free memory before minus after, over all GPUs): the
+    /// offloaded weights, measured rather than assumed. Other users of the GPUs at the same
+    /// moment blur it.
+    pub weight_bytes: u64,
+}
+
+/// Free memory over all GPUs llama.cpp sees.
+fn gpu_free_bytes() -> u64 {
+    use llama_cpp_2::LlamaBackendDeviceType as Kind;
+    llama_cpp_2::list_llama_ggml_backend_devices()
+        .iter()
+        .filter(|d| matches!(d.device_type, Kind::Gpu | Kind::IntegratedGpu))
+        .map(|d| d.memory_free as u64)
+        .sum()
 }
 
 /// The GPUs llama.cpp can offload to, as `name (description, free/total MiB)`; warns when

@@ -44,8 +44,30 @@ fn config(parallel: usize, max_queue: usize) -> LlamaConfig {
     }
 }
 
-fn load(cfg: LlamaConfig) -> LlamaBackend {
-    LlamaBackend::load(cfg).expect("model loads")
+/// Serialises loads and unloads, so that a load's GPU memory measurement sees only its own
+/// weights (in a CUDA build, backends on the CPU may still take GPU buffers).
+static LOADING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A loaded backend that is unloaded under [`LOADING`] too.
+struct Loaded(Option<LlamaBackend>);
+
+impl std::ops::Deref for Loaded {
+    type Target = LlamaBackend;
+    fn deref(&self) -> &LlamaBackend {
+        self.0.as_ref().expect("loaded")
+    }
+}
+
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        let _one_at_a_time = LOADING.lock().unwrap_or_else(|e| e.into_inner());
+        self.0.take();
+    }
+}
+
+fn load(cfg: LlamaConfig) -> Loaded {
+    let _one_at_a_time = LOADING.lock().unwrap_or_else(|e| e.into_inner());
+    Loaded(Some(LlamaBackend::load(cfg).expect("model loads")))
 }
 
 fn request(input: Input, params: SamplingParams, priority: Priority) -> GenRequest {
@@ -482,7 +504,7 @@ async fn throughput_report() {
 mod gpu {
     use super::*;
 
-    fn on_gpu(n_gpu_layers: u32) -> LlamaBackend {
+    fn on_gpu(n_gpu_layers: u32) -> Loaded {
         load(LlamaConfig {
             n_gpu_layers,
             ..config(2, 8)
@@ -495,6 +517,13 @@ mod gpu {
         let offload = gpu.gpu_offload().cloned().expect("layers on a GPU");
         assert_eq!(offload.offloaded, offload.layers, "{offload:?}");
         assert!(!offload.devices.is_empty());
+        // The weights really moved: GPU memory taken by the load is at least half the file
+        // (the rest is the token embedding, which llama.cpp keeps in host memory).
+        let file = std::fs::metadata(model_path()).unwrap().len();
+        assert!(
+            offload.weight_bytes >= file / 2,
+            "{offload:?}, file {file} bytes"
+        );
         let on_gpu = run(&gpu, completion(COUNTING, greedy(24))).await;
         drop(gpu);
 
@@ -508,10 +537,16 @@ mod gpu {
 
     #[tokio::test]
     async fn partial_offload_places_the_layers_asked_for() {
+        let all = on_gpu(99).gpu_offload().cloned().expect("layers on a GPU");
         let backend = on_gpu(10);
         let offload = backend.gpu_offload().cloned().expect("layers on a GPU");
         assert_eq!(offload.offloaded, 10);
         assert!(offload.layers > 10);
+        // Part of the weights, measured: some, but less than all of them.
+        assert!(
+            offload.weight_bytes > 0 && offload.weight_bytes < all.weight_bytes,
+            "10 layers {offload:?}, all {all:?}"
+        );
         let out = run(&backend, chat("Say hello.", greedy(8))).await;
         assert!(out.finished().1.completion_tokens > 0);
         assert!(!out.text.is_empty());
