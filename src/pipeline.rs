@@ -125,16 +125,25 @@ fn asks_for(field: &str, v: &Value) -> bool {
     }
 }
 
-/// The first field of a chat request that needs the upstream, as (`param`, metric label).
-fn chat_forward_field(r: &ChatCompletionRequest) -> Option<(String, &'static str)> {
-    if let Some(f) = CHAT_FORWARD_FIELDS
+/// The first of `fields` that a request asks for, else `n > 1`, as (`param`, metric label).
+fn top_level_forward_field(
+    fields: &[&'static str],
+    extra: &serde_json::Map<String, Value>,
+    n: Option<u32>,
+) -> Option<(String, &'static str)> {
+    if let Some(f) = fields
         .iter()
-        .find(|f| r.extra.get(**f).is_some_and(|v| asks_for(f, v)))
+        .find(|f| extra.get(**f).is_some_and(|v| asks_for(f, v)))
     {
         return Some((f.to_string(), *f));
     }
-    if r.n.is_some_and(|n| n > 1) {
-        return Some(("n".into(), "n"));
+    n.is_some_and(|n| n > 1).then(|| ("n".to_string(), "n"))
+}
+
+/// The first field of a chat request that needs the upstream, as (`param`, metric label).
+fn chat_forward_field(r: &ChatCompletionRequest) -> Option<(String, &'static str)> {
+    if let Some(found) = top_level_forward_field(CHAT_FORWARD_FIELDS, &r.extra, r.n) {
+        return Some(found);
     }
     for (i, m) in r.messages.iter().enumerate() {
         if matches!(m.role.as_str(), "tool" | "function") {
@@ -157,19 +166,10 @@ fn chat_forward_field(r: &ChatCompletionRequest) -> Option<(String, &'static str
 
 /// The first field of a completions request that needs the upstream.
 fn completion_forward_field(r: &CompletionRequest) -> Option<(String, &'static str)> {
-    if let Some(f) = COMPLETION_FORWARD_FIELDS
-        .iter()
-        .find(|f| r.extra.get(**f).is_some_and(|v| asks_for(f, v)))
-    {
-        return Some((f.to_string(), *f));
-    }
-    if r.n.is_some_and(|n| n > 1) {
-        return Some(("n".into(), "n"));
-    }
-    if matches!(&r.prompt, Prompt::Many(v) if v.len() > 1) {
-        return Some(("prompt".into(), "prompt"));
-    }
-    None
+    top_level_forward_field(COMPLETION_FORWARD_FIELDS, &r.extra, r.n).or_else(|| {
+        matches!(&r.prompt, Prompt::Many(v) if v.len() > 1)
+            .then(|| ("prompt".to_string(), "prompt"))
+    })
 }
 
 /// Request controls taken from headers.

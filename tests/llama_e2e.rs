@@ -273,7 +273,7 @@ async fn completions_endpoint_uses_the_raw_prompt() {
 #[tokio::test]
 async fn models_lists_the_gguf_stem_and_unknown_models_are_404() {
     let (app, engine) = spawn_llama(llama_config(1, 8)).await;
-    let r = app.client.get(app.url("/v1/models")).send().await.unwrap();
+    let r = app.get("/v1/models").await;
     assert_eq!(r.status(), 200);
     let j = json_body(r).await;
     assert_eq!(j["object"], "list");

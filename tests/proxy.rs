@@ -107,26 +107,14 @@ async fn stream_and_non_stream_share_one_entry() {
 async fn completions_endpoint_round_trip() {
     let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;
     let body = json!({"model": "fake", "prompt": "Once upon a time", "max_tokens": 8});
-    let r = app
-        .client
-        .post(app.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = app.post("/v1/completions", &body).await;
     assert_eq!(cache_status(&r), "miss");
     let j: Value = r.json().await.unwrap();
     assert_eq!(j["object"], "text_completion");
     assert_eq!(j["choices"][0]["text"], "You asked: Once upon a time");
     let mut sbody = body.clone();
     sbody["stream"] = json!(true);
-    let r = app
-        .client
-        .post(app.url("/v1/completions"))
-        .json(&sbody)
-        .send()
-        .await
-        .unwrap();
+    let r = app.post("/v1/completions", &sbody).await;
     assert_eq!(cache_status(&r), "exact");
     let data = sse_data(&r.text().await.unwrap());
     assert_eq!(sse_text(&data), "You asked: Once upon a time");
@@ -311,12 +299,7 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
         .chat(&chat_body("x"), &[("x-reprise-threshold", "lots")])
         .await;
     assert_openai_error(r, 400, Some("x-reprise-threshold")).await;
-    let r = app
-        .client
-        .get(app.url("/v1/nothing-here"))
-        .send()
-        .await
-        .unwrap();
+    let r = app.get("/v1/nothing-here").await;
     assert_openai_error(r, 404, None).await;
 
     assert_eq!(backend.calls(), 0, "bad input never reaches the backend");
@@ -451,22 +434,14 @@ async fn h2c_and_keep_alive() {
 #[tokio::test]
 async fn models_health_ready_metrics() {
     let (app, _backend) = spawn_fake(test_config(), ScriptConfig::default()).await;
-    let j: Value = app
-        .client
-        .get(app.url("/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let j: Value = app.get("/v1/models").await.json().await.unwrap();
     assert_eq!(j["data"][0]["id"], "fake");
-    let r = app.client.get(app.url("/healthz")).send().await.unwrap();
+    let r = app.get("/healthz").await;
     assert_eq!(r.status(), 200);
-    let r = app.client.get(app.url("/readyz")).send().await.unwrap();
+    let r = app.get("/readyz").await;
     assert_eq!(r.status(), 200);
     app.state.set_ready(false);
-    let r = app.client.get(app.url("/readyz")).send().await.unwrap();
+    let r = app.get("/readyz").await;
     assert_eq!(r.status(), 503);
     app.state.set_ready(true);
     app.chat(&chat_body("m"), &[]).await;
@@ -848,13 +823,7 @@ async fn requests_beyond_text_go_upstream_unchanged_and_are_never_cached() {
         assert_eq!(&up.seen().pop().unwrap().1, body);
     }
     let logprobs = json!({"model": "up-model", "prompt": "1, 2, 3,", "logprobs": 2});
-    let r = app
-        .client
-        .post(app.url("/v1/completions"))
-        .json(&logprobs)
-        .send()
-        .await
-        .unwrap();
+    let r = app.post("/v1/completions", &logprobs).await;
     assert_eq!(cache_status(&r), "bypass");
     assert_eq!(
         up.seen().pop().unwrap(),
@@ -944,41 +913,25 @@ async fn listed_api_endpoints_pass_through_to_the_upstream() {
     assert_eq!(auth.as_deref(), Some("Bearer sk-upstream"));
 
     // Without a configured model list, /v1/models is the upstream's (its request id too).
-    let r = app.client.get(app.url("/v1/models")).send().await.unwrap();
+    let r = app.get("/v1/models").await;
     assert_eq!(r.headers()["x-request-id"], "req_1");
     let j: Value = r.json().await.unwrap();
     assert_eq!(j["data"][0]["id"], "up-model");
 
     // The upstream's client errors come back as they are: its 422, and its 404 for a path of
     // a listed endpoint that it does not have.
-    let r = app
-        .client
-        .post(app.url("/v1/moderations"))
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap();
+    let r = app.post("/v1/moderations", &json!({})).await;
     assert_eq!(r.status(), 422);
     assert_eq!(cache_status(&r), "error");
     let j: Value = r.json().await.unwrap();
     assert_eq!(j["error"]["param"], "input");
-    let r = app
-        .client
-        .get(app.url("/v1/files/file-1/content"))
-        .send()
-        .await
-        .unwrap();
+    let r = app.get("/v1/files/file-1/content").await;
     assert_eq!(r.status(), 404);
     assert_eq!(cache_status(&r), "error");
     let forwarded = up.seen().len();
 
     // A redirect is not followed (it would carry the key elsewhere): reprise answers 502.
-    let r = app
-        .client
-        .get(app.url("/v1/models/old-name"))
-        .send()
-        .await
-        .unwrap();
+    let r = app.get("/v1/models/old-name").await;
     assert_openai_error(r, 502, None).await;
     assert_eq!(up.seen().len(), forwarded + 1);
 

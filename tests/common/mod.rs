@@ -77,6 +77,18 @@ impl TestApp {
         req.send().await.expect("request sent")
     }
 
+    /// GETs `path`.
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        let req = self.client.get(self.url(path));
+        req.send().await.expect("request sent")
+    }
+
+    /// POSTs a JSON body to `path`.
+    pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        let req = self.client.post(self.url(path)).json(body);
+        req.send().await.expect("request sent")
+    }
+
     /// The Prometheus text of `/metrics`.
     pub async fn metrics_text(&self) -> String {
         let r = self.client.get(self.url("/metrics")).send().await;
