@@ -46,6 +46,11 @@ pub struct ServerConfig {
     /// Longest a request waits for its first token from the backend, in seconds (504 after
     /// that). Applies to streaming and non-streaming requests.
     pub first_token_timeout_secs: f64,
+    /// Longest gap between two pieces of an answer a client is waiting for, in seconds: a
+    /// backend that stalls mid-answer is cut off there (never cached); a stream then ends
+    /// with an error event, a non-streaming request gets 504. Background generations
+    /// (prefetch, refresh), which yield to interactive ones, have no such limit.
+    pub token_timeout_secs: f64,
     /// Name of the environment variable holding the admin token for `/admin/*` endpoints
     /// (unset: those endpoints answer 401 to everyone).
     pub admin_token_env: Option<String>,
@@ -58,6 +63,7 @@ impl Default for ServerConfig {
             max_body_bytes: 4 * 1024 * 1024,
             request_timeout_secs: 300.0,
             first_token_timeout_secs: 60.0,
+            token_timeout_secs: 60.0,
             admin_token_env: None,
         }
     }
@@ -71,6 +77,10 @@ impl ServerConfig {
     /// `first_token_timeout_secs` as a duration.
     pub fn first_token_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.first_token_timeout_secs)
+    }
+    /// `token_timeout_secs` as a duration.
+    pub fn token_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.token_timeout_secs)
     }
 }
 
@@ -353,6 +363,9 @@ impl Config {
                 "must be positive",
             ));
         }
+        if s.token_timeout_secs.is_nan() || s.token_timeout_secs <= 0.0 {
+            return Err(invalid("server.token_timeout_secs", "must be positive"));
+        }
         let b = &self.backend;
         match b.kind {
             BackendKind::Openai => {
@@ -473,6 +486,7 @@ mod tests {
         let d = Config::default();
         assert_eq!(c.server.listen, d.server.listen);
         assert_eq!(c.server.max_body_bytes, d.server.max_body_bytes);
+        assert_eq!(c.server.token_timeout_secs, d.server.token_timeout_secs);
         assert_eq!(c.backend.model, d.backend.model);
         assert_eq!(c.backend.parallel, d.backend.parallel);
         assert_eq!(c.backend.passthrough, d.backend.passthrough);

@@ -505,7 +505,13 @@ async fn forward(
         .await
         .map_err(|_| ApiError::Timeout)??;
     let trace = std::mem::replace(trace, Trace::detached());
-    Ok(forwarded_response(answer, deadline, f.stream, trace))
+    let gap = server.token_timeout();
+    Ok(forwarded_response(
+        answer,
+        deadline,
+        f.stream.then_some(gap),
+        trace,
+    ))
 }
 
 /// Request headers that travel with a forwarded request; a missing content type is `default`.
@@ -526,14 +532,16 @@ fn passed_on_headers(headers: &HeaderMap, default_type: &str) -> Vec<(String, St
 }
 
 /// The client's response to a forwarded request: the upstream's status, headers and body as
-/// they come. A client error from the upstream counts as an error in the metrics; the first
-/// chunk of a stream is its first token (a whole body says nothing about that).
+/// they come, within `deadline` (whole body) or `gap` (between two chunks of a stream, whose
+/// first chunk is its first token). A client error from the upstream counts as an error in the
+/// metrics.
 fn forwarded_response(
     answer: reprise_backend::Forwarded,
     deadline: Option<tokio::time::Instant>,
-    stream: bool,
+    gap: Option<std::time::Duration>,
     mut trace: Trace,
 ) -> Response {
+    let stream = gap.is_some();
     let status = axum::http::StatusCode::from_u16(answer.status)
         .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
     let outcome = if status.is_success() {
@@ -549,9 +557,10 @@ fn forwarded_response(
     let mut upstream = answer.body;
     let body = async_stream::stream! {
         loop {
-            let next = match deadline {
-                Some(d) => tokio::time::timeout_at(d, upstream.next()).await,
-                None => Ok(upstream.next().await),
+            let next = match (deadline, gap) {
+                (Some(d), _) => tokio::time::timeout_at(d, upstream.next()).await,
+                (None, Some(gap)) => tokio::time::timeout(gap, upstream.next()).await,
+                (None, None) => Ok(upstream.next().await),
             };
             match next {
                 Ok(Some(Ok(chunk))) => {
@@ -663,7 +672,7 @@ pub async fn passthrough(
             .await
             .map_err(|_| ApiError::Timeout)??;
         // Not a completion: no request metrics, no request log.
-        Ok(forwarded_response(answer, None, false, Trace::detached()))
+        Ok(forwarded_response(answer, None, None, Trace::detached()))
     }
     .await;
     Some(result.unwrap_or_else(|e| {
@@ -1356,9 +1365,21 @@ async fn run_generation(
     flight: &Flight,
     req: GenRequest,
 ) -> Result<(String, FinishReason, Usage), BackendError> {
+    // A client waits for interactive answers: a stall between tokens cuts them off. The
+    // first token has its own timeout where the client waits for it.
+    let gap = (req.priority == Priority::Interactive).then(|| state.config.server.token_timeout());
     let mut stream = state.backend.generate(req).await?;
     let mut text = String::new();
-    while let Some(ev) = stream.next().await {
+    let mut started = false;
+    loop {
+        let next = match gap {
+            Some(gap) if started => tokio::time::timeout(gap, stream.next())
+                .await
+                .map_err(|_| BackendError::Timeout)?,
+            _ => stream.next().await,
+        };
+        started = true;
+        let Some(ev) = next else { break };
         match ev? {
             GenEvent::Delta(d) => {
                 text.push_str(&d);

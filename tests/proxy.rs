@@ -1005,3 +1005,26 @@ async fn https_upstreams_are_reached_over_tls() {
     assert_eq!(head[0], 0x16, "a TLS handshake record");
     assert_eq!(head[1], 0x03, "TLS version major");
 }
+
+#[tokio::test]
+async fn a_backend_that_stalls_mid_answer_is_cut_off_and_nothing_is_cached() {
+    let mut config = test_config();
+    config.server.token_timeout_secs = 0.3;
+    let script = ScriptConfig {
+        token_delay: Duration::from_secs(3),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(config, script).await;
+    let mut body = chat_body("one two three");
+    body["stream"] = json!(true);
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(r.status(), 200);
+    let data = sse_data(&r.text().await.unwrap());
+    assert_eq!(sse_text(&data), "You", "the first word came, then the stall");
+    assert!(data.iter().any(|d| d.contains("\"error\"")), "{data:?}");
+    assert!(!data.iter().any(|d| d == "[DONE]"));
+    let r = app.chat(&chat_body("four five six"), &[]).await;
+    assert_openai_error(r, 504, None).await;
+    assert_eq!(backend.calls(), 2);
+    assert_eq!(app.state.memory.entry_count(), 0, "cut-off answers are never stored");
+}
