@@ -122,14 +122,27 @@ pub struct ChatCompletionRequest {
     pub extra: Map<String, Value>,
 }
 
-/// `prompt` of a completions request: a string or a one-element list.
+/// `prompt` of a completions request.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
     /// A single prompt.
     One(String),
-    /// A list of prompts; only one is supported.
+    /// A list of prompts; one is cached, several go upstream.
     Many(Vec<String>),
+    /// Token ids (one prompt, or several): only an upstream with the same tokenizer can read
+    /// them, so they go upstream.
+    Tokens(TokenPrompt),
+}
+
+/// A prompt given as token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum TokenPrompt {
+    /// One prompt.
+    One(Vec<u32>),
+    /// Several prompts.
+    Many(Vec<Vec<u32>>),
 }
 
 /// `POST /v1/completions` body.

@@ -169,6 +169,9 @@ fn completion_forward_field(r: &CompletionRequest) -> Option<(String, &'static s
     top_level_forward_field(COMPLETION_FORWARD_FIELDS, &r.extra, r.n).or_else(|| {
         matches!(&r.prompt, Prompt::Many(v) if v.len() > 1)
             .then(|| ("prompt".to_string(), "prompt"))
+            .or_else(|| {
+                matches!(&r.prompt, Prompt::Tokens(_)).then(|| ("prompt".to_string(), "prompt"))
+            })
     })
 }
 
@@ -801,7 +804,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
             let prompt = match r.prompt {
                 Prompt::One(p) => p,
                 Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
-                Prompt::Many(_) => {
+                Prompt::Many(_) | Prompt::Tokens(_) => {
                     return Err(ApiError::invalid(
                         "`prompt` must not be empty",
                         Some("prompt"),
@@ -1848,6 +1851,15 @@ mod tests {
             forward("prompt", "prompt")
         );
         assert!(completion("prompt", json!([])).is_err());
+        assert_eq!(
+            completion("prompt", json!([1, 2, 3])),
+            forward("prompt", "prompt")
+        );
+        assert_eq!(
+            completion("prompt", json!([[1, 2], [3]])),
+            forward("prompt", "prompt")
+        );
+        assert!(completion("prompt", json!({"text": "a"})).is_err());
     }
 
     #[test]

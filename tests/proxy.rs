@@ -1020,11 +1020,19 @@ async fn a_backend_that_stalls_mid_answer_is_cut_off_and_nothing_is_cached() {
     let r = app.chat(&body, &[]).await;
     assert_eq!(r.status(), 200);
     let data = sse_data(&r.text().await.unwrap());
-    assert_eq!(sse_text(&data), "You", "the first word came, then the stall");
+    assert_eq!(
+        sse_text(&data),
+        "You",
+        "the first word came, then the stall"
+    );
     assert!(data.iter().any(|d| d.contains("\"error\"")), "{data:?}");
     assert!(!data.iter().any(|d| d == "[DONE]"));
     let r = app.chat(&chat_body("four five six"), &[]).await;
     assert_openai_error(r, 504, None).await;
     assert_eq!(backend.calls(), 2);
-    assert_eq!(app.state.memory.entry_count(), 0, "cut-off answers are never stored");
+    assert_eq!(
+        app.state.memory.entry_count(),
+        0,
+        "cut-off answers are never stored"
+    );
 }
