@@ -189,6 +189,8 @@ pub struct Controls {
     pub only_if_cached: bool,
     /// Similarity threshold requested by the client (only ever raises the configured one).
     pub threshold: Option<f32>,
+    /// `Cache-Control: max-age=N`: only answers at most N seconds old may be served.
+    pub max_age_secs: Option<u64>,
     /// Session id linking consecutive prompts (`x-reprise-session`).
     pub session: Option<String>,
     /// Invalidation tags for the entry this request creates (`x-reprise-tags: a,b`).
@@ -217,13 +219,26 @@ impl Controls {
         let mut no_cache = false;
         let mut no_store = false;
         let mut only_if_cached = false;
+        let mut max_age_secs: Option<u64> = None;
         for v in headers.get_all(axum::http::header::CACHE_CONTROL) {
             for directive in v.to_str().unwrap_or("").split(',') {
-                match directive.trim().to_ascii_lowercase().as_str() {
+                let directive = directive.trim().to_ascii_lowercase();
+                match directive.as_str() {
                     "no-cache" => no_cache = true,
                     "no-store" => no_store = true,
                     "only-if-cached" => only_if_cached = true,
-                    _ => {}
+                    d => {
+                        if let Some(value) = d.strip_prefix("max-age=") {
+                            let secs: u64 = value.trim_matches('"').parse().map_err(|_| {
+                                ApiError::BadHeader {
+                                    header: "cache-control",
+                                    reason: "max-age must be a whole number of seconds".into(),
+                                }
+                            })?;
+                            // Several max-age directives: the strictest wins.
+                            max_age_secs = Some(max_age_secs.map_or(secs, |m| m.min(secs)));
+                        }
+                    }
                 }
             }
         }
@@ -248,6 +263,7 @@ impl Controls {
             no_store,
             only_if_cached,
             threshold,
+            max_age_secs,
             tags: headers
                 .get(TAGS_HEADER)
                 .and_then(|v| v.to_str().ok())
@@ -329,7 +345,10 @@ async fn serve(
         &parsed.req,
         read,
         write,
-        ctl.threshold,
+        Accept {
+            threshold: ctl.threshold,
+            max_age_secs: ctl.max_age_secs,
+        },
         trace,
     )
     .await;
@@ -1054,6 +1073,23 @@ pub struct Lookup {
     pub policy: Option<reprise_policies::semantic::SemanticPolicy>,
 }
 
+/// What a request accepts from the cache besides the configured policy.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Accept {
+    /// Similarity threshold requested by the client (only ever raises the configured one).
+    pub threshold: Option<f32>,
+    /// Oldest answer the client takes, in seconds (`Cache-Control: max-age`).
+    pub max_age_secs: Option<u64>,
+}
+
+impl Accept {
+    /// Whether `entry` is young enough.
+    fn fresh(&self, entry: &Entry) -> bool {
+        self.max_age_secs
+            .is_none_or(|max| now_ms().saturating_sub(entry.created_ms) <= max * 1000)
+    }
+}
+
 /// Steps 4 and 5: exact lookup, then semantic lookup. Always fills the write plan (only the
 /// parts `write` needs) and reads only when `read`.
 #[allow(clippy::too_many_arguments)]
@@ -1064,7 +1100,7 @@ pub async fn lookup(
     req: &GenRequest,
     read: bool,
     write: bool,
-    threshold: Option<f32>,
+    accept: Accept,
     trace: &mut Trace,
 ) -> Lookup {
     let exact = key::exact_key(namespace, endpoint, req);
@@ -1092,7 +1128,10 @@ pub async fn lookup(
     // Exact first: a hit needs no conversation analysis (the hot path), unless the prefetcher
     // wants to know which earlier answer this turn followed.
     let exact_hit = if read {
-        find_by_key(state, &exact, counted).await
+        // Too old for this client is a miss; the fresh answer then takes the key over.
+        find_by_key(state, &exact, counted)
+            .await
+            .filter(|e| accept.fresh(e))
     } else {
         None
     };
@@ -1139,7 +1178,7 @@ pub async fn lookup(
         &cfg.rules,
         namespace,
         &req.model,
-        threshold,
+        accept.threshold,
     );
     if !policy.enabled || (!read && !write) {
         return found;
@@ -1188,6 +1227,9 @@ pub async fn lookup(
                 }
             },
         };
+        if !accept.fresh(&entry) {
+            continue;
+        }
         if policy.gate {
             let verdict = reprise_policies::gate(&query, &entry.prompt);
             if !verdict.is_pass() {
@@ -1287,7 +1329,7 @@ pub async fn generate_in_background(
         &req,
         check_cache,
         true,
-        None,
+        Accept::default(),
         &mut trace,
     )
     .await;

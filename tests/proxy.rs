@@ -1036,3 +1036,23 @@ async fn a_backend_that_stalls_mid_answer_is_cut_off_and_nothing_is_cached() {
         "cut-off answers are never stored"
     );
 }
+
+#[tokio::test]
+async fn max_age_refreshes_answers_older_than_the_client_takes() {
+    let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;
+    let body = chat_body("What time is it?");
+    assert_eq!(cache_status(&app.chat(&body, &[]).await), "miss");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let r = app.chat(&body, &[("cache-control", "max-age=3600")]).await;
+    assert_eq!(cache_status(&r), "exact");
+    // Older than zero seconds: generated again, and the fresh answer takes the key over.
+    let r = app
+        .chat(&body, &[("cache-control", "no-transform, max-age=0")])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 2);
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(r.headers()["age"], "0");
+    assert_eq!(backend.calls(), 2);
+}

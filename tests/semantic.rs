@@ -276,6 +276,29 @@ async fn threshold_header_raises_but_never_lowers() {
 }
 
 #[tokio::test]
+async fn max_age_keeps_older_answers_from_being_served() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let question = chat_body("How do I reset my password?");
+    app.chat(&question, &[]).await;
+    let para = chat_body("I forgot my password, how can I change it?");
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    // The stored answer is a few milliseconds old: too old for max-age=0, by meaning too.
+    let r = app.chat(&para, &[("cache-control", "max-age=0")]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app
+        .chat(&question, &[("cache-control", "max-age=3600")])
+        .await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(backend.calls(), 2);
+    let r = app
+        .chat(&question, &[("cache-control", "max-age=soon")])
+        .await;
+    assert_eq!(r.status(), 400);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["error"]["param"], "cache-control", "{j}");
+}
+
+#[tokio::test]
 async fn only_if_cached_never_calls_the_backend() {
     let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
     let r = app
