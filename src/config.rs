@@ -46,15 +46,18 @@ pub struct ServerConfig {
     /// Longest a request waits for its first token from the backend, in seconds (504 after
     /// that). Applies to streaming and non-streaming requests.
     pub first_token_timeout_secs: f64,
-    /// Longest gap between two pieces of an answer a client is waiting for, in seconds: a
-    /// backend that stalls mid-answer is cut off there (never cached); a stream then ends
-    /// with an error event, a non-streaming request gets 504. Background generations
-    /// (prefetch, refresh), which yield to interactive ones, have no such limit.
+    /// Longest gap between two tokens of an answer, in seconds: a backend that stalls
+    /// mid-answer is cut off there (never cached); a stream then ends with an error event, a
+    /// non-streaming request gets 504. Background generations (prefetch, refresh) too. A
+    /// forwarded stream (tools, ...) is cut off mid-body after such a gap between chunks.
     pub token_timeout_secs: f64,
     /// Name of the environment variable holding the admin token for `/admin/*` endpoints
     /// (unset: those endpoints answer 401 to everyone).
     pub admin_token_env: Option<String>,
 }
+
+/// Upper bound of the server timeouts (one year).
+const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -354,17 +357,21 @@ impl Config {
         if s.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be positive"));
         }
-        if s.request_timeout_secs.is_nan() || s.request_timeout_secs <= 0.0 {
-            return Err(invalid("server.request_timeout_secs", "must be positive"));
-        }
-        if s.first_token_timeout_secs.is_nan() || s.first_token_timeout_secs <= 0.0 {
-            return Err(invalid(
+        for (key, secs) in [
+            ("server.request_timeout_secs", s.request_timeout_secs),
+            (
                 "server.first_token_timeout_secs",
-                "must be positive",
-            ));
-        }
-        if s.token_timeout_secs.is_nan() || s.token_timeout_secs <= 0.0 {
-            return Err(invalid("server.token_timeout_secs", "must be positive"));
+                s.first_token_timeout_secs,
+            ),
+            ("server.token_timeout_secs", s.token_timeout_secs),
+        ] {
+            // Bounded so that turning a timeout "off" with a huge value stays a valid duration.
+            if !(secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {
+                return Err(invalid(
+                    key,
+                    format!("must be more than 0 and at most {MAX_TIMEOUT_SECS} seconds"),
+                ));
+            }
         }
         let b = &self.backend;
         match b.kind {
@@ -477,6 +484,14 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("backend.passthrough"), "{err}");
+        for bad in ["0", "-1", "inf", "nan", "1e30"] {
+            let err =
+                Config::from_toml(&format!("[server]\ntoken_timeout_secs = {bad}\n")).unwrap_err();
+            assert!(
+                err.to_string().contains("server.token_timeout_secs"),
+                "{bad}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -229,12 +229,15 @@ impl Controls {
                     "only-if-cached" => only_if_cached = true,
                     d => {
                         if let Some(value) = d.strip_prefix("max-age=") {
-                            let secs: u64 = value.trim_matches('"').parse().map_err(|_| {
-                                ApiError::BadHeader {
+                            let value = value.trim_matches('"');
+                            if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+                                return Err(ApiError::BadHeader {
                                     header: "cache-control",
                                     reason: "max-age must be a whole number of seconds".into(),
-                                }
-                            })?;
+                                });
+                            }
+                            // RFC 9111 1.2.2: values too large to represent count as 2^31.
+                            let secs = value.parse::<u64>().map_or(1 << 31, |s| s.min(1 << 31));
                             // Several max-age directives: the strictest wins.
                             max_age_secs = Some(max_age_secs.map_or(secs, |m| m.min(secs)));
                         }
@@ -357,7 +360,10 @@ async fn serve(
         if write && hit.outcome != Outcome::Exact {
             // An exact repeat of this phrasing, and the next turn of this conversation, find
             // the entry directly next time (an exact hit found it by these keys already).
-            let mut keys = vec![found.plan.exact];
+            let mut keys = Vec::new();
+            if !found.exact_taken {
+                keys.push(found.plan.exact);
+            }
             keys.extend(found.plan.turn_key(&hit.entry.text));
             for k in keys {
                 state.memory.alias(k, hit.entry.id).await;
@@ -527,13 +533,15 @@ async fn forward(
         .await
         .map_err(|_| ApiError::Timeout)??;
     let trace = std::mem::replace(trace, Trace::detached());
-    let gap = server.token_timeout();
-    Ok(forwarded_response(
-        answer,
-        deadline,
-        f.stream.then_some(gap),
-        trace,
-    ))
+    // A stream's first chunk may follow its headers after the whole prefill.
+    let limits = match deadline {
+        Some(d) => BodyLimits::Deadline(d),
+        None => BodyLimits::Stream {
+            first_by: headers_by,
+            gap: server.token_timeout(),
+        },
+    };
+    Ok(forwarded_response(answer, limits, trace))
 }
 
 /// Request headers that travel with a forwarded request; a missing content type is `default`.
@@ -553,17 +561,30 @@ fn passed_on_headers(headers: &HeaderMap, default_type: &str) -> Vec<(String, St
     out
 }
 
+/// How long a forwarded body may take.
+#[derive(Debug, Clone, Copy)]
+enum BodyLimits {
+    /// No limit (files and other non-completion endpoints).
+    None,
+    /// The whole body by then.
+    Deadline(tokio::time::Instant),
+    /// A stream: its first chunk (its first token) by `first_by`, then at most `gap` between
+    /// two chunks.
+    Stream {
+        first_by: tokio::time::Instant,
+        gap: std::time::Duration,
+    },
+}
+
 /// The client's response to a forwarded request: the upstream's status, headers and body as
-/// they come, within `deadline` (whole body) or `gap` (between two chunks of a stream, whose
-/// first chunk is its first token). A client error from the upstream counts as an error in the
+/// they come, within `limits`. A client error from the upstream counts as an error in the
 /// metrics.
 fn forwarded_response(
     answer: reprise_backend::Forwarded,
-    deadline: Option<tokio::time::Instant>,
-    gap: Option<std::time::Duration>,
+    limits: BodyLimits,
     mut trace: Trace,
 ) -> Response {
-    let stream = gap.is_some();
+    let stream = matches!(limits, BodyLimits::Stream { .. });
     let status = axum::http::StatusCode::from_u16(answer.status)
         .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
     let outcome = if status.is_success() {
@@ -579,10 +600,13 @@ fn forwarded_response(
     let mut upstream = answer.body;
     let body = async_stream::stream! {
         loop {
-            let next = match (deadline, gap) {
-                (Some(d), _) => tokio::time::timeout_at(d, upstream.next()).await,
-                (None, Some(gap)) => tokio::time::timeout(gap, upstream.next()).await,
-                (None, None) => Ok(upstream.next().await),
+            let next = match limits {
+                BodyLimits::None => Ok(upstream.next().await),
+                BodyLimits::Deadline(d) => tokio::time::timeout_at(d, upstream.next()).await,
+                BodyLimits::Stream { first_by, .. } if trace.first_token.is_none() => {
+                    tokio::time::timeout_at(first_by, upstream.next()).await
+                }
+                BodyLimits::Stream { gap, .. } => tokio::time::timeout(gap, upstream.next()).await,
             };
             match next {
                 Ok(Some(Ok(chunk))) => {
@@ -694,7 +718,11 @@ pub async fn passthrough(
             .await
             .map_err(|_| ApiError::Timeout)??;
         // Not a completion: no request metrics, no request log.
-        Ok(forwarded_response(answer, None, None, Trace::detached()))
+        Ok(forwarded_response(
+            answer,
+            BodyLimits::None,
+            Trace::detached(),
+        ))
     }
     .await;
     Some(result.unwrap_or_else(|e| {
@@ -974,22 +1002,54 @@ fn turn_key(
 
 /// The entry a key points at: memory (L1), then Redis (L2), whose hits are promoted into this
 /// replica's memory and index. `counted` records the lookups in the metrics.
-async fn find_by_key(state: &AppState, key: &Digest, counted: bool) -> Option<Arc<Entry>> {
-    let hit = state.memory.get_by_key(key).await;
+/// What a key leads to.
+enum ByKey {
+    /// An entry fresh enough for the request.
+    Fresh(Arc<Entry>),
+    /// Only an entry too old for the request (`Cache-Control: max-age`).
+    Stale,
+    /// Nothing.
+    Absent,
+}
+
+impl ByKey {
+    fn fresh(self) -> Option<Arc<Entry>> {
+        match self {
+            ByKey::Fresh(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// The entry a key leads to, in memory then in Redis, if it is fresh enough for `accept`.
+/// A memory entry that is too old may have been replaced by another replica, so Redis is
+/// asked then too.
+async fn find_by_key(state: &AppState, key: &Digest, counted: bool, accept: Accept) -> ByKey {
+    let l1 = state.memory.get_by_key(key).await;
+    let stale = l1.as_ref().is_some_and(|e| !accept.fresh(e));
+    let hit = l1.filter(|e| accept.fresh(e));
     if counted {
         state.metrics.lookup(Tier::Exact, hit.is_some());
     }
-    if hit.is_some() {
-        return hit;
+    if let Some(entry) = hit {
+        return ByKey::Fresh(entry);
     }
-    let redis = state.redis.as_ref()?;
+    let absent = if stale { ByKey::Stale } else { ByKey::Absent };
+    let Some(redis) = state.redis.as_ref() else {
+        return absent;
+    };
     let l2 = redis.get_by_key(key).await.ok().flatten();
+    let stale = stale || l2.as_ref().is_some_and(|e| !accept.fresh(e));
+    let l2 = l2.filter(|e| accept.fresh(e));
     if counted {
         state.metrics.lookup(Tier::Redis, l2.is_some());
     }
-    let entry = crate::replication::install(state, l2?).await;
+    let Some(l2) = l2 else {
+        return if stale { ByKey::Stale } else { ByKey::Absent };
+    };
+    let entry = crate::replication::install(state, l2).await;
     state.memory.alias(*key, entry.id).await;
-    Some(entry)
+    ByKey::Fresh(entry)
 }
 
 /// A conversation's resolved context.
@@ -1021,7 +1081,10 @@ async fn resolve_context(
         let link = turn_key(namespace, model, &ctx, &query, &answer.content);
         let mut h;
         // L2 too: the link may have been written by another replica.
-        match find_by_key(state, &link, false).await {
+        match find_by_key(state, &link, false, Accept::default())
+            .await
+            .fresh()
+        {
             Some(entry) => {
                 h = KeyHasher::new("ctx-entry");
                 h.str(&entry.id.to_string());
@@ -1071,6 +1134,9 @@ pub struct Lookup {
     pub prev_entry: Option<EntryId>,
     /// The semantic policy applied, when the request could be matched semantically.
     pub policy: Option<reprise_policies::semantic::SemanticPolicy>,
+    /// The exact key leads to an entry, only one too old for this request: a paraphrase's
+    /// answer served instead must not take the key from it.
+    pub exact_taken: bool,
 }
 
 /// What a request accepts from the cache besides the configured policy.
@@ -1086,7 +1152,7 @@ impl Accept {
     /// Whether `entry` is young enough.
     fn fresh(&self, entry: &Entry) -> bool {
         self.max_age_secs
-            .is_none_or(|max| now_ms().saturating_sub(entry.created_ms) <= max * 1000)
+            .is_none_or(|max| now_ms().saturating_sub(entry.created_ms) <= max.saturating_mul(1000))
     }
 }
 
@@ -1121,6 +1187,7 @@ pub async fn lookup(
         hit: None,
         prev_entry: None,
         policy: None,
+        exact_taken: false,
     };
     // Background lookups (detached traces) are not client traffic: keep them out of the
     // lookup metrics analysts read.
@@ -1128,10 +1195,10 @@ pub async fn lookup(
     // Exact first: a hit needs no conversation analysis (the hot path), unless the prefetcher
     // wants to know which earlier answer this turn followed.
     let exact_hit = if read {
-        // Too old for this client is a miss; the fresh answer then takes the key over.
-        find_by_key(state, &exact, counted)
-            .await
-            .filter(|e| accept.fresh(e))
+        // Too old for this client is a miss; a generated answer then takes the key over.
+        let by_key = find_by_key(state, &exact, counted, accept).await;
+        found.exact_taken = matches!(by_key, ByKey::Stale);
+        by_key.fresh()
     } else {
         None
     };
@@ -1410,18 +1477,20 @@ async fn run_generation(
     flight: &Flight,
     req: GenRequest,
 ) -> Result<(String, FinishReason, Usage), BackendError> {
-    // A client waits for interactive answers: a stall between tokens cuts them off. The
-    // first token has its own timeout where the client waits for it.
-    let gap = (req.priority == Priority::Interactive).then(|| state.config.server.token_timeout());
+    // A stall between tokens cuts a generation off (background ones too: a stalled upstream
+    // would hold a prefetch permit forever). The first token may wait in the backend's
+    // queue; clients bound that with the first-token timeout.
+    let gap = state.config.server.token_timeout();
     let mut stream = state.backend.generate(req).await?;
     let mut text = String::new();
     let mut started = false;
     loop {
-        let next = match gap {
-            Some(gap) if started => tokio::time::timeout(gap, stream.next())
+        let next = if started {
+            tokio::time::timeout(gap, stream.next())
                 .await
-                .map_err(|_| BackendError::Timeout)?,
-            _ => stream.next().await,
+                .map_err(|_| BackendError::Timeout)?
+        } else {
+            stream.next().await
         };
         started = true;
         let Some(ev) = next else { break };

@@ -290,6 +290,24 @@ async fn max_age_keeps_older_answers_from_being_served() {
         .await;
     assert_eq!(cache_status(&r), "exact");
     assert_eq!(backend.calls(), 2);
+    // Too large to represent counts as 2^31 seconds (RFC 9111), not as an error.
+    let huge = [("cache-control", "max-age=99999999999999999999999")];
+    assert_eq!(cache_status(&app.chat(&question, &huge).await), "exact");
+    // A fresher paraphrase may answer a question whose own answer is too old, but it does
+    // not take the question's key: without max-age the question gets its own answer.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let r = app.chat(&para, &[("cache-control", "no-cache")]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app.chat(&question, &[("cache-control", "max-age=1")]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(
+        content(r).await,
+        "You asked: I forgot my password, how can I change it?"
+    );
+    let r = app.chat(&question, &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(content(r).await, "You asked: How do I reset my password?");
+    assert_eq!(backend.calls(), 3);
     let r = app
         .chat(&question, &[("cache-control", "max-age=soon")])
         .await;

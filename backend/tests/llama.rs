@@ -459,6 +459,8 @@ async fn n_gpu_layers_without_cuda_runs_on_the_cpu() {
 
 #[test]
 fn bare_benchmark_decodes() {
+    // It loads its own model: under the same lock as every other load.
+    let _one_at_a_time = LOADING.lock().unwrap_or_else(|e| e.into_inner());
     let stats = bare_decode_benchmark(&config(1, 1), COUNTING, 16).expect("benchmark runs");
     assert!(stats.prompt_tokens > 0);
     assert_eq!(stats.generated_tokens, 16);
