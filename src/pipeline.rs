@@ -590,10 +590,10 @@ fn forwarded_response(
     let outcome = if status.is_success() {
         Outcome::Bypass
     } else {
-        trace.failed(if status == axum::http::StatusCode::TOO_MANY_REQUESTS {
-            "overloaded"
-        } else {
-            "invalid_request"
+        trace.failed(match status.as_u16() {
+            429 => "overloaded",
+            500.. => "unavailable",
+            _ => "invalid_request",
         });
         Outcome::Error
     };

@@ -731,6 +731,12 @@ impl ToolUpstream {
                         [(header::LOCATION, "http://127.0.0.1:9/v1/models")],
                     )
                         .into_response(),
+                    "/v1/models/busy" => (
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        [(header::RETRY_AFTER, "7")],
+                        r#"{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}"#,
+                    )
+                        .into_response(),
                     "/v1/moderations" => (
                         axum::http::StatusCode::UNPROCESSABLE_ENTITY,
                         [(header::CONTENT_TYPE, "application/json")],
@@ -750,6 +756,7 @@ impl ToolUpstream {
             .route("/v1/embeddings", axum::routing::post(handler.clone()))
             .route("/v1/moderations", axum::routing::post(handler.clone()))
             .route("/v1/models/old-name", axum::routing::get(handler.clone()))
+            .route("/v1/models/busy", axum::routing::get(handler.clone()))
             .route("/v1/models", axum::routing::get(handler));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -929,6 +936,13 @@ async fn listed_api_endpoints_pass_through_to_the_upstream() {
     assert_eq!(r.status(), 404);
     assert_eq!(cache_status(&r), "error");
     let forwarded = up.seen().len();
+
+    // Its server errors too, with their Retry-After.
+    let r = app.get("/v1/models/busy").await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "7");
+    assert_eq!(cache_status(&r), "error");
+    let forwarded = forwarded + 1;
 
     // A redirect is not followed (it would carry the key elsewhere): reprise answers 502.
     let r = app.get("/v1/models/old-name").await;

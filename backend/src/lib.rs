@@ -233,8 +233,8 @@ pub struct ForwardRequest {
     pub interactive: bool,
 }
 
-/// The backend's answer to a [`ForwardRequest`], untouched: a success or a client error
-/// (4xx other than 401/403). Credential and server failures come back as [`BackendError`].
+/// The backend's answer to a [`ForwardRequest`], untouched: a success or a failure status
+/// other than 401/403. A refused key and redirects come back as [`BackendError`].
 pub struct Forwarded {
     /// HTTP status.
     pub status: u16,

@@ -350,10 +350,10 @@ impl Backend for OpenAiBackend {
         }
         let resp = self.request(http).await?;
         let status = resp.status();
-        // The client's own mistakes are the upstream's to describe; a refused key or a failing
-        // upstream is reprise's problem and is reported as such.
-        if matches!(status.as_u16(), 401 | 403)
-            || !(status.is_success() || status.is_client_error())
+        // The upstream's answer is the client's, failures included (with their Retry-After),
+        // except a refused key, which is reprise's problem, and a redirect, which is not
+        // followed and would send the client elsewhere.
+        if matches!(status.as_u16(), 401 | 403) || !(status.is_success() || status.as_u16() >= 400)
         {
             return Err(status_error(status, None, ""));
         }
