@@ -58,10 +58,8 @@ async fn models(
     headers: HeaderMap,
 ) -> Response {
     if state.models.is_empty() {
-        let get = axum::http::Method::GET;
-        if let Some(resp) =
-            pipeline::passthrough(&state, get, &uri, &headers, Ok(Bytes::new())).await
-        {
+        let (get, empty) = (axum::http::Method::GET, axum::body::Body::empty());
+        if let Some(resp) = pipeline::passthrough(&state, get, &uri, &headers, empty).await {
             return resp;
         }
     }
@@ -186,7 +184,7 @@ async fn fallback(
     method: axum::http::Method,
     uri: axum::http::Uri,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: axum::body::Body,
 ) -> Response {
     match pipeline::passthrough(&state, method, &uri, &headers, body).await {
         Some(resp) => resp,

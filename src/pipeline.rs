@@ -526,7 +526,7 @@ async fn forward(
         .to_string(),
         headers: passed_on_headers(headers, "application/json"),
         model: Some(f.model),
-        body,
+        body: body.into(),
         interactive: true,
     };
     let answer = tokio::time::timeout_at(headers_by, state.backend.forward(req))
@@ -546,15 +546,16 @@ async fn forward(
 
 /// Request headers that travel with a forwarded request; a missing content type is `default`.
 fn passed_on_headers(headers: &HeaderMap, default_type: &str) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = ["content-type", "accept", "openai-beta"]
-        .into_iter()
-        .filter_map(|name| {
-            Some((
-                name.to_string(),
-                headers.get(name)?.to_str().ok()?.to_string(),
-            ))
-        })
-        .collect();
+    let mut out: Vec<(String, String)> =
+        ["content-type", "content-length", "accept", "openai-beta"]
+            .into_iter()
+            .filter_map(|name| {
+                Some((
+                    name.to_string(),
+                    headers.get(name)?.to_str().ok()?.to_string(),
+                ))
+            })
+            .collect();
     if !out.iter().any(|(name, _)| name == "content-type") && !default_type.is_empty() {
         out.push(("content-type".into(), default_type.into()));
     }
@@ -687,12 +688,11 @@ pub async fn passthrough(
     method: axum::http::Method,
     uri: &axum::http::Uri,
     headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: axum::body::Body,
 ) -> Option<Response> {
     let path = uri.path().strip_prefix("/v1/")?;
     let endpoint = passthrough_endpoint(state, path)?;
     let result = async {
-        let body = body.map_err(|e| body_error(e, state.config.server.max_body_bytes))?;
         if !state.is_ready() {
             return Err(ApiError::NotReady);
         }
@@ -710,7 +710,9 @@ pub async fn passthrough(
             },
             headers: passed_on_headers(headers, ""),
             model: None,
-            body,
+            // Streamed, not buffered: uploads (files, audio) can be large, and the upstream
+            // enforces its own limits.
+            body: reqwest::Body::wrap_stream(body.into_data_stream()),
             interactive: false,
         };
         let server = &state.config.server;

@@ -707,7 +707,8 @@ impl ToolUpstream {
         let handler = move |uri: Uri, headers: axum::http::HeaderMap, body: axum::body::Bytes| {
             let (record, record_auth) = (record.clone(), record_auth.clone());
             async move {
-                let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let size = body.len();
+                let body: Value = serde_json::from_slice(&body).unwrap_or(json!({"bytes": size}));
                 let stream = body["stream"] == json!(true);
                 let path = uri.path().to_string();
                 record.lock().unwrap().push((uri.to_string(), body));
@@ -757,7 +758,9 @@ impl ToolUpstream {
             .route("/v1/moderations", axum::routing::post(handler.clone()))
             .route("/v1/models/old-name", axum::routing::get(handler.clone()))
             .route("/v1/models/busy", axum::routing::get(handler.clone()))
-            .route("/v1/models", axum::routing::get(handler));
+            .route("/v1/files", axum::routing::post(handler.clone()))
+            .route("/v1/models", axum::routing::get(handler))
+            .layer(axum::extract::DefaultBodyLimit::disable());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -937,12 +940,29 @@ async fn listed_api_endpoints_pass_through_to_the_upstream() {
     assert_eq!(cache_status(&r), "error");
     let forwarded = up.seen().len();
 
+    // Uploads stream through, past reprise's own body limit for completions.
+    let upload = vec![b'x'; app.state.config.server.max_body_bytes + 1024 * 1024];
+    let len = upload.len();
+    let r = app
+        .client
+        .post(app.url("/v1/files"))
+        .header("content-type", "multipart/form-data; boundary=b")
+        .body(upload)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        up.seen().pop().unwrap(),
+        ("/v1/files".into(), json!({"bytes": len}))
+    );
+
     // Its server errors too, with their Retry-After.
     let r = app.get("/v1/models/busy").await;
     assert_eq!(r.status(), 503);
     assert_eq!(r.headers()["retry-after"], "7");
     assert_eq!(cache_status(&r), "error");
-    let forwarded = forwarded + 1;
+    let forwarded = forwarded + 2;
 
     // A redirect is not followed (it would carry the key elsewhere): reprise answers 502.
     let r = app.get("/v1/models/old-name").await;
@@ -976,7 +996,7 @@ async fn listed_api_endpoints_pass_through_to_the_upstream() {
     for line in [
         r#"reprise_passthrough_total{endpoint="embeddings"} 1"#,
         r#"reprise_passthrough_total{endpoint="moderations"} 1"#,
-        r#"reprise_passthrough_total{endpoint="files"} 1"#,
+        r#"reprise_passthrough_total{endpoint="files"} 2"#,
     ] {
         assert!(m.contains(line), "{line} in\n{m}");
     }

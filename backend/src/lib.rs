@@ -216,7 +216,7 @@ pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, BackendError>> + S
 /// A request reprise does not answer itself, sent to the backend as the client wrote it: a
 /// completion the cache cannot represent (tools, several choices, images,
 /// log-probabilities), or another endpoint of the API (embeddings, files, ...).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ForwardRequest {
     /// HTTP method.
     pub method: reqwest::Method,
@@ -226,8 +226,8 @@ pub struct ForwardRequest {
     pub headers: Vec<(String, String)>,
     /// The model the body names, checked against the backend's model list when known.
     pub model: Option<String>,
-    /// The client's body, unchanged.
-    pub body: Bytes,
+    /// The client's body, unchanged; streamed as it arrives (uploads are not buffered).
+    pub body: reqwest::Body,
     /// A completion a user waits for: counts as interactive load (background work backs
     /// off) until its answer is read.
     pub interactive: bool,
