@@ -250,6 +250,8 @@ pub async fn build_embedder(config: &Config) -> anyhow::Result<Option<Arc<dyn Em
 
 /// Creates the configured backend.
 pub async fn build_backend(config: &Config) -> anyhow::Result<Arc<dyn Backend>> {
+    // The recorder must exist before a backend records what it found at load.
+    crate::metrics::prometheus();
     let b = &config.backend;
     Ok(match b.kind {
         BackendKind::Fake => Arc::new(ScriptedBackend::new(ScriptConfig {

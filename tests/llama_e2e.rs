@@ -50,6 +50,8 @@ async fn spawn_llama(config: Config) -> (TestApp, Arc<LlamaBackend>) {
         b.model.display()
     );
     let cfg = b.llama_config();
+    // As `AppState::build` does: the recorder first, so the load's gauges are kept.
+    reprise::metrics::prometheus();
     let engine = tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
         .await
         .unwrap()
@@ -182,6 +184,12 @@ async fn chat_miss_then_exact_hit_without_the_engine() {
     ] {
         assert!(text.contains(name), "missing {name}");
     }
+    // Every model in this binary runs on the CPU: operators see that in /metrics too.
+    assert!(text.contains("reprise_backend_gpu_layers 0\n"), "{text}");
+    assert!(
+        text.contains("reprise_backend_gpu_weight_bytes 0\n"),
+        "{text}"
+    );
 }
 
 #[tokio::test]

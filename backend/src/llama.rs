@@ -62,6 +62,8 @@ mod metric_names {
     pub const BATCH_OCCUPANCY: &str = "reprise_backend_batch_occupancy";
     pub const TOKENS_PER_SECOND: &str = "reprise_backend_tokens_per_second";
     pub const TIME_TO_FIRST_TOKEN: &str = "reprise_backend_time_to_first_token_seconds";
+    pub const GPU_LAYERS: &str = "reprise_backend_gpu_layers";
+    pub const GPU_WEIGHT_BYTES: &str = "reprise_backend_gpu_weight_bytes";
 }
 use metric_names as m;
 
@@ -101,6 +103,16 @@ pub fn describe_metrics() {
         m::TIME_TO_FIRST_TOKEN,
         Unit::Seconds,
         "Time from acceptance to the first sampled token, by class"
+    );
+    metrics::describe_gauge!(
+        m::GPU_LAYERS,
+        Unit::Count,
+        "Model layers the llama backend placed on the GPU at load (0: all on the CPU)"
+    );
+    metrics::describe_gauge!(
+        m::GPU_WEIGHT_BYTES,
+        Unit::Bytes,
+        "GPU memory the llama model's weights took at load"
     );
 }
 
@@ -435,6 +447,9 @@ impl LlamaBackend {
         let started = Instant::now();
         tracing::info!(model = %cfg.model.display(), "loading llama model");
         let (runtime, model, gpu) = load_model(&cfg)?;
+        metrics::gauge!(m::GPU_LAYERS).set(gpu.as_ref().map_or(0.0, |g| f64::from(g.offloaded)));
+        metrics::gauge!(m::GPU_WEIGHT_BYTES)
+            .set(gpu.as_ref().map_or(0.0, |g| g.weight_bytes as f64));
         let model = Arc::new(model);
         let template = match model.chat_template(None) {
             Ok(t) => Some(t),
