@@ -320,14 +320,7 @@ async fn serve(
         Request::Forward(f) => return forward(state, endpoint, headers, body, f, trace).await,
     };
     // 2. Controls.
-    let ctl = Controls::from_headers(headers)?;
-    trace.record.namespace = ctl.namespace.clone();
-    if !state.is_ready() {
-        return Err(ApiError::NotReady);
-    }
-    if !state.models.is_empty() && !state.models.contains(&parsed.req.model) {
-        return Err(ApiError::UnknownModel(parsed.req.model));
-    }
+    let ctl = admit(state, headers, &parsed.req.model, trace)?;
     // 3. Policy.
     let access = reprise_policies::cache::access(
         state.config.cache.enabled,
@@ -478,6 +471,24 @@ async fn serve(
     respond_generation(state, &parsed, renderer, sub, outcome, trace).await
 }
 
+/// Reads the control headers and checks that the server is ready and serves `model`.
+fn admit(
+    state: &AppState,
+    headers: &HeaderMap,
+    model: &str,
+    trace: &mut Trace,
+) -> Result<Controls, ApiError> {
+    let ctl = Controls::from_headers(headers)?;
+    trace.record.namespace = ctl.namespace.clone();
+    if !state.is_ready() {
+        return Err(ApiError::NotReady);
+    }
+    if !state.models.is_empty() && !state.models.iter().any(|m| m == model) {
+        return Err(ApiError::UnknownModel(model.to_string()));
+    }
+    Ok(ctl)
+}
+
 /// Sends a request the cache cannot represent upstream as it came and streams the answer
 /// back as it arrives. Nothing is looked up, stored or learned from it.
 async fn forward(
@@ -488,14 +499,7 @@ async fn forward(
     f: Forward,
     trace: &mut Trace,
 ) -> Result<Response, ApiError> {
-    let ctl = Controls::from_headers(headers)?;
-    trace.record.namespace = ctl.namespace;
-    if !state.is_ready() {
-        return Err(ApiError::NotReady);
-    }
-    if !state.models.is_empty() && !state.models.contains(&f.model) {
-        return Err(ApiError::UnknownModel(f.model));
-    }
+    let ctl = admit(state, headers, &f.model, trace)?;
     if ctl.only_if_cached {
         return Err(ApiError::NotCached);
     }
