@@ -295,10 +295,11 @@ async fn max_age_keeps_older_answers_from_being_served() {
     assert_eq!(cache_status(&app.chat(&question, &huge).await), "exact");
     // A fresher paraphrase may answer a question whose own answer is too old, but it does
     // not take the question's key: without max-age the question gets its own answer.
-    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    // (Two seconds apart: the fresh answer stays younger than max-age even on a slow machine.)
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
     let r = app.chat(&para, &[("cache-control", "no-cache")]).await;
     assert_eq!(cache_status(&r), "miss");
-    let r = app.chat(&question, &[("cache-control", "max-age=1")]).await;
+    let r = app.chat(&question, &[("cache-control", "max-age=2")]).await;
     assert_eq!(cache_status(&r), "semantic");
     assert_eq!(
         content(r).await,
