@@ -86,6 +86,17 @@ pub struct Forward {
     pub field: &'static str,
 }
 
+impl Forward {
+    fn new(model: String, stream: Option<bool>, (param, field): (String, &'static str)) -> Self {
+        Forward {
+            model,
+            stream: stream.unwrap_or(false),
+            param,
+            field,
+        }
+    }
+}
+
 /// Chat request fields whose answer is more than text: tool calls, log-probabilities, audio.
 const CHAT_FORWARD_FIELDS: &[&str] = &[
     "tools",
@@ -775,13 +786,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                     Some("messages"),
                 ));
             }
-            if let Some((param, field)) = chat_forward_field(&r) {
-                return Ok(Request::Forward(Forward {
-                    model: r.model,
-                    stream: r.stream.unwrap_or(false),
-                    param,
-                    field,
-                }));
+            if let Some(found) = chat_forward_field(&r) {
+                return Ok(Request::Forward(Forward::new(r.model, r.stream, found)));
             }
             let mut msgs = Vec::with_capacity(r.messages.len());
             for (i, m) in r.messages.into_iter().enumerate() {
@@ -846,13 +852,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         }
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
-            if let Some((param, field)) = completion_forward_field(&r) {
-                return Ok(Request::Forward(Forward {
-                    model: r.model,
-                    stream: r.stream.unwrap_or(false),
-                    param,
-                    field,
-                }));
+            if let Some(found) = completion_forward_field(&r) {
+                return Ok(Request::Forward(Forward::new(r.model, r.stream, found)));
             }
             let prompt = match r.prompt {
                 Prompt::One(p) => p,
