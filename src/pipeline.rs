@@ -1032,27 +1032,23 @@ impl ByKey {
 /// A memory entry that is too old may have been replaced by another replica, so Redis is
 /// asked then too.
 async fn find_by_key(state: &AppState, key: &Digest, counted: bool, accept: Accept) -> ByKey {
-    let l1 = state.memory.get_by_key(key).await;
-    let stale = l1.as_ref().is_some_and(|e| !accept.fresh(e));
-    let hit = l1.filter(|e| accept.fresh(e));
+    let (hit, stale) = accept.sort(state.memory.get_by_key(key).await);
     if counted {
         state.metrics.lookup(Tier::Exact, hit.is_some());
     }
     if let Some(entry) = hit {
         return ByKey::Fresh(entry);
     }
-    let absent = if stale { ByKey::Stale } else { ByKey::Absent };
+    let miss = |stale: bool| if stale { ByKey::Stale } else { ByKey::Absent };
     let Some(redis) = state.redis.as_ref() else {
-        return absent;
+        return miss(stale);
     };
-    let l2 = redis.get_by_key(key).await.ok().flatten();
-    let stale = stale || l2.as_ref().is_some_and(|e| !accept.fresh(e));
-    let l2 = l2.filter(|e| accept.fresh(e));
+    let (l2, l2_stale) = accept.sort(redis.get_by_key(key).await.ok().flatten());
     if counted {
         state.metrics.lookup(Tier::Redis, l2.is_some());
     }
     let Some(l2) = l2 else {
-        return if stale { ByKey::Stale } else { ByKey::Absent };
+        return miss(stale || l2_stale);
     };
     let entry = crate::replication::install(state, l2).await;
     state.memory.alias(*key, entry.id).await;
@@ -1160,6 +1156,15 @@ impl Accept {
     fn fresh(&self, entry: &Entry) -> bool {
         self.max_age_secs
             .is_none_or(|max| now_ms().saturating_sub(entry.created_ms) <= max.saturating_mul(1000))
+    }
+
+    /// Splits what a tier returned into a servable entry and whether an older one was there.
+    fn sort<E: std::borrow::Borrow<Entry>>(&self, found: Option<E>) -> (Option<E>, bool) {
+        match found {
+            Some(e) if self.fresh(e.borrow()) => (Some(e), false),
+            Some(_) => (None, true),
+            None => (None, false),
+        }
     }
 }
 
