@@ -196,19 +196,20 @@ impl Flights {
 }
 
 /// A generation in flight that a paraphrase may wait for instead of generating again.
-struct Twin {
+struct InFlightQuestion {
     exact: Digest,
     prompt: String,
     embedding: Arc<[f32]>,
 }
 
-/// In-flight generations by semantic partition: single-flight extended to near-duplicates.
+/// In-flight generations by semantic partition: single-flight extended to near-duplicates
+/// (a paraphrase of a question being generated right now follows that generation).
 #[derive(Default)]
-pub struct Twins {
-    map: Mutex<HashMap<Digest, Vec<Twin>>>,
+pub struct InFlightParaphrases {
+    map: Mutex<HashMap<Digest, Vec<InFlightQuestion>>>,
 }
 
-impl Twins {
+impl InFlightParaphrases {
     /// Registers a generation led for `exact` in `partition`.
     pub fn register(
         &self,
@@ -217,11 +218,15 @@ impl Twins {
         prompt: String,
         embedding: Arc<[f32]>,
     ) {
-        self.map.lock().entry(partition).or_default().push(Twin {
-            exact,
-            prompt,
-            embedding,
-        });
+        self.map
+            .lock()
+            .entry(partition)
+            .or_default()
+            .push(InFlightQuestion {
+                exact,
+                prompt,
+                embedding,
+            });
     }
 
     /// Forgets the generation for `exact` in `partition`.
@@ -235,7 +240,7 @@ impl Twins {
         }
     }
 
-    /// The most similar in-flight twin at or above `threshold` whose prompt `accept`s;
+    /// The most similar question in flight at or above `threshold` whose prompt `accept`s;
     /// returns its exact key and the similarity.
     pub fn find(
         &self,

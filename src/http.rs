@@ -14,8 +14,8 @@ use serde_json::json;
 
 use crate::error::ApiError;
 use crate::openai::Endpoint;
-use crate::pipeline;
 use crate::state::AppState;
+use crate::{forward, request};
 
 /// The router over a built state.
 pub fn app(state: Arc<AppState>) -> Router {
@@ -40,7 +40,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    pipeline::handle(state, Endpoint::Chat, headers, body).await
+    request::handle(state, Endpoint::Chat, headers, body).await
 }
 
 async fn completions(
@@ -48,7 +48,7 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    pipeline::handle(state, Endpoint::Completion, headers, body).await
+    request::handle(state, Endpoint::Completion, headers, body).await
 }
 
 /// The configured models; without a list, an upstream's own list.
@@ -59,7 +59,7 @@ async fn models(
 ) -> Response {
     if state.models.is_empty() {
         let (get, empty) = (axum::http::Method::GET, axum::body::Body::empty());
-        if let Some(resp) = pipeline::passthrough(&state, get, &uri, &headers, empty).await {
+        if let Some(resp) = forward::passthrough(&state, get, &uri, &headers, empty).await {
             return resp;
         }
     }
@@ -81,7 +81,7 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
         return ApiError::NotReady.into_response();
     }
     // Redis being down degrades the cache, not the service: still ready, and says so.
-    let redis = state.redis.as_ref().map(|r| {
+    let redis = state.store.redis().map(|r| {
         let h = r.health();
         json!({"up": h.up, "breaker_open": h.breaker_open,
                "queued_writes": h.queued_writes, "dropped_writes": h.dropped_writes})
@@ -130,13 +130,8 @@ async fn delete_entry(
     let id: reprise_cache::EntryId = id
         .parse()
         .map_err(|_| ApiError::invalid("not an entry id", Some("id")))?;
-    let local = state.memory.get(id).await.is_some();
-    crate::replication::remove_local(&state, id).await;
-    let shared = match &state.redis {
-        Some(r) => r.delete(id).await.map_err(redis_error)?,
-        None => false,
-    };
-    Ok(Json(json!({"deleted": u64::from(local || shared)})))
+    let deleted = state.store.delete(id).await.map_err(redis_error)?;
+    Ok(Json(json!({"deleted": u64::from(deleted)})))
 }
 
 async fn delete_namespace(
@@ -145,12 +140,12 @@ async fn delete_namespace(
     Path(namespace): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     authorize(&state, &headers)?;
-    let local = crate::replication::remove_where(&state, |e| e.namespace == namespace).await;
-    let shared = match &state.redis {
-        Some(r) => r.delete_namespace(&namespace).await.map_err(redis_error)?,
-        None => 0,
-    };
-    Ok(Json(json!({"deleted": local.max(shared)})))
+    let deleted = state
+        .store
+        .delete_namespace(&namespace)
+        .await
+        .map_err(redis_error)?;
+    Ok(Json(json!({"deleted": deleted})))
 }
 
 async fn delete_tag(
@@ -159,12 +154,8 @@ async fn delete_tag(
     Path(tag): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     authorize(&state, &headers)?;
-    let local = crate::replication::remove_where(&state, |e| e.tags.contains(&tag)).await;
-    let shared = match &state.redis {
-        Some(r) => r.delete_tag(&tag).await.map_err(redis_error)?,
-        None => 0,
-    };
-    Ok(Json(json!({"deleted": local.max(shared)})))
+    let deleted = state.store.delete_tag(&tag).await.map_err(redis_error)?;
+    Ok(Json(json!({"deleted": deleted})))
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
@@ -186,7 +177,7 @@ async fn fallback(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
-    match pipeline::passthrough(&state, method, &uri, &headers, body).await {
+    match forward::passthrough(&state, method, &uri, &headers, body).await {
         Some(resp) => resp,
         None => not_found().await,
     }

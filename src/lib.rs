@@ -5,30 +5,33 @@
 //! any OpenAI-compatible upstream), streamed as they are generated.
 //!
 //! - [`run`] serves on a listener the caller owns until `shutdown` resolves.
-//! - [`app`] is the router over a built [`AppState`] (tests build the state from parts).
-//! - [`pipeline`] is the request path, top to bottom.
+//! - [`app`] is the router over a built [`AppState`] (tests build the state from parts);
+//!   [`tasks::start`] starts its background work.
+//! - [`request`] is the request path, top to bottom, one file per step; docs/ARCHITECTURE.md
+//!   maps the rest.
 
-pub mod bench;
-pub mod bench_latency;
-pub mod bench_llama;
-pub mod bench_quality;
-pub mod bench_redis;
-pub mod bench_replay;
+mod bookkeeping;
 pub mod config;
 pub mod error;
-pub mod flight;
-pub mod http;
+mod flight;
+mod forward;
+pub mod generate;
+pub mod headers;
+mod http;
 pub mod key;
+mod lookup;
 pub mod metrics;
+mod observe;
 pub mod openai;
-pub mod pipeline;
 pub mod prefetch;
-pub mod replication;
-pub mod reqlog;
+mod replication;
+mod reqlog;
+pub mod request;
 pub mod snapshot;
 pub mod state;
+pub mod tasks;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
@@ -92,12 +95,15 @@ pub async fn run(
             Err(e) => tracing::warn!(error = %e, path = %path.display(), "snapshot not loaded"),
         }
     }
+    let tasks = tasks::start(&state);
     let _ = loaded.set(app(state.clone()));
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
         "ready: models loaded"
     );
-    server.await??;
+    let served = server.await;
+    tasks.stop(&state).await;
+    served??;
     if let Some(path) = &state.config.cache.snapshot_path {
         let st = state.clone();
         let p = path.clone();

@@ -10,35 +10,51 @@ use std::sync::{Arc, Weak};
 
 use futures::StreamExt;
 use reprise_cache::redis::{RedisTier, ReplicationEvent};
-use reprise_cache::{Entry, EntryId};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::state::AppState;
 
-/// Starts the replication task of `state` (which must have a Redis tier).
-pub fn start(state: &Arc<AppState>) {
-    let Some(redis) = state.redis.clone() else {
+/// Starts the replication task of `state` (which must have a Redis tier); it ends when `stop`
+/// is cancelled or the state is dropped.
+pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationToken) {
+    let Some(redis) = state.store.redis().cloned() else {
         return;
     };
     let weak = Arc::downgrade(state);
-    tokio::spawn(async move {
+    tracker.spawn(async move {
         // Subscribe before the rebuild so nothing written during the scan is missed.
         let mut events = redis.subscribe(true);
-        rebuild(&weak, &redis).await;
-        while let Some(ev) = events.next().await {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = rebuild(&weak, &redis) => {}
+        }
+        loop {
+            let ev = tokio::select! {
+                _ = stop.cancelled() => break,
+                ev = events.next() => match ev {
+                    Some(ev) => ev,
+                    None => break,
+                },
+            };
             let Some(state) = weak.upgrade() else { break };
+            let store = &state.store;
             match ev {
                 ReplicationEvent::Put { id, .. } => {
                     if let Ok(Some(entry)) = redis.get(id).await {
-                        install(&state, entry).await;
+                        store.install(entry).await;
                     }
                 }
-                ReplicationEvent::Delete { id } => remove_local(&state, id).await,
+                ReplicationEvent::Delete { id } => store.remove_local(id).await,
                 ReplicationEvent::DeleteNamespace { namespace } => {
-                    remove_where(&state, |e| e.namespace == namespace).await;
+                    store.remove_local_where(|e| e.namespace == namespace).await;
                 }
                 ReplicationEvent::Resync => {
                     drop(state);
-                    rebuild(&weak, &redis).await;
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = rebuild(&weak, &redis) => {}
+                    }
                 }
             }
         }
@@ -61,80 +77,19 @@ async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier) {
     };
     let Some(state) = weak.upgrade() else { return };
     let total = entries.len();
-    let mut vectors = Vec::new();
-    for (i, entry) in entries.into_iter().enumerate() {
-        if entry.is_expired() || state.memory.get(entry.id).await.is_some() {
-            continue;
-        }
-        let entry = Arc::new(entry);
-        state.memory.insert_entry(entry.clone()).await;
-        if let (Some(sem), Some(v)) = (&state.semantic, &entry.embedding) {
-            if indexable(sem.index.dim(), &entry, v) && !sem.index.contains(entry.id) {
-                vectors.push((entry.partition, entry.id, v.clone()));
-            }
-        }
-        if (i + 1) % 10_000 == 0 {
-            tracing::info!(done = i + 1, total, "index rebuild: loaded into memory");
-        }
-    }
-    if let Some(index) = state.semantic.as_ref().map(|s| s.index.clone()) {
-        let n = vectors.len();
-        tracing::info!(vectors = n, "index rebuild: indexing");
-        // Graph construction is CPU work: off the async workers, one parallel pass per
-        // partition.
-        let _ = tokio::task::spawn_blocking(move || index.insert_many(vectors)).await;
-    }
+    let loaded = state
+        .store
+        .load(entries, Vec::new(), |done| {
+            tracing::info!(done, total, "index rebuild: loaded into memory")
+        })
+        .await;
     state
         .rebuilds
         .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     tracing::info!(
         entries = total,
+        vectors = loaded.vectors,
         seconds = started.elapsed().as_secs_f64(),
         "index rebuilt from redis"
     );
-}
-
-/// Whether an entry's vector belongs in the index (right size, a real partition).
-fn indexable(dim: usize, entry: &Entry, v: &[f32]) -> bool {
-    v.len() == dim && entry.partition != [0; 32]
-}
-
-/// Puts an entry into this replica's memory and semantic index, unless it is already held
-/// (then the held copy is returned and nothing is re-indexed).
-pub async fn install(state: &AppState, entry: Entry) -> Arc<Entry> {
-    if let Some(held) = state.memory.get(entry.id).await {
-        return held;
-    }
-    let entry = Arc::new(entry);
-    if entry.is_expired() {
-        return entry;
-    }
-    state.memory.insert_entry(entry.clone()).await;
-    if let (Some(sem), Some(embedding)) = (&state.semantic, &entry.embedding) {
-        if indexable(sem.index.dim(), &entry, embedding) && !sem.index.contains(entry.id) {
-            sem.index
-                .insert(entry.partition, entry.id, embedding.clone());
-        }
-    }
-    entry
-}
-
-/// Drops an entry from this replica (its vector is tombstoned by the eviction hook).
-pub async fn remove_local(state: &AppState, id: EntryId) {
-    state.memory.remove(id).await;
-    if let Some(sem) = &state.semantic {
-        sem.index.remove(id);
-    }
-}
-
-/// Drops every local entry matching `pred`; returns how many.
-pub async fn remove_where(state: &AppState, pred: impl Fn(&Entry) -> bool) -> u64 {
-    let mut n = 0;
-    for e in state.memory.iter_entries() {
-        if pred(&e) {
-            remove_local(state, e.id).await;
-            n += 1;
-        }
-    }
-    n
 }

@@ -9,7 +9,6 @@
 
 use std::io::{BufRead, BufWriter, Write};
 use std::path::Path;
-use std::sync::Arc;
 
 use reprise_cache::{Digest, Entry, EntryId};
 use serde::{Deserialize, Serialize};
@@ -87,7 +86,7 @@ pub fn save(state: &AppState, path: &Path) -> std::io::Result<Counts> {
             },
         )?;
         w.write_all(b"\n")?;
-        for e in state.memory.iter_entries() {
+        for e in state.store.entries() {
             if e.is_expired() {
                 continue;
             }
@@ -100,7 +99,7 @@ pub fn save(state: &AppState, path: &Path) -> std::io::Result<Counts> {
             w.write_all(b"\n")?;
             counts.entries += 1;
         }
-        for (key, id) in state.memory.iter_keys() {
+        for (key, id) in state.store.keys() {
             serde_json::to_writer(
                 &mut w,
                 &KeyLine {
@@ -137,23 +136,11 @@ pub async fn load(state: &AppState, path: &Path) -> std::io::Result<Counts> {
             return Ok(counts);
         }
     }
-    let mut vectors = Vec::new();
+    let mut entries = Vec::new();
     let mut keys = Vec::new();
     for line in lines {
         match parse_line(&line?) {
-            Some(Line::Entry(entry)) if !entry.is_expired() => {
-                let entry = Arc::new(*entry);
-                if let (Some(sem), Some(v)) = (&state.semantic, &entry.embedding) {
-                    if v.len() == sem.index.dim() && entry.partition != [0; 32] {
-                        vectors.push((entry.partition, entry.id, v.clone()));
-                    }
-                }
-                state.memory.insert_entry(entry).await;
-                counts.entries += 1;
-                if counts.entries % 10_000 == 0 {
-                    tracing::info!(entries = counts.entries, "loading snapshot");
-                }
-            }
+            Some(Line::Entry(entry)) if !entry.is_expired() => entries.push(*entry),
             Some(Line::Key(KeyLine { key, id })) => match (unhex(&key), id.parse::<EntryId>()) {
                 (Some(k), Ok(id)) => keys.push((k, id)),
                 _ => counts.skipped += 1,
@@ -161,13 +148,14 @@ pub async fn load(state: &AppState, path: &Path) -> std::io::Result<Counts> {
             _ => counts.skipped += 1,
         }
     }
-    for (k, id) in keys {
-        state.memory.alias(k, id).await;
-        counts.keys += 1;
-    }
-    if let Some(index) = state.semantic.as_ref().map(|s| s.index.clone()) {
-        let _ = tokio::task::spawn_blocking(move || index.insert_many(vectors)).await;
-    }
+    let loaded = state
+        .store
+        .load(entries, keys, |n| {
+            tracing::info!(entries = n, "loading snapshot")
+        })
+        .await;
+    counts.entries = loaded.entries;
+    counts.keys = loaded.keys;
     Ok(counts)
 }
 

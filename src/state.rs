@@ -13,21 +13,15 @@ use reprise_backend::openai::{OpenAiBackend, OpenAiConfig};
 use reprise_backend::Backend;
 use reprise_cache::redis::RedisTier;
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
-use reprise_cache::{EvictionHook, MemoryTier};
+use reprise_cache::Store;
 use reprise_embedder::{Embedder, EmbedderConfig, FastEmbedder};
 
 use crate::config::{BackendKind, Config};
-use crate::flight::Flights;
+use crate::flight::{Flights, InFlightParaphrases};
 use crate::metrics::Metrics;
+use crate::observe::Observer;
+use crate::prefetch::Prefetcher;
 use crate::reqlog::RequestLog;
-
-/// The semantic tier: an embedder and the index over entry embeddings.
-pub struct Semantic {
-    /// Turns prompts into vectors.
-    pub embedder: Arc<dyn Embedder>,
-    /// Near-duplicate index, partitioned.
-    pub index: Arc<SemanticIndex>,
-}
 
 /// Everything a request handler needs.
 pub struct AppState {
@@ -37,16 +31,14 @@ pub struct AppState {
     pub backend: Arc<dyn Backend>,
     /// Model names accepted; empty means any (an upstream decides).
     pub models: Vec<String>,
-    /// In-process tier (L1).
-    pub memory: MemoryTier,
-    /// Shared Redis tier (L2), when configured.
-    pub redis: Option<RedisTier>,
-    /// Near-duplicate tier, when enabled.
-    pub semantic: Option<Semantic>,
+    /// The cache: memory (L1), Redis (L2, when configured), semantic index (when enabled).
+    pub store: Store,
+    /// Turns prompts into vectors, when the semantic tier is on.
+    pub embedder: Option<Arc<dyn Embedder>>,
     /// Generations in flight, by exact key.
     pub flights: Flights,
-    /// Generations in flight, by semantic partition (paraphrases wait for their twin).
-    pub twins: crate::flight::Twins,
+    /// Generations in flight, by semantic partition (paraphrases follow them).
+    pub paraphrases: InFlightParaphrases,
     /// Metric handles.
     pub metrics: Metrics,
     /// Per-request JSON log, when configured.
@@ -54,12 +46,15 @@ pub struct AppState {
     /// Completed rebuilds of this replica's memory and index from Redis.
     pub rebuilds: std::sync::atomic::AtomicU64,
     /// Follow-up prediction and background generation, when enabled.
-    pub prefetch: Option<Arc<crate::prefetch::Prefetcher>>,
+    pub prefetch: Option<Arc<Prefetcher>>,
+    /// Where served requests are reported (to the prefetcher), when prefetch is on.
+    pub observer: Option<Observer>,
     ready: AtomicBool,
 }
 
 impl AppState {
     /// Assembles a state from parts (tests inject a scripted backend or a shared embedder).
+    /// Nothing runs in the background until [`crate::tasks::start`].
     pub fn new(
         config: Config,
         backend: Arc<dyn Backend>,
@@ -68,8 +63,7 @@ impl AppState {
         Self::with_redis(config, backend, embedder, None)
     }
 
-    /// Like [`AppState::new`], with a connected Redis tier; starts the replication task that
-    /// keeps this replica's memory and index in step with the others.
+    /// Like [`AppState::new`], with a connected Redis tier.
     pub fn with_redis(
         config: Config,
         backend: Arc<dyn Backend>,
@@ -77,24 +71,18 @@ impl AppState {
         redis: Option<RedisTier>,
     ) -> anyhow::Result<Arc<AppState>> {
         let metrics = Metrics::new();
-        let semantic = match (config.semantic.enabled, embedder) {
-            (true, Some(embedder)) => Some(Semantic {
-                index: Arc::new(SemanticIndex::new(embedder.dim(), IndexConfig::default())),
-                embedder,
-            }),
-            _ => None,
-        };
-        let index = semantic.as_ref().map(|s| s.index.clone());
+        let embedder = embedder.filter(|_| config.semantic.enabled);
+        let index = embedder
+            .as_ref()
+            .map(|e| Arc::new(SemanticIndex::new(e.dim(), IndexConfig::default())));
         let evictions = metrics.cache_evictions.clone();
-        // Keep the index in step with memory: an entry that leaves memory can no longer be
-        // served, so its vector is tombstoned.
-        let hook: EvictionHook = Arc::new(move |id, _entry, _cause| {
-            evictions.increment(1);
-            if let Some(index) = &index {
-                index.remove(id);
-            }
-        });
-        let memory = MemoryTier::new(config.cache.memory_bytes, config.cache.ttl(), Some(hook));
+        let store = Store::new(
+            config.cache.memory_bytes,
+            config.cache.ttl(),
+            redis,
+            index,
+            Some(Arc::new(move |_cause| evictions.increment(1))),
+        );
         let request_log = match &config.log.request_log {
             Some(path) => Some(
                 RequestLog::open(path)
@@ -113,37 +101,23 @@ impl AppState {
         let prefetch = config
             .prefetch
             .enabled
-            .then(|| crate::prefetch::Prefetcher::new(config.prefetch.clone()));
-        let state = Arc::new(AppState {
+            .then(|| Prefetcher::new(config.prefetch.clone()));
+        let observer = prefetch.as_ref().map(|p| p.observer());
+        Ok(Arc::new(AppState {
             config,
             backend,
             models,
-            memory,
-            redis,
-            semantic,
+            store,
+            embedder,
             flights: Flights::default(),
-            twins: Default::default(),
+            paraphrases: Default::default(),
             metrics,
             request_log,
             prefetch,
+            observer,
             rebuilds: Default::default(),
             ready: AtomicBool::new(true),
-        });
-        if let Some(p) = &state.prefetch {
-            if let Some(tier) = &state.redis {
-                // Learned follow-ups are persisted with the cache and restored at start.
-                p.attach_redis(tier.clone());
-            }
-            // The worker holds a weak reference: it must not keep a dropped server alive.
-            p.start(Arc::downgrade(&state));
-        }
-        if state.redis.is_some() {
-            crate::replication::start(&state);
-        }
-        if state.semantic.is_some() {
-            start_maintenance(&state);
-        }
-        Ok(state)
+        }))
     }
 
     /// Builds the state the configuration describes: loads the model and the embedder
@@ -167,7 +141,7 @@ impl AppState {
 
     /// Refreshes gauges that are read rather than counted.
     pub fn update_gauges(&self) {
-        if let Some(r) = &self.redis {
+        if let Some(r) = self.store.redis() {
             let h = r.health();
             metrics::gauge!("reprise_redis_up").set(if h.up { 1.0 } else { 0.0 });
             metrics::gauge!("reprise_redis_breaker_open").set(if h.breaker_open {
@@ -178,40 +152,11 @@ impl AppState {
         }
         self.metrics
             .cache_entries
-            .set(self.memory.entry_count() as f64);
+            .set(self.store.entry_count() as f64);
         self.metrics
             .cache_bytes
-            .set(self.memory.weighted_size() as f64);
+            .set(self.store.weighted_size() as f64);
     }
-}
-
-/// Periodically rebuilds index partitions that collected many tombstones (off the async
-/// workers: a rebuild of a large partition takes a while).
-fn start_maintenance(state: &Arc<AppState>) {
-    let weak = Arc::downgrade(state);
-    let every = Duration::from_secs(state.config.semantic.maintain_interval_secs.max(1));
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(every);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            let Some(state) = weak.upgrade() else { break };
-            let Some(index) = state.semantic.as_ref().map(|s| s.index.clone()) else {
-                break;
-            };
-            drop(state);
-            let report = tokio::task::spawn_blocking(move || index.maintain()).await;
-            if let Ok(r) = report {
-                if r.rebuilt > 0 {
-                    tracing::info!(
-                        rebuilt = r.rebuilt,
-                        dropped = r.tombstones_dropped,
-                        "index maintenance"
-                    );
-                }
-            }
-        }
-    });
 }
 
 /// Connects the Redis tier when `[redis] url` (or `cluster_urls`) is set. A Redis that is

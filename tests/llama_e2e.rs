@@ -303,7 +303,7 @@ async fn models_lists_the_gguf_stem_and_unknown_models_are_404() {
     body["model"] = json!("SmolLM2-135M-Instruct");
     openai_error(post(&app, "/v1/completions", &body, &[]).await, 404).await;
     assert_eq!(engine.stats().prompt_tokens, 0, "refused before the engine");
-    assert_eq!(app.state.memory.entry_count(), 0);
+    assert_eq!(app.state.store.entry_count(), 0);
 }
 
 #[tokio::test]
@@ -391,8 +391,8 @@ async fn overload_is_429_with_retry_after_and_nothing_hangs() {
     assert_eq!(ok + refused, N);
     assert_eq!(engine.stats().completed as usize, ok);
     // Refusals were not cached: the entries are exactly the successes.
-    app.state.memory.run_pending_tasks().await;
-    assert_eq!(app.state.memory.entry_count() as usize, ok);
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(app.state.store.entry_count() as usize, ok);
 }
 
 #[tokio::test]
@@ -424,8 +424,8 @@ async fn client_disconnect_cancels_the_sequence_and_stores_nothing() {
     drop(r);
     assert!(eventually(HANG_GUARD, || engine.stats().cancelled == 2).await);
     assert_eq!(engine.stats().completed, 0);
-    app.state.memory.run_pending_tasks().await;
-    assert_eq!(app.state.memory.entry_count(), 0);
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(app.state.store.entry_count(), 0);
 }
 
 /// reprise B with the OpenAI backend pointed at `upstream`.

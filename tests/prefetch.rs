@@ -146,8 +146,8 @@ async fn ask(app: &TestApp, session: &str, text: &str) -> String {
 fn entry_answering(app: &TestApp, question: &str) -> Option<EntryId> {
     let text = format!("You asked: {question}");
     app.state
-        .memory
-        .iter_entries()
+        .store
+        .entries()
         .into_iter()
         .find(|e| e.text == text)
         .map(|e| e.id)
@@ -156,8 +156,8 @@ fn entry_answering(app: &TestApp, question: &str) -> Option<EntryId> {
 /// The id of the entry stored for the question `prompt` (as matched by the semantic tier).
 fn entry_asked(app: &TestApp, prompt: &str) -> EntryId {
     app.state
-        .memory
-        .iter_entries()
+        .store
+        .entries()
         .into_iter()
         .find(|e| e.prompt == prompt)
         .unwrap_or_else(|| panic!("an entry for {prompt:?}"))
@@ -166,8 +166,8 @@ fn entry_asked(app: &TestApp, prompt: &str) -> EntryId {
 
 /// Drops an entry from the memory tier, so that only a new generation can bring it back.
 async fn forget(app: &TestApp, id: EntryId) {
-    app.state.memory.remove(id).await;
-    app.state.memory.run_pending_tasks().await;
+    app.state.store.remove_local(id).await;
+    app.state.store.run_pending_tasks().await;
 }
 
 /// Several sessions ask `X` then `Y` (single-turn prompts linked by session id); then `Y`'s
@@ -338,9 +338,9 @@ async fn learn_three_follow_ups(app: &TestApp) -> Vec<String> {
     assert!(eventually(WAIT, || stats(app).links >= 3).await);
     for f in &follow {
         let id = entry_answering(app, f).unwrap();
-        app.state.memory.remove(id).await;
+        app.state.store.remove_local(id).await;
     }
-    app.state.memory.run_pending_tasks().await;
+    app.state.store.run_pending_tasks().await;
     follow
 }
 
@@ -400,11 +400,12 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     // Another key that leads to the same answer (as a paraphrase's or a prefetched
     // wording's alias does).
     let alias: reprise_cache::Digest = [7; 32];
-    app.state.memory.alias(alias, old).await;
+    let old_entry = app.state.store.get(old).await.unwrap();
+    app.state.store.alias(alias, &old_entry).await;
     let refreshed = || {
         app.state
-            .memory
-            .iter_entries()
+            .store
+            .entries()
             .into_iter()
             .find(|e| e.origin == Origin::Refresh && e.text == format!("You asked: {X}"))
     };
@@ -417,12 +418,7 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     assert_ne!(new.id, old);
     // The alias follows the renewed entry.
     assert!(
-        eventually(WAIT, || app
-            .state
-            .memory
-            .iter_keys()
-            .contains(&(alias, new.id)))
-        .await,
+        eventually(WAIT, || app.state.store.keys().contains(&(alias, new.id))).await,
         "the alias points at the renewed entry"
     );
     assert!(probe
@@ -436,7 +432,7 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     let mut gone = false;
     let deadline = tokio::time::Instant::now() + WAIT;
     while tokio::time::Instant::now() < deadline {
-        if app.state.memory.get(old).await.is_none() {
+        if app.state.store.get(old).await.is_none() {
             gone = true;
             break;
         }
@@ -448,7 +444,7 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     assert_eq!(probe.inner.calls(), calls, "served without the backend");
     let via_alias = app
         .state
-        .memory
+        .store
         .get_by_key(&alias)
         .await
         .expect("alias alive");
@@ -758,8 +754,8 @@ async fn llama_backend_proposes_follow_ups() {
     );
     let prefetched: Vec<String> = app
         .state
-        .memory
-        .iter_entries()
+        .store
+        .entries()
         .into_iter()
         .filter(|e| e.origin == Origin::Prefetch)
         .map(|e| e.prompt.clone())
@@ -794,7 +790,7 @@ async fn wordings_used_alike_are_regrouped_and_share_the_prefetch() {
             .prefetch
             .as_ref()
             .unwrap()
-            .clusters(reprise::pipeline::DEFAULT_NAMESPACE)
+            .clusters(reprise::headers::DEFAULT_NAMESPACE)
             .iter()
             .any(|c| c.iter().any(|w| w == Y) && c.iter().any(|w| w == Y_PARAPHRASE))
     };
@@ -856,9 +852,9 @@ async fn a_follow_up_the_cache_answers_semantically_is_not_generated_and_names_t
         priority: Priority::Background,
         extra: Default::default(),
     };
-    let got = reprise::pipeline::generate_in_background(
+    let got = reprise::generate::generate_in_background(
         &app.state,
-        reprise::pipeline::DEFAULT_NAMESPACE,
+        reprise::headers::DEFAULT_NAMESPACE,
         reprise::openai::Endpoint::Chat,
         req,
         Origin::Prefetch,
@@ -868,7 +864,7 @@ async fn a_follow_up_the_cache_answers_semantically_is_not_generated_and_names_t
     match got {
         // The entry it would be served: the prefetcher points the question's other
         // wordings at it.
-        reprise::pipeline::Background::Cached(entry) => assert_eq!(entry.id, y),
+        reprise::generate::Background::Cached(entry) => assert_eq!(entry.id, y),
         other => panic!("expected the cached answer, got {other:?}"),
     }
     assert_eq!(probe.inner.calls(), calls, "nothing generated");

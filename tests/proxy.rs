@@ -303,7 +303,7 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
     assert_openai_error(r, 404, None).await;
 
     assert_eq!(backend.calls(), 0, "bad input never reaches the backend");
-    assert_eq!(app.state.memory.entry_count(), 0);
+    assert_eq!(app.state.store.entry_count(), 0);
     let r = app.chat(&chat_body("x"), &[]).await;
     assert_eq!(
         cache_status(&r),
@@ -848,7 +848,7 @@ async fn requests_beyond_text_go_upstream_unchanged_and_are_never_cached() {
     assert_openai_error(r, 504, None).await;
     assert_eq!(up.seen().len(), before);
 
-    assert_eq!(app.state.memory.entry_count(), 0, "nothing was stored");
+    assert_eq!(app.state.store.entry_count(), 0, "nothing was stored");
     let m = app.metrics_text().await;
     for line in [
         r#"reprise_forwarded_total{field="tools"} 2"#,
@@ -1000,7 +1000,7 @@ async fn listed_api_endpoints_pass_through_to_the_upstream() {
     ] {
         assert!(m.contains(line), "{line} in\n{m}");
     }
-    assert_eq!(app.state.memory.entry_count(), 0);
+    assert_eq!(app.state.store.entry_count(), 0);
 }
 
 #[tokio::test]
@@ -1064,8 +1064,8 @@ async fn a_backend_that_stalls_mid_answer_is_cut_off_and_nothing_is_cached() {
     let r = app.chat(&chat_body("one two three"), &[]).await;
     assert_openai_error(r, 504, None).await;
     assert_eq!(backend.calls(), 2, "the cut-off answer was not stored");
-    app.state.memory.run_pending_tasks().await;
-    assert_eq!(app.state.memory.entry_count(), 0);
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(app.state.store.entry_count(), 0);
 
     // A slow first token is not a stall: that wait has its own, longer, timeout.
     backend.set_config(ScriptConfig {

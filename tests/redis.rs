@@ -71,7 +71,7 @@ async fn restarted_replica_gets_its_hits_back_from_redis() {
     let backend = scripted();
     let a = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
     a.chat(&chat_body("How do I export a PNG?"), &[]).await;
-    a.state.redis.as_ref().unwrap().flush().await.unwrap();
+    a.state.store.redis().unwrap().flush().await.unwrap();
     drop(a);
     let a2 = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
     expect_status(&a2, &chat_body("How do I export a PNG?"), &[], "exact").await;
@@ -112,7 +112,7 @@ async fn redis_outage_fails_no_request_and_recovers_by_itself() {
     for i in 0..50 {
         let q = format!("after the outage {i}");
         app.chat(&chat_body(&q), &[]).await;
-        let _ = app.state.redis.as_ref().unwrap().flush().await;
+        let _ = app.state.store.redis().unwrap().flush().await;
         let other = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
         let r = other
             .chat(&chat_body(&q), &[("cache-control", "only-if-cached")])
@@ -132,7 +132,7 @@ async fn foreign_values_under_the_prefix_are_skipped() {
     let backend = scripted();
     let app = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
     app.chat(&chat_body("a real entry"), &[]).await;
-    app.state.redis.as_ref().unwrap().flush().await.unwrap();
+    app.state.store.redis().unwrap().flush().await.unwrap();
     // Overwrite every stored value with garbage.
     let out = std::process::Command::new("redis-cli")
         .args([
@@ -251,8 +251,8 @@ async fn invalidation_reaches_every_replica_and_needs_the_token() {
     assert_eq!(cache_status(&r), "miss");
     let id = a
         .state
-        .memory
-        .iter_entries()
+        .store
+        .entries()
         .into_iter()
         .find(|e| e.prompt == "third question")
         .unwrap()
@@ -277,7 +277,7 @@ async fn ttl_is_respected_in_both_tiers() {
     cfg.cache.ttl_secs = 1;
     let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
     a.chat(&chat_body("short lived"), &[]).await;
-    a.state.redis.as_ref().unwrap().flush().await.unwrap();
+    a.state.store.redis().unwrap().flush().await.unwrap();
     let b = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
     expect_status(&b, &chat_body("short lived"), &[], "exact").await;
     tokio::time::sleep(Duration::from_millis(1300)).await;

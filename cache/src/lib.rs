@@ -5,6 +5,8 @@
 //! - [`redis`]: the shared tier (L2) in Redis, with replication events between replicas.
 //! - [`semantic`]: the near-duplicate index (hnsw_rs), partitioned by everything that must
 //!   match exactly.
+//! - [`store`]: the one door to all three: lookups with promotion from L2, writes, aliases,
+//!   installs of replicated entries, removal.
 //!
 //! This crate knows nothing of HTTP or of the OpenAI wire format: keys arrive as 32-byte
 //! digests computed by the server.
@@ -13,8 +15,10 @@ pub mod entry;
 pub mod memory;
 pub mod redis;
 pub mod semantic;
+pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 pub use entry::{now_ms, Digest, Entry, EntryId, Origin};
 pub use memory::{EvictionHook, MemoryTier};
+pub use store::{ByKey, Probe, Store};

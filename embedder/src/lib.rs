@@ -4,11 +4,14 @@
 //!   cosine similarity is a plain dot product.
 //! - [`FastEmbedder`]: the local implementation, all-MiniLM-L6-v2 run by ONNX Runtime through
 //!   fastembed, with micro-batching of concurrent requests and an LRU of recent texts.
+//! - [`FakeEmbedder`]: a deterministic bag-of-words stand-in for unit tests that must not
+//!   load the model (never used by the server).
 //! - [`EmbedderConfig`]: where the model and runtime live and how batching behaves.
 //! - [`EmbedError`]: everything that can go wrong, with a low-cardinality [`EmbedError::kind`].
 
 mod config;
 mod error;
+mod fake;
 mod fast;
 
 use std::sync::Arc;
@@ -17,6 +20,7 @@ use async_trait::async_trait;
 
 pub use config::EmbedderConfig;
 pub use error::EmbedError;
+pub use fake::FakeEmbedder;
 pub use fast::{EmbedderStats, FastEmbedder};
 
 /// Turns text into a fixed-size, L2-normalised vector.

@@ -49,7 +49,7 @@
 //!    `propose_questions` cleaned lines become prefetch jobs. The prompt is one background
 //!    job under the same budgets; each answer is proposed for once.
 //!
-//! [`generate_in_background`]: crate::pipeline::generate_in_background
+//! [`generate_in_background`]: crate::generate::generate_in_background
 
 pub mod model;
 
@@ -65,12 +65,15 @@ use reprise_backend::{
     BackendError, ChatMessage, GenEvent, GenRequest, Input, Priority, SamplingParams, Usage,
 };
 use reprise_cache::redis::{RedisError, RedisTier};
-use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
+use reprise_cache::{now_ms, Digest, EntryId, Origin};
 use serde::Deserialize;
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
+use crate::generate::{generate_in_background, Background};
+use crate::observe::{Event, Observation, Observer};
 use crate::openai::Endpoint;
-use crate::pipeline::{generate_in_background, Background};
 use crate::state::AppState;
 use model::{Model, PredictParams, RegroupParams, Snapshot};
 
@@ -270,23 +273,6 @@ impl PrefetchConfig {
     }
 }
 
-/// One served request, as the prefetcher learns from it.
-#[derive(Debug, Clone)]
-pub struct Observation {
-    /// Tenant.
-    pub namespace: String,
-    /// Endpoint of the request.
-    pub endpoint: Endpoint,
-    /// The request as asked.
-    pub request: GenRequest,
-    /// Session id (`x-reprise-session` or the `user` field).
-    pub session: Option<String>,
-    /// The entry that answered the previous turn of the conversation, when reprise served it.
-    pub prev_entry: Option<EntryId>,
-    /// The entry that answered this request.
-    pub entry: Arc<Entry>,
-}
-
 /// Counters since start, cheap to read (tests, benchmarks, admin pages).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PrefetchStats {
@@ -428,7 +414,6 @@ impl Handles {
 #[derive(Default)]
 struct Counts {
     observations: AtomicU64,
-    observations_dropped: AtomicU64,
     links: AtomicU64,
     predictions: AtomicU64,
     merges: AtomicU64,
@@ -578,14 +563,14 @@ struct Shared {
 /// Handle to the prefetcher.
 pub struct Prefetcher {
     shared: Arc<Shared>,
-    tx: mpsc::Sender<Observation>,
-    rx: Mutex<Option<mpsc::Receiver<Observation>>>,
+    observer: Observer,
+    rx: Mutex<Option<mpsc::Receiver<Event>>>,
 }
 
 impl Prefetcher {
     /// A prefetcher (not yet running).
     pub fn new(cfg: PrefetchConfig) -> Arc<Prefetcher> {
-        let (tx, rx) = mpsc::channel(OBSERVATION_QUEUE);
+        let (observer, rx) = Observer::channel(OBSERVATION_QUEUE);
         let shared = Arc::new(Shared {
             model: Mutex::new(Model::new(cfg.half_life_secs)),
             sessions: moka::sync::Cache::builder()
@@ -608,33 +593,25 @@ impl Prefetcher {
         });
         Arc::new(Prefetcher {
             shared,
-            tx,
+            observer,
             rx: Mutex::new(Some(rx)),
         })
     }
 
-    /// Starts the background worker (once; later calls do nothing). It holds `state` weakly
-    /// and stops when the server is dropped.
-    pub fn start(&self, state: Weak<AppState>) {
+    /// Starts the background worker on `tasks` (once; later calls do nothing). It holds
+    /// `state` weakly and stops when `stop` is cancelled or the server is dropped.
+    pub fn start(&self, state: Weak<AppState>, tasks: &TaskTracker, stop: CancellationToken) {
         let Some(rx) = self.rx.lock().take() else {
             return;
         };
         let shared = self.shared.clone();
-        tokio::spawn(worker(shared, rx, state));
+        tasks.spawn(worker(shared, rx, state, stop));
     }
 
-    /// Records a served request (never blocks; dropped when the worker is far behind).
-    pub fn observe(&self, obs: Observation) {
-        if self.tx.try_send(obs).is_err() {
-            bump(&self.shared.counts.observations_dropped, 1);
-        }
-    }
-
-    /// Records the first use of a prefetched entry.
-    pub fn used(&self, id: EntryId) {
-        self.shared.prefetched.lock().remove(&id);
-        bump(&self.shared.counts.hits, 1);
-        self.shared.handles.hits.increment(1);
+    /// Where the request path reports served requests (the sending side of the worker's
+    /// channel).
+    pub fn observer(&self) -> Observer {
+        self.observer.clone()
     }
 
     /// Counters since start.
@@ -643,7 +620,7 @@ impl Prefetcher {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PrefetchStats {
             observations: l(&c.observations),
-            observations_dropped: l(&c.observations_dropped),
+            observations_dropped: self.observer.dropped(),
             links: l(&c.links),
             predictions: l(&c.predictions),
             merges: l(&c.merges),
@@ -701,6 +678,13 @@ impl Prefetcher {
 }
 
 impl Shared {
+    /// Records the first use of a prefetched entry.
+    fn used(&self, id: EntryId) {
+        self.prefetched.lock().remove(&id);
+        bump(&self.counts.hits, 1);
+        self.handles.hits.increment(1);
+    }
+
     fn persist(&self, tier: &RedisTier) -> bool {
         let snap = self.model.lock().export(now_ms());
         match serde_json::to_vec(&snap) {
@@ -1080,7 +1064,7 @@ impl Shared {
             self.hot.invalidate(&id);
         }
         for (id, hot) in due {
-            if state.memory.get(id).await.is_none() {
+            if state.store.get(id).await.is_none() {
                 self.hot.invalidate(&id);
                 continue;
             }
@@ -1111,7 +1095,7 @@ impl Shared {
             .collect();
         let mut wasted = Vec::new();
         for (id, expires) in ids {
-            let gone = expires <= now || state.memory.get(id).await.is_none();
+            let gone = expires <= now || state.store.get(id).await.is_none();
             if gone {
                 wasted.push(id);
             }
@@ -1189,12 +1173,12 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
     // or semantically), the entry it would serve is the answer (nothing was generated, the
     // aliases cost nothing).
     let answer = match &result {
-        Background::Generated { id, .. } => state.memory.get(*id).await,
+        Background::Generated { id, .. } => state.store.get(*id).await,
         Background::Cached(entry) => Some(entry.clone()),
         Background::Failed(_) => None,
     };
     if let (JobKind::Prefetch, Some(entry)) = (&job.kind, answer) {
-        alias_wordings(state, &entry, &job.aliases).await;
+        state.store.alias_unclaimed(&job.aliases, &entry).await;
     }
     let mut tokens = 0;
     let generated = !matches!(result, Background::Cached(_));
@@ -1212,11 +1196,15 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
                     shared.handles.refresh.increment(1);
                     shared.hot.invalidate(&old);
                     shared.model.lock().rename(&job.namespace, old, id);
-                    repoint_keys(state, old, id).await;
+                    // Every key that led to the old answer (aliases of paraphrases and other
+                    // wordings) leads to the renewed one, here and in Redis.
+                    if let Some(new) = state.store.get(id).await {
+                        state.store.repoint(old, &new).await;
+                    }
                 }
                 _ => {
                     // Served already (its first use made it a live entry): nothing to track.
-                    if let Some(e) = state.memory.get(id).await {
+                    if let Some(e) = state.store.get(id).await {
                         if e.origin == Origin::Prefetch {
                             let mut map = shared.prefetched.lock();
                             if map.len() < MAX_TRACKED {
@@ -1376,42 +1364,14 @@ fn parse_questions(text: &str, n: usize, asked: &str) -> Vec<String> {
     out
 }
 
-/// Points every other key that led to the `old` answer (aliases of paraphrases and other
-/// wordings) at its renewed entry `new`, here and in Redis, so they do not turn into misses
-/// when the old entry expires. A key already moved elsewhere is left alone.
-async fn repoint_keys(state: &Arc<AppState>, old: EntryId, new: EntryId) {
-    let Some(entry) = state.memory.get(new).await else {
-        return;
-    };
-    let memory = state.memory.clone();
-    let Ok(keys) = tokio::task::spawn_blocking(move || memory.keys_of(old)).await else {
-        return;
-    };
-    for k in keys {
-        state.memory.alias(k, new).await;
-        if let Some(redis) = &state.redis {
-            redis.alias(k, new, entry.ttl_left());
-        }
-    }
-}
-
-/// Points the exact keys of other wordings at `entry`, leaving keys that already lead to an
-/// entry alone (an answer generated for that very wording is at least as good).
-async fn alias_wordings(state: &AppState, entry: &Entry, keys: &[Digest]) {
-    for k in keys {
-        if state.memory.get_by_key(k).await.is_some() {
-            continue;
-        }
-        state.memory.alias(*k, entry.id).await;
-        if let Some(redis) = &state.redis {
-            redis.alias(*k, entry.id, entry.ttl_left());
-        }
-    }
-}
-
 /// The worker: learns from observations, starts jobs, scans for refresh and waste, saves
 /// the counts.
-async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state: Weak<AppState>) {
+async fn worker(
+    shared: Arc<Shared>,
+    mut rx: mpsc::Receiver<Event>,
+    state: Weak<AppState>,
+    stop: CancellationToken,
+) {
     let mut quiet_since: Option<Instant> = None;
     let mut last_scan = Instant::now();
     let mut last_persist = Instant::now();
@@ -1431,15 +1391,19 @@ async fn worker(shared: Arc<Shared>, mut rx: mpsc::Receiver<Observation>, state:
             },
             _ = shared.wake.notified() => None,
             _ = tokio::time::sleep(wait) => None,
+            _ = stop.cancelled() => return,
         };
         let Some(state) = state.upgrade() else {
             return;
         };
-        for obs in first
+        for ev in first
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
-            shared.learn(obs);
+            match ev {
+                Event::Served(obs) => shared.learn(obs),
+                Event::PrefetchUsed(id) => shared.used(id),
+            }
         }
         let tier = shared.redis.lock().clone();
         if let Some(tier) = tier {

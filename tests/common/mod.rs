@@ -46,6 +46,8 @@ pub struct TestApp {
     /// A client with a pooled keep-alive connection.
     pub client: reqwest::Client,
     server: tokio::task::JoinHandle<()>,
+    /// Its background work (prefetch, replication, maintenance), cancelled on drop.
+    _tasks: reprise::tasks::BackgroundTasks,
 }
 
 impl Drop for TestApp {
@@ -108,6 +110,7 @@ pub async fn serve(state: Arc<AppState>) -> TestApp {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = reprise::app(state.clone());
+    let tasks = reprise::tasks::start(&state);
     let server = tokio::spawn(async move {
         axum::serve(listener, app).await.unwrap();
     });
@@ -116,6 +119,7 @@ pub async fn serve(state: Arc<AppState>) -> TestApp {
         state,
         client: reqwest::Client::new(),
         server,
+        _tasks: tasks,
     }
 }
 

@@ -1,0 +1,546 @@
+//! One door to the tiers: the in-process memory tier (L1), the shared Redis tier (L2, when
+//! configured) and the semantic index (when the semantic tier is on).
+//!
+//! Everything above the cache crate (the request path, background generation, prefetch,
+//! replication, snapshots, the admin API) reaches entries only through a [`Store`], so each
+//! rule that spans tiers is written once:
+//!
+//! - a key lookup asks memory, then Redis; an L2 hit is *promoted* (installed in memory and
+//!   the index, and its key aliased in memory), so the next lookup is an L1 hit;
+//! - an entry that leaves memory is tombstoned in the index (it could no longer be served);
+//! - a candidate the index returns but memory no longer holds is fetched from Redis, or its
+//!   vector is tombstoned;
+//! - an alias points a key at an entry in memory and, queued, in Redis;
+//! - writes to Redis are queued (never awaited on the request path); deletes go through the
+//!   same queue, so an older pending put cannot resurrect a deleted entry.
+
+use std::borrow::Borrow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use moka::notification::RemovalCause;
+
+use crate::entry::{Digest, Entry, EntryId};
+use crate::memory::{EvictionHook, MemoryTier};
+use crate::redis::{RedisError, RedisTier};
+use crate::semantic::{Candidate, MaintainReport, SemanticIndex};
+
+/// What a key leads to, judged by the caller's freshness rule.
+#[derive(Debug)]
+pub enum ByKey {
+    /// An entry fresh enough for the caller.
+    Fresh(Arc<Entry>),
+    /// Only an entry too old for the caller (in memory, in Redis, or both).
+    Stale,
+    /// Nothing.
+    Absent,
+}
+
+impl ByKey {
+    /// The fresh entry, if any.
+    pub fn fresh(self) -> Option<Arc<Entry>> {
+        match self {
+            ByKey::Fresh(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Which tiers a key lookup asked and whether each served it (for the lookup metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Probe {
+    /// Memory served a fresh entry.
+    pub memory: bool,
+    /// Redis was asked (memory had nothing fresh) and served a fresh entry.
+    pub redis: Option<bool>,
+}
+
+/// What a bulk load ([`Store::load`]) installed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Loaded {
+    /// Entries put into memory (expired ones and ones already held are skipped).
+    pub entries: usize,
+    /// Vectors added to the index.
+    pub vectors: usize,
+    /// Keys pointed at entries.
+    pub keys: usize,
+}
+
+/// The cache's tiers behind one type. Cloning is cheap (handles to the same tiers).
+#[derive(Clone)]
+pub struct Store {
+    memory: MemoryTier,
+    redis: Option<RedisTier>,
+    index: Option<Arc<SemanticIndex>>,
+}
+
+impl Store {
+    /// A store over a new memory tier of `memory_bytes` (keys kept at most `key_ttl`), the
+    /// given Redis tier and index. `on_evict` is told of every entry that leaves memory for
+    /// another reason than being replaced (after its vector was tombstoned).
+    pub fn new(
+        memory_bytes: u64,
+        key_ttl: Duration,
+        redis: Option<RedisTier>,
+        index: Option<Arc<SemanticIndex>>,
+        on_evict: Option<Arc<dyn Fn(RemovalCause) + Send + Sync>>,
+    ) -> Store {
+        let tombstone = index.clone();
+        // Keep the index in step with memory: an entry that leaves memory can no longer be
+        // served, so its vector is tombstoned.
+        let hook: EvictionHook = Arc::new(move |id, _entry, cause| {
+            if let Some(index) = &tombstone {
+                index.remove(id);
+            }
+            if let Some(f) = &on_evict {
+                f(cause);
+            }
+        });
+        Store {
+            memory: MemoryTier::new(memory_bytes, key_ttl, Some(hook)),
+            redis,
+            index,
+        }
+    }
+
+    /// The shared tier, when configured (health, replication events, named blobs).
+    pub fn redis(&self) -> Option<&RedisTier> {
+        self.redis.as_ref()
+    }
+
+    /// The semantic index, when the semantic tier is on.
+    pub fn index(&self) -> Option<&Arc<SemanticIndex>> {
+        self.index.as_ref()
+    }
+
+    // ---- reads ----
+
+    /// The entry `key` leads to, in memory then in Redis, if `fresh` accepts it. A memory
+    /// entry that is too old may have been replaced by another replica, so Redis is asked
+    /// then too. An entry found in Redis is promoted into memory and the index.
+    pub async fn find(&self, key: &Digest, fresh: impl Fn(&Entry) -> bool) -> (ByKey, Probe) {
+        let mut probe = Probe::default();
+        let (hit, stale) = sort(self.memory.get_by_key(key).await, &fresh);
+        if let Some(entry) = hit {
+            probe.memory = true;
+            return (ByKey::Fresh(entry), probe);
+        }
+        let miss = |stale: bool| if stale { ByKey::Stale } else { ByKey::Absent };
+        let Some(redis) = &self.redis else {
+            return (miss(stale), probe);
+        };
+        let (l2, l2_stale) = sort(redis.get_by_key(key).await.ok().flatten(), &fresh);
+        probe.redis = Some(l2.is_some());
+        let Some(l2) = l2 else {
+            return (miss(stale || l2_stale), probe);
+        };
+        let entry = self.install(l2).await;
+        self.memory.alias(*key, entry.id).await;
+        (ByKey::Fresh(entry), probe)
+    }
+
+    /// An entry this replica holds in memory.
+    pub async fn get(&self, id: EntryId) -> Option<Arc<Entry>> {
+        self.memory.get(id).await
+    }
+
+    /// An entry by id for serving a semantic candidate: memory, else Redis (promoted). When
+    /// neither holds it any more its vector is tombstoned, so it is not found again.
+    pub async fn fetch(&self, id: EntryId) -> Option<Arc<Entry>> {
+        if let Some(e) = self.memory.get(id).await {
+            return Some(e);
+        }
+        if let Some(redis) = &self.redis {
+            if let Ok(Some(e)) = redis.get(id).await {
+                return Some(self.install(e).await);
+            }
+        }
+        self.tombstone(id);
+        None
+    }
+
+    /// The entry `key` leads to in this replica's memory (no Redis round trip).
+    pub async fn get_by_key(&self, key: &Digest) -> Option<Arc<Entry>> {
+        self.memory.get_by_key(key).await
+    }
+
+    /// The `k` indexed entries of `partition` most similar to `query`, best first (empty
+    /// without an index).
+    pub fn search(&self, partition: &Digest, query: &[f32], k: usize) -> Vec<Candidate> {
+        match &self.index {
+            Some(index) => index.search(partition, query, k),
+            None => Vec::new(),
+        }
+    }
+
+    // ---- writes ----
+
+    /// Stores a new entry under `keys` (the first is its exact key): queued to Redis with
+    /// its tags, then memory, then the index (when it has a partition and an embedding).
+    pub async fn insert(&self, entry: Arc<Entry>, keys: &[Digest]) {
+        if let Some(redis) = &self.redis {
+            // Queued: Redis being slow or down never delays or fails the answer.
+            redis.put_with_tags(&entry, keys, &entry.tags);
+        }
+        let id = entry.id;
+        match keys.split_first() {
+            Some((first, rest)) => {
+                self.memory.insert(*first, entry.clone()).await;
+                for k in rest {
+                    self.memory.alias(*k, id).await;
+                }
+            }
+            None => self.memory.insert_entry(entry.clone()).await,
+        }
+        self.index_entry(&entry);
+    }
+
+    /// Replaces the memory copy of an entry with one whose metadata changed (same id, same
+    /// answer): its keys and vector stay.
+    pub async fn replace(&self, entry: Arc<Entry>) {
+        self.memory.insert_entry(entry).await;
+    }
+
+    /// Points `key` at `entry`, in memory and (queued, for the entry's remaining lifetime)
+    /// in Redis.
+    pub async fn alias(&self, key: Digest, entry: &Entry) {
+        self.memory.alias(key, entry.id).await;
+        if let Some(redis) = &self.redis {
+            redis.alias(key, entry.id, entry.ttl_left());
+        }
+    }
+
+    /// Like [`Store::alias`] for keys that do not lead to an entry yet: a key that already
+    /// does is left alone (an answer generated for it is at least as good).
+    pub async fn alias_unclaimed(&self, keys: &[Digest], entry: &Entry) {
+        for k in keys {
+            if self.memory.get_by_key(k).await.is_none() {
+                self.alias(*k, entry).await;
+            }
+        }
+    }
+
+    /// Points every key that led to `old` at `new` (here and in Redis), so aliases do not
+    /// turn into misses when `old` expires. Scans the keys off the async workers.
+    pub async fn repoint(&self, old: EntryId, new: &Entry) {
+        let memory = self.memory.clone();
+        let Ok(keys) = tokio::task::spawn_blocking(move || memory.keys_of(old)).await else {
+            return;
+        };
+        for k in keys {
+            self.alias(k, new).await;
+        }
+    }
+
+    /// Puts an entry that another replica wrote (or a snapshot held) into this replica's
+    /// memory and index, unless it is already held (then the held copy is returned and
+    /// nothing is re-indexed). An expired entry is returned but not installed.
+    pub async fn install(&self, entry: Entry) -> Arc<Entry> {
+        if let Some(held) = self.memory.get(entry.id).await {
+            return held;
+        }
+        let entry = Arc::new(entry);
+        if entry.is_expired() {
+            return entry;
+        }
+        self.memory.insert_entry(entry.clone()).await;
+        self.index_entry(&entry);
+        entry
+    }
+
+    /// Bulk load (replica rebuild, snapshot): entries into memory, then keys, then every
+    /// vector in one parallel index build off the async workers. Entries already held and
+    /// expired ones are skipped. `progress` is called with the count of entries handled
+    /// every 10,000.
+    pub async fn load(
+        &self,
+        entries: impl IntoIterator<Item = Entry>,
+        keys: Vec<(Digest, EntryId)>,
+        progress: impl Fn(usize),
+    ) -> Loaded {
+        let mut loaded = Loaded::default();
+        let mut vectors = Vec::new();
+        for (i, entry) in entries.into_iter().enumerate() {
+            if (i + 1) % 10_000 == 0 {
+                progress(i + 1);
+            }
+            if entry.is_expired() || self.memory.get(entry.id).await.is_some() {
+                continue;
+            }
+            let entry = Arc::new(entry);
+            if let Some(v) = self.indexable(&entry) {
+                vectors.push((entry.partition, entry.id, v));
+            }
+            self.memory.insert_entry(entry).await;
+            loaded.entries += 1;
+        }
+        for (k, id) in keys {
+            self.memory.alias(k, id).await;
+            loaded.keys += 1;
+        }
+        loaded.vectors = vectors.len();
+        if let Some(index) = self.index.clone() {
+            // Graph construction is CPU work: one parallel pass per partition.
+            let _ = tokio::task::spawn_blocking(move || index.insert_many(vectors)).await;
+        }
+        loaded
+    }
+
+    // ---- removal ----
+
+    /// Tombstones an entry's vector (it is never a semantic candidate again).
+    pub fn tombstone(&self, id: EntryId) {
+        if let Some(index) = &self.index {
+            index.remove(id);
+        }
+    }
+
+    /// Drops an entry from this replica (memory and index); Redis is not touched.
+    pub async fn remove_local(&self, id: EntryId) {
+        self.memory.remove(id).await;
+        self.tombstone(id);
+    }
+
+    /// Drops every entry of this replica that `pred` selects; returns how many.
+    pub async fn remove_local_where(&self, pred: impl Fn(&Entry) -> bool) -> u64 {
+        let mut n = 0;
+        for e in self.memory.iter_entries() {
+            if pred(&e) {
+                self.remove_local(e.id).await;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Deletes an entry everywhere (this replica, Redis and through it every replica).
+    /// Returns whether any tier held it.
+    pub async fn delete(&self, id: EntryId) -> Result<bool, RedisError> {
+        let local = self.memory.get(id).await.is_some();
+        self.remove_local(id).await;
+        let shared = match &self.redis {
+            Some(r) => r.delete(id).await?,
+            None => false,
+        };
+        Ok(local || shared)
+    }
+
+    /// Deletes every entry of `namespace` everywhere; returns how many the fuller tier held.
+    pub async fn delete_namespace(&self, namespace: &str) -> Result<u64, RedisError> {
+        let local = self.remove_local_where(|e| e.namespace == namespace).await;
+        let shared = match &self.redis {
+            Some(r) => r.delete_namespace(namespace).await?,
+            None => 0,
+        };
+        Ok(local.max(shared))
+    }
+
+    /// Deletes every entry stored with `tag` everywhere; returns how many the fuller tier
+    /// held.
+    pub async fn delete_tag(&self, tag: &str) -> Result<u64, RedisError> {
+        let local = self
+            .remove_local_where(|e| e.tags.iter().any(|t| t == tag))
+            .await;
+        let shared = match &self.redis {
+            Some(r) => r.delete_tag(tag).await?,
+            None => 0,
+        };
+        Ok(local.max(shared))
+    }
+
+    /// Rebuilds index partitions that collected many tombstones (blocking: call it from
+    /// `spawn_blocking`). `None` without an index.
+    pub fn maintain(&self) -> Option<MaintainReport> {
+        self.index.as_ref().map(|i| i.maintain())
+    }
+
+    // ---- views ----
+
+    /// A snapshot of this replica's live entries.
+    pub fn entries(&self) -> Vec<Arc<Entry>> {
+        self.memory.iter_entries()
+    }
+
+    /// A snapshot of this replica's exact keys and aliases.
+    pub fn keys(&self) -> Vec<(Digest, EntryId)> {
+        self.memory.iter_keys()
+    }
+
+    /// Entries held in memory (approximate until pending work runs).
+    pub fn entry_count(&self) -> u64 {
+        self.memory.entry_count()
+    }
+
+    /// Bytes held in memory (approximate until pending work runs).
+    pub fn weighted_size(&self) -> u64 {
+        self.memory.weighted_size()
+    }
+
+    /// Vectors live in the index (0 without one).
+    pub fn indexed(&self) -> usize {
+        self.index.as_ref().map_or(0, |i| i.len())
+    }
+
+    /// Runs the memory tier's pending maintenance (evictions, expiry notifications) now.
+    pub async fn run_pending_tasks(&self) {
+        self.memory.run_pending_tasks().await;
+    }
+
+    // ---- helpers ----
+
+    /// The entry's vector when it belongs in the index: an index exists, the vector has its
+    /// size, the entry has a real partition, and it is not indexed yet.
+    fn indexable(&self, entry: &Entry) -> Option<Arc<[f32]>> {
+        let index = self.index.as_ref()?;
+        let v = entry.embedding.as_ref()?;
+        (v.len() == index.dim() && entry.partition != [0; 32] && !index.contains(entry.id))
+            .then(|| v.clone())
+    }
+
+    fn index_entry(&self, entry: &Entry) {
+        if let (Some(index), Some(v)) = (&self.index, self.indexable(entry)) {
+            index.insert(entry.partition, entry.id, v);
+        }
+    }
+}
+
+/// Splits what a tier returned into an entry `fresh` accepts and whether an older one was
+/// there.
+fn sort<E: Borrow<Entry>>(found: Option<E>, fresh: impl Fn(&Entry) -> bool) -> (Option<E>, bool) {
+    match found {
+        Some(e) if fresh(e.borrow()) => (Some(e), false),
+        Some(_) => (None, true),
+        None => (None, false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::entry::{now_ms, Origin};
+    use crate::semantic::IndexConfig;
+
+    fn store() -> Store {
+        let index = Arc::new(SemanticIndex::new(2, IndexConfig::default()));
+        Store::new(1 << 20, Duration::from_secs(60), None, Some(index), None)
+    }
+
+    fn entry(text: &str, created_ms: u64) -> Entry {
+        Entry {
+            id: EntryId::random(),
+            namespace: "ns".into(),
+            model: "m".into(),
+            text: text.into(),
+            finish_reason: "stop".into(),
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            prompt: text.into(),
+            partition: [9; 32],
+            embedding: Some(vec![1.0, 0.0].into()),
+            origin: Origin::Live,
+            tags: vec!["t".into()],
+            created_ms,
+            expires_ms: now_ms() + 60_000,
+        }
+    }
+
+    #[tokio::test]
+    async fn insert_reaches_the_entry_by_every_key_and_by_meaning() {
+        let s = store();
+        let e = Arc::new(entry("a", now_ms()));
+        s.insert(e.clone(), &[[1; 32], [2; 32]]).await;
+        for k in [[1; 32], [2; 32]] {
+            let (found, probe) = s.find(&k, |_| true).await;
+            assert_eq!(found.fresh().map(|f| f.id), Some(e.id));
+            assert_eq!(
+                probe,
+                Probe {
+                    memory: true,
+                    redis: None
+                }
+            );
+        }
+        assert!(matches!(s.find(&[3; 32], |_| true).await.0, ByKey::Absent));
+        assert!(matches!(s.find(&[1; 32], |_| false).await.0, ByKey::Stale));
+        let c = s.search(&[9; 32], &[1.0, 0.0], 1);
+        assert_eq!(c.first().map(|c| c.id), Some(e.id));
+    }
+
+    #[tokio::test]
+    async fn aliases_move_and_unclaimed_ones_only() {
+        let s = store();
+        let a = Arc::new(entry("a", now_ms()));
+        let b = Arc::new(entry("b", now_ms()));
+        s.insert(a.clone(), &[[1; 32]]).await;
+        s.insert(b.clone(), &[[2; 32]]).await;
+        // [2] is claimed by b already, [3] is new.
+        s.alias_unclaimed(&[[2; 32], [3; 32]], &a).await;
+        assert_eq!(s.get_by_key(&[2; 32]).await.unwrap().id, b.id);
+        assert_eq!(s.get_by_key(&[3; 32]).await.unwrap().id, a.id);
+        // Every key of a follows a renewed entry.
+        let renewed = Arc::new(entry("a2", now_ms()));
+        s.insert(renewed.clone(), &[[4; 32]]).await;
+        s.repoint(a.id, &renewed).await;
+        for k in [[1; 32], [3; 32], [4; 32]] {
+            assert_eq!(s.get_by_key(&k).await.unwrap().id, renewed.id);
+        }
+        assert_eq!(s.get_by_key(&[2; 32]).await.unwrap().id, b.id);
+    }
+
+    #[tokio::test]
+    async fn removal_tombstones_and_a_vanished_candidate_is_forgotten() {
+        let s = store();
+        let a = Arc::new(entry("a", now_ms()));
+        let b = Arc::new(entry("b", now_ms()));
+        s.insert(a.clone(), &[[1; 32]]).await;
+        s.insert(b.clone(), &[[2; 32]]).await;
+        assert_eq!(s.indexed(), 2);
+        s.remove_local(a.id).await;
+        assert_eq!(s.indexed(), 1);
+        assert!(s.get_by_key(&[1; 32]).await.is_none());
+        // A vector whose entry no tier holds (gone behind the index's back): fetching it
+        // tombstones the vector.
+        let ghost = EntryId::random();
+        s.index()
+            .unwrap()
+            .insert([9; 32], ghost, vec![0.0, 1.0].into());
+        assert!(s.fetch(ghost).await.is_none());
+        assert!(!s.index().unwrap().contains(ghost));
+        assert_eq!(s.fetch(b.id).await.map(|e| e.id), Some(b.id));
+        let c = Arc::new(entry("c", now_ms()));
+        s.insert(c.clone(), &[]).await;
+        assert_eq!(s.delete_tag("t").await.unwrap(), 2, "b and c");
+        assert!(s.get(c.id).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn installs_and_loads_skip_what_is_held_or_expired() {
+        let s = store();
+        let a = entry("a", now_ms());
+        let held = s.install(a.clone()).await;
+        assert_eq!(held.id, a.id);
+        let mut changed = a.clone();
+        changed.text = "other".into();
+        assert_eq!(s.install(changed).await.text, "a", "the held copy wins");
+        let mut expired = entry("x", now_ms());
+        expired.expires_ms = 1;
+        let b = entry("b", now_ms());
+        let loaded = s
+            .load(
+                vec![a.clone(), expired, b.clone()],
+                vec![([5; 32], b.id)],
+                |_| {},
+            )
+            .await;
+        assert_eq!(
+            loaded,
+            Loaded {
+                entries: 1,
+                vectors: 1,
+                keys: 1
+            }
+        );
+        assert_eq!(s.get_by_key(&[5; 32]).await.unwrap().id, b.id);
+        assert_eq!(s.indexed(), 2);
+    }
+}

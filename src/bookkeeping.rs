@@ -1,0 +1,131 @@
+//! Per-request bookkeeping: the request metrics and the request log line, written once when
+//! the request is done (for streams, when the stream ends or the client goes away).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use reprise_cache::now_ms;
+
+use crate::error::ApiError;
+use crate::lookup::Notes;
+use crate::metrics::Outcome;
+use crate::openai::Endpoint;
+use crate::reqlog::LogRecord;
+use crate::state::AppState;
+
+/// The bookkeeping of one client request; recorded on drop.
+pub struct Bookkeeping {
+    state: Option<Arc<AppState>>,
+    start: Instant,
+    /// How the request is being answered (an error recorded with [`Bookkeeping::failed`]
+    /// overrides it).
+    pub outcome: Outcome,
+    error: Option<&'static str>,
+    first_token: Option<f64>,
+    /// The request log line being filled in.
+    pub record: LogRecord,
+}
+
+impl Bookkeeping {
+    /// Bookkeeping for a request to `endpoint`, started now.
+    pub fn new(state: &Arc<AppState>, endpoint: Endpoint) -> Self {
+        Bookkeeping {
+            state: Some(state.clone()),
+            start: Instant::now(),
+            outcome: Outcome::Error,
+            error: None,
+            first_token: None,
+            record: LogRecord {
+                time_ms: now_ms(),
+                endpoint: match endpoint {
+                    Endpoint::Chat => "/v1/chat/completions",
+                    Endpoint::Completion => "/v1/completions",
+                },
+                ..Default::default()
+            },
+        }
+    }
+
+    /// Bookkeeping that records nothing (left behind when the real one moves into a stream,
+    /// and for work that is not a client request).
+    pub fn detached() -> Self {
+        Bookkeeping {
+            state: None,
+            start: Instant::now(),
+            outcome: Outcome::Error,
+            error: None,
+            first_token: None,
+            record: LogRecord::default(),
+        }
+    }
+
+    /// Moves the bookkeeping out (into a response stream), leaving a detached one behind.
+    pub fn take(&mut self) -> Self {
+        std::mem::replace(self, Bookkeeping::detached())
+    }
+
+    /// Whether this records a client request (metrics, log).
+    pub fn is_counted(&self) -> bool {
+        self.state.is_some()
+    }
+
+    /// Whether the first token was recorded.
+    pub fn has_first_token(&self) -> bool {
+        self.first_token.is_some()
+    }
+
+    /// Notes the first token (or the whole answer of a hit) as sent now; later calls do
+    /// nothing.
+    pub fn first_token(&mut self) {
+        if self.first_token.is_none() {
+            let t = self.start.elapsed().as_secs_f64();
+            self.first_token = Some(t);
+            if matches!(self.outcome, Outcome::Miss | Outcome::Bypass) {
+                self.record.backend_ms = Some(t * 1000.0);
+            }
+        }
+    }
+
+    /// Copies what the cache lookup saw into the log line.
+    pub fn note(&mut self, notes: &Notes) {
+        self.record.embed_ms = notes.embed_ms;
+        self.record.search_ms = notes.search_ms;
+        self.record.similarity = notes.similarity;
+        self.record.gate = notes.gate;
+    }
+
+    /// Records the request as failed with `e`.
+    pub fn fail(&mut self, e: &ApiError) {
+        self.failed(e.kind());
+    }
+
+    /// Records the request as failed, by error kind.
+    pub fn failed(&mut self, kind: &'static str) {
+        self.error = Some(kind);
+    }
+}
+
+impl Drop for Bookkeeping {
+    fn drop(&mut self) {
+        let Some(state) = self.state.take() else {
+            return;
+        };
+        let outcome = if self.error.is_some() {
+            Outcome::Error
+        } else {
+            self.outcome
+        };
+        let total = self.start.elapsed().as_secs_f64();
+        state.metrics.request(outcome, total);
+        if let Some(t) = self.first_token {
+            state.metrics.first_token(outcome, t);
+        }
+        if let Some(log) = &state.request_log {
+            let mut rec = std::mem::take(&mut self.record);
+            rec.outcome = outcome.as_str();
+            rec.error = self.error;
+            rec.total_ms = total * 1000.0;
+            log.write(rec);
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! The body of a forwarded answer: passed on chunk by chunk within its time limits, with the
+//! request's bookkeeping done when it ends.
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::Response;
+use futures::StreamExt;
+
+use crate::bookkeeping::Bookkeeping;
+use crate::error::ApiError;
+use crate::headers::set_cache_status;
+use crate::metrics::Outcome;
+
+/// Request headers that travel with a forwarded request; a missing content type is `default`.
+pub(super) fn passed_on_headers(headers: &HeaderMap, default_type: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> =
+        ["content-type", "content-length", "accept", "openai-beta"]
+            .into_iter()
+            .filter_map(|name| {
+                Some((
+                    name.to_string(),
+                    headers.get(name)?.to_str().ok()?.to_string(),
+                ))
+            })
+            .collect();
+    if !out.iter().any(|(name, _)| name == "content-type") && !default_type.is_empty() {
+        out.push(("content-type".into(), default_type.into()));
+    }
+    out
+}
+
+/// How long a forwarded body may take.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum BodyLimits {
+    /// No limit (files and other non-completion endpoints).
+    None,
+    /// The whole body by then.
+    Deadline(tokio::time::Instant),
+    /// A stream: its first chunk (its first token) by `first_by`, then at most `gap` between
+    /// two chunks.
+    Stream {
+        first_by: tokio::time::Instant,
+        gap: std::time::Duration,
+    },
+}
+
+/// The client's response to a forwarded request: the upstream's status, headers and body as
+/// they come, within `limits`. A client error from the upstream counts as an error in the
+/// metrics.
+pub(super) fn forwarded_response(
+    answer: reprise_backend::Forwarded,
+    limits: BodyLimits,
+    mut book: Bookkeeping,
+) -> Response {
+    let stream = matches!(limits, BodyLimits::Stream { .. });
+    let status = axum::http::StatusCode::from_u16(answer.status)
+        .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
+    let outcome = if status.is_success() {
+        Outcome::Bypass
+    } else {
+        book.failed(match status.as_u16() {
+            429 => "overloaded",
+            500.. => "unavailable",
+            _ => "invalid_request",
+        });
+        Outcome::Error
+    };
+    let mut upstream = answer.body;
+    let body = async_stream::stream! {
+        loop {
+            let next = match limits {
+                BodyLimits::None => Ok(upstream.next().await),
+                BodyLimits::Deadline(d) => tokio::time::timeout_at(d, upstream.next()).await,
+                BodyLimits::Stream { first_by, .. } if !book.has_first_token() => {
+                    tokio::time::timeout_at(first_by, upstream.next()).await
+                }
+                BodyLimits::Stream { gap, .. } => tokio::time::timeout(gap, upstream.next()).await,
+            };
+            match next {
+                Ok(Some(Ok(chunk))) => {
+                    if stream {
+                        book.first_token();
+                    }
+                    yield Ok::<Bytes, std::io::Error>(chunk);
+                }
+                Ok(Some(Err(e))) => {
+                    // The status is sent: cutting the body off is all that is left to say.
+                    book.failed(e.kind());
+                    yield Err(std::io::Error::other(e));
+                    break;
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    book.failed(ApiError::Timeout.kind());
+                    yield Err(std::io::Error::other("the request timed out"));
+                    break;
+                }
+            }
+        }
+    };
+    let mut resp = Response::new(axum::body::Body::from_stream(body));
+    *resp.status_mut() = status;
+    for (name, value) in answer.headers {
+        if let (Ok(name), Ok(value)) = (
+            axum::http::HeaderName::try_from(name),
+            HeaderValue::from_str(&value),
+        ) {
+            resp.headers_mut().insert(name, value);
+        }
+    }
+    set_cache_status(&mut resp, outcome, None);
+    resp
+}

@@ -1,0 +1,143 @@
+//! Requests that only an upstream can answer, sent there as they came and answered with
+//! the upstream's status, headers and body as they arrive. Nothing is looked up, stored or
+//! learned from them.
+//!
+//! - **forward**: a completion that asks for more than a cached text answer can give (tools,
+//!   `n > 1`, images, log-probabilities, audio), classified by [`crate::request::parse`];
+//! - **passthrough**: another `/v1/...` endpoint that `backend.passthrough` opens (embeddings,
+//!   moderations, models, ...), reached from the router's fallback;
+//! - [`paths`]: which passthrough paths are safe (plain paths below the base URL only);
+//! - [`body`]: the answer's body within its time limits.
+
+mod body;
+mod paths;
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use reprise_backend::ForwardRequest;
+
+use crate::bookkeeping::Bookkeeping;
+use crate::error::ApiError;
+use crate::headers::set_cache_status;
+use crate::metrics::Outcome;
+use crate::openai::Endpoint;
+use crate::request::{admit, Forward};
+use crate::state::AppState;
+use body::{forwarded_response, passed_on_headers, BodyLimits};
+
+/// Sends a request the cache cannot represent upstream as it came and streams the answer
+/// back as it arrives. Nothing is looked up, stored or learned from it.
+pub async fn forward(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Bytes,
+    f: Forward,
+    book: &mut Bookkeeping,
+) -> Result<Response, ApiError> {
+    let ctl = admit(state, headers, &f.model, book)?;
+    if ctl.only_if_cached {
+        return Err(ApiError::NotCached);
+    }
+    if !state.backend.forwards() {
+        return Err(ApiError::invalid(
+            format!(
+                "`{}` needs an OpenAI-compatible upstream (backend.kind = \"openai\"): the \
+                 in-process llama backend answers with text only",
+                f.param
+            ),
+            Some(&f.param),
+        ));
+    }
+    book.outcome = Outcome::Bypass;
+    state.metrics.forwarded(f.field);
+    let server = &state.config.server;
+    // A non-streaming upstream sends its headers only once the whole answer is ready, so the
+    // whole request has one deadline; a stream has the first-token timeout for its headers.
+    let deadline = (!f.stream).then(|| tokio::time::Instant::now() + server.request_timeout());
+    let headers_by =
+        deadline.unwrap_or_else(|| tokio::time::Instant::now() + server.first_token_timeout());
+    let req = ForwardRequest {
+        method: axum::http::Method::POST,
+        path: match endpoint {
+            Endpoint::Chat => "chat/completions",
+            Endpoint::Completion => "completions",
+        }
+        .to_string(),
+        headers: passed_on_headers(headers, "application/json"),
+        model: Some(f.model),
+        body: body.into(),
+        interactive: true,
+    };
+    let answer = tokio::time::timeout_at(headers_by, state.backend.forward(req))
+        .await
+        .map_err(|_| ApiError::Timeout)??;
+    let book = book.take();
+    // A stream's first chunk may follow its headers after the whole prefill.
+    let limits = match deadline {
+        Some(d) => BodyLimits::Deadline(d),
+        None => BodyLimits::Stream {
+            first_by: headers_by,
+            gap: server.token_timeout(),
+        },
+    };
+    Ok(forwarded_response(answer, limits, book))
+}
+
+/// A `/v1/...` request to another endpoint of the API that `backend.passthrough` lists: sent
+/// to the OpenAI-compatible upstream as it came (method, path, query, body) and its answer
+/// passed back unchanged, so that an app can point its whole OpenAI base URL at reprise.
+/// `None` when the endpoint is not open (the caller answers 404).
+pub async fn passthrough(
+    state: &Arc<AppState>,
+    method: axum::http::Method,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+) -> Option<Response> {
+    let path = uri.path().strip_prefix("/v1/")?;
+    let endpoint = paths::passthrough_endpoint(state, path)?;
+    let result = async {
+        if !state.is_ready() {
+            return Err(ApiError::NotReady);
+        }
+        let label = crate::openai::API_ROOTS
+            .iter()
+            .find(|r| **r == endpoint)
+            .copied()
+            .unwrap_or("other");
+        state.metrics.passed_through(label);
+        let req = ForwardRequest {
+            method,
+            path: match uri.query() {
+                Some(q) => format!("{path}?{q}"),
+                None => path.to_string(),
+            },
+            headers: passed_on_headers(headers, ""),
+            model: None,
+            // Streamed, not buffered: uploads (files, audio) can be large, and the upstream
+            // enforces its own limits.
+            body: reqwest::Body::wrap_stream(body.into_data_stream()),
+            interactive: false,
+        };
+        let server = &state.config.server;
+        let answer = tokio::time::timeout(server.request_timeout(), state.backend.forward(req))
+            .await
+            .map_err(|_| ApiError::Timeout)??;
+        // Not a completion: no request metrics, no request log.
+        Ok(forwarded_response(
+            answer,
+            BodyLimits::None,
+            Bookkeeping::detached(),
+        ))
+    }
+    .await;
+    Some(result.unwrap_or_else(|e| {
+        let mut resp = e.into_response();
+        set_cache_status(&mut resp, Outcome::Error, None);
+        resp
+    }))
+}

@@ -1,0 +1,78 @@
+//! Background generation: prefetch and refresh-ahead generate requests nobody asked yet.
+
+use std::sync::Arc;
+
+use reprise_backend::{BackendError, GenEvent, GenRequest, Priority, Usage};
+use reprise_cache::{Entry, EntryId, Origin};
+
+use crate::lookup::{self, Wants};
+use crate::openai::Endpoint;
+use crate::state::AppState;
+
+/// What a background generation came to.
+#[derive(Debug)]
+pub enum Background {
+    /// The cache can already answer the request in its context with this entry (exactly or
+    /// semantically); nothing was generated.
+    Cached(Arc<Entry>),
+    /// Generated and stored.
+    Generated {
+        /// The new entry.
+        id: EntryId,
+        /// Its token usage.
+        usage: Usage,
+    },
+    /// The backend failed, was preempted, or the answer was incomplete; nothing stored.
+    Failed(BackendError),
+}
+
+/// Generates `req` at background priority and stores the answer as an entry of `origin`,
+/// unless the cache can already answer it (`check_cache`). Used by prefetch (the follow-up as
+/// it will arrive) and refresh-ahead (`check_cache = false`: the entry exists but is expiring).
+/// Background flights are never joined by interactive requests: a preempted background
+/// generation must not fail a user's request.
+pub async fn generate_in_background(
+    state: &Arc<AppState>,
+    namespace: &str,
+    endpoint: Endpoint,
+    mut req: GenRequest,
+    origin: Origin,
+    check_cache: bool,
+) -> Background {
+    req.priority = Priority::Background;
+    // Not client traffic: kept out of the lookup metrics analysts read.
+    let found = lookup::lookup(
+        state,
+        namespace,
+        endpoint,
+        &req,
+        check_cache,
+        true,
+        Wants::default(),
+        false,
+    )
+    .await;
+    if let Some(hit) = found.hit {
+        return Background::Cached(hit.entry);
+    }
+    let mut plan = found.plan;
+    plan.origin = origin;
+    let exact = plan.exact;
+    let (flight, mut sub) = state.flights.solo();
+    super::spawn(state.clone(), flight, None, req, Some(plan));
+    let mut usage = None;
+    while let Some(ev) = sub.next().await {
+        match ev {
+            Ok(GenEvent::Finish { usage: u, .. }) => usage = Some(u),
+            Ok(GenEvent::Delta(_)) => {}
+            Err(e) => return Background::Failed(e),
+        }
+    }
+    match (usage, state.store.get_by_key(&exact).await) {
+        (Some(usage), Some(entry)) => Background::Generated {
+            id: entry.id,
+            usage,
+        },
+        _ => Background::Failed(BackendError::Internal("no entry after generation".into())),
+    }
+}

@@ -1,0 +1,110 @@
+//! Backend generations: a spawned driver task runs `Backend::generate` into a [`Flight`]
+//! (every waiter replays its events), writes the answer back when it finished, and only then
+//! tells the waiters of the end.
+//!
+//! - [`spawn`]: start one generation (interactive, led by a request, or background);
+//! - [`write_back`]: store a finished answer in every tier and link it for the next turn;
+//! - [`background`]: generate a request at background priority unless the cache answers it
+//!   (prefetch and refresh-ahead use this, and nothing of the request path).
+
+pub mod background;
+mod write_back;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::StreamExt;
+use reprise_backend::{BackendError, FinishReason, GenEvent, GenRequest, Usage};
+use reprise_cache::Digest;
+
+use crate::flight::{End, Flight};
+use crate::lookup::WritePlan;
+use crate::state::AppState;
+pub use background::{generate_in_background, Background};
+pub use write_back::write_back;
+
+/// Starts the task that runs one generation into `flight` and, with a `plan`, writes the
+/// entry back. `key`: the exact key the flight is registered under (removed at the end).
+pub fn spawn(
+    state: Arc<AppState>,
+    flight: Arc<Flight>,
+    key: Option<Digest>,
+    req: GenRequest,
+    plan: Option<WritePlan>,
+) {
+    let paraphrase = plan
+        .as_ref()
+        .and_then(|p| p.partition.map(|partition| (partition, p.exact)));
+    tokio::spawn(async move {
+        let start = Instant::now();
+        state.metrics.backend_calls.increment(1);
+        let result = tokio::select! {
+            r = drive(&state, &flight, req) => r,
+            _ = flight.cancelled().cancelled() => Err(BackendError::Internal("abandoned by every client".into())),
+        };
+        state
+            .metrics
+            .backend_duration
+            .record(start.elapsed().as_secs_f64());
+        match result {
+            Ok((text, reason, usage)) => {
+                // Stored before the waiters learn of the end, so a request that arrives right
+                // after a client got its answer finds it (a moka insert is microseconds).
+                if let Some(plan) = plan {
+                    write_back(&state, plan, text, reason, usage).await;
+                }
+                flight.end(End::Finished);
+            }
+            Err(e) => {
+                state.metrics.incomplete_generations.increment(1);
+                flight.end(End::Failed(e));
+            }
+        }
+        if let Some(key) = key {
+            state.flights.remove(&key, &flight);
+        }
+        if let Some((partition, exact)) = paraphrase {
+            state.paraphrases.remove(&partition, &exact);
+        }
+    });
+}
+
+/// Runs the backend stream into the flight; returns the assembled answer only if a finish
+/// reason was seen.
+async fn drive(
+    state: &AppState,
+    flight: &Flight,
+    req: GenRequest,
+) -> Result<(String, FinishReason, Usage), BackendError> {
+    // A stall between tokens cuts a generation off (background ones too: a stalled upstream
+    // would hold a prefetch permit forever). The first token may wait in the backend's
+    // queue; clients bound that with the first-token timeout.
+    let gap = state.config.server.token_timeout();
+    let mut stream = state.backend.generate(req).await?;
+    let mut text = String::new();
+    let mut started = false;
+    loop {
+        let next = if started {
+            tokio::time::timeout(gap, stream.next())
+                .await
+                .map_err(|_| BackendError::Timeout)?
+        } else {
+            stream.next().await
+        };
+        started = true;
+        let Some(ev) = next else { break };
+        match ev? {
+            GenEvent::Delta(d) => {
+                text.push_str(&d);
+                flight.push(GenEvent::Delta(d));
+            }
+            GenEvent::Finish { reason, usage } => {
+                flight.push(GenEvent::Finish { reason, usage });
+                return Ok((text, reason, usage));
+            }
+        }
+    }
+    Err(BackendError::Unavailable(
+        "the backend stream ended without a finish reason".into(),
+    ))
+}

@@ -1,0 +1,54 @@
+//! Step 8 of the request path for misses: storing a finished answer.
+
+use std::sync::Arc;
+
+use reprise_backend::{FinishReason, Usage};
+use reprise_cache::{now_ms, Entry, EntryId};
+
+use crate::lookup::WritePlan;
+use crate::observe::Observation;
+use crate::state::AppState;
+
+/// Stores a finished answer in every tier (Redis queued, memory, index) under the plan's
+/// exact key and turn link, and reports it to the prefetcher when the plan asks.
+pub async fn write_back(
+    state: &AppState,
+    plan: WritePlan,
+    text: String,
+    reason: FinishReason,
+    usage: Usage,
+) -> EntryId {
+    let now = now_ms();
+    let ttl = state.config.cache.ttl_secs * 1000;
+    let keys = plan.keys(&text);
+    let entry = Arc::new(Entry {
+        id: EntryId::random(),
+        namespace: plan.namespace,
+        model: plan.model,
+        text,
+        finish_reason: reason.as_str().to_string(),
+        prompt_tokens: usage.prompt_tokens,
+        completion_tokens: usage.completion_tokens,
+        prompt: plan.prompt,
+        partition: plan.partition.unwrap_or([0; 32]),
+        embedding: plan.embedding,
+        origin: plan.origin,
+        tags: plan.tags,
+        created_ms: now,
+        expires_ms: now + ttl,
+    });
+    let id = entry.id;
+    state.store.insert(entry.clone(), &keys).await;
+    if let (Some(observer), Some(o)) = (&state.observer, plan.observe) {
+        observer.served(Observation {
+            namespace: entry.namespace.clone(),
+            endpoint: o.endpoint,
+            request: o.request,
+            session: o.session,
+            prev_entry: o.prev_entry,
+            entry,
+        });
+    }
+    state.metrics.cache_writes.increment(1);
+    id
+}

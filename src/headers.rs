@@ -1,0 +1,47 @@
+//! reprise's HTTP headers: the request controls it reads and the cache status it writes.
+
+use axum::http::HeaderValue;
+use axum::response::Response;
+use reprise_cache::Entry;
+
+use crate::metrics::Outcome;
+
+/// Header naming the tenant namespace.
+pub const NAMESPACE_HEADER: &str = "x-reprise-namespace";
+/// Response header saying how the request was answered.
+pub const CACHE_HEADER: &str = "x-reprise-cache";
+/// Response header with the similarity of a semantic hit.
+pub const SIMILARITY_HEADER: &str = "x-reprise-similarity";
+/// Request header raising the similarity threshold for this request.
+pub const THRESHOLD_HEADER: &str = "x-reprise-threshold";
+/// Request header linking consecutive single-turn prompts of one session (for prefetch).
+pub const SESSION_HEADER: &str = "x-reprise-session";
+/// Request header with comma-separated invalidation tags for the stored answer.
+pub const TAGS_HEADER: &str = "x-reprise-tags";
+/// The namespace of requests that name none.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+/// Sets `x-reprise-similarity`.
+pub fn set_similarity(resp: &mut Response, sim: f32) {
+    if let Ok(v) = HeaderValue::from_str(&format!("{sim:.4}")) {
+        resp.headers_mut().insert(SIMILARITY_HEADER, v);
+    }
+}
+
+/// Sets `x-reprise-cache`, `Cache-Status` (RFC 9211) and, on hits, `Age`.
+pub fn set_cache_status(resp: &mut Response, outcome: Outcome, entry: Option<&Entry>) {
+    let h = resp.headers_mut();
+    h.insert(CACHE_HEADER, HeaderValue::from_static(outcome.as_str()));
+    let status = match outcome {
+        Outcome::Exact => "reprise; hit",
+        Outcome::Semantic => "reprise; hit; detail=semantic",
+        Outcome::Prefetch => "reprise; hit; detail=prefetch",
+        Outcome::Miss => "reprise; fwd=miss; stored",
+        Outcome::Bypass => "reprise; fwd=bypass",
+        Outcome::Error => "reprise; fwd=miss; detail=error",
+    };
+    h.insert("cache-status", HeaderValue::from_static(status));
+    if let Some(e) = entry {
+        h.insert(axum::http::header::AGE, HeaderValue::from(e.age_secs()));
+    }
+}

@@ -1,0 +1,482 @@
+//! Finding a servable entry for a request: steps 4 (exact) and 5 (semantic) of the request
+//! path, shared with background generation (prefetch and refresh-ahead look up the request
+//! they would generate the same way, so they never generate what the cache can answer).
+//!
+//! - [`exact`]: by the exact key, memory then Redis;
+//! - [`context`]: a conversation's context, resolved turn by turn;
+//! - [`semantic`]: by meaning within the partition, through the false-hit gate;
+//! - [`plan`]: what a write-back of the answer would store (keys, partition, embedding).
+
+pub mod context;
+pub mod exact;
+pub mod plan;
+pub mod semantic;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use reprise_backend::{GenRequest, Input};
+use reprise_cache::{now_ms, ByKey, Entry, EntryId, Origin};
+use reprise_policies::semantic::SemanticPolicy;
+
+use crate::key;
+use crate::metrics::{Outcome, Tier};
+use crate::openai::Endpoint;
+use crate::state::AppState;
+pub use plan::{ObserveLater, WritePlan};
+
+/// A servable entry found for a request.
+pub struct Hit {
+    /// The entry.
+    pub entry: Arc<Entry>,
+    /// Exact, semantic or prefetch.
+    pub outcome: Outcome,
+    /// Cosine similarity for semantic hits.
+    pub similarity: Option<f32>,
+}
+
+/// What the lookup saw, for the request log.
+#[derive(Debug, Default, Clone)]
+pub struct Notes {
+    /// Milliseconds spent embedding the query.
+    pub embed_ms: Option<f64>,
+    /// Milliseconds spent searching and vetting candidates.
+    pub search_ms: Option<f64>,
+    /// Similarity of the served candidate, else of the best one.
+    pub similarity: Option<f32>,
+    /// The gate's verdict on the first vetted candidate (`pass` for the served one).
+    pub gate: Option<&'static str>,
+}
+
+/// What the cache knows about one request.
+pub struct Lookup {
+    /// What a write-back of this request's answer would store (keys, partition, embedding).
+    pub plan: WritePlan,
+    /// A servable entry, when one was found.
+    pub hit: Option<Hit>,
+    /// The entry that answered the previous turn of this conversation, when reprise served it.
+    pub prev_entry: Option<EntryId>,
+    /// The semantic policy applied, when the request could be matched semantically.
+    pub policy: Option<SemanticPolicy>,
+    /// The exact key leads to an entry, only one too old for this request: a paraphrase's
+    /// answer served instead must not take the key from it.
+    pub exact_taken: bool,
+    /// What the lookup saw.
+    pub notes: Notes,
+}
+
+/// What a request accepts from the cache besides the configured policy.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Wants {
+    /// Similarity threshold requested by the client (only ever raises the configured one).
+    pub threshold: Option<f32>,
+    /// Oldest answer the client takes, in seconds (`Cache-Control: max-age`).
+    pub max_age_secs: Option<u64>,
+}
+
+impl Wants {
+    /// Whether `entry` is young enough.
+    pub fn fresh(&self, entry: &Entry) -> bool {
+        self.max_age_secs
+            .is_none_or(|max| now_ms().saturating_sub(entry.created_ms) <= max.saturating_mul(1000))
+    }
+}
+
+/// Steps 4 and 5: exact lookup, then semantic lookup. Always fills the write plan (only the
+/// parts `write` needs) and reads only when `read`. `counted`: client traffic, recorded in
+/// the lookup metrics.
+#[allow(clippy::too_many_arguments)]
+pub async fn lookup(
+    state: &Arc<AppState>,
+    namespace: &str,
+    endpoint: Endpoint,
+    req: &GenRequest,
+    read: bool,
+    write: bool,
+    wants: Wants,
+    counted: bool,
+) -> Lookup {
+    let exact = key::exact_key(namespace, endpoint, req);
+    let mut found = Lookup {
+        plan: WritePlan::new(exact, namespace, req),
+        hit: None,
+        prev_entry: None,
+        policy: None,
+        exact_taken: false,
+        notes: Notes::default(),
+    };
+    // 4. Exact first: a hit needs no conversation analysis (the hot path), unless the
+    // prefetcher wants to know which earlier answer this turn followed.
+    let exact_hit = if read {
+        // Too old for this client is a miss; a generated answer then takes the key over.
+        let by_key = exact::find(state, &exact, wants, counted).await;
+        found.exact_taken = matches!(by_key, ByKey::Stale);
+        by_key.fresh()
+    } else {
+        None
+    };
+    if exact_hit.is_some() && state.prefetch.is_none() {
+        found.hit = exact_hit.map(|entry| hit(entry, Outcome::Exact, None));
+        return found;
+    }
+    // The conversation: what is matched by meaning, and the context it must match in.
+    let (query, context) = match &req.input {
+        Input::Prompt(p) => (Some(p.clone()), key::messages_digest("preamble", &[])),
+        Input::Chat(msgs) => match key::split_conversation(msgs) {
+            Some(conv) => {
+                let ctx = context::resolve(state, namespace, &req.model, &conv).await;
+                found.plan.turn = Some((ctx.turn, ctx.query));
+                found.prev_entry = ctx.prev_entry;
+                (Some(conv.last.content.clone()), ctx.partition)
+            }
+            None => (None, [0; 32]),
+        },
+    };
+    if let Some(entry) = exact_hit {
+        found.hit = Some(hit(entry, Outcome::Exact, None));
+        return found;
+    }
+    // 5. Semantic.
+    let (Some(query), Some(embedder)) = (query, &state.embedder) else {
+        return found;
+    };
+    let cfg = &state.config.semantic;
+    let policy = reprise_policies::semantic::resolve(
+        SemanticPolicy {
+            enabled: cfg.enabled,
+            threshold: cfg.threshold,
+            top_k: cfg.top_k,
+            gate: cfg.gate,
+        },
+        &cfg.rules,
+        namespace,
+        &req.model,
+        wants.threshold,
+    );
+    if !policy.enabled || (!read && !write) {
+        return found;
+    }
+    found.policy = Some(policy);
+    let partition = key::partition_key(namespace, endpoint, req, &context);
+    found.plan.partition = Some(partition);
+    found.plan.prompt = query.clone();
+    let t = Instant::now();
+    let embedding = match embedder.embed(&query).await {
+        Ok(e) => e,
+        Err(e) => {
+            // The semantic tier is an optimisation: a failing embedder degrades to exact-only.
+            tracing::warn!(error = %e, "embedding failed; semantic tier skipped");
+            return found;
+        }
+    };
+    found.notes.embed_ms = Some(ms(t));
+    found.plan.embedding = Some(embedding.clone());
+    if !read {
+        return found;
+    }
+    let served = semantic::find(
+        state,
+        embedder.as_ref(),
+        &policy,
+        &partition,
+        &query,
+        &embedding,
+        wants,
+        &mut found.notes,
+    )
+    .await;
+    if counted {
+        state.metrics.lookup(Tier::Semantic, served.is_some());
+    }
+    found.hit = served.map(|(entry, sim)| hit(entry, Outcome::Semantic, Some(sim)));
+    found
+}
+
+/// A hit on `entry` found by `tier`. A prefetched entry says so on its first use; after
+/// that it is a normal entry.
+fn hit(entry: Arc<Entry>, tier: Outcome, similarity: Option<f32>) -> Hit {
+    let outcome = match entry.origin {
+        Origin::Prefetch => Outcome::Prefetch,
+        _ => tier,
+    };
+    Hit {
+        entry,
+        outcome,
+        similarity,
+    }
+}
+
+/// Milliseconds since `t`.
+pub(crate) fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    //! The lookup's branches over a deterministic embedder (bag of words: the same words give
+    //! similarity 1, disjoint words about 0) and a scripted backend; the end-to-end tests
+    //! run the same paths with the real model.
+
+    use std::sync::Arc;
+
+    use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+    use reprise_backend::{FinishReason, GenRequest, Usage};
+    use reprise_embedder::FakeEmbedder;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::generate::write_back;
+    use crate::test_support::chat;
+
+    fn state_with(embedder: FakeEmbedder, prefetch: bool) -> Arc<AppState> {
+        let mut config = Config::default();
+        config.semantic.enabled = true;
+        config.prefetch.enabled = prefetch;
+        let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+        AppState::new(config, backend, Some(Arc::new(embedder))).unwrap()
+    }
+
+    fn state() -> Arc<AppState> {
+        state_with(FakeEmbedder::new(256), false)
+    }
+
+    async fn find(state: &Arc<AppState>, ns: &str, req: &GenRequest, wants: Wants) -> Lookup {
+        lookup(state, ns, Endpoint::Chat, req, true, true, wants, false).await
+    }
+
+    /// Looks `req` up and stores `answer` for it as a miss would.
+    async fn store(state: &Arc<AppState>, ns: &str, req: &GenRequest, answer: &str) -> EntryId {
+        let found = find(state, ns, req, Wants::default()).await;
+        assert!(found.hit.is_none(), "stored only after a miss");
+        let usage = Usage::default();
+        write_back(state, found.plan, answer.into(), FinishReason::Stop, usage).await
+    }
+
+    fn ask(q: &str) -> GenRequest {
+        chat(&[("user", q)])
+    }
+
+    #[tokio::test]
+    async fn an_exact_repeat_is_an_exact_hit_without_conversation_analysis() {
+        let s = state();
+        let id = store(&s, "ns", &ask("What is the capital of France?"), "Paris").await;
+        let found = find(
+            &s,
+            "ns",
+            &ask("What is the capital of France?"),
+            Wants::default(),
+        )
+        .await;
+        let hit = found.hit.expect("a hit");
+        assert_eq!((hit.entry.id, hit.outcome), (id, Outcome::Exact));
+        // Exact hits skip the conversation (no turn link) unless prefetch wants it.
+        assert!(found.plan.turn.is_none());
+        assert!(
+            found.notes.embed_ms.is_none(),
+            "no embedding for an exact hit"
+        );
+    }
+
+    #[tokio::test]
+    async fn with_prefetch_an_exact_hit_still_resolves_its_context() {
+        let s = state_with(FakeEmbedder::new(64), true);
+        let first = chat(&[("user", "Who wrote Hamlet?")]);
+        let prev = store(&s, "ns", &first, "Shakespeare").await;
+        let second = chat(&[
+            ("user", "Who wrote Hamlet?"),
+            ("assistant", "Shakespeare"),
+            ("user", "When?"),
+        ]);
+        store(&s, "ns", &second, "Around 1600").await;
+        let found = find(&s, "ns", &second, Wants::default()).await;
+        assert_eq!(found.hit.map(|h| h.outcome), Some(Outcome::Exact));
+        assert_eq!(found.prev_entry, Some(prev), "the previous turn's entry");
+    }
+
+    #[tokio::test]
+    async fn a_paraphrase_is_a_semantic_hit_in_its_namespace_only() {
+        let s = state();
+        let id = store(
+            &s,
+            "ns",
+            &ask("How do I reset my password?"),
+            "Click forgot.",
+        )
+        .await;
+        let found = find(
+            &s,
+            "ns",
+            &ask("how do I RESET my password"),
+            Wants::default(),
+        )
+        .await;
+        let hit = found.hit.expect("a semantic hit");
+        assert_eq!((hit.entry.id, hit.outcome), (id, Outcome::Semantic));
+        assert!(hit.similarity.unwrap() > 0.99);
+        assert_eq!(found.notes.gate, Some("pass"));
+        let other = find(
+            &s,
+            "other",
+            &ask("how do I RESET my password"),
+            Wants::default(),
+        )
+        .await;
+        assert!(other.hit.is_none(), "never across namespaces");
+    }
+
+    #[tokio::test]
+    async fn a_candidate_below_the_threshold_is_a_miss_that_notes_its_similarity() {
+        let s = state();
+        store(
+            &s,
+            "ns",
+            &ask("How do I reset my password?"),
+            "Click forgot.",
+        )
+        .await;
+        let q = ask("How do I change my email address?");
+        let found = find(&s, "ns", &q, Wants::default()).await;
+        assert!(found.hit.is_none());
+        let sim = found
+            .notes
+            .similarity
+            .expect("the best candidate's similarity");
+        assert!(sim > 0.3 && sim < 0.86, "{sim}");
+        // A miss still plans its write-back: partition, prompt and embedding.
+        assert!(found.plan.partition.is_some() && found.plan.embedding.is_some());
+        assert_eq!(found.plan.prompt, "How do I change my email address?");
+    }
+
+    #[tokio::test]
+    async fn the_gate_rejects_a_close_candidate_that_says_the_opposite() {
+        // Pinned to one vector: only the gate can tell them apart.
+        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let e = FakeEmbedder::new(8)
+            .pin("Is the museum open on Monday?", &v)
+            .pin("Is the museum not open on Monday?", &v);
+        let s = state_with(e, false);
+        store(&s, "ns", &ask("Is the museum open on Monday?"), "Yes").await;
+        let found = find(
+            &s,
+            "ns",
+            &ask("Is the museum not open on Monday?"),
+            Wants::default(),
+        )
+        .await;
+        assert!(found.hit.is_none(), "a negation is not a paraphrase");
+        assert!(
+            found.notes.gate.is_some_and(|g| g != "pass"),
+            "{:?}",
+            found.notes.gate
+        );
+        assert!(found.notes.similarity.unwrap() > 0.99);
+    }
+
+    #[tokio::test]
+    async fn a_client_threshold_only_raises_the_bar() {
+        let s = state();
+        store(
+            &s,
+            "ns",
+            &ask("How do I reset my password today?"),
+            "Click forgot.",
+        )
+        .await;
+        let q = ask("How do I reset my password now?");
+        let strict = Wants {
+            threshold: Some(0.99),
+            ..Wants::default()
+        };
+        assert!(find(&s, "ns", &q, strict).await.hit.is_none());
+        let lax = Wants {
+            threshold: Some(0.1),
+            ..Wants::default()
+        };
+        // 0.1 does not lower the configured 0.86: the same outcome as asking nothing.
+        let default = find(&s, "ns", &q, Wants::default()).await.hit.is_some();
+        assert_eq!(find(&s, "ns", &q, lax).await.hit.is_some(), default);
+    }
+
+    #[tokio::test]
+    async fn an_answer_older_than_max_age_is_not_served_and_keeps_its_key() {
+        let s = state();
+        let q = ask("What time is it in Tokyo?");
+        store(&s, "ns", &q, "Noon").await;
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+        let fresh_only = Wants {
+            max_age_secs: Some(0),
+            ..Wants::default()
+        };
+        let found = find(&s, "ns", &q, fresh_only).await;
+        assert!(found.hit.is_none(), "too old for max-age=0");
+        assert!(found.exact_taken, "the key leads to an older answer");
+        let any_age = find(&s, "ns", &q, Wants::default()).await;
+        assert_eq!(any_age.hit.map(|h| h.outcome), Some(Outcome::Exact));
+    }
+
+    #[tokio::test]
+    async fn without_read_nothing_is_served_but_the_write_is_planned() {
+        let s = state();
+        let q = ask("What is the capital of France?");
+        store(&s, "ns", &q, "Paris").await;
+        let found = lookup(
+            &s,
+            "ns",
+            Endpoint::Chat,
+            &q,
+            false,
+            true,
+            Wants::default(),
+            false,
+        )
+        .await;
+        assert!(found.hit.is_none());
+        assert!(
+            found.plan.embedding.is_some(),
+            "a write needs the embedding"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failing_embedder_degrades_to_exact_only() {
+        let s = state_with(FakeEmbedder::new(64).failing(), false);
+        let q = ask("What is the capital of France?");
+        let found = find(&s, "ns", &q, Wants::default()).await;
+        assert!(found.hit.is_none());
+        assert!(found.plan.partition.is_some());
+        assert!(found.plan.embedding.is_none(), "nothing to index");
+        let usage = Usage::default();
+        write_back(&s, found.plan, "Paris".into(), FinishReason::Stop, usage).await;
+        let again = find(&s, "ns", &q, Wants::default()).await;
+        assert_eq!(again.hit.map(|h| h.outcome), Some(Outcome::Exact));
+    }
+
+    #[tokio::test]
+    async fn the_same_follow_up_after_different_answers_never_matches() {
+        let s = state();
+        let about = |who: &str, answer: &str| {
+            chat(&[
+                ("user", &format!("Tell me about {who}")),
+                ("assistant", answer),
+                ("user", "How old is he?"),
+            ])
+        };
+        store(&s, "ns", &about("Alan Turing", "A mathematician."), "41").await;
+        let found = find(
+            &s,
+            "ns",
+            &about("Isaac Newton", "A physicist."),
+            Wants::default(),
+        )
+        .await;
+        assert!(found.hit.is_none(), "another conversation context");
+        let same = find(
+            &s,
+            "ns",
+            &about("Alan Turing", "A mathematician."),
+            Wants::default(),
+        )
+        .await;
+        assert_eq!(same.hit.map(|h| h.outcome), Some(Outcome::Exact));
+    }
+}

@@ -1,0 +1,103 @@
+//! What a write-back stores, gathered while a request is looked up.
+
+use std::sync::Arc;
+
+use reprise_backend::GenRequest;
+use reprise_cache::{Digest, EntryId, Origin};
+
+use crate::key::KeyHasher;
+use crate::openai::Endpoint;
+
+/// What a write-back stores, gathered along the request path.
+#[derive(Debug, Clone)]
+pub struct WritePlan {
+    /// The exact key the new entry is stored under.
+    pub exact: Digest,
+    /// Tenant.
+    pub namespace: String,
+    /// Model.
+    pub model: String,
+    /// The text matched semantically (empty when the request has none).
+    pub prompt: String,
+    /// Semantic partition, when the request can be matched semantically.
+    pub partition: Option<Digest>,
+    /// Embedding of `prompt`.
+    pub embedding: Option<Arc<[f32]>>,
+    /// Context and query of this turn, to link the answer to the next turn's context.
+    pub turn: Option<(Digest, Digest)>,
+    /// Live, prefetch or refresh.
+    pub origin: Origin,
+    /// Report the stored entry to the prefetcher (live requests, when prefetch is on).
+    pub observe: Option<ObserveLater>,
+    /// Invalidation tags from `x-reprise-tags`.
+    pub tags: Vec<String>,
+}
+
+/// What the prefetcher is told about a miss once its answer is stored.
+#[derive(Debug, Clone)]
+pub struct ObserveLater {
+    /// Endpoint of the request.
+    pub endpoint: Endpoint,
+    /// The request as asked.
+    pub request: GenRequest,
+    /// Session id (`x-reprise-session` or the `user` field).
+    pub session: Option<String>,
+    /// The entry that answered the previous turn.
+    pub prev_entry: Option<EntryId>,
+}
+
+impl WritePlan {
+    /// A plan for storing the answer to `req` under `exact` in `namespace`; the lookup fills
+    /// in the rest.
+    pub fn new(exact: Digest, namespace: &str, req: &GenRequest) -> Self {
+        WritePlan {
+            exact,
+            namespace: namespace.to_string(),
+            model: req.model.clone(),
+            prompt: String::new(),
+            partition: None,
+            embedding: None,
+            turn: None,
+            origin: Origin::Live,
+            observe: None,
+            tags: Vec::new(),
+        }
+    }
+
+    /// The key that links "this context, this query, this answer" to the entry that answered,
+    /// so a later turn whose history contains this exchange resolves its context to the entry.
+    pub fn turn_key(&self, answer: &str) -> Option<Digest> {
+        let (context, query) = self.turn?;
+        Some(turn_key(
+            &self.namespace,
+            &self.model,
+            &context,
+            &query,
+            answer,
+        ))
+    }
+
+    /// Every key the new entry is stored under: the exact key, then the turn link.
+    pub fn keys(&self, answer: &str) -> Vec<Digest> {
+        let mut keys = vec![self.exact];
+        keys.extend(self.turn_key(answer));
+        keys
+    }
+}
+
+/// The turn link of an exchange (see [`WritePlan::turn_key`]).
+pub(crate) fn turn_key(
+    namespace: &str,
+    model: &str,
+    context: &Digest,
+    query: &Digest,
+    answer: &str,
+) -> Digest {
+    let mut h = KeyHasher::new("turn");
+    h.str(namespace)
+        .str(model)
+        .digest(context)
+        .digest(query)
+        .str(answer);
+    h.finish()
+}

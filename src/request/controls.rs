@@ -1,0 +1,140 @@
+//! Step 2 of the request path: the controls a client sets in headers (namespace,
+//! `Cache-Control`, threshold, session, tags), and admission (ready, model served).
+
+use axum::http::HeaderMap;
+
+use crate::bookkeeping::Bookkeeping;
+use crate::error::ApiError;
+use crate::headers::{
+    DEFAULT_NAMESPACE, NAMESPACE_HEADER, SESSION_HEADER, TAGS_HEADER, THRESHOLD_HEADER,
+};
+use crate::state::AppState;
+
+#[derive(Debug, Clone)]
+pub struct Controls {
+    /// Tenant namespace.
+    pub namespace: String,
+    /// `Cache-Control: no-cache`: do not read, do store the fresh answer.
+    pub no_cache: bool,
+    /// `Cache-Control: no-store`: neither read nor write.
+    pub no_store: bool,
+    /// `Cache-Control: only-if-cached`: answer from the cache or fail with 504; never call
+    /// the backend, never store (RFC 9111).
+    pub only_if_cached: bool,
+    /// Similarity threshold requested by the client (only ever raises the configured one).
+    pub threshold: Option<f32>,
+    /// `Cache-Control: max-age=N`: only answers at most N seconds old may be served.
+    pub max_age_secs: Option<u64>,
+    /// Session id linking consecutive prompts (`x-reprise-session`).
+    pub session: Option<String>,
+    /// Invalidation tags for the entry this request creates (`x-reprise-tags: a,b`).
+    pub tags: Vec<String>,
+}
+
+impl Controls {
+    /// Reads and validates the control headers.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Controls, ApiError> {
+        let namespace = match headers.get(NAMESPACE_HEADER) {
+            None => DEFAULT_NAMESPACE.to_string(),
+            Some(v) => {
+                let s = v.to_str().map_err(|_| ApiError::BadHeader {
+                    header: NAMESPACE_HEADER,
+                    reason: "must be visible ASCII".into(),
+                })?;
+                if s.is_empty() || s.len() > 128 {
+                    return Err(ApiError::BadHeader {
+                        header: NAMESPACE_HEADER,
+                        reason: "must be 1 to 128 characters".into(),
+                    });
+                }
+                s.to_string()
+            }
+        };
+        let mut no_cache = false;
+        let mut no_store = false;
+        let mut only_if_cached = false;
+        let mut max_age_secs: Option<u64> = None;
+        for v in headers.get_all(axum::http::header::CACHE_CONTROL) {
+            for directive in v.to_str().unwrap_or("").split(',') {
+                let directive = directive.trim().to_ascii_lowercase();
+                match directive.as_str() {
+                    "no-cache" => no_cache = true,
+                    "no-store" => no_store = true,
+                    "only-if-cached" => only_if_cached = true,
+                    d => {
+                        if let Some(value) = d.strip_prefix("max-age=") {
+                            let value = value.trim_matches('"');
+                            if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+                                return Err(ApiError::BadHeader {
+                                    header: "cache-control",
+                                    reason: "max-age must be a whole number of seconds".into(),
+                                });
+                            }
+                            // RFC 9111 1.2.2: values too large to represent count as 2^31.
+                            let secs = value.parse::<u64>().map_or(1 << 31, |s| s.min(1 << 31));
+                            // Several max-age directives: the strictest wins.
+                            max_age_secs = Some(max_age_secs.map_or(secs, |m| m.min(secs)));
+                        }
+                    }
+                }
+            }
+        }
+        let threshold = match headers.get(THRESHOLD_HEADER) {
+            None => None,
+            Some(v) => {
+                let t: f32 = v
+                    .to_str()
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .filter(|t: &f32| t.is_finite() && (0.0..=1.0).contains(t))
+                    .ok_or_else(|| ApiError::BadHeader {
+                        header: THRESHOLD_HEADER,
+                        reason: "must be a number between 0 and 1".into(),
+                    })?;
+                Some(t)
+            }
+        };
+        Ok(Controls {
+            namespace,
+            no_cache,
+            no_store,
+            only_if_cached,
+            threshold,
+            max_age_secs,
+            tags: headers
+                .get(TAGS_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| {
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|t| !t.is_empty())
+                        .map(str::to_string)
+                        .collect()
+                })
+                .unwrap_or_default(),
+            session: headers
+                .get(SESSION_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .filter(|s| !s.is_empty() && s.len() <= 256)
+                .map(str::to_string),
+        })
+    }
+}
+
+/// Reads the control headers and checks that the server is ready and serves `model`.
+pub fn admit(
+    state: &AppState,
+    headers: &HeaderMap,
+    model: &str,
+    book: &mut Bookkeeping,
+) -> Result<Controls, ApiError> {
+    let ctl = Controls::from_headers(headers)?;
+    book.record.namespace = ctl.namespace.clone();
+    if !state.is_ready() {
+        return Err(ApiError::NotReady);
+    }
+    if !state.models.is_empty() && !state.models.iter().any(|m| m == model) {
+        return Err(ApiError::UnknownModel(model.to_string()));
+    }
+    Ok(ctl)
+}

@@ -1,0 +1,142 @@
+//! The request path of both completion endpoints, top to bottom. Each step has a file:
+//!
+//! 1. **parse** ([`parse`]): the body becomes a [`reprise_backend::GenRequest`], or a
+//!    [`Forward`] for the upstream ([`crate::forward`]);
+//! 2. **controls** ([`controls`]): namespace, `Cache-Control`, threshold, session, tags from
+//!    headers; ready and model checks;
+//! 3. **policy** ([`policy`]): may this request read, write, call the backend?
+//! 4. **exact lookup** ([`crate::lookup::exact`]) by the blake3 key of the canonical request;
+//! 5. **semantic lookup** ([`crate::lookup::semantic`]): the last user turn by meaning, in its
+//!    partition, through the false-hit gate (both lookups live in [`crate::lookup`] because
+//!    background generation shares them);
+//! 6. **single-flight** ([`single_flight`]): follow an identical generation, or a paraphrase
+//!    being generated, or lead a new one;
+//! 7. **generation** ([`crate::generate`]): a driver task runs the backend into the flight;
+//! 8. **write-back**: a miss is stored by the driver task when it finished
+//!    ([`crate::generate::write_back`], never for errors, cut-off streams or abandoned
+//!    generations); a hit links this request's keys to the entry ([`write_back`]);
+//! 9. **respond** ([`respond`], [`sse`]): JSON or SSE, with the cache status headers.
+//!
+//! The request's metrics and log line are kept by a [`Bookkeeping`] that is written when the
+//! response is done.
+
+mod controls;
+mod parse;
+mod policy;
+mod respond;
+mod single_flight;
+mod sse;
+mod write_back;
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+
+use crate::bookkeeping::Bookkeeping;
+use crate::error::ApiError;
+use crate::headers::set_cache_status;
+use crate::lookup::{self, ObserveLater, Wants};
+use crate::metrics::Outcome;
+use crate::openai::{Endpoint, Renderer};
+use crate::state::AppState;
+pub use controls::{admit, Controls};
+pub use parse::{parse, Forward, Parsed, Request};
+
+/// Entry point of both completion endpoints.
+pub async fn handle(
+    state: Arc<AppState>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let mut book = Bookkeeping::new(&state, endpoint);
+    match serve(&state, endpoint, &headers, body, &mut book).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            book.fail(&e);
+            let mut resp = e.into_response();
+            set_cache_status(&mut resp, Outcome::Error, None);
+            resp
+        }
+    }
+}
+
+async fn serve(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    book: &mut Bookkeeping,
+) -> Result<Response, ApiError> {
+    // 1. Parse.
+    let body = body.map_err(|e| parse::body_error(e, state.config.server.max_body_bytes))?;
+    let parsed = match parse(endpoint, &body)? {
+        Request::Cacheable(parsed) => parsed,
+        Request::Forward(f) => {
+            return crate::forward::forward(state, endpoint, headers, body, f, book).await
+        }
+    };
+    // 2. Controls.
+    let ctl = admit(state, headers, &parsed.req.model, book)?;
+    // 3. Policy.
+    let access = policy::access(state, &ctl);
+    let renderer = Renderer::new(endpoint, &parsed.req.model);
+
+    // 4. Exact and 5. semantic lookup.
+    let wants = Wants {
+        threshold: ctl.threshold,
+        max_age_secs: ctl.max_age_secs,
+    };
+    let counted = book.is_counted();
+    let found = lookup::lookup(
+        state,
+        &ctl.namespace,
+        endpoint,
+        &parsed.req,
+        access.read,
+        access.write,
+        wants,
+        counted,
+    )
+    .await;
+    book.note(&found.notes);
+    let session = ctl.session.clone().or_else(|| parsed.user.clone());
+    let observe = state.observer.is_some().then(|| ObserveLater {
+        endpoint,
+        request: parsed.req.clone(),
+        session,
+        prev_entry: found.prev_entry,
+    });
+    let mut found = found;
+    if let Some(hit) = found.hit.take() {
+        // 8. Write-back of a hit: this phrasing's keys now lead to the entry.
+        write_back::link_hit(state, &found, &hit, access.write, observe).await;
+        // 9. Respond.
+        return Ok(respond::hit(&parsed, renderer, hit, book));
+    }
+    if !access.forward {
+        return Err(ApiError::NotCached);
+    }
+    let mut plan = found.plan;
+    plan.tags = ctl.tags.clone();
+    plan.observe = observe;
+
+    // 6. Single-flight, 7. generation (8. write-back in the driver task).
+    book.outcome = if access.write {
+        Outcome::Miss
+    } else {
+        Outcome::Bypass
+    };
+    let joined = single_flight::join(state, &parsed, plan, found.policy, access, book);
+    // 9. Respond.
+    let outcome = book.outcome;
+    let mut resp =
+        respond::generation(state, &parsed, renderer, joined.subscriber, outcome, book).await?;
+    if let Some(sim) = joined.similarity {
+        crate::headers::set_similarity(&mut resp, sim);
+    }
+    Ok(resp)
+}

@@ -1,0 +1,455 @@
+//! Step 1 of the request path: the body becomes a [`GenRequest`] (serde +
+//! serde_path_to_error, so a bad field is named in the OpenAI error's `param`), or, when it
+//! asks for more than one text answer, a [`Forward`] that only an upstream can answer.
+
+use axum::extract::rejection::BytesRejection;
+use reprise_backend::{ChatMessage, GenRequest, Input, Priority, SamplingParams};
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::openai::{ChatCompletionRequest, CompletionRequest, Content, Endpoint, Prompt};
+
+/// A parsed request.
+pub struct Parsed {
+    /// What the backend would be asked.
+    pub req: GenRequest,
+    /// Answer as SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of the stream.
+    pub include_usage: bool,
+    /// The OpenAI `user` field.
+    pub user: Option<String>,
+}
+
+/// What [`parse`] makes of a body.
+pub enum Request {
+    /// Answered from the cache, or generated and stored.
+    Cacheable(Parsed),
+    /// Asks for more than a cached text answer can give; goes upstream as it came.
+    Forward(Forward),
+}
+
+/// A request that only an upstream can answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forward {
+    /// The model the body names.
+    pub model: String,
+    /// The client asked for a stream.
+    pub stream: bool,
+    /// The field that needs the upstream, as a path: `tools`, `messages[2].tool_calls`, `n`.
+    pub param: String,
+    /// The same field without indices, for the metric label: `tools`, `messages.tool_calls`.
+    pub field: &'static str,
+}
+
+impl Forward {
+    fn new(model: String, stream: Option<bool>, (param, field): (String, &'static str)) -> Self {
+        Forward {
+            model,
+            stream: stream.unwrap_or(false),
+            param,
+            field,
+        }
+    }
+}
+
+/// Chat request fields whose answer is more than text: tool calls, log-probabilities, audio.
+const CHAT_FORWARD_FIELDS: &[&str] = &[
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "logprobs",
+    "top_logprobs",
+    "audio",
+    "modalities",
+    "web_search_options",
+];
+
+/// Message fields of tool and audio conversations, which the cache's text-only messages
+/// cannot carry.
+const MESSAGE_FORWARD_FIELDS: &[(&str, &str)] = &[
+    ("tool_calls", "messages.tool_calls"),
+    ("tool_call_id", "messages.tool_call_id"),
+    ("function_call", "messages.function_call"),
+    ("audio", "messages.audio"),
+];
+
+/// Completions request fields whose answer is more than one text.
+const COMPLETION_FORWARD_FIELDS: &[&str] = &["best_of", "logprobs", "echo", "suffix"];
+
+/// Whether a field's value asks for something: not null, `false`, `[]`, `""`, a
+/// `modalities` of text only or a `best_of` of 1.
+fn asks_for(field: &str, v: &Value) -> bool {
+    match v {
+        Value::Null | Value::Bool(false) => false,
+        Value::Array(a) if field == "modalities" => a.iter().any(|m| m.as_str() != Some("text")),
+        Value::Array(a) => !a.is_empty(),
+        Value::String(s) => !s.is_empty(),
+        Value::Number(n) if field == "best_of" => n.as_u64() != Some(1),
+        _ => true,
+    }
+}
+
+/// The first of `fields` that a request asks for, else `n > 1`, as (`param`, metric label).
+fn top_level_forward_field(
+    fields: &[&'static str],
+    extra: &serde_json::Map<String, Value>,
+    n: Option<u32>,
+) -> Option<(String, &'static str)> {
+    if let Some(f) = fields
+        .iter()
+        .find(|f| extra.get(**f).is_some_and(|v| asks_for(f, v)))
+    {
+        return Some((f.to_string(), *f));
+    }
+    n.is_some_and(|n| n > 1).then(|| ("n".to_string(), "n"))
+}
+
+/// The first field of a chat request that needs the upstream, as (`param`, metric label).
+fn chat_forward_field(r: &ChatCompletionRequest) -> Option<(String, &'static str)> {
+    if let Some(found) = top_level_forward_field(CHAT_FORWARD_FIELDS, &r.extra, r.n) {
+        return Some(found);
+    }
+    for (i, m) in r.messages.iter().enumerate() {
+        if matches!(m.role.as_str(), "tool" | "function") {
+            return Some((format!("messages[{i}].role"), "messages.role"));
+        }
+        if let Some((f, label)) = MESSAGE_FORWARD_FIELDS
+            .iter()
+            .find(|(f, _)| m.extra.get(*f).is_some_and(|v| asks_for(f, v)))
+        {
+            return Some((format!("messages[{i}].{f}"), *label));
+        }
+        if let Some(Content::Parts(parts)) = &m.content {
+            if parts.iter().any(|p| p.kind != "text") {
+                return Some((format!("messages[{i}].content"), "messages.content"));
+            }
+        }
+    }
+    None
+}
+
+/// The first field of a completions request that needs the upstream.
+fn completion_forward_field(r: &CompletionRequest) -> Option<(String, &'static str)> {
+    top_level_forward_field(COMPLETION_FORWARD_FIELDS, &r.extra, r.n).or_else(|| {
+        matches!(&r.prompt, Prompt::Many(v) if v.len() > 1)
+            .then(|| ("prompt".to_string(), "prompt"))
+            .or_else(|| {
+                matches!(&r.prompt, Prompt::Tokens(_)).then(|| ("prompt".to_string(), "prompt"))
+            })
+    })
+}
+
+/// Request controls taken from headers.
+
+/// Maps the axum body rejection to our error shape.
+pub(super) fn body_error(e: BytesRejection, limit: usize) -> ApiError {
+    if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::BodyTooLarge { limit }
+    } else {
+        ApiError::invalid(format!("could not read the request body: {e}"), None)
+    }
+}
+
+/// Parses and validates a request body. A request that asks for more than a text answer
+/// (tools, several choices, images, log-probabilities) is only checked for the fields reprise
+/// itself reads; the upstream validates the rest.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
+    fn de<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+        let de = &mut serde_json::Deserializer::from_slice(body);
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if inner.is_syntax() || inner.is_eof() {
+                return ApiError::invalid(format!("the body is not valid JSON: {inner}"), None);
+            }
+            let param = (path != ".").then_some(path);
+            ApiError::InvalidRequest {
+                message: format!("invalid request: {inner}"),
+                param,
+            }
+        })
+    }
+    let (req, stream, include_usage, user, n) = match endpoint {
+        Endpoint::Chat => {
+            let r: ChatCompletionRequest = de(body)?;
+            if r.messages.is_empty() {
+                return Err(ApiError::invalid(
+                    "`messages` must not be empty",
+                    Some("messages"),
+                ));
+            }
+            if let Some(found) = chat_forward_field(&r) {
+                return Ok(Request::Forward(Forward::new(r.model, r.stream, found)));
+            }
+            let mut msgs = Vec::with_capacity(r.messages.len());
+            for (i, m) in r.messages.into_iter().enumerate() {
+                if !matches!(
+                    m.role.as_str(),
+                    "system" | "developer" | "user" | "assistant" | "tool"
+                ) {
+                    return Err(ApiError::invalid(
+                        format!("unknown role `{}`", m.role),
+                        Some(&format!("messages[{i}].role")),
+                    ));
+                }
+                let content = match m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t,
+                    Some(Content::Parts(parts)) => {
+                        let mut text = String::new();
+                        for p in parts {
+                            // Other part types went to `Forward` above.
+                            match p.text {
+                                Some(t) => text.push_str(&t),
+                                None => {
+                                    return Err(ApiError::invalid(
+                                        "a `text` content part needs a `text` string",
+                                        Some(&format!("messages[{i}].content")),
+                                    ))
+                                }
+                            }
+                        }
+                        text
+                    }
+                };
+                msgs.push(ChatMessage {
+                    role: m.role,
+                    content,
+                    name: m.name,
+                });
+            }
+            let params = SamplingParams {
+                max_tokens: r.max_completion_tokens.or(r.max_tokens),
+                temperature: r.temperature,
+                top_p: r.top_p,
+                seed: r.seed,
+                stop: r.stop.map(|s| s.into_vec()).unwrap_or_default(),
+                presence_penalty: r.presence_penalty,
+                frequency_penalty: r.frequency_penalty,
+            };
+            let req = GenRequest {
+                model: r.model,
+                input: Input::Chat(msgs),
+                params,
+                priority: Priority::Interactive,
+                extra: r.extra,
+            };
+            (
+                req,
+                r.stream.unwrap_or(false),
+                r.stream_options.is_some_and(|o| o.include_usage),
+                r.user,
+                r.n,
+            )
+        }
+        Endpoint::Completion => {
+            let r: CompletionRequest = de(body)?;
+            if let Some(found) = completion_forward_field(&r) {
+                return Ok(Request::Forward(Forward::new(r.model, r.stream, found)));
+            }
+            let prompt = match r.prompt {
+                Prompt::One(p) => p,
+                Prompt::Many(mut v) if v.len() == 1 => v.remove(0),
+                Prompt::Many(_) | Prompt::Tokens(_) => {
+                    return Err(ApiError::invalid(
+                        "`prompt` must not be empty",
+                        Some("prompt"),
+                    ))
+                }
+            };
+            let params = SamplingParams {
+                max_tokens: r.max_tokens,
+                temperature: r.temperature,
+                top_p: r.top_p,
+                seed: r.seed,
+                stop: r.stop.map(|s| s.into_vec()).unwrap_or_default(),
+                presence_penalty: r.presence_penalty,
+                frequency_penalty: r.frequency_penalty,
+            };
+            let req = GenRequest {
+                model: r.model,
+                input: Input::Prompt(prompt),
+                params,
+                priority: Priority::Interactive,
+                extra: r.extra,
+            };
+            (
+                req,
+                r.stream.unwrap_or(false),
+                r.stream_options.is_some_and(|o| o.include_usage),
+                r.user,
+                r.n,
+            )
+        }
+    };
+    // `n > 1` went to `Forward` above.
+    if n == Some(0) {
+        return Err(ApiError::invalid("`n` must be at least 1", Some("n")));
+    }
+    let p = &req.params;
+    if p.temperature.is_some_and(|t| !(0.0..=2.0).contains(&t)) {
+        return Err(ApiError::invalid(
+            "`temperature` must be between 0 and 2",
+            Some("temperature"),
+        ));
+    }
+    if p.top_p.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
+        return Err(ApiError::invalid(
+            "`top_p` must be in (0, 1]",
+            Some("top_p"),
+        ));
+    }
+    if p.max_tokens == Some(0) {
+        return Err(ApiError::invalid(
+            "`max_tokens` must be at least 1",
+            Some("max_tokens"),
+        ));
+    }
+    if p.stop.len() > 4 || p.stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(
+            "`stop` takes up to 4 non-empty strings",
+            Some("stop"),
+        ));
+    }
+    for (name, v) in [
+        ("presence_penalty", p.presence_penalty),
+        ("frequency_penalty", p.frequency_penalty),
+    ] {
+        if v.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
+            return Err(ApiError::invalid(
+                format!("`{name}` must be between -2 and 2"),
+                Some(name),
+            ));
+        }
+    }
+    Ok(Request::Cacheable(Parsed {
+        req,
+        stream,
+        include_usage,
+        user,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn classify(endpoint: Endpoint, body: Value) -> Result<Option<(String, &'static str)>, String> {
+        match parse(endpoint, body.to_string().as_bytes()) {
+            Ok(Request::Cacheable(_)) => Ok(None),
+            Ok(Request::Forward(f)) => Ok(Some((f.param, f.field))),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn chat_with(field: &str, value: Value) -> Value {
+        let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        b[field] = value;
+        b
+    }
+
+    #[test]
+    fn only_fields_that_ask_for_more_than_text_forward() {
+        let forward = |param: &str, field: &'static str| Ok(Some((param.to_string(), field)));
+        let chat = |f: &str, v: Value| classify(Endpoint::Chat, chat_with(f, v));
+        assert_eq!(
+            chat("tools", json!([{"type": "function"}])),
+            forward("tools", "tools")
+        );
+        assert_eq!(chat("tools", json!([])), Ok(None));
+        assert_eq!(
+            chat("tool_choice", json!("none")),
+            forward("tool_choice", "tool_choice")
+        );
+        assert_eq!(chat("logprobs", json!(false)), Ok(None));
+        assert_eq!(
+            chat("logprobs", json!(true)),
+            forward("logprobs", "logprobs")
+        );
+        assert_eq!(chat("modalities", json!(["text"])), Ok(None));
+        assert_eq!(
+            chat("modalities", json!(["text", "audio"])),
+            forward("modalities", "modalities")
+        );
+        assert_eq!(chat("n", json!(1)), Ok(None));
+        assert_eq!(chat("n", json!(2)), forward("n", "n"));
+        assert!(chat("n", json!(0)).is_err());
+        assert_eq!(
+            chat("response_format", json!({"type": "json_object"})),
+            Ok(None)
+        );
+
+        let msgs = |m: Value| classify(Endpoint::Chat, json!({"model": "m", "messages": m}));
+        assert_eq!(
+            msgs(
+                json!([{"role": "user", "content": "a"}, {"role": "function", "name": "f", "content": "1"}])
+            ),
+            forward("messages[1].role", "messages.role")
+        );
+        assert_eq!(
+            msgs(json!([{"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}])),
+            forward("messages[0].tool_calls", "messages.tool_calls")
+        );
+        assert_eq!(
+            msgs(
+                json!([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}])
+            ),
+            forward("messages[0].content", "messages.content")
+        );
+        assert_eq!(
+            msgs(
+                json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+            ),
+            Ok(None)
+        );
+        assert!(msgs(json!([{"role": "user", "content": [{"type": "text"}]}])).is_err());
+
+        let completion = |f: &str, v: Value| {
+            let mut b = json!({"model": "m", "prompt": "1, 2,"});
+            b[f] = v;
+            classify(Endpoint::Completion, b)
+        };
+        assert_eq!(completion("best_of", json!(1)), Ok(None));
+        assert_eq!(
+            completion("best_of", json!(3)),
+            forward("best_of", "best_of")
+        );
+        assert_eq!(completion("echo", json!(true)), forward("echo", "echo"));
+        assert_eq!(
+            completion("logprobs", json!(0)),
+            forward("logprobs", "logprobs")
+        );
+        assert_eq!(completion("prompt", json!(["a"])), Ok(None));
+        assert_eq!(
+            completion("prompt", json!(["a", "b"])),
+            forward("prompt", "prompt")
+        );
+        assert!(completion("prompt", json!([])).is_err());
+        assert_eq!(
+            completion("prompt", json!([1, 2, 3])),
+            forward("prompt", "prompt")
+        );
+        assert_eq!(
+            completion("prompt", json!([[1, 2], [3]])),
+            forward("prompt", "prompt")
+        );
+        assert!(completion("prompt", json!({"text": "a"})).is_err());
+    }
+
+    #[test]
+    fn a_participant_name_is_kept() {
+        let body =
+            json!({"model": "m", "messages": [{"role": "user", "name": "alice", "content": "hi"}]});
+        let Ok(Request::Cacheable(p)) = parse(Endpoint::Chat, body.to_string().as_bytes()) else {
+            panic!("a named message is cacheable");
+        };
+        let Input::Chat(msgs) = &p.req.input else {
+            panic!("chat input");
+        };
+        assert_eq!(msgs[0].name.as_deref(), Some("alice"));
+    }
+}

@@ -1,0 +1,126 @@
+//! Step 9 of the request path: the response, as JSON or SSE, with the cache status headers.
+//! A generation's first event is awaited before answering, so a backend that fails at once
+//! becomes a real status code (502/504/429); later failures travel in-band.
+
+use std::sync::Arc;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use reprise_backend::{BackendError, FinishReason, GenEvent, Usage};
+
+use crate::bookkeeping::Bookkeeping;
+use crate::error::ApiError;
+use crate::flight::Subscriber;
+use crate::headers::{set_cache_status, set_similarity};
+use crate::lookup::Hit;
+use crate::metrics::Outcome;
+use crate::openai::Renderer;
+use crate::request::sse::SseState;
+use crate::request::Parsed;
+use crate::state::AppState;
+
+/// Answers from a cached entry, as JSON or SSE.
+pub fn hit(parsed: &Parsed, renderer: Renderer, hit: Hit, book: &mut Bookkeeping) -> Response {
+    let Hit {
+        entry,
+        outcome,
+        similarity,
+    } = hit;
+    book.outcome = outcome;
+    book.record.entry_id = Some(entry.id.to_string());
+    book.first_token();
+    let reason = match entry.finish_reason.as_str() {
+        "length" => FinishReason::Length,
+        "content_filter" => FinishReason::ContentFilter,
+        _ => FinishReason::Stop,
+    };
+    let usage = Usage {
+        prompt_tokens: entry.prompt_tokens,
+        completion_tokens: entry.completion_tokens,
+    };
+    let mut resp = if parsed.stream {
+        let mut sse = SseState::new(renderer, parsed.include_usage);
+        let mut events = sse.push(Ok(GenEvent::Delta(entry.text.clone())));
+        events.extend(sse.push(Ok(GenEvent::Finish { reason, usage })));
+        events.push(Event::default().data("[DONE]"));
+        // The bookkeeping moves into the stream so the request is counted when the body is
+        // done.
+        let book = book.take();
+        let stream = async_stream::stream! {
+            let _book = book;
+            for ev in events {
+                yield Ok::<_, std::convert::Infallible>(ev);
+            }
+        };
+        Sse::new(stream).into_response()
+    } else {
+        axum::Json(renderer.full(&entry.text, reason, usage)).into_response()
+    };
+    set_cache_status(&mut resp, outcome, Some(&entry));
+    if let Some(sim) = similarity {
+        set_similarity(&mut resp, sim);
+    }
+    resp
+}
+
+/// Answers from a generation (led or joined).
+pub async fn generation(
+    state: &Arc<AppState>,
+    parsed: &Parsed,
+    renderer: Renderer,
+    mut sub: Subscriber,
+    outcome: Outcome,
+    book: &mut Bookkeeping,
+) -> Result<Response, ApiError> {
+    let server = &state.config.server;
+    // Wait for the first event before answering, so a backend that fails at once becomes a
+    // real status code.
+    let first = tokio::time::timeout(server.first_token_timeout(), sub.next())
+        .await
+        .map_err(|_| ApiError::Timeout)?;
+    let first = match first {
+        Some(Ok(ev)) => ev,
+        Some(Err(e)) => return Err(e.into()),
+        None => return Err(ApiError::Internal("generation ended without events".into())),
+    };
+    book.first_token();
+    let mut resp = if parsed.stream {
+        let mut sse = SseState::new(renderer, parsed.include_usage);
+        let mut book = book.take();
+        let initial = sse.push(Ok(first));
+        let stream = async_stream::stream! {
+            for ev in initial {
+                yield Ok::<_, std::convert::Infallible>(ev);
+            }
+            while !sse.done {
+                let next = sub.next().await;
+                for ev in sse.push_next(next, &mut book) {
+                    yield Ok(ev);
+                }
+            }
+        };
+        Sse::new(stream).into_response()
+    } else {
+        let deadline = tokio::time::Instant::now() + server.request_timeout();
+        let mut text = String::new();
+        let mut ev: Option<Result<GenEvent, BackendError>> = Some(Ok(first));
+        let (reason, usage) = loop {
+            match ev {
+                Some(Ok(GenEvent::Delta(d))) => text.push_str(&d),
+                Some(Ok(GenEvent::Finish { reason, usage })) => break (reason, usage),
+                Some(Err(e)) => return Err(e.into()),
+                None => {
+                    return Err(ApiError::Backend(BackendError::Unavailable(
+                        "generation ended without a finish reason".into(),
+                    )))
+                }
+            }
+            ev = tokio::time::timeout_at(deadline, sub.next())
+                .await
+                .map_err(|_| ApiError::Timeout)?;
+        };
+        axum::Json(renderer.full(&text, reason, usage)).into_response()
+    };
+    set_cache_status(&mut resp, outcome, None);
+    Ok(resp)
+}

@@ -1,0 +1,92 @@
+//! Steps 6 and 7 of the request path: a miss follows a generation already running for the
+//! same exact key, or for a paraphrase of it in the same partition (above the threshold,
+//! through the gate), or leads a new generation ([`crate::generate::spawn`]).
+
+use std::sync::Arc;
+
+use reprise_policies::cache::Access;
+use reprise_policies::semantic::SemanticPolicy;
+
+use crate::bookkeeping::Bookkeeping;
+use crate::flight::{Joined, Subscriber};
+use crate::lookup::WritePlan;
+use crate::metrics::Outcome;
+use crate::request::Parsed;
+use crate::state::AppState;
+
+/// The generation a request waits for.
+pub struct Joining {
+    /// Its events, from the start.
+    pub subscriber: Subscriber,
+    /// The similarity of the paraphrase whose generation it follows, if it follows one.
+    pub similarity: Option<f32>,
+}
+
+/// Joins or starts the generation that answers `parsed`. A request that may not write runs
+/// its own generation and stores nothing.
+pub fn join(
+    state: &Arc<AppState>,
+    parsed: &Parsed,
+    plan: WritePlan,
+    policy: Option<SemanticPolicy>,
+    access: Access,
+    book: &mut Bookkeeping,
+) -> Joining {
+    // A paraphrase of a question being generated right now waits for that answer.
+    if let (true, Some(policy), Some(partition), Some(embedding)) = (
+        access.read && access.write,
+        policy,
+        plan.partition,
+        plan.embedding.as_ref(),
+    ) {
+        let found = state
+            .paraphrases
+            .find(&partition, embedding, policy.threshold, |p| {
+                !policy.gate || reprise_policies::gate(&plan.prompt, p).is_pass()
+            });
+        if let Some((subscriber, sim)) =
+            found.and_then(|(key, sim)| state.flights.follow(&key).map(|s| (s, sim)))
+        {
+            state.metrics.singleflight_joins.increment(1);
+            book.outcome = Outcome::Semantic;
+            book.record.similarity = Some(sim);
+            return Joining {
+                subscriber,
+                similarity: Some(sim),
+            };
+        }
+    }
+    let subscriber = if access.write {
+        let exact = plan.exact;
+        match state.flights.join(exact) {
+            Joined::Follower(sub) => {
+                state.metrics.singleflight_joins.increment(1);
+                sub
+            }
+            Joined::Leader(flight, sub) => {
+                if let (Some(partition), Some(embedding)) = (plan.partition, plan.embedding.clone())
+                {
+                    state
+                        .paraphrases
+                        .register(partition, exact, plan.prompt.clone(), embedding);
+                }
+                crate::generate::spawn(
+                    state.clone(),
+                    flight,
+                    Some(exact),
+                    parsed.req.clone(),
+                    Some(plan),
+                );
+                sub
+            }
+        }
+    } else {
+        let (flight, sub) = state.flights.solo();
+        crate::generate::spawn(state.clone(), flight, None, parsed.req.clone(), None);
+        sub
+    };
+    Joining {
+        subscriber,
+        similarity: None,
+    }
+}

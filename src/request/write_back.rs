@@ -1,0 +1,52 @@
+//! Step 8 of the request path for hits: the request's own keys are linked to the entry that
+//! answered it (a miss is written back by the generation task, [`crate::generate`]).
+
+use std::sync::Arc;
+
+use reprise_cache::Origin;
+
+use crate::lookup::{Hit, Lookup, ObserveLater};
+use crate::metrics::Outcome;
+use crate::observe::Observation;
+use crate::state::AppState;
+
+/// After a hit: an exact repeat of this phrasing, and the next turn of this conversation,
+/// find the entry directly next time (an exact hit found it by these keys already); a
+/// prefetched entry becomes a normal one on its first use; the prefetcher learns of the hit.
+pub async fn link_hit(
+    state: &AppState,
+    found: &Lookup,
+    hit: &Hit,
+    write: bool,
+    observe: Option<ObserveLater>,
+) {
+    if write && hit.outcome != Outcome::Exact {
+        let mut keys = Vec::new();
+        if !found.exact_taken {
+            keys.push(found.plan.exact);
+        }
+        keys.extend(found.plan.turn_key(&hit.entry.text));
+        for k in keys {
+            state.store.alias(k, &hit.entry).await;
+        }
+    }
+    if hit.entry.origin == Origin::Prefetch {
+        // A prefetched entry says so on its first use; after that it is a normal entry.
+        let mut used = (*hit.entry).clone();
+        used.origin = Origin::Live;
+        state.store.replace(Arc::new(used)).await;
+        if let Some(observer) = &state.observer {
+            observer.prefetch_used(hit.entry.id);
+        }
+    }
+    if let (Some(observer), Some(o)) = (&state.observer, observe) {
+        observer.served(Observation {
+            namespace: found.plan.namespace.clone(),
+            endpoint: o.endpoint,
+            request: o.request,
+            session: o.session,
+            prev_entry: o.prev_entry,
+            entry: hit.entry.clone(),
+        });
+    }
+}

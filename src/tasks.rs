@@ -1,0 +1,101 @@
+//! The server's background work, started by [`start`] under one cancellation token and
+//! stopped (and awaited) by [`BackgroundTasks::stop`]:
+//!
+//! - **prefetch**: learning follow-ups, prefetching, refresh-ahead ([`crate::prefetch`]);
+//! - **replication**: this replica's memory and index kept in step with Redis
+//!   ([`crate::replication`]);
+//! - **index maintenance**: partitions with many tombstones rebuilt every
+//!   `semantic.maintain_interval_secs`.
+//!
+//! Tasks hold the state weakly where they wait long, so a dropped server is never kept alive
+//! by its own background work.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::state::AppState;
+
+/// Handle to the running background tasks. Dropping it cancels them without waiting.
+pub struct BackgroundTasks {
+    stop: CancellationToken,
+    tracker: TaskTracker,
+}
+
+/// Starts every background task the state's configuration calls for.
+pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
+    let stop = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    if let Some(p) = &state.prefetch {
+        if let Some(redis) = state.store.redis() {
+            // Learned follow-ups are persisted with the cache and restored at start.
+            p.attach_redis(redis.clone());
+        }
+        p.start(Arc::downgrade(state), &tracker, stop.clone());
+    }
+    if state.store.redis().is_some() {
+        crate::replication::start(state, &tracker, stop.clone());
+    }
+    if state.store.index().is_some() {
+        start_maintenance(state, &tracker, stop.clone());
+    }
+    tracker.close();
+    BackgroundTasks { stop, tracker }
+}
+
+impl BackgroundTasks {
+    /// Cancels every task, waits until they ended, then saves what must survive a restart
+    /// (the prefetcher's learned counts, when Redis holds them).
+    pub async fn stop(self, state: &AppState) {
+        self.stop.cancel();
+        self.tracker.wait().await;
+        if let (Some(p), Some(redis)) = (&state.prefetch, state.store.redis()) {
+            if p.persist(redis) {
+                // The save is queued like every Redis write: wait until it was applied.
+                if let Err(e) = redis.flush().await {
+                    tracing::warn!(error = %e, "prefetch counts not saved");
+                } else {
+                    tracing::info!("prefetch counts saved");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for BackgroundTasks {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Periodically rebuilds index partitions that collected many tombstones (off the async
+/// workers: a rebuild of a large partition takes a while).
+fn start_maintenance(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationToken) {
+    let weak = Arc::downgrade(state);
+    let every = Duration::from_secs(state.config.semantic.maintain_interval_secs.max(1));
+    tracker.spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            let Some(state) = weak.upgrade() else { break };
+            let store = state.store.clone();
+            drop(state);
+            let report = tokio::task::spawn_blocking(move || store.maintain()).await;
+            if let Ok(Some(r)) = report {
+                if r.rebuilt > 0 {
+                    tracing::info!(
+                        rebuilt = r.rebuilt,
+                        dropped = r.tombstones_dropped,
+                        "index maintenance"
+                    );
+                }
+            }
+        }
+    });
+}
