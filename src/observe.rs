@@ -34,7 +34,7 @@ pub struct Observation {
 #[derive(Debug)]
 pub enum Event {
     /// A request was answered (a hit, or a miss whose answer was stored).
-    Served(Observation),
+    Served(Box<Observation>),
     /// A prefetched entry served its first request.
     PrefetchUsed(EntryId),
 }
@@ -59,7 +59,7 @@ impl Observer {
 
     /// Reports a served request; dropped (and counted) when the receiver is far behind.
     pub fn served(&self, obs: Observation) {
-        self.send(Event::Served(obs));
+        self.send(Event::Served(Box::new(obs)));
     }
 
     /// Reports the first use of a prefetched entry.

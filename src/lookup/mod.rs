@@ -178,9 +178,11 @@ pub async fn lookup(
         state,
         embedder.as_ref(),
         &policy,
-        &partition,
-        &query,
-        &embedding,
+        semantic::Question {
+            text: &query,
+            embedding: &embedding,
+            partition: &partition,
+        },
         wants,
         &mut found.notes,
     )

@@ -12,22 +12,31 @@ use reprise_policies::semantic::SemanticPolicy;
 use crate::lookup::{ms, Notes, Wants};
 use crate::state::AppState;
 
-/// The best servable candidate for `query` (embedded as `embedding`) in `partition`, with its
-/// similarity. Records what it saw in `notes`.
+/// The text matched by meaning, where.
+pub struct Question<'a> {
+    /// The last user message (or the prompt).
+    pub text: &'a str,
+    /// Its embedding.
+    pub embedding: &'a [f32],
+    /// Everything that must match exactly.
+    pub partition: &'a Digest,
+}
+
+/// The best servable candidate for `q` under `policy`, with its similarity. Records what it
+/// saw in `notes`.
 pub async fn find(
     state: &AppState,
     embedder: &dyn Embedder,
     policy: &SemanticPolicy,
-    partition: &Digest,
-    query: &str,
-    embedding: &[f32],
+    q: Question<'_>,
     wants: Wants,
     notes: &mut Notes,
 ) -> Option<(Arc<Entry>, f32)> {
+    let query = q.text;
     let t = Instant::now();
     let substitution_threshold = state.config.semantic.substitution_threshold;
     let mut found = None;
-    for c in state.store.search(partition, embedding, policy.top_k) {
+    for c in state.store.search(q.partition, q.embedding, policy.top_k) {
         if notes.similarity.is_none() {
             notes.similarity = Some(c.similarity);
         }

@@ -1401,7 +1401,7 @@ async fn worker(
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
             match ev {
-                Event::Served(obs) => shared.learn(obs),
+                Event::Served(obs) => shared.learn(*obs),
                 Event::PrefetchUsed(id) => shared.used(id),
             }
         }

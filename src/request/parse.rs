@@ -142,8 +142,6 @@ fn completion_forward_field(r: &CompletionRequest) -> Option<(String, &'static s
     })
 }
 
-/// Request controls taken from headers.
-
 /// Maps the axum body rejection to our error shape.
 pub(super) fn body_error(e: BytesRejection, limit: usize) -> ApiError {
     if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
