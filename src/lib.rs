@@ -7,6 +7,8 @@
 //! - [`run`] serves on a listener the caller owns until `shutdown` resolves.
 //! - [`app`] is the router over a built [`AppState`] (tests build the state from parts).
 //! - [`pipeline`] is the request path, top to bottom.
+//! - `harness` (feature `harness`) builds servers on loopback for the tests and the
+//!   benchmarks.
 
 pub mod bench;
 pub mod bench_latency;
@@ -17,6 +19,8 @@ pub mod bench_replay;
 pub mod config;
 pub mod error;
 pub mod flight;
+#[cfg(feature = "harness")]
+pub mod harness;
 pub mod http;
 pub mod key;
 pub mod metrics;
