@@ -8,14 +8,8 @@
 //! - [`app`] is the router over a built [`AppState`] (tests build the state from parts).
 //! - [`pipeline`] is the request path, top to bottom.
 //! - `harness` (feature `harness`) builds servers on loopback for the tests and the
-//!   benchmarks.
+//!   benchmarks (the `reprise-bench` crate).
 
-pub mod bench;
-pub mod bench_latency;
-pub mod bench_llama;
-pub mod bench_quality;
-pub mod bench_redis;
-pub mod bench_replay;
 pub mod config;
 pub mod error;
 pub mod flight;

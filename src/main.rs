@@ -1,4 +1,4 @@
-//! The `reprise` command line: `serve` and `bench`.
+//! The `reprise` command line: `serve` (the benchmarks are the `reprise-bench` binary).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -27,8 +27,6 @@ enum Command {
         #[arg(long)]
         listen: Option<SocketAddr>,
     },
-    /// Measure reprise side by side with its baselines on loopback.
-    Bench(reprise::bench::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -62,7 +60,6 @@ fn run() -> anyhow::Result<()> {
     rt.block_on(async move {
         match cli.command {
             Command::Serve { config, listen } => serve(config, listen).await,
-            Command::Bench(args) => reprise::bench::run(args).await,
         }
     })
 }
