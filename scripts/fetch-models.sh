@@ -9,7 +9,7 @@
 #   DIR/libonnxruntime.so            ONNX Runtime 1.32.0 (loaded at start-up by the embedder)
 #   DIR/all-MiniLM-L6-v2/            int8 ONNX sentence embedder + BERT tokenizer files
 #   DIR/SmolLM2-135M-Instruct.Q4_1.gguf   the bundled generative model (llama.cpp)
-#   DIR/fow-cache-pairs.jsonl        labelled false-hit trap pairs for `reprise bench quality`
+#   DIR/fow-cache-pairs.jsonl        labelled false-hit trap pairs for `reprise-bench quality`
 set -euo pipefail
 
 DIR="${1:-${REPRISE_MODELS_DIR:-$(cd "$(dirname "$0")/.." && pwd)/models}}"

@@ -9,6 +9,8 @@
 //!   [`tasks::start`] starts its background work.
 //! - [`request`] is the request path, top to bottom, one file per step; docs/ARCHITECTURE.md
 //!   maps the rest.
+//! - `harness` (feature `harness`) builds servers on loopback for the tests and the
+//!   benchmarks (the `reprise-bench` crate).
 
 mod bookkeeping;
 pub mod config;
@@ -16,6 +18,8 @@ pub mod error;
 mod flight;
 mod forward;
 pub mod generate;
+#[cfg(feature = "harness")]
+pub mod harness;
 pub mod headers;
 mod http;
 pub mod key;

@@ -1,4 +1,4 @@
-//! The `reprise` command line: `serve`.
+//! The `reprise` command line: `serve` (the benchmarks are the `reprise-bench` binary).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -747,7 +747,7 @@ pub struct BareStats {
 
 /// Runs `prompt` (raw, no chat template) through a plain single-sequence greedy decode loop
 /// with the same model, context and threads as `cfg`, without the engine, queue or
-/// channels: the baseline that `reprise bench llama` compares the backend against. Blocking.
+/// channels: the baseline that `reprise-bench llama` compares the backend against. Blocking.
 pub fn bare_decode_benchmark(
     cfg: &LlamaConfig,
     prompt: &str,

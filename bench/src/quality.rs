@@ -1,4 +1,4 @@
-//! `reprise bench quality`: semantic hit quality on labelled pairs, measured the way a cache
+//! `reprise-bench quality`: semantic hit quality on labelled pairs, measured the way a cache
 //! sees traffic.
 //!
 //! Every side A is stored through the real HTTP path (`Cache-Control: no-cache`, so each A
@@ -26,10 +26,9 @@ use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::{json, Value};
 
-use crate::config::Config;
-use crate::state::AppState;
+use crate::common::{load_embedder, start_app, BackendKind, Config, Server, NAMESPACE_HEADER};
 
-/// Options of `reprise bench quality`.
+/// Options of `reprise-bench quality`.
 #[derive(Debug, Args)]
 pub struct QualityArgs {
     /// Labelled pairs: a JSON list of {origin, similar} (all true), or JSON lines of
@@ -121,20 +120,13 @@ struct Answer {
     similarity: f32,
 }
 
-async fn start(config: Config) -> anyhow::Result<(std::net::SocketAddr, Arc<AppState>)> {
+async fn start(config: Config) -> anyhow::Result<Server> {
     let backend = Arc::new(ScriptedBackend::new(ScriptConfig {
         reply: "{prompt}".into(),
         ..ScriptConfig::default()
     }));
-    let embedder = crate::state::build_embedder(&config).await?;
-    let state = AppState::new(config, backend, embedder)?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let app = crate::app(state.clone());
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    Ok((addr, state))
+    let embedder = load_embedder(&config).await?;
+    start_app(config, backend, embedder).await
 }
 
 /// Asks every text (in the namespace beside it, when given); returns the answers in order.
@@ -152,7 +144,7 @@ async fn ask_all(
             let body = json!({"model": "fake", "max_tokens": 4096, "messages": [{"role": "user", "content": t}]});
             let mut req = client.post(&url).header("cache-control", cache_control);
             if let Some(ns) = ns {
-                req = req.header(crate::pipeline::NAMESPACE_HEADER, ns);
+                req = req.header(NAMESPACE_HEADER, ns);
             }
             let Ok(r) = req.json(&body).send().await else {
                 return Answer { served: None, similarity: f32::NAN };
@@ -185,9 +177,9 @@ async fn cache_view(
     concurrency: usize,
     pairwise: bool,
 ) -> anyhow::Result<Vec<Answer>> {
-    let (addr, _state) = start(config).await?;
+    let server = start(config).await?;
     let client = reqwest::Client::new();
-    let url = format!("http://{addr}/v1/chat/completions");
+    let url = server.chat_url();
     let ns = |i: usize| pairwise.then(|| format!("pair-{i}"));
     let a_texts: Vec<(String, Option<String>)> = if pairwise {
         pairs
@@ -289,7 +281,7 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
     let mut config = Config::load(a.config.as_deref())?;
     config.semantic.enabled = true;
     config.cache.enabled = true;
-    config.backend.kind = crate::config::BackendKind::Fake;
+    config.backend.kind = BackendKind::Fake;
     for path in &a.pairs {
         let mut pairs = load_pairs(path)?;
         if a.limit > 0 {

@@ -1,4 +1,4 @@
-//! `reprise bench replay`: plays recorded support sessions through two in-process reprise
+//! `reprise-bench replay`: plays recorded support sessions through two in-process reprise
 //! servers side by side, one with prefetch off and one with it on, and reports hit rates
 //! (exact, semantic, prefetch; by turn depth), interactive latency, the compute prefetch
 //! spent and how much of it was never used.
@@ -25,15 +25,14 @@ use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use crate::bench::percentile;
-use crate::config::{BackendKind, Config};
-use crate::prefetch::PrefetchStats;
-use crate::state::AppState;
+use crate::common::{
+    load_embedder, percentile, prefetcher, sse_data, sse_text, start_app, BackendKind, Config,
+    PrefetchConfig, PrefetchStats, Server, DEFAULT_NAMESPACE,
+};
 
-/// Options of `reprise bench replay`.
+/// Options of `reprise-bench replay`.
 #[derive(Debug, Clone, Args)]
 pub struct ReplayArgs {
     /// Session file (JSON lines: `session_id`, `turns` of `intent` and `text`).
@@ -152,7 +151,7 @@ struct TurnResult {
 struct Side {
     name: &'static str,
     url: String,
-    state: Arc<AppState>,
+    server: Server,
     results: parking_lot::Mutex<Vec<TurnResult>>,
     /// Prefetch counters when the first measured session started.
     at_measure: parking_lot::Mutex<Option<PrefetchStats>>,
@@ -196,7 +195,7 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         "loading the embedder from {}",
         base.semantic.model_dir.display()
     );
-    let embedder = crate::state::build_embedder(&base)
+    let embedder = load_embedder(&base)
         .await?
         .ok_or_else(|| anyhow::anyhow!("semantic tier is off"))?;
     let padding: Vec<&str> = "Open the editor and follow these steps to get it done quickly"
@@ -232,17 +231,11 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
             config.prefetch.min_probability = p;
         }
         let backend = Arc::new(ScriptedBackend::new(script.clone()));
-        let state = AppState::new(config, backend, Some(embedder.clone()))?;
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let app = crate::app(state.clone());
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let server = start_app(config, backend, Some(embedder.clone())).await?;
         sides.push(Arc::new(Side {
             name,
-            url: format!("http://{addr}/v1/chat/completions"),
-            state,
+            url: server.chat_url(),
+            server,
             results: parking_lot::Mutex::new(Vec::new()),
             at_measure: parking_lot::Mutex::new(None),
             done: AtomicUsize::new(0),
@@ -296,7 +289,7 @@ async fn play_side(
     for i in 0..total {
         let permit = slots.clone().acquire_owned().await?;
         if i == a.warmup {
-            *side.at_measure.lock() = side.state.prefetch.as_ref().map(|p| p.stats());
+            *side.at_measure.lock() = prefetcher(&side.server.state).map(|p| p.stats());
         }
         let (side, client, sessions, intent_of, a) = (
             side.clone(),
@@ -373,7 +366,7 @@ async fn play_session(
                     ttft.get_or_insert_with(|| t.elapsed().as_secs_f64());
                     body.extend_from_slice(&chunk);
                 }
-                let answer = sse_text(&String::from_utf8_lossy(&body));
+                let answer = sse_text(&sse_data(&String::from_utf8_lossy(&body)));
                 (served, ttft.unwrap_or(f64::NAN), answer)
             }
             _ => (Served::Error, f64::NAN, String::new()),
@@ -401,29 +394,6 @@ async fn play_session(
         messages.push(json!({"role": "assistant", "content": answer}));
     }
     Ok(())
-}
-
-/// The text of an SSE chat completion body.
-fn sse_text(body: &str) -> String {
-    let mut out = String::new();
-    for line in body.lines() {
-        let Some(data) = line.strip_prefix("data:") else {
-            continue;
-        };
-        let data = data.trim_start();
-        if data == "[DONE]" {
-            continue;
-        }
-        if let Ok(v) = serde_json::from_str::<Value>(data) {
-            if let Some(s) = v
-                .pointer("/choices/0/delta/content")
-                .and_then(Value::as_str)
-            {
-                out.push_str(s);
-            }
-        }
-    }
-    out
 }
 
 /// Summary of one side.
@@ -522,7 +492,7 @@ fn summarise(side: &Side) -> Summary {
     s.p95 = percentile(&lat, 95.0);
     s.ttft50 = percentile(&ttft, 50.0);
     s.ttft95 = percentile(&ttft, 95.0);
-    if let Some(p) = &side.state.prefetch {
+    if let Some(p) = prefetcher(&side.server.state) {
         let end = p.stats();
         let start = side.at_measure.lock().unwrap_or_default();
         s.spent = delta(&end, &start);
@@ -546,8 +516,8 @@ fn cluster_purity(
     side: &Side,
     intent_of: &HashMap<String, String>,
 ) -> Option<(usize, usize, usize)> {
-    let p = side.state.prefetch.as_ref()?;
-    let clusters = p.clusters(crate::pipeline::DEFAULT_NAMESPACE);
+    let p = prefetcher(&side.server.state)?;
+    let clusters = p.clusters(DEFAULT_NAMESPACE);
     let wordings = clusters.iter().map(Vec::len).sum();
     let mixed = clusters
         .iter()
@@ -615,7 +585,7 @@ fn report(
             })
             .collect();
         println!("hit rate by turn depth: {}", depth.join("  "));
-        if side.state.prefetch.is_some() {
+        if prefetcher(&side.server.state).is_some() {
             let p = &s.spent;
             println!(
                 "prefetch (measured part): {} predicted, {} queued, {} started, {} generated, {} already cached, {} cancelled; {:.1} backend s, {} tokens; {} used, unused {}",
@@ -646,7 +616,7 @@ fn report(
     let ceiling = match &a.domain {
         Some(path) => {
             let domain: Domain = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-            let cfg = crate::prefetch::PrefetchConfig::default();
+            let cfg = PrefetchConfig::default();
             let min_p = a.min_probability.unwrap_or(cfg.min_probability);
             let c = ceiling(sessions, a.warmup, &domain, min_p, cfg.max_predictions);
             println!(

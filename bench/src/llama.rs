@@ -1,4 +1,4 @@
-//! `reprise bench llama`: the llama.cpp backend through reprise's HTTP API, side by side with
+//! `reprise-bench llama`: the llama.cpp backend through reprise's HTTP API, side by side with
 //! a bare llama.cpp decode loop, in one run on loopback.
 //!
 //! 1. **Single stream.** The same raw prompt, greedy, `--tokens` tokens: once through
@@ -19,12 +19,10 @@ use clap::Args;
 use futures::StreamExt;
 use reprise_backend::llama::{bare_decode_benchmark, BareStats, LlamaBackend};
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 
-use crate::config::{BackendKind, Config};
-use crate::state::AppState;
+use crate::common::{start_app, BackendKind, Config};
 
-/// Options of `reprise bench llama`.
+/// Options of `reprise-bench llama`.
 #[derive(Debug, Args)]
 pub struct LlamaArgs {
     /// GGUF model file.
@@ -201,7 +199,7 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// Runs `reprise bench llama`.
+/// Runs `reprise-bench llama`.
 pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         a.model.is_file(),
@@ -256,13 +254,8 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
         None => "CPU only".to_string(),
     };
     eprintln!("  {placement}");
-    let state = AppState::new(config, engine.clone(), None)?;
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let server = tokio::spawn(async move {
-        let _ = axum::serve(listener, crate::app(state)).await;
-    });
-    let url = format!("http://{addr}/v1/completions");
+    let server = start_app(config, engine.clone(), None).await?;
+    let url = server.url("/v1/completions");
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
         .pool_max_idle_per_host(LEVELS[LEVELS.len() - 1] * 2)
@@ -378,7 +371,7 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
         }
         levels.push(level);
     }
-    server.abort();
+    drop(server);
 
     let base = levels[0].aggregate();
     println!("== reprise bench llama ==");

@@ -1,4 +1,4 @@
-//! `reprise bench redis`: the shared Redis tier (L2) measured against the in-process one.
+//! `reprise-bench redis`: the shared Redis tier (L2) measured against the in-process one.
 //!
 //! Three parts, each on its own key prefix of one Redis (started here on a free loopback port
 //! with nothing persisted, or `--redis-url`):
@@ -22,9 +22,6 @@
 //!
 //! Progress goes to stderr, results to stdout.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,12 +33,13 @@ use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
 use reprise_embedder::Embedder;
 use serde_json::json;
 
-use crate::bench::{percentile, Samples};
-use crate::config::{BackendKind, Config};
-use crate::openai::Endpoint;
-use crate::state::AppState;
+use crate::common::{
+    build_replica, chat_exact_key, load_embedder, percentile, rebuilds, redis_tier, semantic_index,
+    start_redis, start_replica, store, BackendKind, Config, Samples, Server, CACHE_HEADER,
+    DEFAULT_NAMESPACE,
+};
 
-/// Options of `reprise bench redis`.
+/// Options of `reprise-bench redis`.
 #[derive(Debug, Args)]
 pub struct RedisArgs {
     /// Use this Redis instead of starting `redis-server` on a free port. Everything is
@@ -73,64 +71,6 @@ pub struct RedisArgs {
     /// Lifetime of everything this benchmark writes, in seconds.
     #[arg(long, default_value_t = 3600)]
     ttl_secs: u64,
-}
-
-/// A `redis-server` started for this run on a free loopback port; killed on drop.
-struct LocalRedis {
-    child: Child,
-    port: u16,
-}
-
-impl LocalRedis {
-    /// Starts a server that keeps nothing on disk and waits until it answers PING.
-    fn start() -> anyhow::Result<LocalRedis> {
-        // Another process may take the probed port before the server binds it: retry.
-        for _ in 0..10 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")?
-                .local_addr()?
-                .port();
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .current_dir(std::env::temp_dir())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .map_err(|e| anyhow::anyhow!("cannot start redis-server: {e}"))?;
-            let mut server = LocalRedis { child, port };
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                if server.ping() {
-                    return Ok(server);
-                }
-                if let Ok(Some(_)) = server.child.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-        anyhow::bail!("redis-server did not start on a free port")
-    }
-
-    fn ping(&self) -> bool {
-        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
-        let mut buf = [0u8; 7];
-        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for LocalRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Resident and peak resident memory of this process, bytes (`/proc/self/status`).
@@ -194,20 +134,9 @@ fn replica_config(url: &str, prefix: &str, semantic: bool, ttl_secs: u64) -> Con
 }
 
 /// A replica: state with a Redis tier, served on a free loopback port.
-async fn replica(
-    config: Config,
-    embedder: Option<Arc<dyn Embedder>>,
-) -> anyhow::Result<(String, Arc<AppState>)> {
+async fn replica(config: Config, embedder: Option<Arc<dyn Embedder>>) -> anyhow::Result<Server> {
     let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
-    let redis = crate::state::connect_redis(&config).await?;
-    let state = AppState::with_redis(config, backend, embedder, redis)?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let app = crate::app(state.clone());
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    Ok((format!("http://{addr}/v1/chat/completions"), state))
+    start_replica(config, backend, embedder).await
 }
 
 fn chat_body(text: &str) -> String {
@@ -231,7 +160,7 @@ async fn post(
     let r = req.send().await.ok()?;
     let outcome = r
         .headers()
-        .get(crate::pipeline::CACHE_HEADER)
+        .get(CACHE_HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string();
@@ -243,7 +172,7 @@ async fn post(
 pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
     let local = match &a.redis_url {
         Some(_) => None,
-        None => Some(LocalRedis::start()?),
+        None => Some(start_redis()?),
     };
     let url = match (&a.redis_url, &local) {
         (Some(u), _) => u.clone(),
@@ -265,7 +194,7 @@ pub async fn run(a: RedisArgs) -> anyhow::Result<()> {
     // deployment; sharing it changes nothing that is measured here).
     let embedder = {
         let cfg = replica_config(&url, "unused", true, a.ttl_secs);
-        crate::state::build_embedder(&cfg).await?
+        load_embedder(&cfg).await?
     };
     println!("== reprise bench redis ==");
     if parts.contains('b') {
@@ -314,7 +243,7 @@ async fn rebuild(
     for i in 0..n {
         let entry = Entry {
             id: EntryId::random(),
-            namespace: crate::pipeline::DEFAULT_NAMESPACE.into(),
+            namespace: DEFAULT_NAMESPACE.into(),
             model: "fake".into(),
             text: format!("synthetic answer number {i}, about as long as a short reply"),
             finish_reason: "stop".into(),
@@ -355,15 +284,10 @@ async fn rebuild(
     eprintln!("(b) starting a fresh replica");
     let t = Instant::now();
     let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
-    let redis = crate::state::connect_redis(&cfg).await?;
-    let state = AppState::with_redis(cfg, backend, Some(embedder), redis)?;
-    let index = state
-        .semantic
-        .as_ref()
-        .map(|s| s.index.clone())
-        .ok_or_else(|| anyhow::anyhow!("no semantic index"))?;
+    let (state, _tasks) = build_replica(cfg, backend, Some(embedder)).await?;
+    let index = semantic_index(&state).ok_or_else(|| anyhow::anyhow!("no semantic index"))?;
     // The rebuild scans everything first, then installs: the first vector in the index marks
-    // the end of the scan; `state.rebuilds` marks the end of graph construction.
+    // the end of the scan; the replica's rebuild count marks the end of graph construction.
     let mut scanned_s = None;
     let mut next_report = Instant::now() + Duration::from_secs(5);
     let deadline = Instant::now() + Duration::from_secs(3600);
@@ -374,7 +298,7 @@ async fn rebuild(
         }
         // The vectors are counted as soon as they are placed; the rebuild is done when the
         // replica says so (graphs built).
-        if len >= n && state.rebuilds.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        if len >= n && rebuilds(&state) > 0 {
             break;
         }
         anyhow::ensure!(
@@ -439,8 +363,10 @@ async fn l2_vs_l1(
         "semantic tier off"
     };
     let cfg = replica_config(url, prefix, semantic, a.ttl_secs);
-    let (url_a, state_a) = replica(cfg.clone(), embedder.clone()).await?;
-    let (url_b, state_b) = replica(cfg, embedder).await?;
+    let replica_a = replica(cfg.clone(), embedder.clone()).await?;
+    let replica_b = replica(cfg, embedder).await?;
+    let (url_a, url_b) = (replica_a.chat_url(), replica_b.chat_url());
+    let memory_b = store(&replica_b.state);
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(max_c * 2)
@@ -468,19 +394,19 @@ async fn l2_vs_l1(
         "only {stored} of {} stored",
         texts.len()
     );
-    if let Some(r) = &state_a.redis {
+    if let Some(r) = redis_tier(&replica_a.state) {
         r.flush().await?;
     }
     eprintln!("  stored in {:.1} s", t.elapsed().as_secs_f64());
     // Let replication deliver them to B (by id), so that B is in the state of a replica that
     // has been running along: entries in memory, exact keys not yet linked.
     let deadline = Instant::now() + Duration::from_secs(60);
-    let index_b = state_b.semantic.as_ref().map(|s| s.index.clone());
+    let index_b = semantic_index(&replica_b.state);
     loop {
-        state_b.memory.run_pending_tasks().await;
+        memory_b.run_pending_tasks().await;
         let delivered = match &index_b {
             Some(index) => index.len() as u64,
-            None => state_b.memory.entry_count(),
+            None => memory_b.entry_count(),
         };
         if delivered >= texts.len() as u64 || Instant::now() > deadline {
             break;
@@ -489,7 +415,7 @@ async fn l2_vs_l1(
     }
     eprintln!(
         "  replica B holds {} entries by id ({} in its index)",
-        state_b.memory.entry_count(),
+        memory_b.entry_count(),
         index_b.as_ref().map_or(0, |i| i.len())
     );
 
@@ -510,19 +436,9 @@ async fn l2_vs_l1(
             let batch: Vec<String> = texts[next..next + per_batch].to_vec();
             next += per_batch;
             // Make sure what is about to be measured as L2 really is not linked in B's memory.
-            let crate::pipeline::Request::Cacheable(probe) =
-                crate::pipeline::parse(Endpoint::Chat, chat_body(&batch[0]).as_bytes())
-                    .map_err(|e| anyhow::anyhow!("{e}"))?
-            else {
-                anyhow::bail!("a plain chat body was not cacheable");
-            };
-            let key = crate::key::exact_key(
-                crate::pipeline::DEFAULT_NAMESPACE,
-                Endpoint::Chat,
-                &probe.req,
-            );
+            let key = chat_exact_key(chat_body(&batch[0]).as_bytes())?;
             anyhow::ensure!(
-                state_b.memory.get_by_key(&key).await.is_none(),
+                memory_b.get_by_key(&key).await.is_none(),
                 "a key meant for an L2 pass is already in B's memory"
             );
             let (s, w) = pass(&client, &url_b, &batch, c).await;
@@ -530,7 +446,7 @@ async fn l2_vs_l1(
             l2.wall += s.wall;
             wrong += w;
             anyhow::ensure!(
-                state_b.memory.get_by_key(&key).await.is_some(),
+                memory_b.get_by_key(&key).await.is_some(),
                 "an L2 hit was not promoted into B's memory"
             );
             let (s, w) = pass(&client, &url_b, &batch, c).await;
@@ -575,7 +491,7 @@ async fn l2_vs_l1(
             report.tombstones_dropped, report.rebuilt
         );
     }
-    drop((state_a, state_b));
+    drop((replica_a, replica_b));
     Ok(())
 }
 
@@ -619,17 +535,15 @@ async fn propagation(
     embedder: Option<Arc<dyn Embedder>>,
 ) -> anyhow::Result<()> {
     // The semantic tier is on so that B's index shows when replication installed an entry.
-    let (url_a, _state_a) = replica(
+    let replica_a = replica(
         replica_config(url, prefix, true, a.ttl_secs),
         embedder.clone(),
     )
     .await?;
-    let (url_b, state_b) = replica(replica_config(url, prefix, true, a.ttl_secs), embedder).await?;
-    let index_b = state_b
-        .semantic
-        .as_ref()
-        .map(|s| s.index.clone())
-        .ok_or_else(|| anyhow::anyhow!("no semantic index"))?;
+    let replica_b = replica(replica_config(url, prefix, true, a.ttl_secs), embedder).await?;
+    let (url_a, url_b) = (replica_a.chat_url(), replica_b.chat_url());
+    let index_b =
+        semantic_index(&replica_b.state).ok_or_else(|| anyhow::anyhow!("no semantic index"))?;
     let client = reqwest::Client::builder().tcp_nodelay(true).build()?;
     // Let both replicas finish their (empty) start-up rebuild and subscribe.
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -1,4 +1,4 @@
-//! `reprise bench latency`: semantic-hit latency and throughput over concurrency, side by side
+//! `reprise-bench latency`: semantic-hit latency and throughput over concurrency, side by side
 //! with exact hits and with the embedding alone.
 //!
 //! An in-process reprise (scripted backend, semantic tier on, the real embedder) is loaded
@@ -28,11 +28,11 @@ use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::json;
 
-use crate::bench::Samples;
-use crate::config::{BackendKind, Config};
-use crate::state::AppState;
+use crate::common::{
+    load_embedder, semantic_index, start_app, BackendKind, Config, Samples, CACHE_HEADER,
+};
 
-/// Options of `reprise bench latency`.
+/// Options of `reprise-bench latency`.
 #[derive(Debug, Args)]
 pub struct LatencyArgs {
     /// Distinct prompts stored before measuring (generated; ignored with `--pairs`).
@@ -297,7 +297,7 @@ async fn ask(client: &reqwest::Client, url: &str, text: &str, want: &str) -> boo
     };
     let outcome = r
         .headers()
-        .get(crate::pipeline::CACHE_HEADER)
+        .get(CACHE_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     r.bytes().await.is_ok() && outcome.as_deref() == Some(want)
@@ -321,7 +321,7 @@ pub async fn run(a: LatencyArgs) -> anyhow::Result<()> {
     // What is stored, and what the semantic side's new texts are made from.
     let (stored, bases) = match &a.pairs {
         Some(path) => {
-            let pairs = crate::bench_quality::load_pairs(path)?;
+            let pairs = crate::quality::load_pairs(path)?;
             let mut seen = std::collections::HashSet::new();
             let stored: Vec<String> = pairs
                 .iter()
@@ -343,17 +343,11 @@ pub async fn run(a: LatencyArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!stored.is_empty(), "nothing to store");
 
     let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
-    let embedder = crate::state::build_embedder(&config)
+    let embedder = load_embedder(&config)
         .await?
         .ok_or_else(|| anyhow::anyhow!("the semantic tier is off"))?;
-    let state = AppState::new(config.clone(), backend, Some(embedder.clone()))?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let app = crate::app(state.clone());
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    let url = format!("http://{addr}/v1/chat/completions");
+    let server = start_app(config.clone(), backend, Some(embedder.clone())).await?;
+    let url = server.chat_url();
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(max_c * 2)
@@ -385,7 +379,7 @@ pub async fn run(a: LatencyArgs) -> anyhow::Result<()> {
     .filter(|ok| futures::future::ready(*ok))
     .count()
     .await;
-    let indexed = state.semantic.as_ref().map_or(0, |s| s.index.len());
+    let indexed = semantic_index(&server.state).map_or(0, |index| index.len());
     eprintln!(
         "  stored {stored_ok} in {:.1} s; {indexed} vectors indexed",
         t.elapsed().as_secs_f64()

@@ -1,53 +1,21 @@
-//! `reprise bench`: measurements side by side in one run on loopback, reported as ratios.
-//!
-//! Every mode starts what it measures in this process on 127.0.0.1:0 and interleaves the
-//! candidate and its baseline in alternating rounds, so both see the same machine noise.
+//! `reprise-bench proxy`: exact-hit throughput against a plain axum handler returning the
+//! same bytes (the ceiling), and the added time to first token of a miss against calling the
+//! upstream directly.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Subcommand};
+use clap::Args;
 use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use crate::config::{BackendKind, Config};
-use crate::state::AppState;
+use crate::common::{start_app, start_configured, BackendKind, Config, Samples, Server};
 
-/// Arguments of `reprise bench`.
-#[derive(Debug, Args)]
-pub struct BenchArgs {
-    #[command(subcommand)]
-    mode: Mode,
-}
-
-#[derive(Debug, Subcommand)]
-enum Mode {
-    /// Exact-hit throughput and latency against a plain axum handler returning the same bytes
-    /// (the ceiling), and the proxy's added time to first token on a miss against calling the
-    /// upstream directly.
-    Proxy(ProxyArgs),
-    /// Semantic hit quality on labelled pairs: store side A through the HTTP path, ask side B,
-    /// report hit rate on true pairs and false hits, over thresholds, with and without the gate.
-    Quality(crate::bench_quality::QualityArgs),
-    /// The llama backend through reprise's HTTP API against a bare llama.cpp decode loop
-    /// (tokens/s, time to first token), and aggregate throughput at 1, 2, 4, 8 streams.
-    Llama(crate::bench_llama::LlamaArgs),
-    /// Semantic-hit latency and throughput at 1..16 clients on new paraphrases (each one
-    /// embedded), side by side with exact hits and the embedding alone.
-    Latency(crate::bench_latency::LatencyArgs),
-    /// The Redis tier: L2 against L1 exact hits, a fresh replica's index rebuild time and
-    /// memory, replica-to-replica propagation delay.
-    Redis(crate::bench_redis::RedisArgs),
-    /// Predictive prefetch on recorded sessions: the same conversations through reprise with
-    /// prefetch off and on, side by side; hit rates, latency, compute spent and wasted.
-    Replay(crate::bench_replay::ReplayArgs),
-}
-
-/// Options of `reprise bench proxy`.
+/// Options of `reprise-bench proxy`.
 #[derive(Debug, Args)]
 pub struct ProxyArgs {
     /// Concurrent client connections.
@@ -65,55 +33,6 @@ pub struct ProxyArgs {
     /// Write the results as JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
-}
-
-/// Runs the selected benchmark.
-pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    match args.mode {
-        Mode::Proxy(a) => proxy(a).await,
-        Mode::Quality(a) => crate::bench_quality::run(a).await,
-        Mode::Llama(a) => crate::bench_llama::run(a).await,
-        Mode::Latency(a) => crate::bench_latency::run(a).await,
-        Mode::Redis(a) => crate::bench_redis::run(a).await,
-        Mode::Replay(a) => crate::bench_replay::run(a).await,
-    }
-}
-
-/// Latency samples of one side.
-#[derive(Debug, Default, Clone)]
-pub struct Samples {
-    /// Seconds per request.
-    pub lat: Vec<f64>,
-    /// Wall time the samples took.
-    pub wall: f64,
-}
-
-impl Samples {
-    /// Requests per second.
-    pub fn throughput(&self) -> f64 {
-        self.lat.len() as f64 / self.wall.max(1e-9)
-    }
-
-    /// The `p`-th percentile in seconds (p in 0..=100).
-    pub fn pct(&self, p: f64) -> f64 {
-        percentile(&self.lat, p)
-    }
-
-    fn merge(&mut self, other: Samples) {
-        self.lat.extend(other.lat);
-        self.wall += other.wall;
-    }
-}
-
-/// The `p`-th percentile of unsorted samples.
-pub fn percentile(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let idx = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
-    s[idx.min(s.len() - 1)]
 }
 
 /// Closed-loop load: `concurrency` clients POST `body` to `url` for `seconds`.
@@ -170,12 +89,11 @@ async fn serve_router(router: axum::Router) -> anyhow::Result<SocketAddr> {
 }
 
 /// A reprise over the scripted backend, in this process.
-async fn fake_reprise(mut config: Config) -> anyhow::Result<SocketAddr> {
+async fn fake_reprise(mut config: Config) -> anyhow::Result<Server> {
     config.backend.kind = BackendKind::Fake;
     config.semantic.enabled = false;
     let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
-    let state = AppState::new(config, backend, None)?;
-    serve_router(crate::app(state)).await
+    start_app(config, backend, None).await
 }
 
 /// Time to first byte of an SSE body for `n` distinct prompts.
@@ -203,14 +121,15 @@ fn ms(x: f64) -> String {
     format!("{:.3} ms", x * 1000.0)
 }
 
-async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
+/// Runs the proxy benchmark.
+pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(a.concurrency * 2)
         .tcp_nodelay(true)
         .build()?;
     // The candidate: reprise with one warm entry.
     let reprise = fake_reprise(Config::default()).await?;
-    let url = format!("http://{reprise}/v1/chat/completions");
+    let url = reprise.chat_url();
     let body = json!({"model": "fake", "messages": [{"role": "user", "content": "What is the capital of France?"}]});
     let warm = client.post(&url).json(&body).send().await?;
     let hit_bytes = warm.bytes().await?;
@@ -254,11 +173,9 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let upstream = fake_reprise(up_cfg).await?;
     let mut proxy_cfg = Config::default();
     proxy_cfg.backend.kind = BackendKind::Openai;
-    proxy_cfg.backend.base_url = Some(format!("http://{upstream}/v1"));
+    proxy_cfg.backend.base_url = Some(upstream.base_url());
     proxy_cfg.semantic.enabled = false;
-    let backend = crate::state::build_backend(&proxy_cfg).await?;
-    let proxy_state = AppState::new(proxy_cfg, backend, None)?;
-    let proxy_addr = serve_router(crate::app(proxy_state)).await?;
+    let proxy = start_configured(proxy_cfg).await?;
     eprintln!(
         "miss time to first token: {} distinct prompts per side",
         a.misses
@@ -268,26 +185,8 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let per_round = (a.misses / a.rounds.max(1)).max(1);
     for round in 0..a.rounds {
         let tag = format!("r{round}");
-        direct.merge(
-            ttft(
-                &client,
-                &format!("http://{upstream}/v1/chat/completions"),
-                "fake",
-                &tag,
-                per_round,
-            )
-            .await,
-        );
-        via.merge(
-            ttft(
-                &client,
-                &format!("http://{proxy_addr}/v1/chat/completions"),
-                "fake",
-                &tag,
-                per_round,
-            )
-            .await,
-        );
+        direct.merge(ttft(&client, &upstream.chat_url(), "fake", &tag, per_round).await);
+        via.merge(ttft(&client, &proxy.chat_url(), "fake", &tag, per_round).await);
     }
 
     let ratio = hit.throughput() / base.throughput();

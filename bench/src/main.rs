@@ -1,0 +1,88 @@
+//! `reprise-bench`: measurements side by side in one run on loopback, reported as ratios.
+//!
+//! Every mode starts what it measures in this process on 127.0.0.1:0 (through
+//! `reprise::harness`) and interleaves the candidate and its baseline in alternating rounds,
+//! so both see the same machine noise. docs/BENCHMARKS.md holds the latest figures.
+
+mod common;
+mod latency;
+mod llama;
+mod proxy;
+mod quality;
+mod redis;
+mod replay;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// Benchmarks and load tests for reprise: each mode measures it side by side with its baseline
+/// on loopback.
+#[derive(Debug, Parser)]
+#[command(name = "reprise-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    mode: Mode,
+}
+
+#[derive(Debug, Subcommand)]
+enum Mode {
+    /// Exact-hit throughput and latency against a plain axum handler returning the same bytes
+    /// (the ceiling), and the proxy's added time to first token on a miss against calling the
+    /// upstream directly.
+    Proxy(proxy::ProxyArgs),
+    /// Semantic hit quality on labelled pairs: store side A through the HTTP path, ask side B,
+    /// report hit rate on true pairs and false hits, over thresholds, with and without the gate.
+    Quality(quality::QualityArgs),
+    /// The llama backend through reprise's HTTP API against a bare llama.cpp decode loop
+    /// (tokens/s, time to first token), and aggregate throughput at 1, 2, 4, 8 streams.
+    Llama(llama::LlamaArgs),
+    /// Semantic-hit latency and throughput at 1..16 clients on new paraphrases (each one
+    /// embedded), side by side with exact hits and the embedding alone.
+    Latency(latency::LatencyArgs),
+    /// The Redis tier: L2 against L1 exact hits, a fresh replica's index rebuild time and
+    /// memory, replica-to-replica propagation delay.
+    Redis(redis::RedisArgs),
+    /// Predictive prefetch on recorded sessions: the same conversations through reprise with
+    /// prefetch off and on, side by side; hit rates, latency, compute spent and wasted.
+    Replay(replay::ReplayArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line with the cause chain, as the server's own command line reports errors.
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    // The server's logging: llama.cpp's and hnsw_rs's own logs are very chatty at info, so
+    // warnings only unless RUST_LOG says more; colour codes only for a terminal.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new("info,llama-cpp-2=warn,hnsw_rs=warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        match cli.mode {
+            Mode::Proxy(a) => proxy::run(a).await,
+            Mode::Quality(a) => quality::run(a).await,
+            Mode::Llama(a) => llama::run(a).await,
+            Mode::Latency(a) => latency::run(a).await,
+            Mode::Redis(a) => redis::run(a).await,
+            Mode::Replay(a) => replay::run(a).await,
+        }
+    })
+}
