@@ -5,6 +5,7 @@
 //! - [`gate`]: the false-hit gate run on a semantic candidate before it is served.
 
 pub mod cache;
+pub mod cacheable;
 pub mod gate;
 pub mod semantic;
 
