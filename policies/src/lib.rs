@@ -7,6 +7,7 @@
 pub mod cache;
 pub mod cacheable;
 pub mod gate;
+pub mod prefetch;
 pub mod semantic;
 
 pub use gate::{gate, GateVerdict};
