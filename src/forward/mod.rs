@@ -39,7 +39,7 @@ pub async fn forward(
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
     let ctl = admit(state, headers, &f.model, book)?;
-    if ctl.only_if_cached {
+    if ctl.cache.only_if_cached {
         return Err(ApiError::NotCached);
     }
     if !state.backend.forwards() {

@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use reprise_backend::{GenRequest, Input};
 use reprise_cache::{now_ms, ByKey, Entry, EntryId, Origin};
+use reprise_policies::cache::Freshness;
 use reprise_policies::semantic::SemanticPolicy;
 
 use crate::key;
@@ -70,15 +71,14 @@ pub struct Lookup {
 pub struct Wants {
     /// Similarity threshold requested by the client (only ever raises the configured one).
     pub threshold: Option<f32>,
-    /// Oldest answer the client takes, in seconds (`Cache-Control: max-age`).
-    pub max_age_secs: Option<u64>,
+    /// How old an answer the client takes (`Cache-Control: max-age`).
+    pub freshness: Freshness,
 }
 
 impl Wants {
     /// Whether `entry` is young enough.
     pub fn fresh(&self, entry: &Entry) -> bool {
-        self.max_age_secs
-            .is_none_or(|max| now_ms().saturating_sub(entry.created_ms) <= max.saturating_mul(1000))
+        self.freshness.admits(entry.created_ms, now_ms())
     }
 }
 
@@ -406,7 +406,9 @@ mod tests {
         store(&s, "ns", &q, "Noon").await;
         tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
         let fresh_only = Wants {
-            max_age_secs: Some(0),
+            freshness: Freshness {
+                max_age_secs: Some(0),
+            },
             ..Wants::default()
         };
         let found = find(&s, "ns", &q, fresh_only).await;

@@ -2,6 +2,7 @@
 //! `Cache-Control`, threshold, session, tags), and admission (ready, model served).
 
 use axum::http::HeaderMap;
+use reprise_policies::cache::Directives;
 
 use crate::bookkeeping::Bookkeeping;
 use crate::error::ApiError;
@@ -14,17 +15,12 @@ use crate::state::AppState;
 pub struct Controls {
     /// Tenant namespace.
     pub namespace: String,
-    /// `Cache-Control: no-cache`: do not read, do store the fresh answer.
-    pub no_cache: bool,
-    /// `Cache-Control: no-store`: neither read nor write.
-    pub no_store: bool,
-    /// `Cache-Control: only-if-cached`: answer from the cache or fail with 504; never call
-    /// the backend, never store (RFC 9111).
-    pub only_if_cached: bool,
+    /// `Cache-Control`: no-cache, no-store, only-if-cached (answer from the cache or fail
+    /// with 504; never call the backend, never store), max-age=N (only answers at most N
+    /// seconds old may be served).
+    pub cache: Directives,
     /// Similarity threshold requested by the client (only ever raises the configured one).
     pub threshold: Option<f32>,
-    /// `Cache-Control: max-age=N`: only answers at most N seconds old may be served.
-    pub max_age_secs: Option<u64>,
     /// Session id linking consecutive prompts (`x-reprise-session`).
     pub session: Option<String>,
     /// Invalidation tags for the entry this request creates (`x-reprise-tags: a,b`).
@@ -50,35 +46,14 @@ impl Controls {
                 s.to_string()
             }
         };
-        let mut no_cache = false;
-        let mut no_store = false;
-        let mut only_if_cached = false;
-        let mut max_age_secs: Option<u64> = None;
-        for v in headers.get_all(axum::http::header::CACHE_CONTROL) {
-            for directive in v.to_str().unwrap_or("").split(',') {
-                let directive = directive.trim().to_ascii_lowercase();
-                match directive.as_str() {
-                    "no-cache" => no_cache = true,
-                    "no-store" => no_store = true,
-                    "only-if-cached" => only_if_cached = true,
-                    d => {
-                        if let Some(value) = d.strip_prefix("max-age=") {
-                            let value = value.trim_matches('"');
-                            if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
-                                return Err(ApiError::BadHeader {
-                                    header: "cache-control",
-                                    reason: "max-age must be a whole number of seconds".into(),
-                                });
-                            }
-                            // RFC 9111 1.2.2: values too large to represent count as 2^31.
-                            let secs = value.parse::<u64>().map_or(1 << 31, |s| s.min(1 << 31));
-                            // Several max-age directives: the strictest wins.
-                            max_age_secs = Some(max_age_secs.map_or(secs, |m| m.min(secs)));
-                        }
-                    }
+        let values = headers.get_all(axum::http::header::CACHE_CONTROL);
+        let cache =
+            Directives::parse(values.iter().map(|v| v.to_str().unwrap_or(""))).map_err(|e| {
+                ApiError::BadHeader {
+                    header: "cache-control",
+                    reason: e.to_string(),
                 }
-            }
-        }
+            })?;
         let threshold = match headers.get(THRESHOLD_HEADER) {
             None => None,
             Some(v) => {
@@ -96,11 +71,8 @@ impl Controls {
         };
         Ok(Controls {
             namespace,
-            no_cache,
-            no_store,
-            only_if_cached,
+            cache,
             threshold,
-            max_age_secs,
             tags: headers
                 .get(TAGS_HEADER)
                 .and_then(|v| v.to_str().ok())

@@ -88,7 +88,7 @@ async fn serve(
     // 4. Exact and 5. semantic lookup.
     let wants = Wants {
         threshold: ctl.threshold,
-        max_age_secs: ctl.max_age_secs,
+        freshness: ctl.cache.freshness(),
     };
     let counted = book.is_counted();
     let found = lookup::lookup(

@@ -1,10 +1,11 @@
 //! Step 1 of the request path: the body becomes a [`GenRequest`] (serde +
 //! serde_path_to_error, so a bad field is named in the OpenAI error's `param`), or, when it
-//! asks for more than one text answer, a [`Forward`] that only an upstream can answer.
+//! asks for more than one text answer (decided in [`reprise_policies::cacheable`]), a
+//! [`Forward`] that only an upstream can answer.
 
 use axum::extract::rejection::BytesRejection;
 use reprise_backend::{ChatMessage, GenRequest, Input, Priority, SamplingParams};
-use serde_json::Value;
+use reprise_policies::cacheable::{self, MessageShape, PromptShape, Uncacheable};
 
 use crate::error::ApiError;
 use crate::openai::{ChatCompletionRequest, CompletionRequest, Content, Endpoint, Prompt};
@@ -43,103 +44,34 @@ pub struct Forward {
 }
 
 impl Forward {
-    fn new(model: String, stream: Option<bool>, (param, field): (String, &'static str)) -> Self {
+    fn new(model: String, stream: Option<bool>, u: Uncacheable) -> Self {
         Forward {
             model,
             stream: stream.unwrap_or(false),
-            param,
-            field,
+            param: u.param,
+            field: u.field,
         }
     }
 }
 
-/// Chat request fields whose answer is more than text: tool calls, log-probabilities, audio.
-const CHAT_FORWARD_FIELDS: &[&str] = &[
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "functions",
-    "function_call",
-    "logprobs",
-    "top_logprobs",
-    "audio",
-    "modalities",
-    "web_search_options",
-];
-
-/// Message fields of tool and audio conversations, which the cache's text-only messages
-/// cannot carry.
-const MESSAGE_FORWARD_FIELDS: &[(&str, &str)] = &[
-    ("tool_calls", "messages.tool_calls"),
-    ("tool_call_id", "messages.tool_call_id"),
-    ("function_call", "messages.function_call"),
-    ("audio", "messages.audio"),
-];
-
-/// Completions request fields whose answer is more than one text.
-const COMPLETION_FORWARD_FIELDS: &[&str] = &["best_of", "logprobs", "echo", "suffix"];
-
-/// Whether a field's value asks for something: not null, `false`, `[]`, `""`, a
-/// `modalities` of text only or a `best_of` of 1.
-fn asks_for(field: &str, v: &Value) -> bool {
-    match v {
-        Value::Null | Value::Bool(false) => false,
-        Value::Array(a) if field == "modalities" => a.iter().any(|m| m.as_str() != Some("text")),
-        Value::Array(a) => !a.is_empty(),
-        Value::String(s) => !s.is_empty(),
-        Value::Number(n) if field == "best_of" => n.as_u64() != Some(1),
-        _ => true,
-    }
-}
-
-/// The first of `fields` that a request asks for, else `n > 1`, as (`param`, metric label).
-fn top_level_forward_field(
-    fields: &[&'static str],
-    extra: &serde_json::Map<String, Value>,
-    n: Option<u32>,
-) -> Option<(String, &'static str)> {
-    if let Some(f) = fields
-        .iter()
-        .find(|f| extra.get(**f).is_some_and(|v| asks_for(f, v)))
-    {
-        return Some((f.to_string(), *f));
-    }
-    n.is_some_and(|n| n > 1).then(|| ("n".to_string(), "n"))
-}
-
-/// The first field of a chat request that needs the upstream, as (`param`, metric label).
-fn chat_forward_field(r: &ChatCompletionRequest) -> Option<(String, &'static str)> {
-    if let Some(found) = top_level_forward_field(CHAT_FORWARD_FIELDS, &r.extra, r.n) {
-        return Some(found);
-    }
-    for (i, m) in r.messages.iter().enumerate() {
-        if matches!(m.role.as_str(), "tool" | "function") {
-            return Some((format!("messages[{i}].role"), "messages.role"));
-        }
-        if let Some((f, label)) = MESSAGE_FORWARD_FIELDS
-            .iter()
-            .find(|(f, _)| m.extra.get(*f).is_some_and(|v| asks_for(f, v)))
-        {
-            return Some((format!("messages[{i}].{f}"), *label));
-        }
-        if let Some(Content::Parts(parts)) = &m.content {
-            if parts.iter().any(|p| p.kind != "text") {
-                return Some((format!("messages[{i}].content"), "messages.content"));
-            }
-        }
-    }
-    None
+/// The first field of a chat request that needs the upstream.
+fn chat_forward_field(r: &ChatCompletionRequest) -> Option<Uncacheable> {
+    let shapes = r.messages.iter().map(|m| MessageShape {
+        role: &m.role,
+        extra: &m.extra,
+        non_text_parts: matches!(&m.content, Some(Content::Parts(p)) if p.iter().any(|p| p.kind != "text")),
+    });
+    cacheable::chat(&r.extra, r.n, shapes)
 }
 
 /// The first field of a completions request that needs the upstream.
-fn completion_forward_field(r: &CompletionRequest) -> Option<(String, &'static str)> {
-    top_level_forward_field(COMPLETION_FORWARD_FIELDS, &r.extra, r.n).or_else(|| {
-        matches!(&r.prompt, Prompt::Many(v) if v.len() > 1)
-            .then(|| ("prompt".to_string(), "prompt"))
-            .or_else(|| {
-                matches!(&r.prompt, Prompt::Tokens(_)).then(|| ("prompt".to_string(), "prompt"))
-            })
-    })
+fn completion_forward_field(r: &CompletionRequest) -> Option<Uncacheable> {
+    let prompt = match &r.prompt {
+        Prompt::One(_) => PromptShape::One,
+        Prompt::Many(v) => PromptShape::Many(v.len()),
+        Prompt::Tokens(_) => PromptShape::Tokens,
+    };
+    cacheable::completion(&r.extra, r.n, prompt)
 }
 
 /// Maps the axum body rejection to our error shape.
@@ -334,7 +266,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     fn classify(endpoint: Endpoint, body: Value) -> Result<Option<(String, &'static str)>, String> {
         match parse(endpoint, body.to_string().as_bytes()) {

@@ -1,7 +1,7 @@
 //! Step 3 of the request path: what the request may do with the cache, from the
 //! configuration and its `Cache-Control` (decided in [`reprise_policies::cache`]).
 
-use reprise_policies::cache::{Access, Directives};
+use reprise_policies::cache::Access;
 
 use crate::request::Controls;
 use crate::state::AppState;
@@ -9,12 +9,5 @@ use crate::state::AppState;
 /// read = enabled && !no-cache && !no-store; write = enabled && !no-store &&
 /// !only-if-cached; forward (call the backend) = !only-if-cached.
 pub fn access(state: &AppState, ctl: &Controls) -> Access {
-    reprise_policies::cache::access(
-        state.config.cache.enabled,
-        Directives {
-            no_cache: ctl.no_cache,
-            no_store: ctl.no_store,
-            only_if_cached: ctl.only_if_cached,
-        },
-    )
+    reprise_policies::cache::access(state.config.cache.enabled, ctl.cache)
 }
