@@ -51,6 +51,21 @@ pub use config::Config;
 pub use http::app;
 pub use state::AppState;
 
+/// Logs to stderr for reprise's binaries (the server and the benchmarks): `RUST_LOG` picks
+/// what; by default info, with llama.cpp's and hnsw_rs's own logs (very chatty at info) at
+/// warnings only. Colour codes only for a terminal, not in files and log collectors.
+pub fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new("info,llama-cpp-2=warn,hnsw_rs=warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
 /// Serves reprise on `listener` until `shutdown` resolves.
 ///
 /// The listener answers at once: `/healthz` is alive while the model and embedder load, every

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use reprise::Config;
-use tracing_subscriber::EnvFilter;
 
 /// An OpenAI-compatible semantic caching proxy for LLM traffic.
 #[derive(Parser)]
@@ -41,17 +40,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            // llama.cpp's and hnsw_rs's own logs are very chatty at info: warnings only unless
-            // RUST_LOG says more.
-            EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("info,llama-cpp-2=warn,hnsw_rs=warn")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour codes only for a terminal, not in files and log collectors.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    reprise::init_logging();
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -186,7 +186,7 @@ impl Metrics {
 
     /// Counts a request to another endpoint of the API passed to the upstream; `endpoint` is
     /// one of a fixed set of names.
-    pub fn passed_through(&self, endpoint: &'static str) {
+    pub fn passthrough(&self, endpoint: &'static str) {
         metrics::counter!("reprise_passthrough_total", "endpoint" => endpoint).increment(1);
     }
 

@@ -14,7 +14,6 @@ mod replay;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
 
 /// Benchmarks and load tests for reprise: each mode measures it side by side with its baseline
 /// on loopback.
@@ -60,16 +59,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    // The server's logging: llama.cpp's and hnsw_rs's own logs are very chatty at info, so
-    // warnings only unless RUST_LOG says more; colour codes only for a terminal.
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("info,llama-cpp-2=warn,hnsw_rs=warn")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    reprise::init_logging();
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

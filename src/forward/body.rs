@@ -12,7 +12,7 @@ use crate::headers::set_cache_status;
 use crate::metrics::Outcome;
 
 /// Request headers that travel with a forwarded request; a missing content type is `default`.
-pub(super) fn passed_on_headers(headers: &HeaderMap, default_type: &str) -> Vec<(String, String)> {
+pub(super) fn upstream_headers(headers: &HeaderMap, default_type: &str) -> Vec<(String, String)> {
     let mut out: Vec<(String, String)> =
         ["content-type", "content-length", "accept", "openai-beta"]
             .into_iter()
@@ -44,10 +44,10 @@ pub(super) enum BodyLimits {
     },
 }
 
-/// The client's response to a forwarded request: the upstream's status, headers and body as
-/// they come, within `limits`. A client error from the upstream counts as an error in the
-/// metrics.
-pub(super) fn forwarded_response(
+/// The client's response to a forwarded or passed-through request: the upstream's status,
+/// headers and body as they come, within `limits`. A client error from the upstream counts
+/// as an error in the metrics.
+pub(super) fn upstream_response(
     answer: reprise_backend::Forwarded,
     limits: BodyLimits,
     mut book: Bookkeeping,

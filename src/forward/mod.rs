@@ -26,7 +26,7 @@ use crate::metrics::Outcome;
 use crate::openai::Endpoint;
 use crate::request::{admit, Forward};
 use crate::state::AppState;
-use body::{forwarded_response, passed_on_headers, BodyLimits};
+use body::{upstream_headers, upstream_response, BodyLimits};
 
 /// Sends a request the cache cannot represent upstream as it came and streams the answer
 /// back as it arrives. Nothing is looked up, stored or learned from it.
@@ -67,7 +67,7 @@ pub async fn forward(
             Endpoint::Completion => "completions",
         }
         .to_string(),
-        headers: passed_on_headers(headers, "application/json"),
+        headers: upstream_headers(headers, "application/json"),
         model: Some(f.model),
         body: body.into(),
         interactive: true,
@@ -84,7 +84,7 @@ pub async fn forward(
             gap: server.token_timeout(),
         },
     };
-    Ok(forwarded_response(answer, limits, book))
+    Ok(upstream_response(answer, limits, book))
 }
 
 /// A `/v1/...` request to another endpoint of the API that `backend.passthrough` lists: sent
@@ -109,14 +109,14 @@ pub async fn passthrough(
             .find(|r| **r == endpoint)
             .copied()
             .unwrap_or("other");
-        state.metrics.passed_through(label);
+        state.metrics.passthrough(label);
         let req = ForwardRequest {
             method,
             path: match uri.query() {
                 Some(q) => format!("{path}?{q}"),
                 None => path.to_string(),
             },
-            headers: passed_on_headers(headers, ""),
+            headers: upstream_headers(headers, ""),
             model: None,
             // Streamed, not buffered: uploads (files, audio) can be large, and the upstream
             // enforces its own limits.
@@ -128,7 +128,7 @@ pub async fn passthrough(
             .await
             .map_err(|_| ApiError::Timeout)??;
         // Not a completion: no request metrics, no request log.
-        Ok(forwarded_response(
+        Ok(upstream_response(
             answer,
             BodyLimits::None,
             Bookkeeping::detached(),

@@ -21,11 +21,11 @@ use crate::flight::{End, Flight};
 use crate::lookup::WritePlan;
 use crate::state::AppState;
 pub use background::{generate_in_background, Background};
-pub use write_back::write_back;
+pub(crate) use write_back::write_back;
 
 /// Starts the task that runs one generation into `flight` and, with a `plan`, writes the
 /// entry back. `key`: the exact key the flight is registered under (removed at the end).
-pub fn spawn(
+pub(crate) fn spawn(
     state: Arc<AppState>,
     flight: Arc<Flight>,
     key: Option<Digest>,

@@ -11,7 +11,7 @@ use crate::state::AppState;
 
 /// Stores a finished answer in every tier (Redis queued, memory, index) under the plan's
 /// exact key and turn link, and reports it to the prefetcher when the plan asks.
-pub async fn write_back(
+pub(crate) async fn write_back(
     state: &AppState,
     plan: WritePlan,
     text: String,

@@ -83,6 +83,37 @@ pub(super) fn body_error(e: BytesRejection, limit: usize) -> ApiError {
     }
 }
 
+/// The fields both endpoints' requests share, as (the backend request, stream, include
+/// usage, user, n). A macro because the two request types are separate wire types.
+macro_rules! shared_fields {
+    ($r:ident, $input:expr, $max_tokens:expr) => {{
+        let params = SamplingParams {
+            max_tokens: $max_tokens,
+            temperature: $r.temperature,
+            top_p: $r.top_p,
+            seed: $r.seed,
+            stop: $r.stop.map(|s| s.into_vec()).unwrap_or_default(),
+            presence_penalty: $r.presence_penalty,
+            frequency_penalty: $r.frequency_penalty,
+        };
+        let req = GenRequest {
+            model: $r.model,
+            input: $input,
+            params,
+            priority: Priority::Interactive,
+            extra: $r.extra,
+        };
+        let include_usage = $r.stream_options.is_some_and(|o| o.include_usage);
+        (
+            req,
+            $r.stream.unwrap_or(false),
+            include_usage,
+            $r.user,
+            $r.n,
+        )
+    }};
+}
+
 /// Parses and validates a request body. A request that asks for more than a text answer
 /// (tools, several choices, images, log-probabilities) is only checked for the fields reprise
 /// itself reads; the upstream validates the rest.
@@ -151,29 +182,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                     name: m.name,
                 });
             }
-            let params = SamplingParams {
-                max_tokens: r.max_completion_tokens.or(r.max_tokens),
-                temperature: r.temperature,
-                top_p: r.top_p,
-                seed: r.seed,
-                stop: r.stop.map(|s| s.into_vec()).unwrap_or_default(),
-                presence_penalty: r.presence_penalty,
-                frequency_penalty: r.frequency_penalty,
-            };
-            let req = GenRequest {
-                model: r.model,
-                input: Input::Chat(msgs),
-                params,
-                priority: Priority::Interactive,
-                extra: r.extra,
-            };
-            (
-                req,
-                r.stream.unwrap_or(false),
-                r.stream_options.is_some_and(|o| o.include_usage),
-                r.user,
-                r.n,
-            )
+            let max_tokens = r.max_completion_tokens.or(r.max_tokens);
+            shared_fields!(r, Input::Chat(msgs), max_tokens)
         }
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
@@ -190,29 +200,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                     ))
                 }
             };
-            let params = SamplingParams {
-                max_tokens: r.max_tokens,
-                temperature: r.temperature,
-                top_p: r.top_p,
-                seed: r.seed,
-                stop: r.stop.map(|s| s.into_vec()).unwrap_or_default(),
-                presence_penalty: r.presence_penalty,
-                frequency_penalty: r.frequency_penalty,
-            };
-            let req = GenRequest {
-                model: r.model,
-                input: Input::Prompt(prompt),
-                params,
-                priority: Priority::Interactive,
-                extra: r.extra,
-            };
-            (
-                req,
-                r.stream.unwrap_or(false),
-                r.stream_options.is_some_and(|o| o.include_usage),
-                r.user,
-                r.n,
-            )
+            shared_fields!(r, Input::Prompt(prompt), r.max_tokens)
         }
     };
     // `n > 1` went to `Forward` above.

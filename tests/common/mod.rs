@@ -84,3 +84,17 @@ pub fn convo(msgs: &[(&str, &str)]) -> Value {
         .collect();
     serde_json::json!({"model": "fake", "messages": m})
 }
+
+/// Asserts an OpenAI-shaped error with `status` and `param`; returns the body.
+pub async fn assert_openai_error(r: reqwest::Response, status: u16, param: Option<&str>) -> Value {
+    assert_eq!(r.status().as_u16(), status);
+    let j: Value = r.json().await.unwrap();
+    let e = &j["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{j}");
+    assert!(e["type"].as_str().is_some(), "{j}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{j}");
+    if let Some(p) = param {
+        assert_eq!(e["param"], p, "{j}");
+    }
+    j
+}

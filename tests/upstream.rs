@@ -1,0 +1,545 @@
+//! The OpenAI-compatible upstream backend over real TCP: streaming and caching through it,
+//! upstream failures, the official Python client, and requests only the upstream can answer
+//! (forward: tools, `n > 1`, ...; passthrough: other `/v1` endpoints).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use reprise_backend::fake::{Failure, ScriptConfig, ScriptedBackend};
+use serde_json::{json, Value};
+
+/// A second reprise over a scripted backend stands in for an OpenAI-compatible upstream
+/// whose calls can be counted and whose failures can be injected.
+async fn upstream() -> (TestApp, ScriptedBackend) {
+    let script = ScriptConfig {
+        model: "up-model".into(),
+        ..ScriptConfig::default()
+    };
+    let mut config = test_config();
+    config.cache.enabled = false;
+    spawn_fake(config, script).await
+}
+
+fn openai_config(base_url: String) -> reprise::Config {
+    let mut c = test_config();
+    c.backend.kind = reprise::config::BackendKind::Openai;
+    c.backend.base_url = Some(base_url);
+    c
+}
+
+async fn proxy_to(config: reprise::Config) -> TestApp {
+    let backend = reprise::state::build_backend(&config).await.unwrap();
+    spawn_app(config, backend).await
+}
+
+#[tokio::test]
+async fn upstream_backend_streams_and_caches() {
+    let (up, up_backend) = upstream().await;
+    let app = proxy_to(openai_config(up.base_url())).await;
+    let body = json!({"model": "up-model", "messages": [{"role": "user", "content": "via upstream"}], "stream": true});
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let data = sse_data(&r.text().await.unwrap());
+    assert_eq!(sse_text(&data), "You asked: via upstream");
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let mut plain = body.clone();
+    plain["stream"] = json!(false);
+    let r = app.chat(&plain, &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(
+        j["choices"][0]["message"]["content"],
+        "You asked: via upstream"
+    );
+    assert!(
+        j["usage"]["completion_tokens"].as_u64().unwrap() > 0,
+        "usage from upstream"
+    );
+    assert_eq!(up_backend.calls(), 1);
+    // Upstream errors for the client's request pass through as 4xx.
+    let r = app
+        .chat(
+            &json!({"model": "other", "messages": [{"role": "user", "content": "x"}]}),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status(), 404);
+    // Sampling parameters reach the upstream.
+    let r = app
+        .chat(&json!({"model": "up-model", "messages": [{"role": "user", "content": "p"}], "max_tokens": 2, "seed": 7}), &[])
+        .await;
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["choices"][0]["finish_reason"], "length");
+    let last = up_backend.requests().pop().unwrap();
+    assert_eq!(last.params.max_tokens, Some(2));
+    assert_eq!(last.params.seed, Some(7));
+}
+
+#[tokio::test]
+async fn upstream_dies_mid_stream_nothing_cached() {
+    let (up, up_backend) = upstream().await;
+    let app = proxy_to(openai_config(up.base_url())).await;
+    up_backend.set_failure(Failure::AfterChunks(2));
+    let body = json!({"model": "up-model", "messages": [{"role": "user", "content": "a b c d e f"}], "stream": true});
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(r.status(), 200);
+    let data = sse_data(&r.text().await.unwrap());
+    assert!(
+        data.iter().any(|d| d.contains("\"error\"")),
+        "error event: {data:?}"
+    );
+    assert!(!data.iter().any(|d| d == "[DONE]"));
+    up_backend.set_failure(Failure::None);
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(up_backend.calls(), 2);
+}
+
+#[tokio::test]
+async fn upstream_down_is_502_and_slow_is_504() {
+    // A port that was free a moment ago: connection refused.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = dead.local_addr().unwrap().port();
+    drop(dead);
+    let app = proxy_to(openai_config(format!("http://127.0.0.1:{port}/v1"))).await;
+    let r = app.chat(&chat_body("anyone?"), &[]).await;
+    let j = assert_openai_error(r, 502, None).await;
+    assert!(!j.to_string().contains(&port.to_string()), "{j}");
+
+    let (up, up_backend) = upstream().await;
+    up_backend.set_config(ScriptConfig {
+        model: "up-model".into(),
+        first_token_delay: Duration::from_secs(5),
+        ..ScriptConfig::default()
+    });
+    let mut config = openai_config(up.base_url());
+    config.server.first_token_timeout_secs = 0.3;
+    let app = proxy_to(config).await;
+    let r = app
+        .chat(
+            &json!({"model": "up-model", "messages": [{"role": "user", "content": "slow"}]}),
+            &[],
+        )
+        .await;
+    assert_openai_error(r, 504, None).await;
+}
+
+#[tokio::test]
+async fn official_python_client() {
+    let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;
+    let script = r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1], api_key="unused")
+r = c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "from python"}])
+print(r.choices[0].message.content)
+s = c.chat.completions.create(model="fake", messages=[{"role": "user", "content": "from python"}],
+                              stream=True, stream_options={"include_usage": True})
+parts, usage = [], None
+for chunk in s:
+    if chunk.choices and chunk.choices[0].delta.content:
+        parts.append(chunk.choices[0].delta.content)
+    if chunk.usage:
+        usage = chunk.usage.total_tokens
+print("".join(parts))
+print(usage)
+raw = c.chat.completions.with_raw_response.create(model="fake", messages=[{"role": "user", "content": "from python"}])
+print(raw.headers.get("x-reprise-cache"))
+try:
+    c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+except openai.NotFoundError as e:
+    print("notfound", e.body["code"] if isinstance(e.body, dict) else e.body)
+"#;
+    let base = app.base_url();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .arg(base)
+            .output()
+            .expect("python3 runs")
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "python client failed (pip install openai): {}\n{}",
+        stdout,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines[0], "You asked: from python");
+    assert_eq!(lines[1], "You asked: from python");
+    assert!(lines[2].parse::<u32>().unwrap() > 0);
+    assert_eq!(lines[3], "exact");
+    assert_eq!(lines[4], "notfound model_not_found");
+    assert_eq!(backend.calls(), 1);
+}
+
+/// What the tool-calling upstream answers: a JSON body, or these SSE events.
+const TOOL_ANSWER: &str = r#"{"id":"chatcmpl-up","object":"chat.completion","created":1,"model":"up-model","choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Paris\"}"}}]},"finish_reason":"tool_calls"}]}"#;
+const TOOL_STREAM: &str = concat!(
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"weather","arguments":"{\"city\":\"Paris\"}"}}]},"finish_reason":null}]}"#,
+    "\n\n",
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+    "\n\n",
+    "data: [DONE]\n\n",
+);
+
+/// An OpenAI-compatible upstream that records every request (path with query, and body) and
+/// answers completions with a tool call, plus fixed embeddings, models and moderation (422)
+/// answers: the parts of a model API that a scripted backend behind a second reprise cannot
+/// play, since reprise answers them only by forwarding.
+#[derive(Clone, Default)]
+struct ToolUpstream {
+    seen: Arc<std::sync::Mutex<Vec<(String, Value)>>>,
+    /// The `authorization` header of every request, in order.
+    auth: Arc<std::sync::Mutex<Vec<Option<String>>>>,
+    base_url: String,
+}
+
+impl ToolUpstream {
+    async fn spawn() -> ToolUpstream {
+        use axum::http::{header, Uri};
+        use axum::response::IntoResponse;
+        let seen: Arc<std::sync::Mutex<Vec<(String, Value)>>> = Arc::default();
+        let auth: Arc<std::sync::Mutex<Vec<Option<String>>>> = Arc::default();
+        let (record, record_auth) = (seen.clone(), auth.clone());
+        let handler = move |uri: Uri, headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let (record, record_auth) = (record.clone(), record_auth.clone());
+            async move {
+                let size = body.len();
+                let body: Value = serde_json::from_slice(&body).unwrap_or(json!({"bytes": size}));
+                let stream = body["stream"] == json!(true);
+                let path = uri.path().to_string();
+                record.lock().unwrap().push((uri.to_string(), body));
+                let given = headers
+                    .get("authorization")
+                    .map(|v| v.to_str().unwrap().to_string());
+                record_auth.lock().unwrap().push(given);
+                match path.as_str() {
+                    "/v1/models" => (
+                        [(header::CONTENT_TYPE, "application/json"), (header::HeaderName::from_static("x-request-id"), "req_1")],
+                        r#"{"object":"list","data":[{"id":"up-model","object":"model"}]}"#,
+                    )
+                        .into_response(),
+                    "/v1/embeddings" => (
+                        [(header::CONTENT_TYPE, "application/json")],
+                        r#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.25,-0.5]}]}"#,
+                    )
+                        .into_response(),
+                    "/v1/models/old-name" => (
+                        axum::http::StatusCode::TEMPORARY_REDIRECT,
+                        [(header::LOCATION, "http://127.0.0.1:9/v1/models")],
+                    )
+                        .into_response(),
+                    "/v1/models/busy" => (
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        [(header::RETRY_AFTER, "7")],
+                        r#"{"error":{"message":"overloaded","type":"server_error","param":null,"code":null}}"#,
+                    )
+                        .into_response(),
+                    "/v1/moderations" => (
+                        axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+                        [(header::CONTENT_TYPE, "application/json")],
+                        r#"{"error":{"message":"input is required","type":"invalid_request_error","param":"input","code":null}}"#,
+                    )
+                        .into_response(),
+                    _ if stream => {
+                        ([(header::CONTENT_TYPE, "text/event-stream")], TOOL_STREAM).into_response()
+                    }
+                    _ => ([(header::CONTENT_TYPE, "application/json")], TOOL_ANSWER).into_response(),
+                }
+            }
+        };
+        let app = axum::Router::new()
+            .route("/v1/chat/completions", axum::routing::post(handler.clone()))
+            .route("/v1/completions", axum::routing::post(handler.clone()))
+            .route("/v1/embeddings", axum::routing::post(handler.clone()))
+            .route("/v1/moderations", axum::routing::post(handler.clone()))
+            .route("/v1/models/old-name", axum::routing::get(handler.clone()))
+            .route("/v1/models/busy", axum::routing::get(handler.clone()))
+            .route("/v1/files", axum::routing::post(handler.clone()))
+            .route("/v1/models", axum::routing::get(handler))
+            .layer(axum::extract::DefaultBodyLimit::disable());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        ToolUpstream {
+            seen,
+            auth,
+            base_url: format!("http://{addr}/v1"),
+        }
+    }
+
+    fn seen(&self) -> Vec<(String, Value)> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+#[tokio::test]
+async fn requests_beyond_text_go_upstream_unchanged_and_are_never_cached() {
+    let up = ToolUpstream::spawn().await;
+    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    let tools = json!({
+        "model": "up-model",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}],
+        "tool_choice": "auto"
+    });
+    for round in 1..=2 {
+        let r = app.chat(&tools, &[]).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(cache_status(&r), "bypass");
+        assert_eq!(r.headers()["content-type"], "application/json");
+        assert_eq!(
+            r.text().await.unwrap(),
+            TOOL_ANSWER,
+            "the answer comes back unchanged"
+        );
+        assert_eq!(up.seen().len(), round, "never answered from the cache");
+    }
+    let (path, body) = up.seen().pop().unwrap();
+    assert_eq!(path, "/v1/chat/completions");
+    assert_eq!(body, tools, "the body reaches the upstream unchanged");
+
+    // A tool conversation, streamed: call ids and tool results reach the upstream, and its
+    // events come back byte for byte.
+    let convo = json!({"model": "up-model", "stream": true, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}
+    ]});
+    let r = app.chat(&convo, &[]).await;
+    assert_eq!(cache_status(&r), "bypass");
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    assert_eq!(r.text().await.unwrap(), TOOL_STREAM);
+    assert_eq!(up.seen().pop().unwrap().1, convo);
+
+    // Several choices, image parts and the completions endpoint's log-probabilities take
+    // the same path.
+    let several = json!({"model": "up-model", "n": 2,
+        "messages": [{"role": "user", "content": "Two names for a cat?"}]});
+    let image = json!({"model": "up-model", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]});
+    for body in [&several, &image] {
+        let r = app.chat(body, &[]).await;
+        assert_eq!(cache_status(&r), "bypass");
+        assert_eq!(&up.seen().pop().unwrap().1, body);
+    }
+    let logprobs = json!({"model": "up-model", "prompt": "1, 2, 3,", "logprobs": 2});
+    let r = app.post("/v1/completions", &logprobs).await;
+    assert_eq!(cache_status(&r), "bypass");
+    assert_eq!(
+        up.seen().pop().unwrap(),
+        ("/v1/completions".into(), logprobs)
+    );
+
+    // `only-if-cached` cannot be met by a request that is never cached.
+    let before = up.seen().len();
+    let r = app
+        .chat(&tools, &[("cache-control", "only-if-cached")])
+        .await;
+    assert_openai_error(r, 504, None).await;
+    assert_eq!(up.seen().len(), before);
+
+    assert_eq!(app.state.store.entry_count(), 0, "nothing was stored");
+    let m = app.metrics_text().await;
+    for line in [
+        r#"reprise_forwarded_total{field="tools"} 2"#,
+        r#"reprise_forwarded_total{field="messages.tool_calls"} 1"#,
+        r#"reprise_forwarded_total{field="n"} 1"#,
+        r#"reprise_forwarded_total{field="messages.content"} 1"#,
+        r#"reprise_forwarded_total{field="logprobs"} 1"#,
+    ] {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
+}
+
+#[tokio::test]
+async fn requests_beyond_text_are_refused_by_a_text_only_backend() {
+    let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;
+    let mut tools = chat_body("Weather in Paris?");
+    tools["tools"] = json!([{"type": "function", "function": {"name": "weather"}}]);
+    let j = assert_openai_error(app.chat(&tools, &[]).await, 400, Some("tools")).await;
+    assert!(
+        j["error"]["message"].as_str().unwrap().contains("upstream"),
+        "{j}"
+    );
+    let mut several = chat_body("Two names for a cat?");
+    several["n"] = json!(3);
+    assert_openai_error(app.chat(&several, &[]).await, 400, Some("n")).await;
+    // Fields that ask for nothing beyond text do not count: the request is served.
+    let mut plain = chat_body("Weather in Paris?");
+    plain["tools"] = json!([]);
+    plain["logprobs"] = json!(false);
+    plain["n"] = json!(1);
+    let r = app.chat(&plain, &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 1);
+}
+
+#[tokio::test]
+async fn listed_api_endpoints_pass_through_to_the_upstream() {
+    let up = ToolUpstream::spawn().await;
+    let mut config = openai_config(up.base_url.clone());
+    config.backend.passthrough.push("files".into());
+    // Built by hand to give it a key: the upstream sees reprise's key, never the client's.
+    let backend =
+        reprise_backend::openai::OpenAiBackend::new(reprise_backend::openai::OpenAiConfig {
+            base_url: up.base_url.clone(),
+            api_key: Some("sk-upstream".into()),
+            connect_timeout: Duration::from_secs(5),
+            pool_max_idle: 4,
+            models: Vec::new(),
+        })
+        .unwrap();
+    let app = spawn_app(config, Arc::new(backend)).await;
+    let emb = json!({"model": "text-embedding-3-small", "input": "hello"});
+    let r = app
+        .client
+        .post(app.url("/v1/embeddings?trace=1"))
+        .bearer_auth("client-token")
+        .json(&emb)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "bypass");
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["data"][0]["embedding"], json!([0.25, -0.5]));
+    assert_eq!(
+        up.seen().pop().unwrap(),
+        ("/v1/embeddings?trace=1".into(), emb),
+        "path, query and body arrive unchanged"
+    );
+    let auth = up.auth.lock().unwrap().last().cloned().flatten();
+    assert_eq!(auth.as_deref(), Some("Bearer sk-upstream"));
+
+    // Without a configured model list, /v1/models is the upstream's (its request id too).
+    let r = app.get("/v1/models").await;
+    assert_eq!(r.headers()["x-request-id"], "req_1");
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["data"][0]["id"], "up-model");
+
+    // The upstream's client errors come back as they are: its 422, and its 404 for a path of
+    // a listed endpoint that it does not have.
+    let r = app.post("/v1/moderations", &json!({})).await;
+    assert_eq!(r.status(), 422);
+    assert_eq!(cache_status(&r), "error");
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["error"]["param"], "input");
+    let r = app.get("/v1/files/file-1/content").await;
+    assert_eq!(r.status(), 404);
+    assert_eq!(cache_status(&r), "error");
+    let forwarded = up.seen().len();
+
+    // Uploads stream through, past reprise's own body limit for completions.
+    let upload = vec![b'x'; app.state.config.server.max_body_bytes + 1024 * 1024];
+    let len = upload.len();
+    let r = app
+        .client
+        .post(app.url("/v1/files"))
+        .header("content-type", "multipart/form-data; boundary=b")
+        .body(upload)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        up.seen().pop().unwrap(),
+        ("/v1/files".into(), json!({"bytes": len}))
+    );
+
+    // Its server errors too, with their Retry-After.
+    let r = app.get("/v1/models/busy").await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "7");
+    assert_eq!(cache_status(&r), "error");
+    let forwarded = forwarded + 2;
+
+    // A redirect is not followed (it would carry the key elsewhere): reprise answers 502.
+    let r = app.get("/v1/models/old-name").await;
+    assert_openai_error(r, 502, None).await;
+    assert_eq!(up.seen().len(), forwarded + 1);
+
+    // Endpoints not listed, paths that are not plain, and any variant of reprise's own
+    // routes never reach the upstream.
+    for (method, path) in [
+        ("POST", "/v1/batches"),
+        ("DELETE", "/v1/vector_stores/vs_1"),
+        ("POST", "/v1/chat/completions/"),
+        ("POST", "/v1//chat/completions"),
+        ("POST", "/v1/completions/x"),
+        ("POST", "/v1/embeddings/"),
+        ("GET", "/v1/files//x"),
+        ("GET", "/not-the-api"),
+    ] {
+        let r = app
+            .client
+            .request(method.parse().unwrap(), app.url(path))
+            .json(&json!({"model": "up-model", "messages": [{"role": "user", "content": "x"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404, "{method} {path}");
+    }
+    assert_eq!(up.seen().len(), forwarded + 1, "nothing else went upstream");
+
+    let m = app.metrics_text().await;
+    for line in [
+        r#"reprise_passthrough_total{endpoint="embeddings"} 1"#,
+        r#"reprise_passthrough_total{endpoint="moderations"} 1"#,
+        r#"reprise_passthrough_total{endpoint="files"} 2"#,
+    ] {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
+    assert_eq!(app.state.store.entry_count(), 0);
+}
+
+#[tokio::test]
+async fn other_api_endpoints_are_404_without_an_upstream() {
+    let (app, _) = spawn_fake(test_config(), ScriptConfig::default()).await;
+    let r = app
+        .client
+        .post(app.url("/v1/embeddings"))
+        .json(&json!({"model": "fake", "input": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    let j = assert_openai_error(r, 404, None).await;
+    assert_eq!(j["error"]["code"], "not_found");
+}
+
+#[tokio::test]
+async fn https_upstreams_are_reached_over_tls() {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let first_bytes = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut head = [0u8; 3];
+        socket.read_exact(&mut head).await.unwrap();
+        head
+    });
+    let app = proxy_to(openai_config(format!("https://{addr}/v1"))).await;
+    let r = app.chat(&chat_body("over tls?"), &[]).await;
+    // Not a TLS server, so no answer; what matters is that a TLS handshake began.
+    assert_openai_error(r, 502, None).await;
+    let head = tokio::time::timeout(Duration::from_secs(10), first_bytes)
+        .await
+        .expect("reprise connected to the https upstream")
+        .unwrap();
+    assert_eq!(head[0], 0x16, "a TLS handshake record");
+    assert_eq!(head[1], 0x03, "TLS version major");
+}
