@@ -587,3 +587,80 @@ async fn cluster_round_trip() {
     assert_eq!(t.delete_namespace("ns0").await.unwrap(), 20);
     assert_eq!(b.scan_entries(|_| {}).await.unwrap().len(), 40);
 }
+
+/// Two stores over one Redis, as two replicas: what one writes, the other finds by key and by
+/// id through Redis and promotes into its memory and index; an alias reaches Redis too; a
+/// deletion reaches every tier.
+#[tokio::test]
+async fn a_store_promotes_what_another_replica_wrote() {
+    use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+    use reprise_cache::{ByKey, Probe, Store};
+
+    let server = RedisServer::start();
+    let store = |replica: &'static str| {
+        let url = server.url();
+        async move {
+            let redis = tier(config(url), replica).await;
+            let index = Arc::new(SemanticIndex::new(3, IndexConfig::default()));
+            Store::new(
+                1 << 20,
+                Duration::from_secs(60),
+                Some(redis),
+                Some(index),
+                None,
+            )
+        }
+    };
+    let (a, b) = (store("a").await, store("b").await);
+    let e = Arc::new(entry("ns", "hello", 60_000));
+    a.insert(e.clone(), &[digest(1)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+
+    // B: a miss in memory, a hit in Redis, promoted.
+    let (found, probe) = b.find(&digest(1), |_| true).await;
+    assert_eq!(found.fresh().map(|f| f.id), Some(e.id));
+    assert_eq!(
+        probe,
+        Probe {
+            memory: false,
+            redis: Some(true)
+        }
+    );
+    assert_eq!(
+        b.get(e.id).await.map(|f| f.id),
+        Some(e.id),
+        "now in B's memory"
+    );
+    assert_eq!(b.indexed(), 1, "and in B's index");
+    let (_, probe) = b.find(&digest(1), |_| true).await;
+    assert_eq!(
+        probe,
+        Probe {
+            memory: true,
+            redis: None
+        },
+        "an L1 hit next time"
+    );
+    // Too old for the caller in every tier: stale, not absent.
+    let (found, _) = b.find(&digest(1), |_| false).await;
+    assert!(matches!(found, ByKey::Stale));
+
+    // By id (a semantic candidate): another entry A wrote is fetched from Redis.
+    let f = Arc::new(entry("ns", "world", 60_000));
+    a.insert(f.clone(), &[digest(2)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    assert_eq!(b.fetch(f.id).await.map(|x| x.id), Some(f.id));
+
+    // An alias B writes reaches Redis, so A finds the entry by it.
+    b.alias(digest(3), &f).await;
+    b.redis().unwrap().flush().await.unwrap();
+    let (found, probe) = a.find(&digest(3), |_| true).await;
+    assert_eq!(found.fresh().map(|x| x.id), Some(f.id));
+    assert_eq!(probe.redis, Some(true));
+
+    // A deletion from B removes it from Redis; A's own copy goes with replication (not
+    // running here), so only B's memory and Redis are checked.
+    assert!(b.delete(f.id).await.unwrap());
+    assert!(b.get(f.id).await.is_none());
+    assert_eq!(a.redis().unwrap().get(f.id).await.unwrap(), None);
+}
