@@ -869,3 +869,55 @@ async fn a_follow_up_the_cache_answers_semantically_is_not_generated_and_names_t
     }
     assert_eq!(probe.inner.calls(), calls, "nothing generated");
 }
+
+/// `run` stops the prefetcher on shutdown, after it learned every observation already made,
+/// and saves its counts in Redis: a new process restores them.
+#[tokio::test]
+async fn run_saves_the_learned_counts_on_shutdown() {
+    let server = RedisServer::start();
+    let mut config = prefetch_config(false);
+    config.backend.kind = BackendKind::Fake;
+    config.redis.url = Some(server.url());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(reprise::run(listener, config.clone(), async {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/chat/completions");
+    let ask = |session: String, text: &'static str| {
+        let req = client
+            .post(&url)
+            .header("x-reprise-session", session)
+            .json(&chat_body(text));
+        async move { req.send().await.map_or(0, |r| r.status().as_u16()) }
+    };
+    // Ready once the first request is answered.
+    let mut ready = false;
+    for _ in 0..500 {
+        if ask("warm-up".into(), X).await == 200 {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ready, "the server came up");
+    for i in 0..3 {
+        assert_eq!(ask(format!("learn-{i}"), X).await, 200);
+        assert_eq!(ask(format!("learn-{i}"), Y).await, 200);
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+
+    let tier = RedisTier::connect(config.redis.clone(), "check".into())
+        .await
+        .unwrap();
+    let fresh = reprise::prefetch::Prefetcher::new(config.prefetch.clone());
+    let restored = fresh.restore(&tier).await.unwrap();
+    assert!(
+        restored > 0,
+        "the counts learned before shutdown were saved"
+    );
+    assert!(!fresh.export().namespaces.is_empty());
+}
