@@ -469,7 +469,11 @@ pub struct RegroupParams {
 }
 
 /// A predicted follow-up.
+///
+/// The prefetcher asks `prompt` and aliases `wordings`; `target`, `cluster` and `borrowed`
+/// describe the prediction (tests, debug output).
 #[derive(Debug, Clone)]
+#[allow(dead_code)]
 pub struct Prediction {
     /// The entry that answered this follow-up most often before.
     pub target: EntryId,
@@ -530,11 +534,6 @@ impl Model {
     /// Whether anything changed since the last [`Model::take_changed`].
     pub fn take_changed(&mut self) -> bool {
         std::mem::take(&mut self.changed)
-    }
-
-    /// Number of nodes over every namespace.
-    pub fn node_count(&self) -> usize {
-        self.namespaces.values().map(|n| n.nodes.len()).sum()
     }
 
     fn namespace(&mut self, ns: &str, now_ms: u64) -> &mut Namespace {
