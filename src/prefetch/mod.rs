@@ -60,12 +60,13 @@
 //! - `budget.rs`: the token and backend-share budgets (a pure decision);
 //! - `refresh.rs`: refresh-ahead of hot entries, prefetched entries wasted;
 //! - `propose.rs`: model-proposed follow-ups (the prompt, the questions of its answer);
-//! - `model.rs`: the transition model (counts, clusters, predictions, regrouping, snapshots).
+//! - `model/`: the transition model (counts, clusters, predictions, regrouping, snapshots).
 //!
 //! The `[prefetch]` settings are [`PrefetchConfig`] in [`crate::config`]; the metric handles
 //! are [`PrefetchMetrics`] in [`crate::metrics`].
 //!
 //! [`generate_in_background`]: crate::generate::generate_in_background
+//! [`Observation`]: crate::observe::Observation
 
 mod budget;
 mod jobs;
@@ -99,7 +100,7 @@ use refresh::Hot;
 /// The `[prefetch]` section (defined with the rest of the configuration).
 pub use crate::config::PrefetchConfig;
 /// The learned counts as exported ([`Prefetcher::export`]) and imported.
-pub use model::{ClusterSnapshot, NamespaceSnapshot, NodeSnapshot, Snapshot};
+pub use model::{ClusterSnapshot, NamespaceSnapshot, NodeSnapshot, Snapshot, SNAPSHOT_VERSION};
 
 /// Observations waiting for the worker; beyond this they are dropped (learning is best
 /// effort, the request path never waits).
