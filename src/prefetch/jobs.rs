@@ -1,0 +1,276 @@
+//! Background jobs: what a job is, the queue (bounded, newest first, stale jobs dropped),
+//! dispatch (only while no interactive request runs, within the concurrency, token and
+//! backend-share budgets) and running a prefetch or refresh generation.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reprise_backend::GenRequest;
+use reprise_cache::{Digest, EntryId, Origin};
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::propose::Proposal;
+use super::{bump, Shared};
+use crate::generate::{generate_in_background, Background};
+use crate::openai::Endpoint;
+use crate::state::AppState;
+
+/// Jobs waiting for the backend to be free; beyond this the oldest is dropped.
+const JOB_QUEUE: usize = 32;
+/// A job that waited this long is dropped: its user has most likely asked already.
+const JOB_TTL: Duration = Duration::from_secs(30);
+/// How long the backend must have had no interactive request before a job starts. Requests
+/// of one client follow each other with a gap of a few milliseconds (the client reads the
+/// answer, sends the next, the server looks it up); a job started in such a gap would run
+/// beside the next request.
+const QUIET: Duration = Duration::from_millis(50);
+/// Prefetched entries tracked until used or gone (beyond this, new ones go untracked).
+const MAX_TRACKED: usize = 100_000;
+
+/// What a job does.
+#[derive(Debug, Clone)]
+pub(super) enum JobKind {
+    /// Generate a predicted follow-up.
+    Prefetch,
+    /// Regenerate this entry before it expires.
+    Refresh(EntryId),
+    /// Ask the model for likely follow-ups of `answer` (the job's request is that question
+    /// to the model; the follow-ups are built from `asked`) and queue them as prefetches.
+    Propose(Box<Proposal>),
+}
+
+/// One background generation waiting for the backend.
+pub(super) struct Job {
+    pub(super) kind: JobKind,
+    pub(super) namespace: String,
+    pub(super) endpoint: Endpoint,
+    pub(super) request: GenRequest,
+    /// Exact key of the request, to queue each follow-up once.
+    pub(super) key: Digest,
+    /// Exact keys of the same follow-up asked in the cluster's other observed wordings (same
+    /// history, same parameters): pointed at the generated entry.
+    pub(super) aliases: Vec<Digest>,
+    pub(super) queued_at: Instant,
+}
+
+impl Shared {
+    /// Queues a job (newest first); drops the oldest beyond the bound.
+    pub(super) fn enqueue(&self, job: Job) {
+        self.enqueue_at(job, true);
+    }
+
+    /// Queues a job at the front (newest first) or at the back (after everything waiting:
+    /// the model's guesses), then drops from the back beyond the bound.
+    pub(super) fn enqueue_at(&self, job: Job, front: bool) {
+        if !self.pending.lock().insert(job.key) {
+            return;
+        }
+        bump(&self.counts.queued, 1);
+        self.handles.queued.increment(1);
+        let dropped = {
+            let mut q = self.queue.lock();
+            if front {
+                q.push_front(job);
+            } else {
+                q.push_back(job);
+            }
+            if q.len() > JOB_QUEUE {
+                q.pop_back()
+            } else {
+                None
+            }
+        };
+        if let Some(old) = dropped {
+            self.cancel(&old);
+        }
+    }
+
+    pub(super) fn cancel(&self, job: &Job) {
+        self.pending.lock().remove(&job.key);
+        match &job.kind {
+            JobKind::Refresh(id) => {
+                if let Some(h) = self.hot.get(id) {
+                    h.refreshing.store(false, Ordering::Relaxed);
+                }
+            }
+            // Not asked after all: the next time this answer is served may ask again.
+            JobKind::Propose(p) => self.proposed_for.invalidate(&p.entry),
+            JobKind::Prefetch => {}
+        }
+        bump(&self.counts.cancelled, 1);
+        self.handles.cancelled.increment(1);
+    }
+
+    /// Whether the token and backend-share budgets allow starting another job.
+    fn budget_allows(&self, now: Instant) -> bool {
+        self.budget.lock().allows(
+            now,
+            self.cfg.max_tokens_per_minute,
+            self.cfg.max_backend_share,
+        )
+    }
+
+    /// Starts waiting jobs while the backend is free of interactive work and budgets allow.
+    pub(super) fn dispatch(
+        self: &Arc<Self>,
+        state: &Arc<AppState>,
+        quiet_since: &mut Option<Instant>,
+    ) {
+        loop {
+            let now = Instant::now();
+            {
+                // Stale jobs go first, whatever the backend is doing.
+                let mut q = self.queue.lock();
+                let mut stale = Vec::new();
+                while q.back().is_some_and(|j| j.queued_at + JOB_TTL < now) {
+                    stale.extend(q.pop_back());
+                }
+                let empty = q.is_empty();
+                drop(q);
+                for j in &stale {
+                    self.cancel(j);
+                }
+                if empty {
+                    return;
+                }
+            }
+            // Re-checked before every start: never beside an interactive request.
+            if state.backend.interactive_load() > 0 {
+                *quiet_since = None;
+                return;
+            }
+            if quiet_since.get_or_insert(now).elapsed() < QUIET {
+                return;
+            }
+            if !self.budget_allows(now) {
+                return;
+            }
+            let Ok(permit) = self.slots.clone().try_acquire_owned() else {
+                return;
+            };
+            let Some(job) = self.queue.lock().pop_front() else {
+                return;
+            };
+            let n = self.next_job.fetch_add(1, Ordering::Relaxed);
+            self.budget.lock().start(n, Instant::now());
+            bump(&self.counts.started, 1);
+            self.handles.started.increment(1);
+            let active = self.counts.active.fetch_add(1, Ordering::Relaxed) + 1;
+            self.counts.peak_active.fetch_max(active, Ordering::Relaxed);
+            tokio::spawn(run_job(self.clone(), state.clone(), job, n, permit));
+        }
+    }
+}
+
+/// Runs one job and accounts for it.
+async fn run_job(
+    shared: Arc<Shared>,
+    state: Arc<AppState>,
+    job: Job,
+    n: u64,
+    permit: OwnedSemaphorePermit,
+) {
+    let start = Instant::now();
+    let (generated, tokens) = match &job.kind {
+        JobKind::Propose(p) => shared.propose(&state, &job, p).await,
+        JobKind::Prefetch | JobKind::Refresh(_) => generate_job(&shared, &state, &job).await,
+    };
+    let end = Instant::now();
+    let secs = end.duration_since(start).as_secs_f64();
+    {
+        let mut b = shared.budget.lock();
+        if generated {
+            b.finish(n, start, end, tokens);
+        } else {
+            b.abandon(n);
+        }
+    }
+    if generated {
+        bump(&shared.counts.tokens, tokens);
+        shared.handles.tokens.increment(tokens);
+        bump(&shared.counts.backend_micros, (secs * 1e6) as u64);
+        shared.handles.backend_seconds.increment(secs);
+    }
+    shared.pending.lock().remove(&job.key);
+    shared.counts.active.fetch_sub(1, Ordering::Relaxed);
+    drop(permit);
+    shared.wake.notify_one();
+}
+
+/// Runs a prefetch or refresh job. Returns whether the backend generated (or tried to) and
+/// the tokens it generated.
+async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (bool, u64) {
+    let (origin, check_cache) = match job.kind {
+        JobKind::Refresh(_) => (Origin::Refresh, false),
+        _ => (Origin::Prefetch, true),
+    };
+    let result = generate_in_background(
+        state,
+        &job.namespace,
+        job.endpoint,
+        job.request.clone(),
+        origin,
+        check_cache,
+    )
+    .await;
+    // The answer serves the follow-up in the cluster's other observed wordings too: their
+    // exact keys point at it. When the cache could already answer the asked wording (exactly
+    // or semantically), the entry it would serve is the answer (nothing was generated, the
+    // aliases cost nothing).
+    let answer = match &result {
+        Background::Generated { id, .. } => state.store.get(*id).await,
+        Background::Cached(entry) => Some(entry.clone()),
+        Background::Failed(_) => None,
+    };
+    if let (JobKind::Prefetch, Some(entry)) = (&job.kind, answer) {
+        state.store.alias_unclaimed(&job.aliases, &entry).await;
+    }
+    let mut tokens = 0;
+    let generated = !matches!(result, Background::Cached(_));
+    match result {
+        Background::Cached(_) => {
+            bump(&shared.counts.skipped, 1);
+        }
+        Background::Generated { id, usage } => {
+            tokens = u64::from(usage.completion_tokens);
+            bump(&shared.counts.completed, 1);
+            shared.handles.completed.increment(1);
+            match job.kind {
+                JobKind::Refresh(old) => {
+                    bump(&shared.counts.refreshed, 1);
+                    shared.handles.refresh.increment(1);
+                    shared.hot.invalidate(&old);
+                    shared.model.lock().rename(&job.namespace, old, id);
+                    // Every key that led to the old answer (aliases of paraphrases and other
+                    // wordings) leads to the renewed one, here and in Redis.
+                    if let Some(new) = state.store.get(id).await {
+                        state.store.repoint(old, &new).await;
+                    }
+                }
+                _ => {
+                    // Served already (its first use made it a live entry): nothing to track.
+                    if let Some(e) = state.store.get(id).await {
+                        if e.origin == Origin::Prefetch {
+                            let mut map = shared.prefetched.lock();
+                            if map.len() < MAX_TRACKED {
+                                map.insert(id, e.expires_ms);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Background::Failed(e) => {
+            tracing::debug!(error = %e, "prefetch: background generation failed");
+            if let JobKind::Refresh(old) = job.kind {
+                if let Some(h) = shared.hot.get(&old) {
+                    h.refreshing.store(false, Ordering::Relaxed);
+                }
+            }
+            bump(&shared.counts.cancelled, 1);
+            shared.handles.cancelled.increment(1);
+        }
+    }
+    (generated, tokens)
+}

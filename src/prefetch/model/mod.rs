@@ -1,0 +1,363 @@
+//! The transition model: per namespace, decayed counts of which entry answered the turn that
+//! followed which entry, and of which *cluster* of questions followed which.
+//!
+//! Every observed entry is a *node* holding the text it was matched by (its prompt), its
+//! embedding, how often it was served (`seen`) and how often each other entry answered the
+//! next turn (`next`). Counts decay exponentially with the configured half-life, so old habits
+//! fade. The probability of a follow-up `Y` after `E` is `next[Y] / seen(E)`: the share of the
+//! times `E` was served that were followed by `Y` (ending the conversation is the rest).
+//!
+//! # Clusters
+//!
+//! Users ask one question in many wordings, and the semantic tier (rightly strict) serves one
+//! wording's answer for few of the others, so per-entry counts fragment: each wording, in each
+//! conversation context, is an entry of its own. For *counting*, every node therefore also
+//! belongs to a cluster: the first cluster whose representative (the prompt that founded it)
+//! the node's prompt joins by the caller's rule (a looser similarity than serving, plus the
+//! false-hit gate), or a new one. A cluster keeps its own decayed `seen` and cluster → cluster
+//! follow-up counts, and the wordings observed for it (bounded, the most used kept).
+//!
+//! A prediction names a follow-up cluster, the wording to ask (the most used one) and the
+//! cluster's other wordings, so the prefetcher can make one generated answer reachable for
+//! each of them. Counts come from the node itself when it was seen often enough, else from
+//! its cluster, else from nodes with a similar embedding (a brand-new question).
+//!
+//! This file holds the data (nodes, clusters, namespaces) and the counting (`observe`,
+//! `link`, `rename`); `clusters.rs` places prompts in clusters, `predict.rs` ranks the
+//! follow-ups, `regroup.rs` merges clusters used alike, `snapshot.rs` exports and imports
+//! the counts.
+
+mod clusters;
+mod predict;
+mod regroup;
+mod snapshot;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use reprise_cache::EntryId;
+
+use clusters::note_wording;
+pub use predict::PredictParams;
+pub use regroup::RegroupParams;
+pub use snapshot::{ClusterSnapshot, NamespaceSnapshot, NodeSnapshot, Snapshot, SNAPSHOT_VERSION};
+
+/// Nodes kept per namespace; beyond this the least recently touched tenth is forgotten.
+const MAX_NODES: usize = 20_000;
+/// Clusters kept per namespace; beyond this the least recently touched tenth is forgotten.
+/// Assigning a new node scans them, so this also bounds that cost.
+const MAX_CLUSTERS: usize = 4096;
+/// Namespaces kept; beyond this the least recently touched one is forgotten.
+const MAX_NAMESPACES: usize = 1024;
+/// Follow-ups kept per node and per cluster; beyond this the weakest is forgotten.
+const MAX_NEXT: usize = 64;
+/// Wordings kept per cluster; beyond this the least used one (never the representative)
+/// makes room.
+pub const MAX_WORDINGS: usize = 16;
+
+/// A count that halves every half-life.
+#[derive(Debug, Clone, Copy, Default)]
+struct Decayed {
+    value: f64,
+    at_ms: u64,
+}
+
+impl Decayed {
+    fn value(&self, now_ms: u64, half_life_ms: f64) -> f64 {
+        let dt = now_ms.saturating_sub(self.at_ms) as f64;
+        self.value * (-dt / half_life_ms).exp2()
+    }
+
+    fn add(&mut self, x: f64, now_ms: u64, half_life_ms: f64) {
+        self.value = self.value(now_ms, half_life_ms) + x;
+        self.at_ms = now_ms.max(self.at_ms);
+    }
+
+    fn at(value: f64, at_ms: u64) -> Decayed {
+        Decayed { value, at_ms }
+    }
+}
+
+/// One entry as the model knows it.
+#[derive(Debug, Clone, Default)]
+struct Node {
+    prompt: String,
+    embedding: Option<Arc<[f32]>>,
+    seen: Decayed,
+    next: HashMap<EntryId, Decayed>,
+    touched_ms: u64,
+    /// The cluster its prompt belongs to (assigned on first observation).
+    cluster: Option<u64>,
+}
+
+/// One observed wording of a cluster.
+#[derive(Debug, Clone)]
+struct Wording {
+    text: String,
+    used: Decayed,
+}
+
+/// Questions counted as one: a representative and the wordings that joined it.
+#[derive(Debug, Clone, Default)]
+struct Cluster {
+    /// The prompt that founded the cluster; joining is decided against it alone, so a chain
+    /// of near neighbours cannot drift into another question.
+    prompt: String,
+    embedding: Option<Arc<[f32]>>,
+    /// Observed wordings, the representative first.
+    wordings: Vec<Wording>,
+    seen: Decayed,
+    next: HashMap<u64, Decayed>,
+    touched_ms: u64,
+}
+
+/// Whether prompt `a` (with its embedding) may be counted as the same question as a
+/// cluster's representative `b`.
+type JoinRule<'a> = dyn Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool + 'a;
+
+/// One namespace's nodes and clusters, and how its follow-ups arrive (multi-turn history or
+/// single-turn prompts linked by a session id).
+#[derive(Debug, Default)]
+struct Namespace {
+    nodes: HashMap<EntryId, Node>,
+    clusters: HashMap<u64, Cluster>,
+    next_cluster: u64,
+    multi: Decayed,
+    single: Decayed,
+    touched_ms: u64,
+    /// Links were learned since the last regrouping, or it was cut short.
+    regroup_due: bool,
+    /// When it was last regrouped.
+    regrouped_ms: u64,
+}
+
+/// The transition counts of every namespace.
+#[derive(Debug)]
+pub struct Model {
+    half_life_ms: f64,
+    namespaces: HashMap<String, Namespace>,
+    changed: bool,
+}
+
+/// Two prompts are one question by exact text only (the join rule when nothing better is
+/// known, e.g. for imported nodes of an older snapshot).
+fn same_text(a: &str, _: Option<&[f32]>, b: &str, _: Option<&[f32]>) -> bool {
+    a == b
+}
+
+/// Cosine similarity (vectors are L2-normalised by the embedder; normalised again here so
+/// imported or foreign vectors cannot skew it).
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() || a.is_empty() {
+        return 0.0;
+    }
+    let (mut dot, mut na, mut nb) = (0.0f32, 0.0f32, 0.0f32);
+    for (x, y) in a.iter().zip(b) {
+        dot += x * y;
+        na += x * x;
+        nb += y * y;
+    }
+    if na == 0.0 || nb == 0.0 {
+        return 0.0;
+    }
+    dot / (na.sqrt() * nb.sqrt())
+}
+
+impl Model {
+    /// An empty model whose counts halve every `half_life_secs`.
+    pub fn new(half_life_secs: f64) -> Model {
+        Model {
+            half_life_ms: (half_life_secs * 1000.0).max(1.0),
+            namespaces: HashMap::new(),
+            changed: false,
+        }
+    }
+
+    /// Whether anything changed since the last [`Model::take_changed`].
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
+    }
+
+    fn namespace(&mut self, ns: &str, now_ms: u64) -> &mut Namespace {
+        if !self.namespaces.contains_key(ns) && self.namespaces.len() >= MAX_NAMESPACES {
+            if let Some(oldest) = self
+                .namespaces
+                .iter()
+                .min_by_key(|(_, n)| n.touched_ms)
+                .map(|(k, _)| k.clone())
+            {
+                self.namespaces.remove(&oldest);
+            }
+        }
+        let n = self.namespaces.entry(ns.to_string()).or_default();
+        n.touched_ms = now_ms;
+        n
+    }
+
+    /// Records that `id` was served (creating its node with its prompt and embedding, and
+    /// placing it in a cluster: `join(a, ea, b, eb)` says whether prompt `a` may be counted
+    /// as the same question as a cluster's representative `b`).
+    pub fn observe(
+        &mut self,
+        ns: &str,
+        id: EntryId,
+        prompt: &str,
+        embedding: Option<&Arc<[f32]>>,
+        now_ms: u64,
+        join: impl Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool,
+    ) {
+        let hl = self.half_life_ms;
+        let space = self.namespace(ns, now_ms);
+        let node = space.nodes.entry(id).or_default();
+        if node.prompt.is_empty() {
+            node.prompt = prompt.to_string();
+        }
+        if node.embedding.is_none() {
+            node.embedding = embedding.cloned();
+        }
+        node.seen.add(1.0, now_ms, hl);
+        node.touched_ms = now_ms;
+        let text = node.prompt.clone();
+        if let Some(cid) = space.cluster_of(id, now_ms, &join) {
+            if let Some(c) = space.clusters.get_mut(&cid) {
+                c.seen.add(1.0, now_ms, hl);
+                c.touched_ms = now_ms;
+                note_wording(c, &text, now_ms, hl);
+            }
+        }
+        if space.nodes.len() > MAX_NODES {
+            forget_oldest(&mut space.nodes, MAX_NODES / 10);
+        }
+        self.changed = true;
+    }
+
+    /// Records that `next` answered the turn after `prev`; `multi`: the follow-up carried the
+    /// conversation history (otherwise it was linked by its session id).
+    pub fn link(&mut self, ns: &str, prev: EntryId, next: EntryId, multi: bool, now_ms: u64) {
+        if prev == next {
+            return;
+        }
+        let hl = self.half_life_ms;
+        let space = self.namespace(ns, now_ms);
+        space.regroup_due = true;
+        if multi {
+            space.multi.add(1.0, now_ms, hl);
+        } else {
+            space.single.add(1.0, now_ms, hl);
+        }
+        let node = space.nodes.entry(prev).or_default();
+        node.touched_ms = now_ms;
+        node.next.entry(next).or_default().add(1.0, now_ms, hl);
+        trim_next(&mut node.next, now_ms, hl);
+        // Cluster counts: both ends were observed before they are linked, so both normally
+        // have a cluster; a node observed only through an old snapshot may lack one.
+        let from = space.cluster_of(prev, now_ms, &same_text);
+        let to = space.cluster_of(next, now_ms, &same_text);
+        if let (Some(from), Some(to)) = (from, to) {
+            if let Some(c) = space.clusters.get_mut(&from) {
+                c.touched_ms = now_ms;
+                c.next.entry(to).or_default().add(1.0, now_ms, hl);
+                trim_next(&mut c.next, now_ms, hl);
+            }
+        }
+        self.changed = true;
+    }
+
+    /// Whether follow-ups in `ns` mostly carry their history (`Some(true)`), mostly arrive as
+    /// single-turn prompts of a session (`Some(false)`), or nothing is known yet.
+    pub fn prefers_multi(&self, ns: &str, now_ms: u64) -> Option<bool> {
+        let space = self.namespaces.get(ns)?;
+        let m = space.multi.value(now_ms, self.half_life_ms);
+        let s = space.single.value(now_ms, self.half_life_ms);
+        if m == 0.0 && s == 0.0 {
+            return None;
+        }
+        Some(m >= s)
+    }
+
+    /// Moves everything known about `old` to `new` (a refreshed entry replaces its
+    /// predecessor), in both directions. Cluster counts are about questions, not entries, and
+    /// stay as they are.
+    pub fn rename(&mut self, ns: &str, old: EntryId, new: EntryId) {
+        let hl = self.half_life_ms;
+        let Some(space) = self.namespaces.get_mut(ns) else {
+            return;
+        };
+        if let Some(node) = space.nodes.remove(&old) {
+            match space.nodes.get_mut(&new) {
+                Some(n) => {
+                    let now = node.touched_ms.max(n.touched_ms);
+                    n.seen.add(node.seen.value(now, hl), now, hl);
+                    n.cluster = n.cluster.or(node.cluster);
+                    for (k, d) in node.next {
+                        n.next.entry(k).or_default().add(d.value(now, hl), now, hl);
+                    }
+                }
+                None => {
+                    space.nodes.insert(new, node);
+                }
+            }
+        }
+        for n in space.nodes.values_mut() {
+            if let Some(d) = n.next.remove(&old) {
+                let now = d.at_ms;
+                n.next
+                    .entry(new)
+                    .or_default()
+                    .add(d.value(now, hl), now, hl);
+            }
+        }
+        self.changed = true;
+    }
+}
+
+/// Forgets the weakest follow-up beyond [`MAX_NEXT`].
+fn trim_next<K: Copy + Eq + std::hash::Hash>(next: &mut HashMap<K, Decayed>, now_ms: u64, hl: f64) {
+    if next.len() <= MAX_NEXT {
+        return;
+    }
+    if let Some(weakest) = next
+        .iter()
+        .map(|(k, d)| (*k, d.value(now_ms, hl)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(k, _)| k)
+    {
+        next.remove(&weakest);
+    }
+}
+
+/// Drops the `n` least recently touched nodes.
+fn forget_oldest(nodes: &mut HashMap<EntryId, Node>, n: usize) {
+    let mut ages: Vec<(u64, EntryId)> = nodes.iter().map(|(k, v)| (v.touched_ms, *k)).collect();
+    ages.sort_unstable();
+    for (_, k) in ages.into_iter().take(n.max(1)) {
+        nodes.remove(&k);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) fn params() -> PredictParams {
+        PredictParams {
+            min_probability: 0.2,
+            max_predictions: 3,
+            min_observations: 2.0,
+            similar_threshold: 0.8,
+        }
+    }
+
+    /// Joins prompts that share their first word (a stand-in for "similar and gate passes").
+    pub(super) fn first_word(a: &str, _: Option<&[f32]>, b: &str, _: Option<&[f32]>) -> bool {
+        a.split(' ').next() == b.split(' ').next()
+    }
+
+    #[test]
+    fn counts_decay_with_half_life() {
+        let mut d = Decayed::default();
+        d.add(8.0, 0, 1000.0);
+        assert!((d.value(1000, 1000.0) - 4.0).abs() < 1e-9);
+        assert!((d.value(3000, 1000.0) - 1.0).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,232 @@
+//! Predictions: the follow-up clusters of an entry, ranked by estimated probability, from the
+//! entry's own counts, else its cluster's, else those of entries with a similar embedding.
+
+use std::collections::HashMap;
+
+use reprise_cache::EntryId;
+
+use super::{cosine, Model, Node};
+
+/// Neighbours pooled for a rarely seen node.
+const MAX_NEIGHBOURS: usize = 16;
+
+/// Thresholds of a prediction.
+#[derive(Debug, Clone, Copy)]
+pub struct PredictParams {
+    /// Lowest probability kept.
+    pub min_probability: f64,
+    /// Most predictions returned.
+    pub max_predictions: usize,
+    /// Lowest decayed count of observations a prediction rests on.
+    pub min_observations: f64,
+    /// Lowest cosine similarity of a neighbour whose counts a rarely seen node borrows.
+    pub similar_threshold: f32,
+}
+
+/// A predicted follow-up.
+///
+/// The prefetcher asks `prompt` and aliases `wordings`; `target`, `cluster` and `borrowed`
+/// describe the prediction (tests, debug output).
+#[derive(Debug, Clone)]
+#[allow(dead_code)]
+pub struct Prediction {
+    /// The entry that answered this follow-up most often before.
+    pub target: EntryId,
+    /// The follow-up's cluster.
+    pub cluster: u64,
+    /// What to ask: the cluster's most used wording.
+    pub prompt: String,
+    /// The cluster's other observed wordings, most used first (at most
+    /// [`MAX_WORDINGS`](super::MAX_WORDINGS)).
+    pub wordings: Vec<String>,
+    /// Estimated probability that the next turn asks it (in any of its wordings).
+    pub probability: f64,
+    /// Whether the counts were borrowed (from the cluster or from similar entries).
+    pub borrowed: bool,
+}
+
+impl Model {
+    /// Ranks the follow-up clusters of `id`. The counts come from the node itself when it
+    /// was seen at least `min_observations` times (its own context says most), else from its
+    /// cluster (every wording of the question, in every context), else from the nodes with a
+    /// similar embedding.
+    pub fn predict(
+        &self,
+        ns: &str,
+        id: EntryId,
+        p: &PredictParams,
+        now_ms: u64,
+    ) -> Vec<Prediction> {
+        let hl = self.half_life_ms;
+        let Some(space) = self.namespaces.get(ns) else {
+            return Vec::new();
+        };
+        let Some(node) = space.nodes.get(&id) else {
+            return Vec::new();
+        };
+        let live = |c: Option<u64>| c.filter(|c| space.clusters.contains_key(c));
+        let own_cluster = live(node.cluster);
+        // Counts by follow-up cluster, with the entry that carried the most of each.
+        let mut counts: HashMap<u64, (f64, EntryId, f64)> = HashMap::new();
+        let add_nodes = |sources: &[&Node], counts: &mut HashMap<u64, (f64, EntryId, f64)>| {
+            for src in sources {
+                for (target, count) in &src.next {
+                    if *target == id {
+                        continue;
+                    }
+                    // A target forgotten since (or never seen served) has no prompt to ask.
+                    let Some(cid) = space.nodes.get(target).and_then(|t| live(t.cluster)) else {
+                        continue;
+                    };
+                    // The same question again (merged wordings make such loops): its answer
+                    // is the one just served.
+                    if Some(cid) == own_cluster {
+                        continue;
+                    }
+                    let v = count.value(now_ms, hl);
+                    let e = counts.entry(cid).or_insert((0.0, *target, 0.0));
+                    e.0 += v;
+                    if v > e.2 {
+                        e.1 = *target;
+                        e.2 = v;
+                    }
+                }
+            }
+        };
+        let own = node.seen.value(now_ms, hl);
+        let cluster_seen = own_cluster
+            .and_then(|c| space.clusters.get(&c))
+            .map_or(0.0, |c| c.seen.value(now_ms, hl));
+        let (total, borrowed) = if own >= p.min_observations {
+            add_nodes(&[node], &mut counts);
+            (own, false)
+        } else if cluster_seen >= p.min_observations {
+            let c = &space.clusters[&own_cluster.unwrap_or_default()];
+            for (target, count) in &c.next {
+                if space.clusters.contains_key(target) && Some(*target) != own_cluster {
+                    // The representative entry is unknown at cluster level: the best node
+                    // target is looked up below when needed.
+                    counts.insert(*target, (count.value(now_ms, hl), id, 0.0));
+                }
+            }
+            (cluster_seen, true)
+        } else {
+            let mut sources: Vec<&Node> = vec![node];
+            if let Some(emb) = &node.embedding {
+                let mut near: Vec<(f32, &Node)> = space
+                    .nodes
+                    .iter()
+                    .filter(|(k, n)| **k != id && !n.next.is_empty())
+                    .filter_map(|(_, n)| {
+                        let s = cosine(emb, n.embedding.as_deref()?);
+                        (s >= p.similar_threshold).then_some((s, n))
+                    })
+                    .collect();
+                near.sort_by(|a, b| b.0.total_cmp(&a.0));
+                sources.extend(near.into_iter().take(MAX_NEIGHBOURS).map(|(_, n)| n));
+            }
+            let total: f64 = sources.iter().map(|n| n.seen.value(now_ms, hl)).sum();
+            add_nodes(&sources, &mut counts);
+            (total, true)
+        };
+        if total < p.min_observations || total <= 0.0 {
+            return Vec::new();
+        }
+        let mut out: Vec<Prediction> = counts
+            .into_iter()
+            .filter_map(|(cid, (count, target, _))| {
+                let probability = (count / total).min(1.0);
+                if probability < p.min_probability {
+                    return None;
+                }
+                let c = &space.clusters[&cid];
+                let mut words: Vec<(f64, &str)> = c
+                    .wordings
+                    .iter()
+                    .map(|w| (w.used.value(now_ms, hl), w.text.as_str()))
+                    .collect();
+                // Most used first; the representative (first) wins ties.
+                words.sort_by(|a, b| b.0.total_cmp(&a.0));
+                let prompt = words.first().map_or(c.prompt.as_str(), |w| w.1).to_string();
+                let target = if target == id {
+                    // Cluster-level counts: any entry of that cluster will do as a name.
+                    space
+                        .nodes
+                        .iter()
+                        .find(|(_, n)| n.cluster == Some(cid))
+                        .map_or(id, |(k, _)| *k)
+                } else {
+                    target
+                };
+                Some(Prediction {
+                    target,
+                    cluster: cid,
+                    wordings: words.iter().skip(1).map(|w| w.1.to_string()).collect(),
+                    prompt,
+                    probability,
+                    borrowed,
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| b.probability.total_cmp(&a.probability));
+        out.truncate(p.max_predictions);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    use super::super::same_text;
+    use crate::prefetch::model::tests::params;
+
+    #[test]
+    fn counts_become_probabilities() {
+        let mut m = Model::new(3600.0);
+        let (x, y, z) = (EntryId(1), EntryId(2), EntryId(3));
+        for i in 0..4 {
+            m.observe("ns", x, "x?", None, 1000, same_text);
+            let next = if i < 3 { y } else { z };
+            m.observe(
+                "ns",
+                next,
+                if i < 3 { "y?" } else { "z?" },
+                None,
+                1000,
+                same_text,
+            );
+            m.link("ns", x, next, true, 1000);
+        }
+        let p = m.predict("ns", x, &params(), 1000);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].target, y);
+        assert_eq!(p[0].prompt, "y?");
+        assert!((p[0].probability - 0.75).abs() < 1e-9);
+        assert!((p[1].probability - 0.25).abs() < 1e-9);
+        assert!(!p[0].borrowed);
+        assert_eq!(m.prefers_multi("ns", 1000), Some(true));
+    }
+
+    #[test]
+    fn a_new_node_borrows_from_similar_ones() {
+        let mut m = Model::new(3600.0);
+        let e1: Arc<[f32]> = Arc::from(vec![1.0f32, 0.0]);
+        let e2: Arc<[f32]> = Arc::from(vec![0.99f32, 0.1]);
+        let far: Arc<[f32]> = Arc::from(vec![0.0f32, 1.0]);
+        let (x, y, x2, w) = (EntryId(1), EntryId(2), EntryId(3), EntryId(4));
+        for _ in 0..3 {
+            m.observe("ns", x, "x?", Some(&e1), 0, same_text);
+            m.observe("ns", y, "y?", None, 0, same_text);
+            m.link("ns", x, y, true, 0);
+        }
+        m.observe("ns", x2, "x again?", Some(&e2), 0, same_text);
+        m.observe("ns", w, "w?", Some(&far), 0, same_text);
+        let p = m.predict("ns", x2, &params(), 0);
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].prompt, "y?");
+        assert!(p[0].borrowed);
+        assert!(m.predict("ns", w, &params(), 0).is_empty());
+    }
+}

@@ -1,0 +1,119 @@
+//! The worker: one task that learns from the observations, starts the waiting jobs when the
+//! backend is free, regroups clusters, scans for refresh and waste, and saves the counts.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::Shared;
+use crate::observe::Event;
+use crate::state::AppState;
+
+/// Worker tick while jobs wait (to catch the backend going idle).
+const POLL: Duration = Duration::from_millis(10);
+/// Worker tick while nothing waits.
+const IDLE_TICK: Duration = Duration::from_millis(100);
+/// How often hot entries are checked for refresh and prefetched entries for waste.
+const SCAN_EVERY: Duration = Duration::from_millis(250);
+/// How often clusters are regrouped by use (when links were learned since).
+const REGROUP_EVERY: Duration = Duration::from_secs(2);
+/// How often the counts are saved to Redis (when they changed).
+const PERSIST_EVERY: Duration = Duration::from_secs(30);
+
+impl Shared {
+    /// Learns from one event of the observation channel.
+    fn apply(&self, ev: Event) {
+        match ev {
+            Event::Served(obs) => self.learn(*obs),
+            Event::PrefetchUsed(id) => self.used(id),
+        }
+    }
+}
+
+/// The worker: learns from observations, starts jobs, scans for refresh and waste, saves
+/// the counts.
+pub(super) async fn worker(
+    shared: Arc<Shared>,
+    mut rx: mpsc::Receiver<Event>,
+    state: Weak<AppState>,
+    stop: CancellationToken,
+) {
+    let mut quiet_since: Option<Instant> = None;
+    let mut last_scan = Instant::now();
+    let mut last_persist = Instant::now();
+    let mut last_regroup = Instant::now();
+    let mut links_at_regroup = 0;
+    let mut restored = false;
+    loop {
+        let wait = if shared.queue.lock().is_empty() {
+            IDLE_TICK
+        } else {
+            POLL
+        };
+        let first = tokio::select! {
+            m = rx.recv() => match m {
+                Some(m) => Some(m),
+                None => return,
+            },
+            _ = shared.wake.notified() => None,
+            _ = tokio::time::sleep(wait) => None,
+            _ = stop.cancelled() => {
+                // What was observed before the stop is learned, so the counts saved at
+                // shutdown include it.
+                while let Ok(ev) = rx.try_recv() {
+                    shared.apply(ev);
+                }
+                return;
+            }
+        };
+        let Some(state) = state.upgrade() else {
+            return;
+        };
+        for ev in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
+            shared.apply(ev);
+        }
+        let tier = shared.redis.lock().clone();
+        if let Some(tier) = tier {
+            if !restored {
+                match shared.restore(&tier).await {
+                    Ok(n) => {
+                        restored = true;
+                        tracing::info!(entries = n, "prefetch: counts restored");
+                    }
+                    Err(e) => tracing::debug!(error = %e, "prefetch: restore failed"),
+                }
+            } else if last_persist.elapsed() >= PERSIST_EVERY {
+                last_persist = Instant::now();
+                if shared.model.lock().take_changed() {
+                    shared.persist(&tier);
+                }
+            }
+        }
+        if shared.cfg.regroup && last_regroup.elapsed() >= REGROUP_EVERY {
+            last_regroup = Instant::now();
+            let links = shared.counts.links.load(Ordering::Relaxed);
+            if links != links_at_regroup {
+                links_at_regroup = links;
+                // Quadratic in the clusters compared (bounded): off the async threads.
+                let s = shared.clone();
+                let _ = tokio::task::spawn_blocking(move || s.regroup()).await;
+            }
+        }
+        if last_scan.elapsed() >= SCAN_EVERY {
+            last_scan = Instant::now();
+            if shared.cfg.refresh_ahead {
+                shared.scan_hot(&state).await;
+            }
+            shared.scan_wasted(&state).await;
+        }
+        if shared.cfg.enabled || shared.cfg.refresh_ahead {
+            shared.dispatch(&state, &mut quiet_since);
+        }
+    }
+}
