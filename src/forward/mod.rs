@@ -18,18 +18,43 @@ use axum::body::Bytes;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use reprise_backend::ForwardRequest;
+use reprise_policies::cacheable::Uncacheable;
 
 use crate::bookkeeping::Bookkeeping;
 use crate::error::ApiError;
 use crate::headers::set_cache_status;
 use crate::metrics::Outcome;
 use crate::openai::Endpoint;
-use crate::request::{admit, Forward};
 use crate::state::AppState;
 use body::{upstream_headers, upstream_response, BodyLimits};
 
-/// Sends a request the cache cannot represent upstream as it came and streams the answer
-/// back as it arrives. Nothing is looked up, stored or learned from it.
+/// A request that only an upstream can answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forward {
+    /// The model the body names.
+    pub model: String,
+    /// The client asked for a stream.
+    pub stream: bool,
+    /// The field that needs the upstream, as a path: `tools`, `messages[2].tool_calls`, `n`.
+    pub param: String,
+    /// The same field without indices, for the metric label: `tools`, `messages.tool_calls`.
+    pub field: &'static str,
+}
+
+impl Forward {
+    pub(crate) fn new(model: String, stream: Option<bool>, u: Uncacheable) -> Self {
+        Forward {
+            model,
+            stream: stream.unwrap_or(false),
+            param: u.param,
+            field: u.field,
+        }
+    }
+}
+
+/// Sends a request the cache cannot represent upstream as it came (the request path has
+/// admitted it) and streams the answer back as it arrives. Nothing is looked up, stored or
+/// learned from it.
 pub async fn forward(
     state: &Arc<AppState>,
     endpoint: Endpoint,
@@ -38,10 +63,6 @@ pub async fn forward(
     f: Forward,
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
-    let ctl = admit(state, headers, &f.model, book)?;
-    if ctl.cache.only_if_cached {
-        return Err(ApiError::NotCached);
-    }
     if !state.backend.forwards() {
         return Err(ApiError::invalid(
             format!(

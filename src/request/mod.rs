@@ -37,13 +37,15 @@ use axum::response::{IntoResponse, Response};
 
 use crate::bookkeeping::Bookkeeping;
 use crate::error::ApiError;
+pub use crate::forward::Forward;
 use crate::headers::set_cache_status;
 use crate::lookup::{self, ObserveLater, Wants};
 use crate::metrics::Outcome;
 use crate::openai::{Endpoint, Renderer};
 use crate::state::AppState;
-pub use controls::{admit, Controls};
-pub use parse::{parse, Forward, Parsed, Request};
+use controls::admit;
+pub use controls::Controls;
+pub use parse::{parse, Parsed, Request};
 
 /// Entry point of both completion endpoints.
 pub async fn handle(
@@ -76,7 +78,12 @@ async fn serve(
     let parsed = match parse(endpoint, &body)? {
         Request::Cacheable(parsed) => parsed,
         Request::Forward(f) => {
-            return crate::forward::forward(state, endpoint, headers, body, f, book).await
+            // Only an upstream can answer it: admitted like any request, then sent there.
+            let ctl = admit(state, headers, &f.model, book)?;
+            if ctl.cache.only_if_cached {
+                return Err(ApiError::NotCached);
+            }
+            return crate::forward::forward(state, endpoint, headers, body, f, book).await;
         }
     };
     // 2. Controls.

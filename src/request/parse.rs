@@ -8,6 +8,7 @@ use reprise_backend::{ChatMessage, GenRequest, Input, Priority, SamplingParams};
 use reprise_policies::cacheable::{self, MessageShape, PromptShape, Uncacheable};
 
 use crate::error::ApiError;
+use crate::forward::Forward;
 use crate::openai::{ChatCompletionRequest, CompletionRequest, Content, Endpoint, Prompt};
 
 /// A parsed request.
@@ -28,30 +29,6 @@ pub enum Request {
     Cacheable(Parsed),
     /// Asks for more than a cached text answer can give; goes upstream as it came.
     Forward(Forward),
-}
-
-/// A request that only an upstream can answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Forward {
-    /// The model the body names.
-    pub model: String,
-    /// The client asked for a stream.
-    pub stream: bool,
-    /// The field that needs the upstream, as a path: `tools`, `messages[2].tool_calls`, `n`.
-    pub param: String,
-    /// The same field without indices, for the metric label: `tools`, `messages.tool_calls`.
-    pub field: &'static str,
-}
-
-impl Forward {
-    fn new(model: String, stream: Option<bool>, u: Uncacheable) -> Self {
-        Forward {
-            model,
-            stream: stream.unwrap_or(false),
-            param: u.param,
-            field: u.field,
-        }
-    }
 }
 
 /// The first field of a chat request that needs the upstream.
