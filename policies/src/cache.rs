@@ -120,8 +120,8 @@ pub struct Access {
     pub read: bool,
     /// Store its answer.
     pub write: bool,
-    /// Send it to the backend on a miss.
-    pub forward: bool,
+    /// Have the backend generate an answer on a miss (else 504: `only-if-cached`).
+    pub generate: bool,
 }
 
 /// Decides the cache access of one request.
@@ -129,7 +129,7 @@ pub fn access(enabled: bool, d: Directives) -> Access {
     Access {
         read: enabled && !d.no_cache && !d.no_store,
         write: enabled && !d.no_store && !d.only_if_cached,
-        forward: !d.only_if_cached,
+        generate: !d.only_if_cached,
     }
 }
 
@@ -257,7 +257,7 @@ mod tests {
     #[test]
     fn directives() {
         let all = access(true, Directives::default());
-        assert!(all.read && all.write && all.forward);
+        assert!(all.read && all.write && all.generate);
         let nc = access(
             true,
             Directives {
@@ -273,7 +273,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        assert!(!ns.read && !ns.write && ns.forward);
+        assert!(!ns.read && !ns.write && ns.generate);
         let oic = access(
             true,
             Directives {
@@ -281,8 +281,8 @@ mod tests {
                 ..Default::default()
             },
         );
-        assert!(oic.read && !oic.write && !oic.forward);
+        assert!(oic.read && !oic.write && !oic.generate);
         let off = access(false, Directives::default());
-        assert!(!off.read && !off.write && off.forward);
+        assert!(!off.read && !off.write && off.generate);
     }
 }

@@ -98,7 +98,7 @@ async fn serve(
         freshness: ctl.cache.freshness(),
     };
     let counted = book.is_counted();
-    let found = lookup::lookup(
+    let mut found = lookup::lookup(
         state,
         &ctl.namespace,
         endpoint,
@@ -117,14 +117,13 @@ async fn serve(
         session,
         prev_entry: found.prev_entry,
     });
-    let mut found = found;
     if let Some(hit) = found.hit.take() {
         // 8. Write-back of a hit: this phrasing's keys now lead to the entry.
         write_back::link_hit(state, &found, &hit, access.write, observe).await;
         // 9. Respond.
         return Ok(respond::hit(&parsed, renderer, hit, book));
     }
-    if !access.forward {
+    if !access.generate {
         return Err(ApiError::NotCached);
     }
     let mut plan = found.plan;
