@@ -1,0 +1,45 @@
+//! The versioned JSON envelope an entry is stored in, and decoding a stored value: anything
+//! but a current envelope of the expected, unexpired entry is skipped (a miss, counted).
+
+use serde::{Deserialize, Serialize};
+
+use super::shared::Shared;
+use crate::entry::{Entry, EntryId};
+
+/// Version of the stored envelope; readers skip any other.
+pub(super) const ENVELOPE_VERSION: u32 = 1;
+
+#[derive(Serialize)]
+pub(super) struct EnvelopeOut<'a> {
+    pub(super) v: u32,
+    pub(super) entry: &'a Entry,
+}
+
+#[derive(Deserialize)]
+struct EnvelopeIn {
+    v: u32,
+    entry: Entry,
+}
+
+impl Shared {
+    /// Decodes a stored envelope; anything unexpected is skipped.
+    pub(super) fn decode(&self, name: &str, id: EntryId, raw: &[u8]) -> Option<Entry> {
+        match serde_json::from_slice::<EnvelopeIn>(raw) {
+            Ok(env) if env.v != ENVELOPE_VERSION => {
+                self.skip(name, "unknown envelope version");
+                None
+            }
+            Ok(env) if env.entry.id != id => {
+                self.skip(name, "entry id does not match its key");
+                None
+            }
+            // Redis expires it at the same moment; clocks of replicas may differ slightly.
+            Ok(env) if env.entry.is_expired() => None,
+            Ok(env) => Some(env.entry),
+            Err(_) => {
+                self.skip(name, "not an entry envelope");
+                None
+            }
+        }
+    }
+}

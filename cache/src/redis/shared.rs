@@ -1,0 +1,168 @@
+//! State shared by the [`RedisTier`](super::RedisTier) handles and the background tasks, and
+//! the path every command takes: through the circuit breaker, bounded by the command
+//! timeout, with metrics; and the reads built on it.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use parking_lot::RwLock;
+
+use super::breaker::{Breaker, Permit, Transition};
+use super::conn::{Conn, Connector};
+use super::error::{is_outage, is_wrong_type, RedisError};
+use super::keys::Keys;
+use super::metrics::{Op, RedisMetrics};
+use crate::entry::{Entry, EntryId};
+
+/// State shared by the handles and the background tasks.
+pub(super) struct Shared {
+    pub(super) keys: Keys,
+    pub(super) replica_id: String,
+    pub(super) timeout: Duration,
+    pub(super) connect_timeout: Duration,
+    pub(super) events_maxlen: usize,
+    pub(super) connector: Connector,
+    /// Replaced on each half-open probe; a read lock per command to clone the handle.
+    pub(super) conn: RwLock<Conn>,
+    pub(super) breaker: Breaker,
+    pub(super) metrics: RedisMetrics,
+    pub(super) dropped: AtomicU64,
+    pub(super) up: AtomicBool,
+}
+
+impl Shared {
+    /// Runs one operation through the breaker, bounded by the command timeout, with metrics.
+    pub(super) async fn run<T, F, Fut>(&self, op: Op, f: F) -> Result<T, RedisError>
+    where
+        F: FnOnce(Conn) -> Fut,
+        Fut: Future<Output = ::redis::RedisResult<T>>,
+    {
+        let Some(pass) = self.breaker.acquire() else {
+            self.metrics.errors(op).increment(1);
+            return Err(RedisError::Unavailable);
+        };
+        let permit = Permit::new(&self.breaker, pass);
+        if permit.is_probe() {
+            self.reconnect();
+        }
+        let conn = self.conn.read().clone();
+        let start = Instant::now();
+        let result = tokio::time::timeout(self.timeout, f(conn)).await;
+        self.metrics
+            .duration(op)
+            .record(start.elapsed().as_secs_f64());
+        let (reached, out) = match result {
+            Ok(Ok(v)) => (true, Ok(v)),
+            // Redis answered, with an error: the server is fine, the request was not.
+            Ok(Err(e)) if !is_outage(&e) => (true, Err(RedisError::Command(e))),
+            Ok(Err(e)) => (false, Err(RedisError::Connection(e))),
+            Err(_) => (false, Err(RedisError::Timeout)),
+        };
+        let transition = permit.finish(reached);
+        self.note(reached, transition);
+        if let Err(e) = &out {
+            self.metrics.errors(op).increment(1);
+            tracing::debug!(op = op.as_str(), error = %e, "redis: operation failed");
+        }
+        out
+    }
+
+    /// Records whether Redis was reached and any breaker transition.
+    fn note(&self, reached: bool, transition: Transition) {
+        let was_up = self.up.swap(reached, Ordering::Relaxed);
+        if was_up != reached {
+            self.metrics.up.set(if reached { 1.0 } else { 0.0 });
+        }
+        match transition {
+            Transition::Opened => {
+                self.metrics.breaker_open.set(1.0);
+                tracing::warn!("redis: circuit breaker open, failing fast");
+            }
+            Transition::Closed => {
+                self.metrics.breaker_open.set(0.0);
+                self.metrics.up.set(1.0);
+                tracing::info!("redis: circuit breaker closed, redis is back");
+            }
+            Transition::None => {}
+        }
+    }
+
+    /// Replaces the connection handle with a fresh lazy one (before a half-open probe).
+    fn reconnect(&self) {
+        match self.connector.connect(self.connect_timeout, self.timeout) {
+            Ok(conn) => *self.conn.write() = conn,
+            Err(e) => tracing::debug!(error = %e, "redis: cannot rebuild connection"),
+        }
+    }
+
+    pub(super) fn drop_write(&self) {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        self.metrics.dropped.increment(1);
+    }
+
+    /// Counts and logs a value that cannot be used.
+    pub(super) fn skip(&self, key: &str, why: &str) {
+        self.metrics.skipped.increment(1);
+        tracing::debug!(key, why, "redis: value skipped");
+    }
+
+    /// An entry by id (for either read operation's metrics).
+    pub(super) async fn get(&self, op: Op, id: EntryId) -> Result<Option<Entry>, RedisError> {
+        let name = self.keys.entry(id);
+        let cmd = ::redis::cmd("GET").arg(&name).clone();
+        let raw: Option<Vec<u8>> = match self.run(op, |c| async move { c.query(&cmd).await }).await
+        {
+            Ok(raw) => raw,
+            Err(e) if is_wrong_type(&e) => {
+                self.skip(&name, "not a string");
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(raw.and_then(|raw| self.decode(&name, id, &raw)))
+    }
+
+    /// The values of several entry keys in one bounded round (concurrent GETs: on a cluster
+    /// the keys are on different slots, so no MGET). A key holding a non-string reads as
+    /// absent (skipped); any outage fails the whole round.
+    pub(super) async fn get_many(
+        &self,
+        op: Op,
+        names: &[(String, EntryId)],
+    ) -> Result<Vec<Option<Vec<u8>>>, RedisError> {
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
+        let results = self
+            .run(op, |c| async move {
+                let replies = join_all(names.iter().map(|(name, _)| {
+                    let c = c.clone();
+                    async move {
+                        let cmd = ::redis::cmd("GET").arg(name).clone();
+                        c.query::<Option<Vec<u8>>>(&cmd).await
+                    }
+                }))
+                .await;
+                if let Some(e) = replies
+                    .iter()
+                    .find_map(|r| r.as_ref().err().filter(|e| is_outage(e)))
+                {
+                    return Err(e.clone());
+                }
+                Ok(replies)
+            })
+            .await?;
+        Ok(results
+            .into_iter()
+            .zip(names)
+            .map(|(r, (name, _))| {
+                r.unwrap_or_else(|_| {
+                    self.skip(name, "not a string");
+                    None
+                })
+            })
+            .collect())
+    }
+}

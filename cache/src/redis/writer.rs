@@ -1,0 +1,357 @@
+//! The write queue. Puts, aliases and blobs are queued and applied by one background task, a
+//! batch at a time and concurrently; deletes and flushes go through the same queue, so they
+//! apply after the writes queued before them, and their callers wait for the result.
+
+use std::sync::Arc;
+
+use ::redis::Value;
+use futures::future::{join_all, try_join_all};
+use tokio::sync::{mpsc, oneshot};
+
+use super::conn::Conn;
+use super::error::RedisError;
+use super::events;
+use super::metrics::Op;
+use super::shared::Shared;
+use super::RedisTier;
+use crate::entry::{now_ms, Digest, EntryId};
+
+/// Adds an id to an index sorted set (score = its expiry), prunes expired ids and makes the
+/// set outlive its longest-lived member. One script so the three steps see one state; it
+/// touches a single key, so it runs on a cluster too. `PTTL` is -1 for a set without expiry,
+/// which is below any TTL, so a fresh set always gets one.
+const INDEX_SCRIPT: &str = "\
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return 1";
+
+/// Writes taken from the queue at once; puts and aliases of one batch run concurrently.
+const WRITE_BATCH: usize = 64;
+/// Ids deleted per round of a namespace or tag delete.
+const DELETE_BATCH: usize = 500;
+/// Deletes wait behind the writes queued before them (so an older pending put cannot bring
+/// back what was just deleted); this many command timeouts bound the caller's wait.
+const ADMIN_WAIT_FACTOR: u32 = 50;
+
+/// What the write queue carries.
+pub(super) enum Queued {
+    /// A put or alias; consecutive ones are applied concurrently.
+    Write(Write),
+    /// A delete or flush; applied alone, after everything queued before it.
+    Admin(Admin),
+}
+
+/// A queued put or alias.
+pub(super) enum Write {
+    Put {
+        id: EntryId,
+        namespace: String,
+        expires_ms: u64,
+        bytes: Vec<u8>,
+        keys: Vec<Digest>,
+        tags: Vec<String>,
+    },
+    Alias {
+        key: Digest,
+        id: EntryId,
+        expires_ms: u64,
+    },
+    /// A named value without expiry (see [`RedisTier::put_blob`]).
+    Blob { name: String, bytes: Vec<u8> },
+}
+
+/// A queued operation whose caller waits for the result.
+pub(super) enum Admin {
+    Delete {
+        id: EntryId,
+        reply: oneshot::Sender<Result<bool, RedisError>>,
+    },
+    DeleteNamespace {
+        namespace: String,
+        reply: oneshot::Sender<Result<u64, RedisError>>,
+    },
+    DeleteTag {
+        tag: String,
+        reply: oneshot::Sender<Result<u64, RedisError>>,
+    },
+    Flush {
+        reply: oneshot::Sender<Result<(), RedisError>>,
+    },
+}
+
+impl RedisTier {
+    /// Puts a write on the queue, or drops it.
+    pub(super) fn enqueue(&self, write: Write) -> bool {
+        // While the breaker fails fast, queueing would only delay the drop.
+        if self.shared.breaker.fails_fast() {
+            self.shared.drop_write();
+            return false;
+        }
+        match self.writes.try_send(Queued::Write(write)) {
+            Ok(()) => true,
+            Err(_) => {
+                self.shared.drop_write();
+                false
+            }
+        }
+    }
+
+    /// Sends an operation through the write queue and waits for its result.
+    pub(super) async fn admin<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, RedisError>>) -> Admin,
+    ) -> Result<T, RedisError> {
+        if self.shared.breaker.fails_fast() {
+            return Err(RedisError::Unavailable);
+        }
+        let (tx, rx) = oneshot::channel();
+        let wait = self.shared.timeout * ADMIN_WAIT_FACTOR;
+        let done = async {
+            self.writes
+                .send(Queued::Admin(make(tx)))
+                .await
+                .map_err(|_| RedisError::Unavailable)?;
+            rx.await.map_err(|_| RedisError::Unavailable)?
+        };
+        tokio::time::timeout(wait, done)
+            .await
+            .unwrap_or(Err(RedisError::Timeout))
+    }
+}
+
+impl Shared {
+    /// An `XADD` of one event, trimmed approximately (`~` lets Redis trim whole nodes,
+    /// which is much cheaper than an exact length).
+    fn event(&self, op: &str, id: Option<EntryId>, namespace: &str) -> ::redis::Cmd {
+        ::redis::cmd("XADD")
+            .arg(self.keys.events())
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(self.events_maxlen)
+            .arg("*")
+            .arg("op")
+            .arg(op)
+            .arg("id")
+            .arg(id.map(|id| id.to_string()).unwrap_or_default())
+            .arg("ns")
+            .arg(namespace)
+            .arg("origin")
+            .arg(&self.replica_id)
+            .clone()
+    }
+
+    /// Applies a batch of puts and aliases concurrently; failures are counted as dropped.
+    async fn apply_writes(&self, writes: Vec<Write>) {
+        if writes.is_empty() {
+            return;
+        }
+        let results = join_all(writes.into_iter().map(|w| self.apply_write(w))).await;
+        for r in results {
+            if r.is_err() {
+                self.drop_write();
+            }
+        }
+    }
+
+    async fn apply_write(&self, write: Write) -> Result<(), RedisError> {
+        match write {
+            Write::Put {
+                id,
+                namespace,
+                expires_ms,
+                bytes,
+                keys,
+                tags,
+            } => {
+                let now = now_ms();
+                let ttl = expires_ms.saturating_sub(now);
+                if ttl == 0 {
+                    return Ok(());
+                }
+                let id_str = id.to_string();
+                let mut cmds = Vec::with_capacity(keys.len() + tags.len() + 3);
+                cmds.push(
+                    ::redis::cmd("SET")
+                        .arg(self.keys.entry(id))
+                        .arg(bytes)
+                        .arg("PX")
+                        .arg(ttl)
+                        .clone(),
+                );
+                for key in &keys {
+                    cmds.push(
+                        ::redis::cmd("SET")
+                            .arg(self.keys.key(key))
+                            .arg(&id_str)
+                            .arg("PX")
+                            .arg(ttl)
+                            .clone(),
+                    );
+                }
+                let index = |name: String| {
+                    ::redis::cmd("EVAL")
+                        .arg(INDEX_SCRIPT)
+                        .arg(1)
+                        .arg(name)
+                        .arg(expires_ms)
+                        .arg(&id_str)
+                        .arg(now)
+                        .arg(ttl)
+                        .clone()
+                };
+                cmds.push(index(self.keys.namespace(&namespace)));
+                for tag in &tags {
+                    cmds.push(index(self.keys.tag(tag)));
+                }
+                cmds.push(self.event(events::OP_PUT, Some(id), &namespace));
+                self.run(Op::Put, |c| run_all(c, cmds)).await.map(drop)
+            }
+            Write::Alias {
+                key,
+                id,
+                expires_ms,
+            } => {
+                let ttl = expires_ms.saturating_sub(now_ms());
+                if ttl == 0 {
+                    return Ok(());
+                }
+                let cmd = ::redis::cmd("SET")
+                    .arg(self.keys.key(&key))
+                    .arg(id.to_string())
+                    .arg("PX")
+                    .arg(ttl)
+                    .clone();
+                self.run(Op::Alias, |c| async move { c.query::<Value>(&cmd).await })
+                    .await
+                    .map(drop)
+            }
+            Write::Blob { name, bytes } => {
+                let cmd = ::redis::cmd("SET")
+                    .arg(self.keys.blob(&name))
+                    .arg(bytes)
+                    .clone();
+                self.run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
+                    .await
+                    .map(drop)
+            }
+        }
+    }
+
+    /// Applies a delete or flush and answers its caller.
+    async fn apply_admin(&self, op: Admin) {
+        match op {
+            Admin::Delete { id, reply } => {
+                let del = ::redis::cmd("DEL").arg(self.keys.entry(id)).clone();
+                let event = self.event(events::OP_DEL, Some(id), "");
+                let result = self
+                    .run(Op::Delete, |c| async move {
+                        let (n, _): (u64, Value) =
+                            futures::try_join!(c.query(&del), c.query(&event))?;
+                        Ok(n > 0)
+                    })
+                    .await;
+                let _ = reply.send(result);
+            }
+            Admin::DeleteNamespace { namespace, reply } => {
+                let index = self.keys.namespace(&namespace);
+                let mut result = self
+                    .delete_indexed(Op::DeleteNamespace, &index, false)
+                    .await;
+                if result.is_ok() {
+                    let event = self.event(events::OP_DEL_NS, None, &namespace);
+                    let sent = self
+                        .run(Op::DeleteNamespace, |c| async move {
+                            c.query::<Value>(&event).await
+                        })
+                        .await;
+                    if let Err(e) = sent {
+                        result = Err(e);
+                    }
+                }
+                let _ = reply.send(result);
+            }
+            Admin::DeleteTag { tag, reply } => {
+                let index = self.keys.tag(&tag);
+                let _ = reply.send(self.delete_indexed(Op::DeleteTag, &index, true).await);
+            }
+            Admin::Flush { reply } => {
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+
+    /// Deletes the entries listed in an index sorted set, a batch at a time, removing them
+    /// from the index as it goes (ids added meanwhile by concurrent puts stay). Returns how
+    /// many entries were present. `per_entry_events`: publish a delete event per entry.
+    async fn delete_indexed(
+        &self,
+        op: Op,
+        index: &str,
+        per_entry_events: bool,
+    ) -> Result<u64, RedisError> {
+        let mut deleted = 0;
+        loop {
+            let range = ::redis::cmd("ZRANGE")
+                .arg(index)
+                .arg(0)
+                .arg(DELETE_BATCH - 1)
+                .clone();
+            let members: Vec<String> = self
+                .run(op, |c| async move { c.query(&range).await })
+                .await?;
+            if members.is_empty() {
+                return Ok(deleted);
+            }
+            let ids: Vec<EntryId> = members.iter().filter_map(|m| m.parse().ok()).collect();
+            let mut cmds: Vec<::redis::Cmd> = ids
+                .iter()
+                .map(|id| ::redis::cmd("DEL").arg(self.keys.entry(*id)).clone())
+                .collect();
+            let dels = cmds.len();
+            if per_entry_events {
+                cmds.extend(
+                    ids.iter()
+                        .map(|id| self.event(events::OP_DEL, Some(*id), "")),
+                );
+            }
+            cmds.push(::redis::cmd("ZREM").arg(index).arg(&members).clone());
+            let replies = self.run(op, |c| run_all(c, cmds)).await;
+            let replies = replies?;
+            deleted += replies[..dels]
+                .iter()
+                .map(|v| match v {
+                    Value::Int(n) => *n as u64,
+                    _ => 0,
+                })
+                .sum::<u64>();
+        }
+    }
+}
+
+/// Runs independent commands concurrently on one handle (pipelined on the wire by the
+/// multiplexed connection; routed per key on a cluster).
+async fn run_all(c: Conn, cmds: Vec<::redis::Cmd>) -> ::redis::RedisResult<Vec<Value>> {
+    try_join_all(cmds.iter().map(|cmd| c.query::<Value>(cmd))).await
+}
+
+/// Applies queued writes until every [`RedisTier`] clone is dropped. Puts and aliases taken
+/// together run concurrently; a delete or flush waits for the writes before it.
+pub(super) async fn write_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<Queued>) {
+    let mut batch = Vec::with_capacity(WRITE_BATCH);
+    let mut writes = Vec::new();
+    while rx.recv_many(&mut batch, WRITE_BATCH).await > 0 {
+        for queued in batch.drain(..) {
+            match queued {
+                Queued::Write(write) => writes.push(write),
+                Queued::Admin(admin) => {
+                    shared.apply_writes(std::mem::take(&mut writes)).await;
+                    shared.apply_admin(admin).await;
+                }
+            }
+        }
+        shared.apply_writes(std::mem::take(&mut writes)).await;
+    }
+}
