@@ -54,7 +54,7 @@ pub use state::AppState;
 /// Logs to stderr for reprise's binaries (the server and the benchmarks): `RUST_LOG` picks
 /// what; by default info, with llama.cpp's and hnsw_rs's own logs (very chatty at info) at
 /// warnings only. Colour codes only for a terminal, not in files and log collectors.
-pub fn init_logging() {
+fn init_logging() {
     use tracing_subscriber::EnvFilter;
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -64,6 +64,25 @@ pub fn init_logging() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+}
+
+/// The body of reprise's binaries (the server and the benchmarks): logging to stderr set up,
+/// `body` run on a multi-threaded runtime, and an error printed as one
+/// line with its cause chain (no backtrace for configuration and start-up errors), exit 1.
+pub fn main_with(body: impl Future<Output = anyhow::Result<()>>) -> std::process::ExitCode {
+    init_logging();
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| anyhow::anyhow!("cannot start the async runtime: {e}"))
+        .and_then(|rt| rt.block_on(body));
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }
 
 /// Serves reprise on `listener` until `shutdown` resolves.

@@ -29,24 +29,8 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            // One line with the cause chain; no backtrace for configuration and start-up errors.
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
-}
-
-fn run() -> anyhow::Result<()> {
-    reprise::init_logging();
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    rt.block_on(async move {
+    reprise::main_with(async move {
         match cli.command {
             Command::Serve { config, listen } => serve(config, listen).await,
         }

@@ -12,7 +12,6 @@ mod quality;
 mod redis;
 mod replay;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 /// Benchmarks and load tests for reprise: each mode measures it side by side with its baseline
@@ -48,24 +47,8 @@ enum Mode {
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            // One line with the cause chain, as the server's own command line reports errors.
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
-}
-
-fn run() -> anyhow::Result<()> {
-    reprise::init_logging();
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    rt.block_on(async move {
+    reprise::main_with(async move {
         match cli.mode {
             Mode::Proxy(a) => proxy::run(a).await,
             Mode::Quality(a) => quality::run(a).await,
