@@ -31,6 +31,66 @@ pub struct Config {
     pub redis: reprise_cache::redis::RedisConfig,
     /// Predictive prefetch and refresh-ahead.
     pub prefetch: PrefetchConfig,
+    /// Whether `/v1` needs an API key.
+    pub auth: AuthConfig,
+    /// The tenants and their API keys (`[[tenants]]`); none: one implicit tenant, as without
+    /// authentication.
+    pub tenants: Vec<TenantConfig>,
+}
+
+/// `[auth]`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// `/v1` answers 401 (`invalid_api_key`) to a request without a known key. Off: a request
+    /// with no key or an unknown one is served as the anonymous tenant, which shares nothing
+    /// with the configured tenants. Needs at least one `[[tenants]]`.
+    pub required: bool,
+}
+
+/// `[[tenants]]`: one application (or customer) and the API keys that name it. The tenant of
+/// a request comes from its key (`Authorization: Bearer <key>`), never from a header; every
+/// cached answer, conversation link and learned follow-up belongs to one tenant.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Name (1 to 64 letters, digits, `-`, `_`, `.`); unique.
+    pub name: String,
+    /// Its API keys: the key itself, or `sha256:<64 hex digits>` of it (so the file holds no
+    /// secret).
+    #[serde(default)]
+    pub api_keys: Vec<String>,
+    /// An environment variable holding more keys, comma-separated (same forms).
+    #[serde(default)]
+    pub api_keys_env: Option<String>,
+    /// A file holding more keys, one per line (same forms; blank lines and `#` comments
+    /// skipped).
+    #[serde(default)]
+    pub api_keys_file: Option<PathBuf>,
+    /// Whether `x-reprise-namespace` may pick a sub-namespace inside this tenant (off: such a
+    /// request gets 403).
+    #[serde(default = "yes")]
+    pub sub_namespaces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl std::fmt::Debug for TenantConfig {
+    // Keys are secrets: never in Debug output or logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TenantConfig")
+            .field("name", &self.name)
+            .field(
+                "api_keys",
+                &format_args!("[{} redacted]", self.api_keys.len()),
+            )
+            .field("api_keys_env", &self.api_keys_env)
+            .field("api_keys_file", &self.api_keys_file)
+            .field("sub_namespaces", &self.sub_namespaces)
+            .finish()
+    }
 }
 
 /// `[server]`
@@ -509,6 +569,36 @@ impl Config {
                 reason: reason.into(),
             }
         }
+        if self.auth.required && self.tenants.is_empty() {
+            return Err(invalid(
+                "auth.required",
+                "needs at least one [[tenants]] entry with API keys",
+            ));
+        }
+        let mut names = std::collections::HashSet::new();
+        for t in &self.tenants {
+            let ok = (1..=64).contains(&t.name.len())
+                && t.name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+            if !ok {
+                return Err(invalid(
+                    "tenants.name",
+                    format!(
+                        "`{}`: 1 to 64 letters, digits, `-`, `_` or `.`",
+                        t.name.escape_debug()
+                    ),
+                ));
+            }
+            if !names.insert(t.name.as_str()) {
+                return Err(invalid("tenants.name", format!("`{}` twice", t.name)));
+            }
+            for k in &t.api_keys {
+                crate::auth::KeyDigest::parse(k).map_err(|e| {
+                    invalid("tenants.api_keys", format!("tenant `{}`: {e}", t.name))
+                })?;
+            }
+        }
         let s = &self.server;
         if s.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be positive"));
@@ -690,6 +780,35 @@ mod tests {
         assert_eq!(p.regroup_min_seen, q.regroup_min_seen);
         assert_eq!(p.propose, q.propose);
         assert_eq!(p.propose_questions, q.propose_questions);
+    }
+
+    #[test]
+    fn tenants_and_auth() {
+        let c = Config::from_toml(
+            "[auth]\nrequired = true\n[[tenants]]\nname = \"acme\"\napi_keys = [\"sk-acme-1\"]\n\
+             [[tenants]]\nname = \"beta.2\"\napi_keys_env = \"BETA_KEYS\"\nsub_namespaces = false\n",
+        )
+        .unwrap();
+        assert!(c.auth.required);
+        assert_eq!(c.tenants.len(), 2);
+        assert!(c.tenants[0].sub_namespaces && !c.tenants[1].sub_namespaces);
+        assert!(
+            !format!("{c:?}").contains("sk-acme-1"),
+            "keys stay out of Debug"
+        );
+        for (text, key) in [
+            ("[auth]\nrequired = true\n", "auth.required"),
+            ("[[tenants]]\nname = \"a b\"\napi_keys = [\"k\"]\n", "tenants.name"),
+            (
+                "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n[[tenants]]\nname = \"a\"\napi_keys = [\"j\"]\n",
+                "tenants.name",
+            ),
+            ("[[tenants]]\nname = \"a\"\napi_keys = [\"sha256:xyz\"]\n", "tenants.api_keys"),
+        ] {
+            let err = Config::from_toml(text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
+        assert!(Config::from_toml("[[tenants]]\nname = \"a\"\nkeys = []\n").is_err());
     }
 
     #[test]

@@ -52,6 +52,12 @@ pub enum ApiError {
     /// An admin endpoint was called without the right token.
     #[error("unauthorized")]
     Unauthorized,
+    /// `/v1` needs a known API key (`[auth] required`) and the request had none.
+    #[error("incorrect or missing API key")]
+    InvalidApiKey,
+    /// The caller's key does not allow what the request asks for.
+    #[error("{0}")]
+    Forbidden(String),
     /// Something that should not happen; the detail is logged, never sent.
     #[error("internal error: {0}")]
     Internal(String),
@@ -78,6 +84,8 @@ impl ApiError {
             ApiError::NotCached => "not_cached",
             ApiError::NotReady => "not_ready",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::InvalidApiKey => "invalid_api_key",
+            ApiError::Forbidden(_) => "forbidden",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -90,7 +98,8 @@ impl ApiError {
             ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
             ApiError::Timeout | ApiError::NotCached => StatusCode::GATEWAY_TIMEOUT,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Unauthorized | ApiError::InvalidApiKey => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Backend(e) => match e {
                 BackendError::Unavailable(_) | BackendError::Internal(_) => StatusCode::BAD_GATEWAY,
@@ -154,6 +163,20 @@ impl ApiError {
                 "invalid_request_error",
                 None,
                 Some("unauthorized"),
+            ),
+            ApiError::InvalidApiKey => (
+                "Incorrect or missing API key: send `Authorization: Bearer <key>` with a key \
+                 configured for a tenant"
+                    .into(),
+                "invalid_request_error",
+                None,
+                Some("invalid_api_key"),
+            ),
+            ApiError::Forbidden(m) => (
+                m.clone(),
+                "invalid_request_error",
+                None,
+                Some("permission_denied"),
             ),
             ApiError::Internal(_) => ("internal server error".into(), "server_error", None, None),
             ApiError::Backend(e) => match e {

@@ -57,6 +57,9 @@ async fn models(
     uri: axum::http::Uri,
     headers: HeaderMap,
 ) -> Response {
+    if let Err(e) = state.tenants.identify(&headers) {
+        return e.into_response();
+    }
     if state.models.is_empty() {
         let (get, empty) = (axum::http::Method::GET, axum::body::Body::empty());
         if let Some(resp) = forward::passthrough(&state, get, &uri, &headers, empty).await {
@@ -106,10 +109,15 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .ok_or(ApiError::Unauthorized)?;
-    // Constant-time: the comparison must not tell an attacker how much of a guess was right.
+    // Constant-time, length included: the digests have one length, so the comparison tells
+    // an attacker neither how much of a guess was right nor how long the token is.
+    let (given, expected) = (
+        blake3::hash(given.as_bytes()),
+        blake3::hash(expected.as_bytes()),
+    );
     if bool::from(subtle::ConstantTimeEq::ct_eq(
-        given.as_bytes(),
-        expected.as_bytes(),
+        given.as_bytes().as_slice(),
+        expected.as_bytes().as_slice(),
     )) {
         Ok(())
     } else {

@@ -12,6 +12,7 @@
 //! - `harness` (feature `harness`) builds servers on loopback for the tests and the
 //!   benchmarks (the `reprise-bench` crate).
 
+pub mod auth;
 mod bookkeeping;
 pub mod config;
 pub mod error;
@@ -108,7 +109,15 @@ pub async fn run(
                 }
             }
         });
-    tracing::info!(addr = %listener.local_addr()?, "listening");
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "listening");
+    if !addr.ip().is_loopback() && !config.auth.required {
+        tracing::warn!(
+            %addr,
+            "listening beyond loopback without [auth] required = true: any client that reaches \
+             this address can use the backend and read what the anonymous tenant cached"
+        );
+    }
     let server = tokio::spawn(async move {
         axum::serve(listener, router)
             .with_graceful_shutdown(shutdown)

@@ -1,4 +1,4 @@
-//! The request log: one JSON line per request (time, namespace, outcome, best candidate
+//! The request log: one JSON line per request (time, tenant, namespace, outcome, best candidate
 //! similarity, matched entry, gate verdict, stage latencies), written by a background task
 //! so the request path never waits on the disk.
 
@@ -13,7 +13,10 @@ use tokio::sync::mpsc;
 pub struct LogRecord {
     /// Milliseconds since the Unix epoch when the request arrived.
     pub time_ms: u64,
-    /// Tenant namespace.
+    /// The caller's tenant (absent for the anonymous tenant).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub tenant: String,
+    /// Namespace (inside the tenant).
     pub namespace: String,
     /// `/v1/chat/completions` or `/v1/completions`.
     pub endpoint: &'static str,

@@ -16,6 +16,7 @@ use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::Store;
 use reprise_embedder::{Embedder, EmbedderConfig, FastEmbedder};
 
+use crate::auth::Tenants;
 use crate::config::{BackendKind, Config};
 use crate::flight::{Flights, InFlightParaphrases};
 use crate::metrics::Metrics;
@@ -49,6 +50,8 @@ pub struct AppState {
     pub prefetch: Option<Arc<Prefetcher>>,
     /// Where served requests are reported (to the prefetcher), when prefetch is on.
     pub observer: Option<Observer>,
+    /// The configured tenants and their keys.
+    pub tenants: Tenants,
     ready: AtomicBool,
 }
 
@@ -103,6 +106,7 @@ impl AppState {
             .enabled
             .then(|| Prefetcher::new(config.prefetch.clone()));
         let observer = prefetch.as_ref().map(|p| p.observer());
+        let tenants = Tenants::load(&config)?;
         Ok(Arc::new(AppState {
             config,
             backend,
@@ -115,6 +119,7 @@ impl AppState {
             request_log,
             prefetch,
             observer,
+            tenants,
             rebuilds: Default::default(),
             ready: AtomicBool::new(true),
         }))

@@ -54,13 +54,17 @@ struct Job {
     reply: Reply,
 }
 
+/// Recent vectors by (scope, text).
+type TextCache = moka::sync::Cache<(String, String), Arc<[f32]>>;
+
 /// all-MiniLM-L6-v2 (384 dimensions) run locally, with micro-batching and an LRU.
 ///
 /// Cheap to share behind an `Arc`; dropping the last handle stops the batching thread once
 /// the queued texts are answered.
 pub struct FastEmbedder {
     jobs: mpsc::Sender<Job>,
-    cache: Option<moka::sync::Cache<String, Arc<[f32]>>>,
+    /// Recent vectors by (scope, text): a scope never reuses another scope's entries.
+    cache: Option<TextCache>,
     counters: Arc<Counters>,
     dim: usize,
 }
@@ -159,8 +163,11 @@ impl FastEmbedder {
         }
     }
 
-    fn cached(&self, text: &str) -> Option<Arc<[f32]>> {
-        let hit = self.cache.as_ref()?.get(text);
+    fn cached(&self, scope: &str, text: &str) -> Option<Arc<[f32]>> {
+        let hit = self
+            .cache
+            .as_ref()?
+            .get(&(scope.to_owned(), text.to_owned()));
         let counter = if hit.is_some() {
             &self.counters.cache_hits
         } else {
@@ -182,9 +189,9 @@ impl FastEmbedder {
         Ok(rx)
     }
 
-    fn remember(&self, text: &str, vector: &Arc<[f32]>) {
+    fn remember(&self, scope: &str, text: &str, vector: &Arc<[f32]>) {
         if let Some(cache) = &self.cache {
-            cache.insert(text.to_owned(), Arc::clone(vector));
+            cache.insert((scope.to_owned(), text.to_owned()), Arc::clone(vector));
         }
     }
 }
@@ -192,20 +199,32 @@ impl FastEmbedder {
 #[async_trait]
 impl Embedder for FastEmbedder {
     async fn embed(&self, text: &str) -> Result<Arc<[f32]>, EmbedError> {
-        if let Some(v) = self.cached(text) {
+        self.embed_in("", text).await
+    }
+
+    async fn embed_many(&self, texts: &[String]) -> Result<Vec<Arc<[f32]>>, EmbedError> {
+        self.embed_many_in("", texts).await
+    }
+
+    async fn embed_in(&self, scope: &str, text: &str) -> Result<Arc<[f32]>, EmbedError> {
+        if let Some(v) = self.cached(scope, text) {
             return Ok(v);
         }
         let rx = self.submit(text)?;
         let v = rx.await.map_err(|_| EmbedError::Closed)??;
-        self.remember(text, &v);
+        self.remember(scope, text, &v);
         Ok(v)
     }
 
-    async fn embed_many(&self, texts: &[String]) -> Result<Vec<Arc<[f32]>>, EmbedError> {
+    async fn embed_many_in(
+        &self,
+        scope: &str,
+        texts: &[String],
+    ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
         // Submit every miss before awaiting any, so they can share batches.
         let mut pending = Vec::with_capacity(texts.len());
         for text in texts {
-            match self.cached(text) {
+            match self.cached(scope, text) {
                 Some(v) => pending.push(Ok(v)),
                 None => pending.push(Err(self.submit(text)?)),
             }
@@ -216,7 +235,7 @@ impl Embedder for FastEmbedder {
                 Ok(v) => v,
                 Err(rx) => {
                     let v = rx.await.map_err(|_| EmbedError::Closed)??;
-                    self.remember(text, &v);
+                    self.remember(scope, text, &v);
                     v
                 }
             };

@@ -34,6 +34,24 @@ pub trait Embedder: Send + Sync + 'static {
     /// Embeds several texts; the result is in the order of `texts`.
     async fn embed_many(&self, texts: &[String]) -> Result<Vec<Arc<[f32]>>, EmbedError>;
 
+    /// Embeds one text for `scope` (a tenant): an implementation that remembers recent texts
+    /// must not answer one scope faster because another asked the same text (the time taken
+    /// would tell what another tenant asked). The default has no such memory.
+    async fn embed_in(&self, scope: &str, text: &str) -> Result<Arc<[f32]>, EmbedError> {
+        let _ = scope;
+        self.embed(text).await
+    }
+
+    /// [`Embedder::embed_many`] for `scope` (see [`Embedder::embed_in`]).
+    async fn embed_many_in(
+        &self,
+        scope: &str,
+        texts: &[String],
+    ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
+        let _ = scope;
+        self.embed_many(texts).await
+    }
+
     /// Number of components of every vector this embedder returns.
     fn dim(&self) -> usize;
 }

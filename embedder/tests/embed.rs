@@ -102,6 +102,29 @@ async fn a_repeat_is_answered_by_the_cache() {
 }
 
 #[tokio::test]
+async fn a_scope_never_reuses_another_scopes_cached_text() {
+    let e = load(common::config());
+    let a = e.embed_in("tenant-a", "Where is my parcel?").await.unwrap();
+    let before = e.stats();
+    // Another tenant asks the same text: computed again (a cache hit would answer faster and
+    // tell it what tenant-a asked).
+    let b = e.embed_in("tenant-b", "Where is my parcel?").await.unwrap();
+    let after = e.stats();
+    assert_eq!(after.cache_hits, before.cache_hits);
+    assert_eq!(after.texts_embedded, before.texts_embedded + 1);
+    assert!(!Arc::ptr_eq(&a, &b));
+    assert!(reprise_embedder::cosine(&a, &b) > 0.999, "the same vector");
+    // The same scope again is a cache hit.
+    let again = e.embed_in("tenant-b", "Where is my parcel?").await.unwrap();
+    assert!(Arc::ptr_eq(&b, &again));
+    let many = e
+        .embed_many_in("tenant-c", &["Where is my parcel?".to_string()])
+        .await
+        .unwrap();
+    assert!(!Arc::ptr_eq(&many[0], &a) && !Arc::ptr_eq(&many[0], &b));
+}
+
+#[tokio::test]
 async fn a_missing_model_dir_is_an_error_naming_it() {
     let cfg = EmbedderConfig {
         model_dir: "/nonexistent/reprise-model".into(),

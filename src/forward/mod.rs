@@ -122,6 +122,8 @@ pub async fn passthrough(
     let path = uri.path().strip_prefix("/v1/")?;
     let endpoint = paths::passthrough_endpoint(state, path)?;
     let result = async {
+        // The operator's upstream key pays for it: only callers /v1 admits.
+        state.tenants.identify(headers)?;
         if !state.is_ready() {
             return Err(ApiError::NotReady);
         }

@@ -161,7 +161,10 @@ pub async fn lookup(
     found.plan.partition = Some(partition);
     found.plan.prompt = query.clone();
     let t = Instant::now();
-    let embedding = match embedder.embed(&query).await {
+    let embedding = match embedder
+        .embed_in(crate::auth::scope_of(namespace), &query)
+        .await
+    {
         Ok(e) => e,
         Err(e) => {
             // The semantic tier is an optimisation: a failing embedder degrades to exact-only.
@@ -182,6 +185,7 @@ pub async fn lookup(
             text: &query,
             embedding: &embedding,
             partition: &partition,
+            scope: crate::auth::scope_of(namespace),
         },
         wants,
         &mut found.notes,

@@ -20,6 +20,8 @@ pub struct Question<'a> {
     pub embedding: &'a [f32],
     /// Everything that must match exactly.
     pub partition: &'a Digest,
+    /// The tenant asking (the embedder's cache scope).
+    pub scope: &'a str,
 }
 
 /// The best servable candidate for `q` under `policy`, with its similarity. Records what it
@@ -57,7 +59,15 @@ pub async fn find(
                 }
                 continue;
             }
-            if substituted_meaning(embedder, substitution_threshold, query, &entry.prompt).await {
+            if substituted_meaning(
+                embedder,
+                q.scope,
+                substitution_threshold,
+                query,
+                &entry.prompt,
+            )
+            .await
+            {
                 if notes.gate.is_none() {
                     notes.gate = Some("substitution");
                 }
@@ -77,6 +87,7 @@ pub async fn find(
 /// ("home" vs "car" insurance), judged by the embedder; `threshold` 0 turns the check off.
 async fn substituted_meaning(
     embedder: &dyn Embedder,
+    scope: &str,
     threshold: f32,
     query: &str,
     candidate: &str,
@@ -87,7 +98,7 @@ async fn substituted_meaning(
     let Some((a, b)) = reprise_policies::gate::substitution(query, candidate) else {
         return false;
     };
-    match embedder.embed_many(&[a, b]).await {
+    match embedder.embed_many_in(scope, &[a, b]).await {
         Ok(v) => reprise_embedder::cosine(&v[0], &v[1]) < threshold,
         // Cannot tell: the candidate already passed the threshold and the gate.
         Err(_) => false,

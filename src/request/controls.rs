@@ -1,19 +1,20 @@
-//! Step 2 of the request path: the controls a client sets in headers (namespace,
+//! Step 2 of the request path: the controls a client sets in headers (namespace, scoped to
+//! the caller's tenant,
 //! `Cache-Control`, threshold, session, tags), and admission (ready, model served).
 
 use axum::http::HeaderMap;
 use reprise_policies::cache::Directives;
 
+use crate::auth::Tenant;
 use crate::bookkeeping::Bookkeeping;
 use crate::error::ApiError;
-use crate::headers::{
-    DEFAULT_NAMESPACE, NAMESPACE_HEADER, SESSION_HEADER, TAGS_HEADER, THRESHOLD_HEADER,
-};
+use crate::headers::{NAMESPACE_HEADER, SESSION_HEADER, TAGS_HEADER, THRESHOLD_HEADER};
 use crate::state::AppState;
 
 #[derive(Debug, Clone)]
 pub struct Controls {
-    /// Tenant namespace.
+    /// The scoped namespace: the caller's tenant and the sub-namespace its
+    /// `x-reprise-namespace` picked (see [`crate::auth`]).
     pub namespace: String,
     /// `Cache-Control`: no-cache, no-store, only-if-cached (answer from the cache or fail
     /// with 504; never call the backend, never store), max-age=N (only answers at most N
@@ -28,10 +29,10 @@ pub struct Controls {
 }
 
 impl Controls {
-    /// Reads and validates the control headers.
-    pub fn from_headers(headers: &HeaderMap) -> Result<Controls, ApiError> {
+    /// Reads and validates the control headers of a request from `tenant`.
+    pub fn from_headers(headers: &HeaderMap, tenant: &Tenant) -> Result<Controls, ApiError> {
         let namespace = match headers.get(NAMESPACE_HEADER) {
-            None => DEFAULT_NAMESPACE.to_string(),
+            None => None,
             Some(v) => {
                 let s = v.to_str().map_err(|_| ApiError::BadHeader {
                     header: NAMESPACE_HEADER,
@@ -43,9 +44,10 @@ impl Controls {
                         reason: "must be 1 to 128 characters".into(),
                     });
                 }
-                s.to_string()
+                Some(s)
             }
         };
+        let namespace = tenant.namespace(namespace)?;
         let values = headers.get_all(axum::http::header::CACHE_CONTROL);
         let cache =
             Directives::parse(values.iter().map(|v| v.to_str().unwrap_or(""))).map_err(|e| {
@@ -93,15 +95,18 @@ impl Controls {
     }
 }
 
-/// Reads the control headers and checks that the server is ready and serves `model`.
+/// Reads the control headers of a request from `tenant` and checks that the server is ready
+/// and serves `model`.
 pub fn admit(
     state: &AppState,
     headers: &HeaderMap,
+    tenant: &Tenant,
     model: &str,
     book: &mut Bookkeeping,
 ) -> Result<Controls, ApiError> {
-    let ctl = Controls::from_headers(headers)?;
-    book.record.namespace = ctl.namespace.clone();
+    let ctl = Controls::from_headers(headers, tenant)?;
+    book.record.tenant = tenant.name().to_string();
+    book.record.namespace = crate::auth::sub_namespace(&ctl.namespace).to_string();
     if !state.is_ready() {
         return Err(ApiError::NotReady);
     }

@@ -1,8 +1,9 @@
 //! The request path of both completion endpoints, top to bottom. Each step has a file:
 //!
+//! 0. **identify**: the API key names the tenant ([`crate::auth`]);
 //! 1. **parse** ([`parse`]): the body becomes a [`reprise_backend::GenRequest`], or a
 //!    [`Forward`] for the upstream ([`crate::forward`]);
-//! 2. **controls** ([`controls`]): namespace, `Cache-Control`, threshold, session, tags from
+//! 2. **controls** ([`controls`]): namespace (inside the tenant), `Cache-Control`, threshold, session, tags from
 //!    headers; ready and model checks;
 //! 3. **policy** ([`policy`]): may this request read, write, call the backend?
 //! 4. **exact lookup** ([`crate::lookup::exact`]) by the blake3 key of the canonical request;
@@ -73,13 +74,15 @@ async fn serve(
     body: Result<Bytes, BytesRejection>,
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
+    // 0. Who is asking: the API key names the tenant (401 before anything else is read).
+    let tenant = state.tenants.identify(headers)?;
     // 1. Parse.
     let body = body.map_err(|e| parse::body_error(e, state.config.server.max_body_bytes))?;
     let parsed = match parse(endpoint, &body)? {
         Request::Cacheable(parsed) => parsed,
         Request::Forward(f) => {
             // Only an upstream can answer it: admitted like any request, then sent there.
-            let ctl = admit(state, headers, &f.model, book)?;
+            let ctl = admit(state, headers, &tenant, &f.model, book)?;
             if ctl.cache.only_if_cached {
                 return Err(ApiError::NotCached);
             }
@@ -87,7 +90,7 @@ async fn serve(
         }
     };
     // 2. Controls.
-    let ctl = admit(state, headers, &parsed.req.model, book)?;
+    let ctl = admit(state, headers, &tenant, &parsed.req.model, book)?;
     // 3. Policy.
     let access = policy::access(state, &ctl);
     let renderer = Renderer::new(endpoint, &parsed.req.model);

@@ -1,0 +1,303 @@
+//! Who is asking: API keys name the tenant.
+//!
+//! A request's tenant comes from its key (`Authorization: Bearer <key>`), never from a
+//! header; `x-reprise-namespace` only picks a sub-namespace inside it. Every cache key,
+//! partition, conversation link and learned follow-up is computed over the *scoped* namespace
+//! [`Tenant::namespace`] returns, so no header can reach another tenant's entries.
+//!
+//! Without `[[tenants]]` there is one implicit, anonymous tenant whose namespaces are the
+//! header values as they are (reprise as it was before tenants, keys of existing entries
+//! unchanged). A configured tenant's namespaces are `<tenant>␟<sub-namespace>`: the separator
+//! is a control character that no header value can carry, so an anonymous request cannot
+//! name a tenant's namespace either.
+//!
+//! Keys are kept as SHA-256 digests (the config may hold only digests); a presented key is
+//! hashed and looked up, so the lookup's timing says nothing about the stored keys.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use axum::http::{header, HeaderMap};
+use sha2::{Digest as _, Sha256};
+
+use crate::config::Config;
+use crate::error::ApiError;
+use crate::headers::{DEFAULT_NAMESPACE, NAMESPACE_HEADER};
+
+/// Separates a configured tenant's name from its sub-namespace in a scoped namespace.
+const SCOPE_SEP: char = '\u{1f}';
+
+/// Longest API key accepted (longer ones are simply unknown).
+const MAX_KEY_BYTES: usize = 512;
+
+/// The SHA-256 digest of an API key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyDigest([u8; 32]);
+
+impl KeyDigest {
+    /// The digest of a presented key.
+    pub fn of(key: &str) -> Self {
+        KeyDigest(Sha256::digest(key.as_bytes()).into())
+    }
+
+    /// A configured key: `sha256:<64 hex digits>`, or the key itself (1 to 512 visible ASCII
+    /// characters).
+    pub fn parse(configured: &str) -> Result<Self, String> {
+        if let Some(hex_digits) = configured.strip_prefix("sha256:") {
+            let mut d = [0u8; 32];
+            hex::decode_to_slice(hex_digits, &mut d)
+                .map_err(|_| "a `sha256:` key needs 64 hex digits".to_string())?;
+            return Ok(KeyDigest(d));
+        }
+        if configured.is_empty()
+            || configured.len() > MAX_KEY_BYTES
+            || !configured.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err("a key is 1 to 512 visible ASCII characters".into());
+        }
+        Ok(KeyDigest::of(configured))
+    }
+}
+
+/// Who a request comes from.
+#[derive(Debug)]
+pub struct Tenant {
+    /// The configured name; `None` for the anonymous tenant.
+    name: Option<String>,
+    /// Whether `x-reprise-namespace` may pick a sub-namespace.
+    sub_namespaces: bool,
+}
+
+impl Tenant {
+    /// The configured name, or "" for the anonymous tenant.
+    pub fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or("")
+    }
+
+    /// The scoped namespace of a request that sent `header` (`x-reprise-namespace`, already
+    /// checked for length and characters).
+    pub fn namespace(&self, header: Option<&str>) -> Result<String, ApiError> {
+        let Some(name) = &self.name else {
+            return Ok(header.unwrap_or(DEFAULT_NAMESPACE).to_string());
+        };
+        if header.is_some() && !self.sub_namespaces {
+            return Err(ApiError::Forbidden(format!(
+                "this API key may not choose a namespace (`{NAMESPACE_HEADER}`)"
+            )));
+        }
+        Ok(format!(
+            "{name}{SCOPE_SEP}{}",
+            header.unwrap_or(DEFAULT_NAMESPACE)
+        ))
+    }
+}
+
+/// The tenant part of a scoped namespace ("" for the anonymous tenant): the scope of the
+/// embedder's text cache, so one tenant's texts never answer another's faster.
+pub fn scope_of(namespace: &str) -> &str {
+    namespace
+        .split_once(SCOPE_SEP)
+        .map_or("", |(tenant, _)| tenant)
+}
+
+/// The sub-namespace part of a scoped namespace (for logs).
+pub fn sub_namespace(namespace: &str) -> &str {
+    namespace
+        .split_once(SCOPE_SEP)
+        .map_or(namespace, |(_, sub)| sub)
+}
+
+/// The configured tenants, by key.
+pub struct Tenants {
+    by_key: HashMap<KeyDigest, Arc<Tenant>>,
+    anonymous: Arc<Tenant>,
+    required: bool,
+}
+
+impl Tenants {
+    /// Reads every tenant's keys (config, environment variable, file). A key given to two
+    /// tenants, or a tenant left without keys, is an error.
+    pub fn load(config: &Config) -> anyhow::Result<Tenants> {
+        let mut by_key = HashMap::new();
+        for t in &config.tenants {
+            let tenant = Arc::new(Tenant {
+                name: Some(t.name.clone()),
+                sub_namespaces: t.sub_namespaces,
+            });
+            let mut keys: Vec<String> = t.api_keys.clone();
+            if let Some(var) = &t.api_keys_env {
+                let v = std::env::var(var).with_context(|| {
+                    format!(
+                        "tenant `{}`: api_keys_env names `{var}`, which is not set",
+                        t.name
+                    )
+                })?;
+                keys.extend(v.split(',').map(str::trim).map(str::to_string));
+            }
+            if let Some(path) = &t.api_keys_file {
+                let text = std::fs::read_to_string(path).with_context(|| {
+                    format!("tenant `{}`: cannot read {}", t.name, path.display())
+                })?;
+                keys.extend(
+                    text.lines()
+                        .map(str::trim)
+                        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                        .map(str::to_string),
+                );
+            }
+            keys.retain(|k| !k.is_empty());
+            anyhow::ensure!(!keys.is_empty(), "tenant `{}` has no API keys", t.name);
+            for k in keys {
+                let d = KeyDigest::parse(&k)
+                    .map_err(|e| anyhow::anyhow!("tenant `{}`: {e}", t.name))?;
+                if let Some(other) = by_key.insert(d, tenant.clone()) {
+                    anyhow::bail!(
+                        "one API key names two tenants (`{}` and `{}`)",
+                        other.name(),
+                        t.name
+                    );
+                }
+            }
+        }
+        Ok(Tenants {
+            by_key,
+            anonymous: Arc::new(Tenant {
+                name: None,
+                sub_namespaces: true,
+            }),
+            required: config.auth.required,
+        })
+    }
+
+    /// Whether any tenant is configured.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+
+    /// The tenant of a request: the one its key names, else the anonymous tenant unless keys
+    /// are required (then 401 `invalid_api_key`).
+    pub fn identify(&self, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {
+        if self.by_key.is_empty() {
+            return Ok(self.anonymous.clone());
+        }
+        let key = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let (scheme, key) = v.trim().split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+            })
+            .filter(|k| !k.is_empty() && k.len() <= MAX_KEY_BYTES);
+        match key.and_then(|k| self.by_key.get(&KeyDigest::of(k))) {
+            Some(t) => Ok(t.clone()),
+            None if self.required => Err(ApiError::InvalidApiKey),
+            None => Ok(self.anonymous.clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TenantConfig;
+
+    fn tenant(name: &str, keys: &[&str], sub_namespaces: bool) -> TenantConfig {
+        TenantConfig {
+            name: name.into(),
+            api_keys: keys.iter().map(|k| k.to_string()).collect(),
+            api_keys_env: None,
+            api_keys_file: None,
+            sub_namespaces,
+        }
+    }
+
+    fn bearer(key: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            format!("Bearer {key}").parse().unwrap(),
+        );
+        h
+    }
+
+    fn tenants(required: bool) -> Tenants {
+        let mut c = Config::default();
+        c.auth.required = required;
+        let digest = hex::encode(Sha256::digest(b"sk-beta"));
+        c.tenants = vec![
+            tenant("acme", &["sk-acme"], true),
+            tenant("beta", &[&format!("sha256:{digest}")], false),
+        ];
+        Tenants::load(&c).unwrap()
+    }
+
+    #[test]
+    fn keys_name_tenants_plain_or_as_digests() {
+        let t = tenants(true);
+        assert_eq!(t.identify(&bearer("sk-acme")).unwrap().name(), "acme");
+        assert_eq!(t.identify(&bearer("sk-beta")).unwrap().name(), "beta");
+        let mut lower = HeaderMap::new();
+        lower.insert(header::AUTHORIZATION, "bearer sk-acme".parse().unwrap());
+        assert_eq!(t.identify(&lower).unwrap().name(), "acme");
+        for bad in [bearer("sk-nope"), bearer(""), HeaderMap::new()] {
+            assert!(matches!(t.identify(&bad), Err(ApiError::InvalidApiKey)));
+        }
+        // A digest is not a key.
+        let digest = hex::encode(Sha256::digest(b"sk-beta"));
+        assert!(t.identify(&bearer(&format!("sha256:{digest}"))).is_err());
+    }
+
+    #[test]
+    fn without_required_keys_unknown_callers_are_anonymous() {
+        let t = tenants(false);
+        let anon = t.identify(&bearer("unused")).unwrap();
+        assert_eq!(anon.name(), "");
+        assert_eq!(t.identify(&HeaderMap::new()).unwrap().name(), "");
+        assert_eq!(t.identify(&bearer("sk-acme")).unwrap().name(), "acme");
+        // No tenants at all: everyone is anonymous, keys or not.
+        let none = Tenants::load(&Config::default()).unwrap();
+        assert!(none.is_empty());
+        assert_eq!(none.identify(&bearer("sk-acme")).unwrap().name(), "");
+    }
+
+    #[test]
+    fn namespaces_are_scoped_to_the_tenant() {
+        let t = tenants(true);
+        let acme = t.identify(&bearer("sk-acme")).unwrap();
+        let beta = t.identify(&bearer("sk-beta")).unwrap();
+        let ns = acme.namespace(Some("support")).unwrap();
+        assert_eq!((scope_of(&ns), sub_namespace(&ns)), ("acme", "support"));
+        assert_ne!(acme.namespace(None).unwrap(), beta.namespace(None).unwrap());
+        // beta may not pick one.
+        assert!(matches!(
+            beta.namespace(Some("x")),
+            Err(ApiError::Forbidden(_))
+        ));
+        // The anonymous tenant keeps header values as they are, and no header value can be
+        // a tenant's scoped namespace (the separator is not visible ASCII).
+        let anon = tenants(false).identify(&HeaderMap::new()).unwrap();
+        assert_eq!(anon.namespace(Some("acme")).unwrap(), "acme");
+        assert_eq!(anon.namespace(None).unwrap(), DEFAULT_NAMESPACE);
+        assert_eq!(scope_of("acme"), "");
+        assert!(axum::http::HeaderValue::from_str(&ns)
+            .ok()
+            .and_then(|v| v.to_str().ok().map(str::to_string))
+            .is_none());
+    }
+
+    #[test]
+    fn a_key_of_two_tenants_or_a_tenant_without_keys_is_refused() {
+        let mut c = Config {
+            tenants: vec![tenant("a", &["k1"], true), tenant("b", &["k1"], true)],
+            ..Config::default()
+        };
+        let err = Tenants::load(&c).err().unwrap().to_string();
+        assert!(err.contains("two tenants"), "{err}");
+        c.tenants = vec![tenant("a", &[], true)];
+        let err = Tenants::load(&c).err().unwrap().to_string();
+        assert!(err.contains("no API keys"), "{err}");
+        assert!(KeyDigest::parse("sha256:abc").is_err());
+        assert!(KeyDigest::parse("has space").is_err());
+    }
+}

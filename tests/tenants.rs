@@ -1,0 +1,211 @@
+//! Tenants over real TCP, with the real embedder and a real redis-server: API keys name the
+//! tenant, and nothing cached, linked or learned for one tenant ever reaches another.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use common::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use reprise::config::{Config, TenantConfig};
+use reprise_backend::fake::ScriptConfig;
+use serde_json::Value;
+
+fn tenant(name: &str, key: &str, sub_namespaces: bool) -> TenantConfig {
+    TenantConfig {
+        name: name.into(),
+        api_keys: vec![key.into()],
+        api_keys_env: None,
+        api_keys_file: None,
+        sub_namespaces,
+    }
+}
+
+fn tenants_config(required: bool) -> Config {
+    let mut c = test_config();
+    c.auth.required = required;
+    c.tenants = vec![
+        tenant("acme", "sk-acme", true),
+        tenant("beta", "sk-beta", true),
+        tenant("locked", "sk-locked", false),
+    ];
+    c
+}
+
+fn bearer(key: &str) -> String {
+    format!("Bearer {key}")
+}
+
+#[tokio::test]
+async fn a_known_key_is_required_when_auth_is_required() {
+    let (app, backend) = spawn_fake(tenants_config(true), ScriptConfig::default()).await;
+    let body = chat_body("What is the capital of France?");
+    for headers in [
+        vec![],
+        vec![("authorization", bearer("sk-nope"))],
+        vec![("authorization", "Basic c2stYWNtZQ==".to_string())],
+    ] {
+        let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let r = app.chat(&body, &h).await;
+        let j = assert_openai_error(r, 401, None).await;
+        assert_eq!(j["error"]["code"], "invalid_api_key", "{j}");
+    }
+    // Refused before the body is read: a bad body without a key is still a 401.
+    let r = app
+        .client
+        .post(app.chat_url())
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(app.get("/v1/models").await.status(), 401);
+    assert_eq!(backend.calls(), 0);
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(app.state.store.entry_count(), 0, "nothing stored");
+
+    let key = bearer("sk-acme");
+    let r = app.chat(&body, &[("authorization", &key)]).await;
+    assert_eq!(
+        (r.status().as_u16(), cache_status(&r)),
+        (200, "miss".into())
+    );
+    let r = app.chat(&body, &[("authorization", &key)]).await;
+    assert_eq!(cache_status(&r), "exact");
+    let models = app
+        .client
+        .get(app.url("/v1/models"))
+        .header("authorization", &key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    assert_eq!(backend.calls(), 1);
+}
+
+#[tokio::test]
+async fn a_tenant_without_sub_namespaces_cannot_pick_one() {
+    let (app, _backend) = spawn_fake(tenants_config(true), ScriptConfig::default()).await;
+    let key = bearer("sk-locked");
+    let body = chat_body("hello");
+    let r = app
+        .chat(
+            &body,
+            &[("authorization", &key), ("x-reprise-namespace", "x")],
+        )
+        .await;
+    let j = assert_openai_error(r, 403, None).await;
+    assert_eq!(j["error"]["code"], "permission_denied");
+    let r = app.chat(&body, &[("authorization", &key)]).await;
+    assert_eq!(r.status(), 200);
+}
+
+/// Wordings of one question each: a tenant's later wording may be a semantic hit of its own
+/// earlier one.
+const GROUPS: &[&[&str]] = &[
+    &[
+        "How do I reset my password?",
+        "I forgot my password, how can I change it?",
+        "how can I reset my password",
+    ],
+    &[
+        "How do I create an account?",
+        "How can I sign up for an account?",
+    ],
+    &[
+        "What are your opening hours?",
+        "When are you open?",
+        "What time do you open?",
+    ],
+    &[
+        "How do I cancel my subscription?",
+        "How can I cancel my plan?",
+    ],
+];
+
+/// Random traffic from three callers (two tenants and the anonymous one) over two replicas
+/// sharing Redis, with every namespace header (including one that names a tenant), every
+/// Cache-Control, sessions (prefetch on) and second turns: the first time a caller asks
+/// anything of a question in a namespace, it is never answered from the cache, and carries no
+/// `Age`. A caller's own repeats are hits, so the property is not vacuous.
+#[tokio::test]
+async fn tenants_never_share_answers_links_or_predictions() {
+    let server = RedisServer::start();
+    let mut config = tenants_config(false);
+    config.semantic.enabled = true;
+    config.prefetch.enabled = true;
+    config.prefetch.min_probability = 0.1;
+    config.redis.url = Some(server.url());
+    let backend = Arc::new(scripted());
+    let replicas = [
+        spawn_replica(config.clone(), backend.clone()).await,
+        spawn_replica(config, backend).await,
+    ];
+    let callers = [Some("sk-acme"), Some("sk-beta"), None];
+    let namespaces = [None, Some("support"), Some("acme"), Some("beta")];
+    let controls = [
+        None,
+        Some("max-age=3600"),
+        Some("no-cache"),
+        Some("only-if-cached"),
+    ];
+    let mut rng = StdRng::seed_from_u64(7);
+    // (caller, namespace, question, turn) seen so far.
+    let mut asked: HashSet<(usize, usize, usize, bool)> = HashSet::new();
+    let (mut hits, mut firsts) = (0, 0);
+    for i in 0..160 {
+        let caller = rng.random_range(0..callers.len());
+        let ns = rng.random_range(0..namespaces.len());
+        let group = rng.random_range(0..GROUPS.len());
+        let wording = GROUPS[group][rng.random_range(0..GROUPS[group].len())];
+        let second_turn = rng.random_bool(0.25);
+        let control = controls[rng.random_range(0..controls.len())];
+        let replica = &replicas[rng.random_range(0..replicas.len())];
+        let body: Value = if second_turn {
+            convo(&[
+                ("user", wording),
+                ("assistant", &format!("You asked: {wording}")),
+                ("user", "Can you tell me more?"),
+            ])
+        } else {
+            chat_body(wording)
+        };
+        let session = format!("s{}-{caller}", i / 4);
+        let mut headers: Vec<(&str, String)> = vec![("x-reprise-session", session)];
+        if let Some(k) = callers[caller] {
+            headers.push(("authorization", bearer(k)));
+        }
+        if let Some(n) = namespaces[ns] {
+            headers.push(("x-reprise-namespace", n.to_string()));
+        }
+        if let Some(c) = control {
+            headers.push(("cache-control", c.to_string()));
+        }
+        let h: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let r = replica.chat(&body, &h).await;
+        let status = cache_status(&r);
+        let hit = matches!(status.as_str(), "exact" | "semantic" | "prefetch");
+        let first = asked.insert((caller, ns, group, second_turn));
+        if first {
+            firsts += 1;
+            assert!(
+                !hit,
+                "request {i}: caller {caller} namespace {:?} asked {wording:?} (second turn: \
+                 {second_turn}) for the first time and got `{status}`",
+                namespaces[ns]
+            );
+            assert!(r.headers().get("age").is_none(), "request {i}: an Age");
+        }
+        if hit {
+            hits += 1;
+        }
+        let _ = r.bytes().await;
+    }
+    assert!(firsts > 30, "{firsts} first asks");
+    assert!(
+        hits > 10,
+        "only {hits} hits: the cache must serve each caller's repeats"
+    );
+}
