@@ -15,13 +15,16 @@
 //! hashed and looked up, so the lookup's timing says nothing about the stored keys.
 
 use std::collections::HashMap;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use anyhow::Context as _;
 use axum::http::{header, HeaderMap};
+use governor::clock::{Clock, DefaultClock};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use sha2::{Digest as _, Sha256};
 
-use crate::config::Config;
+use crate::config::{Config, TenantPolicy};
 use crate::error::ApiError;
 use crate::headers::{DEFAULT_NAMESPACE, NAMESPACE_HEADER};
 
@@ -61,15 +64,48 @@ impl KeyDigest {
 }
 
 /// Who a request comes from.
-#[derive(Debug)]
 pub struct Tenant {
     /// The configured name; `None` for the anonymous tenant.
     name: Option<String>,
     /// Whether `x-reprise-namespace` may pick a sub-namespace.
     sub_namespaces: bool,
+    /// What it may do (the anonymous tenant: the defaults).
+    policy: TenantPolicy,
+    /// `policy.requests_per_minute`, when set.
+    limiter: Option<DefaultDirectRateLimiter>,
 }
 
 impl Tenant {
+    fn new(name: Option<String>, sub_namespaces: bool, policy: TenantPolicy) -> Tenant {
+        let limiter = NonZeroU32::new(policy.requests_per_minute)
+            .map(|n| RateLimiter::direct(Quota::per_minute(n)));
+        Tenant {
+            name,
+            sub_namespaces,
+            policy,
+            limiter,
+        }
+    }
+
+    /// Its policy.
+    pub fn policy(&self) -> &TenantPolicy {
+        &self.policy
+    }
+
+    /// Counts one request against its rate limit: 429 with the seconds until the next one
+    /// is allowed.
+    pub fn take_request(&self) -> Result<(), ApiError> {
+        let Some(limiter) = &self.limiter else {
+            return Ok(());
+        };
+        limiter.check().map_err(|not_until| {
+            let wait = not_until.wait_time_from(DefaultClock::default().now());
+            ApiError::RateLimited {
+                retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
+            }
+        })
+    }
+
     /// The configured name, or "" for the anonymous tenant.
     pub fn name(&self) -> &str {
         self.name.as_deref().unwrap_or("")
@@ -111,6 +147,7 @@ pub fn sub_namespace(namespace: &str) -> &str {
 /// The configured tenants, by key.
 pub struct Tenants {
     by_key: HashMap<KeyDigest, Arc<Tenant>>,
+    by_name: HashMap<String, Arc<Tenant>>,
     anonymous: Arc<Tenant>,
     required: bool,
 }
@@ -120,11 +157,14 @@ impl Tenants {
     /// tenants, or a tenant left without keys, is an error.
     pub fn load(config: &Config) -> anyhow::Result<Tenants> {
         let mut by_key = HashMap::new();
+        let mut by_name = HashMap::new();
         for t in &config.tenants {
-            let tenant = Arc::new(Tenant {
-                name: Some(t.name.clone()),
-                sub_namespaces: t.sub_namespaces,
-            });
+            let tenant = Arc::new(Tenant::new(
+                Some(t.name.clone()),
+                t.sub_namespaces,
+                t.policy.clone(),
+            ));
+            by_name.insert(t.name.clone(), tenant.clone());
             let mut keys: Vec<String> = t.api_keys.clone();
             if let Some(var) = &t.api_keys_env {
                 let v = std::env::var(var).with_context(|| {
@@ -162,17 +202,30 @@ impl Tenants {
         }
         Ok(Tenants {
             by_key,
-            anonymous: Arc::new(Tenant {
-                name: None,
-                sub_namespaces: true,
-            }),
+            by_name,
+            anonymous: Arc::new(Tenant::new(None, true, TenantPolicy::default())),
             required: config.auth.required,
         })
+    }
+
+    /// The tenant a scoped namespace belongs to (background work knows only the namespace).
+    pub fn for_namespace(&self, namespace: &str) -> &Tenant {
+        match self.by_name.get(scope_of(namespace)) {
+            Some(t) => t,
+            None => &self.anonymous,
+        }
     }
 
     /// Whether any tenant is configured.
     pub fn is_empty(&self) -> bool {
         self.by_key.is_empty()
+    }
+
+    /// [`Tenants::identify`], then one request counted against the tenant's rate limit.
+    pub fn admit(&self, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {
+        let tenant = self.identify(headers)?;
+        tenant.take_request()?;
+        Ok(tenant)
     }
 
     /// The tenant of a request: the one its key names, else the anonymous tenant unless keys
@@ -209,6 +262,7 @@ mod tests {
             api_keys_env: None,
             api_keys_file: None,
             sub_namespaces,
+            policy: TenantPolicy::default(),
         }
     }
 

@@ -71,6 +71,59 @@ pub struct TenantConfig {
     /// request gets 403).
     #[serde(default = "yes")]
     pub sub_namespaces: bool,
+    /// What the tenant may do and how its answers are cached.
+    #[serde(default)]
+    pub policy: TenantPolicy,
+}
+
+/// `[tenants.policy]`: one tenant's overrides of the global policy.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantPolicy {
+    /// Read-only: its requests are answered from the cache or generated, never stored.
+    pub read_only: bool,
+    /// Models it may ask for (empty: every model served); others get 404 `model_not_found`.
+    pub models: Vec<String>,
+    /// Largest `max_tokens` it may ask for; a request without one gets this (0: no cap). A
+    /// larger request gets 400.
+    pub max_tokens: u32,
+    /// Lifetime of the answers it stores, in seconds, at most `cache.ttl_secs` (absent:
+    /// `cache.ttl_secs`).
+    pub ttl_secs: Option<u64>,
+    /// Client controls it may use: any of `no-cache`, `no-store`, `only-if-cached`,
+    /// `max-age`, `threshold` (`x-reprise-threshold`), `tags` (`x-reprise-tags`). Using
+    /// another gets 403.
+    pub controls: Vec<String>,
+    /// Requests per minute (0: unlimited); beyond it 429 with `Retry-After`.
+    pub requests_per_minute: u32,
+    /// Semantic overrides for this tenant, before the global `[[semantic.rules]]`: the first
+    /// rule whose `namespace` (inside the tenant) and `model` match sets `enabled`,
+    /// `threshold`, `top_k`, `gate`.
+    pub semantic_rules: Vec<reprise_policies::semantic::Rule>,
+}
+
+/// The client controls a tenant may be allowed.
+pub const CLIENT_CONTROLS: &[&str] = &[
+    "no-cache",
+    "no-store",
+    "only-if-cached",
+    "max-age",
+    "threshold",
+    "tags",
+];
+
+impl Default for TenantPolicy {
+    fn default() -> Self {
+        TenantPolicy {
+            read_only: false,
+            models: Vec::new(),
+            max_tokens: 0,
+            ttl_secs: None,
+            controls: CLIENT_CONTROLS.iter().map(|c| c.to_string()).collect(),
+            requests_per_minute: 0,
+            semantic_rules: Vec::new(),
+        }
+    }
 }
 
 fn yes() -> bool {
@@ -89,6 +142,7 @@ impl std::fmt::Debug for TenantConfig {
             .field("api_keys_env", &self.api_keys_env)
             .field("api_keys_file", &self.api_keys_file)
             .field("sub_namespaces", &self.sub_namespaces)
+            .field("policy", &self.policy)
             .finish()
     }
 }
@@ -592,6 +646,36 @@ impl Config {
             }
             if !names.insert(t.name.as_str()) {
                 return Err(invalid("tenants.name", format!("`{}` twice", t.name)));
+            }
+            if let Some(c) = t
+                .policy
+                .controls
+                .iter()
+                .find(|c| !CLIENT_CONTROLS.contains(&c.as_str()))
+            {
+                return Err(invalid(
+                    "tenants.policy.controls",
+                    format!("tenant `{}`: unknown control `{c}`", t.name),
+                ));
+            }
+            if t.policy
+                .ttl_secs
+                .is_some_and(|ttl| ttl == 0 || ttl > self.cache.ttl_secs)
+            {
+                // Keys live at most cache.ttl_secs in memory: a longer lifetime would leave
+                // answers no key leads to.
+                return Err(invalid(
+                    "tenants.policy.ttl_secs",
+                    "must be positive and at most cache.ttl_secs",
+                ));
+            }
+            for r in &t.policy.semantic_rules {
+                if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
+                    return Err(invalid(
+                        "tenants.policy.semantic_rules.threshold",
+                        "must be in (0, 1]",
+                    ));
+                }
             }
             for k in &t.api_keys {
                 crate::auth::KeyDigest::parse(k).map_err(|e| {

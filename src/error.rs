@@ -58,6 +58,12 @@ pub enum ApiError {
     /// The caller's key does not allow what the request asks for.
     #[error("{0}")]
     Forbidden(String),
+    /// The caller's tenant sent more requests than its policy allows.
+    #[error("rate limit reached; retry in {retry_after_secs} s")]
+    RateLimited {
+        /// Seconds until a request is allowed again.
+        retry_after_secs: u64,
+    },
     /// Something that should not happen; the detail is logged, never sent.
     #[error("internal error: {0}")]
     Internal(String),
@@ -86,6 +92,7 @@ impl ApiError {
             ApiError::Unauthorized => "unauthorized",
             ApiError::InvalidApiKey => "invalid_api_key",
             ApiError::Forbidden(_) => "forbidden",
+            ApiError::RateLimited { .. } => "rate_limited",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -100,6 +107,7 @@ impl ApiError {
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unauthorized | ApiError::InvalidApiKey => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Backend(e) => match e {
                 BackendError::Unavailable(_) | BackendError::Internal(_) => StatusCode::BAD_GATEWAY,
@@ -178,6 +186,12 @@ impl ApiError {
                 None,
                 Some("permission_denied"),
             ),
+            ApiError::RateLimited { .. } => (
+                self.to_string(),
+                "rate_limit_error",
+                None,
+                Some("rate_limit_exceeded"),
+            ),
             ApiError::Internal(_) => ("internal server error".into(), "server_error", None, None),
             ApiError::Backend(e) => match e {
                 BackendError::Unavailable(_) | BackendError::Internal(_) => (
@@ -229,6 +243,10 @@ impl IntoResponse for ApiError {
                 header::RETRY_AFTER,
                 HeaderValue::from(retry_after_secs.max(&1).to_owned()),
             );
+        }
+        if let ApiError::RateLimited { retry_after_secs } = &self {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
         }
         if let ApiError::NotReady = &self {
             resp.headers_mut()

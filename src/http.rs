@@ -57,7 +57,7 @@ async fn models(
     uri: axum::http::Uri,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(e) = state.tenants.identify(&headers) {
+    if let Err(e) = state.tenants.admit(&headers) {
         return e.into_response();
     }
     if state.models.is_empty() {

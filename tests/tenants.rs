@@ -9,7 +9,7 @@ use std::sync::Arc;
 use common::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use reprise::config::{Config, TenantConfig};
+use reprise::config::{Config, TenantConfig, TenantPolicy};
 use reprise_backend::fake::ScriptConfig;
 use serde_json::Value;
 
@@ -20,6 +20,7 @@ fn tenant(name: &str, key: &str, sub_namespaces: bool) -> TenantConfig {
         api_keys_env: None,
         api_keys_file: None,
         sub_namespaces,
+        policy: TenantPolicy::default(),
     }
 }
 
@@ -208,4 +209,163 @@ async fn tenants_never_share_answers_links_or_predictions() {
         hits > 10,
         "only {hits} hits: the cache must serve each caller's repeats"
     );
+}
+
+fn with_policy(name: &str, key: &str, policy: TenantPolicy) -> TenantConfig {
+    TenantConfig {
+        policy,
+        ..tenant(name, key, true)
+    }
+}
+
+/// One server with a tenant per policy, all keys required.
+async fn policy_app(policies: Vec<(&str, TenantPolicy)>, semantic: bool) -> (TestApp, Backend) {
+    let mut c = test_config();
+    c.auth.required = true;
+    c.semantic.enabled = semantic;
+    c.tenants = policies
+        .into_iter()
+        .map(|(name, p)| with_policy(name, &format!("sk-{name}"), p))
+        .collect();
+    c.tenants.push(tenant("free", "sk-free", true));
+    spawn_fake(c, ScriptConfig::default()).await
+}
+
+type Backend = reprise_backend::fake::ScriptedBackend;
+
+async fn ask(
+    app: &TestApp,
+    tenant: &str,
+    body: &Value,
+    extra: &[(&str, &str)],
+) -> reqwest::Response {
+    let key = bearer(&format!("sk-{tenant}"));
+    let mut h = vec![("authorization", key.as_str())];
+    h.extend_from_slice(extra);
+    app.chat(body, &h).await
+}
+
+#[tokio::test]
+async fn a_tenant_over_its_rate_is_told_when_to_retry_and_others_are_not() {
+    let limited = TenantPolicy {
+        requests_per_minute: 2,
+        ..TenantPolicy::default()
+    };
+    let (app, _backend) = policy_app(vec![("slow", limited)], false).await;
+    let body = chat_body("hello");
+    for _ in 0..2 {
+        assert_eq!(ask(&app, "slow", &body, &[]).await.status(), 200);
+    }
+    let r = ask(&app, "slow", &body, &[]).await;
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry >= 1, "{retry}");
+    let j = assert_openai_error(r, 429, None).await;
+    assert_eq!(j["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(ask(&app, "free", &body, &[]).await.status(), 200);
+}
+
+#[tokio::test]
+async fn tenant_policies_bound_what_a_key_may_do() {
+    let (app, backend) = policy_app(
+        vec![
+            (
+                "reader",
+                TenantPolicy {
+                    read_only: true,
+                    ..TenantPolicy::default()
+                },
+            ),
+            (
+                "narrow",
+                TenantPolicy {
+                    models: vec!["another-model".into()],
+                    ..TenantPolicy::default()
+                },
+            ),
+            (
+                "capped",
+                TenantPolicy {
+                    max_tokens: 100,
+                    controls: vec!["max-age".into()],
+                    ttl_secs: Some(60),
+                    ..TenantPolicy::default()
+                },
+            ),
+        ],
+        false,
+    )
+    .await;
+    // Read-only: answered, never stored.
+    let body = chat_body("read me");
+    for _ in 0..2 {
+        let r = ask(&app, "reader", &body, &[]).await;
+        assert_eq!(cache_status(&r), "bypass");
+    }
+    assert_eq!(backend.calls(), 2);
+    // Models outside the tenant's list do not exist for it.
+    let r = ask(&app, "narrow", &body, &[]).await;
+    let j = assert_openai_error(r, 404, Some("model")).await;
+    assert_eq!(j["error"]["code"], "model_not_found");
+    // max_tokens above the cap is refused; without one the cap applies (the key with the
+    // cap written out is the same request).
+    let mut big = chat_body("capped question");
+    big["max_tokens"] = 500.into();
+    assert_openai_error(
+        ask(&app, "capped", &big, &[]).await,
+        400,
+        Some("max_tokens"),
+    )
+    .await;
+    let r = ask(&app, "capped", &chat_body("capped question"), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let mut explicit = chat_body("capped question");
+    explicit["max_tokens"] = 100.into();
+    assert_eq!(
+        cache_status(&ask(&app, "capped", &explicit, &[]).await),
+        "exact"
+    );
+    // Only the controls it was given.
+    let r = ask(&app, "capped", &explicit, &[("cache-control", "no-cache")]).await;
+    let j = assert_openai_error(r, 403, None).await;
+    assert_eq!(j["error"]["code"], "permission_denied");
+    let r = ask(
+        &app,
+        "capped",
+        &explicit,
+        &[("cache-control", "max-age=60")],
+    )
+    .await;
+    assert_eq!(cache_status(&r), "exact");
+    // Its own lifetime.
+    let e = app
+        .state
+        .store
+        .entries()
+        .into_iter()
+        .find(|e| e.text.contains("capped question"))
+        .unwrap();
+    assert_eq!(e.expires_ms - e.created_ms, 60_000);
+}
+
+#[tokio::test]
+async fn a_tenant_rule_turns_the_semantic_tier_off_for_it_only() {
+    let off = TenantPolicy {
+        semantic_rules: vec![reprise_policies::semantic::Rule {
+            enabled: Some(false),
+            ..Default::default()
+        }],
+        ..TenantPolicy::default()
+    };
+    let (app, _backend) = policy_app(vec![("exact-only", off)], true).await;
+    for (tenant, want) in [("exact-only", "miss"), ("free", "semantic")] {
+        let r = ask(&app, tenant, &chat_body("How do I reset my password?"), &[]).await;
+        assert_eq!(cache_status(&r), "miss");
+        let paraphrase = chat_body("I forgot my password, how can I change it?");
+        let r = ask(&app, tenant, &paraphrase, &[]).await;
+        assert_eq!(cache_status(&r), want, "{tenant}");
+    }
 }

@@ -42,17 +42,18 @@ impl Rule {
     }
 }
 
-/// The policy for a request: defaults, then the first matching rule, then the request's
-/// threshold if it is higher.
-pub fn resolve(
+/// The policy for a request: defaults, then the first matching rule (in the order given:
+/// a tenant's own rules before the global ones), then the request's threshold if it is
+/// higher.
+pub fn resolve<'a>(
     defaults: SemanticPolicy,
-    rules: &[Rule],
+    rules: impl IntoIterator<Item = &'a Rule>,
     namespace: &str,
     model: &str,
     requested_threshold: Option<f32>,
 ) -> SemanticPolicy {
     let mut p = defaults;
-    if let Some(r) = rules.iter().find(|r| r.matches(namespace, model)) {
+    if let Some(r) = rules.into_iter().find(|r| r.matches(namespace, model)) {
         p.enabled = r.enabled.unwrap_or(p.enabled);
         p.threshold = r.threshold.unwrap_or(p.threshold);
         p.top_k = r.top_k.unwrap_or(p.top_k);

@@ -19,7 +19,13 @@ pub(crate) async fn write_back(
     usage: Usage,
 ) -> EntryId {
     let now = now_ms();
-    let ttl = state.config.cache.ttl_secs * 1000;
+    let ttl_secs = state
+        .tenants
+        .for_namespace(&plan.namespace)
+        .policy()
+        .ttl_secs
+        .unwrap_or(state.config.cache.ttl_secs);
+    let ttl = ttl_secs * 1000;
     let keys = plan.keys(&text);
     let entry = Arc::new(Entry {
         id: EntryId::random(),

@@ -141,6 +141,13 @@ pub async fn lookup(
         return found;
     };
     let cfg = &state.config.semantic;
+    // The tenant's own rules first, then the global ones; rules name namespaces inside the
+    // tenant.
+    let tenant_rules = &state
+        .tenants
+        .for_namespace(namespace)
+        .policy()
+        .semantic_rules;
     let policy = reprise_policies::semantic::resolve(
         SemanticPolicy {
             enabled: cfg.enabled,
@@ -148,8 +155,8 @@ pub async fn lookup(
             top_k: cfg.top_k,
             gate: cfg.gate,
         },
-        &cfg.rules,
-        namespace,
+        tenant_rules.iter().chain(&cfg.rules),
+        crate::auth::sub_namespace(namespace),
         &req.model,
         wants.threshold,
     );

@@ -95,6 +95,24 @@ impl Controls {
     }
 }
 
+impl Controls {
+    /// The client controls this request uses, by the names a tenant policy allows them.
+    pub fn used(&self) -> Vec<&'static str> {
+        let c = &self.cache;
+        [
+            (c.no_cache, "no-cache"),
+            (c.no_store, "no-store"),
+            (c.only_if_cached, "only-if-cached"),
+            (c.max_age_secs.is_some(), "max-age"),
+            (self.threshold.is_some(), "threshold"),
+            (!self.tags.is_empty(), "tags"),
+        ]
+        .into_iter()
+        .filter_map(|(used, name)| used.then_some(name))
+        .collect()
+    }
+}
+
 /// Reads the control headers of a request from `tenant` and checks that the server is ready
 /// and serves `model`.
 pub fn admit(
@@ -110,8 +128,20 @@ pub fn admit(
     if !state.is_ready() {
         return Err(ApiError::NotReady);
     }
-    if !state.models.is_empty() && !state.models.iter().any(|m| m == model) {
+    let allowed = &tenant.policy().models;
+    if (!state.models.is_empty() && !state.models.iter().any(|m| m == model))
+        || (!allowed.is_empty() && !allowed.iter().any(|m| m == model))
+    {
         return Err(ApiError::UnknownModel(model.to_string()));
+    }
+    if let Some(c) = ctl
+        .used()
+        .into_iter()
+        .find(|c| !tenant.policy().controls.iter().any(|allowed| allowed == c))
+    {
+        return Err(ApiError::Forbidden(format!(
+            "this API key may not use the `{c}` control"
+        )));
     }
     Ok(ctl)
 }

@@ -1,11 +1,12 @@
 //! The request path of both completion endpoints, top to bottom. Each step has a file:
 //!
-//! 0. **identify**: the API key names the tenant ([`crate::auth`]);
+//! 0. **identify**: the API key names the tenant ([`crate::auth`]), within its rate limit;
 //! 1. **parse** ([`parse`]): the body becomes a [`reprise_backend::GenRequest`], or a
 //!    [`Forward`] for the upstream ([`crate::forward`]);
 //! 2. **controls** ([`controls`]): namespace (inside the tenant), `Cache-Control`, threshold, session, tags from
 //!    headers; ready and model checks;
-//! 3. **policy** ([`policy`]): may this request read, write, call the backend?
+//! 3. **policy** ([`policy`]): may this request read, write, call the backend? (the
+//!    configuration, the tenant's policy, `Cache-Control`); the tenant's `max_tokens` cap;
 //! 4. **exact lookup** ([`crate::lookup::exact`]) by the blake3 key of the canonical request;
 //! 5. **semantic lookup** ([`crate::lookup::semantic`]): the last user turn by meaning, in its
 //!    partition, through the false-hit gate (both lookups live in [`crate::lookup`] because
@@ -74,11 +75,12 @@ async fn serve(
     body: Result<Bytes, BytesRejection>,
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
-    // 0. Who is asking: the API key names the tenant (401 before anything else is read).
-    let tenant = state.tenants.identify(headers)?;
+    // 0. Who is asking: the API key names the tenant (401 before anything else is read),
+    //    within its rate limit (429).
+    let tenant = state.tenants.admit(headers)?;
     // 1. Parse.
     let body = body.map_err(|e| parse::body_error(e, state.config.server.max_body_bytes))?;
-    let parsed = match parse(endpoint, &body)? {
+    let mut parsed = match parse(endpoint, &body)? {
         Request::Cacheable(parsed) => parsed,
         Request::Forward(f) => {
             // Only an upstream can answer it: admitted like any request, then sent there.
@@ -91,8 +93,9 @@ async fn serve(
     };
     // 2. Controls.
     let ctl = admit(state, headers, &tenant, &parsed.req.model, book)?;
+    policy::cap_max_tokens(&tenant, &mut parsed.req)?;
     // 3. Policy.
-    let access = policy::access(state, &ctl);
+    let access = policy::access(state, &tenant, &ctl);
     let renderer = Renderer::new(endpoint, &parsed.req.model);
 
     // 4. Exact and 5. semantic lookup.
