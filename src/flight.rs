@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use reprise_backend::{BackendError, GenEvent};
-use reprise_cache::Digest;
+use reprise_cache::{Digest, EntryId};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -31,15 +31,18 @@ pub struct Flight {
     progress: watch::Sender<(usize, Option<End>)>,
     subscribers: Mutex<usize>,
     cancel: CancellationToken,
+    /// The id its answer is stored under, when it is stored.
+    entry: Option<EntryId>,
 }
 
 impl Flight {
-    fn new() -> Arc<Self> {
+    fn new(entry: Option<EntryId>) -> Arc<Self> {
         Arc::new(Flight {
             events: Mutex::new(Vec::new()),
             progress: watch::channel((0, None)).0,
             subscribers: Mutex::new(0),
             cancel: CancellationToken::new(),
+            entry,
         })
     }
 
@@ -87,6 +90,11 @@ pub struct Subscriber {
 }
 
 impl Subscriber {
+    /// The id the flight's answer is stored under, when it is stored.
+    pub fn entry(&self) -> Option<EntryId> {
+        self.flight.entry
+    }
+
     /// The next event; `None` after the end. A failure is delivered once as `Err`.
     pub async fn next(&mut self) -> Option<Result<GenEvent, BackendError>> {
         if self.done {
@@ -147,8 +155,9 @@ pub enum Joined {
 }
 
 impl Flights {
-    /// Joins the running flight for `key`, or registers a new one for the caller to drive.
-    pub fn join(&self, key: Digest) -> Joined {
+    /// Joins the running flight for `key`, or registers a new one for the caller to drive,
+    /// whose answer will be stored as `entry`.
+    pub fn join(&self, key: Digest, entry: EntryId) -> Joined {
         let mut map = self.map.lock();
         if let Some(f) = map.get(&key) {
             // A cancelled flight is on its way out; start afresh rather than join a corpse.
@@ -156,7 +165,7 @@ impl Flights {
                 return Joined::Follower(f.subscribe());
             }
         }
-        let f = Flight::new();
+        let f = Flight::new(Some(entry));
         let sub = f.subscribe();
         map.insert(key, f.clone());
         Joined::Leader(f, sub)
@@ -169,9 +178,10 @@ impl Flights {
         (!f.cancel.is_cancelled() && !f.is_ended()).then(|| f.subscribe())
     }
 
-    /// A flight that is not shared (requests that must not be joined, e.g. `no-store`).
-    pub fn solo(&self) -> (Arc<Flight>, Subscriber) {
-        let f = Flight::new();
+    /// A flight that is not shared (requests that must not be joined: `no-store`, background
+    /// generations), stored as `entry` when it is stored at all.
+    pub fn solo(&self, entry: Option<EntryId>) -> (Arc<Flight>, Subscriber) {
+        let f = Flight::new(entry);
         let sub = f.subscribe();
         (f, sub)
     }
@@ -269,11 +279,11 @@ mod tests {
     #[tokio::test]
     async fn late_joiner_replays_everything() {
         let flights = Flights::default();
-        let Joined::Leader(f, mut a) = flights.join([1; 32]) else {
+        let Joined::Leader(f, mut a) = flights.join([1; 32], EntryId(1)) else {
             panic!("first must lead")
         };
         f.push(GenEvent::Delta("a".into()));
-        let Joined::Follower(mut b) = flights.join([1; 32]) else {
+        let Joined::Follower(mut b) = flights.join([1; 32], EntryId(1)) else {
             panic!("second must follow")
         };
         f.push(GenEvent::Delta("b".into()));
@@ -295,10 +305,10 @@ mod tests {
     #[tokio::test]
     async fn last_subscriber_leaving_cancels() {
         let flights = Flights::default();
-        let Joined::Leader(f, a) = flights.join([2; 32]) else {
+        let Joined::Leader(f, a) = flights.join([2; 32], EntryId(2)) else {
             panic!()
         };
-        let Joined::Follower(b) = flights.join([2; 32]) else {
+        let Joined::Follower(b) = flights.join([2; 32], EntryId(2)) else {
             panic!()
         };
         drop(a);
@@ -306,13 +316,16 @@ mod tests {
         drop(b);
         assert!(f.cancelled().is_cancelled());
         // A new request for the same key starts a fresh flight.
-        assert!(matches!(flights.join([2; 32]), Joined::Leader(..)));
+        assert!(matches!(
+            flights.join([2; 32], EntryId(2)),
+            Joined::Leader(..)
+        ));
     }
 
     #[tokio::test]
     async fn failure_reaches_subscribers() {
         let flights = Flights::default();
-        let Joined::Leader(f, mut a) = flights.join([3; 32]) else {
+        let Joined::Leader(f, mut a) = flights.join([3; 32], EntryId(3)) else {
             panic!()
         };
         f.end(End::Failed(BackendError::Timeout));

@@ -2,7 +2,7 @@
 
 use axum::http::HeaderValue;
 use axum::response::Response;
-use reprise_cache::Entry;
+use reprise_cache::{Entry, EntryId};
 
 use crate::metrics::Outcome;
 
@@ -10,6 +10,9 @@ use crate::metrics::Outcome;
 pub const NAMESPACE_HEADER: &str = "x-reprise-namespace";
 /// Response header saying how the request was answered.
 pub const CACHE_HEADER: &str = "x-reprise-cache";
+/// Response header naming the entry that answered, or that a miss stores its answer as (an
+/// operator can act on a reported answer by it: `DELETE /admin/entries/{id}`).
+pub const ENTRY_HEADER: &str = "x-reprise-entry";
 /// Response header with the similarity of a semantic hit.
 pub const SIMILARITY_HEADER: &str = "x-reprise-similarity";
 /// Request header raising the similarity threshold for this request.
@@ -28,7 +31,15 @@ pub fn set_similarity(resp: &mut Response, sim: f32) {
     }
 }
 
-/// Sets `x-reprise-cache`, `Cache-Status` (RFC 9211) and, on hits, `Age`.
+/// Sets `x-reprise-entry`.
+pub fn set_entry(resp: &mut Response, id: EntryId) {
+    if let Ok(v) = HeaderValue::from_str(&id.to_string()) {
+        resp.headers_mut().insert(ENTRY_HEADER, v);
+    }
+}
+
+/// Sets `x-reprise-cache`, `Cache-Status` (RFC 9211) and, on hits, `Age` and
+/// `x-reprise-entry`.
 pub fn set_cache_status(resp: &mut Response, outcome: Outcome, entry: Option<&Entry>) {
     let h = resp.headers_mut();
     h.insert(CACHE_HEADER, HeaderValue::from_static(outcome.as_str()));
@@ -43,5 +54,6 @@ pub fn set_cache_status(resp: &mut Response, outcome: Outcome, entry: Option<&En
     h.insert("cache-status", HeaderValue::from_static(status));
     if let Some(e) = entry {
         h.insert(axum::http::header::AGE, HeaderValue::from(e.age_secs()));
+        set_entry(resp, e.id);
     }
 }

@@ -551,3 +551,49 @@ async fn max_age_refreshes_answers_older_than_the_client_takes() {
     assert_eq!(r.headers()["age"], "0");
     assert_eq!(backend.calls(), 2);
 }
+
+/// Every answer names its entry: a miss the entry it is stored as (streaming or not, and so
+/// does a request that joined its generation), a hit the entry that served it; an operator
+/// deletes a reported answer by that name.
+#[tokio::test]
+async fn every_answer_names_its_entry_and_the_operator_can_delete_it() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_ENTRY_ADMIN_TOKEN", "t0ken");
+    let mut config = test_config();
+    config.server.admin_token_env = Some("REPRISE_TEST_ENTRY_ADMIN_TOKEN".into());
+    let script = ScriptConfig {
+        token_delay: Duration::from_millis(20),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(config, script).await;
+    let entry_of = |r: &reqwest::Response| {
+        r.headers()
+            .get("x-reprise-entry")
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    let body = chat_body("name the entry");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (a, b) = tokio::join!(app.chat(&body, &[]), app.chat(&streamed, &[]));
+    assert_eq!(backend.calls(), 1, "one generation for both");
+    let id = entry_of(&a).expect("a miss names the entry it is stored as");
+    assert_eq!(entry_of(&b).as_deref(), Some(id.as_str()), "the joined stream too");
+    let _ = (a.text().await, b.text().await);
+    let hit = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&hit), "exact");
+    assert_eq!(entry_of(&hit).as_deref(), Some(id.as_str()));
+    // Not stored, not named.
+    let r = app.chat(&body, &[("cache-control", "no-store")]).await;
+    assert_eq!(cache_status(&r), "bypass");
+    assert_eq!(entry_of(&r), None);
+    let r = app
+        .client
+        .delete(app.url(&format!("/admin/entries/{id}")))
+        .bearer_auth("t0ken")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = app.chat(&body, &[("cache-control", "only-if-cached")]).await;
+    assert_eq!(r.status(), 504, "deleted");
+}

@@ -65,7 +65,7 @@ pub async fn generate_in_background(
     let mut plan = found.plan;
     plan.origin = origin;
     let exact = plan.exact;
-    let (flight, mut sub) = state.flights.solo();
+    let (flight, mut sub) = state.flights.solo(Some(plan.id));
     super::spawn(state.clone(), flight, None, req, Some(plan));
     let mut usage = None;
     while let Some(ev) = sub.next().await {

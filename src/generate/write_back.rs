@@ -28,7 +28,7 @@ pub(crate) async fn write_back(
     let ttl = ttl_secs * 1000;
     let keys = plan.keys(&text);
     let entry = Arc::new(Entry {
-        id: EntryId::random(),
+        id: plan.id,
         namespace: plan.namespace,
         model: plan.model,
         text,

@@ -11,6 +11,8 @@ use crate::openai::Endpoint;
 /// What a write-back stores, gathered along the request path.
 #[derive(Debug, Clone)]
 pub struct WritePlan {
+    /// The id the new entry gets (known before it is generated, so a response can name it).
+    pub id: EntryId,
     /// The exact key the new entry is stored under.
     pub exact: Digest,
     /// Tenant.
@@ -51,6 +53,7 @@ impl WritePlan {
     /// in the rest.
     pub fn new(exact: Digest, namespace: &str, req: &GenRequest) -> Self {
         WritePlan {
+            id: EntryId::random(),
             exact,
             namespace: namespace.to_string(),
             model: req.model.clone(),

@@ -11,7 +11,7 @@ use reprise_backend::{BackendError, FinishReason, GenEvent, Usage};
 use crate::bookkeeping::Bookkeeping;
 use crate::error::ApiError;
 use crate::flight::Subscriber;
-use crate::headers::{set_cache_status, set_similarity};
+use crate::headers::{set_cache_status, set_entry, set_similarity};
 use crate::lookup::Hit;
 use crate::metrics::Outcome;
 use crate::openai::Renderer;
@@ -73,6 +73,8 @@ pub async fn generation(
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
     let server = &state.config.server;
+    // The entry the flight's answer is stored as (none when it is not stored).
+    let entry = sub.entry();
     // Wait for the first event before answering, so a backend that fails at once becomes a
     // real status code.
     let first = tokio::time::timeout(server.first_token_timeout(), sub.next())
@@ -122,5 +124,8 @@ pub async fn generation(
         axum::Json(renderer.full(&text, reason, usage)).into_response()
     };
     set_cache_status(&mut resp, outcome, None);
+    if let Some(id) = entry {
+        set_entry(&mut resp, id);
+    }
     Ok(resp)
 }

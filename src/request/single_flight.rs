@@ -58,7 +58,7 @@ pub fn join(
     }
     let subscriber = if access.write {
         let exact = plan.exact;
-        match state.flights.join(exact) {
+        match state.flights.join(exact, plan.id) {
             Joined::Follower(sub) => {
                 state.metrics.singleflight_joins.increment(1);
                 sub
@@ -81,7 +81,7 @@ pub fn join(
             }
         }
     } else {
-        let (flight, sub) = state.flights.solo();
+        let (flight, sub) = state.flights.solo(None);
         crate::generate::spawn(state.clone(), flight, None, parsed.req.clone(), None);
         sub
     };
