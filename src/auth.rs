@@ -122,11 +122,13 @@ impl Tenant {
                 "this API key may not choose a namespace (`{NAMESPACE_HEADER}`)"
             )));
         }
-        Ok(format!(
-            "{name}{SCOPE_SEP}{}",
-            header.unwrap_or(DEFAULT_NAMESPACE)
-        ))
+        Ok(scope(name, header.unwrap_or(DEFAULT_NAMESPACE)))
     }
+}
+
+/// The scoped namespace `sub` of tenant `tenant`.
+fn scope(tenant: &str, sub: &str) -> String {
+    format!("{tenant}{SCOPE_SEP}{sub}")
 }
 
 /// The tenant part of a scoped namespace ("" for the anonymous tenant): the scope of the
@@ -214,6 +216,13 @@ impl Tenants {
             Some(t) => t,
             None => &self.anonymous,
         }
+    }
+
+    /// The scoped namespace `sub` of the configured tenant `tenant` (for the admin API).
+    pub fn scoped(&self, tenant: &str, sub: &str) -> Option<String> {
+        self.by_name
+            .contains_key(tenant)
+            .then(|| scope(tenant, sub))
     }
 
     /// Whether any tenant is configured.

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::Path;
 use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{Path, Query};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -142,12 +142,29 @@ async fn delete_entry(
     Ok(Json(json!({"deleted": u64::from(deleted)})))
 }
 
+/// `?tenant=NAME` of `DELETE /admin/namespaces/{namespace}`.
+#[derive(serde::Deserialize)]
+struct TenantQuery {
+    /// The namespace is one of this configured tenant's (none: the anonymous tenant's).
+    tenant: Option<String>,
+}
+
 async fn delete_namespace(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Path(namespace): Path<String>,
+    Query(q): Query<TenantQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     authorize(&state, &headers)?;
+    let namespace = match &q.tenant {
+        Some(tenant) => state.tenants.scoped(tenant, &namespace).ok_or_else(|| {
+            ApiError::invalid(
+                format!("no tenant `{tenant}` is configured"),
+                Some("tenant"),
+            )
+        })?,
+        None => namespace,
+    };
     let deleted = state
         .store
         .delete_namespace(&namespace)

@@ -577,7 +577,11 @@ async fn every_answer_names_its_entry_and_the_operator_can_delete_it() {
     let (a, b) = tokio::join!(app.chat(&body, &[]), app.chat(&streamed, &[]));
     assert_eq!(backend.calls(), 1, "one generation for both");
     let id = entry_of(&a).expect("a miss names the entry it is stored as");
-    assert_eq!(entry_of(&b).as_deref(), Some(id.as_str()), "the joined stream too");
+    assert_eq!(
+        entry_of(&b).as_deref(),
+        Some(id.as_str()),
+        "the joined stream too"
+    );
     let _ = (a.text().await, b.text().await);
     let hit = app.chat(&body, &[]).await;
     assert_eq!(cache_status(&hit), "exact");
@@ -594,6 +598,8 @@ async fn every_answer_names_its_entry_and_the_operator_can_delete_it() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let r = app.chat(&body, &[("cache-control", "only-if-cached")]).await;
+    let r = app
+        .chat(&body, &[("cache-control", "only-if-cached")])
+        .await;
     assert_eq!(r.status(), 504, "deleted");
 }

@@ -369,3 +369,44 @@ async fn a_tenant_rule_turns_the_semantic_tier_off_for_it_only() {
         assert_eq!(cache_status(&r), want, "{tenant}");
     }
 }
+
+#[tokio::test]
+async fn an_operator_deletes_one_tenants_namespace_only() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_TENANT_ADMIN_TOKEN", "adm1n");
+    let mut config = tenants_config(false);
+    config.server.admin_token_env = Some("REPRISE_TEST_TENANT_ADMIN_TOKEN".into());
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let body = chat_body("keep or drop");
+    let acme = bearer("sk-acme");
+    let acme_h = [
+        ("authorization", acme.as_str()),
+        ("x-reprise-namespace", "support"),
+    ];
+    // The anonymous tenant's namespace "support" is another namespace.
+    let anon_h = [("x-reprise-namespace", "support")];
+    for h in [&acme_h[..], &anon_h[..]] {
+        assert_eq!(cache_status(&app.chat(&body, h).await), "miss");
+    }
+    let delete = |q: &str| {
+        app.client
+            .delete(app.url(&format!("/admin/namespaces/support{q}")))
+            .bearer_auth("adm1n")
+            .send()
+    };
+    assert_eq!(delete("?tenant=nobody").await.unwrap().status(), 400);
+    let r = delete("?tenant=acme").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["deleted"], 1);
+    assert_eq!(
+        cache_status(&app.chat(&body, &acme_h).await),
+        "miss",
+        "deleted"
+    );
+    assert_eq!(
+        cache_status(&app.chat(&body, &anon_h).await),
+        "exact",
+        "kept"
+    );
+}
