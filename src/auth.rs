@@ -20,8 +20,9 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use axum::http::{header, HeaderMap};
+use governor::clock::QuantaInstant;
 use governor::clock::{Clock, DefaultClock};
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use governor::{DefaultDirectRateLimiter, NotUntil, Quota, RateLimiter};
 use sha2::{Digest as _, Sha256};
 
 use crate::config::{Config, TenantPolicy};
@@ -73,17 +74,20 @@ pub struct Tenant {
     policy: TenantPolicy,
     /// `policy.requests_per_minute`, when set.
     limiter: Option<DefaultDirectRateLimiter>,
+    /// `policy.tokens_per_minute`, when set.
+    token_limiter: Option<DefaultDirectRateLimiter>,
 }
 
 impl Tenant {
     fn new(name: Option<String>, sub_namespaces: bool, policy: TenantPolicy) -> Tenant {
-        let limiter = NonZeroU32::new(policy.requests_per_minute)
-            .map(|n| RateLimiter::direct(Quota::per_minute(n)));
+        let per_minute =
+            |n: u32| NonZeroU32::new(n).map(|n| RateLimiter::direct(Quota::per_minute(n)));
         Tenant {
             name,
             sub_namespaces,
+            limiter: per_minute(policy.requests_per_minute),
+            token_limiter: per_minute(policy.tokens_per_minute),
             policy,
-            limiter,
         }
     }
 
@@ -92,17 +96,38 @@ impl Tenant {
         &self.policy
     }
 
+    /// Charges `tokens` against its token budget (a request about to go to the backend): 429
+    /// with the seconds until they fit, or 400 when they never fit in a minute's budget.
+    pub fn take_tokens(&self, tokens: u32) -> Result<(), ApiError> {
+        let Some(limiter) = &self.token_limiter else {
+            return Ok(());
+        };
+        let Some(n) = NonZeroU32::new(tokens) else {
+            return Ok(());
+        };
+        match limiter.check_n(n) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(not_until)) => Err(ApiError::RateLimited {
+                retry_after_secs: retry_after(&not_until),
+            }),
+            Err(_) => Err(ApiError::invalid(
+                format!(
+                    "`max_tokens` {tokens} exceeds this API key's budget of {} tokens a minute",
+                    self.policy.tokens_per_minute
+                ),
+                Some("max_tokens"),
+            )),
+        }
+    }
+
     /// Counts one request against its rate limit: 429 with the seconds until the next one
     /// is allowed.
     pub fn take_request(&self) -> Result<(), ApiError> {
         let Some(limiter) = &self.limiter else {
             return Ok(());
         };
-        limiter.check().map_err(|not_until| {
-            let wait = not_until.wait_time_from(DefaultClock::default().now());
-            ApiError::RateLimited {
-                retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u64,
-            }
+        limiter.check().map_err(|not_until| ApiError::RateLimited {
+            retry_after_secs: retry_after(&not_until),
         })
     }
 
@@ -124,6 +149,12 @@ impl Tenant {
         }
         Ok(scope(name, header.unwrap_or(DEFAULT_NAMESPACE)))
     }
+}
+
+/// Whole seconds (at least 1) until a refused rate-limited request may be tried again.
+fn retry_after(not_until: &NotUntil<QuantaInstant>) -> u64 {
+    let wait = not_until.wait_time_from(DefaultClock::default().now());
+    wait.as_secs_f64().ceil().max(1.0) as u64
 }
 
 /// The scoped namespace `sub` of tenant `tenant`.

@@ -96,6 +96,11 @@ pub struct TenantPolicy {
     pub controls: Vec<String>,
     /// Requests per minute (0: unlimited); beyond it 429 with `Retry-After`.
     pub requests_per_minute: u32,
+    /// Tokens per minute its misses may ask the backend for (0: unlimited): each request
+    /// that goes to the backend is charged its `max_tokens` (or `backend.default_max_tokens`)
+    /// up front; beyond the budget 429 with `Retry-After`, and a request larger than a whole
+    /// minute's budget 400. Cache hits cost nothing.
+    pub tokens_per_minute: u32,
     /// Semantic overrides for this tenant, before the global `[[semantic.rules]]`: the first
     /// rule whose `namespace` (inside the tenant) and `model` match sets `enabled`,
     /// `threshold`, `top_k`, `gate`.
@@ -121,6 +126,7 @@ impl Default for TenantPolicy {
             ttl_secs: None,
             controls: CLIENT_CONTROLS.iter().map(|c| c.to_string()).collect(),
             requests_per_minute: 0,
+            tokens_per_minute: 0,
             semantic_rules: Vec::new(),
         }
     }

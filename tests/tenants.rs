@@ -410,3 +410,34 @@ async fn an_operator_deletes_one_tenants_namespace_only() {
         "kept"
     );
 }
+
+#[tokio::test]
+async fn misses_spend_the_tenants_token_budget_and_hits_are_free() {
+    let budget = TenantPolicy {
+        tokens_per_minute: 300,
+        ..TenantPolicy::default()
+    };
+    let (app, backend) = policy_app(vec![("metered", budget)], false).await;
+    let with_max = |text: &str, n: u32| {
+        let mut b = chat_body(text);
+        b["max_tokens"] = n.into();
+        b
+    };
+    let first = with_max("first question", 200);
+    assert_eq!(cache_status(&ask(&app, "metered", &first, &[]).await), "miss");
+    for _ in 0..3 {
+        assert_eq!(cache_status(&ask(&app, "metered", &first, &[]).await), "exact");
+    }
+    // 100 tokens left this minute.
+    let r = ask(&app, "metered", &with_max("second question", 200), &[]).await;
+    assert!(r.headers().contains_key("retry-after"));
+    let j = assert_openai_error(r, 429, None).await;
+    assert_eq!(j["error"]["code"], "rate_limit_exceeded");
+    // More than a whole minute's budget can never pass.
+    let r = ask(&app, "metered", &with_max("third question", 500), &[]).await;
+    assert_openai_error(r, 400, Some("max_tokens")).await;
+    // Another tenant has its own budget (none).
+    let r = ask(&app, "free", &with_max("second question", 200), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 2);
+}

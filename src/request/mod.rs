@@ -132,6 +132,9 @@ async fn serve(
     if !access.generate {
         return Err(ApiError::NotCached);
     }
+    // The backend will be asked: charged against the tenant's token budget.
+    let max_tokens = parsed.req.params.max_tokens;
+    tenant.take_tokens(max_tokens.unwrap_or(state.config.backend.default_max_tokens))?;
     let mut plan = found.plan;
     plan.tags = ctl.tags.clone();
     plan.observe = observe;
