@@ -256,6 +256,14 @@ impl Tenants {
             .then(|| scope(tenant, sub))
     }
 
+    /// How many keys name tenant `name`.
+    pub fn key_count(&self, name: &str) -> usize {
+        self.by_key
+            .values()
+            .filter(|t| t.name.as_deref() == Some(name))
+            .count()
+    }
+
     /// Whether any tenant is configured.
     pub fn is_empty(&self) -> bool {
         self.by_key.is_empty()

@@ -36,6 +36,9 @@ pub struct Config {
     /// The tenants and their API keys (`[[tenants]]`); none: one implicit tenant, as without
     /// authentication.
     pub tenants: Vec<TenantConfig>,
+    /// The file this configuration was read from (`SIGHUP` reads it again); not a key.
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
 }
 
 /// `[auth]`
@@ -607,7 +610,9 @@ impl Config {
             fig = fig.merge(Toml::file_exact(path));
         }
         fig = fig.merge(Env::prefixed("REPRISE__").split("__"));
-        Self::from_figment(fig)
+        let mut config = Self::from_figment(fig)?;
+        config.source = path.map(Path::to_path_buf);
+        Ok(config)
     }
 
     /// Parses a TOML string (no environment); used by tests.

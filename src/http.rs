@@ -30,6 +30,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/admin/entries/{id}", delete(delete_entry))
         .route("/admin/namespaces/{namespace}", delete(delete_namespace))
         .route("/admin/tags/{tag}", delete(delete_tag))
+        .route("/admin/policies", get(get_policies).put(put_policies))
         .fallback(fallback)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -57,7 +58,7 @@ async fn models(
     uri: axum::http::Uri,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(e) = state.tenants.admit(&headers) {
+    if let Err(e) = state.policies.load().tenants.admit(&headers) {
         return e.into_response();
     }
     if state.models.is_empty() {
@@ -157,12 +158,17 @@ async fn delete_namespace(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     authorize(&state, &headers)?;
     let namespace = match &q.tenant {
-        Some(tenant) => state.tenants.scoped(tenant, &namespace).ok_or_else(|| {
-            ApiError::invalid(
-                format!("no tenant `{tenant}` is configured"),
-                Some("tenant"),
-            )
-        })?,
+        Some(tenant) => state
+            .policies
+            .load()
+            .tenants
+            .scoped(tenant, &namespace)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("no tenant `{tenant}` is configured"),
+                    Some("tenant"),
+                )
+            })?,
         None => namespace,
     };
     let deleted = state
@@ -171,6 +177,32 @@ async fn delete_namespace(
         .await
         .map_err(redis_error)?;
     Ok(Json(json!({"deleted": deleted})))
+}
+
+/// The live policies, their version, and the tenants (how many keys each, never the keys).
+async fn get_policies(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    authorize(&state, &headers)?;
+    Ok(Json(state.policies.load().view()))
+}
+
+/// Applies a policy document (TOML: `[semantic]` policy keys, `[auth]`, `[[tenants]]`): 400
+/// with the reason when it is invalid (the running policies stay), else the new version.
+async fn put_policies(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let text = std::str::from_utf8(&body)
+        .map_err(|_| ApiError::invalid("the policy document is not UTF-8", None))?;
+    let doc = crate::policy::PolicyDocument::from_toml(text)
+        .map_err(|e| ApiError::invalid(format!("invalid policy document: {e}"), None))?;
+    let version = crate::policy::apply(&state, doc)
+        .map_err(|e| ApiError::invalid(format!("policy refused: {e:#}"), None))?;
+    Ok(Json(json!({"version": version})))
 }
 
 async fn delete_tag(

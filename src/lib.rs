@@ -28,6 +28,7 @@ mod lookup;
 pub mod metrics;
 mod observe;
 pub mod openai;
+pub mod policy;
 pub mod prefetch;
 mod replication;
 mod reqlog;

@@ -91,6 +91,8 @@ pub struct Metrics {
     pub cache_evictions: Counter,
     /// Generations that ended without a finish reason or were abandoned (never cached).
     pub incomplete_generations: Counter,
+    /// The version of the live policies (1 at start, one more per change).
+    pub policy_version: Gauge,
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -172,6 +174,10 @@ fn describe() {
     describe_counter!(
         "reprise_incomplete_generations_total",
         "Generations that failed, were cut off or were abandoned; never cached."
+    );
+    describe_gauge!(
+        "reprise_policy_version",
+        "Version of the live policies (1 at start; PUT /admin/policies and SIGHUP add one)."
     );
     reprise_backend::llama::describe_metrics();
     reprise_cache::redis::describe_metrics();
@@ -268,6 +274,7 @@ impl Metrics {
             cache_bytes: metrics::gauge!("reprise_cache_bytes"),
             cache_evictions: metrics::counter!("reprise_cache_evictions_total"),
             incomplete_generations: metrics::counter!("reprise_incomplete_generations_total"),
+            policy_version: metrics::gauge!("reprise_policy_version"),
         }
     }
 

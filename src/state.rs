@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use arc_swap::ArcSwap;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use reprise_backend::llama::LlamaBackend;
 use reprise_backend::openai::{OpenAiBackend, OpenAiConfig};
@@ -16,11 +17,11 @@ use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::Store;
 use reprise_embedder::{Embedder, EmbedderConfig, FastEmbedder};
 
-use crate::auth::Tenants;
 use crate::config::{BackendKind, Config};
 use crate::flight::{Flights, InFlightParaphrases};
 use crate::metrics::Metrics;
 use crate::observe::Observer;
+use crate::policy::Policies;
 use crate::prefetch::Prefetcher;
 use crate::reqlog::RequestLog;
 
@@ -50,8 +51,11 @@ pub struct AppState {
     pub prefetch: Option<Arc<Prefetcher>>,
     /// Where served requests are reported (to the prefetcher), when prefetch is on.
     pub observer: Option<Observer>,
-    /// The configured tenants and their keys.
-    pub tenants: Tenants,
+    /// The policies that can change while running (semantic defaults and rules, tenants);
+    /// load once per request.
+    pub policies: ArcSwap<Policies>,
+    /// Serialises policy changes.
+    pub policy_change: parking_lot::Mutex<()>,
     ready: AtomicBool,
 }
 
@@ -106,7 +110,8 @@ impl AppState {
             .enabled
             .then(|| Prefetcher::new(config.prefetch.clone()));
         let observer = prefetch.as_ref().map(|p| p.observer());
-        let tenants = Tenants::load(&config)?;
+        let policies = Policies::from_config(&config, 1)?;
+        metrics.policy_version.set(1.0);
         Ok(Arc::new(AppState {
             config,
             backend,
@@ -119,7 +124,8 @@ impl AppState {
             request_log,
             prefetch,
             observer,
-            tenants,
+            policies: ArcSwap::from_pointee(policies),
+            policy_change: Default::default(),
             rebuilds: Default::default(),
             ready: AtomicBool::new(true),
         }))

@@ -5,7 +5,9 @@
 //! - **replication**: this replica's memory and index kept in step with Redis
 //!   ([`crate::replication`]);
 //! - **index maintenance**: partitions with many tombstones rebuilt every
-//!   `semantic.maintain_interval_secs`.
+//!   `semantic.maintain_interval_secs`;
+//! - **policy reload**: on `SIGHUP`, the configuration file's policy sections
+//!   ([`crate::policy`]).
 //!
 //! Tasks hold the state weakly where they wait long, so a dropped server is never kept alive
 //! by its own background work.
@@ -41,6 +43,9 @@ pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
     if state.store.index().is_some() {
         start_maintenance(state, &tracker, stop.clone());
     }
+    if let Some(path) = state.config.source.clone() {
+        start_reload_on_hangup(state, path, &tracker, stop.clone());
+    }
     tracker.close();
     BackgroundTasks { stop, tracker }
 }
@@ -68,6 +73,51 @@ impl Drop for BackgroundTasks {
     fn drop(&mut self) {
         self.stop.cancel();
     }
+}
+
+/// Reads the configuration file again on `SIGHUP` and applies its policy sections
+/// ([`crate::policy`]); an unreadable or invalid file changes nothing and is logged.
+#[cfg(unix)]
+fn start_reload_on_hangup(
+    state: &Arc<AppState>,
+    path: std::path::PathBuf,
+    tracker: &TaskTracker,
+    stop: CancellationToken,
+) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut hangups = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP; policies change only by the admin API");
+            return;
+        }
+    };
+    let weak = Arc::downgrade(state);
+    tracker.spawn(async move {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                got = hangups.recv() => if got.is_none() { break },
+            }
+            let Some(state) = weak.upgrade() else { break };
+            let applied = crate::config::Config::load(Some(&path))
+                .map_err(anyhow::Error::from)
+                .and_then(|c| crate::policy::apply(&state, crate::policy::PolicyDocument::of_config(&c)));
+            match applied {
+                Ok(version) => tracing::info!(version, path = %path.display(), "SIGHUP: policies reloaded"),
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), path = %path.display(), "SIGHUP: policies not changed"),
+            }
+        }
+    });
+}
+
+#[cfg(not(unix))]
+fn start_reload_on_hangup(
+    _state: &Arc<AppState>,
+    _path: std::path::PathBuf,
+    _tracker: &TaskTracker,
+    _stop: CancellationToken,
+) {
 }
 
 /// Periodically rebuilds index partitions that collected many tombstones (off the async

@@ -424,9 +424,15 @@ async fn misses_spend_the_tenants_token_budget_and_hits_are_free() {
         b
     };
     let first = with_max("first question", 200);
-    assert_eq!(cache_status(&ask(&app, "metered", &first, &[]).await), "miss");
+    assert_eq!(
+        cache_status(&ask(&app, "metered", &first, &[]).await),
+        "miss"
+    );
     for _ in 0..3 {
-        assert_eq!(cache_status(&ask(&app, "metered", &first, &[]).await), "exact");
+        assert_eq!(
+            cache_status(&ask(&app, "metered", &first, &[]).await),
+            "exact"
+        );
     }
     // 100 tokens left this minute.
     let r = ask(&app, "metered", &with_max("second question", 200), &[]).await;

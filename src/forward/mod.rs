@@ -123,7 +123,7 @@ pub async fn passthrough(
     let endpoint = paths::passthrough_endpoint(state, path)?;
     let result = async {
         // The operator's upstream key pays for it: only callers /v1 admits.
-        state.tenants.admit(headers)?;
+        state.policies.load().tenants.admit(headers)?;
         if !state.is_ready() {
             return Err(ApiError::NotReady);
         }

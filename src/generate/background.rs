@@ -39,7 +39,14 @@ pub async fn generate_in_background(
     origin: Origin,
     check_cache: bool,
 ) -> Background {
-    if state.tenants.for_namespace(namespace).policy().read_only {
+    if state
+        .policies
+        .load()
+        .tenants
+        .for_namespace(namespace)
+        .policy()
+        .read_only
+    {
         // Nothing may be stored for a read-only tenant, so nothing is generated for it.
         return Background::Failed(BackendError::InvalidRequest {
             message: "the tenant is read-only".into(),

@@ -20,6 +20,8 @@ pub(crate) async fn write_back(
 ) -> EntryId {
     let now = now_ms();
     let ttl_secs = state
+        .policies
+        .load()
         .tenants
         .for_namespace(&plan.namespace)
         .policy()

@@ -140,26 +140,22 @@ pub async fn lookup(
     let (Some(query), Some(embedder)) = (query, &state.embedder) else {
         return found;
     };
-    let cfg = &state.config.semantic;
-    // The tenant's own rules first, then the global ones; rules name namespaces inside the
-    // tenant.
-    let tenant_rules = &state
+    // The live policies: the tenant's own rules first, then the global ones; rules name
+    // namespaces inside the tenant.
+    let policies = state.policies.load();
+    let tenant_rules = &policies
         .tenants
         .for_namespace(namespace)
         .policy()
         .semantic_rules;
     let policy = reprise_policies::semantic::resolve(
-        SemanticPolicy {
-            enabled: cfg.enabled,
-            threshold: cfg.threshold,
-            top_k: cfg.top_k,
-            gate: cfg.gate,
-        },
-        tenant_rules.iter().chain(&cfg.rules),
+        policies.semantic,
+        tenant_rules.iter().chain(&policies.rules),
         crate::auth::sub_namespace(namespace),
         &req.model,
         wants.threshold,
     );
+    drop(policies);
     if !policy.enabled || (!read && !write) {
         return found;
     }

@@ -77,7 +77,7 @@ async fn serve(
 ) -> Result<Response, ApiError> {
     // 0. Who is asking: the API key names the tenant (401 before anything else is read),
     //    within its rate limit (429).
-    let tenant = state.tenants.admit(headers)?;
+    let tenant = state.policies.load().tenants.admit(headers)?;
     // 1. Parse.
     let body = body.map_err(|e| parse::body_error(e, state.config.server.max_body_bytes))?;
     let mut parsed = match parse(endpoint, &body)? {

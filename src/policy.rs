@@ -1,0 +1,182 @@
+//! The policies that can change while reprise runs: the semantic defaults and rules, `[auth]`
+//! and the tenants with their keys and policies.
+//!
+//! They live in one [`Policies`] value behind an `ArcSwap` in the state: a request loads it
+//! once (a pointer read) and sees one consistent version; a change builds and validates a
+//! whole new value first and swaps it in atomically, so an invalid change never takes effect
+//! and the cache is kept. Changes come from `PUT /admin/policies` (a TOML document) and, for
+//! `reprise serve --config FILE`, from `SIGHUP` (the file is read again). Each change bumps
+//! [`Policies::version`] (`GET /admin/policies`, metric `reprise_policy_version`). Rate
+//! limiters start afresh with a new version.
+
+use std::sync::Arc;
+
+use reprise_policies::semantic::{Rule, SemanticPolicy};
+use serde::Deserialize;
+
+use crate::auth::Tenants;
+use crate::config::{AuthConfig, Config, TenantConfig};
+
+/// The live policies.
+pub struct Policies {
+    /// 1 at start, one more with every change.
+    pub version: u64,
+    /// The semantic defaults (`[semantic]` enabled, threshold, top_k, gate).
+    pub semantic: SemanticPolicy,
+    /// `[[semantic.rules]]`.
+    pub rules: Vec<Rule>,
+    /// `[auth]` and `[[tenants]]`.
+    pub tenants: Tenants,
+    /// The configuration they came from: the base of the next change, and the view.
+    config: Config,
+}
+
+impl Policies {
+    /// The policies of a validated configuration (tenants' keys read from their variables
+    /// and files).
+    pub fn from_config(config: &Config, version: u64) -> anyhow::Result<Policies> {
+        let s = &config.semantic;
+        Ok(Policies {
+            version,
+            semantic: SemanticPolicy {
+                enabled: s.enabled,
+                threshold: s.threshold,
+                top_k: s.top_k,
+                gate: s.gate,
+            },
+            rules: s.rules.clone(),
+            tenants: Tenants::load(config)?,
+            config: config.clone(),
+        })
+    }
+
+    /// The next version: `doc`'s sections on top of these policies (sections it leaves out
+    /// stay as they are; the configuration's other sections need a restart to change). The
+    /// semantic tier cannot be switched on while running without its model: a document that
+    /// needs it when `semantic_loaded` is false is refused.
+    pub fn next(&self, doc: PolicyDocument, semantic_loaded: bool) -> anyhow::Result<Policies> {
+        let mut c = self.config.clone();
+        if let Some(s) = doc.semantic {
+            c.semantic.enabled = s.enabled.unwrap_or(c.semantic.enabled);
+            c.semantic.threshold = s.threshold.unwrap_or(c.semantic.threshold);
+            c.semantic.top_k = s.top_k.unwrap_or(c.semantic.top_k);
+            c.semantic.gate = s.gate.unwrap_or(c.semantic.gate);
+            c.semantic.rules = s.rules.unwrap_or(c.semantic.rules);
+        }
+        c.auth = doc.auth.unwrap_or(c.auth);
+        c.tenants = doc.tenants.unwrap_or(c.tenants);
+        anyhow::ensure!(
+            semantic_loaded || !c.semantic.enabled,
+            "semantic.enabled: the semantic tier was off at start (its model is not loaded); \
+             switching it on needs a restart"
+        );
+        c.validate()?;
+        Policies::from_config(&c, self.version + 1)
+    }
+
+    /// The effective policies as JSON (no keys: only how many each tenant has).
+    pub fn view(&self) -> serde_json::Value {
+        let p = &self.semantic;
+        serde_json::json!({
+            "version": self.version,
+            "semantic": {
+                "enabled": p.enabled,
+                "threshold": p.threshold,
+                "top_k": p.top_k,
+                "gate": p.gate,
+                "rules": self.rules.iter().map(rule_view).collect::<Vec<_>>(),
+            },
+            "auth": {"required": self.config.auth.required},
+            "tenants": self.config.tenants.iter().map(|t| {
+                let p = &t.policy;
+                serde_json::json!({
+                    "name": t.name,
+                    "api_keys": self.tenants.key_count(&t.name),
+                    "sub_namespaces": t.sub_namespaces,
+                    "policy": {
+                        "read_only": p.read_only,
+                        "models": p.models,
+                        "max_tokens": p.max_tokens,
+                        "ttl_secs": p.ttl_secs,
+                        "controls": p.controls,
+                        "requests_per_minute": p.requests_per_minute,
+                        "tokens_per_minute": p.tokens_per_minute,
+                        "semantic_rules": p.semantic_rules.iter().map(rule_view).collect::<Vec<_>>(),
+                    },
+                })
+            }).collect::<Vec<_>>(),
+        })
+    }
+}
+
+fn rule_view(r: &Rule) -> serde_json::Value {
+    serde_json::json!({
+        "namespace": r.namespace, "model": r.model, "enabled": r.enabled,
+        "threshold": r.threshold, "top_k": r.top_k, "gate": r.gate,
+    })
+}
+
+/// A policy document (`PUT /admin/policies`, or the policy sections of the configuration
+/// file on `SIGHUP`): each section given replaces the running one; absent ones stay.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyDocument {
+    /// `[semantic]`: only the policy keys (enabled, threshold, top_k, gate, rules).
+    pub semantic: Option<SemanticDocument>,
+    /// `[auth]`.
+    pub auth: Option<AuthConfig>,
+    /// `[[tenants]]` (the whole list).
+    pub tenants: Option<Vec<TenantConfig>>,
+}
+
+/// The changeable keys of `[semantic]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SemanticDocument {
+    /// `semantic.enabled`.
+    pub enabled: Option<bool>,
+    /// `semantic.threshold`.
+    pub threshold: Option<f32>,
+    /// `semantic.top_k`.
+    pub top_k: Option<usize>,
+    /// `semantic.gate`.
+    pub gate: Option<bool>,
+    /// `[[semantic.rules]]` (the whole list).
+    pub rules: Option<Vec<Rule>>,
+}
+
+impl PolicyDocument {
+    /// Parses a TOML document.
+    pub fn from_toml(text: &str) -> Result<PolicyDocument, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// The policy sections of a whole configuration (a re-read configuration file).
+    pub fn of_config(c: &Config) -> PolicyDocument {
+        let s = &c.semantic;
+        PolicyDocument {
+            semantic: Some(SemanticDocument {
+                enabled: Some(s.enabled),
+                threshold: Some(s.threshold),
+                top_k: Some(s.top_k),
+                gate: Some(s.gate),
+                rules: Some(s.rules.clone()),
+            }),
+            auth: Some(c.auth.clone()),
+            tenants: Some(c.tenants.clone()),
+        }
+    }
+}
+
+/// Applies a document to the running state: validated, built, swapped in; the new version,
+/// or why it was refused (the running policies stay).
+pub fn apply(state: &crate::state::AppState, doc: PolicyDocument) -> anyhow::Result<u64> {
+    // One change at a time, so two concurrent changes cannot both take the same version.
+    let _guard = state.policy_change.lock();
+    let next = state.policies.load().next(doc, state.embedder.is_some())?;
+    let version = next.version;
+    state.policies.store(Arc::new(next));
+    state.metrics.policy_version.set(version as f64);
+    tracing::info!(version, "policies changed");
+    Ok(version)
+}

@@ -1,0 +1,181 @@
+//! Live policies over real TCP: `PUT /admin/policies` and `SIGHUP` change the semantic policy
+//! and the tenants while reprise serves, keep the cache, and refuse an invalid change with the
+//! running policies kept. (Its own test binary: it sends SIGHUP to this process.)
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use reprise_backend::fake::ScriptConfig;
+use serde_json::Value;
+
+const TOKEN_VAR: &str = "REPRISE_TEST_POLICIES_ADMIN_TOKEN";
+
+fn admin_config() -> reprise::Config {
+    // The variable name is unique to this test binary.
+    std::env::set_var(TOKEN_VAR, "p0licy");
+    let mut c = test_config();
+    c.server.admin_token_env = Some(TOKEN_VAR.into());
+    c
+}
+
+async fn put(app: &TestApp, doc: &str) -> reqwest::Response {
+    app.client
+        .put(app.url("/admin/policies"))
+        .bearer_auth("p0licy")
+        .body(doc.to_string())
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn policies(app: &TestApp) -> Value {
+    let r = app
+        .client
+        .get(app.url("/admin/policies"))
+        .bearer_auth("p0licy")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+#[tokio::test]
+async fn a_threshold_change_takes_effect_on_the_next_request_and_keeps_the_cache() {
+    let mut config = admin_config();
+    config.semantic.enabled = true;
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let r = app.chat(&chat_body("How do I reset my password?"), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app
+        .chat(&chat_body("I forgot my password, how can I change it?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(policies(&app).await["version"], 1);
+
+    // Without the admin token: refused.
+    let r = app
+        .client
+        .put(app.url("/admin/policies"))
+        .body("[semantic]\nthreshold = 0.99\n")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = put(&app, "[semantic]\nthreshold = 0.99\n").await;
+    assert_eq!(r.status(), 200);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["version"], 2);
+    // Another paraphrase, below 0.99: now a miss. The original is still cached.
+    let r = app.chat(&chat_body("how can I reset my password"), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app.chat(&chat_body("How do I reset my password?"), &[]).await;
+    assert_eq!(cache_status(&r), "exact", "the cache is kept");
+    assert_eq!(backend.calls(), 2);
+
+    // Invalid documents are refused with the reason; the running policy stays.
+    for (doc, reason) in [
+        ("[semantic]\nthreshold = 1.5\n", "semantic.threshold"),
+        ("[semantic]\nmodel_dir = \"x\"\n", "model_dir"),
+        ("[auth]\nrequired = true\n", "auth.required"),
+        ("not toml [", "invalid policy document"),
+    ] {
+        let r = put(&app, doc).await;
+        let j = assert_openai_error(r, 400, None).await;
+        let message = j["error"]["message"].as_str().unwrap();
+        assert!(message.contains(reason), "{doc}: {message}");
+    }
+    let view = policies(&app).await;
+    assert_eq!(view["version"], 2);
+    assert!((view["semantic"]["threshold"].as_f64().unwrap() - 0.99).abs() < 1e-6);
+    let metrics = app.metrics_text().await;
+    assert!(metrics.contains("reprise_policy_version"), "{metrics}");
+}
+
+#[tokio::test]
+async fn tenants_and_keys_change_live() {
+    let (app, _backend) = spawn_fake(admin_config(), ScriptConfig::default()).await;
+    let doc = "[auth]\nrequired = true\n[[tenants]]\nname = \"acme\"\napi_keys = [\"sk-new\"]\n";
+    assert_eq!(put(&app, doc).await.status(), 200);
+    let body = chat_body("hello");
+    assert_eq!(app.chat(&body, &[]).await.status(), 401);
+    let r = app.chat(&body, &[("authorization", "Bearer sk-new")]).await;
+    assert_eq!(r.status(), 200);
+    let view = policies(&app).await;
+    assert_eq!(view["tenants"][0]["name"], "acme");
+    assert_eq!(view["tenants"][0]["api_keys"], 1);
+    assert!(!view.to_string().contains("sk-new"), "keys never shown");
+    // A later semantic-only change keeps the tenants.
+    assert_eq!(put(&app, "[semantic]\ngate = true\n").await.status(), 200);
+    let r = app.chat(&body, &[("authorization", "Bearer sk-new")]).await;
+    assert_eq!(r.status(), 200);
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn sighup_reads_the_configuration_file_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("reprise.toml");
+    let file = |key: &str| {
+        format!(
+            "[backend]\nkind = \"fake\"\n[semantic]\nenabled = false\n[auth]\nrequired = true\n\
+             [[tenants]]\nname = \"acme\"\napi_keys = [\"{key}\"]\n"
+        )
+    };
+    std::fs::write(&path, file("sk-one")).unwrap();
+    let config = reprise::Config::load(Some(&path)).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(reprise::run(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::new();
+    let status = |key: &'static str| {
+        let req = client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .bearer_auth(key)
+            .json(&chat_body("hello"));
+        async move { req.send().await.map_or(0, |r| r.status().as_u16()) }
+    };
+    let mut up = false;
+    for _ in 0..500 {
+        if status("sk-one").await == 200 {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(up, "the server came up");
+    let hangup = || {
+        let pid = std::process::id().to_string();
+        let ok = std::process::Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -HUP");
+    };
+    // A broken file changes nothing.
+    std::fs::write(&path, "[auth]\nrequired = maybe\n").unwrap();
+    hangup();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(status("sk-one").await, 200);
+    // A new key.
+    std::fs::write(&path, file("sk-two")).unwrap();
+    hangup();
+    let mut changed = false;
+    for _ in 0..250 {
+        if status("sk-two").await == 200 {
+            changed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(changed, "the new key works after SIGHUP");
+    assert_eq!(status("sk-one").await, 401, "the old key is gone");
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+}
