@@ -47,10 +47,15 @@ async fn a_threshold_change_takes_effect_on_the_next_request_and_keeps_the_cache
     let mut config = admin_config();
     config.semantic.enabled = true;
     let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
-    let r = app.chat(&chat_body("How do I reset my password?"), &[]).await;
+    let r = app
+        .chat(&chat_body("How do I reset my password?"), &[])
+        .await;
     assert_eq!(cache_status(&r), "miss");
     let r = app
-        .chat(&chat_body("I forgot my password, how can I change it?"), &[])
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
         .await;
     assert_eq!(cache_status(&r), "semantic");
     assert_eq!(policies(&app).await["version"], 1);
@@ -69,9 +74,13 @@ async fn a_threshold_change_takes_effect_on_the_next_request_and_keeps_the_cache
     let j: Value = r.json().await.unwrap();
     assert_eq!(j["version"], 2);
     // Another paraphrase, below 0.99: now a miss. The original is still cached.
-    let r = app.chat(&chat_body("how can I reset my password"), &[]).await;
+    let r = app
+        .chat(&chat_body("how can I reset my password"), &[])
+        .await;
     assert_eq!(cache_status(&r), "miss");
-    let r = app.chat(&chat_body("How do I reset my password?"), &[]).await;
+    let r = app
+        .chat(&chat_body("How do I reset my password?"), &[])
+        .await;
     assert_eq!(cache_status(&r), "exact", "the cache is kept");
     assert_eq!(backend.calls(), 2);
 

@@ -13,7 +13,9 @@ use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-use crate::common::{start_app, start_configured, BackendKind, Config, Samples, Server};
+use crate::common::{
+    start_app, start_configured, BackendKind, Config, Samples, Server, TenantConfig, TenantPolicy,
+};
 
 /// Options of `reprise-bench proxy`.
 #[derive(Debug, Args)]
@@ -30,36 +32,45 @@ pub struct ProxyArgs {
     /// Misses measured for time to first token, per side.
     #[arg(long, default_value_t = 300)]
     misses: usize,
+    /// Tenants configured on a third side, with `[auth] required` (0: no such side); its
+    /// clients use the keys of the first `concurrency` tenants in turn.
+    #[arg(long, default_value_t = 100)]
+    tenants: usize,
     /// Write the results as JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
 }
 
-/// Closed-loop load: `concurrency` clients POST `body` to `url` for `seconds`.
+/// Closed-loop load: `concurrency` clients POST `body` to `url` for `seconds`; client `i`
+/// sends `Authorization: Bearer keys[i % len]` when `keys` is not empty.
 async fn load(
     client: &reqwest::Client,
     url: &str,
     body: &Value,
     concurrency: usize,
     seconds: f64,
+    keys: &[String],
 ) -> Samples {
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
     let start = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
-        .map(|_| {
+        .map(|i| {
             let client = client.clone();
             let url = url.to_string();
             let body = body.to_string();
+            let key = (!keys.is_empty()).then(|| format!("Bearer {}", keys[i % keys.len()]));
             tokio::spawn(async move {
                 let mut lat = Vec::new();
                 while Instant::now() < deadline {
                     let t = Instant::now();
-                    let r = client
+                    let mut req = client
                         .post(&url)
                         .header("content-type", "application/json")
-                        .body(body.clone())
-                        .send()
-                        .await;
+                        .body(body.clone());
+                    if let Some(k) = &key {
+                        req = req.header("authorization", k);
+                    }
+                    let r = req.send().await;
                     if let Ok(r) = r {
                         if r.bytes().await.is_ok() {
                             lat.push(t.elapsed().as_secs_f64());
@@ -158,11 +169,50 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
         "exact-hit throughput: {} rounds x {:.1} s per side, {} connections",
         a.rounds, a.seconds, a.concurrency
     );
+    // The same with tenants: every request carries a key that names one of them.
+    let keys: Vec<String> = (0..a.tenants)
+        .take(a.concurrency.max(1))
+        .map(|i| format!("sk-bench-{i}"))
+        .collect();
+    let with_auth = if a.tenants > 0 {
+        let mut c = Config::default();
+        c.auth.required = true;
+        c.tenants = (0..a.tenants)
+            .map(|i| TenantConfig {
+                name: format!("tenant-{i}"),
+                api_keys: vec![format!("sk-bench-{i}")],
+                api_keys_env: None,
+                api_keys_file: None,
+                sub_namespaces: true,
+                policy: TenantPolicy::default(),
+            })
+            .collect();
+        let server = fake_reprise(c).await?;
+        for k in &keys {
+            for _ in 0..2 {
+                let r = client
+                    .post(server.chat_url())
+                    .bearer_auth(k)
+                    .json(&body)
+                    .send()
+                    .await?;
+                r.bytes().await?;
+            }
+        }
+        Some(server)
+    } else {
+        None
+    };
     let mut hit = Samples::default();
     let mut base = Samples::default();
+    let mut auth_hit = Samples::default();
     for round in 0..a.rounds {
-        base.merge(load(&client, &ceiling_url, &body, a.concurrency, a.seconds).await);
-        hit.merge(load(&client, &url, &body, a.concurrency, a.seconds).await);
+        base.merge(load(&client, &ceiling_url, &body, a.concurrency, a.seconds, &[]).await);
+        hit.merge(load(&client, &url, &body, a.concurrency, a.seconds, &[]).await);
+        if let Some(s) = &with_auth {
+            let u = s.chat_url();
+            auth_hit.merge(load(&client, &u, &body, a.concurrency, a.seconds, &keys).await);
+        }
         eprintln!("  round {}/{} done", round + 1, a.rounds);
     }
 
@@ -204,6 +254,20 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
         ms(base.pct(99.0))
     );
     println!("throughput ratio exact/ceiling: {ratio:.2}x  (goal >= 0.70x)");
+    let auth_ratio = (a.tenants > 0).then(|| auth_hit.throughput() / hit.throughput());
+    if let Some(r) = auth_ratio {
+        println!(
+            "exact hit, {} tenants, keys required {:>10.0} req/s  p50 {}  p99 {}",
+            a.tenants,
+            auth_hit.throughput(),
+            ms(auth_hit.pct(50.0)),
+            ms(auth_hit.pct(99.0))
+        );
+        println!(
+            "throughput ratio with keys/without: {r:.2}x  (goal >= 0.95x); with keys/ceiling: {:.2}x",
+            auth_hit.throughput() / base.throughput()
+        );
+    }
     let added50 = via.pct(50.0) - direct.pct(50.0);
     let added99 = via.pct(99.0) - direct.pct(99.0);
     println!(
@@ -229,6 +293,7 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
             "ceiling_p50_s": base.pct(50.0), "ceiling_p99_s": base.pct(99.0),
             "ttft_direct_p50_s": direct.pct(50.0), "ttft_via_p50_s": via.pct(50.0),
             "ttft_added_p50_s": added50, "ttft_added_p99_s": added99,
+            "tenants": a.tenants, "auth_rps": auth_hit.throughput(), "auth_ratio": auth_ratio,
         });
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
     }
