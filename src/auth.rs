@@ -256,6 +256,16 @@ impl Tenants {
             .then(|| scope(tenant, sub))
     }
 
+    /// The configured tenant `name`.
+    pub fn named(&self, name: &str) -> Option<Arc<Tenant>> {
+        self.by_name.get(name).cloned()
+    }
+
+    /// The anonymous tenant.
+    pub fn anonymous(&self) -> Arc<Tenant> {
+        self.anonymous.clone()
+    }
+
     /// How many keys name tenant `name`.
     pub fn key_count(&self, name: &str) -> usize {
         self.by_key

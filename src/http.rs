@@ -31,6 +31,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/admin/namespaces/{namespace}", delete(delete_namespace))
         .route("/admin/tags/{tag}", delete(delete_tag))
         .route("/admin/policies", get(get_policies).put(put_policies))
+        .route("/admin/explain", post(explain))
         .fallback(fallback)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -177,6 +178,39 @@ async fn delete_namespace(
         .await
         .map_err(redis_error)?;
     Ok(Json(json!({"deleted": deleted})))
+}
+
+/// `?tenant=NAME&endpoint=completions` of `POST /admin/explain`.
+#[derive(serde::Deserialize)]
+struct ExplainQuery {
+    /// The configured tenant asking (none: the anonymous tenant).
+    tenant: Option<String>,
+    /// `chat` (default) or `completions`.
+    endpoint: Option<String>,
+}
+
+/// What a request body (with its namespace, Cache-Control and threshold headers) would be
+/// answered with, and why; nothing is generated.
+async fn explain(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<ExplainQuery>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let endpoint = match q.endpoint.as_deref() {
+        None | Some("chat") => Endpoint::Chat,
+        Some("completions") => Endpoint::Completion,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("endpoint `{other}`: `chat` or `completions`"),
+                Some("endpoint"),
+            ))
+        }
+    };
+    let view =
+        request::explain::explain(&state, endpoint, q.tenant.as_deref(), &headers, &body).await?;
+    Ok(Json(view))
 }
 
 /// The live policies, their version, and the tenants (how many keys each, never the keys).

@@ -188,3 +188,71 @@ async fn sighup_reads_the_configuration_file_again() {
     stop.send(()).unwrap();
     running.await.unwrap().unwrap();
 }
+
+async fn explain(app: &TestApp, body: &Value, query: &str) -> Value {
+    let r = app
+        .client
+        .post(app.url(&format!("/admin/explain{query}")))
+        .bearer_auth("p0licy")
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+/// `POST /admin/explain` says what would be served and why, calls no backend, stores
+/// nothing, and agrees with what is then served.
+#[tokio::test]
+async fn explain_agrees_with_what_is_then_served() {
+    let mut config = admin_config();
+    config.semantic.enabled = true;
+    config.tenants = vec![reprise::config::TenantConfig {
+        name: "acme".into(),
+        api_keys: vec!["sk-acme".into()],
+        api_keys_env: None,
+        api_keys_file: None,
+        sub_namespaces: true,
+        policy: Default::default(),
+    }];
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let r = app.chat(&chat_body("How do I reset my password?"), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let stored = r.headers()["x-reprise-entry"].to_str().unwrap().to_string();
+    let calls = backend.calls();
+
+    let paraphrase = chat_body("I forgot my password, how can I change it?");
+    let e = explain(&app, &paraphrase, "").await;
+    assert_eq!(e["would_serve"]["outcome"], "semantic", "{e}");
+    assert_eq!(e["would_serve"]["entry"], stored.as_str());
+    assert_eq!(e["candidates"][0]["verdict"], "pass", "{e}");
+    assert_eq!(e["matched_text"], "I forgot my password, how can I change it?");
+    // Another tenant has nothing to be served.
+    let other = explain(&app, &paraphrase, "?tenant=acme").await;
+    assert_eq!(other["would_serve"]["outcome"], "miss", "{other}");
+    assert_eq!(other["candidates"].as_array().unwrap().len(), 0);
+    // A negation: the candidate is close, the gate says no.
+    let negation = chat_body("How do I not reset my password?");
+    let n = explain(&app, &negation, "").await;
+    assert_eq!(n["would_serve"]["outcome"], "miss", "{n}");
+    let verdict = n["candidates"][0]["verdict"].as_str().unwrap_or_default();
+    assert!(!matches!(verdict, "pass" | ""), "{n}");
+    assert_eq!(backend.calls(), calls, "explaining calls no backend");
+
+    // What is then served agrees.
+    let r = app.chat(&paraphrase, &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(r.headers()["x-reprise-entry"].to_str().unwrap(), stored);
+    let r = app.chat(&negation, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    // Without the admin token: refused.
+    let r = app
+        .client
+        .post(app.url("/admin/explain"))
+        .json(&paraphrase)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+}

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use reprise_cache::semantic::Candidate;
 use reprise_cache::{Digest, Entry};
 use reprise_embedder::Embedder;
 use reprise_policies::semantic::SemanticPolicy;
@@ -24,6 +25,65 @@ pub struct Question<'a> {
     pub scope: &'a str,
 }
 
+/// What became of one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Servable: above the threshold, fresh enough, through the gate.
+    Pass,
+    /// Below the policy's threshold.
+    BelowThreshold,
+    /// No tier holds its entry any more (its vector is tombstoned).
+    Gone,
+    /// Older than the request's `max-age`.
+    TooOld,
+    /// Rejected by the false-hit gate, with the reason (`substitution` for a substituted
+    /// meaning).
+    Gate(&'static str),
+}
+
+impl Verdict {
+    /// A short label (`pass`, `below_threshold`, `gone`, `too_old`, or the gate's reason).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::BelowThreshold => "below_threshold",
+            Verdict::Gone => "gone",
+            Verdict::TooOld => "too_old",
+            Verdict::Gate(reason) => reason,
+        }
+    }
+}
+
+/// Judges one candidate of `q` found at `similarity`; the entry when one was fetched.
+pub async fn judge(
+    state: &AppState,
+    embedder: &dyn Embedder,
+    policy: &SemanticPolicy,
+    q: &Question<'_>,
+    wants: Wants,
+    candidate: &Candidate,
+) -> (Verdict, Option<Arc<Entry>>) {
+    if candidate.similarity < policy.threshold {
+        return (Verdict::BelowThreshold, None);
+    }
+    let Some(entry) = state.store.fetch(candidate.id).await else {
+        return (Verdict::Gone, None);
+    };
+    if !wants.fresh(&entry) {
+        return (Verdict::TooOld, Some(entry));
+    }
+    if policy.gate {
+        if let Some(reason) = reprise_policies::gate(q.text, &entry.prompt).reason() {
+            return (Verdict::Gate(reason), Some(entry));
+        }
+        let threshold = state.config.semantic.substitution_threshold;
+        if substituted_meaning(embedder, q.scope, threshold, q.text, &entry.prompt).await {
+            return (Verdict::Gate("substitution"), Some(entry));
+        }
+    }
+    (Verdict::Pass, Some(entry))
+}
+
 /// The best servable candidate for `q` under `policy`, with its similarity. Records what it
 /// saw in `notes`.
 pub async fn find(
@@ -34,50 +94,24 @@ pub async fn find(
     wants: Wants,
     notes: &mut Notes,
 ) -> Option<(Arc<Entry>, f32)> {
-    let query = q.text;
     let t = Instant::now();
-    let substitution_threshold = state.config.semantic.substitution_threshold;
     let mut found = None;
     for c in state.store.search(q.partition, q.embedding, policy.top_k) {
         if notes.similarity.is_none() {
             notes.similarity = Some(c.similarity);
         }
-        if c.similarity < policy.threshold {
-            break;
-        }
-        let Some(entry) = state.store.fetch(c.id).await else {
-            continue;
-        };
-        if !wants.fresh(&entry) {
-            continue;
-        }
-        if policy.gate {
-            let verdict = reprise_policies::gate(query, &entry.prompt);
-            if !verdict.is_pass() {
-                if notes.gate.is_none() {
-                    notes.gate = verdict.reason();
-                }
-                continue;
+        match judge(state, embedder, policy, &q, wants, &c).await {
+            // Candidates come best first: the rest are below too.
+            (Verdict::BelowThreshold, _) => break,
+            (Verdict::Pass, Some(entry)) => {
+                notes.gate = Some("pass");
+                notes.similarity = Some(c.similarity);
+                found = Some((entry, c.similarity));
+                break;
             }
-            if substituted_meaning(
-                embedder,
-                q.scope,
-                substitution_threshold,
-                query,
-                &entry.prompt,
-            )
-            .await
-            {
-                if notes.gate.is_none() {
-                    notes.gate = Some("substitution");
-                }
-                continue;
-            }
+            (Verdict::Gate(reason), _) if notes.gate.is_none() => notes.gate = Some(reason),
+            _ => {}
         }
-        notes.gate = Some("pass");
-        notes.similarity = Some(c.similarity);
-        found = Some((entry, c.similarity));
-        break;
     }
     notes.search_ms = Some(ms(t));
     found

@@ -23,6 +23,7 @@
 //! response is done.
 
 mod controls;
+pub(crate) mod explain;
 mod parse;
 mod policy;
 mod respond;

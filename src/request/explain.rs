@@ -1,0 +1,110 @@
+//! `POST /admin/explain`: the request path up to the lookup, without the backend and without
+//! changing anything a client sees: what would be served for a request and why (exact key,
+//! partition, the semantic policy applied, every candidate with its similarity and verdict).
+
+use std::sync::Arc;
+
+use axum::http::HeaderMap;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::lookup::{self, semantic, Wants};
+use crate::openai::Endpoint;
+use crate::request::{parse, policy, Controls, Request};
+use crate::state::AppState;
+
+/// What `body`, sent to `endpoint` by `tenant` (a configured name; none: the anonymous
+/// tenant) with `headers` (namespace, Cache-Control, threshold), would be answered with.
+pub async fn explain(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    tenant: Option<&str>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Value, ApiError> {
+    let policies = state.policies.load_full();
+    let tenant = match tenant {
+        Some(name) => policies.tenants.named(name).ok_or_else(|| {
+            ApiError::invalid(format!("no tenant `{name}` is configured"), Some("tenant"))
+        })?,
+        None => policies.tenants.anonymous(),
+    };
+    let mut parsed = match parse(endpoint, body)? {
+        Request::Cacheable(p) => p,
+        Request::Forward(f) => {
+            return Ok(json!({
+                "tenant": tenant.name(),
+                "would_serve": {"outcome": "forward", "because": f.param},
+            }))
+        }
+    };
+    let ctl = Controls::from_headers(headers, &tenant)?;
+    policy::cap_max_tokens(&tenant, &mut parsed.req)?;
+    let access = policy::access(state, &tenant, &ctl);
+    let wants = Wants {
+        threshold: ctl.threshold,
+        freshness: ctl.cache.freshness(),
+    };
+    let req = &parsed.req;
+    let found = lookup::lookup(
+        state,
+        &ctl.namespace,
+        endpoint,
+        req,
+        access.read,
+        false,
+        wants,
+        false,
+    )
+    .await;
+    let plan = &found.plan;
+    let mut candidates = Vec::new();
+    if let (Some(policy), Some(partition), Some(embedding), Some(embedder)) = (
+        found.policy.as_ref(),
+        plan.partition.as_ref(),
+        plan.embedding.as_deref(),
+        state.embedder.as_deref(),
+    ) {
+        let q = semantic::Question {
+            text: &plan.prompt,
+            embedding,
+            partition,
+            scope: crate::auth::scope_of(&ctl.namespace),
+        };
+        for c in state.store.search(partition, embedding, policy.top_k) {
+            let (verdict, entry) = semantic::judge(state, embedder, policy, &q, wants, &c).await;
+            candidates.push(json!({
+                "entry": c.id.to_string(),
+                "similarity": c.similarity,
+                "prompt": entry.as_ref().map(|e| e.prompt.clone()),
+                "verdict": verdict.as_str(),
+            }));
+        }
+    }
+    let would_serve = match &found.hit {
+        Some(hit) => json!({
+            "outcome": hit.outcome.as_str(),
+            "entry": hit.entry.id.to_string(),
+            "similarity": hit.similarity,
+        }),
+        None if !access.generate => json!({"outcome": "not_cached"}),
+        None if access.write => json!({"outcome": "miss"}),
+        None => json!({"outcome": "bypass"}),
+    };
+    Ok(json!({
+        "tenant": tenant.name(),
+        "namespace": crate::auth::sub_namespace(&ctl.namespace),
+        "exact_key": hex::encode(plan.exact),
+        "exact_key_too_old": found.exact_taken,
+        "read": access.read,
+        "write": access.write,
+        "partition": plan.partition.map(hex::encode),
+        "matched_text": (!plan.prompt.is_empty()).then_some(&plan.prompt),
+        "policy": found.policy.map(|p| json!({
+            "enabled": p.enabled, "threshold": p.threshold, "top_k": p.top_k, "gate": p.gate,
+        })),
+        "candidates": candidates,
+        "would_serve": would_serve,
+        "policy_version": policies.version,
+    }))
+}
