@@ -76,6 +76,8 @@ pub struct Tenant {
     limiter: Option<DefaultDirectRateLimiter>,
     /// `policy.tokens_per_minute`, when set.
     token_limiter: Option<DefaultDirectRateLimiter>,
+    /// Its admin token (from `admin_token_env`), when it has one.
+    admin_token: Option<String>,
 }
 
 impl Tenant {
@@ -88,6 +90,7 @@ impl Tenant {
             limiter: per_minute(policy.requests_per_minute),
             token_limiter: per_minute(policy.tokens_per_minute),
             policy,
+            admin_token: None,
         }
     }
 
@@ -192,11 +195,18 @@ impl Tenants {
         let mut by_key = HashMap::new();
         let mut by_name = HashMap::new();
         for t in &config.tenants {
-            let tenant = Arc::new(Tenant::new(
-                Some(t.name.clone()),
-                t.sub_namespaces,
-                t.policy.clone(),
-            ));
+            let mut tenant = Tenant::new(Some(t.name.clone()), t.sub_namespaces, t.policy.clone());
+            if let Some(var) = &t.admin_token_env {
+                let token = std::env::var(var).with_context(|| {
+                    format!(
+                        "tenant `{}`: admin_token_env names `{var}`, which is not set",
+                        t.name
+                    )
+                })?;
+                anyhow::ensure!(!token.is_empty(), "tenant `{}`: empty admin token", t.name);
+                tenant.admin_token = Some(token);
+            }
+            let tenant = Arc::new(tenant);
             by_name.insert(t.name.clone(), tenant.clone());
             let mut keys: Vec<String> = t.api_keys.clone();
             if let Some(var) = &t.api_keys_env {
@@ -254,6 +264,20 @@ impl Tenants {
         self.by_name
             .contains_key(tenant)
             .then(|| scope(tenant, sub))
+    }
+
+    /// The tenant whose admin token `given` is (each compared in constant time).
+    pub fn by_admin_token(&self, given: &str) -> Option<Arc<Tenant>> {
+        let mut found = None;
+        // Every token is compared, so the time says nothing of which tenant matched.
+        for t in self.by_name.values() {
+            if let Some(token) = &t.admin_token {
+                if crate::admin::same_secret(given, token) {
+                    found = Some(t.clone());
+                }
+            }
+        }
+        found
     }
 
     /// The configured tenant `name`.
@@ -320,6 +344,7 @@ mod tests {
             api_keys_env: None,
             api_keys_file: None,
             sub_namespaces,
+            admin_token_env: None,
             policy: TenantPolicy::default(),
         }
     }

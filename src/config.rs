@@ -74,6 +74,10 @@ pub struct TenantConfig {
     /// request gets 403).
     #[serde(default = "yes")]
     pub sub_namespaces: bool,
+    /// An environment variable holding this tenant's admin token: `/admin` calls with it
+    /// reach only this tenant's entries, namespaces and tags (and explain as this tenant).
+    #[serde(default)]
+    pub admin_token_env: Option<String>,
     /// What the tenant may do and how its answers are cached.
     #[serde(default)]
     pub policy: TenantPolicy,
@@ -151,6 +155,7 @@ impl std::fmt::Debug for TenantConfig {
             .field("api_keys_env", &self.api_keys_env)
             .field("api_keys_file", &self.api_keys_file)
             .field("sub_namespaces", &self.sub_namespaces)
+            .field("admin_token_env", &self.admin_token_env)
             .field("policy", &self.policy)
             .finish()
     }

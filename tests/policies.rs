@@ -214,10 +214,13 @@ async fn explain_agrees_with_what_is_then_served() {
         api_keys_env: None,
         api_keys_file: None,
         sub_namespaces: true,
+        admin_token_env: None,
         policy: Default::default(),
     }];
     let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
-    let r = app.chat(&chat_body("How do I reset my password?"), &[]).await;
+    let r = app
+        .chat(&chat_body("How do I reset my password?"), &[])
+        .await;
     assert_eq!(cache_status(&r), "miss");
     let stored = r.headers()["x-reprise-entry"].to_str().unwrap().to_string();
     let calls = backend.calls();
@@ -227,7 +230,10 @@ async fn explain_agrees_with_what_is_then_served() {
     assert_eq!(e["would_serve"]["outcome"], "semantic", "{e}");
     assert_eq!(e["would_serve"]["entry"], stored.as_str());
     assert_eq!(e["candidates"][0]["verdict"], "pass", "{e}");
-    assert_eq!(e["matched_text"], "I forgot my password, how can I change it?");
+    assert_eq!(
+        e["matched_text"],
+        "I forgot my password, how can I change it?"
+    );
     // Another tenant has nothing to be served.
     let other = explain(&app, &paraphrase, "?tenant=acme").await;
     assert_eq!(other["would_serve"]["outcome"], "miss", "{other}");

@@ -20,6 +20,7 @@ fn tenant(name: &str, key: &str, sub_namespaces: bool) -> TenantConfig {
         api_keys_env: None,
         api_keys_file: None,
         sub_namespaces,
+        admin_token_env: None,
         policy: TenantPolicy::default(),
     }
 }
@@ -446,4 +447,98 @@ async fn misses_spend_the_tenants_token_budget_and_hits_are_free() {
     let r = ask(&app, "free", &with_max("second question", 200), &[]).await;
     assert_eq!(cache_status(&r), "miss");
     assert_eq!(backend.calls(), 2);
+}
+
+/// A tenant's admin token reaches its own tenant only.
+#[tokio::test]
+async fn a_tenants_admin_token_reaches_only_its_tenant() {
+    // The variable names are unique to this test, so no other test reads or writes them.
+    std::env::set_var("REPRISE_TEST_ACME_ADMIN_TOKEN", "acme-admin");
+    std::env::set_var("REPRISE_TEST_GLOBAL_ADMIN_TOKEN", "global-admin");
+    let mut config = tenants_config(true);
+    config.server.admin_token_env = Some("REPRISE_TEST_GLOBAL_ADMIN_TOKEN".into());
+    config.tenants[0].admin_token_env = Some("REPRISE_TEST_ACME_ADMIN_TOKEN".into());
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let store = |key: &'static str, text: &'static str| {
+        let app = &app;
+        async move {
+            let key = bearer(key);
+            let h = [
+                ("authorization", key.as_str()),
+                ("x-reprise-namespace", "support"),
+                ("x-reprise-tags", "t"),
+            ];
+            let r = app.chat(&chat_body(text), &h).await;
+            assert_eq!(cache_status(&r), "miss");
+            r.headers()["x-reprise-entry"].to_str().unwrap().to_string()
+        }
+    };
+    let status = |key: &'static str, text: &'static str| {
+        let app = &app;
+        async move {
+            let key = bearer(key);
+            let h = [
+                ("authorization", key.as_str()),
+                ("x-reprise-namespace", "support"),
+                ("cache-control", "only-if-cached"),
+            ];
+            cache_status(&app.chat(&chat_body(text), &h).await)
+        }
+    };
+    let acme_1 = store("sk-acme", "acme one").await;
+    store("sk-acme", "acme two").await;
+    let beta_1 = store("sk-beta", "beta one").await;
+    let admin = |method: reqwest::Method, path: &str, token: &str| {
+        app.client
+            .request(method, app.url(path))
+            .bearer_auth(token)
+            .send()
+    };
+    let deleted = |r: reqwest::Response| async move {
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()["deleted"]
+            .as_u64()
+            .unwrap()
+    };
+    let del = reqwest::Method::DELETE;
+    // Another tenant's entry is not found for it.
+    let r = admin(
+        del.clone(),
+        &format!("/admin/entries/{beta_1}"),
+        "acme-admin",
+    )
+    .await;
+    assert_eq!(deleted(r.unwrap()).await, 0);
+    assert_eq!(status("sk-beta", "beta one").await, "exact");
+    let r = admin(
+        del.clone(),
+        &format!("/admin/entries/{acme_1}"),
+        "acme-admin",
+    )
+    .await;
+    assert_eq!(deleted(r.unwrap()).await, 1);
+    assert_eq!(status("sk-acme", "acme one").await, "error");
+    // Its tags: only its own entries.
+    let r = admin(del.clone(), "/admin/tags/t", "acme-admin").await;
+    assert_eq!(deleted(r.unwrap()).await, 1);
+    assert_eq!(status("sk-acme", "acme two").await, "error");
+    assert_eq!(status("sk-beta", "beta one").await, "exact");
+    // Not another tenant's namespace, not the policies, not with a wrong token.
+    let r = admin(
+        del.clone(),
+        "/admin/namespaces/support?tenant=beta",
+        "acme-admin",
+    )
+    .await;
+    assert_eq!(r.unwrap().status(), 403);
+    let r = admin(reqwest::Method::GET, "/admin/policies", "acme-admin").await;
+    assert_eq!(r.unwrap().status(), 403);
+    let r = admin(del.clone(), "/admin/tags/t", "acme-admin-not").await;
+    assert_eq!(r.unwrap().status(), 401);
+    // The global token reaches everything.
+    let r = admin(reqwest::Method::GET, "/admin/policies", "global-admin").await;
+    assert_eq!(r.unwrap().status(), 200);
+    let r = admin(del, "/admin/namespaces/support?tenant=beta", "global-admin").await;
+    assert_eq!(deleted(r.unwrap()).await, 1);
+    assert_eq!(status("sk-beta", "beta one").await, "error");
 }

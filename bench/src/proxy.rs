@@ -184,6 +184,7 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
                 api_keys_env: None,
                 api_keys_file: None,
                 sub_namespaces: true,
+                admin_token_env: None,
                 policy: TenantPolicy::default(),
             })
             .collect();
