@@ -27,6 +27,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/admin/entries", delete(admin::delete_entries))
         .route("/admin/entries/{id}", delete(admin::delete_entry))
         .route(
             "/admin/namespaces/{namespace}",

@@ -542,3 +542,50 @@ async fn a_tenants_admin_token_reaches_only_its_tenant() {
     assert_eq!(deleted(r.unwrap()).await, 1);
     assert_eq!(status("sk-beta", "beta one").await, "error");
 }
+
+/// `DELETE /admin/entries` by tenant, model and age; never without a filter.
+#[tokio::test]
+async fn an_operator_deletes_by_tenant_model_and_age() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_FILTER_ADMIN_TOKEN", "filter-admin");
+    let mut config = tenants_config(false);
+    config.server.admin_token_env = Some("REPRISE_TEST_FILTER_ADMIN_TOKEN".into());
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    for (key, text) in [("sk-acme", "a1"), ("sk-acme", "a2"), ("sk-beta", "b1")] {
+        let k = bearer(key);
+        let r = app.chat(&chat_body(text), &[("authorization", &k)]).await;
+        assert_eq!(cache_status(&r), "miss");
+    }
+    app.chat(&chat_body("anonymous"), &[]).await;
+    let delete = |q: &str| {
+        app.client
+            .delete(app.url(&format!("/admin/entries{q}")))
+            .bearer_auth("filter-admin")
+            .send()
+    };
+    let count = |r: reqwest::Response| async move {
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()["deleted"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(
+        delete("").await.unwrap().status(),
+        400,
+        "no filter: nothing"
+    );
+    assert_eq!(count(delete("?model=another").await.unwrap()).await, 0);
+    assert_eq!(
+        count(delete("?older_than_secs=3600").await.unwrap()).await,
+        0
+    );
+    assert_eq!(count(delete("?tenant=acme").await.unwrap()).await, 2);
+    assert_eq!(
+        count(delete("?tenant=-&model=fake").await.unwrap()).await,
+        1
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    assert_eq!(count(delete("?older_than_secs=0").await.unwrap()).await, 1);
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(app.state.store.entry_count(), 0);
+}
