@@ -182,6 +182,9 @@ pub struct ServerConfig {
     /// Name of the environment variable holding the admin token for `/admin/*` endpoints
     /// (unset: those endpoints answer 401 to everyone).
     pub admin_token_env: Option<String>,
+    /// Serve `/admin/*` only on this address (e.g. a private interface), not on `listen`
+    /// (absent: on `listen`, behind the admin token).
+    pub admin_listen: Option<SocketAddr>,
 }
 
 /// Upper bound of the server timeouts (one year).
@@ -196,6 +199,7 @@ impl Default for ServerConfig {
             first_token_timeout_secs: 60.0,
             token_timeout_secs: 60.0,
             admin_token_env: None,
+            admin_listen: None,
         }
     }
 }

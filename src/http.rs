@@ -17,16 +17,45 @@ use crate::openai::Endpoint;
 use crate::state::AppState;
 use crate::{admin, forward, request};
 
-/// The router over a built state.
+/// The router over a built state: the API and the admin API.
 pub fn app(state: Arc<AppState>) -> Router {
+    api(state, true)
+}
+
+/// The API, with the admin routes when `with_admin` (without them when they are served on
+/// `server.admin_listen`).
+pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
     let limit = state.config.server.max_body_bytes;
-    Router::new()
+    let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics));
+    let router = if with_admin {
+        router.merge(admin_routes())
+    } else {
+        router
+    };
+    router
+        .fallback(fallback)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// The admin API alone, for `server.admin_listen`.
+pub fn admin_app(state: Arc<AppState>) -> Router {
+    let limit = state.config.server.max_body_bytes;
+    admin_routes()
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// The `/admin` routes ([`crate::admin`]).
+fn admin_routes() -> Router<Arc<AppState>> {
+    Router::new()
         .route("/admin/entries", delete(admin::delete_entries))
         .route("/admin/entries/{id}", delete(admin::delete_entry))
         .route(
@@ -39,9 +68,6 @@ pub fn app(state: Arc<AppState>) -> Router {
             get(admin::get_policies).put(admin::put_policies),
         )
         .route("/admin/explain", post(admin::explain))
-        .fallback(fallback)
-        .layer(DefaultBodyLimit::max(limit))
-        .with_state(state)
 }
 
 async fn chat_completions(

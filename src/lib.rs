@@ -43,6 +43,7 @@ pub(crate) mod test_support;
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
 
+use anyhow::Context as _;
 use axum::extract::Request;
 use axum::response::IntoResponse;
 use axum::routing::get;
@@ -53,6 +54,36 @@ use tower::ServiceExt;
 pub use config::Config;
 pub use http::app;
 pub use state::AppState;
+
+/// Serves `listener` until `stop`: `/healthz` at once, every other route from the router put
+/// into the returned slot once loading finished (503 until then).
+fn serve_until_loaded(
+    listener: TcpListener,
+    stop: tokio_util::sync::CancellationToken,
+) -> (
+    Arc<OnceLock<Router>>,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let loaded: Arc<OnceLock<Router>> = Arc::new(OnceLock::new());
+    let slot = loaded.clone();
+    let router = Router::new()
+        .route("/healthz", get(http::healthz))
+        .fallback(move |req: Request| {
+            let slot = slot.clone();
+            async move {
+                match slot.get() {
+                    Some(app) => app.clone().oneshot(req).await.into_response(),
+                    None => error::ApiError::NotReady.into_response(),
+                }
+            }
+        });
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+    });
+    (loaded, server)
+}
 
 /// Logs to stderr for reprise's binaries (the server and the benchmarks): `RUST_LOG` picks
 /// what; by default info, with llama.cpp's and hnsw_rs's own logs (very chatty at info) at
@@ -88,7 +119,8 @@ pub fn main_with(body: impl Future<Output = anyhow::Result<()>>) -> std::process
     }
 }
 
-/// Serves reprise on `listener` until `shutdown` resolves.
+/// Serves reprise on `listener` until `shutdown` resolves; with `[server] admin_listen`, the
+/// admin API on that address (bound here) instead.
 ///
 /// The listener answers at once: `/healthz` is alive while the model and embedder load, every
 /// other route (including `/readyz`) answers 503 until loading finished. A loading failure
@@ -98,19 +130,25 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let loaded: Arc<OnceLock<Router>> = Arc::new(OnceLock::new());
-    let slot = loaded.clone();
-    let router = Router::new()
-        .route("/healthz", get(http::healthz))
-        .fallback(move |req: Request| {
-            let slot = slot.clone();
-            async move {
-                match slot.get() {
-                    Some(app) => app.clone().oneshot(req).await.into_response(),
-                    None => error::ApiError::NotReady.into_response(),
-                }
-            }
-        });
+    let admin = match config.server.admin_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} (server.admin_listen)"))?,
+        ),
+        None => None,
+    };
+    run_with(listener, admin, config, shutdown).await
+}
+
+/// [`run`] with the admin listener given by the caller (tests bind both on port 0); with
+/// `admin`, the API listener serves no `/admin` route.
+pub async fn run_with(
+    listener: TcpListener,
+    admin: Option<TcpListener>,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!(%addr, "listening");
     if !addr.ip().is_loopback() && !config.auth.required {
@@ -120,16 +158,29 @@ pub async fn run(
              this address can use the backend and read what the anonymous tenant cached"
         );
     }
-    let server = tokio::spawn(async move {
-        axum::serve(listener, router)
-            .with_graceful_shutdown(shutdown)
-            .await
+    // Both listeners stop on the one shutdown signal.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let stopping = stop.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        stopping.cancel();
     });
+    let (loaded, server) = serve_until_loaded(listener, stop.clone());
+    let admin_server = match admin {
+        Some(l) => {
+            tracing::info!(addr = %l.local_addr()?, "admin API listening");
+            Some(serve_until_loaded(l, stop.clone()))
+        }
+        None => None,
+    };
     let started = std::time::Instant::now();
     let state = match AppState::build(config).await {
         Ok(s) => s,
         Err(e) => {
             server.abort();
+            if let Some((_, handle)) = &admin_server {
+                handle.abort();
+            }
             return Err(e);
         }
     };
@@ -145,14 +196,24 @@ pub async fn run(
         }
     }
     let tasks = tasks::start(&state);
-    let _ = loaded.set(app(state.clone()));
+    let _ = loaded.set(http::api(state.clone(), admin_server.is_none()));
+    if let Some((slot, _)) = &admin_server {
+        let _ = slot.set(http::admin_app(state.clone()));
+    }
     tracing::info!(
         seconds = started.elapsed().as_secs_f64(),
         "ready: models loaded"
     );
     let served = server.await;
+    let admin_served = match admin_server {
+        Some((_, handle)) => Some(handle.await),
+        None => None,
+    };
     tasks.stop(&state).await;
     served??;
+    if let Some(s) = admin_served {
+        s??;
+    }
     if let Some(path) = &state.config.cache.snapshot_path {
         let st = state.clone();
         let p = path.clone();

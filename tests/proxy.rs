@@ -603,3 +603,54 @@ async fn every_answer_names_its_entry_and_the_operator_can_delete_it() {
         .await;
     assert_eq!(r.status(), 504, "deleted");
 }
+
+/// With an admin listener, `/admin` is served there only, and the API only on the other.
+#[tokio::test]
+async fn the_admin_api_can_live_on_its_own_listener() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_LISTENER_ADMIN_TOKEN", "l1stener");
+    let mut config = test_config();
+    config.backend.kind = reprise::config::BackendKind::Fake;
+    config.server.admin_token_env = Some("REPRISE_TEST_LISTENER_ADMIN_TOKEN".into());
+    let api = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (api_addr, admin_addr) = (api.local_addr().unwrap(), admin.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(reprise::run_with(api, Some(admin), config, async {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::new();
+    let body = chat_body("apart");
+    let mut ready = false;
+    for _ in 0..200 {
+        let r = client
+            .post(format!("http://{api_addr}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await;
+        if r.is_ok_and(|r| r.status() == 200) {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ready, "the API came up");
+    let get = |addr: std::net::SocketAddr, path: &str| {
+        client
+            .get(format!("http://{addr}{path}"))
+            .bearer_auth("l1stener")
+            .send()
+    };
+    assert_eq!(
+        get(api_addr, "/admin/policies").await.unwrap().status(),
+        404
+    );
+    assert_eq!(
+        get(admin_addr, "/admin/policies").await.unwrap().status(),
+        200
+    );
+    assert_eq!(get(admin_addr, "/v1/models").await.unwrap().status(), 404);
+    assert_eq!(get(admin_addr, "/healthz").await.unwrap().status(), 200);
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+}
