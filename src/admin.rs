@@ -74,6 +74,19 @@ fn global_only(admin: &Admin) -> Result<(), ApiError> {
     }
 }
 
+/// The tenant an admin call is about: the one it `asked` for, or for a tenant's admin its
+/// own (asking for another is 403).
+fn tenant_scope(admin: &Admin, asked: Option<String>) -> Result<Option<String>, ApiError> {
+    match (admin, asked) {
+        (Admin::Global, t) => Ok(t),
+        (Admin::Tenant(t), None) => Ok(Some(t.name().to_string())),
+        (Admin::Tenant(t), Some(named)) if named == t.name() => Ok(Some(named)),
+        (Admin::Tenant(_), Some(_)) => Err(ApiError::Forbidden(
+            "a tenant's admin token reaches only its own tenant".into(),
+        )),
+    }
+}
+
 fn redis_error(e: reprise_cache::redis::RedisError) -> ApiError {
     ApiError::Internal(format!("redis: {e}"))
 }
@@ -128,16 +141,9 @@ pub async fn delete_entries(
             None,
         ));
     }
-    let tenant = match (&admin, f.tenant) {
-        (Admin::Global, Some(t)) if t == "-" => Some(String::new()),
-        (Admin::Global, t) => t,
-        (Admin::Tenant(t), None) => Some(t.name().to_string()),
-        (Admin::Tenant(t), Some(named)) if named == t.name() => Some(named),
-        (Admin::Tenant(_), Some(_)) => {
-            return Err(ApiError::Forbidden(
-                "a tenant's admin token reaches only its own tenant".into(),
-            ))
-        }
+    let tenant = match tenant_scope(&admin, f.tenant)? {
+        Some(t) if t == "-" => Some(String::new()),
+        t => t,
     };
     let now = reprise_cache::now_ms();
     let mut deleted = 0;
@@ -171,16 +177,7 @@ pub async fn delete_namespace(
     Query(q): Query<TenantQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let admin = authorize(&state, &headers)?;
-    let tenant = match (&admin, q.tenant) {
-        (Admin::Global, t) => t,
-        (Admin::Tenant(t), None) => Some(t.name().to_string()),
-        (Admin::Tenant(t), Some(named)) if named == t.name() => Some(named),
-        (Admin::Tenant(_), Some(_)) => {
-            return Err(ApiError::Forbidden(
-                "a tenant's admin token reaches only its own tenant".into(),
-            ))
-        }
-    };
+    let tenant = tenant_scope(&admin, q.tenant)?;
     let namespace = match &tenant {
         Some(tenant) => state
             .policies
