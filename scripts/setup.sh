@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
-# cmake + clang/libclang build llama.cpp and its bindings; redis-server is started by the tests.
-PKGS="cmake clang libclang-dev redis-server redis-tools python3-pip"
+# cmake + clang/libclang build llama.cpp and its bindings; redis-server is started by the tests;
+# procps gives `kill`, with which one test sends SIGHUP.
+PKGS="cmake clang libclang-dev redis-server redis-tools python3-pip procps"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
