@@ -28,9 +28,13 @@ pub enum Admin {
     Tenant(Arc<Tenant>),
 }
 
-/// Whether `a` and `b` are equal, in time independent of both (digests of one length).
-pub fn same_secret(a: &str, b: &str) -> bool {
-    let (a, b) = (blake3::hash(a.as_bytes()), blake3::hash(b.as_bytes()));
+/// The digest a secret is compared by: of one length whatever the secret's.
+pub fn secret_digest(secret: &str) -> blake3::Hash {
+    blake3::hash(secret.as_bytes())
+}
+
+/// Whether two secret digests are equal, in time independent of both.
+pub fn same_digest(a: &blake3::Hash, b: &blake3::Hash) -> bool {
     bool::from(subtle::ConstantTimeEq::ct_eq(
         a.as_bytes().as_slice(),
         b.as_bytes().as_slice(),
@@ -52,14 +56,15 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Admin, ApiError> {
         .as_ref()
         .and_then(|var| std::env::var(var).ok())
         .filter(|t| !t.is_empty());
-    if global.is_some_and(|expected| same_secret(given, &expected)) {
+    let given = secret_digest(given);
+    if global.is_some_and(|expected| same_digest(&given, &secret_digest(&expected))) {
         return Ok(Admin::Global);
     }
     state
         .policies
         .load()
         .tenants
-        .by_admin_token(given)
+        .by_admin_token(&given)
         .map(Admin::Tenant)
         .ok_or(ApiError::Unauthorized)
 }
@@ -146,18 +151,18 @@ pub async fn delete_entries(
         t => t,
     };
     let now = reprise_cache::now_ms();
-    let mut deleted = 0;
-    for e in state.store.entries() {
-        let matches = tenant
-            .as_deref()
-            .is_none_or(|t| crate::auth::scope_of(&e.namespace) == t)
-            && f.model.as_deref().is_none_or(|m| e.model == m)
-            && f.older_than_secs
-                .is_none_or(|s| now.saturating_sub(e.created_ms) > s.saturating_mul(1000));
-        if matches {
-            deleted += u64::from(state.store.delete(e.id).await.map_err(redis_error)?);
-        }
-    }
+    let deleted = state
+        .store
+        .delete_where(|e| {
+            tenant
+                .as_deref()
+                .is_none_or(|t| crate::auth::scope_of(&e.namespace) == t)
+                && f.model.as_deref().is_none_or(|m| e.model == m)
+                && f.older_than_secs
+                    .is_none_or(|s| now.saturating_sub(e.created_ms) > s.saturating_mul(1000))
+        })
+        .await
+        .map_err(redis_error)?;
     Ok(Json(json!({"deleted": deleted})))
 }
 
@@ -209,15 +214,13 @@ pub async fn delete_tag(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let deleted = match authorize(&state, &headers)? {
         Admin::Global => state.store.delete_tag(&tag).await.map_err(redis_error)?,
-        Admin::Tenant(t) => {
-            let mut n = 0;
-            for e in state.store.entries() {
-                if crate::auth::scope_of(&e.namespace) == t.name() && e.tags.contains(&tag) {
-                    n += u64::from(state.store.delete(e.id).await.map_err(redis_error)?);
-                }
-            }
-            n
-        }
+        Admin::Tenant(t) => state
+            .store
+            .delete_where(|e| {
+                crate::auth::scope_of(&e.namespace) == t.name() && e.tags.contains(&tag)
+            })
+            .await
+            .map_err(redis_error)?,
     };
     Ok(Json(json!({"deleted": deleted})))
 }
@@ -240,10 +243,7 @@ pub async fn explain(
     Query(q): Query<ExplainQuery>,
     body: Bytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let tenant = match authorize(&state, &headers)? {
-        Admin::Global => q.tenant,
-        Admin::Tenant(t) => Some(t.name().to_string()),
-    };
+    let tenant = tenant_scope(&authorize(&state, &headers)?, q.tenant)?;
     let endpoint = match q.endpoint.as_deref() {
         None | Some("chat") => Endpoint::Chat,
         Some("completions") => Endpoint::Completion,

@@ -76,8 +76,8 @@ pub struct Tenant {
     limiter: Option<DefaultDirectRateLimiter>,
     /// `policy.tokens_per_minute`, when set.
     token_limiter: Option<DefaultDirectRateLimiter>,
-    /// Its admin token (from `admin_token_env`), when it has one.
-    admin_token: Option<String>,
+    /// The digest of its admin token (from `admin_token_env`), when it has one.
+    admin_token: Option<blake3::Hash>,
 }
 
 impl Tenant {
@@ -204,7 +204,7 @@ impl Tenants {
                     )
                 })?;
                 anyhow::ensure!(!token.is_empty(), "tenant `{}`: empty admin token", t.name);
-                tenant.admin_token = Some(token);
+                tenant.admin_token = Some(crate::admin::secret_digest(&token));
             }
             let tenant = Arc::new(tenant);
             by_name.insert(t.name.clone(), tenant.clone());
@@ -266,13 +266,13 @@ impl Tenants {
             .then(|| scope(tenant, sub))
     }
 
-    /// The tenant whose admin token `given` is (each compared in constant time).
-    pub fn by_admin_token(&self, given: &str) -> Option<Arc<Tenant>> {
+    /// The tenant whose admin token has the digest `given` (each compared in constant time).
+    pub fn by_admin_token(&self, given: &blake3::Hash) -> Option<Arc<Tenant>> {
         let mut found = None;
         // Every token is compared, so the time says nothing of which tenant matched.
         for t in self.by_name.values() {
             if let Some(token) = &t.admin_token {
-                if crate::admin::same_secret(given, token) {
+                if crate::admin::same_digest(given, token) {
                     found = Some(t.clone());
                 }
             }

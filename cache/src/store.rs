@@ -325,6 +325,19 @@ impl Store {
         Ok(local || shared)
     }
 
+    /// Deletes every entry of this replica that `pred` selects, each everywhere (Redis and
+    /// through it every replica); returns how many were deleted. Meant for rare operator
+    /// requests: it scans every entry held.
+    pub async fn delete_where(&self, pred: impl Fn(&Entry) -> bool) -> Result<u64, RedisError> {
+        let mut n = 0;
+        for e in self.memory.iter_entries() {
+            if pred(&e) {
+                n += u64::from(self.delete(e.id).await?);
+            }
+        }
+        Ok(n)
+    }
+
     /// Deletes every entry of `namespace` everywhere; returns how many the fuller tier held.
     pub async fn delete_namespace(&self, namespace: &str) -> Result<u64, RedisError> {
         let local = self.remove_local_where(|e| e.namespace == namespace).await;
