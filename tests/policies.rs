@@ -149,15 +149,10 @@ async fn sighup_reads_the_configuration_file_again() {
             .json(&chat_body("hello"));
         async move { req.send().await.map_or(0, |r| r.status().as_u16()) }
     };
-    let mut up = false;
-    for _ in 0..500 {
-        if status("sk-one").await == 200 {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(up, "the server came up");
+    let up = eventually_async(Duration::from_secs(10), || async {
+        status("sk-one").await == 200
+    });
+    assert!(up.await, "the server came up");
     let hangup = || {
         let pid = std::process::id().to_string();
         let ok = std::process::Command::new("kill")
@@ -175,15 +170,10 @@ async fn sighup_reads_the_configuration_file_again() {
     // A new key.
     std::fs::write(&path, file("sk-two")).unwrap();
     hangup();
-    let mut changed = false;
-    for _ in 0..250 {
-        if status("sk-two").await == 200 {
-            changed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(changed, "the new key works after SIGHUP");
+    let changed = eventually_async(Duration::from_secs(5), || async {
+        status("sk-two").await == 200
+    });
+    assert!(changed.await, "the new key works after SIGHUP");
     assert_eq!(status("sk-one").await, 401, "the old key is gone");
     stop.send(()).unwrap();
     running.await.unwrap().unwrap();

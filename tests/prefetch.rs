@@ -894,15 +894,10 @@ async fn run_saves_the_learned_counts_on_shutdown() {
         async move { req.send().await.map_or(0, |r| r.status().as_u16()) }
     };
     // Ready once the first request is answered.
-    let mut ready = false;
-    for _ in 0..500 {
-        if ask("warm-up".into(), X).await == 200 {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(ready, "the server came up");
+    let ready = eventually_async(Duration::from_secs(10), || async {
+        ask("warm-up".into(), X).await == 200
+    });
+    assert!(ready.await, "the server came up");
     for i in 0..3 {
         assert_eq!(ask(format!("learn-{i}"), X).await, 200);
         assert_eq!(ask(format!("learn-{i}"), Y).await, 200);

@@ -621,20 +621,15 @@ async fn the_admin_api_can_live_on_its_own_listener() {
     }));
     let client = reqwest::Client::new();
     let body = chat_body("apart");
-    let mut ready = false;
-    for _ in 0..200 {
+    let ready = eventually_async(Duration::from_secs(4), || async {
         let r = client
             .post(format!("http://{api_addr}/v1/chat/completions"))
             .json(&body)
             .send()
             .await;
-        if r.is_ok_and(|r| r.status() == 200) {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(ready, "the API came up");
+        r.is_ok_and(|r| r.status() == 200)
+    });
+    assert!(ready.await, "the API came up");
     let get = |addr: std::net::SocketAddr, path: &str| {
         client
             .get(format!("http://{addr}{path}"))

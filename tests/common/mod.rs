@@ -35,6 +35,22 @@ pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool 
     f()
 }
 
+/// Polls the async `f` until it holds or `timeout` passes (for servers started with
+/// `reprise::run`, whose state a test cannot read).
+pub async fn eventually_async<F: std::future::Future<Output = bool>>(
+    timeout: Duration,
+    mut f: impl FnMut() -> F,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    f().await
+}
+
 /// A scripted backend shared by several replicas.
 pub fn scripted() -> ScriptedBackend {
     ScriptedBackend::new(ScriptConfig::default())
