@@ -112,6 +112,15 @@ pub struct TenantPolicy {
     /// rule whose `namespace` (inside the tenant) and `model` match sets `enabled`,
     /// `threshold`, `top_k`, `gate`.
     pub semantic_rules: Vec<reprise_policies::semantic::Rule>,
+    /// Its share of the memory tier (`cache.memory_bytes`), in (0, 1]: its entries and keys
+    /// are held within that share, so its flood evicts only its own entries. Tenants without
+    /// a share (and the anonymous tenant) share what the others leave. The shares of all
+    /// tenants add up to at most 1.
+    pub memory_share: Option<f64>,
+    /// Its share of the prefetch budgets (`prefetch.max_tokens_per_minute`,
+    /// `prefetch.max_backend_share`) and of the prefetch queue, in (0, 1]; tenants without
+    /// one share what the others leave. The shares add up to at most 1.
+    pub prefetch_share: Option<f64>,
 }
 
 /// The client controls a tenant may be allowed.
@@ -135,6 +144,8 @@ impl Default for TenantPolicy {
             requests_per_minute: 0,
             tokens_per_minute: 0,
             semantic_rules: Vec::new(),
+            memory_share: None,
+            prefetch_share: None,
         }
     }
 }
@@ -697,10 +708,45 @@ impl Config {
                     ));
                 }
             }
+            for (key, share) in [
+                ("tenants.policy.memory_share", t.policy.memory_share),
+                ("tenants.policy.prefetch_share", t.policy.prefetch_share),
+            ] {
+                if share.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
+                    return Err(invalid(
+                        key,
+                        format!("tenant `{}`: must be in (0, 1]", t.name),
+                    ));
+                }
+            }
             for k in &t.api_keys {
                 crate::auth::KeyDigest::parse(k).map_err(|e| {
                     invalid("tenants.api_keys", format!("tenant `{}`: {e}", t.name))
                 })?;
+            }
+        }
+        for (key, sum) in [
+            (
+                "tenants.policy.memory_share",
+                self.tenants
+                    .iter()
+                    .filter_map(|t| t.policy.memory_share)
+                    .sum::<f64>(),
+            ),
+            (
+                "tenants.policy.prefetch_share",
+                self.tenants
+                    .iter()
+                    .filter_map(|t| t.policy.prefetch_share)
+                    .sum::<f64>(),
+            ),
+        ] {
+            // A little slack for shares like 0.1 written ten times.
+            if sum > 1.0 + 1e-9 {
+                return Err(invalid(
+                    key,
+                    format!("the tenants' shares add up to {sum}, above 1"),
+                ));
             }
         }
         let s = &self.server;
@@ -908,6 +954,15 @@ mod tests {
                 "tenants.name",
             ),
             ("[[tenants]]\nname = \"a\"\napi_keys = [\"sha256:xyz\"]\n", "tenants.api_keys"),
+            (
+                "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\npolicy.memory_share = 0\n",
+                "tenants.policy.memory_share",
+            ),
+            (
+                "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\npolicy.prefetch_share = 0.7\n\
+                 [[tenants]]\nname = \"b\"\napi_keys = [\"j\"]\npolicy.prefetch_share = 0.4\n",
+                "tenants.policy.prefetch_share",
+            ),
         ] {
             let err = Config::from_toml(text).unwrap_err().to_string();
             assert!(err.contains(key), "{text}: {err}");

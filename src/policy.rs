@@ -9,6 +9,7 @@
 //! [`Policies::version`] (`GET /admin/policies`, metric `reprise_policy_version`). Rate
 //! limiters start afresh with a new version.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use reprise_policies::semantic::{Rule, SemanticPolicy};
@@ -16,6 +17,7 @@ use serde::Deserialize;
 
 use crate::auth::Tenants;
 use crate::config::{AuthConfig, Config, TenantConfig};
+use crate::state::AppState;
 
 /// The live policies.
 pub struct Policies {
@@ -74,6 +76,16 @@ impl Policies {
         Policies::from_config(&c, self.version + 1)
     }
 
+    /// The tenants' shares of the memory tier (`None`: no tenant has one).
+    pub fn memory_shares(&self) -> Option<Shares> {
+        Shares::of(&self.config, |p| p.memory_share)
+    }
+
+    /// The tenants' shares of the prefetch budgets (`None`: no tenant has one).
+    pub fn prefetch_shares(&self) -> Option<Shares> {
+        Shares::of(&self.config, |p| p.prefetch_share)
+    }
+
     /// The effective policies as JSON (no keys: only how many each tenant has).
     pub fn view(&self) -> serde_json::Value {
         let p = &self.semantic;
@@ -102,10 +114,54 @@ impl Policies {
                         "requests_per_minute": p.requests_per_minute,
                         "tokens_per_minute": p.tokens_per_minute,
                         "semantic_rules": p.semantic_rules.iter().map(rule_view).collect::<Vec<_>>(),
+                        "memory_share": p.memory_share,
+                        "prefetch_share": p.prefetch_share,
                     },
                 })
             }).collect::<Vec<_>>(),
         })
+    }
+}
+
+/// The tenants' shares of one budget: the tenants given a share, by name, and what is left
+/// for the others (the anonymous tenant included), as fractions of the budget.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shares {
+    /// Tenant name → its share.
+    pub pools: HashMap<String, f64>,
+    /// The share of every tenant without one, together.
+    pub rest: f64,
+}
+
+impl Shares {
+    fn of(
+        config: &Config,
+        share: impl Fn(&crate::config::TenantPolicy) -> Option<f64>,
+    ) -> Option<Shares> {
+        let pools: HashMap<String, f64> = config
+            .tenants
+            .iter()
+            .filter_map(|t| share(&t.policy).map(|s| (t.name.clone(), s)))
+            .collect();
+        if pools.is_empty() {
+            return None;
+        }
+        let rest = (1.0 - pools.values().sum::<f64>()).max(0.0);
+        Some(Shares { pools, rest })
+    }
+
+    /// The same shares of `bytes` of memory, pooled by tenant.
+    pub fn of_memory(&self, bytes: u64) -> reprise_cache::MemoryShares {
+        let part = |s: f64| (bytes as f64 * s) as u64;
+        reprise_cache::MemoryShares {
+            pool_of: crate::auth::scope_of,
+            pools: self
+                .pools
+                .iter()
+                .map(|(n, s)| (n.clone(), part(*s)))
+                .collect(),
+            rest: part(self.rest),
+        }
     }
 }
 
@@ -170,13 +226,37 @@ impl PolicyDocument {
 
 /// Applies a document to the running state: validated, built, swapped in; the new version,
 /// or why it was refused (the running policies stay).
-pub fn apply(state: &crate::state::AppState, doc: PolicyDocument) -> anyhow::Result<u64> {
+pub fn apply(state: &Arc<AppState>, doc: PolicyDocument) -> anyhow::Result<u64> {
     // One change at a time, so two concurrent changes cannot both take the same version.
     let _guard = state.policy_change.lock();
-    let next = state.policies.load().next(doc, state.embedder.is_some())?;
+    let current = state.policies.load_full();
+    let next = current.next(doc, state.embedder.is_some())?;
     let version = next.version;
+    let memory_changed = next.memory_shares() != current.memory_shares();
     state.policies.store(Arc::new(next));
     state.metrics.policy_version.set(version as f64);
+    share_budgets(state, memory_changed);
     tracing::info!(version, "policies changed");
     Ok(version)
+}
+
+/// Shares the memory tier and the prefetch budgets out as the running policies say. The
+/// memory tier is re-pooled off the async workers (it scans what memory holds); that task
+/// reads the policies when it runs, so of two quick changes the later one wins.
+pub fn share_budgets(state: &Arc<AppState>, memory_changed: bool) {
+    let policies = state.policies.load();
+    if let Some(prefetch) = &state.prefetch {
+        prefetch.set_shares(policies.prefetch_shares());
+    }
+    if !memory_changed {
+        return;
+    }
+    let state = state.clone();
+    let bytes = state.config.cache.memory_bytes;
+    tokio::task::spawn_blocking(move || {
+        let shares = state.policies.load().memory_shares();
+        state
+            .store
+            .set_memory_shares(shares.map(|s| s.of_memory(bytes)));
+    });
 }

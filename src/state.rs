@@ -112,6 +112,12 @@ impl AppState {
         let observer = prefetch.as_ref().map(|p| p.observer());
         let policies = Policies::from_config(&config, 1)?;
         metrics.policy_version.set(1.0);
+        // Memory holds nothing yet: sharing it out scans nothing.
+        let memory_shares = policies.memory_shares();
+        store.set_memory_shares(memory_shares.map(|s| s.of_memory(config.cache.memory_bytes)));
+        if let Some(p) = &prefetch {
+            p.set_shares(policies.prefetch_shares());
+        }
         Ok(Arc::new(AppState {
             config,
             backend,

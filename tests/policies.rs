@@ -103,6 +103,62 @@ async fn a_threshold_change_takes_effect_on_the_next_request_and_keeps_the_cache
     assert!(metrics.contains("reprise_policy_version"), "{metrics}");
 }
 
+/// A tenant given a memory share while it holds more than that share is cut down to it at
+/// once; the cache of the others is kept.
+#[tokio::test]
+async fn a_memory_share_given_live_applies_to_what_is_held() {
+    let mut config = admin_config();
+    config.cache.memory_bytes = 64 * 1024;
+    let tenants = "[[tenants]]\nname = \"big\"\napi_keys = [\"sk-big\"]\n\
+                   [[tenants]]\nname = \"small\"\napi_keys = [\"sk-small\"]\n";
+    let doc = reprise::policy::PolicyDocument::from_toml(tenants).unwrap();
+    config.tenants = doc.tenants.unwrap();
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let ask = |key: &'static str, i: usize| {
+        let app = &app;
+        async move {
+            let body = chat_body(&format!(
+                "question {i} of a tenant, padded with a few words"
+            ));
+            let auth = format!("Bearer {key}");
+            cache_status(&app.chat(&body, &[("authorization", &auth)]).await)
+        }
+    };
+    for i in 0..40 {
+        assert_eq!(ask("sk-big", i).await, "miss");
+    }
+    assert_eq!(ask("sk-small", 0).await, "miss");
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(app.state.store.pool_size("big\u{1f}x"), None);
+    let held = app.state.store.entry_count();
+    assert_eq!(held, 41);
+
+    let shared = "[[tenants]]\nname = \"big\"\napi_keys = [\"sk-big\"]\n\
+                  [tenants.policy]\nmemory_share = 0.1\n\
+                  [[tenants]]\nname = \"small\"\napi_keys = [\"sk-small\"]\n";
+    assert_eq!(put(&app, shared).await.status(), 200);
+    let store = app.state.store.clone();
+    let cut = eventually_async(Duration::from_secs(10), || {
+        let store = store.clone();
+        async move {
+            store.run_pending_tasks().await;
+            store.pool_size("big\u{1f}x").is_some_and(|b| b <= 6554)
+        }
+    })
+    .await;
+    assert!(cut, "big's entries cut down to its share");
+    assert!(app.state.store.entry_count() < held);
+    assert_eq!(
+        ask("sk-small", 0).await,
+        "exact",
+        "the others' entries are kept"
+    );
+    assert_eq!(ask("sk-big", 39).await, "exact", "the newest of big's stay");
+    assert_eq!(ask("sk-big", 0).await, "miss", "the oldest went");
+    let view = policies(&app).await;
+    assert_eq!(view["tenants"][0]["policy"]["memory_share"], 0.1);
+}
+
 #[tokio::test]
 async fn tenants_and_keys_change_live() {
     let (app, _backend) = spawn_fake(admin_config(), ScriptConfig::default()).await;

@@ -589,3 +589,53 @@ async fn an_operator_deletes_by_tenant_model_and_age() {
     app.state.store.run_pending_tasks().await;
     assert_eq!(app.state.store.entry_count(), 0);
 }
+
+/// A tenant flooding the memory tier with distinct prompts evicts only its own entries: the
+/// others' answers stay in memory (and keep being exact hits) beyond its share.
+#[tokio::test]
+async fn a_tenants_flood_leaves_the_others_entries_in_memory() {
+    let share = |s: f64| TenantPolicy {
+        memory_share: Some(s),
+        ..TenantPolicy::default()
+    };
+    let mut c = test_config();
+    c.auth.required = true;
+    c.cache.memory_bytes = 64 * 1024;
+    c.tenants = vec![
+        with_policy("keep", "sk-keep", share(0.5)),
+        with_policy("flood", "sk-flood", share(0.25)),
+        tenant("free", "sk-free", true),
+    ];
+    let (app, backend) = spawn_fake(c, ScriptConfig::default()).await;
+    let kept: Vec<Value> = (0..5)
+        .map(|i| chat_body(&format!("keep question {i}")))
+        .collect();
+    for b in &kept {
+        assert_eq!(cache_status(&ask(&app, "keep", b, &[]).await), "miss");
+    }
+    let free = chat_body("a question of the tenants without a share");
+    assert_eq!(cache_status(&ask(&app, "free", &free, &[]).await), "miss");
+    // Many times what a quarter of 64 KiB holds.
+    for i in 0..200 {
+        let b = chat_body(&format!(
+            "flood question number {i} with some padding words"
+        ));
+        assert_eq!(cache_status(&ask(&app, "flood", &b, &[]).await), "miss");
+    }
+    app.state.store.run_pending_tasks().await;
+    let flood = app.state.store.pool_size("flood\u{1f}x").unwrap();
+    assert!(flood > 0 && flood <= 16 * 1024, "{flood}");
+    let calls = backend.calls();
+    for b in &kept {
+        assert_eq!(cache_status(&ask(&app, "keep", b, &[]).await), "exact");
+    }
+    assert_eq!(cache_status(&ask(&app, "free", &free, &[]).await), "exact");
+    assert_eq!(
+        backend.calls(),
+        calls,
+        "no answer of theirs was generated again"
+    );
+    // The flood's oldest answers are the ones that went.
+    let first = chat_body("flood question number 0 with some padding words");
+    assert_eq!(cache_status(&ask(&app, "flood", &first, &[]).await), "miss");
+}

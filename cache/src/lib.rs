@@ -1,7 +1,8 @@
 //! Cache tiers for reprise.
 //!
 //! - [`entry`]: what is cached — a finished answer with its metadata — and its id.
-//! - [`memory`]: the in-process tier (moka), bounded by bytes.
+//! - [`memory`]: the in-process tier (moka), bounded by bytes; [`shares`]: that budget
+//!   shared out among pools (tenants), so one pool's flood evicts only its own entries.
 //! - [`redis`]: the shared tier (L2) in Redis, with replication events between replicas.
 //! - [`semantic`]: the near-duplicate index (hnsw_rs), partitioned by everything that must
 //!   match exactly.
@@ -15,10 +16,12 @@ pub mod entry;
 pub mod memory;
 pub mod redis;
 pub mod semantic;
+pub mod shares;
 pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 pub use entry::{now_ms, Digest, Entry, EntryId, Origin};
 pub use memory::{EvictionHook, MemoryTier};
+pub use shares::MemoryShares;
 pub use store::{ByKey, Probe, Store};

@@ -5,13 +5,16 @@
 //! served an entry) can point at one copy of the answer. A key whose entry was evicted is a
 //! miss and is dropped on sight.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwapOption;
 use moka::future::Cache;
 use moka::notification::RemovalCause;
 
 use crate::entry::{Digest, Entry, EntryId};
+use crate::shares::{Evicted, EvictedQueue, Ledgers, MemoryShares};
 
 /// Per-entry expiry: an entry lives until its own `expires_ms`.
 struct EntryExpiry;
@@ -48,32 +51,130 @@ const KEY_WEIGHT: u32 = 96;
 pub struct MemoryTier {
     entries: Cache<EntryId, Arc<Entry>>,
     keys: Cache<Digest, EntryId>,
+    /// The pools' ledgers when the budget is shared out ([`MemoryTier::set_shares`]).
+    ledgers: Arc<ArcSwapOption<Ledgers>>,
+    /// What the ledgers evicted, to drop from the tier.
+    evicted: EvictedQueue,
+    /// The shares in force; held while they change, so changes apply one at a time.
+    shares: Arc<parking_lot::Mutex<Option<MemoryShares>>>,
+    key_ttl: Duration,
 }
 
 impl MemoryTier {
     /// A tier holding up to `max_bytes` of entries (keys get an eighth of that on top),
     /// keeping keys for at most `key_ttl`.
     pub fn new(max_bytes: u64, key_ttl: Duration, on_evict: Option<EvictionHook>) -> Self {
-        let mut builder = Cache::builder()
+        let ledgers: Arc<ArcSwapOption<Ledgers>> = Arc::default();
+        let forget = ledgers.clone();
+        let entries = Cache::builder()
             .max_capacity(max_bytes)
             .weigher(|_k: &EntryId, v: &Arc<Entry>| v.weight())
-            .expire_after(EntryExpiry);
-        if let Some(hook) = on_evict {
-            builder = builder.eviction_listener(move |k: Arc<EntryId>, v, cause| {
-                if cause != RemovalCause::Replaced {
+            .expire_after(EntryExpiry)
+            .eviction_listener(move |k: Arc<EntryId>, v: Arc<Entry>, cause| {
+                if cause == RemovalCause::Replaced {
+                    return;
+                }
+                if let Some(l) = &*forget.load() {
+                    l.of(&v.namespace).forget(*k);
+                }
+                if let Some(hook) = &on_evict {
                     hook(*k, v, cause);
                 }
-            });
-        }
+            })
+            .build();
         let keys = Cache::builder()
             .max_capacity((max_bytes / 8).max(u64::from(KEY_WEIGHT)))
             .weigher(|_k: &Digest, _v: &EntryId| KEY_WEIGHT)
             .time_to_live(key_ttl)
             .build();
         MemoryTier {
-            entries: builder.build(),
+            entries,
             keys,
+            ledgers,
+            evicted: EvictedQueue::default(),
+            shares: Arc::default(),
+            key_ttl,
         }
+    }
+
+    /// Shares the byte budget out among pools (`None`: one budget for all, as at start).
+    /// Held entries and keys are recorded in their pools' ledgers at once; what no longer
+    /// fits its pool leaves the tier with the next write (or [`MemoryTier::settle`]).
+    /// Scans the tier: a rare operator action, not for the request path.
+    pub fn set_shares(&self, shares: Option<MemoryShares>) {
+        let mut current = self.shares.lock();
+        let same = |a: &MemoryShares, b: &MemoryShares| a.pools == b.pools && a.rest == b.rest;
+        match (&*current, &shares) {
+            (None, None) => return,
+            (Some(a), Some(b)) if same(a, b) => return,
+            _ => {}
+        }
+        current.clone_from(&shares);
+        let Some(shares) = shares else {
+            self.ledgers.store(None);
+            return;
+        };
+        let ledgers = Arc::new(Ledgers::new(
+            &shares,
+            KEY_WEIGHT,
+            self.key_ttl,
+            &self.evicted,
+        ));
+        // Writes from now on record themselves in the new ledgers; the pass records what is
+        // held (a write racing the swap may go unrecorded: bounded still by the tier's own
+        // budget, it leaves with its expiry).
+        self.ledgers.store(Some(ledgers.clone()));
+        self.record_all(&ledgers);
+    }
+
+    /// Records every held entry and its keys not yet recorded in `ledgers`, oldest entry
+    /// first: where a pool holds more than its share, its newest entries and keys stay.
+    fn record_all(&self, ledgers: &Ledgers) {
+        let mut keys: HashMap<EntryId, Vec<Digest>> = HashMap::new();
+        for (k, id) in self.keys.iter() {
+            keys.entry(id).or_default().push(*k);
+        }
+        let mut held: Vec<Arc<Entry>> = self.entries.iter().map(|(_, e)| e).collect();
+        held.sort_unstable_by_key(|e| e.created_ms);
+        for e in held {
+            let ledger = ledgers.of(&e.namespace);
+            if ledger.holds(e.id) || ledger.record_entry(&e) {
+                for k in keys.remove(&e.id).unwrap_or_default() {
+                    ledger.record_key(k);
+                }
+            }
+        }
+    }
+
+    /// Bytes of entries recorded in the pool of `namespace` (`None` without shares).
+    pub fn pool_size(&self, namespace: &str) -> Option<u64> {
+        Some(self.ledgers.load().as_ref()?.pool_size(namespace))
+    }
+
+    /// Drops from the tier what the pools' ledgers evicted.
+    pub async fn settle(&self) {
+        let evicted = std::mem::take(&mut *self.evicted.lock());
+        for e in evicted {
+            match e {
+                Evicted::Entry(id) => self.entries.invalidate(&id).await,
+                Evicted::Key(k) => self.keys.invalidate(&k).await,
+            }
+        }
+    }
+
+    /// Records a new entry (and its key) in its pool before it enters the tier; whether it
+    /// may enter. Without shares, always.
+    async fn admit(&self, entry: &Entry, key: Option<Digest>) -> bool {
+        let Some(ledgers) = self.ledgers.load_full() else {
+            return true;
+        };
+        let ledger = ledgers.of(&entry.namespace);
+        let kept = ledger.record_entry(entry);
+        if let (true, Some(k)) = (kept, key) {
+            ledger.record_key(k);
+        }
+        self.settle().await;
+        kept
     }
 
     /// The entry an exact key points at, if both are still held and not expired.
@@ -95,11 +196,17 @@ impl MemoryTier {
             self.entries.invalidate(&id).await;
             return None;
         }
+        if let Some(ledgers) = &*self.ledgers.load() {
+            ledgers.of(&e.namespace).touch(id);
+        }
         Some(e)
     }
 
     /// Stores an entry and points `key` at it.
     pub async fn insert(&self, key: Digest, entry: Arc<Entry>) {
+        if !self.admit(&entry, Some(key)).await {
+            return;
+        }
         let id = entry.id;
         self.entries.insert(id, entry).await;
         self.keys.insert(key, id).await;
@@ -107,11 +214,21 @@ impl MemoryTier {
 
     /// Stores an entry without a key (it is reached by id, e.g. through the semantic index).
     pub async fn insert_entry(&self, entry: Arc<Entry>) {
-        self.entries.insert(entry.id, entry).await;
+        if self.admit(&entry, None).await {
+            self.entries.insert(entry.id, entry).await;
+        }
     }
 
-    /// Points another exact key at an existing entry.
+    /// Points another exact key at an existing entry (with shares, only at a held one: the
+    /// key is charged to the entry's pool).
     pub async fn alias(&self, key: Digest, id: EntryId) {
+        if let Some(ledgers) = self.ledgers.load_full() {
+            let Some(e) = self.entries.get(&id).await else {
+                return;
+            };
+            ledgers.of(&e.namespace).record_key(key);
+            self.settle().await;
+        }
         self.keys.insert(key, id).await;
     }
 
@@ -138,6 +255,7 @@ impl MemoryTier {
 
     /// Runs moka's pending maintenance (evictions, expiry notifications) now.
     pub async fn run_pending_tasks(&self) {
+        self.settle().await;
         self.entries.run_pending_tasks().await;
         self.keys.run_pending_tasks().await;
     }
@@ -170,9 +288,13 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn entry(text: &str, ttl_ms: u64) -> Arc<Entry> {
+        entry_in("ns", text, ttl_ms)
+    }
+
+    fn entry_in(namespace: &str, text: &str, ttl_ms: u64) -> Arc<Entry> {
         Arc::new(Entry {
             id: EntryId::random(),
-            namespace: "ns".into(),
+            namespace: namespace.into(),
             model: "m".into(),
             text: text.into(),
             finish_reason: "stop".into(),
@@ -229,5 +351,105 @@ mod tests {
         t.run_pending_tasks().await;
         assert!(t.weighted_size() <= one * 10, "{}", t.weighted_size());
         assert!(evicted.load(Ordering::SeqCst) >= 40);
+    }
+
+    /// The pool of a namespace `pool/rest`.
+    fn pool_of(namespace: &str) -> &str {
+        namespace.split_once('/').map_or("", |(p, _)| p)
+    }
+
+    fn shares(pools: &[(&str, u64)], rest: u64) -> MemoryShares {
+        MemoryShares {
+            pool_of,
+            pools: pools.iter().map(|(p, b)| (p.to_string(), *b)).collect(),
+            rest,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pool_flooding_the_tier_evicts_only_its_own_entries() {
+        let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
+        let t = MemoryTier::new(one * 40, Duration::from_secs(60), None);
+        t.set_shares(Some(shares(&[("a", one * 10), ("b", one * 10)], one * 20)));
+        let b: Vec<_> = (0..8u8)
+            .map(|_| entry_in("b/x", &"y".repeat(1000), 60_000))
+            .collect();
+        for (i, e) in b.iter().enumerate() {
+            t.insert([100 + i as u8; 32], e.clone()).await;
+        }
+        let c = entry_in("c/x", &"z".repeat(1000), 60_000);
+        t.insert([200; 32], c.clone()).await;
+        // Pool a floods: 50 entries, five times its share, and aliases for each.
+        let mut a = Vec::new();
+        for i in 0..50u8 {
+            let e = entry_in("a/x", &"x".repeat(1000), 60_000);
+            t.insert([i; 32], e.clone()).await;
+            t.alias(
+                [
+                    i, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                    1, 1, 1, 1, 1, 1,
+                ],
+                e.id,
+            )
+            .await;
+            a.push(e);
+        }
+        t.run_pending_tasks().await;
+        for (i, e) in b.iter().enumerate() {
+            assert_eq!(
+                t.get_by_key(&[100 + i as u8; 32]).await.map(|e| e.id),
+                Some(e.id)
+            );
+        }
+        assert_eq!(t.get_by_key(&[200; 32]).await.map(|e| e.id), Some(c.id));
+        // a holds at most its share, and its newest entries.
+        assert!(t.pool_size("a/x").unwrap() <= one * 10);
+        let held = a.iter().filter(|e| t.entries.contains_key(&e.id)).count();
+        assert!((1..=10).contains(&held), "{held}");
+        assert!(t.get_by_key(&[49; 32]).await.is_some());
+        assert!(t.get_by_key(&[0; 32]).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn shares_apply_to_what_is_held_and_can_be_lifted() {
+        let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
+        let t = MemoryTier::new(one * 40, Duration::from_secs(60), None);
+        for i in 0..20u8 {
+            t.insert([i; 32], entry_in("a/x", &"x".repeat(1000), 60_000))
+                .await;
+        }
+        t.run_pending_tasks().await;
+        assert_eq!(t.entry_count(), 20);
+        assert_eq!(t.pool_size("a/x"), None);
+        // A share smaller than what pool a holds: the excess leaves.
+        t.set_shares(Some(shares(&[("a", one * 5)], one * 35)));
+        t.run_pending_tasks().await;
+        assert!((1..=5).contains(&t.entry_count()), "{}", t.entry_count());
+        assert!(t.pool_size("a/x").unwrap() <= one * 5);
+        // Lifted: pool a fills the whole tier again.
+        t.set_shares(None);
+        for i in 0..20u8 {
+            t.insert([50 + i; 32], entry_in("a/x", &"x".repeat(1000), 60_000))
+                .await;
+        }
+        t.run_pending_tasks().await;
+        assert!(t.entry_count() >= 20, "{}", t.entry_count());
+    }
+
+    #[tokio::test]
+    async fn a_removed_entry_leaves_its_pool() {
+        let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
+        let t = MemoryTier::new(one * 40, Duration::from_secs(60), None);
+        t.set_shares(Some(shares(&[("a", one * 10)], one * 30)));
+        let e = entry_in("a/x", &"x".repeat(1000), 60_000);
+        t.insert([1; 32], e.clone()).await;
+        assert_eq!(t.pool_size("a/x"), Some(one));
+        t.remove(e.id).await;
+        t.run_pending_tasks().await;
+        assert_eq!(t.pool_size("a/x"), Some(0));
+        // Nothing bigger than the share itself enters.
+        let huge = entry_in("a/x", &"x".repeat(20_000), 60_000);
+        t.insert([2; 32], huge).await;
+        assert!(t.get_by_key(&[2; 32]).await.is_none());
     }
 }

@@ -24,6 +24,7 @@ use crate::entry::{Digest, Entry, EntryId};
 use crate::memory::{EvictionHook, MemoryTier};
 use crate::redis::{RedisError, RedisTier};
 use crate::semantic::{Candidate, MaintainReport, SemanticIndex};
+use crate::shares::MemoryShares;
 
 /// What a key leads to, judged by the caller's freshness rule.
 #[derive(Debug)]
@@ -101,6 +102,19 @@ impl Store {
             redis,
             index,
         }
+    }
+
+    /// Shares the memory budget out among pools (see [`crate::shares`]); `None`: one budget.
+    /// Entries over their pool's new share leave memory with the next write or
+    /// [`Store::run_pending_tasks`]. Scans memory (blocking): call it off the async workers
+    /// when entries are held.
+    pub fn set_memory_shares(&self, shares: Option<MemoryShares>) {
+        self.memory.set_shares(shares);
+    }
+
+    /// Bytes of entries held for the pool of `namespace` (`None` without shares).
+    pub fn pool_size(&self, namespace: &str) -> Option<u64> {
+        self.memory.pool_size(namespace)
     }
 
     /// The shared tier, when configured (health, replication events, named blobs).

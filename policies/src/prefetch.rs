@@ -3,7 +3,9 @@
 //! [`Budget`] keeps a sliding window (a minute by default) of the background jobs that ran:
 //! the tokens they generated and the time they kept the backend busy, running jobs
 //! included. [`Budget::allows`] says whether one more job fits under a tokens-per-window
-//! budget and a share of the window's backend time.
+//! budget and a share of the window's backend time. [`Budgets`] shares those budgets out
+//! among pools (tenants): a pool with a share spends at most that share of each, and the
+//! pools without one share what is left.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -130,6 +132,141 @@ impl Budget {
     }
 }
 
+/// The prefetch budgets as a whole and shared out among pools.
+#[derive(Debug, Clone)]
+pub struct Budgets {
+    /// Everything, every pool together.
+    all: Budget,
+    /// Each pool's own accounting (only while shares are set).
+    pools: HashMap<Pool, Budget>,
+    /// The pools given a share, and their share.
+    shares: HashMap<String, f64>,
+    /// The share of the pools not named.
+    rest: f64,
+    /// The pool each running job is charged to.
+    running: HashMap<u64, Pool>,
+}
+
+/// A pool's accounting key: a named pool, or all the others together.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Pool {
+    Named(String),
+    Rest,
+}
+
+impl Budgets {
+    /// Budgets over `window`, not shared out.
+    pub fn new(window: Duration) -> Self {
+        Budgets {
+            all: Budget::new(window),
+            pools: HashMap::new(),
+            shares: HashMap::new(),
+            rest: 1.0,
+            running: HashMap::new(),
+        }
+    }
+
+    /// Shares the budgets out: `shares` by pool name, `rest` for every pool not named (an
+    /// empty `shares` undoes the sharing). What ran so far is charged anew from now on.
+    pub fn set_shares(&mut self, shares: HashMap<String, f64>, rest: f64) {
+        if shares == self.shares && rest == self.rest {
+            return;
+        }
+        self.shares = shares;
+        self.rest = if self.shares.is_empty() { 1.0 } else { rest };
+        self.pools.clear();
+        self.running.clear();
+    }
+
+    fn pool(&self, name: &str) -> Pool {
+        if self.shares.contains_key(name) {
+            Pool::Named(name.to_string())
+        } else {
+            Pool::Rest
+        }
+    }
+
+    /// Whether pools `a` and `b` are charged to the same budget.
+    pub fn same_pool(&self, a: &str, b: &str) -> bool {
+        self.pool(a) == self.pool(b)
+    }
+
+    /// Pool `name`'s share of the budgets (1 when they are not shared out).
+    pub fn share(&self, name: &str) -> f64 {
+        self.shares.get(name).copied().unwrap_or(self.rest)
+    }
+
+    /// Whether a job of pool `name` may start at `now`: the budgets as a whole allow it
+    /// ([`Budget::allows`]), and so do the pool's share of them.
+    pub fn allows(
+        &mut self,
+        name: &str,
+        now: Instant,
+        max_tokens_per_minute: u64,
+        max_backend_share: f64,
+    ) -> bool {
+        if !self
+            .all
+            .allows(now, max_tokens_per_minute, max_backend_share)
+        {
+            return false;
+        }
+        if self.shares.is_empty() {
+            return true;
+        }
+        let share = self.share(name);
+        let window = self.all.window();
+        let budget = self
+            .pools
+            .entry(self.pool(name))
+            .or_insert_with(|| Budget::new(window));
+        budget.allows(
+            now,
+            (max_tokens_per_minute as f64 * share) as u64,
+            max_backend_share * share,
+        )
+    }
+
+    /// How many of `total` queued jobs pool `name` may hold (at least one).
+    pub fn queue_share(&self, name: &str, total: usize) -> usize {
+        ((total as f64 * self.share(name)).ceil() as usize).clamp(1, total.max(1))
+    }
+
+    /// Job `job` of pool `name` started at `now`.
+    pub fn start(&mut self, name: &str, job: u64, now: Instant) {
+        self.all.start(job, now);
+        if !self.shares.is_empty() {
+            let pool = self.pool(name);
+            let window = self.all.window();
+            self.pools
+                .entry(pool.clone())
+                .or_insert_with(|| Budget::new(window))
+                .start(job, now);
+            self.running.insert(job, pool);
+        }
+    }
+
+    /// Job `job` generated `tokens` from `start` to `end` ([`Budget::finish`]).
+    pub fn finish(&mut self, job: u64, start: Instant, end: Instant, tokens: u64) {
+        self.all.finish(job, start, end, tokens);
+        if let Some(pool) = self.running.remove(&job) {
+            if let Some(b) = self.pools.get_mut(&pool) {
+                b.finish(job, start, end, tokens);
+            }
+        }
+    }
+
+    /// Job `job` ended without generating ([`Budget::abandon`]).
+    pub fn abandon(&mut self, job: u64) {
+        self.all.abandon(job);
+        if let Some(pool) = self.running.remove(&job) {
+            if let Some(b) = self.pools.get_mut(&pool) {
+                b.abandon(job);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,5 +342,49 @@ mod tests {
         // Once everything left the window, both budgets are free again.
         b.abandon(2);
         assert!(b.allows(t0 + secs(81), 100, 0.01));
+    }
+
+    #[test]
+    fn shared_budgets_hold_each_pool_to_its_share() {
+        let secs = Duration::from_secs;
+        let t0 = Instant::now();
+        let mut b = Budgets::new(secs(64));
+        // Not shared out: one pool may spend everything.
+        b.start("a", 1, t0);
+        b.finish(1, t0, t0 + secs(1), 90);
+        assert!(b.allows("a", t0 + secs(1), 100, 1.0));
+        assert_eq!(b.queue_share("a", 32), 32);
+
+        let mut b = Budgets::new(secs(64));
+        b.set_shares(HashMap::from([("a".to_string(), 0.25)]), 0.75);
+        assert_eq!(b.queue_share("a", 32), 8);
+        assert_eq!(b.queue_share("b", 32), 24);
+        // a spends its quarter of 100 tokens: a may not go on, others may.
+        b.start("a", 1, t0);
+        b.finish(1, t0, t0 + secs(1), 25);
+        let now = t0 + secs(1);
+        assert!(!b.allows("a", now, 100, 1.0));
+        assert!(b.allows("b", now, 100, 1.0));
+        assert!(b.allows("", now, 100, 1.0));
+        // With 200 tokens a minute, the pools not named share 150: b spending them stops c
+        // too, while a (25 of its 50) and the whole (175 of 200) could go on.
+        b.start("b", 2, now);
+        b.finish(2, now, now + secs(1), 150);
+        let later = now + secs(1);
+        assert!(!b.allows("c", later, 200, 1.0));
+        assert!(!b.allows("b", later, 200, 1.0));
+        assert!(b.allows("a", later, 200, 1.0));
+        // Backend time too: a running job of a's takes a's quarter of the window (16 s).
+        let mut b = Budgets::new(secs(64));
+        b.set_shares(HashMap::from([("a".to_string(), 0.25)]), 0.75);
+        b.start("a", 7, t0);
+        assert!(!b.allows("a", t0 + secs(16), 1000, 1.0));
+        assert!(b.allows("b", t0 + secs(16), 1000, 1.0));
+        // The whole budget still binds everyone.
+        assert!(!b.allows("b", t0 + secs(16), 1000, 0.2));
+        // A change of shares while a job runs: its end is still accounted for.
+        b.set_shares(HashMap::from([("a".to_string(), 0.5)]), 0.5);
+        b.abandon(7);
+        assert!(b.allows("a", t0 + secs(16), 1000, 1.0));
     }
 }

@@ -12,6 +12,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::propose::Proposal;
 use super::{bump, Shared};
+use crate::auth::scope_of as pool_of;
 use crate::generate::{generate_in_background, Background};
 use crate::openai::Endpoint;
 use crate::state::AppState;
@@ -68,6 +69,7 @@ impl Shared {
         }
         bump(&self.counts.queued, 1);
         self.handles.queued.increment(1);
+        let pool = pool_of(&job.namespace).to_string();
         let dropped = {
             let mut q = self.queue.lock();
             if front {
@@ -75,7 +77,14 @@ impl Shared {
             } else {
                 q.push_back(job);
             }
-            if q.len() > JOB_QUEUE {
+            // A pool beyond its share of the queue drops its own oldest job; otherwise the
+            // oldest of all goes when the queue is full.
+            let budgets = self.budget.lock();
+            let share = budgets.queue_share(&pool, JOB_QUEUE);
+            let same = |j: &Job| budgets.same_pool(pool_of(&j.namespace), &pool);
+            if q.iter().filter(|j| same(j)).count() > share {
+                q.iter().rposition(same).and_then(|i| q.remove(i))
+            } else if q.len() > JOB_QUEUE {
                 q.pop_back()
             } else {
                 None
@@ -100,15 +109,6 @@ impl Shared {
         }
         bump(&self.counts.cancelled, 1);
         self.handles.cancelled.increment(1);
-    }
-
-    /// Whether the token and backend-share budgets allow starting another job.
-    fn budget_allows(&self, now: Instant) -> bool {
-        self.budget.lock().allows(
-            now,
-            self.cfg.max_tokens_per_minute,
-            self.cfg.max_backend_share,
-        )
     }
 
     /// Starts waiting jobs while the backend is free of interactive work and budgets allow.
@@ -143,17 +143,27 @@ impl Shared {
             if quiet_since.get_or_insert(now).elapsed() < QUIET {
                 return;
             }
-            if !self.budget_allows(now) {
-                return;
-            }
             let Ok(permit) = self.slots.clone().try_acquire_owned() else {
                 return;
             };
-            let Some(job) = self.queue.lock().pop_front() else {
+            // The newest job whose pool's budgets (and the whole budgets) allow it.
+            let n = self.next_job.fetch_add(1, Ordering::Relaxed);
+            let job = {
+                let mut q = self.queue.lock();
+                let mut budgets = self.budget.lock();
+                let (tokens, share) = (self.cfg.max_tokens_per_minute, self.cfg.max_backend_share);
+                let found = q
+                    .iter()
+                    .position(|j| budgets.allows(pool_of(&j.namespace), now, tokens, share));
+                let job = found.and_then(|i| q.remove(i));
+                if let Some(j) = &job {
+                    budgets.start(pool_of(&j.namespace), n, Instant::now());
+                }
+                job
+            };
+            let Some(job) = job else {
                 return;
             };
-            let n = self.next_job.fetch_add(1, Ordering::Relaxed);
-            self.budget.lock().start(n, Instant::now());
             bump(&self.counts.started, 1);
             self.handles.started.increment(1);
             let active = self.counts.active.fetch_add(1, Ordering::Relaxed) + 1;

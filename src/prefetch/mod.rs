@@ -94,7 +94,7 @@ use jobs::Job;
 use learn::SessionLast;
 use model::Model;
 use refresh::Hot;
-use reprise_policies::prefetch::{Budget, BUDGET_WINDOW};
+use reprise_policies::prefetch::{Budgets, BUDGET_WINDOW};
 
 /// The `[prefetch]` section (defined with the rest of the configuration).
 pub use crate::config::PrefetchConfig;
@@ -198,7 +198,7 @@ struct Shared {
     pending: Mutex<HashSet<Digest>>,
     /// Prefetched entries not yet used, with their expiry.
     prefetched: Mutex<HashMap<EntryId, u64>>,
-    budget: Mutex<Budget>,
+    budget: Mutex<Budgets>,
     slots: Arc<Semaphore>,
     counts: Counts,
     handles: PrefetchMetrics,
@@ -229,7 +229,7 @@ impl Prefetcher {
             queue: Mutex::new(VecDeque::new()),
             pending: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashMap::new()),
-            budget: Mutex::new(Budget::new(BUDGET_WINDOW)),
+            budget: Mutex::new(Budgets::new(BUDGET_WINDOW)),
             slots: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
             counts: Counts::default(),
             handles: PrefetchMetrics::new(),
@@ -253,6 +253,13 @@ impl Prefetcher {
         };
         let shared = self.shared.clone();
         tasks.spawn(worker::worker(shared, rx, state, stop));
+    }
+
+    /// Shares the budgets and the queue out among tenants (`None`: one budget for all).
+    pub fn set_shares(&self, shares: Option<crate::policy::Shares>) {
+        let (pools, rest) = shares.map_or_else(Default::default, |s| (s.pools, s.rest));
+        self.shared.budget.lock().set_shares(pools, rest);
+        self.shared.wake.notify_one();
     }
 
     /// Where the request path reports served requests (the sending side of the worker's
