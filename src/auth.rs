@@ -72,23 +72,45 @@ pub struct Tenant {
     sub_namespaces: bool,
     /// What it may do (the anonymous tenant: the defaults).
     policy: TenantPolicy,
-    /// `policy.requests_per_minute`, when set.
-    limiter: Option<DefaultDirectRateLimiter>,
-    /// `policy.tokens_per_minute`, when set.
-    token_limiter: Option<DefaultDirectRateLimiter>,
+    /// `policy.requests_per_minute`, when set (kept across policy versions that keep it).
+    limiter: Option<Arc<DefaultDirectRateLimiter>>,
+    /// `policy.tokens_per_minute`, when set (kept likewise).
+    token_limiter: Option<Arc<DefaultDirectRateLimiter>>,
     /// The digest of its admin token (from `admin_token_env`), when it has one.
     admin_token: Option<blake3::Hash>,
 }
 
 impl Tenant {
-    fn new(name: Option<String>, sub_namespaces: bool, policy: TenantPolicy) -> Tenant {
-        let per_minute =
-            |n: u32| NonZeroU32::new(n).map(|n| RateLimiter::direct(Quota::per_minute(n)));
+    /// A tenant; `before` is the same tenant in the running policies, whose rate limiters it
+    /// keeps where its rates did not change (a policy change is no way around a limit).
+    fn new(
+        name: Option<String>,
+        sub_namespaces: bool,
+        policy: TenantPolicy,
+        before: Option<&Tenant>,
+    ) -> Tenant {
+        let per_minute = |n: u32, kept: Option<&Arc<DefaultDirectRateLimiter>>, was: u32| {
+            let n = NonZeroU32::new(n)?;
+            match kept {
+                Some(l) if was == n.get() => Some(l.clone()),
+                _ => Some(Arc::new(RateLimiter::direct(Quota::per_minute(n)))),
+            }
+        };
+        let limiter = per_minute(
+            policy.requests_per_minute,
+            before.and_then(|t| t.limiter.as_ref()),
+            before.map_or(0, |t| t.policy.requests_per_minute),
+        );
+        let token_limiter = per_minute(
+            policy.tokens_per_minute,
+            before.and_then(|t| t.token_limiter.as_ref()),
+            before.map_or(0, |t| t.policy.tokens_per_minute),
+        );
         Tenant {
             name,
             sub_namespaces,
-            limiter: per_minute(policy.requests_per_minute),
-            token_limiter: per_minute(policy.tokens_per_minute),
+            limiter,
+            token_limiter,
             policy,
             admin_token: None,
         }
@@ -190,12 +212,19 @@ pub struct Tenants {
 
 impl Tenants {
     /// Reads every tenant's keys (config, environment variable, file). A key given to two
-    /// tenants, or a tenant left without keys, is an error.
-    pub fn load(config: &Config) -> anyhow::Result<Tenants> {
+    /// tenants, or a tenant left without keys, is an error. `before` are the running tenants
+    /// (on a policy change): their rate limiters carry over where the rates stay.
+    pub fn load(config: &Config, before: Option<&Tenants>) -> anyhow::Result<Tenants> {
         let mut by_key = HashMap::new();
         let mut by_name = HashMap::new();
         for t in &config.tenants {
-            let mut tenant = Tenant::new(Some(t.name.clone()), t.sub_namespaces, t.policy.clone());
+            let was = before.and_then(|b| b.by_name.get(&t.name));
+            let mut tenant = Tenant::new(
+                Some(t.name.clone()),
+                t.sub_namespaces,
+                t.policy.clone(),
+                was.map(|t| &**t),
+            );
             if let Some(var) = &t.admin_token_env {
                 let token = std::env::var(var).with_context(|| {
                     format!(
@@ -246,7 +275,7 @@ impl Tenants {
         Ok(Tenants {
             by_key,
             by_name,
-            anonymous: Arc::new(Tenant::new(None, true, TenantPolicy::default())),
+            anonymous: Arc::new(Tenant::new(None, true, TenantPolicy::default(), None)),
             required: config.auth.required,
         })
     }
@@ -366,7 +395,7 @@ mod tests {
             tenant("acme", &["sk-acme"], true),
             tenant("beta", &[&format!("sha256:{digest}")], false),
         ];
-        Tenants::load(&c).unwrap()
+        Tenants::load(&c, None).unwrap()
     }
 
     #[test]
@@ -393,7 +422,7 @@ mod tests {
         assert_eq!(t.identify(&HeaderMap::new()).unwrap().name(), "");
         assert_eq!(t.identify(&bearer("sk-acme")).unwrap().name(), "acme");
         // No tenants at all: everyone is anonymous, keys or not.
-        let none = Tenants::load(&Config::default()).unwrap();
+        let none = Tenants::load(&Config::default(), None).unwrap();
         assert!(none.is_empty());
         assert_eq!(none.identify(&bearer("sk-acme")).unwrap().name(), "");
     }
@@ -429,12 +458,37 @@ mod tests {
             tenants: vec![tenant("a", &["k1"], true), tenant("b", &["k1"], true)],
             ..Config::default()
         };
-        let err = Tenants::load(&c).err().unwrap().to_string();
+        let err = Tenants::load(&c, None).err().unwrap().to_string();
         assert!(err.contains("two tenants"), "{err}");
         c.tenants = vec![tenant("a", &[], true)];
-        let err = Tenants::load(&c).err().unwrap().to_string();
+        let err = Tenants::load(&c, None).err().unwrap().to_string();
         assert!(err.contains("no API keys"), "{err}");
         assert!(KeyDigest::parse("sha256:abc").is_err());
         assert!(KeyDigest::parse("has space").is_err());
+    }
+
+    #[test]
+    fn rate_limits_carry_over_a_policy_change_that_keeps_them() {
+        let mut c = Config::default();
+        let mut t = tenant("acme", &["sk-acme"], true);
+        t.policy.requests_per_minute = 1;
+        c.tenants = vec![t];
+        let first = Tenants::load(&c, None).unwrap();
+        let acme = first.named("acme").unwrap();
+        acme.take_request().unwrap();
+        assert!(acme.take_request().is_err());
+        // A new version with the same rate: still spent.
+        let same = Tenants::load(&c, Some(&first)).unwrap();
+        assert!(same.named("acme").unwrap().take_request().is_err());
+        // Without the running tenants (a restart), or with another rate: a fresh budget.
+        assert!(Tenants::load(&c, None)
+            .unwrap()
+            .named("acme")
+            .unwrap()
+            .take_request()
+            .is_ok());
+        c.tenants[0].policy.requests_per_minute = 2;
+        let changed = Tenants::load(&c, Some(&same)).unwrap();
+        assert!(changed.named("acme").unwrap().take_request().is_ok());
     }
 }

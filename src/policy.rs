@@ -6,8 +6,8 @@
 //! whole new value first and swaps it in atomically, so an invalid change never takes effect
 //! and the cache is kept. Changes come from `PUT /admin/policies` (a TOML document) and, for
 //! `reprise serve --config FILE`, from `SIGHUP` (the file is read again). Each change bumps
-//! [`Policies::version`] (`GET /admin/policies`, metric `reprise_policy_version`). Rate
-//! limiters start afresh with a new version.
+//! [`Policies::version`] (`GET /admin/policies`, metric `reprise_policy_version`). A tenant's
+//! rate limiters carry over to the new version while its rates stay the same.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,6 +37,10 @@ impl Policies {
     /// The policies of a validated configuration (tenants' keys read from their variables
     /// and files).
     pub fn from_config(config: &Config, version: u64) -> anyhow::Result<Policies> {
+        Policies::build(config, version, None)
+    }
+
+    fn build(config: &Config, version: u64, before: Option<&Tenants>) -> anyhow::Result<Policies> {
         let s = &config.semantic;
         Ok(Policies {
             version,
@@ -47,7 +51,7 @@ impl Policies {
                 gate: s.gate,
             },
             rules: s.rules.clone(),
-            tenants: Tenants::load(config)?,
+            tenants: Tenants::load(config, before)?,
             config: config.clone(),
         })
     }
@@ -73,7 +77,7 @@ impl Policies {
              switching it on needs a restart"
         );
         c.validate()?;
-        Policies::from_config(&c, self.version + 1)
+        Policies::build(&c, self.version + 1, Some(&self.tenants))
     }
 
     /// The tenants' shares of the memory tier (`None`: no tenant has one).

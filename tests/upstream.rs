@@ -365,6 +365,55 @@ async fn requests_beyond_text_go_upstream_unchanged_and_are_never_cached() {
     }
 }
 
+/// A forwarded request (`top_logprobs`, which no other test here counts) is held to the tenant's `max_tokens` cap and token budget like
+/// any other: none asked gets the cap written into the body that goes up, more is refused
+/// before the upstream sees it, and each answer asked is charged.
+#[tokio::test]
+async fn forwarded_requests_keep_to_the_tenants_cap_and_budget() {
+    let up = ToolUpstream::spawn().await;
+    let mut config = openai_config(up.base_url.clone());
+    config.auth.required = true;
+    let doc = "[[tenants]]\nname = \"capped\"\napi_keys = [\"sk-capped\"]\n\
+               [tenants.policy]\nmax_tokens = 64\ntokens_per_minute = 200\n";
+    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
+        .unwrap()
+        .tenants
+        .unwrap();
+    let app = proxy_to(config).await;
+    let auth = [("authorization", "Bearer sk-capped")];
+    let tools = |extra: Value| {
+        let mut b = json!({
+            "model": "up-model",
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "top_logprobs": 2,
+        });
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    // None asked: the cap goes up with it (64 of 200 tokens spent).
+    let asked = tools(json!({}));
+    assert_eq!(app.chat(&asked, &auth).await.status(), 200);
+    let (_, body) = up.seen().pop().unwrap();
+    assert_eq!(body["max_tokens"], 64, "{body}");
+    assert_eq!(body["top_logprobs"], asked["top_logprobs"]);
+    // Within the cap: the body goes up unchanged (50 more, 114).
+    let within = tools(json!({"max_completion_tokens": 50}));
+    assert_eq!(app.chat(&within, &auth).await.status(), 200);
+    assert_eq!(up.seen().pop().unwrap().1, within);
+    // Above it: 400, and the upstream never sees it.
+    let above = tools(json!({"max_tokens": 65}));
+    assert_openai_error(app.chat(&above, &auth).await, 400, Some("max_tokens")).await;
+    assert_eq!(up.seen().len(), 2);
+    // Two answers of 64 tokens do not fit in the 86 left this minute.
+    let two = tools(json!({"n": 2}));
+    let r = app.chat(&two, &auth).await;
+    assert!(r.headers().contains_key("retry-after"));
+    assert_openai_error(r, 429, None).await;
+    assert_eq!(up.seen().len(), 2);
+}
+
 #[tokio::test]
 async fn requests_beyond_text_are_refused_by_a_text_only_backend() {
     let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;

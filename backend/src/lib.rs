@@ -226,7 +226,8 @@ pub struct ForwardRequest {
     pub headers: Vec<(String, String)>,
     /// The model the body names, checked against the backend's model list when known.
     pub model: Option<String>,
-    /// The client's body, unchanged; streamed as it arrives (uploads are not buffered).
+    /// The client's body, streamed as it arrives (uploads are not buffered); a forwarded
+    /// completion's carries the tenant's `max_tokens` cap when it asked for none.
     pub body: reqwest::Body,
     /// A completion a user waits for: counts as interactive load (background work backs
     /// off) until its answer is read.

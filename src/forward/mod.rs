@@ -39,15 +39,27 @@ pub struct Forward {
     pub param: String,
     /// The same field without indices, for the metric label: `tools`, `messages.tool_calls`.
     pub field: &'static str,
+    /// The `max_tokens` (or `max_completion_tokens`) it asks for.
+    pub max_tokens: Option<u32>,
+    /// How many answers it asks for (`n`, `best_of`).
+    pub answers: u32,
 }
 
 impl Forward {
-    pub(crate) fn new(model: String, stream: Option<bool>, u: Uncacheable) -> Self {
+    pub(crate) fn new(
+        model: String,
+        stream: Option<bool>,
+        u: Uncacheable,
+        max_tokens: Option<u32>,
+        answers: Option<u32>,
+    ) -> Self {
         Forward {
             model,
             stream: stream.unwrap_or(false),
             param: u.param,
             field: u.field,
+            max_tokens,
+            answers: answers.unwrap_or(1).max(1),
         }
     }
 }
@@ -88,7 +100,12 @@ pub async fn forward(
             Endpoint::Completion => "completions",
         }
         .to_string(),
-        headers: upstream_headers(headers, "application/json"),
+        // The body may have been rewritten (the tenant's max_tokens cap): its length is its
+        // own, not the client's.
+        headers: upstream_headers(headers, "application/json")
+            .into_iter()
+            .filter(|(name, _)| name != "content-length")
+            .collect(),
         model: Some(f.model),
         body: body.into(),
         interactive: true,

@@ -83,12 +83,14 @@ async fn serve(
     let body = body.map_err(|e| parse::body_error(e, state.config.server.max_body_bytes))?;
     let mut parsed = match parse(endpoint, &body)? {
         Request::Cacheable(parsed) => parsed,
-        Request::Forward(f) => {
-            // Only an upstream can answer it: admitted like any request, then sent there.
+        Request::Forward(mut f) => {
+            // Only an upstream can answer it: admitted like any request (within the tenant's
+            // cap and token budget), then sent there.
             let ctl = admit(state, headers, &tenant, &f.model, book)?;
             if ctl.cache.only_if_cached {
                 return Err(ApiError::NotCached);
             }
+            let body = policy::cap_forward(state, &tenant, &mut f, body)?;
             return crate::forward::forward(state, endpoint, headers, body, f, book).await;
         }
     };

@@ -120,7 +120,10 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                 ));
             }
             if let Some(found) = chat_forward_field(&r) {
-                return Ok(Request::Forward(Forward::new(r.model, r.stream, found)));
+                let max_tokens = r.max_completion_tokens.or(r.max_tokens);
+                return Ok(Request::Forward(Forward::new(
+                    r.model, r.stream, found, max_tokens, r.n,
+                )));
             }
             let mut msgs = Vec::with_capacity(r.messages.len());
             for (i, m) in r.messages.into_iter().enumerate() {
@@ -165,7 +168,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
             if let Some(found) = completion_forward_field(&r) {
-                return Ok(Request::Forward(Forward::new(r.model, r.stream, found)));
+                return Ok(Request::Forward(Forward::new(
+                    r.model,
+                    r.stream,
+                    found,
+                    r.max_tokens,
+                    r.n,
+                )));
             }
             let prompt = match r.prompt {
                 Prompt::One(p) => p,

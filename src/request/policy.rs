@@ -2,11 +2,13 @@
 //! configuration, the tenant's policy and its `Cache-Control` (decided in
 //! [`reprise_policies::cache`]), and the tenant's `max_tokens` cap.
 
+use axum::body::Bytes;
 use reprise_backend::GenRequest;
 use reprise_policies::cache::Access;
 
 use crate::auth::Tenant;
 use crate::error::ApiError;
+use crate::forward::Forward;
 use crate::request::Controls;
 use crate::state::AppState;
 
@@ -22,19 +24,46 @@ pub fn access(state: &AppState, tenant: &Tenant, ctl: &Controls) -> Access {
 /// Applies the tenant's `max_tokens` cap: a request without `max_tokens` gets the cap, one
 /// above it is refused (400) rather than silently cut short.
 pub fn cap_max_tokens(tenant: &Tenant, req: &mut GenRequest) -> Result<(), ApiError> {
-    let cap = tenant.policy().max_tokens;
-    if cap == 0 {
-        return Ok(());
-    }
-    match req.params.max_tokens {
-        None => req.params.max_tokens = Some(cap),
-        Some(n) if n > cap => {
-            return Err(ApiError::invalid(
-                format!("`max_tokens` may be at most {cap} for this API key"),
-                Some("max_tokens"),
-            ))
-        }
-        Some(_) => {}
-    }
+    req.params.max_tokens = capped(tenant, req.params.max_tokens)?;
     Ok(())
+}
+
+/// The `max_tokens` a request of `tenant` asking for `asked` gets: the cap when it asked for
+/// none, 400 when it asked for more.
+fn capped(tenant: &Tenant, asked: Option<u32>) -> Result<Option<u32>, ApiError> {
+    let cap = tenant.policy().max_tokens;
+    match asked {
+        _ if cap == 0 => Ok(asked),
+        None => Ok(Some(cap)),
+        Some(n) if n > cap => Err(ApiError::invalid(
+            format!("`max_tokens` may be at most {cap} for this API key"),
+            Some("max_tokens"),
+        )),
+        Some(n) => Ok(Some(n)),
+    }
+}
+
+/// The tenant's `max_tokens` cap and token budget for a request sent upstream as it came:
+/// one above the cap is refused, one without `max_tokens` gets the cap written into its
+/// body, and the budget is charged `max_tokens` (or the default) for each answer asked.
+pub fn cap_forward(
+    state: &AppState,
+    tenant: &Tenant,
+    f: &mut Forward,
+    body: Bytes,
+) -> Result<Bytes, ApiError> {
+    let max_tokens = capped(tenant, f.max_tokens)?;
+    let charge = max_tokens.unwrap_or(state.config.backend.default_max_tokens);
+    tenant.take_tokens(charge.saturating_mul(f.answers))?;
+    if max_tokens == f.max_tokens {
+        return Ok(body);
+    }
+    f.max_tokens = max_tokens;
+    // Parsed once already: the body is a JSON object.
+    let mut doc: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    doc.insert("max_tokens".into(), max_tokens.into());
+    Ok(Bytes::from(
+        serde_json::to_vec(&doc).expect("a JSON map serialises"),
+    ))
 }
