@@ -25,6 +25,7 @@ use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, NotUntil, Quota, RateLimiter};
 use sha2::{Digest as _, Sha256};
 
+use crate::candidate::{Arm, Candidate};
 use crate::config::{Config, TenantPolicy};
 use crate::error::ApiError;
 use crate::headers::{DEFAULT_NAMESPACE, NAMESPACE_HEADER};
@@ -78,6 +79,8 @@ pub struct Tenant {
     token_limiter: Option<Arc<DefaultDirectRateLimiter>>,
     /// The digest of its admin token (from `admin_token_env`), when it has one.
     admin_token: Option<blake3::Hash>,
+    /// Its candidate policy (`[tenants.candidate]`), kept across versions that keep it.
+    candidate: Option<Arc<Candidate>>,
 }
 
 impl Tenant {
@@ -113,6 +116,21 @@ impl Tenant {
             token_limiter,
             policy,
             admin_token: None,
+            candidate: None,
+        }
+    }
+
+    /// Its candidate policy, while it has one.
+    pub fn candidate(&self) -> Option<&Arc<Candidate>> {
+        self.candidate.as_ref()
+    }
+
+    /// The semantic rules its requests on `arm` are looked up under: the candidate's on the
+    /// candidate's side, else its own.
+    pub fn semantic_rules(&self, arm: Arm) -> &[reprise_policies::semantic::Rule] {
+        match (arm, &self.candidate) {
+            (Arm::Candidate, Some(c)) => &c.config().semantic_rules,
+            _ => &self.policy.semantic_rules,
         }
     }
 
@@ -235,6 +253,10 @@ impl Tenants {
                 anyhow::ensure!(!token.is_empty(), "tenant `{}`: empty admin token", t.name);
                 tenant.admin_token = Some(crate::admin::secret_digest(&token));
             }
+            tenant.candidate = crate::candidate::carry(
+                t.candidate.as_ref(),
+                was.and_then(|w| w.candidate.as_ref()),
+            );
             let tenant = Arc::new(tenant);
             by_name.insert(t.name.clone(), tenant.clone());
             let mut keys: Vec<String> = t.api_keys.clone();
@@ -374,6 +396,7 @@ mod tests {
             api_keys_file: None,
             sub_namespaces,
             admin_token_env: None,
+            candidate: None,
             policy: TenantPolicy::default(),
         }
     }

@@ -81,6 +81,64 @@ pub struct TenantConfig {
     /// What the tenant may do and how its answers are cached.
     #[serde(default)]
     pub policy: TenantPolicy,
+    /// A candidate lookup policy tried beside the running one (`[tenants.candidate]`).
+    #[serde(default)]
+    pub candidate: Option<CandidateConfig>,
+}
+
+/// How a candidate policy is tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CandidateMode {
+    /// Every request is also looked up under the candidate; what is served does not change.
+    Shadow,
+    /// `percent` of the requests are served under the candidate, and compared with the rest.
+    Canary,
+}
+
+/// `[tenants.candidate]`: a candidate of the tenant's lookup policy (its semantic rules),
+/// tried in shadow or canary mode. Everything else of the tenant's policy stays.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CandidateConfig {
+    /// `shadow` or `canary`.
+    pub mode: CandidateMode,
+    /// The candidate's semantic rules, in place of `policy.semantic_rules` (same form; a rule
+    /// without selectors applies to every namespace and model of the tenant).
+    #[serde(default)]
+    pub semantic_rules: Vec<reprise_policies::semantic::Rule>,
+    /// Canary: the share of requests served under the candidate, in percent (0, 100).
+    #[serde(default = "CandidateConfig::default_percent")]
+    pub percent: f64,
+    /// Canary: requests each side must have answered before the candidate is judged.
+    #[serde(default = "CandidateConfig::default_min_requests")]
+    pub min_requests: u64,
+    /// Canary: rolled back when its error rate exceeds the rest's by more than this (0.02:
+    /// two points).
+    #[serde(default = "CandidateConfig::default_max_error_rate_increase")]
+    pub max_error_rate_increase: f64,
+    /// Canary: rolled back when its P95 latency exceeds the rest's by more than this factor.
+    #[serde(default = "CandidateConfig::default_max_latency_ratio")]
+    pub max_latency_ratio: f64,
+    /// Canary: rolled back when its hit rate falls below this share of the rest's (0: not
+    /// judged).
+    #[serde(default)]
+    pub min_hit_rate_ratio: f64,
+}
+
+impl CandidateConfig {
+    fn default_percent() -> f64 {
+        10.0
+    }
+    fn default_min_requests() -> u64 {
+        100
+    }
+    fn default_max_error_rate_increase() -> f64 {
+        0.02
+    }
+    fn default_max_latency_ratio() -> f64 {
+        1.5
+    }
 }
 
 /// `[tenants.policy]`: one tenant's overrides of the global policy.
@@ -168,6 +226,7 @@ impl std::fmt::Debug for TenantConfig {
             .field("sub_namespaces", &self.sub_namespaces)
             .field("admin_token_env", &self.admin_token_env)
             .field("policy", &self.policy)
+            .field("candidate", &self.candidate)
             .finish()
     }
 }
@@ -704,6 +763,43 @@ impl Config {
                 if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
                     return Err(invalid(
                         "tenants.policy.semantic_rules.threshold",
+                        "must be in (0, 1]",
+                    ));
+                }
+            }
+            if let Some(c) = &t.candidate {
+                let bad =
+                    |key, reason: &str| invalid(key, format!("tenant `{}`: {reason}", t.name));
+                if c.mode == CandidateMode::Canary && !(c.percent > 0.0 && c.percent < 100.0) {
+                    return Err(bad("tenants.candidate.percent", "must be in (0, 100)"));
+                }
+                if c.min_requests == 0 {
+                    return Err(bad("tenants.candidate.min_requests", "must be positive"));
+                }
+                if !(c.max_error_rate_increase >= 0.0 && c.max_error_rate_increase <= 1.0) {
+                    return Err(bad(
+                        "tenants.candidate.max_error_rate_increase",
+                        "must be in [0, 1]",
+                    ));
+                }
+                if !(c.max_latency_ratio >= 1.0 && c.max_latency_ratio.is_finite()) {
+                    return Err(bad(
+                        "tenants.candidate.max_latency_ratio",
+                        "must be at least 1",
+                    ));
+                }
+                if !(0.0..=1.0).contains(&c.min_hit_rate_ratio) {
+                    return Err(bad(
+                        "tenants.candidate.min_hit_rate_ratio",
+                        "must be in [0, 1]",
+                    ));
+                }
+                if c.semantic_rules
+                    .iter()
+                    .any(|r| r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)))
+                {
+                    return Err(bad(
+                        "tenants.candidate.semantic_rules.threshold",
                         "must be in (0, 1]",
                     ));
                 }

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// How a request was answered; the `outcome` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -103,12 +103,23 @@ const LATENCY_BUCKETS: &[f64] = &[
     5.0, 10.0, 30.0, 60.0,
 ];
 
+/// Buckets for cosine similarities.
+const SIMILARITY_BUCKETS: &[f64] = &[
+    0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98, 1.0,
+];
+
 /// Installs the process-wide Prometheus recorder (once) and returns its render handle.
 pub fn prometheus() -> PrometheusHandle {
     HANDLE
         .get_or_init(|| {
             let recorder = PrometheusBuilder::new()
                 .set_buckets(LATENCY_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("reprise_shadow_similarity".into()),
+                        SIMILARITY_BUCKETS,
+                    )
+                })
                 .expect("static buckets are valid")
                 .build_recorder();
             let handle = recorder.handle();
@@ -179,6 +190,22 @@ fn describe() {
         "reprise_policy_version",
         "Version of the live policies (1 at start; PUT /admin/policies and SIGHUP add one)."
     );
+    describe_counter!(
+        "reprise_shadow_lookups_total",
+        "Requests also looked up under a tenant's shadow candidate policy, by tenant and result (agree_hit, agree_miss, would_hit, would_miss, different)."
+    );
+    describe_histogram!(
+        "reprise_shadow_similarity",
+        "Similarity of the entry a shadow candidate would serve where it disagrees (would_hit, different), by tenant and result."
+    );
+    describe_counter!(
+        "reprise_canary_requests_total",
+        "Requests of a tenant with a canary candidate policy, by tenant, arm (candidate, control) and outcome."
+    );
+    describe_counter!(
+        "reprise_canary_rollbacks_total",
+        "Canary candidate policies rolled back for being worse than the running policy, by tenant."
+    );
     reprise_backend::llama::describe_metrics();
     reprise_cache::redis::describe_metrics();
     // Prefetch and refresh-ahead ([`PrefetchMetrics`]).
@@ -236,6 +263,31 @@ fn describe() {
 }
 
 impl Metrics {
+    /// Counts a shadow lookup of configured tenant `tenant`.
+    pub fn shadow(&self, tenant: &str, result: &'static str, similarity: Option<f32>) {
+        let tenant = tenant.to_string();
+        metrics::counter!("reprise_shadow_lookups_total", "tenant" => tenant.clone(), "result" => result)
+            .increment(1);
+        if let Some(s) = similarity {
+            metrics::histogram!("reprise_shadow_similarity", "tenant" => tenant, "result" => result)
+                .record(f64::from(s));
+        }
+    }
+
+    /// Counts a canary request of configured tenant `tenant`.
+    pub fn canary(&self, tenant: &str, on_candidate: bool, outcome: Outcome) {
+        let arm = if on_candidate { "candidate" } else { "control" };
+        metrics::counter!("reprise_canary_requests_total",
+            "tenant" => tenant.to_string(), "arm" => arm, "outcome" => outcome.as_str())
+        .increment(1);
+    }
+
+    /// Counts a canary rolled back.
+    pub fn canary_rollback(&self, tenant: &str) {
+        metrics::counter!("reprise_canary_rollbacks_total", "tenant" => tenant.to_string())
+            .increment(1);
+    }
+
     /// Counts a request sent upstream unchanged; `field` is one of a fixed set of names.
     pub fn forwarded(&self, field: &'static str) {
         metrics::counter!("reprise_forwarded_total", "field" => field).increment(1);

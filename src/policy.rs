@@ -169,7 +169,7 @@ impl Shares {
     }
 }
 
-fn rule_view(r: &Rule) -> serde_json::Value {
+pub(crate) fn rule_view(r: &Rule) -> serde_json::Value {
     serde_json::json!({
         "namespace": r.namespace, "model": r.model, "enabled": r.enabled,
         "threshold": r.threshold, "top_k": r.top_k, "gate": r.gate,

@@ -261,6 +261,7 @@ async fn explain_agrees_with_what_is_then_served() {
         api_keys_file: None,
         sub_namespaces: true,
         admin_token_env: None,
+        candidate: None,
         policy: Default::default(),
     }];
     let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;

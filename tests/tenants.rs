@@ -21,6 +21,7 @@ fn tenant(name: &str, key: &str, sub_namespaces: bool) -> TenantConfig {
         api_keys_file: None,
         sub_namespaces,
         admin_token_env: None,
+        candidate: None,
         policy: TenantPolicy::default(),
     }
 }

@@ -185,6 +185,7 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
                 api_keys_file: None,
                 sub_namespaces: true,
                 admin_token_env: None,
+                candidate: None,
                 policy: TenantPolicy::default(),
             })
             .collect();

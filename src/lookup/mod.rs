@@ -20,6 +20,7 @@ use reprise_cache::{now_ms, ByKey, Entry, EntryId, Origin};
 use reprise_policies::cache::Freshness;
 use reprise_policies::semantic::SemanticPolicy;
 
+use crate::candidate::{Arm, Candidate, ShadowResult};
 use crate::key;
 use crate::metrics::{Outcome, Tier};
 use crate::openai::Endpoint;
@@ -73,6 +74,9 @@ pub struct Wants {
     pub threshold: Option<f32>,
     /// How old an answer the client takes (`Cache-Control: max-age`).
     pub freshness: Freshness,
+    /// Which of the tenant's policies it is looked up under (its candidate's, or its own
+    /// with the candidate's beside it in shadow mode).
+    pub arm: Arm,
 }
 
 impl Wants {
@@ -117,6 +121,7 @@ pub async fn lookup(
     };
     if exact_hit.is_some() && state.prefetch.is_none() {
         found.hit = exact_hit.map(|entry| hit(entry, Outcome::Exact, None));
+        shadow_exact_hit(state, namespace, wants, counted);
         return found;
     }
     // The conversation: what is matched by meaning, and the context it must match in.
@@ -134,32 +139,47 @@ pub async fn lookup(
     };
     if let Some(entry) = exact_hit {
         found.hit = Some(hit(entry, Outcome::Exact, None));
+        shadow_exact_hit(state, namespace, wants, counted);
         return found;
     }
     // 5. Semantic.
     let (Some(query), Some(embedder)) = (query, &state.embedder) else {
         return found;
     };
-    // The live policies: the tenant's own rules first, then the global ones; rules name
-    // namespaces inside the tenant.
+    // The live policies: the tenant's own rules (or its candidate's) first, then the global
+    // ones; rules name namespaces inside the tenant.
     let policies = state.policies.load();
-    let tenant_rules = &policies
-        .tenants
-        .for_namespace(namespace)
-        .policy()
-        .semantic_rules;
-    let policy = reprise_policies::semantic::resolve(
-        policies.semantic,
-        tenant_rules.iter().chain(&policies.rules),
-        crate::auth::sub_namespace(namespace),
-        &req.model,
-        wants.threshold,
-    );
+    let tenant = policies.tenants.for_namespace(namespace);
+    let resolve = |rules: &[reprise_policies::semantic::Rule]| {
+        reprise_policies::semantic::resolve(
+            policies.semantic,
+            rules.iter().chain(&policies.rules),
+            crate::auth::sub_namespace(namespace),
+            &req.model,
+            wants.threshold,
+        )
+    };
+    let policy = resolve(tenant.semantic_rules(wants.arm));
+    let shadow = match (wants.arm, tenant.candidate()) {
+        (Arm::Shadow, Some(c)) if counted => Some(Shadow {
+            policy: resolve(&c.config().semantic_rules),
+            candidate: c.clone(),
+            tenant: tenant.name().to_string(),
+        }),
+        _ => None,
+    };
     drop(policies);
-    if !policy.enabled || (!read && !write) {
+    let shadow_on = shadow.as_ref().is_some_and(|s| s.policy.enabled);
+    if !(policy.enabled || shadow_on) || (!read && !write) {
+        if let Some(s) = shadow.filter(|_| read) {
+            s.record(state, None, None);
+        }
         return found;
     }
-    found.policy = Some(policy);
+    if policy.enabled {
+        found.policy = Some(policy);
+    }
+    // Indexed also when only a shadow candidate matches by meaning: it needs the entries.
     let partition = key::partition_key(namespace, endpoint, req, &context);
     found.plan.partition = Some(partition);
     found.plan.prompt = query.clone();
@@ -180,25 +200,80 @@ pub async fn lookup(
     if !read {
         return found;
     }
-    let served = semantic::find(
-        state,
-        embedder.as_ref(),
-        &policy,
-        semantic::Question {
-            text: &query,
-            embedding: &embedding,
-            partition: &partition,
-            scope: crate::auth::scope_of(namespace),
-        },
-        wants,
-        &mut found.notes,
-    )
-    .await;
-    if counted {
+    let question = || semantic::Question {
+        text: &query,
+        embedding: &embedding,
+        partition: &partition,
+        scope: crate::auth::scope_of(namespace),
+    };
+    let served = match policy.enabled {
+        true => {
+            let q = question();
+            semantic::find(
+                state,
+                embedder.as_ref(),
+                &policy,
+                q,
+                wants,
+                &mut found.notes,
+            )
+            .await
+        }
+        false => None,
+    };
+    if let Some(s) = shadow {
+        let would = match s.policy.enabled {
+            true => {
+                let mut notes = Notes::default();
+                let q = question();
+                semantic::find(state, embedder.as_ref(), &s.policy, q, wants, &mut notes).await
+            }
+            false => None,
+        };
+        let served = served.as_ref().map(|(e, _)| e.id);
+        s.record(state, served, would.map(|(e, sim)| (e.id, sim)));
+    }
+    if counted && policy.enabled {
         state.metrics.lookup(Tier::Semantic, served.is_some());
     }
     found.hit = served.map(|(entry, sim)| hit(entry, Outcome::Semantic, Some(sim)));
     found
+}
+
+/// A shadow candidate's lookup beside the served one.
+struct Shadow {
+    policy: SemanticPolicy,
+    candidate: Arc<Candidate>,
+    tenant: String,
+}
+
+impl Shadow {
+    /// Counts what the candidate would have served (`would`, with its similarity) against
+    /// what was served.
+    fn record(self, state: &AppState, served: Option<EntryId>, would: Option<(EntryId, f32)>) {
+        let result = ShadowResult::of(served, would.map(|(id, _)| id));
+        self.candidate.record_shadow(result);
+        let similarity = match result {
+            ShadowResult::WouldHit | ShadowResult::Different => would.map(|(_, s)| s),
+            _ => None,
+        };
+        state
+            .metrics
+            .shadow(&self.tenant, result.as_str(), similarity);
+    }
+}
+
+/// An exact hit agrees with any candidate: the exact tier does not depend on the policy.
+fn shadow_exact_hit(state: &AppState, namespace: &str, wants: Wants, counted: bool) {
+    if wants.arm != Arm::Shadow || !counted {
+        return;
+    }
+    let policies = state.policies.load();
+    let tenant = policies.tenants.for_namespace(namespace);
+    if let Some(c) = tenant.candidate() {
+        c.record_shadow(ShadowResult::AgreeHit);
+        state.metrics.shadow(tenant.name(), "agree_hit", None);
+    }
 }
 
 /// A hit on `entry` found by `tier`. A prefetched entry says so on its first use; after

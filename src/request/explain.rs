@@ -7,6 +7,7 @@ use std::sync::Arc;
 use axum::http::HeaderMap;
 use serde_json::{json, Value};
 
+use crate::candidate::Arm;
 use crate::error::ApiError;
 use crate::lookup::{self, semantic, Wants};
 use crate::openai::Endpoint;
@@ -44,6 +45,7 @@ pub async fn explain(
     let wants = Wants {
         threshold: ctl.threshold,
         freshness: ctl.cache.freshness(),
+        arm: Arm::Current,
     };
     let req = &parsed.req;
     let found = lookup::lookup(

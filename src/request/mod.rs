@@ -39,6 +39,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 
 use crate::bookkeeping::Bookkeeping;
+use crate::candidate::Arm;
 use crate::error::ApiError;
 pub use crate::forward::Forward;
 use crate::headers::set_cache_status;
@@ -105,6 +106,7 @@ async fn serve(
     let wants = Wants {
         threshold: ctl.threshold,
         freshness: ctl.cache.freshness(),
+        arm: tenant.candidate().map_or(Arm::Current, |c| c.assign()),
     };
     let counted = book.is_counted();
     let mut found = lookup::lookup(

@@ -1,0 +1,404 @@
+//! Candidate policies tried beside a tenant's running one (`[tenants.candidate]`).
+//!
+//! A candidate is another set of the tenant's semantic rules (threshold, top_k, gate, on/off).
+//! - **Shadow**: every request is looked up under both; the answer served is the running
+//!   policy's. Each lookup is classed by what the candidate would have done: the same hit,
+//!   the same miss, a hit where the running policy missed (`would_hit`), a miss where it hit
+//!   (`would_miss`), or another entry (`different`), with the candidate's similarity.
+//! - **Canary**: `percent` of the requests (every n-th, so the share is exact at any count)
+//!   are served under the candidate, the rest under the running policy (the control). Once
+//!   each side has answered `min_requests`, after every request the candidate is judged
+//!   against the control: error rate, P95 latency, hit rate. A candidate worse beyond the
+//!   configured bounds is rolled back (a policy change that removes it, so every replica
+//!   drops it); a good one is promoted by one admin call (`POST /admin/policies/promote`).
+//!
+//! The state (counts, latencies) belongs to the candidate, not to the policy version: a
+//! change of anything else keeps it, as it keeps rate limiters.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use serde_json::json;
+
+use crate::config::{CandidateConfig, CandidateMode};
+use crate::metrics::Outcome;
+
+/// Latencies kept per canary side for its P95.
+const LATENCY_SAMPLES: usize = 1024;
+
+/// Which policy a request is looked up (and served) under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Arm {
+    /// The running policy (no candidate, or the canary's control side).
+    #[default]
+    Current,
+    /// The candidate (the canary's side).
+    Candidate,
+    /// The running policy, with the candidate's lookup beside it.
+    Shadow,
+}
+
+/// What a shadow lookup found against what was served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShadowResult {
+    /// Both served the same entry.
+    AgreeHit,
+    /// Both missed.
+    AgreeMiss,
+    /// The candidate would have served an entry where the running policy missed.
+    WouldHit,
+    /// The candidate would have missed where the running policy served an entry.
+    WouldMiss,
+    /// Both hit, different entries.
+    Different,
+}
+
+impl ShadowResult {
+    /// Every result, in the order of the counts.
+    pub const ALL: [ShadowResult; 5] = [
+        ShadowResult::AgreeHit,
+        ShadowResult::AgreeMiss,
+        ShadowResult::WouldHit,
+        ShadowResult::WouldMiss,
+        ShadowResult::Different,
+    ];
+
+    /// Metric label and JSON key.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShadowResult::AgreeHit => "agree_hit",
+            ShadowResult::AgreeMiss => "agree_miss",
+            ShadowResult::WouldHit => "would_hit",
+            ShadowResult::WouldMiss => "would_miss",
+            ShadowResult::Different => "different",
+        }
+    }
+
+    /// The result for the entry served (`served`) and the one the candidate would serve.
+    pub fn of<T: PartialEq>(served: Option<T>, candidate: Option<T>) -> ShadowResult {
+        match (served, candidate) {
+            (None, None) => ShadowResult::AgreeMiss,
+            (None, Some(_)) => ShadowResult::WouldHit,
+            (Some(_), None) => ShadowResult::WouldMiss,
+            (Some(a), Some(b)) if a == b => ShadowResult::AgreeHit,
+            _ => ShadowResult::Different,
+        }
+    }
+}
+
+/// One side of a canary.
+#[derive(Debug, Default)]
+struct Side {
+    requests: u64,
+    hits: u64,
+    errors: u64,
+    /// The latest latencies, in seconds.
+    latencies: VecDeque<f64>,
+}
+
+impl Side {
+    fn record(&mut self, outcome: Outcome, secs: f64) {
+        self.requests += 1;
+        match outcome {
+            Outcome::Exact | Outcome::Semantic | Outcome::Prefetch => self.hits += 1,
+            Outcome::Error => self.errors += 1,
+            Outcome::Miss | Outcome::Bypass => {}
+        }
+        if self.latencies.len() == LATENCY_SAMPLES {
+            self.latencies.pop_front();
+        }
+        self.latencies.push_back(secs);
+    }
+
+    fn rate(&self, n: u64) -> f64 {
+        n as f64 / self.requests.max(1) as f64
+    }
+
+    fn p95(&self) -> f64 {
+        let mut v: Vec<f64> = self.latencies.iter().copied().collect();
+        if v.is_empty() {
+            return 0.0;
+        }
+        v.sort_unstable_by(f64::total_cmp);
+        v[((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1]
+    }
+
+    fn view(&self) -> serde_json::Value {
+        json!({
+            "requests": self.requests,
+            "hit_rate": self.rate(self.hits),
+            "error_rate": self.rate(self.errors),
+            "p95_ms": self.p95() * 1000.0,
+        })
+    }
+}
+
+/// A tenant's candidate and what was seen of it.
+pub struct Candidate {
+    config: CandidateConfig,
+    /// Requests assigned so far (the canary's every-n-th count).
+    assigned: AtomicU64,
+    control: Mutex<Side>,
+    candidate: Mutex<Side>,
+    shadow: [AtomicU64; 5],
+    /// Set once the candidate was judged worse: it is being removed.
+    rolled_back: AtomicBool,
+}
+
+impl Candidate {
+    /// A candidate with nothing seen yet.
+    pub fn new(config: CandidateConfig) -> Candidate {
+        Candidate {
+            config,
+            assigned: AtomicU64::new(0),
+            control: Mutex::default(),
+            candidate: Mutex::default(),
+            shadow: Default::default(),
+            rolled_back: AtomicBool::new(false),
+        }
+    }
+
+    /// The candidate as configured.
+    pub fn config(&self) -> &CandidateConfig {
+        &self.config
+    }
+
+    /// The arm of the next request: in shadow mode always [`Arm::Shadow`]; in canary mode
+    /// [`Arm::Candidate`] for `percent` of the requests (request n when ⌊n·p/100⌋ steps
+    /// up), else [`Arm::Current`]. A rolled-back candidate gets no more requests.
+    pub fn assign(&self) -> Arm {
+        if self.rolled_back.load(Ordering::Relaxed) {
+            return Arm::Current;
+        }
+        match self.config.mode {
+            CandidateMode::Shadow => Arm::Shadow,
+            CandidateMode::Canary => {
+                let n = self.assigned.fetch_add(1, Ordering::Relaxed) as f64;
+                let p = self.config.percent / 100.0;
+                if ((n + 1.0) * p).floor() > (n * p).floor() {
+                    Arm::Candidate
+                } else {
+                    Arm::Current
+                }
+            }
+        }
+    }
+
+    /// Counts one shadow lookup.
+    pub fn record_shadow(&self, result: ShadowResult) {
+        let i = ShadowResult::ALL
+            .iter()
+            .position(|r| *r == result)
+            .expect("every result is listed");
+        self.shadow[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The shadow counts so far, by result.
+    pub fn shadow_counts(&self) -> [(ShadowResult, u64); 5] {
+        std::array::from_fn(|i| (ShadowResult::ALL[i], self.shadow[i].load(Ordering::Relaxed)))
+    }
+
+    /// Records a canary request's outcome and latency on its side; the reason to roll the
+    /// candidate back when this request makes it worse beyond the bounds (given once).
+    pub fn record(&self, on_candidate: bool, outcome: Outcome, secs: f64) -> Option<String> {
+        let side = if on_candidate {
+            &self.candidate
+        } else {
+            &self.control
+        };
+        side.lock().record(outcome, secs);
+        let reason = {
+            let control = self.control.lock();
+            let candidate = self.candidate.lock();
+            self.judge(&control, &candidate)?
+        };
+        // Only the first request to find it worse rolls it back.
+        (!self.rolled_back.swap(true, Ordering::Relaxed)).then_some(reason)
+    }
+
+    /// Why the candidate is worse than the control beyond the bounds, once both sides have
+    /// answered enough requests.
+    fn judge(&self, control: &Side, candidate: &Side) -> Option<String> {
+        let c = &self.config;
+        if control.requests < c.min_requests || candidate.requests < c.min_requests {
+            return None;
+        }
+        let (ce, ke) = (
+            candidate.rate(candidate.errors),
+            control.rate(control.errors),
+        );
+        if ce - ke > c.max_error_rate_increase {
+            return Some(format!(
+                "error rate {:.1} % against {:.1} % (bound: {:.1} points more)",
+                ce * 100.0,
+                ke * 100.0,
+                c.max_error_rate_increase * 100.0
+            ));
+        }
+        let (cp, kp) = (candidate.p95(), control.p95());
+        if cp > kp * c.max_latency_ratio {
+            return Some(format!(
+                "P95 latency {:.1} ms against {:.1} ms (bound: {}×)",
+                cp * 1000.0,
+                kp * 1000.0,
+                c.max_latency_ratio
+            ));
+        }
+        let (ch, kh) = (candidate.rate(candidate.hits), control.rate(control.hits));
+        if c.min_hit_rate_ratio > 0.0 && ch < kh * c.min_hit_rate_ratio {
+            return Some(format!(
+                "hit rate {:.1} % against {:.1} % (bound: {}× of it)",
+                ch * 100.0,
+                kh * 100.0,
+                c.min_hit_rate_ratio
+            ));
+        }
+        None
+    }
+
+    /// What was seen, for `GET /admin/policies`.
+    pub fn view(&self) -> serde_json::Value {
+        let c = &self.config;
+        let mut v = json!({
+            "mode": match c.mode {
+                CandidateMode::Shadow => "shadow",
+                CandidateMode::Canary => "canary",
+            },
+            "semantic_rules": c.semantic_rules.iter().map(crate::policy::rule_view).collect::<Vec<_>>(),
+        });
+        match c.mode {
+            CandidateMode::Shadow => {
+                v["shadow"] = self
+                    .shadow_counts()
+                    .iter()
+                    .map(|(r, n)| (r.as_str().to_string(), json!(n)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
+            }
+            CandidateMode::Canary => {
+                v["percent"] = json!(c.percent);
+                v["min_requests"] = json!(c.min_requests);
+                v["max_error_rate_increase"] = json!(c.max_error_rate_increase);
+                v["max_latency_ratio"] = json!(c.max_latency_ratio);
+                v["min_hit_rate_ratio"] = json!(c.min_hit_rate_ratio);
+                v["control"] = self.control.lock().view();
+                v["candidate"] = self.candidate.lock().view();
+                v["rolled_back"] = json!(self.rolled_back.load(Ordering::Relaxed));
+            }
+        }
+        v
+    }
+}
+
+/// Carries a candidate's state into a new policy version when its configuration is the same.
+pub fn carry(
+    config: Option<&CandidateConfig>,
+    before: Option<&Arc<Candidate>>,
+) -> Option<Arc<Candidate>> {
+    let config = config?;
+    match before {
+        Some(b) if b.config() == config => Some(b.clone()),
+        _ => Some(Arc::new(Candidate::new(config.clone()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canary(percent: f64) -> CandidateConfig {
+        CandidateConfig {
+            mode: CandidateMode::Canary,
+            semantic_rules: Vec::new(),
+            percent,
+            min_requests: 10,
+            max_error_rate_increase: 0.05,
+            max_latency_ratio: 1.5,
+            min_hit_rate_ratio: 0.5,
+        }
+    }
+
+    #[test]
+    fn a_canary_gets_its_exact_share_of_requests() {
+        for percent in [1.0, 10.0, 25.0, 50.0, 99.0] {
+            let c = Candidate::new(canary(percent));
+            let n = (0..1000).filter(|_| c.assign() == Arm::Candidate).count();
+            assert_eq!(n as f64, percent * 10.0, "{percent}");
+        }
+        let shadow = Candidate::new(CandidateConfig {
+            mode: CandidateMode::Shadow,
+            ..canary(10.0)
+        });
+        assert!((0..10).all(|_| shadow.assign() == Arm::Shadow));
+    }
+
+    #[test]
+    fn a_worse_canary_is_rolled_back_once_and_only_when_judged() {
+        // Slower: rolled back once both sides have ten requests.
+        let c = Candidate::new(canary(50.0));
+        for i in 0..9 {
+            assert_eq!(c.record(false, Outcome::Miss, 0.010), None, "{i}");
+            assert_eq!(c.record(true, Outcome::Miss, 0.100), None, "{i}");
+        }
+        assert_eq!(c.record(false, Outcome::Miss, 0.010), None);
+        let reason = c.record(true, Outcome::Miss, 0.100).unwrap();
+        assert!(reason.contains("P95 latency"), "{reason}");
+        assert_eq!(c.record(true, Outcome::Miss, 0.100), None, "given once");
+        assert_eq!(c.assign(), Arm::Current, "no more requests");
+
+        // As good: never rolled back.
+        let c = Candidate::new(canary(50.0));
+        for _ in 0..50 {
+            assert_eq!(c.record(false, Outcome::Exact, 0.010), None);
+            assert_eq!(c.record(true, Outcome::Semantic, 0.011), None);
+        }
+        // More errors.
+        let c = Candidate::new(canary(50.0));
+        let mut reason = None;
+        for i in 0..20 {
+            reason = reason.or(c.record(false, Outcome::Miss, 0.01));
+            let o = if i % 4 == 0 {
+                Outcome::Error
+            } else {
+                Outcome::Miss
+            };
+            reason = reason.or(c.record(true, o, 0.01));
+        }
+        assert!(reason.unwrap().contains("error rate"));
+        // Fewer hits than half the control's.
+        let c = Candidate::new(canary(50.0));
+        let mut reason = None;
+        for i in 0..20 {
+            reason = reason.or(c.record(false, Outcome::Exact, 0.01));
+            let o = if i % 3 == 0 {
+                Outcome::Exact
+            } else {
+                Outcome::Miss
+            };
+            reason = reason.or(c.record(true, o, 0.01));
+        }
+        assert!(reason.unwrap().contains("hit rate"));
+    }
+
+    #[test]
+    fn shadow_results_compare_what_was_served() {
+        assert_eq!(ShadowResult::of::<u8>(None, None), ShadowResult::AgreeMiss);
+        assert_eq!(ShadowResult::of(None, Some(1)), ShadowResult::WouldHit);
+        assert_eq!(ShadowResult::of(Some(1), None), ShadowResult::WouldMiss);
+        assert_eq!(ShadowResult::of(Some(1), Some(1)), ShadowResult::AgreeHit);
+        assert_eq!(ShadowResult::of(Some(1), Some(2)), ShadowResult::Different);
+        let c = Candidate::new(CandidateConfig {
+            mode: CandidateMode::Shadow,
+            ..canary(10.0)
+        });
+        c.record_shadow(ShadowResult::WouldHit);
+        c.record_shadow(ShadowResult::WouldHit);
+        c.record_shadow(ShadowResult::AgreeMiss);
+        let counts = c.shadow_counts();
+        assert_eq!(counts[2], (ShadowResult::WouldHit, 2));
+        assert_eq!(counts[1], (ShadowResult::AgreeMiss, 1));
+        assert_eq!(c.view()["shadow"]["would_hit"], 2);
+    }
+}
