@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use figment::providers::{Env, Format, Toml};
 use figment::Figment;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -42,7 +42,7 @@ pub struct Config {
 }
 
 /// `[auth]`
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {
     /// `/v1` answers 401 (`invalid_api_key`) to a request without a known key. Off: a request
@@ -54,7 +54,10 @@ pub struct AuthConfig {
 /// `[[tenants]]`: one application (or customer) and the API keys that name it. The tenant of
 /// a request comes from its key (`Authorization: Bearer <key>`), never from a header; every
 /// cached answer, conversation link and learned follow-up belongs to one tenant.
-#[derive(Clone, Deserialize)]
+///
+/// Serialised only into the policy document shared through Redis, whose keys are digests by
+/// then (`crate::policy`).
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantConfig {
     /// Name (1 to 64 letters, digits, `-`, `_`, `.`); unique.
@@ -84,7 +87,7 @@ pub struct TenantConfig {
 }
 
 /// `[tenants.policy]`: one tenant's overrides of the global policy.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TenantPolicy {
     /// Read-only: its requests are answered from the cache or generated, never stored.

@@ -8,19 +8,30 @@
 //! `reprise serve --config FILE`, from `SIGHUP` (the file is read again). Each change bumps
 //! [`Policies::version`] (`GET /admin/policies`, metric `reprise_policy_version`). Rate
 //! limiters start afresh with a new version.
+//!
+//! With Redis, a change made on one replica reaches every replica (`share.rs`).
+
+mod share;
 
 use std::sync::Arc;
 
 use reprise_policies::semantic::{Rule, SemanticPolicy};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::auth::Tenants;
 use crate::config::{AuthConfig, Config, TenantConfig};
+use crate::state::AppState;
+
+pub use share::sync;
 
 /// The live policies.
 pub struct Policies {
-    /// 1 at start, one more with every change.
+    /// 1 at start, one more with every change; with Redis, the version shared by every
+    /// replica.
     pub version: u64,
+    /// The newest version shared through Redis that these policies include (0: none); a
+    /// shared version is applied here only when newer.
+    shared: u64,
     /// The semantic defaults (`[semantic]` enabled, threshold, top_k, gate).
     pub semantic: SemanticPolicy,
     /// `[[semantic.rules]]`.
@@ -38,6 +49,7 @@ impl Policies {
         let s = &config.semantic;
         Ok(Policies {
             version,
+            shared: 0,
             semantic: SemanticPolicy {
                 enabled: s.enabled,
                 threshold: s.threshold,
@@ -71,7 +83,9 @@ impl Policies {
              switching it on needs a restart"
         );
         c.validate()?;
-        Policies::from_config(&c, self.version + 1)
+        let mut next = Policies::from_config(&c, self.version + 1)?;
+        next.shared = self.shared;
+        Ok(next)
     }
 
     /// The effective policies as JSON (no keys: only how many each tenant has).
@@ -116,9 +130,10 @@ fn rule_view(r: &Rule) -> serde_json::Value {
     })
 }
 
-/// A policy document (`PUT /admin/policies`, or the policy sections of the configuration
-/// file on `SIGHUP`): each section given replaces the running one; absent ones stay.
-#[derive(Debug, Default, Deserialize)]
+/// A policy document (`PUT /admin/policies`, the policy sections of the configuration file
+/// on `SIGHUP`, or the version shared through Redis): each section given replaces the
+/// running one; absent ones stay.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyDocument {
     /// `[semantic]`: only the policy keys (enabled, threshold, top_k, gate, rules).
@@ -130,7 +145,7 @@ pub struct PolicyDocument {
 }
 
 /// The changeable keys of `[semantic]`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SemanticDocument {
     /// `semantic.enabled`.
@@ -168,15 +183,39 @@ impl PolicyDocument {
     }
 }
 
-/// Applies a document to the running state: validated, built, swapped in; the new version,
-/// or why it was refused (the running policies stay).
-pub fn apply(state: &crate::state::AppState, doc: PolicyDocument) -> anyhow::Result<u64> {
-    // One change at a time, so two concurrent changes cannot both take the same version.
-    let _guard = state.policy_change.lock();
+/// What [`apply`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    /// The version now running here.
+    pub version: u64,
+    /// Whether the change was stored in Redis for the other replicas. Without Redis, or when
+    /// Redis could not be reached, it holds on this replica only.
+    pub shared: bool,
+}
+
+/// Applies a document to the running state: validated, built, swapped in, and with Redis
+/// shared with the other replicas; or why it was refused (the running policies stay).
+pub async fn apply(state: &AppState, doc: PolicyDocument) -> anyhow::Result<Applied> {
+    // One change at a time, so two concurrent changes cannot both take the same version and
+    // a version from Redis waits for a change being shared. An async lock: sharing awaits
+    // Redis while holding it.
+    let _guard = state.policy_change.lock().await;
+    if let Some(redis) = state.store.redis() {
+        return share::publish(state, redis, doc).await;
+    }
     let next = state.policies.load().next(doc, state.embedder.is_some())?;
+    let version = install(state, next);
+    tracing::info!(version, "policies changed");
+    Ok(Applied {
+        version,
+        shared: false,
+    })
+}
+
+/// Swaps `next` in (the caller holds the change lock); its version.
+fn install(state: &AppState, next: Policies) -> u64 {
     let version = next.version;
     state.policies.store(Arc::new(next));
     state.metrics.policy_version.set(version as f64);
-    tracing::info!(version, "policies changed");
-    Ok(version)
+    version
 }
