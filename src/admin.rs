@@ -271,7 +271,9 @@ pub async fn get_policies(
 
 /// `PUT /admin/policies`: applies a policy document (TOML: `[semantic]` policy keys,
 /// `[auth]`, `[[tenants]]`); 400 with the reason when it is invalid (the running policies
-/// stay), else the new version. Global admin only.
+/// stay), else the new version and whether it was `shared` with the other replicas through
+/// Redis (false without Redis, or when Redis could not be reached: the change then holds on
+/// this replica only). Global admin only.
 pub async fn put_policies(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -282,7 +284,10 @@ pub async fn put_policies(
         .map_err(|_| ApiError::invalid("the policy document is not UTF-8", None))?;
     let doc = crate::policy::PolicyDocument::from_toml(text)
         .map_err(|e| ApiError::invalid(format!("invalid policy document: {e}"), None))?;
-    let version = crate::policy::apply(&state, doc)
+    let applied = crate::policy::apply(&state, doc)
+        .await
         .map_err(|e| ApiError::invalid(format!("policy refused: {e:#}"), None))?;
-    Ok(Json(json!({"version": version})))
+    Ok(Json(
+        json!({"version": applied.version, "shared": applied.shared}),
+    ))
 }

@@ -65,6 +65,14 @@ impl KeyDigest {
     }
 }
 
+/// The configured form of a digest, `sha256:<64 hex digits>` ([`KeyDigest::parse`] reads it
+/// back): what a key may be written as where the key itself must not be.
+impl std::fmt::Display for KeyDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sha256:{}", hex::encode(self.0))
+    }
+}
+
 /// Who a request comes from.
 pub struct Tenant {
     /// The configured name; `None` for the anonymous tenant.
@@ -487,6 +495,13 @@ mod tests {
         let err = Tenants::load(&c, None).err().unwrap().to_string();
         assert!(err.contains("no API keys"), "{err}");
         assert!(KeyDigest::parse("sha256:abc").is_err());
+        // The written form of a digest reads back as the same digest.
+        let d = KeyDigest::of("sk-acme");
+        assert_eq!(
+            d.to_string(),
+            format!("sha256:{}", hex::encode(Sha256::digest(b"sk-acme")))
+        );
+        assert_eq!(KeyDigest::parse(&d.to_string()), Ok(d));
         assert!(KeyDigest::parse("has space").is_err());
     }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use figment::providers::{Env, Format, Toml};
 use figment::Figment;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -42,7 +42,7 @@ pub struct Config {
 }
 
 /// `[auth]`
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {
     /// `/v1` answers 401 (`invalid_api_key`) to a request without a known key. Off: a request
@@ -54,7 +54,10 @@ pub struct AuthConfig {
 /// `[[tenants]]`: one application (or customer) and the API keys that name it. The tenant of
 /// a request comes from its key (`Authorization: Bearer <key>`), never from a header; every
 /// cached answer, conversation link and learned follow-up belongs to one tenant.
-#[derive(Clone, Deserialize)]
+///
+/// Serialised only into the policy document shared through Redis, whose keys are digests by
+/// then (`crate::policy`).
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantConfig {
     /// Name (1 to 64 letters, digits, `-`, `_`, `.`); unique.
@@ -87,7 +90,7 @@ pub struct TenantConfig {
 }
 
 /// How a candidate policy is tried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CandidateMode {
     /// Every request is also looked up under the candidate; what is served does not change.
@@ -98,7 +101,7 @@ pub enum CandidateMode {
 
 /// `[tenants.candidate]`: a candidate of the tenant's lookup policy (its semantic rules),
 /// tried in shadow or canary mode. Everything else of the tenant's policy stays.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CandidateConfig {
     /// `shadow` or `canary`.
@@ -142,7 +145,7 @@ impl CandidateConfig {
 }
 
 /// `[tenants.policy]`: one tenant's overrides of the global policy.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TenantPolicy {
     /// Read-only: its requests are answered from the cache or generated, never stored.

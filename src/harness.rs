@@ -166,9 +166,9 @@ pub async fn start_app(
     try_serve(AppState::new(config, backend, embedder)?).await
 }
 
-/// The state of a replica: `backend`, `embedder` and the Redis tier of `config`, with its
-/// background tasks (replication) running until the handle is dropped; not served (see
-/// [`start_replica`]).
+/// The state of a replica: `backend`, `embedder` and the Redis tier of `config` (the policies
+/// shared through it applied, as at start-up), with its background tasks (replication)
+/// running until the handle is dropped; not served (see [`start_replica`]).
 pub async fn build_replica(
     config: Config,
     backend: Arc<dyn Backend>,
@@ -176,6 +176,7 @@ pub async fn build_replica(
 ) -> anyhow::Result<(Arc<AppState>, BackgroundTasks)> {
     let redis = crate::state::connect_redis(&config).await?;
     let state = AppState::with_redis(config, backend, embedder, redis)?;
+    crate::policy::sync(&state).await;
     let tasks = crate::tasks::start(&state);
     Ok((state, tasks))
 }

@@ -91,8 +91,11 @@ pub struct Metrics {
     pub cache_evictions: Counter,
     /// Generations that ended without a finish reason or were abandoned (never cached).
     pub incomplete_generations: Counter,
-    /// The version of the live policies (1 at start, one more per change).
+    /// The version of the live policies (1 at start, one more per change; with Redis, the
+    /// version shared by the replicas).
     pub policy_version: Gauge,
+    /// Shared policy versions from Redis that were not valid here (the running ones stayed).
+    pub policy_sync_failures: Counter,
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -188,7 +191,11 @@ fn describe() {
     );
     describe_gauge!(
         "reprise_policy_version",
-        "Version of the live policies (1 at start; PUT /admin/policies and SIGHUP add one)."
+        "Version of the live policies (1 at start; PUT /admin/policies and SIGHUP add one; with Redis, the version shared by every replica)."
+    );
+    describe_counter!(
+        "reprise_policy_sync_failures_total",
+        "Policy versions shared through Redis that were not valid on this replica, which kept its running policies."
     );
     describe_counter!(
         "reprise_shadow_lookups_total",
@@ -327,6 +334,7 @@ impl Metrics {
             cache_evictions: metrics::counter!("reprise_cache_evictions_total"),
             incomplete_generations: metrics::counter!("reprise_incomplete_generations_total"),
             policy_version: metrics::gauge!("reprise_policy_version"),
+            policy_sync_failures: metrics::counter!("reprise_policy_sync_failures_total"),
         }
     }
 

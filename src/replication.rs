@@ -2,11 +2,13 @@
 //!
 //! Every replica consumes the tier's event stream: an entry another replica wrote is fetched
 //! into this replica's memory and semantic index (so it becomes an exact *and* semantic hit
-//! here); deletions are applied locally. At start, and whenever the stream was missed
-//! (`Resync`), the replica rebuilds from a scan of Redis in the background, logging progress;
-//! exact hits keep being served from Redis meanwhile.
+//! here); deletions are applied locally; a new version of the shared policies is applied
+//! ([`crate::policy::sync`]). At start, and whenever the stream was missed (`Resync`), the
+//! replica catches up with the shared policies and rebuilds from a scan of Redis in the
+//! background, logging progress; exact hits keep being served from Redis meanwhile.
 
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use futures::StreamExt;
 use reprise_cache::redis::{RedisTier, ReplicationEvent};
@@ -14,6 +16,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::state::AppState;
+
+/// Reads of the shared policies tried before giving up until the next event or resync: the
+/// first commands after Redis comes back may still fail.
+const POLICY_READS: u32 = 5;
+/// Wait before the second read; doubled for each further one.
+const POLICY_RETRY: Duration = Duration::from_millis(100);
 
 /// Starts the replication task of `state` (which must have a Redis tier); it ends when `stop`
 /// is cancelled or the state is dropped.
@@ -27,7 +35,7 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
         let mut events = redis.subscribe(true);
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = rebuild(&weak, &redis) => {}
+            _ = catch_up(&weak, &redis) => {}
         }
         loop {
             let ev = tokio::select! {
@@ -49,16 +57,44 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                 ReplicationEvent::DeleteNamespace { namespace } => {
                     store.remove_local_where(|e| e.namespace == namespace).await;
                 }
+                ReplicationEvent::Policies { .. } => {
+                    drop(state);
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = sync_policies(&weak) => {}
+                    }
+                }
                 ReplicationEvent::Resync => {
                     drop(state);
                     tokio::select! {
                         _ = stop.cancelled() => break,
-                        _ = rebuild(&weak, &redis) => {}
+                        _ = catch_up(&weak, &redis) => {}
                     }
                 }
             }
         }
     });
+}
+
+/// Applies the shared policies if they are newer (a version published before the
+/// subscription, or while events were missed), then rebuilds.
+async fn catch_up(weak: &Weak<AppState>, redis: &RedisTier) {
+    sync_policies(weak).await;
+    rebuild(weak, redis).await;
+}
+
+/// [`crate::policy::sync`], tried again a few times while Redis does not answer.
+async fn sync_policies(weak: &Weak<AppState>) {
+    let mut wait = POLICY_RETRY;
+    for _ in 0..POLICY_READS {
+        let Some(state) = weak.upgrade() else { return };
+        if crate::policy::sync(&state).await {
+            return;
+        }
+        drop(state);
+        tokio::time::sleep(wait).await;
+        wait *= 2;
+    }
 }
 
 /// Loads every live entry from Redis into memory and the index.

@@ -54,8 +54,8 @@ pub struct AppState {
     /// The policies that can change while running (semantic defaults and rules, tenants);
     /// load once per request.
     pub policies: ArcSwap<Policies>,
-    /// Serialises policy changes.
-    pub policy_change: parking_lot::Mutex<()>,
+    /// Serialises policy changes, local and shared (held while a change is published).
+    pub policy_change: tokio::sync::Mutex<()>,
     ready: AtomicBool,
 }
 
@@ -114,7 +114,10 @@ impl AppState {
         metrics.policy_version.set(1.0);
         // Memory holds nothing yet: sharing it out scans nothing.
         let memory_shares = policies.memory_shares();
-        store.set_memory_shares(memory_shares.map(|s| s.of_memory(config.cache.memory_bytes)));
+        store.set_memory_shares(
+            memory_shares.map(|s| s.of_memory(config.cache.memory_bytes)),
+            1,
+        );
         if let Some(p) = &prefetch {
             p.set_shares(policies.prefetch_shares());
         }
@@ -138,12 +141,15 @@ impl AppState {
     }
 
     /// Builds the state the configuration describes: loads the model and the embedder
-    /// (blocking work runs on the blocking pool; progress is logged).
+    /// (blocking work runs on the blocking pool; progress is logged); with Redis, the
+    /// policies shared by the other replicas replace the file's when there are some.
     pub async fn build(config: Config) -> anyhow::Result<Arc<AppState>> {
         let backend = build_backend(&config).await?;
         let embedder = build_embedder(&config).await?;
         let redis = connect_redis(&config).await?;
-        AppState::with_redis(config, backend, embedder, redis)
+        let state = AppState::with_redis(config, backend, embedder, redis)?;
+        crate::policy::sync(&state).await;
+        Ok(state)
     }
 
     /// Whether the backend and models are loaded.

@@ -2,12 +2,12 @@
 //! stopped (and awaited) by [`BackgroundTasks::stop`]:
 //!
 //! - **prefetch**: learning follow-ups, prefetching, refresh-ahead ([`crate::prefetch`]);
-//! - **replication**: this replica's memory and index kept in step with Redis
+//! - **replication**: this replica's memory, index and policies kept in step with Redis
 //!   ([`crate::replication`]);
 //! - **index maintenance**: partitions with many tombstones rebuilt every
 //!   `semantic.maintain_interval_secs`;
 //! - **policy reload**: on `SIGHUP`, the configuration file's policy sections
-//!   ([`crate::policy`]).
+//!   ([`crate::policy`]; with Redis, shared with the other replicas).
 //!
 //! Tasks hold the state weakly where they wait long, so a dropped server is never kept alive
 //! by its own background work.
@@ -100,15 +100,22 @@ fn start_reload_on_hangup(
                 got = hangups.recv() => if got.is_none() { break },
             }
             let Some(state) = weak.upgrade() else { break };
-            let applied = crate::config::Config::load(Some(&path))
-                .map_err(anyhow::Error::from)
-                .and_then(|c| crate::policy::apply(&state, crate::policy::PolicyDocument::of_config(&c)));
-            match applied {
-                Ok(version) => tracing::info!(version, path = %path.display(), "SIGHUP: policies reloaded"),
+            match reload(&state, &path).await {
+                Ok(a) => tracing::info!(version = a.version, shared = a.shared, path = %path.display(), "SIGHUP: policies reloaded"),
                 Err(e) => tracing::warn!(error = %format!("{e:#}"), path = %path.display(), "SIGHUP: policies not changed"),
             }
         }
     });
+}
+
+/// Applies the policy sections of the configuration file at `path`.
+#[cfg(unix)]
+async fn reload(
+    state: &AppState,
+    path: &std::path::Path,
+) -> anyhow::Result<crate::policy::Applied> {
+    let config = crate::config::Config::load(Some(path))?;
+    crate::policy::apply(state, crate::policy::PolicyDocument::of_config(&config)).await
 }
 
 #[cfg(not(unix))]

@@ -1,6 +1,8 @@
 //! Live policies over real TCP: `PUT /admin/policies` and `SIGHUP` change the semantic policy
 //! and the tenants while reprise serves, keep the cache, and refuse an invalid change with the
-//! running policies kept. (Its own test binary: it sends SIGHUP to this process.)
+//! running policies kept; with a real redis-server, a change made on one replica reaches the
+//! others and the replicas started later. (Its own test binary: it sends SIGHUP to this
+//! process.)
 
 mod common;
 
@@ -308,4 +310,217 @@ async fn explain_agrees_with_what_is_then_served() {
         .await
         .unwrap();
     assert_eq!(r.status(), 401);
+}
+
+/// Replicas of `admin_config` sharing the Redis at `url`.
+fn replica_config(url: String, semantic: bool) -> reprise::Config {
+    let mut c = admin_config();
+    c.semantic.enabled = semantic;
+    c.redis.url = Some(url);
+    // Generous: a replica reads the shared policies at start within one command's bound, and
+    // this machine may be busy.
+    c.redis.timeout_ms = 2000;
+    c.redis.breaker_cooldown_ms = 200;
+    c
+}
+
+/// Whether `app` runs `version` with `threshold`.
+async fn runs(app: &TestApp, version: u64, threshold: f64) -> bool {
+    let view = policies(app).await;
+    view["version"] == version
+        && view["semantic"]["threshold"]
+            .as_f64()
+            .is_some_and(|t| (t - threshold).abs() < 1e-6)
+}
+
+/// The fields of the shared policies hash, read straight from Redis.
+async fn stored_policies(url: &str) -> std::collections::HashMap<String, String> {
+    let mut c = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    redis::cmd("HGETALL")
+        .arg("reprise:policies")
+        .query_async(&mut c)
+        .await
+        .unwrap()
+}
+
+/// A threshold changed on replica A reaches replica B (same version, and B serves under it)
+/// and a replica started afterwards.
+#[tokio::test]
+async fn a_change_on_one_replica_reaches_the_others_and_later_ones() {
+    let server = RedisServer::start();
+    let config = replica_config(server.url(), true);
+    let backend = std::sync::Arc::new(scripted());
+    let a = spawn_replica(config.clone(), backend.clone()).await;
+    let b = spawn_replica(config.clone(), backend.clone()).await;
+    let r = a.chat(&chat_body("How do I reset my password?"), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    // B has the entry, and serves this paraphrase from it under the default threshold.
+    let paraphrase = chat_body("how can I reset my password");
+    expect_status(&b, &paraphrase, &[], "semantic").await;
+
+    let r = put(&a, "[semantic]\nthreshold = 0.99\n").await;
+    assert_eq!(r.status(), 200);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["shared"], true, "{j}");
+    let version = j["version"].as_u64().unwrap();
+    assert!(version > 1, "{j}");
+    assert!(runs(&a, version, 0.99).await);
+    let reached = eventually_async(Duration::from_secs(20), || runs(&b, version, 0.99));
+    assert!(reached.await, "B runs A's version: {}", policies(&b).await);
+    // B now serves nothing below 0.99: the same paraphrase is no longer answered.
+    let r = b
+        .chat(&paraphrase, &[("cache-control", "only-if-cached")])
+        .await;
+    assert_eq!(r.status(), 504, "{}", cache_status(&r));
+    let calls = backend.calls();
+    let r = b.chat(&paraphrase, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), calls + 1);
+    let metrics = b.metrics_text().await;
+    assert!(
+        metrics.contains(&format!("reprise_policy_version {version}")),
+        "{metrics}"
+    );
+
+    // A replica started now starts with it.
+    let c = spawn_replica(config, backend).await;
+    assert!(runs(&c, version, 0.99).await, "{}", policies(&c).await);
+}
+
+/// A plain key in a document is stored in Redis only as its digest, and still names the
+/// tenant on every replica.
+#[tokio::test]
+async fn keys_reach_redis_only_as_digests() {
+    let server = RedisServer::start();
+    let config = replica_config(server.url(), false);
+    let backend = std::sync::Arc::new(scripted());
+    let a = spawn_replica(config.clone(), backend.clone()).await;
+    let b = spawn_replica(config, backend).await;
+    let doc = "[auth]\nrequired = true\n[[tenants]]\nname = \"acme\"\n\
+               api_keys = [\"sk-plain-secret-1\"]\n";
+    let r = put(&a, doc).await;
+    assert_eq!(r.status(), 200);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["shared"], true, "{j}");
+
+    let stored = stored_policies(&server.url()).await;
+    assert_eq!(stored["version"], j["version"].to_string());
+    let digest = reprise::auth::KeyDigest::of("sk-plain-secret-1").to_string();
+    assert!(stored["doc"].contains(&digest), "{stored:?}");
+    for value in stored.values() {
+        assert!(!value.contains("sk-plain-secret-1"), "{stored:?}");
+    }
+    // B learns the key from the digest.
+    let body = chat_body("hello");
+    let key = [("authorization", "Bearer sk-plain-secret-1")];
+    let accepted = eventually_async(Duration::from_secs(20), || async {
+        b.chat(&body, &key).await.status() == 200
+    });
+    assert!(accepted.await, "B accepts the key: {}", policies(&b).await);
+    assert_eq!(b.chat(&body, &[]).await.status(), 401);
+}
+
+/// A version that is not valid on replica B (it runs without the semantic tier, which A's
+/// policies switch on) leaves B serving under its own, counted; a later valid version from
+/// another replica is applied.
+#[tokio::test]
+async fn a_version_invalid_on_a_replica_leaves_it_running() {
+    let server = RedisServer::start();
+    let backend = std::sync::Arc::new(scripted());
+    let a = spawn_replica(replica_config(server.url(), true), backend.clone()).await;
+    let b = spawn_replica(replica_config(server.url(), false), backend.clone()).await;
+    let failures = || async {
+        let text = b.metrics_text().await;
+        text.lines()
+            .find_map(|l| l.strip_prefix("reprise_policy_sync_failures_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let before = failures().await;
+    let r = put(&a, "[semantic]\nthreshold = 0.95\n").await;
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["shared"], true, "{j}");
+    let counted = eventually_async(Duration::from_secs(20), || async {
+        failures().await > before
+    });
+    assert!(counted.await, "B counted the failure");
+    let view = policies(&b).await;
+    assert_eq!(view["version"], 1, "{view}");
+    assert_eq!(view["semantic"]["enabled"], false, "{view}");
+    let r = b.chat(&chat_body("still serving?"), &[]).await;
+    assert_eq!(r.status(), 200);
+
+    // A replica like B publishes a version B can run: B takes it, and so does A.
+    let c = spawn_replica(replica_config(server.url(), false), backend).await;
+    let r = put(&c, "[semantic]\nthreshold = 0.9\n").await;
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["shared"], true, "{j}");
+    let version = j["version"].as_u64().unwrap();
+    assert!(version > 2, "{j}");
+    let reached = eventually_async(Duration::from_secs(20), || runs(&b, version, 0.9));
+    assert!(reached.await, "{}", policies(&b).await);
+}
+
+/// Two replicas changing different sections at the same time: both changes hold, and both
+/// replicas end on the same version.
+#[tokio::test]
+async fn concurrent_changes_on_two_replicas_end_on_one_version() {
+    let server = RedisServer::start();
+    let config = replica_config(server.url(), false);
+    let backend = std::sync::Arc::new(scripted());
+    let a = spawn_replica(config.clone(), backend.clone()).await;
+    let b = spawn_replica(config, backend).await;
+    let tenants = "[[tenants]]\nname = \"acme\"\napi_keys = [\"sk-acme\"]\n";
+    let (ra, rb) = tokio::join!(put(&a, "[semantic]\nthreshold = 0.97\n"), put(&b, tenants));
+    assert_eq!((ra.status().as_u16(), rb.status().as_u16()), (200, 200));
+    let (ja, jb): (Value, Value) = (ra.json().await.unwrap(), rb.json().await.unwrap());
+    assert_eq!(
+        (&ja["shared"], &jb["shared"]),
+        (&Value::Bool(true), &Value::Bool(true))
+    );
+    assert_ne!(ja["version"], jb["version"], "two changes, two versions");
+    let last = ja["version"].as_u64().max(jb["version"].as_u64()).unwrap();
+    for app in [&a, &b] {
+        let both = eventually_async(Duration::from_secs(20), || async {
+            let view = policies(app).await;
+            runs(app, last, 0.97).await && view["tenants"][0]["name"] == "acme"
+        });
+        assert!(both.await, "{}", policies(app).await);
+    }
+}
+
+/// With Redis down, a replica starts on its file's policies and a change holds on it alone
+/// (`"shared": false`); once Redis is back, the next shared version replaces it.
+#[tokio::test]
+async fn without_redis_a_change_holds_here_until_a_shared_one_replaces_it() {
+    let mut server = RedisServer::start();
+    server.stop();
+    let config = replica_config(server.url(), false);
+    let backend = std::sync::Arc::new(scripted());
+    let a = spawn_replica(config.clone(), backend.clone()).await;
+    assert_eq!(policies(&a).await["version"], 1);
+    let r = put(&a, "[semantic]\nthreshold = 0.91\n").await;
+    assert_eq!(r.status(), 200);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(
+        (&j["version"], &j["shared"]),
+        (&2.into(), &false.into()),
+        "{j}"
+    );
+    assert!(runs(&a, 2, 0.91).await);
+
+    server.restart();
+    let b = spawn_replica(config, backend).await;
+    let shared = eventually_async(Duration::from_secs(20), || async {
+        let r = put(&b, "[semantic]\nthreshold = 0.93\n").await;
+        r.json::<Value>().await.unwrap()["shared"] == true
+    });
+    assert!(shared.await, "B shares once Redis is back");
+    let version = policies(&b).await["version"].as_u64().unwrap();
+    let reached = eventually_async(Duration::from_secs(20), || runs(&a, version, 0.93));
+    assert!(reached.await, "{}", policies(&a).await);
 }

@@ -55,8 +55,9 @@ pub struct MemoryTier {
     ledgers: Arc<ArcSwapOption<Ledgers>>,
     /// What the ledgers evicted, to drop from the tier.
     evicted: EvictedQueue,
-    /// The shares in force; held while they change, so changes apply one at a time.
-    shares: Arc<parking_lot::Mutex<Option<MemoryShares>>>,
+    /// The shares in force and their version; held while they change, so changes apply one
+    /// at a time and never an older one after a newer.
+    shares: Arc<parking_lot::Mutex<(Option<MemoryShares>, u64)>>,
     key_ttl: Duration,
 }
 
@@ -100,16 +101,21 @@ impl MemoryTier {
     /// Shares the byte budget out among pools (`None`: one budget for all, as at start).
     /// Held entries and keys are recorded in their pools' ledgers at once; what no longer
     /// fits its pool leaves the tier with the next write (or [`MemoryTier::settle`]).
-    /// Scans the tier: a rare operator action, not for the request path.
-    pub fn set_shares(&self, shares: Option<MemoryShares>) {
+    /// Scans the tier: a rare operator action, not for the request path. `version` orders
+    /// changes: shares older than the ones in force are ignored.
+    pub fn set_shares(&self, shares: Option<MemoryShares>, version: u64) {
         let mut current = self.shares.lock();
+        if version < current.1 {
+            return;
+        }
+        current.1 = version;
         let same = |a: &MemoryShares, b: &MemoryShares| a.pools == b.pools && a.rest == b.rest;
-        match (&*current, &shares) {
+        match (&current.0, &shares) {
             (None, None) => return,
             (Some(a), Some(b)) if same(a, b) => return,
             _ => {}
         }
-        current.clone_from(&shares);
+        current.0.clone_from(&shares);
         let Some(shares) = shares else {
             self.ledgers.store(None);
             return;
@@ -370,7 +376,10 @@ mod tests {
     async fn a_pool_flooding_the_tier_evicts_only_its_own_entries() {
         let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
         let t = MemoryTier::new(one * 40, Duration::from_secs(60), None);
-        t.set_shares(Some(shares(&[("a", one * 10), ("b", one * 10)], one * 20)));
+        t.set_shares(
+            Some(shares(&[("a", one * 10), ("b", one * 10)], one * 20)),
+            1,
+        );
         let b: Vec<_> = (0..8u8)
             .map(|_| entry_in("b/x", &"y".repeat(1000), 60_000))
             .collect();
@@ -422,12 +431,15 @@ mod tests {
         assert_eq!(t.entry_count(), 20);
         assert_eq!(t.pool_size("a/x"), None);
         // A share smaller than what pool a holds: the excess leaves.
-        t.set_shares(Some(shares(&[("a", one * 5)], one * 35)));
+        t.set_shares(Some(shares(&[("a", one * 5)], one * 35)), 1);
         t.run_pending_tasks().await;
         assert!((1..=5).contains(&t.entry_count()), "{}", t.entry_count());
         assert!(t.pool_size("a/x").unwrap() <= one * 5);
         // Lifted: pool a fills the whole tier again.
-        t.set_shares(None);
+        // An older version changes nothing; a newer one lifts them.
+        t.set_shares(None, 0);
+        assert!(t.pool_size("a/x").is_some());
+        t.set_shares(None, 2);
         for i in 0..20u8 {
             t.insert([50 + i; 32], entry_in("a/x", &"x".repeat(1000), 60_000))
                 .await;
@@ -440,7 +452,7 @@ mod tests {
     async fn a_removed_entry_leaves_its_pool() {
         let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
         let t = MemoryTier::new(one * 40, Duration::from_secs(60), None);
-        t.set_shares(Some(shares(&[("a", one * 10)], one * 30)));
+        t.set_shares(Some(shares(&[("a", one * 10)], one * 30)), 1);
         let e = entry_in("a/x", &"x".repeat(1000), 60_000);
         t.insert([1; 32], e.clone()).await;
         assert_eq!(t.pool_size("a/x"), Some(one));

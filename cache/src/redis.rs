@@ -14,6 +14,10 @@
 //! | `{prefix}:ns:{<ns>}`       | sorted set of ids, score = expiry ms    | longest member  |
 //! | `{prefix}:tag:{<tag>}`     | sorted set of ids, score = expiry ms    | longest member  |
 //! | `{prefix}:events`          | stream of `op`, `id`, `ns`, `origin`    | `MAXLEN ~`      |
+//! | `{prefix}:policies`        | hash: `version`, `doc`, `origin`        | none            |
+//!
+//! A policy event carries `version` instead of `id` and `ns`. The policy document is the
+//! server's (JSON); the tier only keeps its version rule (see `policies.rs`).
 //!
 //! Keys that hold one thing carry that thing in a hash tag (`{<id>}`, `{<ns>}`): on a cluster
 //! the slot then depends on the id or name alone, so any companion key added later for the
@@ -37,6 +41,7 @@ mod error;
 mod events;
 mod keys;
 mod metrics;
+mod policies;
 mod shared;
 mod writer;
 
@@ -65,6 +70,7 @@ pub use self::metrics::describe_metrics;
 pub use config::RedisConfig;
 pub use error::{RedisError, RedisHealth};
 pub use events::{ReplicationEvent, ReplicationStream};
+pub use policies::{PolicyPublish, SharedPolicies};
 
 /// Keys asked for per SCAN call.
 const SCAN_COUNT: usize = 500;

@@ -107,9 +107,9 @@ impl Store {
     /// Shares the memory budget out among pools (see [`crate::shares`]); `None`: one budget.
     /// Entries over their pool's new share leave memory with the next write or
     /// [`Store::run_pending_tasks`]. Scans memory (blocking): call it off the async workers
-    /// when entries are held.
-    pub fn set_memory_shares(&self, shares: Option<MemoryShares>) {
-        self.memory.set_shares(shares);
+    /// when entries are held. Shares of a `version` older than those in force are ignored.
+    pub fn set_memory_shares(&self, shares: Option<MemoryShares>, version: u64) {
+        self.memory.set_shares(shares, version);
     }
 
     /// Bytes of entries held for the pool of `namespace` (`None` without shares).

@@ -1,6 +1,7 @@
 //! The Redis tier against real `redis-server` processes (one per test, on free ports):
-//! round trips, expiry, replication events between replicas, foreign values, outages and
-//! recovery through the circuit breaker, invalidation, full scans, and a 3-master cluster.
+//! round trips, expiry, replication events between replicas, the shared policies' versions,
+//! foreign values, outages and recovery through the circuit breaker, invalidation, full scans,
+//! and a 3-master cluster.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,7 +14,7 @@ use metrics::{
 };
 use parking_lot::Mutex;
 use reprise_cache::redis::{
-    RedisConfig, RedisError, RedisTier, ReplicationEvent, ReplicationStream,
+    PolicyPublish, RedisConfig, RedisError, RedisTier, ReplicationEvent, ReplicationStream,
 };
 use reprise_cache::testing::{RedisCluster, RedisServer};
 use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
@@ -441,6 +442,76 @@ async fn redis_down_at_start_is_not_fatal() {
     assert!(stored);
 }
 
+/// The shared policies: each stored version is above every earlier one and above the
+/// publisher's own; a publication based on an outdated version is refused with the newer
+/// one; other replicas are told, the publisher is not.
+#[tokio::test]
+async fn policy_versions_only_grow_and_stale_publications_are_refused() {
+    let server = RedisServer::start();
+    let a = tier(config(server.url()), "replica-a").await;
+    let b = tier(config(server.url()), "replica-b").await;
+    let mut a_events = a.subscribe(false);
+    let mut b_events = b.subscribe(false);
+    assert_eq!(b.get_policies().await.unwrap(), None);
+
+    // Nothing stored yet: the first version is above the publisher's own (1).
+    assert_eq!(
+        a.publish_policies(Some(0), 1, b"one").await.unwrap(),
+        PolicyPublish::Stored(2)
+    );
+    // B still builds on nothing: refused, told the newer version; nothing changes.
+    assert_eq!(
+        b.publish_policies(Some(0), 1, b"stale").await.unwrap(),
+        PolicyPublish::Behind(2)
+    );
+    let stored = b.get_policies().await.unwrap().unwrap();
+    assert_eq!((stored.version, stored.doc.as_slice()), (2, &b"one"[..]));
+    // Built on version 2: stored as 3.
+    assert_eq!(
+        b.publish_policies(Some(2), 2, b"two").await.unwrap(),
+        PolicyPublish::Stored(3)
+    );
+    // A replica whose own version ran ahead (changes it could not share) gets one above it.
+    assert_eq!(
+        a.publish_policies(Some(3), 9, b"three").await.unwrap(),
+        PolicyPublish::Stored(10)
+    );
+    // Without a base: stored whatever is there, still above it.
+    assert_eq!(
+        b.publish_policies(None, 1, b"four").await.unwrap(),
+        PolicyPublish::Stored(11)
+    );
+    let stored = a.get_policies().await.unwrap().unwrap();
+    assert_eq!((stored.version, stored.doc.as_slice()), (11, &b"four"[..]));
+
+    // Each replica hears of the other's versions only.
+    assert_eq!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::Policies { version: 2 }
+    );
+    assert_eq!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::Policies { version: 10 }
+    );
+    assert_eq!(
+        next_event(&mut a_events).await,
+        ReplicationEvent::Policies { version: 3 }
+    );
+    assert_eq!(
+        next_event(&mut a_events).await,
+        ReplicationEvent::Policies { version: 11 }
+    );
+    // The layout: one hash.
+    let mut c = raw(&server.url()).await;
+    let version: String = redis::cmd("HGET")
+        .arg("reprise:policies")
+        .arg("version")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(version, "11");
+}
+
 #[tokio::test]
 async fn delete_namespace_and_tag_invalidation() {
     let server = RedisServer::start();
@@ -586,6 +657,13 @@ async fn cluster_round_trip() {
     ));
     assert_eq!(t.delete_namespace("ns0").await.unwrap(), 20);
     assert_eq!(b.scan_entries(|_| {}).await.unwrap().len(), 40);
+
+    // The policies' script touches one key, so it runs on a cluster.
+    assert_eq!(
+        t.publish_policies(Some(0), 1, b"doc").await.unwrap(),
+        PolicyPublish::Stored(2)
+    );
+    assert_eq!(b.get_policies().await.unwrap().unwrap().doc, b"doc");
 }
 
 /// Two stores over one Redis, as two replicas: what one writes, the other finds by key and by

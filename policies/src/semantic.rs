@@ -2,7 +2,7 @@
 //! configured defaults, overridden per namespace and/or model by the first matching rule, and
 //! raised (never lowered) by the request's own threshold.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The effective semantic policy.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,7 +18,7 @@ pub struct SemanticPolicy {
 }
 
 /// One override rule (`[[semantic.rules]]`): applies when every given selector matches.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Rule {
     /// Namespace the rule applies to (any when absent).

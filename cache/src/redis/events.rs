@@ -2,9 +2,10 @@
 //!
 //! Every put, delete and namespace delete is appended (XADD, capped with `MAXLEN ~`) with the
 //! writer's replica id, so each replica can keep its in-process tiers (memory, semantic index)
-//! in step with the shared Redis tier and skip its own events. A reader that may have missed
-//! events (it was disconnected while the stream was trimmed, or Redis lost the stream in a
-//! restart) is told so with [`ReplicationEvent::Resync`] and rebuilds from a full scan.
+//! in step with the shared Redis tier and skip its own events. A new version of the shared
+//! policies is announced the same way. A reader that may have missed events (it was
+//! disconnected while the stream was trimmed, or Redis lost the stream in a restart) is told
+//! so with [`ReplicationEvent::Resync`] and rebuilds from a full scan.
 
 use std::fmt;
 use std::pin::Pin;
@@ -40,6 +41,12 @@ pub enum ReplicationEvent {
         /// The namespace.
         namespace: String,
     },
+    /// A new version of the shared policies was stored; read it with
+    /// [`super::RedisTier::get_policies`] (a later one may have replaced it meanwhile).
+    Policies {
+        /// The version announced.
+        version: u64,
+    },
     /// Events may have been missed: rebuild from [`super::RedisTier::scan_entries`]. Events
     /// after this one continue from the stream's position at the time of the resync.
     Resync,
@@ -49,6 +56,7 @@ pub enum ReplicationEvent {
 pub(crate) const OP_PUT: &str = "put";
 pub(crate) const OP_DEL: &str = "del";
 pub(crate) const OP_DEL_NS: &str = "del_ns";
+pub(crate) const OP_POLICIES: &str = "policies";
 
 /// How long one XREAD blocks waiting for new events.
 const BLOCK: Duration = Duration::from_millis(1000);
@@ -308,6 +316,9 @@ impl Subscriber {
             OP_DEL => ReplicationEvent::Delete { id: id()? },
             OP_DEL_NS => ReplicationEvent::DeleteNamespace {
                 namespace: namespace()?,
+            },
+            OP_POLICIES => ReplicationEvent::Policies {
+                version: item.get::<String>("version")?.parse().ok()?,
             },
             other => {
                 tracing::debug!(op = other, id = %item.id, "redis events: unknown op skipped");

@@ -39,6 +39,10 @@ impl Keys {
         format!("{}:events", self.prefix)
     }
 
+    pub(super) fn policies(&self) -> String {
+        format!("{}:policies", self.prefix)
+    }
+
     pub(super) fn blob(&self, name: &str) -> String {
         format!("{}:blob:{{{name}}}", self.prefix)
     }
@@ -80,5 +84,6 @@ mod tests {
         assert_eq!(keys.key(&[0xff; 32]), format!("p*x:k:{}", "ff".repeat(32)));
         assert_eq!(keys.namespace("acme"), "p*x:ns:{acme}");
         assert_eq!(keys.entry_pattern(), "p\\*x:e:*");
+        assert_eq!(keys.policies(), "p*x:policies");
     }
 }

@@ -44,10 +44,11 @@ pub(super) enum Op {
     DeleteTag,
     Scan,
     Events,
+    Policies,
 }
 
 impl Op {
-    const ALL: [Op; 9] = [
+    const ALL: [Op; 10] = [
         Op::Get,
         Op::GetByKey,
         Op::Put,
@@ -57,6 +58,7 @@ impl Op {
         Op::DeleteTag,
         Op::Scan,
         Op::Events,
+        Op::Policies,
     ];
 
     pub(super) fn as_str(self) -> &'static str {
@@ -70,6 +72,7 @@ impl Op {
             Op::DeleteTag => "delete_tag",
             Op::Scan => "scan",
             Op::Events => "events",
+            Op::Policies => "policies",
         }
     }
 }

@@ -8,21 +8,31 @@
 //! `reprise serve --config FILE`, from `SIGHUP` (the file is read again). Each change bumps
 //! [`Policies::version`] (`GET /admin/policies`, metric `reprise_policy_version`). A tenant's
 //! rate limiters carry over to the new version while its rates stay the same.
+//!
+//! With Redis, a change made on one replica reaches every replica (`share.rs`).
+
+mod share;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use reprise_policies::semantic::{Rule, SemanticPolicy};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::auth::Tenants;
 use crate::config::{AuthConfig, Config, TenantConfig};
 use crate::state::AppState;
 
+pub use share::sync;
+
 /// The live policies.
 pub struct Policies {
-    /// 1 at start, one more with every change.
+    /// 1 at start, one more with every change; with Redis, the version shared by every
+    /// replica.
     pub version: u64,
+    /// The newest version shared through Redis that these policies include (0: none); a
+    /// shared version is applied here only when newer.
+    shared: u64,
     /// The semantic defaults (`[semantic]` enabled, threshold, top_k, gate).
     pub semantic: SemanticPolicy,
     /// `[[semantic.rules]]`.
@@ -44,6 +54,7 @@ impl Policies {
         let s = &config.semantic;
         Ok(Policies {
             version,
+            shared: 0,
             semantic: SemanticPolicy {
                 enabled: s.enabled,
                 threshold: s.threshold,
@@ -77,7 +88,9 @@ impl Policies {
              switching it on needs a restart"
         );
         c.validate()?;
-        Policies::build(&c, self.version + 1, Some(&self.tenants))
+        let mut next = Policies::build(&c, self.version + 1, Some(&self.tenants))?;
+        next.shared = self.shared;
+        Ok(next)
     }
 
     /// The tenants' shares of the memory tier (`None`: no tenant has one).
@@ -176,9 +189,10 @@ pub(crate) fn rule_view(r: &Rule) -> serde_json::Value {
     })
 }
 
-/// A policy document (`PUT /admin/policies`, or the policy sections of the configuration
-/// file on `SIGHUP`): each section given replaces the running one; absent ones stay.
-#[derive(Debug, Default, Deserialize)]
+/// A policy document (`PUT /admin/policies`, the policy sections of the configuration file
+/// on `SIGHUP`, or the version shared through Redis): each section given replaces the
+/// running one; absent ones stay.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyDocument {
     /// `[semantic]`: only the policy keys (enabled, threshold, top_k, gate, rules).
@@ -190,7 +204,7 @@ pub struct PolicyDocument {
 }
 
 /// The changeable keys of `[semantic]`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SemanticDocument {
     /// `semantic.enabled`.
@@ -228,26 +242,51 @@ impl PolicyDocument {
     }
 }
 
-/// Applies a document to the running state: validated, built, swapped in; the new version,
-/// or why it was refused (the running policies stay).
-pub fn apply(state: &Arc<AppState>, doc: PolicyDocument) -> anyhow::Result<u64> {
-    // One change at a time, so two concurrent changes cannot both take the same version.
-    let _guard = state.policy_change.lock();
-    let current = state.policies.load_full();
-    let next = current.next(doc, state.embedder.is_some())?;
+/// What [`apply`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    /// The version now running here.
+    pub version: u64,
+    /// Whether the change was stored in Redis for the other replicas. Without Redis, or when
+    /// Redis could not be reached, it holds on this replica only.
+    pub shared: bool,
+}
+
+/// Applies a document to the running state: validated, built, swapped in, and with Redis
+/// shared with the other replicas; or why it was refused (the running policies stay).
+pub async fn apply(state: &AppState, doc: PolicyDocument) -> anyhow::Result<Applied> {
+    // One change at a time, so two concurrent changes cannot both take the same version and
+    // a version from Redis waits for a change being shared. An async lock: sharing awaits
+    // Redis while holding it.
+    let _guard = state.policy_change.lock().await;
+    if let Some(redis) = state.store.redis() {
+        return share::publish(state, redis, doc).await;
+    }
+    let next = state.policies.load().next(doc, state.embedder.is_some())?;
+    let version = install(state, next);
+    tracing::info!(version, "policies changed");
+    Ok(Applied {
+        version,
+        shared: false,
+    })
+}
+
+/// Swaps `next` in (the caller holds the change lock); its version.
+fn install(state: &AppState, next: Policies) -> u64 {
     let version = next.version;
-    let memory_changed = next.memory_shares() != current.memory_shares();
+    let memory_changed = next.memory_shares() != state.policies.load().memory_shares();
     state.policies.store(Arc::new(next));
     state.metrics.policy_version.set(version as f64);
     share_budgets(state, memory_changed);
-    tracing::info!(version, "policies changed");
-    Ok(version)
+    version
 }
 
 /// Shares the memory tier and the prefetch budgets out as the running policies say. The
-/// memory tier is re-pooled off the async workers (it scans what memory holds); that task
-/// reads the policies when it runs, so of two quick changes the later one wins.
-pub fn share_budgets(state: &Arc<AppState>, memory_changed: bool) {
+/// memory tier is re-pooled off the async workers (it scans what memory holds); of two quick
+/// changes the later wins, whatever order their tasks run in (changes are numbered here, as
+/// policy versions adopted from Redis need not grow).
+fn share_budgets(state: &AppState, memory_changed: bool) {
+    static CHANGES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(2);
     let policies = state.policies.load();
     if let Some(prefetch) = &state.prefetch {
         prefetch.set_shares(policies.prefetch_shares());
@@ -255,12 +294,9 @@ pub fn share_budgets(state: &Arc<AppState>, memory_changed: bool) {
     if !memory_changed {
         return;
     }
-    let state = state.clone();
     let bytes = state.config.cache.memory_bytes;
-    tokio::task::spawn_blocking(move || {
-        let shares = state.policies.load().memory_shares();
-        state
-            .store
-            .set_memory_shares(shares.map(|s| s.of_memory(bytes)));
-    });
+    let shares = policies.memory_shares().map(|s| s.of_memory(bytes));
+    let store = state.store.clone();
+    let change = CHANGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tokio::task::spawn_blocking(move || store.set_memory_shares(shares, change));
 }

@@ -1,0 +1,290 @@
+//! Live policies shared by every replica through Redis.
+//!
+//! A change applied on one replica (`PUT /admin/policies`, `SIGHUP`) is published as the
+//! policy sections it now runs, every section whole ([`PolicyDocument::of_config`]), as JSON
+//! under `{prefix}:policies`, with a version Redis hands out, and announced on the event stream
+//! (op `policies`). The version only grows, whichever replica publishes
+//! ([`RedisTier::publish_policies`]). Every replica applies the stored version when it is newer
+//! than the last shared version it applied: on the announcement (the replication task), at
+//! start, and after a resync. It is validated there like any change, so a document that is
+//! not valid on that replica (a variable or key file missing there, the semantic tier off
+//! there) leaves its policies as they are, logged and counted
+//! (`reprise_policy_sync_failures_total`). A replica that applied a version runs under its
+//! number, so `GET /admin/policies` and `reprise_policy_version` agree across replicas.
+//!
+//! Keys never reach Redis as they are: each configured key is written as its digest
+//! (`sha256:<hex>`), which every replica accepts as a key. `api_keys_env`, `api_keys_file` and
+//! `admin_token_env` are names, read on each replica.
+//!
+//! A publication builds on the newest shared version this replica knows. If another replica
+//! stored a newer one meanwhile, that one is applied here first and the change is made again
+//! on top of it (the last attempt publishes regardless), so two concurrent changes to different
+//! sections both hold, and every replica ends on the same, last version. When Redis cannot be
+//! reached the change holds on this replica only (`"shared": false`), under a version number of
+//! its own, until the next shared version replaces it.
+
+use reprise_cache::redis::{PolicyPublish, RedisTier, SharedPolicies};
+
+use super::{install, Applied, Policies, PolicyDocument};
+use crate::auth::KeyDigest;
+use crate::state::AppState;
+
+/// Publications tried when other replicas keep storing newer versions first; the last one
+/// publishes regardless of what is stored.
+const ATTEMPTS: usize = 3;
+
+/// Applies `doc` here and publishes the result (the caller holds the change lock).
+pub(super) async fn publish(
+    state: &AppState,
+    redis: &RedisTier,
+    doc: PolicyDocument,
+) -> anyhow::Result<Applied> {
+    let semantic_loaded = state.embedder.is_some();
+    let mut known = 0;
+    for attempt in 1..=ATTEMPTS {
+        let current = state.policies.load_full();
+        let mut next = current.next(doc.clone(), semantic_loaded)?;
+        known = known.max(current.shared);
+        let base = (attempt < ATTEMPTS).then_some(known);
+        let published = match encode(&next) {
+            Ok(bytes) => redis
+                .publish_policies(base, current.version, &bytes)
+                .await
+                .map_err(anyhow::Error::from),
+            Err(e) => Err(e.into()),
+        };
+        match published {
+            Ok(PolicyPublish::Stored(version)) => {
+                next.version = version;
+                next.shared = version;
+                install(state, next);
+                tracing::info!(version, "policies changed and shared through redis");
+                return Ok(Applied {
+                    version,
+                    shared: true,
+                });
+            }
+            Ok(PolicyPublish::Behind(newer)) => {
+                tracing::info!(
+                    newer,
+                    "policies: another replica shared a newer version; applying it first"
+                );
+                adopt(state, redis).await;
+                known = newer;
+            }
+            Err(e) => return Ok(keep_here(state, next, &e)),
+        }
+    }
+    // The last attempt publishes regardless of what is stored.
+    anyhow::bail!("policies kept changing on other replicas; try again")
+}
+
+/// Swaps in a change that could not be published: it holds here, under a local version.
+fn keep_here(state: &AppState, next: Policies, why: &anyhow::Error) -> Applied {
+    let version = install(state, next);
+    tracing::warn!(
+        version,
+        error = %format!("{why:#}"),
+        "policies changed on this replica only: not shared through redis"
+    );
+    Applied {
+        version,
+        shared: false,
+    }
+}
+
+/// Applies the version of the policies shared through Redis when it is newer than the last
+/// one this replica applied (at start, on a policy event, after a resync). Never fails: when
+/// Redis cannot be reached, or the document is not valid here, it is logged and the running
+/// policies stay. Returns whether Redis answered (without Redis: true, nothing to read).
+pub async fn sync(state: &AppState) -> bool {
+    let Some(redis) = state.store.redis() else {
+        return true;
+    };
+    let _guard = state.policy_change.lock().await;
+    adopt(state, redis).await
+}
+
+/// [`sync`] with the change lock held.
+async fn adopt(state: &AppState, redis: &RedisTier) -> bool {
+    let stored = match redis.get_policies().await {
+        Ok(Some(stored)) => stored,
+        Ok(None) => return true,
+        Err(e) => {
+            tracing::warn!(error = %e, "policies: cannot read the shared version from redis");
+            return false;
+        }
+    };
+    let current = state.policies.load_full();
+    match next_shared(&current, &stored, state.embedder.is_some()) {
+        None => {}
+        Some(Ok(next)) => {
+            let version = install(state, next);
+            tracing::info!(version, "policies: shared version applied");
+        }
+        Some(Err(e)) => {
+            state.metrics.policy_sync_failures.increment(1);
+            tracing::error!(
+                version = stored.version,
+                running = current.version,
+                error = %format!("{e:#}"),
+                "policies: the shared version is not valid on this replica; keeping the running policies"
+            );
+        }
+    }
+    true
+}
+
+/// The policies `stored` makes of `current`, under the stored version; `None` when it is not
+/// newer than the last shared version `current` includes.
+fn next_shared(
+    current: &Policies,
+    stored: &SharedPolicies,
+    semantic_loaded: bool,
+) -> Option<anyhow::Result<Policies>> {
+    if stored.version <= current.shared {
+        return None;
+    }
+    let next = decode(&stored.doc).and_then(|doc| current.next(doc, semantic_loaded));
+    Some(next.map(|mut next| {
+        next.version = stored.version;
+        next.shared = stored.version;
+        next
+    }))
+}
+
+/// The document every replica applies to run `policies`: its policy sections, keys as digests.
+fn encode(policies: &Policies) -> serde_json::Result<Vec<u8>> {
+    serde_json::to_vec(&without_plain_keys(PolicyDocument::of_config(
+        &policies.config,
+    )))
+}
+
+/// A document read from Redis.
+fn decode(bytes: &[u8]) -> anyhow::Result<PolicyDocument> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| anyhow::anyhow!("the shared policy document does not decode: {e}"))
+}
+
+/// `doc` with every configured key written as its digest.
+fn without_plain_keys(mut doc: PolicyDocument) -> PolicyDocument {
+    for tenant in doc.tenants.iter_mut().flatten() {
+        tenant.api_keys = tenant
+            .api_keys
+            .iter()
+            // Keys were validated with the document; one that did not parse would be left
+            // out rather than written as it is.
+            .filter_map(|k| KeyDigest::parse(k).ok())
+            .map(|d| d.to_string())
+            .collect();
+    }
+    doc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, TenantConfig};
+
+    fn config() -> Config {
+        let mut c = Config::default();
+        c.semantic.enabled = false;
+        c
+    }
+
+    fn tenant(keys: &[&str]) -> TenantConfig {
+        TenantConfig {
+            name: "acme".into(),
+            api_keys: keys.iter().map(|k| k.to_string()).collect(),
+            api_keys_env: Some("REPRISE_TEST_SHARE_KEYS_UNSET".into()),
+            api_keys_file: None,
+            sub_namespaces: true,
+            admin_token_env: None,
+            policy: Default::default(),
+            candidate: None,
+        }
+    }
+
+    fn bearer(key: &str) -> axum::http::HeaderMap {
+        let mut h = axum::http::HeaderMap::new();
+        h.insert("authorization", format!("Bearer {key}").parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn keys_are_shared_as_digests_and_still_name_their_tenant() {
+        let digest = KeyDigest::of("sk-two").to_string();
+        let mut t = tenant(&["sk-one", &digest]);
+        t.api_keys_env = None;
+        let mut c = config();
+        c.tenants = vec![t];
+        let running = Policies::from_config(&c, 1).unwrap();
+        let bytes = encode(&running).unwrap();
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        assert!(
+            !text.contains("sk-one") && !text.contains("sk-two"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&KeyDigest::of("sk-one").to_string()),
+            "{text}"
+        );
+
+        let fresh = Policies::from_config(&config(), 1).unwrap();
+        let stored = SharedPolicies {
+            version: 2,
+            doc: bytes,
+        };
+        let next = next_shared(&fresh, &stored, false).unwrap().unwrap();
+        for key in ["sk-one", "sk-two"] {
+            let who = next.tenants.identify(&bearer(key)).unwrap();
+            assert_eq!(who.name(), "acme", "{key}");
+        }
+    }
+
+    #[test]
+    fn a_shared_version_is_applied_only_when_newer_and_valid() {
+        let mut c = config();
+        c.semantic.threshold = 0.5;
+        let stored = |version| SharedPolicies {
+            version,
+            doc: encode(&Policies::from_config(&c, 1).unwrap()).unwrap(),
+        };
+        // A replica at start (version 1, nothing shared yet) takes any shared version, and
+        // then runs under its number.
+        let start = Policies::from_config(&config(), 1).unwrap();
+        let v4 = next_shared(&start, &stored(4), false).unwrap().unwrap();
+        assert_eq!((v4.version, v4.shared), (4, 4));
+        assert_eq!(v4.semantic.threshold, 0.5);
+        assert!(next_shared(&v4, &stored(4), false).is_none());
+        assert!(next_shared(&v4, &stored(3), false).is_none());
+        // A change made here only (Redis down) counts locally, but the next shared version
+        // replaces it.
+        let local = v4.next(PolicyDocument::default(), false).unwrap();
+        assert_eq!((local.version, local.shared), (5, 4));
+        let v5 = next_shared(&local, &stored(5), false).unwrap().unwrap();
+        assert_eq!((v5.version, v5.shared), (5, 5));
+        // Not valid here: refused with the reason.
+        let missing_var = SharedPolicies {
+            version: 6,
+            doc: serde_json::to_vec(&PolicyDocument {
+                tenants: Some(vec![tenant(&["sk-one"])]),
+                ..PolicyDocument::default()
+            })
+            .unwrap(),
+        };
+        let err = next_shared(&v5, &missing_var, false)
+            .unwrap()
+            .err()
+            .unwrap();
+        assert!(
+            format!("{err:#}").contains("REPRISE_TEST_SHARE_KEYS_UNSET"),
+            "{err:#}"
+        );
+        let garbage = SharedPolicies {
+            version: 7,
+            doc: b"{\"semantic\": 3}".to_vec(),
+        };
+        assert!(next_shared(&v5, &garbage, false).unwrap().is_err());
+    }
+}
