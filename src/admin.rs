@@ -266,7 +266,34 @@ pub async fn get_policies(
     headers: HeaderMap,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     global_only(&authorize(&state, &headers)?)?;
-    Ok(Json(state.policies.load().view()))
+    let mut view = state.policies.load().view();
+    view["rollbacks"] = state.rollbacks.lock().iter().cloned().collect();
+    Ok(Json(view))
+}
+
+/// `POST /admin/policies/promote?tenant=NAME`: the tenant's candidate policy becomes its
+/// policy (a policy change like `PUT`, shared likewise); 400 when it has none. Global admin
+/// only.
+pub async fn promote(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<TenantQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    global_only(&authorize(&state, &headers)?)?;
+    let tenant = q
+        .tenant
+        .ok_or_else(|| ApiError::invalid("`tenant` is required", Some("tenant")))?;
+    let doc = state
+        .policies
+        .load()
+        .promoting(&tenant)
+        .map_err(|e| ApiError::invalid(e, Some("tenant")))?;
+    let applied = crate::policy::apply(&state, doc)
+        .await
+        .map_err(|e| ApiError::invalid(format!("policy refused: {e:#}"), None))?;
+    Ok(Json(
+        json!({"version": applied.version, "shared": applied.shared}),
+    ))
 }
 
 /// `PUT /admin/policies`: applies a policy document (TOML: `[semantic]` policy keys,

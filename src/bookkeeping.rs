@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use reprise_cache::now_ms;
 
+use crate::candidate::Candidate;
 use crate::error::ApiError;
 use crate::lookup::Notes;
 use crate::metrics::Outcome;
@@ -24,6 +25,18 @@ pub struct Bookkeeping {
     first_token: Option<f64>,
     /// The request log line being filled in.
     pub record: LogRecord,
+    /// The canary side the request is on, when its tenant tries a canary candidate.
+    pub canary: Option<CanarySide>,
+}
+
+/// A request on one side of a tenant's canary: its outcome and latency are recorded there.
+pub struct CanarySide {
+    /// The tenant's name.
+    pub tenant: String,
+    /// The candidate being tried.
+    pub candidate: Arc<Candidate>,
+    /// Served under the candidate (else the control side).
+    pub on_candidate: bool,
 }
 
 impl Bookkeeping {
@@ -43,6 +56,7 @@ impl Bookkeeping {
                 },
                 ..Default::default()
             },
+            canary: None,
         }
     }
 
@@ -56,6 +70,7 @@ impl Bookkeeping {
             error: None,
             first_token: None,
             record: LogRecord::default(),
+            canary: None,
         }
     }
 
@@ -119,6 +134,14 @@ impl Drop for Bookkeeping {
         state.metrics.request(outcome, total);
         if let Some(t) = self.first_token {
             state.metrics.first_token(outcome, t);
+        }
+        if let Some(side) = self.canary.take() {
+            state
+                .metrics
+                .canary(&side.tenant, side.on_candidate, outcome);
+            if let Some(reason) = side.candidate.record(side.on_candidate, outcome, total) {
+                crate::policy::roll_back(state.clone(), side.tenant, reason);
+            }
         }
         if let Some(log) = &state.request_log {
             let mut rec = std::mem::take(&mut self.record);

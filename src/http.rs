@@ -67,6 +67,7 @@ fn admin_routes() -> Router<Arc<AppState>> {
             "/admin/policies",
             get(admin::get_policies).put(admin::put_policies),
         )
+        .route("/admin/policies/promote", post(admin::promote))
         .route("/admin/explain", post(admin::explain))
 }
 

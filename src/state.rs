@@ -56,6 +56,9 @@ pub struct AppState {
     pub policies: ArcSwap<Policies>,
     /// Serialises policy changes, local and shared (held while a change is published).
     pub policy_change: tokio::sync::Mutex<()>,
+    /// Canary candidates this replica rolled back (the latest
+    /// [`crate::policy::MAX_ROLLBACKS`]), for `GET /admin/policies`.
+    pub rollbacks: parking_lot::Mutex<std::collections::VecDeque<serde_json::Value>>,
     ready: AtomicBool,
 }
 
@@ -135,6 +138,7 @@ impl AppState {
             observer,
             policies: ArcSwap::from_pointee(policies),
             policy_change: Default::default(),
+            rollbacks: Default::default(),
             rebuilds: Default::default(),
             ready: AtomicBool::new(true),
         }))

@@ -524,3 +524,237 @@ async fn without_redis_a_change_holds_here_until_a_shared_one_replaces_it() {
     let reached = eventually_async(Duration::from_secs(20), || runs(&a, version, 0.93));
     assert!(reached.await, "{}", policies(&a).await);
 }
+
+/// Tenants `name` with `policy` (TOML lines of `[tenants.policy]`) and `candidate` (of
+/// `[tenants.candidate]`, none when empty), one document.
+fn tenants_doc(tenants: &[(&str, &str, &str)]) -> String {
+    let mut doc = String::new();
+    for (name, policy, candidate) in tenants {
+        doc.push_str(&format!(
+            "[[tenants]]\nname = \"{name}\"\napi_keys = [\"sk-{name}\"]\n"
+        ));
+        if !policy.is_empty() {
+            doc.push_str(&format!("[tenants.policy]\n{policy}\n"));
+        }
+        if !candidate.is_empty() {
+            doc.push_str(&format!("[tenants.candidate]\n{candidate}\n"));
+        }
+    }
+    doc
+}
+
+async fn ask_as(app: &TestApp, tenant: &str, text: &str) -> reqwest::Response {
+    let auth = format!("Bearer sk-{tenant}");
+    app.chat(&chat_body(text), &[("authorization", &auth)])
+        .await
+}
+
+fn candidate_view<'a>(view: &'a Value, tenant: &str) -> &'a Value {
+    let tenants = view["tenants"].as_array().unwrap();
+    &tenants.iter().find(|t| t["name"] == tenant).unwrap()["candidate"]
+}
+
+const ORIGINALS: &[&str] = &[
+    "How do I reset my password?",
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What time does the store open on Sunday?",
+    "How do I cancel my subscription?",
+];
+
+const PROBES: &[&str] = &[
+    "how do I reset my password",
+    "I forgot my password, how can I change it?",
+    "What's the capital city of France?",
+    "How many legs do spiders have?",
+    "When does the shop open on Sundays?",
+    "How can I cancel my subscription?",
+    "Can you help me reset my password please?",
+    "Which city is the capital of France?",
+    "What is the weather in Paris today?",
+    "Tell me a joke about cats",
+];
+
+/// Shadow mode: what the candidate would have served is counted per request, and matches a
+/// replay of the same traffic under the candidate; what is served does not change.
+#[tokio::test]
+async fn shadow_counts_match_a_replay_under_the_candidate() {
+    let strict = "[[tenants.policy.semantic_rules]]\nthreshold = 0.97";
+    let lax = "[[tenants.candidate.semantic_rules]]\nthreshold = 0.75";
+    let shadow = format!("mode = \"shadow\"\n{lax}");
+    let lax_policy = "[[tenants.policy.semantic_rules]]\nthreshold = 0.75";
+    let writable = tenants_doc(&[
+        ("shadowed", strict, &shadow),
+        ("control", strict, ""),
+        ("replay", lax_policy, ""),
+    ]);
+    let mut config = admin_config();
+    config.semantic.enabled = true;
+    config.auth.required = true;
+    config.tenants = reprise::policy::PolicyDocument::from_toml(&writable)
+        .unwrap()
+        .tenants
+        .unwrap();
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    for q in ORIGINALS {
+        for t in ["shadowed", "control", "replay"] {
+            assert_eq!(cache_status(&ask_as(&app, t, q).await), "miss");
+        }
+    }
+    // From now on nothing is stored, so each probe meets the same entries on every side.
+    let read_only = |p: &str| format!("read_only = true\n{p}");
+    let doc = tenants_doc(&[
+        ("shadowed", &read_only(strict), &shadow),
+        ("control", &read_only(strict), ""),
+        ("replay", &read_only(lax_policy), ""),
+    ]);
+    assert_eq!(put(&app, &doc).await.status(), 200);
+    let counts = |view: &Value| candidate_view(view, "shadowed")["shadow"].clone();
+    let mut before = counts(&policies(&app).await);
+    let mut would_hit = 0;
+    for q in PROBES {
+        let served = cache_status(&ask_as(&app, "shadowed", q).await);
+        let control = cache_status(&ask_as(&app, "control", q).await);
+        let replay = cache_status(&ask_as(&app, "replay", q).await);
+        assert_eq!(served, control, "{q}: the shadow changes nothing served");
+        let after = counts(&policies(&app).await);
+        let moved: Vec<&str> = [
+            "agree_hit",
+            "agree_miss",
+            "would_hit",
+            "would_miss",
+            "different",
+        ]
+        .into_iter()
+        .filter(|k| after[k] != before[k])
+        .collect();
+        assert_eq!(moved.len(), 1, "{q}: one result per request: {after}");
+        let candidate_hit = matches!(moved[0], "agree_hit" | "would_hit" | "different");
+        let served_hit = matches!(moved[0], "agree_hit" | "would_miss" | "different");
+        // Read-only, a miss is answered as `bypass`.
+        let hit = |s: &str| matches!(s, "exact" | "semantic" | "prefetch");
+        assert_eq!(
+            candidate_hit,
+            hit(&replay),
+            "{q}: {} vs replay {replay}",
+            moved[0]
+        );
+        assert_eq!(
+            served_hit,
+            hit(&served),
+            "{q}: {} vs served {served}",
+            moved[0]
+        );
+        would_hit += usize::from(moved[0] == "would_hit");
+        before = after;
+    }
+    assert!(
+        would_hit > 0,
+        "the looser candidate gains hits on these probes"
+    );
+    let m = app.metrics_text().await;
+    assert!(
+        m.contains(r#"reprise_shadow_lookups_total{tenant="shadowed",result="would_hit"}"#),
+        "{m}"
+    );
+}
+
+/// Canary mode: a share of requests is served under the candidate; a candidate worse than the
+/// rest (here it turns the semantic tier off while the backend fails, so its side errs where
+/// the other is answered from the cache) is rolled back by itself, for every replica; a good
+/// one is promoted by one call.
+#[tokio::test]
+async fn a_canary_worse_than_the_rest_is_rolled_back_and_a_good_one_promoted() {
+    let canary = "mode = \"canary\"\npercent = 50\nmin_requests = 5\n\
+                  [[tenants.candidate.semantic_rules]]\nenabled = false";
+    let writable = tenants_doc(&[("tried", "", canary)]);
+    let mut config = admin_config();
+    config.semantic.enabled = true;
+    config.auth.required = true;
+    config.tenants = reprise::policy::PolicyDocument::from_toml(&writable)
+        .unwrap()
+        .tenants
+        .unwrap();
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    // The answer is stored (this request may be on either side: both store on a miss).
+    assert_eq!(
+        cache_status(&ask_as(&app, "tried", ORIGINALS[0]).await),
+        "miss"
+    );
+    let read_only = tenants_doc(&[("tried", "read_only = true", canary)]);
+    assert_eq!(put(&app, &read_only).await.status(), 200);
+    let version = policies(&app).await["version"].as_u64().unwrap();
+    backend.set_failure(reprise_backend::fake::Failure::AtStart(
+        reprise_backend::BackendError::Unavailable("injected".into()),
+    ));
+    let paraphrase = "I forgot my password, how can I change it?";
+    let mut statuses = Vec::new();
+    for _ in 0..40 {
+        let r = ask_as(&app, "tried", paraphrase).await;
+        statuses.push(r.status().as_u16());
+    }
+    // Both sides were served until the candidate was judged: hits on the control's, errors
+    // on the candidate's.
+    assert!(
+        statuses.contains(&200) && statuses.iter().any(|s| *s >= 500),
+        "{statuses:?}"
+    );
+    let app_state = app.state.clone();
+    let removed = eventually(Duration::from_secs(10), || {
+        app_state
+            .policies
+            .load()
+            .tenants
+            .named("tried")
+            .unwrap()
+            .candidate()
+            .is_none()
+    })
+    .await;
+    assert!(removed, "the candidate is removed by a policy change");
+    let view = policies(&app).await;
+    assert!(view["version"].as_u64().unwrap() > version);
+    assert!(candidate_view(&view, "tried").is_null());
+    let rollback = &view["rollbacks"][0];
+    assert_eq!(rollback["tenant"], "tried");
+    assert!(
+        rollback["reason"].as_str().unwrap().contains("error rate"),
+        "{rollback}"
+    );
+    // Every later request is on the running policy: answered from the cache.
+    for _ in 0..6 {
+        assert_eq!(
+            cache_status(&ask_as(&app, "tried", paraphrase).await),
+            "semantic"
+        );
+    }
+    let m = app.metrics_text().await;
+    assert!(
+        m.contains(r#"reprise_canary_rollbacks_total{tenant="tried"} 1"#),
+        "{m}"
+    );
+
+    // A candidate that is as good is promoted by one call: its rules become the tenant's.
+    let good =
+        "mode = \"canary\"\npercent = 10\n[[tenants.candidate.semantic_rules]]\nthreshold = 0.75";
+    assert_eq!(
+        put(&app, &tenants_doc(&[("tried", "", good)]))
+            .await
+            .status(),
+        200
+    );
+    let promote = |tenant: &str| {
+        app.client
+            .post(app.url(&format!("/admin/policies/promote?tenant={tenant}")))
+            .bearer_auth("p0licy")
+            .send()
+    };
+    let r = promote("tried").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let view = policies(&app).await;
+    assert!(candidate_view(&view, "tried").is_null());
+    let tried = &view["tenants"][0]["policy"];
+    assert_eq!(tried["semantic_rules"][0]["threshold"], 0.75, "{tried}");
+    let r = promote("tried").await.unwrap();
+    assert_openai_error(r, 400, Some("tenant")).await;
+}

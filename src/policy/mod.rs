@@ -103,6 +103,36 @@ impl Policies {
         Shares::of(&self.config, |p| p.prefetch_share)
     }
 
+    /// A document that removes tenant `tenant`'s candidate (`None`: it has none).
+    pub fn without_candidate(&self, tenant: &str) -> Option<PolicyDocument> {
+        let mut tenants = self.config.tenants.clone();
+        let t = tenants.iter_mut().find(|t| t.name == tenant)?;
+        t.candidate.take()?;
+        Some(PolicyDocument {
+            tenants: Some(tenants),
+            ..PolicyDocument::default()
+        })
+    }
+
+    /// A document that makes tenant `tenant`'s candidate its policy: the candidate's
+    /// semantic rules become its own, and the candidate goes.
+    pub fn promoting(&self, tenant: &str) -> Result<PolicyDocument, String> {
+        let mut tenants = self.config.tenants.clone();
+        let t = tenants
+            .iter_mut()
+            .find(|t| t.name == tenant)
+            .ok_or_else(|| format!("no tenant `{tenant}`"))?;
+        let c = t
+            .candidate
+            .take()
+            .ok_or_else(|| format!("tenant `{tenant}` has no candidate policy"))?;
+        t.policy.semantic_rules = c.semantic_rules;
+        Ok(PolicyDocument {
+            tenants: Some(tenants),
+            ..PolicyDocument::default()
+        })
+    }
+
     /// The effective policies as JSON (no keys: only how many each tenant has).
     pub fn view(&self) -> serde_json::Value {
         let p = &self.semantic;
@@ -134,6 +164,10 @@ impl Policies {
                         "memory_share": p.memory_share,
                         "prefetch_share": p.prefetch_share,
                     },
+                    "candidate": self
+                        .tenants
+                        .named(&t.name)
+                        .and_then(|t| t.candidate().map(|c| c.view())),
                 })
             }).collect::<Vec<_>>(),
         })
@@ -280,6 +314,39 @@ fn install(state: &AppState, next: Policies) -> u64 {
     share_budgets(state, memory_changed);
     version
 }
+
+/// Rolls tenant `tenant`'s canary back for `reason`: a policy change that removes its
+/// candidate (shared with the other replicas like any change), recorded in the state's
+/// rollbacks and counted. Runs on its own task: it is judged as a request ends.
+pub fn roll_back(state: Arc<AppState>, tenant: String, reason: String) {
+    tracing::warn!(tenant, reason, "canary policy rolled back");
+    state.metrics.canary_rollback(&tenant);
+    {
+        let mut log = state.rollbacks.lock();
+        if log.len() == MAX_ROLLBACKS {
+            log.pop_front();
+        }
+        log.push_back(serde_json::json!({
+            "tenant": tenant, "reason": reason, "time_ms": reprise_cache::now_ms(),
+        }));
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        // Gone already (another replica's rollback, an operator's change): nothing to do.
+        let Some(doc) = state.policies.load().without_candidate(&tenant) else {
+            return;
+        };
+        match apply(&state, doc).await {
+            Ok(a) => tracing::info!(tenant, version = a.version, "canary removed"),
+            Err(e) => tracing::error!(tenant, error = %format!("{e:#}"), "canary not removed"),
+        }
+    });
+}
+
+/// Rollbacks remembered for `GET /admin/policies`.
+pub const MAX_ROLLBACKS: usize = 32;
 
 /// Shares the memory tier and the prefetch budgets out as the running policies say. The
 /// memory tier is re-pooled off the async workers (it scans what memory holds); of two quick

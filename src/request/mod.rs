@@ -38,8 +38,10 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 
-use crate::bookkeeping::Bookkeeping;
+use crate::auth::Tenant;
+use crate::bookkeeping::{Bookkeeping, CanarySide};
 use crate::candidate::Arm;
+use crate::config::CandidateMode;
 use crate::error::ApiError;
 pub use crate::forward::Forward;
 use crate::headers::set_cache_status;
@@ -103,10 +105,11 @@ async fn serve(
     let renderer = Renderer::new(endpoint, &parsed.req.model);
 
     // 4. Exact and 5. semantic lookup.
+    let arm = candidate_arm(&tenant, book);
     let wants = Wants {
         threshold: ctl.threshold,
         freshness: ctl.cache.freshness(),
-        arm: tenant.candidate().map_or(Arm::Current, |c| c.assign()),
+        arm,
     };
     let counted = book.is_counted();
     let mut found = lookup::lookup(
@@ -159,4 +162,21 @@ async fn serve(
         crate::headers::set_similarity(&mut resp, sim);
     }
     Ok(resp)
+}
+
+/// The policy a request of `tenant` is looked up under: with a candidate, the side it
+/// assigns (a canary's sides are recorded in `book` when the request ends).
+fn candidate_arm(tenant: &Tenant, book: &mut Bookkeeping) -> Arm {
+    let Some(candidate) = tenant.candidate() else {
+        return Arm::Current;
+    };
+    let arm = candidate.assign();
+    if candidate.config().mode == CandidateMode::Canary && book.is_counted() {
+        book.canary = Some(CanarySide {
+            tenant: tenant.name().to_string(),
+            candidate: candidate.clone(),
+            on_candidate: arm == Arm::Candidate,
+        });
+    }
+    arm
 }
