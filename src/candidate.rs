@@ -8,7 +8,7 @@
 //! - **Canary**: `percent` of the requests (every n-th, so the share is exact at any count)
 //!   are served under the candidate, the rest under the running policy (the control). Once
 //!   each side has answered `min_requests`, after every request the candidate is judged
-//!   against the control: error rate, P95 latency, hit rate. A candidate worse beyond the
+//!   against the control: error rate, P95 latency, share of hits reported wrong, hit rate. A candidate worse beyond the
 //!   configured bounds is rolled back (a policy change that removes it, so every replica
 //!   drops it); a good one is promoted by one admin call (`POST /admin/policies/promote`).
 //!
@@ -94,6 +94,8 @@ struct Side {
     requests: u64,
     hits: u64,
     errors: u64,
+    /// Hits reported wrong (`POST /v1/feedback`).
+    wrong: u64,
     /// The latest latencies, in seconds.
     latencies: VecDeque<f64>,
 }
@@ -116,6 +118,11 @@ impl Side {
         n as f64 / self.requests.max(1) as f64
     }
 
+    /// The share of its hits reported wrong.
+    fn wrong_hit_rate(&self) -> f64 {
+        self.wrong as f64 / self.hits.max(1) as f64
+    }
+
     fn p95(&self) -> f64 {
         let mut v: Vec<f64> = self.latencies.iter().copied().collect();
         if v.is_empty() {
@@ -130,6 +137,7 @@ impl Side {
             "requests": self.requests,
             "hit_rate": self.rate(self.hits),
             "error_rate": self.rate(self.errors),
+            "wrong_hit_rate": self.wrong_hit_rate(),
             "p95_ms": self.p95() * 1000.0,
         })
     }
@@ -209,6 +217,23 @@ impl Candidate {
             &self.control
         };
         side.lock().record(outcome, secs);
+        self.judged()
+    }
+
+    /// Records a hit on one side reported wrong; the reason to roll back, as
+    /// [`Candidate::record`].
+    pub fn record_wrong(&self, on_candidate: bool) -> Option<String> {
+        let side = if on_candidate {
+            &self.candidate
+        } else {
+            &self.control
+        };
+        side.lock().wrong += 1;
+        self.judged()
+    }
+
+    /// The reason to roll back, given once, when the candidate is judged worse.
+    fn judged(&self) -> Option<String> {
         let reason = {
             let control = self.control.lock();
             let candidate = self.candidate.lock();
@@ -244,6 +269,15 @@ impl Candidate {
                 cp * 1000.0,
                 kp * 1000.0,
                 c.max_latency_ratio
+            ));
+        }
+        let (cw, kw) = (candidate.wrong_hit_rate(), control.wrong_hit_rate());
+        if cw - kw > c.max_wrong_hit_rate_increase {
+            return Some(format!(
+                "wrong hits {:.1} % against {:.1} % (bound: {:.1} points more)",
+                cw * 100.0,
+                kw * 100.0,
+                c.max_wrong_hit_rate_increase * 100.0
             ));
         }
         let (ch, kh) = (candidate.rate(candidate.hits), control.rate(control.hits));
@@ -283,6 +317,7 @@ impl Candidate {
                 v["max_error_rate_increase"] = json!(c.max_error_rate_increase);
                 v["max_latency_ratio"] = json!(c.max_latency_ratio);
                 v["min_hit_rate_ratio"] = json!(c.min_hit_rate_ratio);
+                v["max_wrong_hit_rate_increase"] = json!(c.max_wrong_hit_rate_increase);
                 v["control"] = self.control.lock().view();
                 v["candidate"] = self.candidate.lock().view();
                 v["rolled_back"] = json!(self.rolled_back.load(Ordering::Relaxed));
@@ -317,6 +352,7 @@ mod tests {
             max_error_rate_increase: 0.05,
             max_latency_ratio: 1.5,
             min_hit_rate_ratio: 0.5,
+            max_wrong_hit_rate_increase: 0.1,
         }
     }
 
@@ -380,6 +416,20 @@ mod tests {
             reason = reason.or(c.record(true, o, 0.01));
         }
         assert!(reason.unwrap().contains("hit rate"));
+        // More of its hits reported wrong.
+        let c = Candidate::new(canary(50.0));
+        for _ in 0..10 {
+            assert_eq!(c.record(false, Outcome::Semantic, 0.01), None);
+            assert_eq!(c.record(true, Outcome::Semantic, 0.01), None);
+        }
+        assert_eq!(c.record_wrong(false), None, "the control's: never a reason");
+        assert_eq!(c.record_wrong(true), None, "10 % against 10 %");
+        assert_eq!(
+            c.record_wrong(true),
+            None,
+            "20 % against 10 %: at the bound"
+        );
+        assert!(c.record_wrong(true).unwrap().contains("wrong hits"));
     }
 
     #[test]

@@ -31,6 +31,8 @@ pub struct Config {
     pub redis: reprise_cache::redis::RedisConfig,
     /// Predictive prefetch and refresh-ahead.
     pub prefetch: PrefetchConfig,
+    /// Verdicts on served answers (`POST /v1/feedback`).
+    pub feedback: FeedbackConfig,
     /// Whether `/v1` needs an API key.
     pub auth: AuthConfig,
     /// The tenants and their API keys (`[[tenants]]`); none: one implicit tenant, as without
@@ -127,6 +129,10 @@ pub struct CandidateConfig {
     /// judged).
     #[serde(default)]
     pub min_hit_rate_ratio: f64,
+    /// Canary: rolled back when the share of its hits reported wrong (`POST /v1/feedback`)
+    /// exceeds the rest's by more than this.
+    #[serde(default = "CandidateConfig::default_max_error_rate_increase")]
+    pub max_wrong_hit_rate_increase: f64,
 }
 
 impl CandidateConfig {
@@ -505,6 +511,41 @@ pub struct LogConfig {
     pub request_log: Option<PathBuf>,
 }
 
+/// `[feedback]`: verdicts on served answers. Every response reprise answers from the cache or
+/// generates is remembered for `window_secs` (in memory within `memory_bytes`, and in Redis
+/// when configured) so `POST /v1/feedback` can name it by its `id`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FeedbackConfig {
+    /// Remember responses and accept verdicts (off: `POST /v1/feedback` answers 404).
+    pub enabled: bool,
+    /// How long after it was sent a response can be given a verdict, in seconds.
+    pub window_secs: u64,
+    /// Bytes of remembered responses held in memory (the oldest go first).
+    pub memory_bytes: u64,
+    /// A semantic or prefetch hit reported wrong is never served again to its question, nor to
+    /// questions at least this similar to it in the same context.
+    pub radius: f32,
+}
+
+impl Default for FeedbackConfig {
+    fn default() -> Self {
+        FeedbackConfig {
+            enabled: true,
+            window_secs: 3600,
+            memory_bytes: 32 * 1024 * 1024,
+            radius: 0.9,
+        }
+    }
+}
+
+impl FeedbackConfig {
+    /// `window_secs` as a duration.
+    pub fn window(&self) -> Duration {
+        Duration::from_secs(self.window_secs)
+    }
+}
+
 /// `[prefetch]`: predictive prefetch and refresh-ahead. Both spend backend compute on answers
 /// nobody asked for yet, so both are off by default.
 #[derive(Debug, Clone, Deserialize)]
@@ -791,6 +832,12 @@ impl Config {
                         "must be at least 1",
                     ));
                 }
+                if !(0.0..=1.0).contains(&c.max_wrong_hit_rate_increase) {
+                    return Err(bad(
+                        "tenants.candidate.max_wrong_hit_rate_increase",
+                        "must be in [0, 1]",
+                    ));
+                }
                 if !(0.0..=1.0).contains(&c.min_hit_rate_ratio) {
                     return Err(bad(
                         "tenants.candidate.min_hit_rate_ratio",
@@ -847,6 +894,19 @@ impl Config {
                     format!("the tenants' shares add up to {sum}, above 1"),
                 ));
             }
+        }
+        let f = &self.feedback;
+        if f.window_secs == 0 || f.window_secs > 30 * 24 * 3600 {
+            return Err(invalid(
+                "feedback.window_secs",
+                "must be 1 to 2592000 (30 days)",
+            ));
+        }
+        if f.memory_bytes == 0 {
+            return Err(invalid("feedback.memory_bytes", "must be positive"));
+        }
+        if !(f.radius > 0.0 && f.radius <= 1.0) {
+            return Err(invalid("feedback.radius", "must be in (0, 1]"));
         }
         let s = &self.server;
         if s.max_body_bytes == 0 {

@@ -64,6 +64,14 @@ pub enum ApiError {
         /// Seconds until a request is allowed again.
         retry_after_secs: u64,
     },
+    /// What the request names does not exist (or is not the caller's).
+    #[error("{message}")]
+    NotFound {
+        /// What was not found, for the client.
+        message: String,
+        /// The field that named it.
+        param: Option<&'static str>,
+    },
     /// Something that should not happen; the detail is logged, never sent.
     #[error("internal error: {0}")]
     Internal(String),
@@ -93,6 +101,7 @@ impl ApiError {
             ApiError::InvalidApiKey => "invalid_api_key",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::RateLimited { .. } => "rate_limited",
+            ApiError::NotFound { .. } => "not_found",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -102,7 +111,7 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { .. } | ApiError::BadHeader { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            ApiError::UnknownModel(_) | ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Timeout | ApiError::NotCached => StatusCode::GATEWAY_TIMEOUT,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unauthorized | ApiError::InvalidApiKey => StatusCode::UNAUTHORIZED,
@@ -191,6 +200,12 @@ impl ApiError {
                 "rate_limit_error",
                 None,
                 Some("rate_limit_exceeded"),
+            ),
+            ApiError::NotFound { message, param } => (
+                message.clone(),
+                "invalid_request_error",
+                param.map(str::to_string),
+                Some("not_found"),
             ),
             ApiError::Internal(_) => ("internal server error".into(), "server_error", None, None),
             ApiError::Backend(e) => match e {

@@ -30,6 +30,7 @@ pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/feedback", post(feedback))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics));
@@ -85,6 +86,27 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     request::handle(state, Endpoint::Completion, headers, body).await
+}
+
+/// `POST /v1/feedback` ([`crate::feedback`]).
+async fn feedback(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    const MAX_FEEDBACK_BYTES: usize = 4096;
+    let result = match body {
+        Ok(b) if b.len() <= MAX_FEEDBACK_BYTES => {
+            crate::feedback::handle(&state, &headers, &b).await
+        }
+        Ok(_) | Err(_) => Err(ApiError::BodyTooLarge {
+            limit: MAX_FEEDBACK_BYTES,
+        }),
+    };
+    match result {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// The configured models; without a list, an upstream's own list.

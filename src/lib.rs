@@ -18,6 +18,7 @@ mod bookkeeping;
 pub mod candidate;
 pub mod config;
 pub mod error;
+pub mod feedback;
 mod flight;
 mod forward;
 pub mod generate;

@@ -210,6 +210,10 @@ fn describe() {
         "Requests of a tenant with a canary candidate policy, by tenant, arm (candidate, control) and outcome."
     );
     describe_counter!(
+        "reprise_feedback_total",
+        "Verdicts on served answers (POST /v1/feedback), by tenant, verdict (wrong, right) and how the answer was served."
+    );
+    describe_counter!(
         "reprise_canary_rollbacks_total",
         "Canary candidate policies rolled back for being worse than the running policy, by tenant."
     );
@@ -286,6 +290,17 @@ impl Metrics {
         let arm = if on_candidate { "candidate" } else { "control" };
         metrics::counter!("reprise_canary_requests_total",
             "tenant" => tenant.to_string(), "arm" => arm, "outcome" => outcome.as_str())
+        .increment(1);
+    }
+
+    /// Counts a verdict on a response served as `outcome`.
+    pub fn feedback(&self, tenant: &str, verdict: &'static str, outcome: &str) {
+        let outcome = Outcome::ALL
+            .into_iter()
+            .find(|o| o.as_str() == outcome)
+            .map_or("other", Outcome::as_str);
+        metrics::counter!("reprise_feedback_total",
+            "tenant" => tenant.to_string(), "verdict" => verdict, "outcome" => outcome)
         .increment(1);
     }
 

@@ -272,6 +272,11 @@ impl Renderer {
         }
     }
 
+    /// The response's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.endpoint, chunk) {
             (Endpoint::Chat, false) => "chat.completion",

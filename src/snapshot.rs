@@ -178,6 +178,7 @@ mod tests {
             embedding: Some(vec![0.5f32, 0.5].into()),
             origin: Default::default(),
             tags: vec![],
+            refusals: Vec::new(),
             created_ms: 1,
             expires_ms: u64::MAX,
         };

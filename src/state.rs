@@ -56,6 +56,8 @@ pub struct AppState {
     pub policies: ArcSwap<Policies>,
     /// Serialises policy changes, local and shared (held while a change is published).
     pub policy_change: tokio::sync::Mutex<()>,
+    /// Responses that can still be given a verdict (`POST /v1/feedback`).
+    pub responses: crate::feedback::Responses,
     /// Canary candidates this replica rolled back (the latest
     /// [`crate::policy::MAX_ROLLBACKS`]), for `GET /admin/policies`.
     pub rollbacks: parking_lot::Mutex<std::collections::VecDeque<serde_json::Value>>,
@@ -124,6 +126,7 @@ impl AppState {
         if let Some(p) = &prefetch {
             p.set_shares(policies.prefetch_shares());
         }
+        let responses = crate::feedback::Responses::new(&config.feedback);
         Ok(Arc::new(AppState {
             config,
             backend,
@@ -139,6 +142,7 @@ impl AppState {
             policies: ArcSwap::from_pointee(policies),
             policy_change: Default::default(),
             rollbacks: Default::default(),
+            responses,
             rebuilds: Default::default(),
             ready: AtomicBool::new(true),
         }))

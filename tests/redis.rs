@@ -373,3 +373,56 @@ async fn conversation_context_is_shared_across_replicas() {
     .await;
     assert_eq!(backend.calls(), 2);
 }
+
+/// A verdict can be given on any replica (the response is remembered in Redis), and the
+/// refusal it makes travels with the entry to every replica.
+#[tokio::test]
+async fn a_refusal_reaches_every_replica() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let a = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    let b = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    let original = chat_body("How do I reset my password?");
+    assert_eq!(cache_status(&a.chat(&original, &[]).await), "miss");
+    let asked = chat_body("I forgot my password, how can I change it?");
+    expect_status(&b, &asked, &[], "semantic").await;
+    // Served by B (whose exact key for it now leads to the entry), reported to A.
+    let r = b.chat(&asked, &[]).await;
+    let id = r.json::<serde_json::Value>().await.unwrap()["id"].clone();
+    let said = |app: &TestApp| {
+        app.client
+            .post(app.url("/v1/feedback"))
+            .json(&serde_json::json!({"id": id, "verdict": "wrong"}))
+            .send()
+    };
+    let r = eventually_ok(|| said(&a)).await;
+    assert_eq!(r["refused"], true, "{r}");
+    // Neither replica serves it to that question any more; both still serve its own.
+    for app in [&a, &b] {
+        let app_ref = app;
+        let refused = eventually_async(Duration::from_secs(10), || async {
+            let r = app_ref.chat(&asked, &[]).await;
+            cache_status(&r) != "semantic" && cache_status(&r) != "exact"
+                || content(r).await != "You asked: How do I reset my password?"
+        })
+        .await;
+        assert!(refused, "{}", app.url(""));
+        expect_status(app, &original, &[], "exact").await;
+    }
+}
+
+/// Retries `send` until it answers 200 (a queued Redis write may not have landed yet).
+async fn eventually_ok<F, Fut>(send: F) -> serde_json::Value
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = reqwest::Result<reqwest::Response>>,
+{
+    for _ in 0..100 {
+        let r = send().await.unwrap();
+        if r.status() == 200 {
+            return r.json().await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("never answered 200");
+}

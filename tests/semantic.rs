@@ -498,3 +498,107 @@ async fn substituted_words_far_apart_in_meaning_are_not_served() {
         "shop vs store is the same question"
     );
 }
+
+async fn feedback(app: &TestApp, body: Value, key: Option<&str>) -> reqwest::Response {
+    let mut req = app.client.post(app.url("/v1/feedback")).json(&body);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    req.send().await.unwrap()
+}
+
+/// A semantic hit reported wrong is never served again to that question or to questions
+/// around it, while its entry still answers its own question; verdicts name responses of the
+/// caller's tenant only, and bad ones are refused in the OpenAI error shape.
+#[tokio::test]
+async fn a_hit_reported_wrong_is_not_served_to_that_question_again() {
+    let mut config = semantic_config();
+    let doc = "[[tenants]]\nname = \"a\"\napi_keys = [\"sk-a\"]\n\
+               [[tenants]]\nname = \"b\"\napi_keys = [\"sk-b\"]\n";
+    config.auth.required = true;
+    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
+        .unwrap()
+        .tenants
+        .unwrap();
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let auth = [("authorization", "Bearer sk-a")];
+    let original = chat_body("How do I reset my password?");
+    assert_eq!(cache_status(&app.chat(&original, &auth).await), "miss");
+    let asked = chat_body("I forgot my password, how can I change it?");
+    let r = app.chat(&asked, &auth).await;
+    assert_eq!(cache_status(&r), "semantic");
+    let entry = r.headers()["x-reprise-entry"].to_str().unwrap().to_string();
+    let id = r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // The exact repeat was linked to the entry: an exact hit, with its own id.
+    let r = app.chat(&asked, &auth).await;
+    assert_eq!(cache_status(&r), "exact");
+    let repeat_id = r.json::<Value>().await.unwrap()["id"].clone();
+    assert_ne!(repeat_id, json!(id), "every response has its own id");
+
+    // Bad verdicts change nothing.
+    let bad = feedback(&app, json!({"id": id, "verdict": "meh"}), Some("sk-a")).await;
+    assert_openai_error(bad, 400, Some("verdict")).await;
+    let unknown = feedback(
+        &app,
+        json!({"id": "chatcmpl-x", "verdict": "wrong"}),
+        Some("sk-a"),
+    )
+    .await;
+    assert_openai_error(unknown, 404, Some("id")).await;
+    let other = feedback(&app, json!({"id": id, "verdict": "wrong"}), Some("sk-b")).await;
+    assert_openai_error(other, 404, Some("id")).await;
+    assert_eq!(
+        feedback(&app, json!({"id": id, "verdict": "wrong"}), None)
+            .await
+            .status(),
+        401
+    );
+    assert_eq!(cache_status(&app.chat(&asked, &auth).await), "exact");
+
+    let r = feedback(&app, json!({"id": id, "verdict": "wrong"}), Some("sk-a")).await;
+    assert_eq!(r.status(), 200);
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(
+        (j["refused"].clone(), j["entry"].clone()),
+        (json!(true), json!(entry))
+    );
+    // Neither the question nor one worded almost alike gets that answer again.
+    let calls = backend.calls();
+    let r = app.chat(&asked, &auth).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(
+        content(r).await,
+        "You asked: I forgot my password, how can I change it?"
+    );
+    let near = chat_body("I forgot my password, how can I change it ?");
+    let r = app.chat(&near, &auth).await;
+    assert_ne!(
+        content(r).await,
+        "You asked: How do I reset my password?",
+        "the neighbourhood of the question is refused too"
+    );
+    assert!(backend.calls() > calls);
+    // The entry still answers its own question.
+    let r = app.chat(&original, &auth).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(r.headers()["x-reprise-entry"], entry.as_str());
+    // A `right` verdict is taken and changes nothing.
+    let id = app
+        .chat(&original, &auth)
+        .await
+        .json::<Value>()
+        .await
+        .unwrap()["id"]
+        .clone();
+    let r = feedback(&app, json!({"id": id, "verdict": "right"}), Some("sk-a")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&app.chat(&original, &auth).await), "exact");
+    let m = app.metrics_text().await;
+    assert!(
+        m.contains(r#"reprise_feedback_total{tenant="a",verdict="wrong",outcome="semantic"} 1"#),
+        "{m}"
+    );
+}

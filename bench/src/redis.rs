@@ -254,6 +254,7 @@ async fn rebuild(
             embedding: Some(rng.vector(dim)),
             origin: Origin::Live,
             tags: Vec::new(),
+            refusals: Vec::new(),
             created_ms: now,
             expires_ms: now + a.ttl_secs * 1000,
         };

@@ -60,6 +60,21 @@ impl Origin {
     }
 }
 
+/// Refusals kept per entry.
+pub const MAX_REFUSALS: usize = 32;
+
+/// A question an entry was reported wrong for: it is never served again to that question
+/// (by its exact key), nor to the questions around it in the same partition (when the
+/// question was matched by meaning).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Refusal {
+    /// The question's exact key: it no longer leads to the entry.
+    pub key: Digest,
+    /// The partition the question was asked in and its embedding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub around: Option<(Digest, Arc<[f32]>)>,
+}
+
 /// One finished answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
@@ -90,6 +105,10 @@ pub struct Entry {
     /// Labels for invalidation by tag (`x-reprise-tags` on the request that created it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tags: Vec<String>,
+    /// Questions this entry must not answer (reported wrong): each is a neighbourhood of a
+    /// question in one partition. At most [`MAX_REFUSALS`], the oldest dropped first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refusals: Vec<Refusal>,
     /// Creation time, milliseconds since the Unix epoch.
     pub created_ms: u64,
     /// Expiry time, milliseconds since the Unix epoch.
@@ -100,7 +119,15 @@ impl Entry {
     /// Approximate heap size in bytes, used to bound the memory tier.
     pub fn weight(&self) -> u32 {
         let emb = self.embedding.as_ref().map_or(0, |e| e.len() * 4);
+        let refusals: usize = self
+            .refusals
+            .iter()
+            .map(|r| {
+                std::mem::size_of::<Refusal>() + r.around.as_ref().map_or(0, |(_, e)| e.len() * 4)
+            })
+            .sum();
         let bytes = std::mem::size_of::<Entry>()
+            + refusals
             + self.namespace.len()
             + self.model.len()
             + self.text.len()
@@ -108,6 +135,28 @@ impl Entry {
             + self.prompt.len()
             + emb;
         u32::try_from(bytes).unwrap_or(u32::MAX)
+    }
+
+    /// Whether the entry was reported wrong for a question like `query` (cosine similarity
+    /// at least `radius`) in `partition`.
+    pub fn refuses(&self, partition: &Digest, query: &[f32], radius: f32) -> bool {
+        self.refusals.iter().any(|r| match &r.around {
+            Some((p, e)) => p == partition && e.len() == query.len() && cosine(e, query) >= radius,
+            None => false,
+        })
+    }
+
+    /// Whether the entry was reported wrong for the question of exact key `key`.
+    pub fn refuses_key(&self, key: &Digest) -> bool {
+        self.refusals.iter().any(|r| r.key == *key)
+    }
+
+    /// Adds a refusal (the oldest goes beyond [`MAX_REFUSALS`]).
+    pub fn refuse(&mut self, refusal: Refusal) {
+        if self.refusals.len() == MAX_REFUSALS {
+            self.refusals.remove(0);
+        }
+        self.refusals.push(refusal);
     }
 
     /// Time left before expiry (zero when expired).
@@ -123,6 +172,18 @@ impl Entry {
     /// Whether the entry has expired.
     pub fn is_expired(&self) -> bool {
         now_ms() >= self.expires_ms
+    }
+}
+
+/// Cosine similarity (0 when either vector is zero).
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let n = norm(a) * norm(b);
+    if n == 0.0 {
+        0.0
+    } else {
+        dot / n
     }
 }
 

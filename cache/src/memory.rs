@@ -187,8 +187,9 @@ impl MemoryTier {
     pub async fn get_by_key(&self, key: &Digest) -> Option<Arc<Entry>> {
         let id = self.keys.get(key).await?;
         match self.get(id).await {
-            Some(e) => Some(e),
-            None => {
+            // An entry reported wrong for this key's question is not reached by it.
+            Some(e) if !e.refuses_key(key) => Some(e),
+            _ => {
                 self.keys.invalidate(key).await;
                 None
             }
@@ -311,6 +312,7 @@ mod tests {
             embedding: None,
             origin: Origin::Live,
             tags: Vec::new(),
+            refusals: Vec::new(),
             created_ms: now_ms(),
             expires_ms: now_ms() + ttl_ms,
         })

@@ -243,6 +243,16 @@ impl RedisTier {
         self.enqueue(Write::Blob {
             name: name.to_string(),
             bytes,
+            ttl_ms: None,
+        })
+    }
+
+    /// Like [`RedisTier::put_blob`], kept for `ttl` only.
+    pub fn put_blob_for(&self, name: &str, bytes: Vec<u8>, ttl: Duration) -> bool {
+        self.enqueue(Write::Blob {
+            name: name.to_string(),
+            bytes,
+            ttl_ms: Some(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
         })
     }
 

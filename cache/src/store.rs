@@ -143,7 +143,8 @@ impl Store {
         let Some(redis) = &self.redis else {
             return (miss(stale), probe);
         };
-        let (l2, l2_stale) = sort(redis.get_by_key(key).await.ok().flatten(), &fresh);
+        let l2 = redis.get_by_key(key).await.ok().flatten();
+        let (l2, l2_stale) = sort(l2.filter(|e| !e.refuses_key(key)), &fresh);
         probe.redis = Some(l2.is_some());
         let Some(l2) = l2 else {
             return (miss(stale || l2_stale), probe);
@@ -215,6 +216,16 @@ impl Store {
         self.memory.insert_entry(entry).await;
     }
 
+    /// Stores a changed copy of a held entry (same id and answer; say, a refusal added) here
+    /// and in Redis, whose replicas then take it in place of theirs (see
+    /// [`Store::install`]). Its keys and vector stay.
+    pub async fn update(&self, entry: Arc<Entry>) {
+        if let Some(redis) = &self.redis {
+            redis.put_with_tags(&entry, &[], &entry.tags);
+        }
+        self.memory.insert_entry(entry).await;
+    }
+
     /// Points `key` at `entry`, in memory and (queued, for the entry's remaining lifetime)
     /// in Redis.
     pub async fn alias(&self, key: Digest, entry: &Entry) {
@@ -247,10 +258,16 @@ impl Store {
     }
 
     /// Puts an entry that another replica wrote (or a snapshot held) into this replica's
-    /// memory and index, unless it is already held (then the held copy is returned and
-    /// nothing is re-indexed). An expired entry is returned but not installed.
+    /// memory and index. One already held is returned as held and not re-indexed, unless the
+    /// incoming copy carries more refusals ([`Store::update`] on another replica): then it
+    /// replaces the held copy. An expired entry is returned but not installed.
     pub async fn install(&self, entry: Entry) -> Arc<Entry> {
         if let Some(held) = self.memory.get(entry.id).await {
+            if entry.refusals.len() > held.refusals.len() {
+                let entry = Arc::new(entry);
+                self.memory.insert_entry(entry.clone()).await;
+                return entry;
+            }
             return held;
         }
         let entry = Arc::new(entry);
@@ -466,6 +483,7 @@ mod tests {
             embedding: Some(vec![1.0, 0.0].into()),
             origin: Origin::Live,
             tags: vec!["t".into()],
+            refusals: Vec::new(),
             created_ms,
             expires_ms: now_ms() + 60_000,
         }

@@ -101,6 +101,7 @@ fn entry(namespace: &str, text: &str, ttl_ms: u64) -> Entry {
         embedding: Some(Arc::from(vec![0.25f32, -1.5, 3.0e-7])),
         origin: Origin::Live,
         tags: Vec::new(),
+        refusals: Vec::new(),
         created_ms: now_ms(),
         expires_ms: now_ms() + ttl_ms,
     }

@@ -42,6 +42,7 @@ pub(crate) async fn write_back(
         embedding: plan.embedding,
         origin: plan.origin,
         tags: plan.tags,
+        refusals: Vec::new(),
         created_ms: now,
         expires_ms: now + ttl,
     });

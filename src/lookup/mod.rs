@@ -138,6 +138,13 @@ pub async fn lookup(
         },
     };
     if let Some(entry) = exact_hit {
+        if entry.origin == Origin::Prefetch {
+            // Where a predicted wording was asked: what feedback on it would refuse.
+            if let Some(q) = &query {
+                found.plan.partition = Some(key::partition_key(namespace, endpoint, req, &context));
+                found.plan.prompt = q.clone();
+            }
+        }
         found.hit = Some(hit(entry, Outcome::Exact, None));
         shadow_exact_hit(state, namespace, wants, counted);
         return found;

@@ -36,6 +36,8 @@ pub enum Verdict {
     Gone,
     /// Older than the request's `max-age`.
     TooOld,
+    /// Reported wrong for this question or one like it (`POST /v1/feedback`).
+    Refused,
     /// Rejected by the false-hit gate, with the reason (`substitution` for a substituted
     /// meaning).
     Gate(&'static str),
@@ -49,6 +51,7 @@ impl Verdict {
             Verdict::BelowThreshold => "below_threshold",
             Verdict::Gone => "gone",
             Verdict::TooOld => "too_old",
+            Verdict::Refused => "refused",
             Verdict::Gate(reason) => reason,
         }
     }
@@ -71,6 +74,9 @@ pub async fn judge(
     };
     if !wants.fresh(&entry) {
         return (Verdict::TooOld, Some(entry));
+    }
+    if entry.refuses(q.partition, q.embedding, state.config.feedback.radius) {
+        return (Verdict::Refused, Some(entry));
     }
     if policy.gate {
         if let Some(reason) = reprise_policies::gate(q.text, &entry.prompt).reason() {

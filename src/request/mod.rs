@@ -43,6 +43,7 @@ use crate::bookkeeping::{Bookkeeping, CanarySide};
 use crate::candidate::Arm;
 use crate::config::CandidateMode;
 use crate::error::ApiError;
+use crate::feedback::{self, Served};
 pub use crate::forward::Forward;
 use crate::headers::set_cache_status;
 use crate::lookup::{self, ObserveLater, Wants};
@@ -131,10 +132,22 @@ async fn serve(
         session,
         prev_entry: found.prev_entry,
     });
+    let question = feedback::question(found.plan.partition, &found.plan.prompt);
+    let key = found.plan.exact;
+    let served = |entry: Option<_>, outcome: Outcome, book: &Bookkeeping| Served {
+        tenant: tenant.name().to_string(),
+        entry,
+        outcome: outcome.as_str().to_string(),
+        key,
+        question: question.clone(),
+        canary: book.canary.as_ref().map(|c| c.on_candidate),
+    };
     if let Some(hit) = found.hit.take() {
         // 8. Write-back of a hit: this phrasing's keys now lead to the entry.
         write_back::link_hit(state, &found, &hit, access.write, observe).await;
-        // 9. Respond.
+        // 9. Respond (remembered for feedback under the response's id).
+        let s = served(Some(hit.entry.id), hit.outcome, book);
+        state.responses.remember(state, renderer.id(), s).await;
         return Ok(respond::hit(&parsed, renderer, hit, book));
     }
     if !access.generate {
@@ -154,8 +167,10 @@ async fn serve(
         Outcome::Bypass
     };
     let joined = single_flight::join(state, &parsed, plan, found.policy, access, book);
-    // 9. Respond.
+    // 9. Respond (remembered for feedback under the response's id).
     let outcome = book.outcome;
+    let s = served(joined.subscriber.entry(), outcome, book);
+    state.responses.remember(state, renderer.id(), s).await;
     let mut resp =
         respond::generation(state, &parsed, renderer, joined.subscriber, outcome, book).await?;
     if let Some(sim) = joined.similarity {

@@ -59,8 +59,12 @@ pub(super) enum Write {
         id: EntryId,
         expires_ms: u64,
     },
-    /// A named value without expiry (see [`RedisTier::put_blob`]).
-    Blob { name: String, bytes: Vec<u8> },
+    /// A named value, without expiry or for `ttl_ms` (see [`RedisTier::put_blob`]).
+    Blob {
+        name: String,
+        bytes: Vec<u8>,
+        ttl_ms: Option<u64>,
+    },
 }
 
 /// A queued operation whose caller waits for the result.
@@ -228,11 +232,16 @@ impl Shared {
                     .await
                     .map(drop)
             }
-            Write::Blob { name, bytes } => {
-                let cmd = ::redis::cmd("SET")
-                    .arg(self.keys.blob(&name))
-                    .arg(bytes)
-                    .clone();
+            Write::Blob {
+                name,
+                bytes,
+                ttl_ms,
+            } => {
+                let mut cmd = ::redis::cmd("SET");
+                cmd.arg(self.keys.blob(&name)).arg(bytes);
+                if let Some(ttl) = ttl_ms {
+                    cmd.arg("PX").arg(ttl.max(1));
+                }
                 self.run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
                     .await
                     .map(drop)

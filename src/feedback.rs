@@ -1,0 +1,226 @@
+//! Verdicts on served answers: `POST /v1/feedback` with `{"id": "<a response's id>",
+//! "verdict": "wrong" | "right"}`.
+//!
+//! Every response reprise answers from the cache or generates has a fresh `id`; what it
+//! served is remembered under that id for `[feedback] window_secs` ([`Responses`]: in memory
+//! within `memory_bytes`, and in Redis when configured, so any replica takes the verdict). A
+//! verdict names a response of the caller's own tenant; another tenant's id is as unknown as
+//! one never sent (404).
+//!
+//! A `wrong` verdict on a semantic or prefetch hit means the entry does not answer that
+//! question: the key that led the question to it (linked when it was served) is removed, and
+//! the entry gets a [`Refusal`]: it is never served again to that question, nor to questions
+//! within `[feedback] radius` of it in the same partition (the lookup's judge refuses it,
+//! verdict `refused`). The refusal travels with the entry, so every replica sharing Redis
+//! honours it. The entry still answers its own question. A verdict on a canary's request
+//! counts on its side. Every verdict is counted (`reprise_feedback_total`).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::HeaderMap;
+use moka::future::Cache;
+use reprise_cache::entry::Refusal;
+use reprise_cache::{Digest, EntryId};
+use serde::{Deserialize, Serialize};
+
+use crate::config::FeedbackConfig;
+use crate::error::ApiError;
+use crate::metrics::Outcome;
+use crate::state::AppState;
+
+/// Longest response id accepted.
+const MAX_ID_BYTES: usize = 128;
+/// Longest question text remembered (the embedder reads less).
+pub const MAX_QUESTION_BYTES: usize = 4096;
+/// Largest remembered response read back from Redis.
+const MAX_RECORD_BYTES: usize = 64 * 1024;
+
+/// What one response served.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Served {
+    /// The tenant's name ("" for the anonymous tenant).
+    pub tenant: String,
+    /// The entry that answered (or that the generated answer is stored as; none when it is
+    /// not stored).
+    pub entry: Option<EntryId>,
+    /// `exact`, `semantic`, `prefetch`, `miss` or `bypass`.
+    pub outcome: String,
+    /// The request's exact key.
+    pub key: Digest,
+    /// The question matched by meaning and the partition it was asked in (when the request
+    /// was looked up by meaning or resolved as a conversation); at most [`MAX_QUESTION_BYTES`]
+    /// of the text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub question: Option<(Digest, String)>,
+    /// The canary side it was on (`true`: the candidate's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<bool>,
+}
+
+impl Served {
+    fn weight(&self) -> u32 {
+        let text = self.question.as_ref().map_or(0, |(_, t)| t.len());
+        u32::try_from(std::mem::size_of::<Served>() + 64 + self.tenant.len() + text)
+            .unwrap_or(u32::MAX)
+    }
+}
+
+/// The responses that can still be given a verdict.
+pub struct Responses {
+    memory: Cache<String, Arc<Served>>,
+    config: FeedbackConfig,
+}
+
+impl Responses {
+    /// An empty memory of responses.
+    pub fn new(config: &FeedbackConfig) -> Responses {
+        Responses {
+            memory: Cache::builder()
+                .max_capacity(config.memory_bytes)
+                .weigher(|k: &String, v: &Arc<Served>| v.weight().saturating_add(k.len() as u32))
+                .time_to_live(config.window())
+                .build(),
+            config: config.clone(),
+        }
+    }
+
+    /// Remembers what response `id` served (in Redis too, queued, when configured).
+    pub async fn remember(&self, state: &AppState, id: &str, served: Served) {
+        if !self.config.enabled {
+            return;
+        }
+        if let Some(redis) = state.store.redis() {
+            if let Ok(bytes) = serde_json::to_vec(&served) {
+                redis.put_blob_for(&blob_name(id), bytes, self.config.window());
+            }
+        }
+        self.memory.insert(id.to_string(), Arc::new(served)).await;
+    }
+
+    /// What response `id` served, if it is remembered here or in Redis.
+    async fn find(&self, state: &AppState, id: &str) -> Option<Arc<Served>> {
+        if let Some(s) = self.memory.get(id).await {
+            return Some(s);
+        }
+        let redis = state.store.redis()?;
+        let bytes = redis.get_blob(&blob_name(id)).await.ok()??;
+        if bytes.len() > MAX_RECORD_BYTES {
+            return None;
+        }
+        serde_json::from_slice(&bytes).ok().map(Arc::new)
+    }
+}
+
+fn blob_name(id: &str) -> String {
+    format!("response:{id}")
+}
+
+/// The body of `POST /v1/feedback`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Verdict {
+    id: String,
+    verdict: Kind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Kind {
+    Wrong,
+    Right,
+}
+
+/// `POST /v1/feedback`: a verdict on a response of the caller's tenant. 404 for an id that is
+/// unknown, too old or another tenant's; 400 for a bad body.
+pub async fn handle(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<serde_json::Value, ApiError> {
+    let tenant = state.policies.load().tenants.admit(headers)?;
+    let v: Verdict = serde_json::from_slice(body).map_err(|e| {
+        let param = ["verdict", "id"]
+            .into_iter()
+            .find(|p| e.to_string().contains(&format!("`{p}`")));
+        ApiError::invalid(
+            format!("invalid feedback: {e}; expected {{\"id\": \"...\", \"verdict\": \"wrong\" | \"right\"}}"),
+            param.or(Some("verdict")).filter(|_| !e.is_syntax()),
+        )
+    })?;
+    let unknown = || ApiError::NotFound {
+        message: format!("no response `{}` to give a verdict on", v.id.escape_debug()),
+        param: Some("id"),
+    };
+    if !state.config.feedback.enabled || v.id.is_empty() || v.id.len() > MAX_ID_BYTES {
+        return Err(unknown());
+    }
+    let served = state
+        .responses
+        .find(state, &v.id)
+        .await
+        .filter(|s| s.tenant == tenant.name())
+        .ok_or_else(unknown)?;
+    let verdict = match v.verdict {
+        Kind::Wrong => "wrong",
+        Kind::Right => "right",
+    };
+    state
+        .metrics
+        .feedback(tenant.name(), verdict, &served.outcome);
+    let mut refused = false;
+    if v.verdict == Kind::Wrong {
+        refused = refuse(state, &served).await;
+        let hit = ["exact", "semantic", "prefetch"].contains(&served.outcome.as_str());
+        if let (Some(side), Some(c), true) = (served.canary, tenant.candidate(), hit) {
+            if let Some(reason) = c.record_wrong(side) {
+                crate::policy::roll_back(state.clone(), tenant.name().to_string(), reason);
+            }
+        }
+    }
+    Ok(serde_json::json!({
+        "id": v.id,
+        "verdict": verdict,
+        "entry": served.entry.map(|e| e.to_string()),
+        "refused": refused,
+    }))
+}
+
+/// A semantic or prefetch hit reported wrong: the entry refuses the question (its exact
+/// key no longer leads there, on any replica) and, when it was matched by meaning, the
+/// question's neighbourhood. Whether a refusal was added.
+async fn refuse(state: &AppState, served: &Served) -> bool {
+    let hit_by_meaning = served.outcome == Outcome::Semantic.as_str()
+        || served.outcome == Outcome::Prefetch.as_str();
+    let Some(id) = served.entry.filter(|_| hit_by_meaning) else {
+        return false;
+    };
+    let Some(entry) = state.store.fetch(id).await else {
+        return false;
+    };
+    let mut around = None;
+    if let (Some((partition, text)), Some(embedder)) = (&served.question, &state.embedder) {
+        if let Ok(embedding) = embedder.embed_in(&served.tenant, text).await {
+            around = Some((*partition, embedding));
+        }
+    }
+    let mut refusing = (*entry).clone();
+    refusing.refuse(Refusal {
+        key: served.key,
+        around,
+    });
+    // Its key's link, here and on every replica, is dropped on sight (a key another answer
+    // took since stays).
+    state.store.update(Arc::new(refusing)).await;
+    true
+}
+
+/// The question of a request looked up by meaning, to remember with its response.
+pub fn question(partition: Option<Digest>, text: &str) -> Option<(Digest, String)> {
+    let partition = partition?;
+    let mut end = text.len().min(MAX_QUESTION_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    Some((partition, text[..end].to_string()))
+}
