@@ -284,3 +284,65 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
     }
     (generated, tokens)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::config::PrefetchConfig;
+    use crate::policy::Shares;
+    use crate::prefetch::Prefetcher;
+    use crate::test_support::chat;
+
+    fn job(namespace: &str, n: u32) -> Job {
+        Job {
+            kind: JobKind::Prefetch,
+            namespace: namespace.into(),
+            endpoint: Endpoint::Chat,
+            request: chat(&[("user", "q")]),
+            key: *blake3::hash(format!("{namespace}{n}").as_bytes()).as_bytes(),
+            aliases: Vec::new(),
+            queued_at: Instant::now(),
+        }
+    }
+
+    fn queued(p: &Prefetcher, pool: &str) -> usize {
+        let q = p.shared.queue.lock();
+        q.iter().filter(|j| pool_of(&j.namespace) == pool).count()
+    }
+
+    #[test]
+    fn a_tenants_flood_of_jobs_keeps_to_its_share_of_the_queue() {
+        let p = Prefetcher::new(PrefetchConfig::default());
+        p.set_shares(Some(Shares {
+            pools: HashMap::from([("a".to_string(), 0.25)]),
+            rest: 0.75,
+        }));
+        for n in 0..20 {
+            p.shared.enqueue(job("ns", n));
+        }
+        for n in 0..100 {
+            p.shared.enqueue(job("a\u{1f}ns", n));
+        }
+        // A quarter of 32 for `a`; nothing of the others' was pushed out by it.
+        assert_eq!(queued(&p, "a"), 8);
+        assert_eq!(queued(&p, ""), 20);
+        // Its newest jobs are the ones kept.
+        let newest = job("a\u{1f}ns", 99).key;
+        assert!(p.shared.queue.lock().iter().any(|j| j.key == newest));
+        // The others fill their share: the oldest of theirs go beyond it.
+        for n in 20..40 {
+            p.shared.enqueue(job("ns", n));
+        }
+        assert_eq!(queued(&p, ""), 24);
+        assert_eq!(queued(&p, "a"), 8);
+        // Not shared out: the whole queue is anyone's.
+        p.set_shares(None);
+        for n in 100..140 {
+            p.shared.enqueue(job("a\u{1f}ns", n));
+        }
+        assert_eq!(p.shared.queue.lock().len(), JOB_QUEUE);
+        assert_eq!(queued(&p, "a"), JOB_QUEUE);
+    }
+}
