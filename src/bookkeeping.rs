@@ -106,6 +106,7 @@ impl Bookkeeping {
         self.record.embed_ms = notes.embed_ms;
         self.record.search_ms = notes.search_ms;
         self.record.similarity = notes.similarity;
+        self.record.threshold = notes.threshold;
         self.record.gate = notes.gate;
     }
 

@@ -188,6 +188,8 @@ pub struct TenantPolicy {
     /// `prefetch.max_backend_share`) and of the prefetch queue, in (0, 1]; tenants without
     /// one share what the others leave. The shares add up to at most 1.
     pub prefetch_share: Option<f64>,
+    /// Its bound on the share of wrong semantic hits, in place of `semantic.delta`.
+    pub delta: Option<f64>,
 }
 
 /// The client controls a tenant may be allowed.
@@ -213,6 +215,7 @@ impl Default for TenantPolicy {
             semantic_rules: Vec::new(),
             memory_share: None,
             prefetch_share: None,
+            delta: None,
         }
     }
 }
@@ -481,6 +484,20 @@ pub struct SemanticConfig {
     pub embedder_threads: usize,
     /// Seconds between index maintenance passes (rebuilding partitions full of tombstones).
     pub maintain_interval_secs: u64,
+    /// The largest share of semantic hits that may be wrong (0: off). With it, the threshold
+    /// is learned from verdicts (feedback, and near misses checked against the answer the
+    /// backend then gave): the lowest one at which the wrong share is at most `delta` with
+    /// 95 % confidence; with little evidence the configured threshold (raised where verdicts
+    /// show it too loose). A tenant's `policy.delta` overrides it.
+    pub delta: f64,
+    /// The lowest threshold `delta` may learn.
+    pub min_threshold: f32,
+    /// The share of misses whose best candidate was under the threshold (but above
+    /// `min_threshold`) that are checked: once the backend answered, the candidate's answer
+    /// is judged against the new one by embedding similarity (no extra backend call).
+    pub verify_near_misses: f64,
+    /// Answers at least this similar are judged the same answer.
+    pub answer_threshold: f32,
 }
 
 impl Default for SemanticConfig {
@@ -499,6 +516,10 @@ impl Default for SemanticConfig {
             embedding_cache_entries: 10_000,
             embedder_threads: 2,
             maintain_interval_secs: 60,
+            delta: 0.0,
+            min_threshold: 0.7,
+            verify_near_misses: 0.25,
+            answer_threshold: 0.9,
         }
     }
 }
@@ -894,6 +915,26 @@ impl Config {
                     format!("the tenants' shares add up to {sum}, above 1"),
                 ));
             }
+        }
+        let sem = &self.semantic;
+        if !(0.0..0.5).contains(&sem.delta) {
+            return Err(invalid("semantic.delta", "must be in [0, 0.5)"));
+        }
+        if !(sem.min_threshold > 0.0 && sem.min_threshold <= 1.0) {
+            return Err(invalid("semantic.min_threshold", "must be in (0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&sem.verify_near_misses) {
+            return Err(invalid("semantic.verify_near_misses", "must be in [0, 1]"));
+        }
+        if !(sem.answer_threshold > 0.0 && sem.answer_threshold <= 1.0) {
+            return Err(invalid("semantic.answer_threshold", "must be in (0, 1]"));
+        }
+        if self
+            .tenants
+            .iter()
+            .any(|t| t.policy.delta.is_some_and(|d| !(0.0..0.5).contains(&d)))
+        {
+            return Err(invalid("tenants.policy.delta", "must be in [0, 0.5)"));
         }
         let f = &self.feedback;
         if f.window_secs == 0 || f.window_secs > 30 * 24 * 3600 {

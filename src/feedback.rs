@@ -56,6 +56,9 @@ pub struct Served {
     /// The canary side it was on (`true`: the candidate's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub canary: Option<bool>,
+    /// The similarity a semantic hit was served at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub similarity: Option<f32>,
 }
 
 impl Served {
@@ -168,6 +171,13 @@ pub async fn handle(
     state
         .metrics
         .feedback(tenant.name(), verdict, &served.outcome);
+    if let Some(sim) = served.similarity {
+        let wrong = v.verdict == Kind::Wrong;
+        let source = crate::bounds::Source::Feedback;
+        state
+            .bounds
+            .record(state, tenant.name(), sim, wrong, source);
+    }
     let mut refused = false;
     if v.verdict == Kind::Wrong {
         refused = refuse(state, &served).await;

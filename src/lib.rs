@@ -15,6 +15,7 @@
 mod admin;
 pub mod auth;
 mod bookkeeping;
+pub mod bounds;
 pub mod candidate;
 pub mod config;
 pub mod error;

@@ -210,6 +210,18 @@ fn describe() {
         "Requests of a tenant with a canary candidate policy, by tenant, arm (candidate, control) and outcome."
     );
     describe_counter!(
+        "reprise_semantic_verdicts_total",
+        "Verdicts on answers matched by meaning that the learned thresholds count, by tenant, source (feedback, near_miss) and verdict."
+    );
+    describe_gauge!(
+        "reprise_semantic_threshold",
+        "The semantic threshold last served at under a learned bound (semantic.delta), by tenant."
+    );
+    describe_gauge!(
+        "reprise_semantic_wrong_share_upper",
+        "Upper 95 % confidence bound of the share of wrong semantic hits at the threshold in use, by tenant (1: no verdicts yet)."
+    );
+    describe_counter!(
         "reprise_feedback_total",
         "Verdicts on served answers (POST /v1/feedback), by tenant, verdict (wrong, right) and how the answer was served."
     );
@@ -291,6 +303,21 @@ impl Metrics {
         metrics::counter!("reprise_canary_requests_total",
             "tenant" => tenant.to_string(), "arm" => arm, "outcome" => outcome.as_str())
         .increment(1);
+    }
+
+    /// Counts a verdict the learned thresholds take.
+    pub fn verdict(&self, tenant: &str, source: &'static str, verdict: &'static str) {
+        metrics::counter!("reprise_semantic_verdicts_total",
+            "tenant" => tenant.to_string(), "source" => source, "verdict" => verdict)
+        .increment(1);
+    }
+
+    /// The learned threshold of a tenant and the upper bound of its wrong share there.
+    pub fn learned(&self, tenant: &str, threshold: f32, wrong_upper: f64) {
+        metrics::gauge!("reprise_semantic_threshold", "tenant" => tenant.to_string())
+            .set(f64::from(threshold));
+        metrics::gauge!("reprise_semantic_wrong_share_upper", "tenant" => tenant.to_string())
+            .set(wrong_upper);
     }
 
     /// Counts a verdict on a response served as `outcome`.

@@ -28,6 +28,9 @@ pub struct LogRecord {
     /// Similarity of the best semantic candidate, hit or not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub similarity: Option<f32>,
+    /// The threshold the semantic tier served at (learned, under `semantic.delta`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<f32>,
     /// The entry that answered (hit) or was written (miss).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub entry_id: Option<String>,

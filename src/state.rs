@@ -56,6 +56,8 @@ pub struct AppState {
     pub policies: ArcSwap<Policies>,
     /// Serialises policy changes, local and shared (held while a change is published).
     pub policy_change: tokio::sync::Mutex<()>,
+    /// Verdicts on answers matched by meaning, per tenant: the learned thresholds.
+    pub bounds: crate::bounds::Bounds,
     /// Responses that can still be given a verdict (`POST /v1/feedback`).
     pub responses: crate::feedback::Responses,
     /// Canary candidates this replica rolled back (the latest
@@ -143,6 +145,7 @@ impl AppState {
             policy_change: Default::default(),
             rollbacks: Default::default(),
             responses,
+            bounds: Default::default(),
             rebuilds: Default::default(),
             ready: AtomicBool::new(true),
         }))

@@ -149,6 +149,7 @@ async fn a_memory_share_given_live_applies_to_what_is_held() {
     })
     .await;
     assert!(cut, "big's entries cut down to its share");
+    app.state.store.run_pending_tasks().await;
     assert!(app.state.store.entry_count() < held);
     assert_eq!(
         ask("sk-small", 0).await,

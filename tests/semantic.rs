@@ -602,3 +602,110 @@ async fn a_hit_reported_wrong_is_not_served_to_that_question_again() {
         "{m}"
     );
 }
+
+/// Under `semantic.delta` the threshold is learned: a hit reported wrong raises it above the
+/// similarity it was served at, and near misses whose answers turn out the same lower it,
+/// down to where they were seen.
+#[tokio::test]
+async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_ones() {
+    // Every password question gets the same answer: near misses are right.
+    let script = ScriptConfig {
+        rules: vec![(
+            "password".into(),
+            "Open Settings, then Security, then Reset password.".into(),
+        )],
+        ..ScriptConfig::default()
+    };
+    let mut config = semantic_config();
+    config.semantic.delta = 0.05;
+    config.semantic.min_threshold = 0.5;
+    config.semantic.verify_near_misses = 1.0;
+    let (app, _backend) = spawn_fake(config.clone(), script.clone()).await;
+    let learned = |app: &TestApp, delta: f64, configured: f32| {
+        app.state.bounds.threshold("", delta, configured, 0.5)
+    };
+    assert_eq!(learned(&app, 0.05, 0.86).threshold, 0.86, "no verdicts yet");
+    assert_eq!(
+        cache_status(
+            &app.chat(&chat_body("How do I reset my password?"), &[])
+                .await
+        ),
+        "miss"
+    );
+    let r = app
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    let sim: f32 = r.headers()["x-reprise-similarity"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let id = r.json::<Value>().await.unwrap()["id"].clone();
+    let r = feedback(&app, json!({"id": id, "verdict": "wrong"}), None).await;
+    assert_eq!(r.status(), 200);
+    let after = learned(&app, 0.05, 0.86);
+    assert!(
+        after.threshold > sim && after.threshold > 0.86,
+        "{after:?} vs {sim}"
+    );
+
+    // Another server, strict (0.97) under a looser bound: near misses teach it.
+    config.semantic.threshold = 0.97;
+    config.semantic.delta = 0.3;
+    let (app, _backend) = spawn_fake(config, script).await;
+    assert_eq!(
+        cache_status(
+            &app.chat(&chat_body("How do I reset my password?"), &[])
+                .await
+        ),
+        "miss"
+    );
+    let asks = [
+        "How can I change",
+        "I need to reset",
+        "Help me recover",
+        "Where do I update",
+        "What if I forgot",
+        "Can you reset",
+    ];
+    let ends = [
+        "?",
+        " please?",
+        " today?",
+        " on my phone?",
+        " for my work account?",
+    ];
+    let mut served = Vec::new();
+    for a in asks {
+        for e in ends {
+            let r = app
+                .chat(&chat_body(&format!("{a} my password{e}")), &[])
+                .await;
+            let sim = r
+                .headers()
+                .get("x-reprise-similarity")
+                .map(|v| v.to_str().unwrap().parse::<f32>().unwrap());
+            served.push((cache_status(&r), sim));
+        }
+    }
+    let state = app.state.clone();
+    let loosened = eventually(std::time::Duration::from_secs(10), || {
+        let l = state.bounds.threshold("", 0.3, 0.97, 0.5);
+        l.learned && l.threshold < 0.97
+    })
+    .await;
+    assert!(loosened, "{:?} after {served:?}", learned(&app, 0.3, 0.97));
+    let l = learned(&app, 0.3, 0.97);
+    assert!(l.threshold >= 0.5 && l.wrong_upper <= 0.3, "{l:?}");
+    // The looser threshold is the one served at: later wordings were hits below 0.97.
+    assert!(
+        served
+            .iter()
+            .any(|(s, sim)| s == "semantic" && sim.is_some_and(|x| x < 0.97)),
+        "{served:?}"
+    );
+}

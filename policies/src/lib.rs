@@ -10,7 +10,9 @@
 //! - [`semantic`]: the effective semantic policy for a namespace and model.
 //! - [`gate`](mod@gate): the false-hit gate run on a semantic candidate before it is served.
 //! - [`prefetch`]: the budgets of background generation.
+//! - [`bound`]: similarity thresholds learned from verdicts under an error bound.
 
+pub mod bound;
 pub mod cache;
 pub mod cacheable;
 pub mod gate;

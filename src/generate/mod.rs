@@ -50,7 +50,13 @@ pub(crate) fn spawn(
             Ok((text, reason, usage)) => {
                 // Stored before the waiters learn of the end, so a request that arrives right
                 // after a client got its answer finds it (a moka insert is microseconds).
-                if let Some(plan) = plan {
+                if let Some(mut plan) = plan {
+                    if let Some((tenant, candidate, similarity)) = plan.near_miss.take() {
+                        let answer = text.clone();
+                        crate::bounds::check_near_miss(
+                            &state, tenant, candidate, similarity, answer,
+                        );
+                    }
                     write_back(&state, plan, text, reason, usage).await;
                 }
                 flight.end(End::Finished);

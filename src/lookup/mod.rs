@@ -48,6 +48,11 @@ pub struct Notes {
     pub similarity: Option<f32>,
     /// The gate's verdict on the first vetted candidate (`pass` for the served one).
     pub gate: Option<&'static str>,
+    /// The threshold the semantic tier served at (the policy's, or learned under a bound).
+    pub threshold: Option<f32>,
+    /// Nothing was served and the best candidate was under the threshold: it, and its
+    /// similarity (a near miss, which a learned threshold may check).
+    pub near_miss: Option<(EntryId, f32)>,
 }
 
 /// What the cache knows about one request.
@@ -166,7 +171,20 @@ pub async fn lookup(
             wants.threshold,
         )
     };
-    let policy = resolve(tenant.semantic_rules(wants.arm));
+    let mut policy = resolve(tenant.semantic_rules(wants.arm));
+    let delta = crate::bounds::delta_of(state, tenant);
+    if delta > 0.0 {
+        let floor = state.config.semantic.min_threshold;
+        let learned = state
+            .bounds
+            .threshold(tenant.name(), delta, policy.threshold, floor);
+        // A client's `x-reprise-threshold` only ever raises it.
+        policy.threshold = learned.threshold.max(wants.threshold.unwrap_or(0.0));
+        if counted {
+            let m = &state.metrics;
+            m.learned(tenant.name(), learned.threshold, learned.wrong_upper);
+        }
+    }
     let shadow = match (wants.arm, tenant.candidate()) {
         (Arm::Shadow, Some(c)) if counted => Some(Shadow {
             policy: resolve(&c.config().semantic_rules),
@@ -185,6 +203,7 @@ pub async fn lookup(
     }
     if policy.enabled {
         found.policy = Some(policy);
+        found.notes.threshold = Some(policy.threshold);
     }
     // Indexed also when only a shadow candidate matches by meaning: it needs the entries.
     let partition = key::partition_key(namespace, endpoint, req, &context);

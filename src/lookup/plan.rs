@@ -33,6 +33,9 @@ pub struct WritePlan {
     pub observe: Option<ObserveLater>,
     /// Invalidation tags from `x-reprise-tags`.
     pub tags: Vec<String>,
+    /// A near miss to check against the answer once generated (tenant, candidate,
+    /// similarity): see [`crate::bounds`].
+    pub near_miss: Option<(String, EntryId, f32)>,
 }
 
 /// What the prefetcher is told about a miss once its answer is stored.
@@ -64,6 +67,7 @@ impl WritePlan {
             origin: Origin::Live,
             observe: None,
             tags: Vec::new(),
+            near_miss: None,
         }
     }
 

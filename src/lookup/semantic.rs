@@ -108,7 +108,10 @@ pub async fn find(
         }
         match judge(state, embedder, policy, &q, wants, &c).await {
             // Candidates come best first: the rest are below too.
-            (Verdict::BelowThreshold, _) => break,
+            (Verdict::BelowThreshold, _) => {
+                notes.near_miss = Some((c.id, c.similarity));
+                break;
+            }
             (Verdict::Pass, Some(entry)) => {
                 notes.gate = Some("pass");
                 notes.similarity = Some(c.similarity);

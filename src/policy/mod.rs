@@ -365,5 +365,10 @@ fn share_budgets(state: &AppState, memory_changed: bool) {
     let shares = policies.memory_shares().map(|s| s.of_memory(bytes));
     let store = state.store.clone();
     let change = CHANGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    tokio::task::spawn_blocking(move || store.set_memory_shares(shares, change));
+    tokio::spawn(async move {
+        let memory = store.clone();
+        let _ = tokio::task::spawn_blocking(move || memory.set_memory_shares(shares, change)).await;
+        // What no longer fits its share leaves now, not with the next write.
+        store.run_pending_tasks().await;
+    });
 }

@@ -134,19 +134,21 @@ async fn serve(
     });
     let question = feedback::question(found.plan.partition, &found.plan.prompt);
     let key = found.plan.exact;
-    let served = |entry: Option<_>, outcome: Outcome, book: &Bookkeeping| Served {
-        tenant: tenant.name().to_string(),
-        entry,
-        outcome: outcome.as_str().to_string(),
-        key,
-        question: question.clone(),
-        canary: book.canary.as_ref().map(|c| c.on_candidate),
-    };
+    let served =
+        |entry: Option<_>, outcome: Outcome, sim: Option<f32>, book: &Bookkeeping| Served {
+            tenant: tenant.name().to_string(),
+            entry,
+            outcome: outcome.as_str().to_string(),
+            key,
+            question: question.clone(),
+            canary: book.canary.as_ref().map(|c| c.on_candidate),
+            similarity: sim,
+        };
     if let Some(hit) = found.hit.take() {
         // 8. Write-back of a hit: this phrasing's keys now lead to the entry.
         write_back::link_hit(state, &found, &hit, access.write, observe).await;
         // 9. Respond (remembered for feedback under the response's id).
-        let s = served(Some(hit.entry.id), hit.outcome, book);
+        let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
         state.responses.remember(state, renderer.id(), s).await;
         return Ok(respond::hit(&parsed, renderer, hit, book));
     }
@@ -158,6 +160,7 @@ async fn serve(
     tenant.take_tokens(max_tokens.unwrap_or(state.config.backend.default_max_tokens))?;
     let mut plan = found.plan;
     plan.tags = ctl.tags.clone();
+    plan.near_miss = near_miss_to_check(state, &tenant, &found.notes);
     plan.observe = observe;
 
     // 6. Single-flight, 7. generation (8. write-back in the driver task).
@@ -169,7 +172,7 @@ async fn serve(
     let joined = single_flight::join(state, &parsed, plan, found.policy, access, book);
     // 9. Respond (remembered for feedback under the response's id).
     let outcome = book.outcome;
-    let s = served(joined.subscriber.entry(), outcome, book);
+    let s = served(joined.subscriber.entry(), outcome, joined.similarity, book);
     state.responses.remember(state, renderer.id(), s).await;
     let mut resp =
         respond::generation(state, &parsed, renderer, joined.subscriber, outcome, book).await?;
@@ -194,4 +197,18 @@ fn candidate_arm(tenant: &Tenant, book: &mut Bookkeeping) -> Arm {
         });
     }
     arm
+}
+
+/// The near miss of a miss to check once answered, when the tenant's threshold is learned
+/// under a bound and this one is sampled (`semantic.verify_near_misses`).
+fn near_miss_to_check(
+    state: &AppState,
+    tenant: &Tenant,
+    notes: &lookup::Notes,
+) -> Option<(String, reprise_cache::EntryId, f32)> {
+    let (id, similarity) = notes.near_miss?;
+    let s = &state.config.semantic;
+    let wanted = crate::bounds::delta_of(state, tenant) > 0.0 && similarity >= s.min_threshold;
+    (wanted && state.bounds.sample(s.verify_near_misses))
+        .then(|| (tenant.name().to_string(), id, similarity))
 }

@@ -1,0 +1,287 @@
+//! Learned similarity thresholds under an error bound.
+//!
+//! An operator sets `delta`, the largest share of semantic hits that may be wrong. Verdicts
+//! on answers matched by meaning (feedback, and checks of near misses against the answer the
+//! backend then gave) come with the similarity at which the candidate was found. [`Evidence`]
+//! keeps them by similarity bin; [`Evidence::threshold`] picks the lowest threshold `t` such
+//! that, among the verdicts at similarity `t` or more, the share of wrong ones is at most
+//! `delta` with confidence: its Wilson upper bound, at a level split over every threshold the
+//! rule could pick (a union bound), so the guarantee holds for the threshold picked, not only
+//! for a threshold fixed in advance. Serving every candidate at or above `t` then keeps the
+//! wrong share of those hits at most `delta` with probability at least `1 - alpha`, as far as
+//! future questions resemble the ones judged.
+//!
+//! - With little evidence the bound is wide and no threshold qualifies: the configured
+//!   threshold stays, raised above the similarities where verdicts already show more than
+//!   `delta` wrong (its Wilson *lower* bound above `delta`): wrong verdicts tighten at once.
+//! - With more right verdicts the bound narrows and the threshold may fall below the
+//!   configured one, but never below a floor, and only down to similarities where verdicts
+//!   exist: evidence above the configured threshold says nothing of the band below it.
+//!
+//! The idea of learning thresholds online under a user-set error bound comes from vCache
+//! (arXiv 2502.03771), which fits one curve per cached entry; here the curve is per scope
+//! (a tenant's policy), and an entry reported wrong for a question refuses that question's
+//! neighbourhood on its own (the cache crate's refusals): per-entry evidence of the
+//! strongest kind.
+
+/// Similarity bins: 0.01 wide over [0, 1].
+const BINS: usize = 100;
+
+/// Verdicts by similarity.
+#[derive(Debug, Clone)]
+pub struct Evidence {
+    right: [f64; BINS + 1],
+    wrong: [f64; BINS + 1],
+}
+
+impl Default for Evidence {
+    fn default() -> Self {
+        Evidence {
+            right: [0.0; BINS + 1],
+            wrong: [0.0; BINS + 1],
+        }
+    }
+}
+
+/// What [`Evidence::threshold`] decided.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Learned {
+    /// The threshold to serve at.
+    pub threshold: f32,
+    /// The verdicts at or above it.
+    pub verdicts: f64,
+    /// The upper confidence bound of the wrong share at or above it (1 without verdicts).
+    pub wrong_upper: f64,
+    /// Whether the verdicts set it (else the configured threshold, maybe raised).
+    pub learned: bool,
+}
+
+fn bin(similarity: f32) -> usize {
+    ((similarity.clamp(0.0, 1.0) * BINS as f32).floor() as usize).min(BINS)
+}
+
+fn edge(b: usize) -> f32 {
+    b as f32 / BINS as f32
+}
+
+impl Evidence {
+    /// Records a verdict on a candidate found at `similarity`.
+    pub fn record(&mut self, similarity: f32, wrong: bool) {
+        let b = bin(similarity);
+        if wrong {
+            self.wrong[b] += 1.0;
+        } else {
+            self.right[b] += 1.0;
+        }
+    }
+
+    /// Verdicts recorded.
+    pub fn total(&self) -> f64 {
+        self.right.iter().sum::<f64>() + self.wrong.iter().sum::<f64>()
+    }
+
+    /// Halves every count (old verdicts weigh less; call it when the totals grow large).
+    pub fn decay(&mut self) {
+        for c in self.right.iter_mut().chain(self.wrong.iter_mut()) {
+            *c /= 2.0;
+        }
+    }
+
+    /// The threshold for `delta` at confidence `1 - alpha`: see the module. `configured` is
+    /// the policy's threshold, `floor` the lowest it may learn.
+    pub fn threshold(&self, delta: f64, alpha: f64, configured: f32, floor: f32) -> Learned {
+        // One-sided level split over every bin the rule may pick.
+        let z = normal_quantile(1.0 - alpha / (BINS as f64 + 1.0));
+        let (floor_bin, configured_bin) = (bin(floor), bin(configured));
+        let (mut n, mut w) = (0.0, 0.0);
+        // The lowest bin (with verdicts of its own) whose verdicts from there up show at most
+        // delta wrong, for sure.
+        let mut lowest_safe = None;
+        // Above the configured threshold: the highest bin from which up the verdicts show
+        // more than delta wrong, for sure; the threshold goes above it.
+        let mut unsafe_above = None;
+        for b in (0..=BINS).rev() {
+            let here = self.right[b] + self.wrong[b];
+            n += here;
+            w += self.wrong[b];
+            if here == 0.0 {
+                continue;
+            }
+            if b >= floor_bin && wilson_upper(w, n, z) <= delta {
+                lowest_safe = Some(b);
+            }
+            if b >= configured_bin && unsafe_above.is_none() && wilson_lower(w, n, z) > delta {
+                unsafe_above = Some(b);
+            }
+        }
+        let base = lowest_safe.unwrap_or(configured_bin);
+        let chosen = match unsafe_above {
+            Some(b) => base.max(b + 1),
+            None => base,
+        };
+        let threshold = if lowest_safe.is_some() || chosen > configured_bin {
+            edge(chosen.min(BINS))
+        } else {
+            configured
+        };
+        let (n, w) = self.at_least(bin(threshold));
+        Learned {
+            threshold,
+            verdicts: n,
+            wrong_upper: if n > 0.0 { wilson_upper(w, n, z) } else { 1.0 },
+            learned: lowest_safe.is_some(),
+        }
+    }
+
+    fn at_least(&self, from: usize) -> (f64, f64) {
+        let n = (from..=BINS).map(|b| self.right[b] + self.wrong[b]).sum();
+        let w = (from..=BINS).map(|b| self.wrong[b]).sum();
+        (n, w)
+    }
+}
+
+/// Wilson score upper bound of a proportion `w / n` at normal quantile `z`.
+pub fn wilson_upper(w: f64, n: f64, z: f64) -> f64 {
+    wilson(w, n, z, 1.0)
+}
+
+/// Wilson score lower bound.
+pub fn wilson_lower(w: f64, n: f64, z: f64) -> f64 {
+    wilson(w, n, z, -1.0)
+}
+
+fn wilson(w: f64, n: f64, z: f64, sign: f64) -> f64 {
+    if n <= 0.0 {
+        return if sign > 0.0 { 1.0 } else { 0.0 };
+    }
+    let p = w / n;
+    let z2 = z * z;
+    let centre = p + z2 / (2.0 * n);
+    let spread = z * (p * (1.0 - p) / n + z2 / (4.0 * n * n)).sqrt();
+    ((centre + sign * spread) / (1.0 + z2 / n)).clamp(0.0, 1.0)
+}
+
+/// The standard normal quantile (Acklam's rational approximation, relative error < 1.2e-9).
+pub fn normal_quantile(p: f64) -> f64 {
+    const A: [f64; 6] = [
+        -3.969683028665376e1,
+        2.209460984245205e2,
+        -2.759285104469687e2,
+        1.38357751867269e2,
+        -3.066479806614716e1,
+        2.506628277459239,
+    ];
+    const B: [f64; 5] = [
+        -5.447609879822406e1,
+        1.615858368580409e2,
+        -1.556989798598866e2,
+        6.680131188771972e1,
+        -1.328068155288572e1,
+    ];
+    const C: [f64; 6] = [
+        -7.784894002430293e-3,
+        -3.223964580411365e-1,
+        -2.400758277161838,
+        -2.549732539343734,
+        4.374664141464968,
+        2.938163982698783,
+    ];
+    const D: [f64; 4] = [
+        7.784695709041462e-3,
+        3.224671290700398e-1,
+        2.445134137142996,
+        3.754408661907416,
+    ];
+    let p = p.clamp(1e-300, 1.0 - 1e-16);
+    let low = 0.02425;
+    if p < low {
+        let q = (-2.0 * p.ln()).sqrt();
+        (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
+            / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
+    } else if p <= 1.0 - low {
+        let q = p - 0.5;
+        let r = q * q;
+        (((((A[0] * r + A[1]) * r + A[2]) * r + A[3]) * r + A[4]) * r + A[5]) * q
+            / (((((B[0] * r + B[1]) * r + B[2]) * r + B[3]) * r + B[4]) * r + 1.0)
+    } else {
+        -normal_quantile(1.0 - p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_and_bounds_are_right() {
+        assert!((normal_quantile(0.975) - 1.959964).abs() < 1e-5);
+        assert!((normal_quantile(0.95) - 1.644854).abs() < 1e-5);
+        assert!((normal_quantile(0.05) + 1.644854).abs() < 1e-5);
+        // 0 wrong of 100 at 95 %: about 2.6 %.
+        let u = wilson_upper(0.0, 100.0, 1.644854);
+        assert!((u - 0.0263).abs() < 0.001, "{u}");
+        assert_eq!(wilson_lower(0.0, 100.0, 1.644854), 0.0);
+        assert!(wilson_lower(50.0, 100.0, 1.96) > 0.39);
+    }
+
+    #[test]
+    fn without_evidence_the_configured_threshold_stays() {
+        let e = Evidence::default();
+        let l = e.threshold(0.02, 0.05, 0.86, 0.7);
+        assert_eq!(l.threshold, 0.86);
+        assert!(!l.learned);
+        assert_eq!(l.wrong_upper, 1.0);
+    }
+
+    #[test]
+    fn wrong_verdicts_tighten_at_once() {
+        let mut e = Evidence::default();
+        for _ in 0..3 {
+            e.record(0.905, true);
+        }
+        e.record(0.95, false);
+        let l = e.threshold(0.02, 0.05, 0.86, 0.7);
+        assert!(l.threshold > 0.905, "{l:?}");
+        assert!(!l.learned);
+        // Above the wrong band, right verdicts only: still there, not lower.
+        assert!(l.threshold <= 0.92, "{l:?}");
+    }
+
+    #[test]
+    fn right_verdicts_loosen_down_to_where_they_were_seen() {
+        let mut e = Evidence::default();
+        // Many right verdicts from 0.80 up, one wrong among them.
+        for i in 0..2000 {
+            let s = 0.80 + (i % 20) as f32 * 0.01;
+            e.record(s, false);
+        }
+        e.record(0.85, true);
+        let l = e.threshold(0.02, 0.05, 0.86, 0.7);
+        assert!(l.learned, "{l:?}");
+        assert!((l.threshold - 0.80).abs() < 1e-6, "{l:?}");
+        assert!(l.wrong_upper <= 0.02);
+        // Never below the floor, nor below the verdicts' band.
+        let l = e.threshold(0.02, 0.05, 0.86, 0.83);
+        assert!((l.threshold - 0.83).abs() < 1e-6, "{l:?}");
+        // A stricter bound needs more: stays at or above where it holds.
+        let strict = e.threshold(0.001, 0.05, 0.86, 0.7);
+        assert!(
+            strict.threshold >= l.threshold || !strict.learned,
+            "{strict:?}"
+        );
+    }
+
+    #[test]
+    fn many_wrong_verdicts_in_a_band_keep_the_threshold_above_it() {
+        let mut e = Evidence::default();
+        for i in 0..1000 {
+            e.record(0.90 + (i % 10) as f32 * 0.01, false);
+        }
+        for i in 0..300 {
+            e.record(0.85 + (i % 5) as f32 * 0.01, i % 3 == 0);
+        }
+        let l = e.threshold(0.02, 0.05, 0.86, 0.7);
+        assert!(l.threshold >= 0.89, "{l:?}");
+        assert!(l.wrong_upper <= 0.02 || !l.learned);
+    }
+}
