@@ -498,6 +498,28 @@ pub struct SemanticConfig {
     pub verify_near_misses: f64,
     /// Answers at least this similar are judged the same answer.
     pub answer_threshold: f32,
+    /// The share of semantic hits checked in the background: the backend answers the
+    /// question afresh (at background priority, only while no client request is running,
+    /// one at a time, within `verify_tokens_per_minute`; a check that does not fit is
+    /// skipped, never queued) and a judge decides whether the cached answer serves it.
+    pub verify_hits: f64,
+    /// The judge: `similarity` (the two answers' embeddings, `answer_threshold`) or `prompt`
+    /// (the backend is asked whether the cached answer serves the question as well as its
+    /// fresh one; meant for capable upstream models).
+    pub verify_judge: VerifyJudge,
+    /// Tokens per minute the checks of hits may ask the backend for.
+    pub verify_tokens_per_minute: u32,
+}
+
+/// How a checked hit is judged (`semantic.verify_judge`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum VerifyJudge {
+    /// The embedding similarity of the cached and the fresh answer.
+    #[default]
+    Similarity,
+    /// A judge prompt to the backend.
+    Prompt,
 }
 
 impl Default for SemanticConfig {
@@ -520,6 +542,9 @@ impl Default for SemanticConfig {
             min_threshold: 0.7,
             verify_near_misses: 0.25,
             answer_threshold: 0.9,
+            verify_hits: 0.0,
+            verify_judge: VerifyJudge::Similarity,
+            verify_tokens_per_minute: 20_000,
         }
     }
 }
@@ -925,6 +950,15 @@ impl Config {
         }
         if !(0.0..=1.0).contains(&sem.verify_near_misses) {
             return Err(invalid("semantic.verify_near_misses", "must be in [0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&sem.verify_hits) {
+            return Err(invalid("semantic.verify_hits", "must be in [0, 1]"));
+        }
+        if sem.verify_hits > 0.0 && sem.verify_tokens_per_minute == 0 {
+            return Err(invalid(
+                "semantic.verify_tokens_per_minute",
+                "must be positive when semantic.verify_hits is",
+            ));
         }
         if !(sem.answer_threshold > 0.0 && sem.answer_threshold <= 1.0) {
             return Err(invalid("semantic.answer_threshold", "must be in (0, 1]"));
