@@ -17,6 +17,7 @@ pub mod auth;
 mod bookkeeping;
 pub mod candidate;
 pub mod config;
+mod cpu;
 pub mod error;
 mod flight;
 mod forward;

@@ -498,3 +498,70 @@ async fn substituted_words_far_apart_in_meaning_are_not_served() {
         "shop vs store is the same question"
     );
 }
+
+/// Text of about `bytes` bytes, for long prompts: words every rule of the false-hit gate
+/// looks at (prefixed words, antonyms, capitalised names), none that differ between sides.
+fn filler(bytes: usize) -> String {
+    let sentence = "Then the Madrid routers disconnect, the Oslo accounts deactivate and the \
+                    team uploads its reports to the Lisbon archive before anyone can unlock it. ";
+    sentence.repeat(bytes / sentence.len())
+}
+
+/// A prompt of megabytes whose start matches a stored one (same long text, another name at
+/// the start) is judged by the false-hit gate over a bounded start, off the async workers:
+/// while two of them are looked up and wait for the backend, exact hits and /healthz are
+/// answered on a server with two workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn megabyte_prompts_like_a_stored_one_leave_exact_hits_answering() {
+    let script = ScriptConfig {
+        reply: "noted".into(),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(semantic_config(), script.clone()).await;
+    // Under the default 4 MiB body limit with the JSON around it.
+    let long = filler(4_000_000);
+    let prompt = |name: &str| format!("Can we move the {name} office to the new building? {long}");
+    let stored = prompt("Berlin");
+    assert!(chat_body(&stored).to_string().len() < 4 * 1024 * 1024);
+    let r = app.chat(&chat_body(&stored), &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+    let small = chat_body("What are your opening hours?");
+    assert_eq!(cache_status(&app.chat(&small, &[]).await), "miss");
+    let before = backend.calls();
+    assert_eq!(before, 2);
+
+    // The hostile requests reach the backend and wait there.
+    backend.set_config(ScriptConfig {
+        first_token_delay: std::time::Duration::from_secs(3600),
+        ..script
+    });
+    let hostile: Vec<_> = ["Paris", "Rome"]
+        .into_iter()
+        .map(|name| {
+            let (client, url, body) =
+                (app.client.clone(), app.chat_url(), chat_body(&prompt(name)));
+            tokio::spawn(async move { client.post(url).json(&body).send().await })
+        })
+        .collect();
+    // Exact hits and /healthz, until both hostile requests are past their lookups (the
+    // gate rejected the stored prompt: another name) and in the backend.
+    let mut answered = 0;
+    loop {
+        let r = app.chat(&small, &[]).await;
+        assert_eq!(cache_status(&r), "exact");
+        assert_eq!(app.get("/healthz").await.status(), 200);
+        answered += 1;
+        if backend.calls() == before + 2 {
+            break;
+        }
+    }
+    assert!(answered >= 1);
+    assert!(
+        hostile.iter().all(|h| !h.is_finished()),
+        "the hostile requests are still in flight"
+    );
+    for h in hostile {
+        h.abort();
+    }
+}

@@ -73,15 +73,40 @@ pub async fn judge(
         return (Verdict::TooOld, Some(entry));
     }
     if policy.gate {
-        if let Some(reason) = reprise_policies::gate(q.text, &entry.prompt).reason() {
+        let threshold = state.config.semantic.substitution_threshold;
+        // The gate reads a bounded start of each prompt; only that much of the query is
+        // copied for it.
+        let query = reprise_policies::gate::capped(q.text).to_owned();
+        let cached = entry.clone();
+        let (verdict, swapped) = state
+            .cpu
+            .run(move || vet(&query, &cached.prompt, threshold > 0.0))
+            .await;
+        if let Some(reason) = verdict.reason() {
             return (Verdict::Gate(reason), Some(entry));
         }
-        let threshold = state.config.semantic.substitution_threshold;
-        if substituted_meaning(embedder, q.scope, threshold, q.text, &entry.prompt).await {
-            return (Verdict::Gate("substitution"), Some(entry));
+        if let Some(words) = swapped {
+            if meanings_apart(embedder, q.scope, threshold, words).await {
+                return (Verdict::Gate("substitution"), Some(entry));
+            }
         }
     }
     (Verdict::Pass, Some(entry))
+}
+
+/// The gate's verdict on `query` against a cached `candidate` and, when it passes and
+/// `substitutions` are checked, the words one swaps for the other. CPU-bound: run on
+/// [`AppState::cpu`].
+fn vet(
+    query: &str,
+    candidate: &str,
+    substitutions: bool,
+) -> (reprise_policies::GateVerdict, Option<(String, String)>) {
+    let verdict = reprise_policies::gate(query, candidate);
+    let swapped = (verdict.is_pass() && substitutions)
+        .then(|| reprise_policies::gate::substitution(query, candidate))
+        .flatten();
+    (verdict, swapped)
 }
 
 /// The best servable candidate for `q` under `policy`, with its similarity. Records what it
@@ -117,21 +142,18 @@ pub async fn find(
     found
 }
 
-/// Whether the two prompts differ by substituted words whose meanings are far apart
-/// ("home" vs "car" insurance), judged by the embedder; `threshold` 0 turns the check off.
-async fn substituted_meaning(
+/// Whether the words two prompts swap (`words`, "home" vs "car" insurance) are far apart in
+/// meaning, judged by the embedder; `threshold` 0 turns the check off.
+async fn meanings_apart(
     embedder: &dyn Embedder,
     scope: &str,
     threshold: f32,
-    query: &str,
-    candidate: &str,
+    words: (String, String),
 ) -> bool {
     if threshold <= 0.0 {
         return false;
     }
-    let Some((a, b)) = reprise_policies::gate::substitution(query, candidate) else {
-        return false;
-    };
+    let (a, b) = words;
     match embedder.embed_many_in(scope, &[a, b]).await {
         Ok(v) => reprise_embedder::cosine(&v[0], &v[1]) < threshold,
         // Cannot tell: the candidate already passed the threshold and the gate.

@@ -150,7 +150,7 @@ async fn serve(
     } else {
         Outcome::Bypass
     };
-    let joined = single_flight::join(state, &parsed, plan, found.policy, access, book);
+    let joined = single_flight::join(state, &parsed, plan, found.policy, access, book).await;
     // 9. Respond.
     let outcome = book.outcome;
     let mut resp =
