@@ -100,13 +100,19 @@ impl Entry {
     /// Approximate heap size in bytes, used to bound the memory tier.
     pub fn weight(&self) -> u32 {
         let emb = self.embedding.as_ref().map_or(0, |e| e.len() * 4);
+        let tags: usize = self
+            .tags
+            .iter()
+            .map(|t| std::mem::size_of::<String>() + t.len())
+            .sum();
         let bytes = std::mem::size_of::<Entry>()
             + self.namespace.len()
             + self.model.len()
             + self.text.len()
             + self.finish_reason.len()
             + self.prompt.len()
-            + emb;
+            + emb
+            + tags;
         u32::try_from(bytes).unwrap_or(u32::MAX)
     }
 
@@ -132,4 +138,36 @@ pub fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weight_counts_text_embedding_and_tags() {
+        let mut e = Entry {
+            id: EntryId(1),
+            namespace: "ns".into(),
+            model: "m".into(),
+            text: "answer".into(),
+            finish_reason: "stop".into(),
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            prompt: "question".into(),
+            partition: [0; 32],
+            embedding: None,
+            origin: Origin::Live,
+            tags: Vec::new(),
+            created_ms: 0,
+            expires_ms: 1,
+        };
+        let bare = e.weight();
+        e.embedding = Some(Arc::from(vec![0.0; 384]));
+        assert_eq!(e.weight(), bare + 384 * 4);
+        let with_embedding = e.weight();
+        e.tags = vec!["x".repeat(128); 32];
+        let per_tag = std::mem::size_of::<String>() + 128;
+        assert_eq!(e.weight() as usize, with_embedding as usize + 32 * per_tag);
+    }
 }
