@@ -42,8 +42,8 @@ pub struct AppState {
     pub flights: Flights,
     /// Generations in flight, by semantic partition (paraphrases follow them).
     pub paraphrases: InFlightParaphrases,
-    /// Where the request path's CPU-bound work runs (the false-hit gate), off the async
-    /// workers.
+    /// Where the request path's CPU-bound work runs (the false-hit gate, the embedder's
+    /// window), off the async workers.
     pub cpu: CpuPool,
     /// Metric handles.
     pub metrics: Metrics,

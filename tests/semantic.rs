@@ -565,3 +565,70 @@ async fn megabyte_prompts_like_a_stored_one_leave_exact_hits_answering() {
         h.abort();
     }
 }
+
+/// A handbook excerpt of about 300 tokens: longer than the embedder reads (254 tokens of
+/// text), so a question after it lies beyond what is embedded.
+const HANDBOOK: &str = "Please read this section of the staff handbook carefully before you \
+    answer. Every member of staff is expected to keep their personal details up to date in the \
+    people system, including their home address, emergency contact and bank account, because \
+    payroll and benefits are calculated from those records. Requests for leave should be made \
+    through the same system as early as possible, and your line manager will review them in \
+    the order they arrive, taking into account the needs of the team and any busy periods that \
+    have been announced in advance. If you are unwell, tell your manager before the start of \
+    your working day and keep them informed about when you expect to return; a medical note is \
+    needed for longer absences. Expenses must be claimed with receipts attached, and claims are \
+    paid with the next salary run once they have been approved. Equipment such as laptops and \
+    phones remains the property of the company and must be returned when you leave, together \
+    with any access badges and keys. Training courses are offered throughout the year, and you \
+    are encouraged to discuss your development with your manager during regular check-ins. \
+    Concerns about conduct, safety or wellbeing can be raised confidentially with the people \
+    team at any time, and they will be handled promptly, fairly and with discretion, and \
+    nobody who raises a concern in good faith will be treated unfairly as a result of it.";
+
+/// The embedder reads the first 256 tokens of a question; what follows must match exactly.
+/// Two questions after the same long context never share an answer; the same long prompt is
+/// an exact hit; a long prompt reworded only where it is read still matches by meaning, as
+/// short paraphrases do.
+#[tokio::test]
+async fn text_beyond_what_the_embedder_reads_never_aliases() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let ask = |question: &str| format!("{HANDBOOK}\n\nQuestion: {question}");
+    let first = ask("What is the notice period for resigning?");
+    let (read, _) = embedder().split(&first);
+    assert!(
+        !read.contains("Question:"),
+        "the question lies beyond what the embedder reads"
+    );
+
+    let r = app.chat(&chat_body(&first), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let second = ask("Who approves expense claims?");
+    let r = app.chat(&chat_body(&second), &[]).await;
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "another question after the same context"
+    );
+    assert_eq!(content(r).await, format!("You asked: {second}"));
+    let r = app.chat(&chat_body(&first), &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(content(r).await, format!("You asked: {first}"));
+    assert_eq!(backend.calls(), 2);
+
+    // Reworded where it is read (one word for another of one token), the same end.
+    let reworded = first.replacen("Please read", "Kindly read", 1);
+    let r = app.chat(&chat_body(&reworded), &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(content(r).await, format!("You asked: {first}"));
+
+    app.chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    let r = app
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(backend.calls(), 3);
+}

@@ -15,7 +15,8 @@ use crate::state::AppState;
 
 /// The text matched by meaning, where.
 pub struct Question<'a> {
-    /// The last user message (or the prompt).
+    /// What the embedder reads of the last user message (or the prompt): the rest is in the
+    /// partition.
     pub text: &'a str,
     /// Its embedding.
     pub embedding: &'a [f32],
@@ -57,7 +58,7 @@ impl Verdict {
 /// Judges one candidate of `q` found at `similarity`; the entry when one was fetched.
 pub async fn judge(
     state: &AppState,
-    embedder: &dyn Embedder,
+    embedder: &Arc<dyn Embedder>,
     policy: &SemanticPolicy,
     q: &Question<'_>,
     wants: Wants,
@@ -74,19 +75,23 @@ pub async fn judge(
     }
     if policy.gate {
         let threshold = state.config.semantic.substitution_threshold;
-        // The gate reads a bounded start of each prompt; only that much of the query is
-        // copied for it.
+        // Both prompts are compared on what the embedder reads of them: beyond it they are
+        // equal (the partition holds the rest). The gate reads a bounded start of that; only
+        // as much of the query is copied for it.
         let query = reprise_policies::gate::capped(q.text).to_owned();
-        let cached = entry.clone();
+        let (cached, reader) = (entry.clone(), embedder.clone());
         let (verdict, swapped) = state
             .cpu
-            .run(move || vet(&query, &cached.prompt, threshold > 0.0))
+            .run(move || {
+                let (read, _) = reader.split(&cached.prompt);
+                vet(&query, read, threshold > 0.0)
+            })
             .await;
         if let Some(reason) = verdict.reason() {
             return (Verdict::Gate(reason), Some(entry));
         }
         if let Some(words) = swapped {
-            if meanings_apart(embedder, q.scope, threshold, words).await {
+            if meanings_apart(embedder.as_ref(), q.scope, threshold, words).await {
                 return (Verdict::Gate("substitution"), Some(entry));
             }
         }
@@ -113,7 +118,7 @@ fn vet(
 /// saw in `notes`.
 pub async fn find(
     state: &AppState,
-    embedder: &dyn Embedder,
+    embedder: &Arc<dyn Embedder>,
     policy: &SemanticPolicy,
     q: Question<'_>,
     wants: Wants,

@@ -63,7 +63,7 @@ pub async fn join(
             Joined::Leader(flight, sub) => {
                 if let (Some(partition), Some(embedding)) = (plan.partition, plan.embedding.clone())
                 {
-                    let prompt = Arc::from(reprise_policies::gate::capped(&plan.prompt));
+                    let prompt = Arc::from(reprise_policies::gate::capped(plan.read()));
                     state
                         .paraphrases
                         .register(partition, exact, prompt, embedding);
@@ -91,7 +91,8 @@ pub async fn join(
 
 /// The most similar question in flight in `partition` (at or above the threshold) whose
 /// prompt passes the gate against this one: its exact key and the similarity. The registry
-/// is locked only to copy the candidates out; the gate runs after, off the async workers.
+/// is locked only to copy the candidates out; the gate runs after, off the async workers,
+/// on what the embedder reads of each prompt (the rest is in the partition).
 async fn paraphrase_in_flight(
     state: &AppState,
     plan: &WritePlan,
@@ -105,7 +106,7 @@ async fn paraphrase_in_flight(
     if similar.is_empty() || !policy.gate {
         return similar.first().map(|(key, sim, _)| (*key, *sim));
     }
-    let query = reprise_policies::gate::capped(&plan.prompt).to_owned();
+    let query = reprise_policies::gate::capped(plan.read()).to_owned();
     state
         .cpu
         .run(move || {

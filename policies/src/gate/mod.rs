@@ -19,7 +19,8 @@
 //! Its cost is linear in the text it reads (word sets and single passes, no rescans), and it
 //! reads at most [`MAX_TEXT_BYTES`] of each prompt: a few dozen tokens take microseconds, and
 //! a prompt of megabytes costs no more than its first 32 KiB. A difference beyond the cap is
-//! not seen.
+//! not seen: the server passes only what the embedder reads of each prompt (at most 16 KiB),
+//! since two prompts in one semantic partition are equal beyond that.
 //!
 //! This module holds the verdict and the rules that compare two prompts; `features`
 //! extracts what the rules compare, `lexicon` holds the word lists and single-word
