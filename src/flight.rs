@@ -208,24 +208,34 @@ impl Flights {
 /// A generation in flight that a paraphrase may wait for instead of generating again.
 struct InFlightQuestion {
     exact: Digest,
-    prompt: String,
+    /// What the false-hit gate reads of its prompt.
+    prompt: Arc<str>,
     embedding: Arc<[f32]>,
 }
 
+/// A question in flight similar to another one: its exact key, the similarity and what the
+/// gate reads of its prompt.
+pub type SimilarInFlight = (Digest, f32, Arc<str>);
+
 /// In-flight generations by semantic partition: single-flight extended to near-duplicates
 /// (a paraphrase of a question being generated right now follows that generation).
+///
+/// The lock guards only the map: [`InFlightParaphrases::similar`] copies out the candidates
+/// (pointers to their prompts), and the caller judges them after releasing it, so a long
+/// judgement never holds up another request's registration or lookup.
 #[derive(Default)]
 pub struct InFlightParaphrases {
     map: Mutex<HashMap<Digest, Vec<InFlightQuestion>>>,
 }
 
 impl InFlightParaphrases {
-    /// Registers a generation led for `exact` in `partition`.
+    /// Registers a generation led for `exact` in `partition`; `prompt` is what the gate
+    /// reads of its prompt.
     pub fn register(
         &self,
         partition: Digest,
         exact: Digest,
-        prompt: String,
+        prompt: Arc<str>,
         embedding: Arc<[f32]>,
     ) {
         self.map
@@ -250,24 +260,28 @@ impl InFlightParaphrases {
         }
     }
 
-    /// The most similar question in flight at or above `threshold` whose prompt `accept`s;
-    /// returns its exact key and the similarity.
-    pub fn find(
+    /// The questions in flight in `partition` at or above `threshold`, most similar first
+    /// (equal similarities in the order they were registered).
+    pub fn similar(
         &self,
         partition: &Digest,
         embedding: &[f32],
         threshold: f32,
-        accept: impl Fn(&str) -> bool,
-    ) -> Option<(Digest, f32)> {
+    ) -> Vec<SimilarInFlight> {
         let map = self.map.lock();
-        let mut best: Option<(Digest, f32)> = None;
-        for t in map.get(partition)? {
-            let sim: f32 = t.embedding.iter().zip(embedding).map(|(a, b)| a * b).sum();
-            if sim >= threshold && best.is_none_or(|(_, b)| sim > b) && accept(&t.prompt) {
-                best = Some((t.exact, sim));
-            }
-        }
-        best
+        let Some(questions) = map.get(partition) else {
+            return Vec::new();
+        };
+        let mut found: Vec<SimilarInFlight> = questions
+            .iter()
+            .filter_map(|t| {
+                let sim: f32 = t.embedding.iter().zip(embedding).map(|(a, b)| a * b).sum();
+                (sim >= threshold).then(|| (t.exact, sim, t.prompt.clone()))
+            })
+            .collect();
+        drop(map);
+        found.sort_by(|a, b| b.1.total_cmp(&a.1));
+        found
     }
 }
 
@@ -320,6 +334,24 @@ mod tests {
             flights.join([2; 32], EntryId(2)),
             Joined::Leader(..)
         ));
+    }
+
+    #[test]
+    fn similar_questions_come_most_similar_first_and_only_from_their_partition() {
+        let p = InFlightParaphrases::default();
+        let v = |x: f32, y: f32| -> Arc<[f32]> { Arc::from(vec![x, y]) };
+        p.register([1; 32], [10; 32], "a".into(), v(1.0, 0.0));
+        p.register([1; 32], [11; 32], "b".into(), v(0.6, 0.8));
+        p.register([1; 32], [12; 32], "c".into(), v(0.0, 1.0));
+        p.register([2; 32], [13; 32], "d".into(), v(0.8, 0.6));
+        let found = p.similar(&[1; 32], &[0.8, 0.6], 0.5);
+        let keys: Vec<(Digest, &str)> = found.iter().map(|(k, _, t)| (*k, &**t)).collect();
+        assert_eq!(keys, [([11; 32], "b"), ([10; 32], "a"), ([12; 32], "c")]);
+        assert!(found[0].1 > found[1].1);
+        assert!(p.similar(&[1; 32], &[0.0, 1.0], 0.9).len() == 1);
+        p.remove(&[1; 32], &[10; 32]);
+        assert_eq!(p.similar(&[1; 32], &[0.8, 0.6], 0.5).len(), 2);
+        assert!(p.similar(&[3; 32], &[0.8, 0.6], 0.0).is_empty());
     }
 
     #[tokio::test]

@@ -147,13 +147,17 @@ pub fn exact_key(namespace: &str, endpoint: Endpoint, req: &GenRequest) -> Diges
 }
 
 /// The semantic partition: everything that must match exactly for a near-duplicate to be
-/// served — namespace, endpoint, model, sampling parameters, pass-through fields and the
-/// conversation context — but not the text that is matched by meaning.
+/// served — namespace, endpoint, model, sampling parameters, pass-through fields, the
+/// conversation context and `unread`, the end of the matched text that the embedder does not
+/// read (see [`reprise_embedder::Embedder::window`]) — but not the text that is matched by
+/// meaning. An empty `unread` adds nothing, so texts the embedder reads whole keep the
+/// partitions they always had.
 pub fn partition_key(
     namespace: &str,
     endpoint: Endpoint,
     req: &GenRequest,
     context: &Digest,
+    unread: &str,
 ) -> Digest {
     let GenRequest {
         model,
@@ -166,6 +170,10 @@ pub fn partition_key(
     h.str(namespace).str(endpoint.as_str());
     h.settings(model, params, extra);
     h.digest(context);
+    if !unread.is_empty() {
+        // Text beyond the embedder's window would otherwise never tell two prompts apart.
+        h.str("unread").str(unread);
+    }
     h.finish()
 }
 
@@ -261,31 +269,50 @@ mod tests {
     fn partitions_isolate_namespace_model_params_and_context() {
         let base = chat(&[("user", "hi")]);
         let ctx = [7; 32];
-        let p = partition_key("ns", Endpoint::Chat, &base, &ctx);
+        let p = partition_key("ns", Endpoint::Chat, &base, &ctx, "");
         // The matched text itself is not part of the partition.
         let other_text = chat(&[("user", "hello there")]);
-        assert_eq!(p, partition_key("ns", Endpoint::Chat, &other_text, &ctx));
+        assert_eq!(
+            p,
+            partition_key("ns", Endpoint::Chat, &other_text, &ctx, "")
+        );
         let mut m = base.clone();
         m.model = "other-model".into();
-        assert_ne!(p, partition_key("ns", Endpoint::Chat, &m, &ctx), "model");
         assert_ne!(
             p,
-            partition_key("ns2", Endpoint::Chat, &base, &ctx),
+            partition_key("ns", Endpoint::Chat, &m, &ctx, ""),
+            "model"
+        );
+        assert_ne!(
+            p,
+            partition_key("ns2", Endpoint::Chat, &base, &ctx, ""),
             "namespace"
         );
         assert_ne!(
             p,
-            partition_key("ns", Endpoint::Completion, &base, &ctx),
+            partition_key("ns", Endpoint::Completion, &base, &ctx, ""),
             "endpoint"
         );
         assert_ne!(
             p,
-            partition_key("ns", Endpoint::Chat, &base, &[8; 32]),
+            partition_key("ns", Endpoint::Chat, &base, &[8; 32], ""),
             "context"
         );
         let mut t = base.clone();
         t.params.max_tokens = Some(5);
-        assert_ne!(p, partition_key("ns", Endpoint::Chat, &t, &ctx), "params");
+        assert_ne!(
+            p,
+            partition_key("ns", Endpoint::Chat, &t, &ctx, ""),
+            "params"
+        );
+        // What the embedder does not read must match exactly.
+        let unread = partition_key("ns", Endpoint::Chat, &base, &ctx, "the end");
+        assert_ne!(p, unread, "unread text");
+        assert_ne!(
+            unread,
+            partition_key("ns", Endpoint::Chat, &base, &ctx, "the end!"),
+            "unread text"
+        );
     }
 
     #[test]
@@ -344,6 +371,12 @@ mod tests {
         assert_eq!(
             hex(exact_key("default", Endpoint::Chat, &req)),
             "1df48bedf8fe7c774db580d5003647b3f5f1e7704f30a1c3aa8c53c3727fdcb0"
+        );
+        // Partitions too (entries carry theirs); a question the embedder reads whole has no
+        // unread end.
+        assert_eq!(
+            hex(partition_key("default", Endpoint::Chat, &req, &[7; 32], "")),
+            "d534ea13f279da917014e3f99df3536f03af3dbbb2f77e5ea52d7827a84192e4"
         );
     }
 

@@ -18,6 +18,7 @@ mod bookkeeping;
 pub mod bounds;
 pub mod candidate;
 pub mod config;
+mod cpu;
 pub mod error;
 pub mod feedback;
 mod flight;

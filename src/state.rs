@@ -18,6 +18,7 @@ use reprise_cache::Store;
 use reprise_embedder::{Embedder, EmbedderConfig, FastEmbedder};
 
 use crate::config::{BackendKind, Config};
+use crate::cpu::CpuPool;
 use crate::flight::{Flights, InFlightParaphrases};
 use crate::metrics::Metrics;
 use crate::observe::Observer;
@@ -41,6 +42,9 @@ pub struct AppState {
     pub flights: Flights,
     /// Generations in flight, by semantic partition (paraphrases follow them).
     pub paraphrases: InFlightParaphrases,
+    /// Where the request path's CPU-bound work runs (the false-hit gate, the embedder's
+    /// window), off the async workers.
+    pub cpu: CpuPool,
     /// Metric handles.
     pub metrics: Metrics,
     /// Per-request JSON log, when configured.
@@ -137,6 +141,7 @@ impl AppState {
             embedder,
             flights: Flights::default(),
             paraphrases: Default::default(),
+            cpu: CpuPool::per_core(),
             metrics,
             request_log,
             prefetch,

@@ -300,6 +300,54 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
     );
 }
 
+/// `x-reprise-tags` takes at most 32 tags of at most 128 bytes: beyond, a 400 naming the
+/// header, and nothing is generated or stored; at the bounds, every tag is stored.
+#[tokio::test]
+async fn tags_are_bounded_in_number_and_length() {
+    let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;
+    let body = chat_body("a tagged question");
+    let tags = |n: usize, len: usize| -> String {
+        (0..n)
+            .map(|i| format!("{i:0>len$}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let too_many = tags(33, 4);
+    let too_long = format!("ok,{}", "x".repeat(129));
+    for value in [too_many.as_str(), too_long.as_str()] {
+        let r = app.chat(&body, &[("x-reprise-tags", value)]).await;
+        assert_openai_error(r, 400, Some("x-reprise-tags")).await;
+    }
+    // Several header lines add up.
+    let r = app
+        .client
+        .post(app.chat_url())
+        .json(&body)
+        .header("x-reprise-tags", tags(20, 4))
+        .header("x-reprise-tags", tags(13, 5))
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 400, Some("x-reprise-tags")).await;
+    assert_eq!(backend.calls(), 0, "refused before the backend");
+    assert_eq!(app.state.store.entry_count(), 0, "nothing stored");
+
+    let most = tags(32, 128);
+    let r = app.chat(&body, &[("x-reprise-tags", most.as_str())]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+    let id = r.headers()["x-reprise-entry"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let entry = app.state.store.get(id).await.expect("stored");
+    assert_eq!(entry.tags.len(), 32);
+    assert!(entry.tags.iter().all(|t| t.len() == 128));
+    assert_eq!(cache_status(&app.chat(&body, &[]).await), "exact");
+    assert_eq!(backend.calls(), 1);
+}
+
 #[tokio::test]
 async fn backend_failures_map_to_status_codes_and_are_not_cached() {
     let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;

@@ -709,3 +709,137 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
         "{served:?}"
     );
 }
+
+/// Text of about `bytes` bytes, for long prompts: words every rule of the false-hit gate
+/// looks at (prefixed words, antonyms, capitalised names), none that differ between sides.
+fn filler(bytes: usize) -> String {
+    let sentence = "Then the Madrid routers disconnect, the Oslo accounts deactivate and the \
+                    team uploads its reports to the Lisbon archive before anyone can unlock it. ";
+    sentence.repeat(bytes / sentence.len())
+}
+
+/// A prompt of megabytes whose start matches a stored one (same long text, another name at
+/// the start) is judged by the false-hit gate over a bounded start, off the async workers:
+/// while two of them are looked up and wait for the backend, exact hits and /healthz are
+/// answered on a server with two workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn megabyte_prompts_like_a_stored_one_leave_exact_hits_answering() {
+    let script = ScriptConfig {
+        reply: "noted".into(),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(semantic_config(), script.clone()).await;
+    // Under the default 4 MiB body limit with the JSON around it.
+    let long = filler(4_000_000);
+    let prompt = |name: &str| format!("Can we move the {name} office to the new building? {long}");
+    let stored = prompt("Berlin");
+    assert!(chat_body(&stored).to_string().len() < 4 * 1024 * 1024);
+    let r = app.chat(&chat_body(&stored), &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+    let small = chat_body("What are your opening hours?");
+    assert_eq!(cache_status(&app.chat(&small, &[]).await), "miss");
+    let before = backend.calls();
+    assert_eq!(before, 2);
+
+    // The hostile requests reach the backend and wait there.
+    backend.set_config(ScriptConfig {
+        first_token_delay: std::time::Duration::from_secs(3600),
+        ..script
+    });
+    let hostile: Vec<_> = ["Paris", "Rome"]
+        .into_iter()
+        .map(|name| {
+            let (client, url, body) =
+                (app.client.clone(), app.chat_url(), chat_body(&prompt(name)));
+            tokio::spawn(async move { client.post(url).json(&body).send().await })
+        })
+        .collect();
+    // Exact hits and /healthz, until both hostile requests are past their lookups (the
+    // gate rejected the stored prompt: another name) and in the backend.
+    let mut answered = 0;
+    loop {
+        let r = app.chat(&small, &[]).await;
+        assert_eq!(cache_status(&r), "exact");
+        assert_eq!(app.get("/healthz").await.status(), 200);
+        answered += 1;
+        if backend.calls() == before + 2 {
+            break;
+        }
+    }
+    assert!(answered >= 1);
+    assert!(
+        hostile.iter().all(|h| !h.is_finished()),
+        "the hostile requests are still in flight"
+    );
+    for h in hostile {
+        h.abort();
+    }
+}
+
+/// A handbook excerpt of about 300 tokens: longer than the embedder reads (254 tokens of
+/// text), so a question after it lies beyond what is embedded.
+const HANDBOOK: &str = "Please read this section of the staff handbook carefully before you \
+    answer. Every member of staff is expected to keep their personal details up to date in the \
+    people system, including their home address, emergency contact and bank account, because \
+    payroll and benefits are calculated from those records. Requests for leave should be made \
+    through the same system as early as possible, and your line manager will review them in \
+    the order they arrive, taking into account the needs of the team and any busy periods that \
+    have been announced in advance. If you are unwell, tell your manager before the start of \
+    your working day and keep them informed about when you expect to return; a medical note is \
+    needed for longer absences. Expenses must be claimed with receipts attached, and claims are \
+    paid with the next salary run once they have been approved. Equipment such as laptops and \
+    phones remains the property of the company and must be returned when you leave, together \
+    with any access badges and keys. Training courses are offered throughout the year, and you \
+    are encouraged to discuss your development with your manager during regular check-ins. \
+    Concerns about conduct, safety or wellbeing can be raised confidentially with the people \
+    team at any time, and they will be handled promptly, fairly and with discretion, and \
+    nobody who raises a concern in good faith will be treated unfairly as a result of it.";
+
+/// The embedder reads the first 256 tokens of a question; what follows must match exactly.
+/// Two questions after the same long context never share an answer; the same long prompt is
+/// an exact hit; a long prompt reworded only where it is read still matches by meaning, as
+/// short paraphrases do.
+#[tokio::test]
+async fn text_beyond_what_the_embedder_reads_never_aliases() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let ask = |question: &str| format!("{HANDBOOK}\n\nQuestion: {question}");
+    let first = ask("What is the notice period for resigning?");
+    let (read, _) = embedder().split(&first);
+    assert!(
+        !read.contains("Question:"),
+        "the question lies beyond what the embedder reads"
+    );
+
+    let r = app.chat(&chat_body(&first), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let second = ask("Who approves expense claims?");
+    let r = app.chat(&chat_body(&second), &[]).await;
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "another question after the same context"
+    );
+    assert_eq!(content(r).await, format!("You asked: {second}"));
+    let r = app.chat(&chat_body(&first), &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(content(r).await, format!("You asked: {first}"));
+    assert_eq!(backend.calls(), 2);
+
+    // Reworded where it is read (one word for another of one token), the same end.
+    let reworded = first.replacen("Please read", "Kindly read", 1);
+    let r = app.chat(&chat_body(&reworded), &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(content(r).await, format!("You asked: {first}"));
+
+    app.chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    let r = app
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(backend.calls(), 3);
+}

@@ -126,6 +126,11 @@ impl Entry {
                 std::mem::size_of::<Refusal>() + r.around.as_ref().map_or(0, |(_, e)| e.len() * 4)
             })
             .sum();
+        let tags: usize = self
+            .tags
+            .iter()
+            .map(|t| std::mem::size_of::<String>() + t.len())
+            .sum();
         let bytes = std::mem::size_of::<Entry>()
             + refusals
             + self.namespace.len()
@@ -133,7 +138,8 @@ impl Entry {
             + self.text.len()
             + self.finish_reason.len()
             + self.prompt.len()
-            + emb;
+            + emb
+            + tags;
         u32::try_from(bytes).unwrap_or(u32::MAX)
     }
 
@@ -193,4 +199,82 @@ pub fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weight_counts_text_embedding_and_tags() {
+        let mut e = Entry {
+            id: EntryId(1),
+            namespace: "ns".into(),
+            model: "m".into(),
+            text: "answer".into(),
+            finish_reason: "stop".into(),
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            prompt: "question".into(),
+            partition: [0; 32],
+            embedding: None,
+            origin: Origin::Live,
+            tags: Vec::new(),
+            refusals: Vec::new(),
+            created_ms: 0,
+            expires_ms: 1,
+        };
+        let bare = e.weight();
+        e.embedding = Some(Arc::from(vec![0.0; 384]));
+        assert_eq!(e.weight(), bare + 384 * 4);
+        let with_embedding = e.weight();
+        e.tags = vec!["x".repeat(128); 32];
+        let per_tag = std::mem::size_of::<String>() + 128;
+        assert_eq!(e.weight() as usize, with_embedding as usize + 32 * per_tag);
+        let with_tags = e.weight();
+        e.refuse(Refusal {
+            key: [1; 32],
+            around: Some(([2; 32], Arc::from(vec![0.0; 384]))),
+        });
+        let per_refusal = std::mem::size_of::<Refusal>() + 384 * 4;
+        assert_eq!(e.weight() as usize, with_tags as usize + per_refusal);
+    }
+
+    #[test]
+    fn refusals_cover_the_key_and_the_neighbourhood_in_one_partition() {
+        let mut e = Entry {
+            id: EntryId(1),
+            namespace: "ns".into(),
+            model: "m".into(),
+            text: "answer".into(),
+            finish_reason: "stop".into(),
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            prompt: "question".into(),
+            partition: [0; 32],
+            embedding: None,
+            origin: Origin::Live,
+            tags: Vec::new(),
+            refusals: Vec::new(),
+            created_ms: 0,
+            expires_ms: 1,
+        };
+        let q: Arc<[f32]> = Arc::from(vec![1.0, 0.0]);
+        e.refuse(Refusal {
+            key: [1; 32],
+            around: Some(([2; 32], q.clone())),
+        });
+        assert!(e.refuses_key(&[1; 32]) && !e.refuses_key(&[3; 32]));
+        assert!(e.refuses(&[2; 32], &[0.95, 0.1], 0.9));
+        assert!(!e.refuses(&[2; 32], &[0.5, 0.8], 0.9), "outside the radius");
+        assert!(!e.refuses(&[4; 32], &q, 0.9), "another partition");
+        for i in 0..MAX_REFUSALS as u8 {
+            e.refuse(Refusal {
+                key: [10 + i; 32],
+                around: None,
+            });
+        }
+        assert_eq!(e.refusals.len(), MAX_REFUSALS);
+        assert!(!e.refuses_key(&[1; 32]), "the oldest went first");
+    }
 }

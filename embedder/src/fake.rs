@@ -3,8 +3,9 @@
 //! Each lower-cased word (a run of letters and digits) is hashed with blake3 into one of
 //! `dim` buckets with a sign; the sum is L2-normalised. So the same bag of words always gives
 //! the same vector, texts sharing most words are close, texts sharing none are near
-//! orthogonal, and a test can pin any text to a vector of its choice. It knows nothing of
-//! meaning: end-to-end tests use the real model.
+//! orthogonal, and a test can pin any text to a vector of its choice. It reads every word,
+//! or only the first few ([`FakeEmbedder::with_window`]), as the real model reads a bounded
+//! number of tokens. It knows nothing of meaning: end-to-end tests use the real model.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +21,8 @@ pub struct FakeEmbedder {
     pinned: HashMap<String, Arc<[f32]>>,
     failing: bool,
     calls: AtomicU64,
+    /// Words read of each text (all when `None`).
+    window: Option<usize>,
 }
 
 impl FakeEmbedder {
@@ -30,7 +33,14 @@ impl FakeEmbedder {
             pinned: HashMap::new(),
             failing: false,
             calls: AtomicU64::new(0),
+            window: None,
         }
+    }
+
+    /// Reads only the first `words` words of each text: the rest does not change its vector.
+    pub fn with_window(mut self, words: usize) -> Self {
+        self.window = Some(words);
+        self
     }
 
     /// Answers `text` with `vector` (normalised here) instead of hashing its words.
@@ -66,6 +76,7 @@ impl FakeEmbedder {
         if let Some(v) = self.pinned.get(text) {
             return Ok(v.clone());
         }
+        let text = &text[..self.window(text)];
         let mut v = vec![0f32; self.dim];
         let lower = text.to_lowercase();
         let words = lower
@@ -109,6 +120,27 @@ impl Embedder for FakeEmbedder {
     fn dim(&self) -> usize {
         self.dim
     }
+
+    fn window(&self, text: &str) -> usize {
+        let Some(words) = self.window else {
+            return text.len();
+        };
+        // The end of the last word read: words are runs of letters and digits.
+        let mut seen = 0;
+        let mut in_word = false;
+        for (i, c) in text.char_indices() {
+            match (in_word, c.is_alphanumeric()) {
+                (false, true) if seen == words => return i,
+                (false, true) => {
+                    in_word = true;
+                    seen += 1;
+                }
+                (true, false) => in_word = false,
+                _ => {}
+            }
+        }
+        text.len()
+    }
 }
 
 #[cfg(test)]
@@ -130,6 +162,18 @@ mod tests {
         let norm: f32 = a.iter().map(|x| x * x).sum();
         assert!((norm - 1.0).abs() < 1e-5);
         assert_eq!(e.calls(), 4);
+    }
+
+    #[tokio::test]
+    async fn a_window_reads_only_the_first_words() {
+        let e = FakeEmbedder::new(64).with_window(3);
+        let text = "one two, three four five";
+        assert_eq!(e.split(text), ("one two, three ", "four five"));
+        let a = e.embed(text).await.unwrap();
+        let b = e.embed("One two three and something else").await.unwrap();
+        assert!((cosine(&a, &b) - 1.0).abs() < 1e-6);
+        assert_eq!(e.window("one two"), 7);
+        assert_eq!(FakeEmbedder::new(8).window(text), text.len());
     }
 
     #[tokio::test]

@@ -6,6 +6,9 @@
 //! text, keeps collecting for up to `batch_wait_us` or until `max_batch` texts, runs the
 //! model once for all of them and answers every waiter. While a batch runs, new texts queue
 //! up and form the next batch, so N concurrent callers cost about one model call.
+//!
+//! The model reads at most `max_tokens` tokens of a text; [`Embedder::window`] tells where
+//! that ends (see `window.rs`), on the caller's thread: it only tokenizes a bounded start.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -19,6 +22,7 @@ use fastembed::{
 };
 use tokio::sync::oneshot;
 
+use crate::window::Window;
 use crate::{EmbedError, Embedder, EmbedderConfig};
 
 /// Counters of the local embedder, for tests and metrics.
@@ -67,6 +71,8 @@ pub struct FastEmbedder {
     cache: Option<TextCache>,
     counters: Arc<Counters>,
     dim: usize,
+    /// Where the model stops reading a text.
+    window: Window,
 }
 
 impl std::fmt::Debug for FastEmbedder {
@@ -110,6 +116,7 @@ impl FastEmbedder {
             });
         }
 
+        let window = Window::of(&model, cfg.max_tokens);
         let counters = Arc::new(Counters::default());
         let (jobs, queue) = mpsc::channel();
         let worker = Worker {
@@ -140,6 +147,7 @@ impl FastEmbedder {
             model_dir = %cfg.model_dir.display(),
             dim,
             max_tokens = cfg.max_tokens,
+            window_tokens = window.tokens(),
             threads = cfg.threads,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "embedding model loaded"
@@ -149,7 +157,14 @@ impl FastEmbedder {
             cache,
             counters,
             dim,
+            window,
         })
+    }
+
+    /// How many tokens of a text's own the model reads (its maximum less the special tokens
+    /// it adds): the rest of a text does not change its vector.
+    pub fn max_tokens(&self) -> usize {
+        self.window.tokens()
     }
 
     /// A snapshot of the counters.
@@ -246,6 +261,12 @@ impl Embedder for FastEmbedder {
 
     fn dim(&self) -> usize {
         self.dim
+    }
+
+    /// Tokenizes at most the first 16 KiB of `text` (see `window.rs`): CPU work that grows
+    /// with the text up to that bound, for the caller to keep off its async workers.
+    fn window(&self, text: &str) -> usize {
+        self.window.end(text)
     }
 }
 

@@ -1,7 +1,8 @@
 //! Sentence embeddings for reprise.
 //!
 //! - [`Embedder`]: the trait the server depends on — text in, L2-normalised vector out, so
-//!   cosine similarity is a plain dot product.
+//!   cosine similarity is a plain dot product — and how much of a text it reads
+//!   ([`Embedder::window`]: the model reads a bounded number of tokens).
 //! - [`FastEmbedder`]: the local implementation, all-MiniLM-L6-v2 run by ONNX Runtime through
 //!   fastembed, with micro-batching of concurrent requests and an LRU of recent texts.
 //! - [`FakeEmbedder`]: a deterministic bag-of-words stand-in for unit tests that must not
@@ -13,6 +14,7 @@ mod config;
 mod error;
 mod fake;
 mod fast;
+mod window;
 
 use std::sync::Arc;
 
@@ -22,6 +24,7 @@ pub use config::EmbedderConfig;
 pub use error::EmbedError;
 pub use fake::FakeEmbedder;
 pub use fast::{EmbedderStats, FastEmbedder};
+pub use window::SCAN_BYTES;
 
 /// Turns text into a fixed-size, L2-normalised vector.
 ///
@@ -54,6 +57,19 @@ pub trait Embedder: Send + Sync + 'static {
 
     /// Number of components of every vector this embedder returns.
     fn dim(&self) -> usize;
+
+    /// The length in bytes of the start of `text` this embedder reads whole: it reads all of
+    /// `&text[..n]`, and `text.len()` means all of `text`. Always a character boundary. An
+    /// implementation that cannot tell exactly answers less, never more. Callers embed
+    /// `&text[..n]` and match the rest exactly: what the embedder does not read cannot tell
+    /// two texts apart. May tokenize a bounded start of `text`: CPU work, for a blocking
+    /// thread rather than an async worker.
+    fn window(&self, text: &str) -> usize;
+
+    /// `text` split where [`Embedder::window`] ends: what the embedder reads, and the rest.
+    fn split<'t>(&self, text: &'t str) -> (&'t str, &'t str) {
+        text.split_at(self.window(text).min(text.len()))
+    }
 }
 
 /// Cosine similarity of two L2-normalised vectors (their dot product).

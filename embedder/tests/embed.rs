@@ -178,3 +178,62 @@ fn config_rejects_unknown_fields_and_fills_defaults() {
         EmbedderConfig::deserialize(MapDeserializer::<_, Error>::new(bad.into_iter())).is_err()
     );
 }
+
+/// Distinct English-like words, `n` of them, for texts longer than the model reads.
+fn words(n: usize, salt: &str) -> String {
+    (0..n)
+        .map(|i| {
+            format!(
+                "{salt}{} item{i}",
+                ["alpha", "beta", "gamma", "delta"][i % 4]
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::test]
+async fn the_window_ends_where_the_model_stops_reading() {
+    let e = load(EmbedderConfig {
+        cache_entries: 0,
+        ..common::config()
+    });
+    // 256 tokens less [CLS] and [SEP].
+    assert_eq!(e.max_tokens(), 254);
+    let short = "How do I reset my password?";
+    assert_eq!(e.window(short), short.len());
+    assert_eq!(e.split(short), (short, ""));
+
+    for text in [
+        words(300, ""),
+        format!(
+            "Ünïcödé façade {} 東京の天気は {}",
+            words(150, "ça"),
+            words(150, "x")
+        ),
+    ] {
+        let (read, rest) = e.split(&text);
+        assert!(!read.is_empty() && !rest.is_empty(), "{text}");
+        let whole = e.embed(&text).await.unwrap();
+        // Nothing after the window changes the vector...
+        assert_eq!(e.embed(read).await.unwrap(), whole);
+        let other_end = format!("{read} and then something else entirely");
+        assert_eq!(e.embed(&other_end).await.unwrap(), whole);
+        // ...and the window holds no less than the model reads: its last word counts.
+        let shorter = &read[..read.trim_end().rfind(' ').unwrap()];
+        assert_ne!(e.embed(shorter).await.unwrap(), whole);
+    }
+
+    // Too few tokens in the scanned start (a long run of spaces): read up to where the scan
+    // ended, which the model reads whole.
+    let spaced = format!("a few words{}and more after them", " ".repeat(40 * 1024));
+    let n = e.window(&spaced);
+    assert!(n >= "a few words".len() && n <= reprise_embedder::SCAN_BYTES[1]);
+    // No whitespace to cut at in the scan: nothing counts as read for sure.
+    let unbroken = "x".repeat(40 * 1024);
+    assert_eq!(e.window(&unbroken), 0);
+    // A megabyte costs what its scanned start costs.
+    let long = words(200_000, "");
+    assert!(long.len() > 1_000_000);
+    assert_eq!(e.window(&long), e.window(&long[..20 * 1024]));
+}

@@ -145,9 +145,11 @@ pub async fn lookup(
     if let Some(entry) = exact_hit {
         if entry.origin == Origin::Prefetch {
             // Where a predicted wording was asked: what feedback on it would refuse.
+            // (The entry was generated for this context and these parameters: its partition.)
             if let Some(q) = &query {
-                found.plan.partition = Some(key::partition_key(namespace, endpoint, req, &context));
+                found.plan.partition = Some(entry.partition);
                 found.plan.prompt = q.clone();
+                found.plan.window = q.len();
             }
         }
         found.hit = Some(hit(entry, Outcome::Exact, None));
@@ -205,13 +207,21 @@ pub async fn lookup(
         found.policy = Some(policy);
         found.notes.threshold = Some(policy.threshold);
     }
+    // The embedder reads a bounded start of the question; the rest must match exactly, so
+    // it joins the partition. Finding the end tokenizes up to 16 KiB: off the async workers.
+    let window = {
+        let (embedder, query) = (embedder.clone(), query.clone());
+        state.cpu.run(move || embedder.window(&query)).await
+    };
+    let (matched, unread) = query.split_at(query.floor_char_boundary(window));
     // Indexed also when only a shadow candidate matches by meaning: it needs the entries.
-    let partition = key::partition_key(namespace, endpoint, req, &context);
+    let partition = key::partition_key(namespace, endpoint, req, &context, unread);
     found.plan.partition = Some(partition);
     found.plan.prompt = query.clone();
+    found.plan.window = window;
     let t = Instant::now();
     let embedding = match embedder
-        .embed_in(crate::auth::scope_of(namespace), &query)
+        .embed_in(crate::auth::scope_of(namespace), matched)
         .await
     {
         Ok(e) => e,
@@ -227,7 +237,7 @@ pub async fn lookup(
         return found;
     }
     let question = || semantic::Question {
-        text: &query,
+        text: matched,
         embedding: &embedding,
         partition: &partition,
         scope: crate::auth::scope_of(namespace),
@@ -235,15 +245,7 @@ pub async fn lookup(
     let served = match policy.enabled {
         true => {
             let q = question();
-            semantic::find(
-                state,
-                embedder.as_ref(),
-                &policy,
-                q,
-                wants,
-                &mut found.notes,
-            )
-            .await
+            semantic::find(state, embedder, &policy, q, wants, &mut found.notes).await
         }
         false => None,
     };
@@ -252,7 +254,7 @@ pub async fn lookup(
             true => {
                 let mut notes = Notes::default();
                 let q = question();
-                semantic::find(state, embedder.as_ref(), &s.policy, q, wants, &mut notes).await
+                semantic::find(state, embedder, &s.policy, q, wants, &mut notes).await
             }
             false => None,
         };
@@ -432,6 +434,39 @@ mod tests {
         )
         .await;
         assert!(other.hit.is_none(), "never across namespaces");
+    }
+
+    #[tokio::test]
+    async fn text_beyond_the_embedders_window_must_match_exactly() {
+        // The embedder reads five words: the rest of a question joins the partition.
+        let s = state_with(FakeEmbedder::new(256).with_window(5), false);
+        let stored = ask("How do I reset my password for the shop?");
+        let id = store(&s, "ns", &stored, "Click forgot.").await;
+        let entry = s.store.get(id).await.expect("stored");
+        // Same five words read, another end: another partition, a miss.
+        let found = find(
+            &s,
+            "ns",
+            &ask("How do I reset my email for the shop?"),
+            Wants::default(),
+        )
+        .await;
+        assert!(found.hit.is_none(), "the unread end differs");
+        assert_eq!(found.plan.read(), "How do I reset my ");
+        assert_eq!(found.plan.prompt, "How do I reset my email for the shop?");
+        assert_ne!(found.plan.partition, Some(entry.partition));
+        // Another wording of what is read, the same end: matched by meaning, and the entry
+        // was stored under the partition its plan computed.
+        let found = find(
+            &s,
+            "ns",
+            &ask("how do I RESET my password for the shop?"),
+            Wants::default(),
+        )
+        .await;
+        assert_eq!(found.plan.partition, Some(entry.partition));
+        let hit = found.hit.expect("a semantic hit");
+        assert_eq!((hit.entry.id, hit.outcome), (id, Outcome::Semantic));
     }
 
     #[tokio::test]

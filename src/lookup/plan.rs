@@ -21,6 +21,9 @@ pub struct WritePlan {
     pub model: String,
     /// The text matched semantically (empty when the request has none).
     pub prompt: String,
+    /// How many bytes of `prompt` the embedder reads: the rest is matched exactly (its
+    /// digest is in `partition`).
+    pub window: usize,
     /// Semantic partition, when the request can be matched semantically.
     pub partition: Option<Digest>,
     /// Embedding of `prompt`.
@@ -61,6 +64,7 @@ impl WritePlan {
             namespace: namespace.to_string(),
             model: req.model.clone(),
             prompt: String::new(),
+            window: 0,
             partition: None,
             embedding: None,
             turn: None,
@@ -69,6 +73,11 @@ impl WritePlan {
             tags: Vec::new(),
             near_miss: None,
         }
+    }
+
+    /// The part of `prompt` matched by meaning: what the embedder reads of it.
+    pub fn read(&self) -> &str {
+        &self.prompt[..self.window]
     }
 
     /// The key that links "this context, this query, this answer" to the entry that answered,

@@ -15,7 +15,8 @@ use crate::state::AppState;
 
 /// The text matched by meaning, where.
 pub struct Question<'a> {
-    /// The last user message (or the prompt).
+    /// What the embedder reads of the last user message (or the prompt): the rest is in the
+    /// partition.
     pub text: &'a str,
     /// Its embedding.
     pub embedding: &'a [f32],
@@ -60,7 +61,7 @@ impl Verdict {
 /// Judges one candidate of `q` found at `similarity`; the entry when one was fetched.
 pub async fn judge(
     state: &AppState,
-    embedder: &dyn Embedder,
+    embedder: &Arc<dyn Embedder>,
     policy: &SemanticPolicy,
     q: &Question<'_>,
     wants: Wants,
@@ -79,22 +80,51 @@ pub async fn judge(
         return (Verdict::Refused, Some(entry));
     }
     if policy.gate {
-        if let Some(reason) = reprise_policies::gate(q.text, &entry.prompt).reason() {
+        let threshold = state.config.semantic.substitution_threshold;
+        // Both prompts are compared on what the embedder reads of them: beyond it they are
+        // equal (the partition holds the rest). The gate reads a bounded start of that; only
+        // as much of the query is copied for it.
+        let query = reprise_policies::gate::capped(q.text).to_owned();
+        let (cached, reader) = (entry.clone(), embedder.clone());
+        let (verdict, swapped) = state
+            .cpu
+            .run(move || {
+                let (read, _) = reader.split(&cached.prompt);
+                vet(&query, read, threshold > 0.0)
+            })
+            .await;
+        if let Some(reason) = verdict.reason() {
             return (Verdict::Gate(reason), Some(entry));
         }
-        let threshold = state.config.semantic.substitution_threshold;
-        if substituted_meaning(embedder, q.scope, threshold, q.text, &entry.prompt).await {
-            return (Verdict::Gate("substitution"), Some(entry));
+        if let Some(words) = swapped {
+            if meanings_apart(embedder.as_ref(), q.scope, threshold, words).await {
+                return (Verdict::Gate("substitution"), Some(entry));
+            }
         }
     }
     (Verdict::Pass, Some(entry))
+}
+
+/// The gate's verdict on `query` against a cached `candidate` and, when it passes and
+/// `substitutions` are checked, the words one swaps for the other. CPU-bound: run on
+/// [`AppState::cpu`].
+fn vet(
+    query: &str,
+    candidate: &str,
+    substitutions: bool,
+) -> (reprise_policies::GateVerdict, Option<(String, String)>) {
+    let verdict = reprise_policies::gate(query, candidate);
+    let swapped = (verdict.is_pass() && substitutions)
+        .then(|| reprise_policies::gate::substitution(query, candidate))
+        .flatten();
+    (verdict, swapped)
 }
 
 /// The best servable candidate for `q` under `policy`, with its similarity. Records what it
 /// saw in `notes`.
 pub async fn find(
     state: &AppState,
-    embedder: &dyn Embedder,
+    embedder: &Arc<dyn Embedder>,
     policy: &SemanticPolicy,
     q: Question<'_>,
     wants: Wants,
@@ -126,21 +156,18 @@ pub async fn find(
     found
 }
 
-/// Whether the two prompts differ by substituted words whose meanings are far apart
-/// ("home" vs "car" insurance), judged by the embedder; `threshold` 0 turns the check off.
-async fn substituted_meaning(
+/// Whether the words two prompts swap (`words`, "home" vs "car" insurance) are far apart in
+/// meaning, judged by the embedder; `threshold` 0 turns the check off.
+async fn meanings_apart(
     embedder: &dyn Embedder,
     scope: &str,
     threshold: f32,
-    query: &str,
-    candidate: &str,
+    words: (String, String),
 ) -> bool {
     if threshold <= 0.0 {
         return false;
     }
-    let Some((a, b)) = reprise_policies::gate::substitution(query, candidate) else {
-        return false;
-    };
+    let (a, b) = words;
     match embedder.embed_many_in(scope, &[a, b]).await {
         Ok(v) => reprise_embedder::cosine(&v[0], &v[1]) < threshold,
         // Cannot tell: the candidate already passed the threshold and the gate.

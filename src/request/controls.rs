@@ -11,6 +11,12 @@ use crate::error::ApiError;
 use crate::headers::{NAMESPACE_HEADER, SESSION_HEADER, TAGS_HEADER, THRESHOLD_HEADER};
 use crate::state::AppState;
 
+/// Most tags one request may set in `x-reprise-tags`.
+pub const MAX_TAGS: usize = 32;
+
+/// Longest tag `x-reprise-tags` may set, in bytes.
+pub const MAX_TAG_BYTES: usize = 128;
+
 #[derive(Debug, Clone)]
 pub struct Controls {
     /// The scoped namespace: the caller's tenant and the sub-namespace its
@@ -24,7 +30,9 @@ pub struct Controls {
     pub threshold: Option<f32>,
     /// Session id linking consecutive prompts (`x-reprise-session`).
     pub session: Option<String>,
-    /// Invalidation tags for the entry this request creates (`x-reprise-tags: a,b`).
+    /// Invalidation tags for the entry this request creates (`x-reprise-tags: a,b`): at
+    /// most [`MAX_TAGS`], each at most [`MAX_TAG_BYTES`] (they are stored with the entry, in
+    /// memory and in Redis's tag index).
     pub tags: Vec<String>,
 }
 
@@ -75,17 +83,7 @@ impl Controls {
             namespace,
             cache,
             threshold,
-            tags: headers
-                .get(TAGS_HEADER)
-                .and_then(|v| v.to_str().ok())
-                .map(|v| {
-                    v.split(',')
-                        .map(str::trim)
-                        .filter(|t| !t.is_empty())
-                        .map(str::to_string)
-                        .collect()
-                })
-                .unwrap_or_default(),
+            tags: tags(headers)?,
             session: headers
                 .get(SESSION_HEADER)
                 .and_then(|v| v.to_str().ok())
@@ -93,6 +91,33 @@ impl Controls {
                 .map(str::to_string),
         })
     }
+}
+
+/// The tags of `x-reprise-tags` (comma-separated; several header lines add up), within the
+/// bounds.
+fn tags(headers: &HeaderMap) -> Result<Vec<String>, ApiError> {
+    let bad = |reason: String| ApiError::BadHeader {
+        header: TAGS_HEADER,
+        reason,
+    };
+    let mut tags = Vec::new();
+    for value in headers.get_all(TAGS_HEADER) {
+        let value = value
+            .to_str()
+            .map_err(|_| bad("must be visible ASCII".into()))?;
+        for tag in value.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            if tag.len() > MAX_TAG_BYTES {
+                return Err(bad(format!(
+                    "each tag must be at most {MAX_TAG_BYTES} bytes"
+                )));
+            }
+            if tags.len() == MAX_TAGS {
+                return Err(bad(format!("at most {MAX_TAGS} tags")));
+            }
+            tags.push(tag.to_string());
+        }
+    }
+    Ok(tags)
 }
 
 impl Controls {

@@ -65,10 +65,10 @@ pub async fn explain(
         found.policy.as_ref(),
         plan.partition.as_ref(),
         plan.embedding.as_deref(),
-        state.embedder.as_deref(),
+        state.embedder.as_ref(),
     ) {
         let q = semantic::Question {
-            text: &plan.prompt,
+            text: plan.read(),
             embedding,
             partition,
             scope: crate::auth::scope_of(&ctl.namespace),

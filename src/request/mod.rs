@@ -132,7 +132,7 @@ async fn serve(
         session,
         prev_entry: found.prev_entry,
     });
-    let question = feedback::question(found.plan.partition, &found.plan.prompt);
+    let question = feedback::question(found.plan.partition, found.plan.read());
     let key = found.plan.exact;
     let served =
         |entry: Option<_>, outcome: Outcome, sim: Option<f32>, book: &Bookkeeping| Served {
@@ -169,7 +169,7 @@ async fn serve(
     } else {
         Outcome::Bypass
     };
-    let joined = single_flight::join(state, &parsed, plan, found.policy, access, book);
+    let joined = single_flight::join(state, &parsed, plan, found.policy, access, book).await;
     // 9. Respond (remembered for feedback under the response's id).
     let outcome = book.outcome;
     let s = served(joined.subscriber.entry(), outcome, joined.similarity, book);

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use reprise_cache::Digest;
 use reprise_policies::cache::Access;
 use reprise_policies::semantic::SemanticPolicy;
 
@@ -24,7 +25,7 @@ pub struct Joining {
 
 /// Joins or starts the generation that answers `parsed`. A request that may not write runs
 /// its own generation and stores nothing.
-pub fn join(
+pub async fn join(
     state: &Arc<AppState>,
     parsed: &Parsed,
     plan: WritePlan,
@@ -39,11 +40,7 @@ pub fn join(
         plan.partition,
         plan.embedding.as_ref(),
     ) {
-        let found = state
-            .paraphrases
-            .find(&partition, embedding, policy.threshold, |p| {
-                !policy.gate || reprise_policies::gate(&plan.prompt, p).is_pass()
-            });
+        let found = paraphrase_in_flight(state, &plan, &policy, &partition, embedding).await;
         if let Some((subscriber, sim)) =
             found.and_then(|(key, sim)| state.flights.follow(&key).map(|s| (s, sim)))
         {
@@ -66,9 +63,10 @@ pub fn join(
             Joined::Leader(flight, sub) => {
                 if let (Some(partition), Some(embedding)) = (plan.partition, plan.embedding.clone())
                 {
+                    let prompt = Arc::from(reprise_policies::gate::capped(plan.read()));
                     state
                         .paraphrases
-                        .register(partition, exact, plan.prompt.clone(), embedding);
+                        .register(partition, exact, prompt, embedding);
                 }
                 crate::generate::spawn(
                     state.clone(),
@@ -89,4 +87,33 @@ pub fn join(
         subscriber,
         similarity: None,
     }
+}
+
+/// The most similar question in flight in `partition` (at or above the threshold) whose
+/// prompt passes the gate against this one: its exact key and the similarity. The registry
+/// is locked only to copy the candidates out; the gate runs after, off the async workers,
+/// on what the embedder reads of each prompt (the rest is in the partition).
+async fn paraphrase_in_flight(
+    state: &AppState,
+    plan: &WritePlan,
+    policy: &SemanticPolicy,
+    partition: &Digest,
+    embedding: &[f32],
+) -> Option<(Digest, f32)> {
+    let similar = state
+        .paraphrases
+        .similar(partition, embedding, policy.threshold);
+    if similar.is_empty() || !policy.gate {
+        return similar.first().map(|(key, sim, _)| (*key, *sim));
+    }
+    let query = reprise_policies::gate::capped(plan.read()).to_owned();
+    state
+        .cpu
+        .run(move || {
+            similar
+                .into_iter()
+                .find(|(_, _, prompt)| reprise_policies::gate(&query, prompt).is_pass())
+                .map(|(key, sim, _)| (key, sim))
+        })
+        .await
 }

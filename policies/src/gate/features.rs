@@ -46,6 +46,7 @@ impl Features {
     /// Extracts the features of one prompt.
     pub(super) fn of(text: &str) -> Features {
         let tokens = tokenize(text);
+        super::steps(tokens.len());
         let mut f = Features {
             quotes: quoted(text),
             ..Features::default()
@@ -127,6 +128,7 @@ impl Features {
 /// Splits into words. Apostrophes inside words are kept ("don't", "mary's"); '.', ',' and
 /// ':' are kept between digits ("9:15", "2,700", "1.5"); everything else separates.
 pub(super) fn tokenize(text: &str) -> Vec<Token> {
+    super::steps(text.len());
     let chars: Vec<char> = text
         .chars()
         .map(|c| match c {

@@ -2,6 +2,9 @@
 //! dates, phrasal verbs, antonyms, stopwords) and the lookups and normalisations of a single
 //! word (possessives, plurals, inflections). Nothing here looks at a word's context.
 
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
 /// Words that are capitalised without naming anything.
 pub(super) const NOT_ENTITIES: &[&str] = &[
     "i", "i'm", "i'd", "i've", "i'll", "ok", "okay", "hi", "hello", "hey", "thanks", "please",
@@ -376,7 +379,7 @@ pub(super) const SUFFIXES: &[&str] = &[
 
 /// True if `word` is `base` or an inflection of it ("increasing" ~ "increase",
 /// "stopped" ~ "stop", "kids" ~ "kid").
-pub(super) fn inflects(word: &str, base: &str) -> bool {
+fn inflects(word: &str, base: &str) -> bool {
     if word == base {
         return true;
     }
@@ -403,6 +406,48 @@ pub(super) fn inflects(word: &str, base: &str) -> bool {
         }
     }
     false
+}
+
+/// The words of [`ANTONYMS`] that `word` is or inflects (see [`inflects`]). Found by
+/// stripping each suffix `word` may carry and looking the stem up, so the cost does not grow
+/// with the list: a prompt's words are each looked up a fixed number of times.
+pub(super) fn antonym_bases(word: &str) -> Vec<&'static str> {
+    static BY_STEM: OnceLock<HashMap<&'static str, Vec<&'static str>>> = OnceLock::new();
+    let by_stem = BY_STEM.get_or_init(|| {
+        let mut m: HashMap<&'static str, Vec<&'static str>> = HashMap::new();
+        for base in ANTONYMS.iter().flat_map(|(x, y)| [*x, *y]) {
+            for stem in [Some(base), base.strip_suffix('e')].into_iter().flatten() {
+                let bases = m.entry(stem).or_default();
+                if !bases.contains(&base) {
+                    bases.push(base);
+                }
+            }
+        }
+        m
+    });
+    super::steps(SUFFIXES.len());
+    let mut out = Vec::new();
+    let mut look = |stem: &str| {
+        for base in by_stem.get(stem).into_iter().flatten() {
+            if !out.contains(base) && inflects(word, base) {
+                out.push(*base);
+            }
+        }
+    };
+    for suffix in SUFFIXES {
+        let Some(stem) = word.strip_suffix(suffix) else {
+            continue;
+        };
+        look(stem);
+        // A doubled final consonant: "stopped" is "stop" + "p" + "ed".
+        if let Some(last) = stem.chars().last().filter(|_| !suffix.is_empty()) {
+            let shorter = &stem[..stem.len() - last.len_utf8()];
+            if shorter.ends_with(last) {
+                look(shorter);
+            }
+        }
+    }
+    out
 }
 
 /// A word without its possessive ending ("mary's" → "mary", "users'" → "users").
@@ -433,6 +478,38 @@ mod tests {
         assert!(inflects("opt_in", "opt_in"));
         assert!(!inflects("opt_ins", "opt_in"));
         assert!(!inflects("stopwatch", "stop"));
+    }
+
+    #[test]
+    fn antonym_bases_are_the_entries_a_word_inflects() {
+        let words = ANTONYMS.iter().flat_map(|(x, y)| [*x, *y]);
+        let mut forms: Vec<String> = Vec::new();
+        for w in words {
+            for s in SUFFIXES {
+                forms.push(format!("{w}{s}"));
+                if let Some(stem) = w.strip_suffix('e') {
+                    forms.push(format!("{stem}{s}"));
+                }
+                if let Some(last) = w.chars().last() {
+                    forms.push(format!("{w}{last}{s}"));
+                }
+            }
+        }
+        forms.extend(["stopwatch", "opt_ins", "under", "kids", "x", ""].map(String::from));
+        for form in &forms {
+            let mut expected: Vec<&str> = ANTONYMS
+                .iter()
+                .flat_map(|(x, y)| [*x, *y])
+                .filter(|base| inflects(form, base))
+                .collect();
+            expected.sort();
+            expected.dedup();
+            let mut found = antonym_bases(form);
+            found.sort();
+            assert_eq!(found, expected, "{form}");
+        }
+        assert_eq!(antonym_bases("stopped"), ["stop"]);
+        assert!(antonym_bases("increasing").contains(&"increase"));
     }
 
     #[test]

@@ -16,7 +16,11 @@
 //!   side is missing from the other.
 //! - `direction`: words before "to" on one side come after it on the other, and vice versa.
 //!
-//! Everything is allocation-light string work over a few dozen tokens: microseconds.
+//! Its cost is linear in the text it reads (word sets and single passes, no rescans), and it
+//! reads at most [`MAX_TEXT_BYTES`] of each prompt: a few dozen tokens take microseconds, and
+//! a prompt of megabytes costs no more than its first 32 KiB. A difference beyond the cap is
+//! not seen: the server passes only what the embedder reads of each prompt (at most 16 KiB),
+//! since two prompts in one semantic partition are equal beyond that.
 //!
 //! This module holds the verdict and the rules that compare two prompts; `features`
 //! extracts what the rules compare, `lexicon` holds the word lists and single-word
@@ -29,8 +33,13 @@ mod substitution;
 
 pub use self::substitution::substitution;
 
+use std::collections::HashSet;
+
 use self::features::Features;
-use self::lexicon::{inflects, singular, strip_possessive, ANTONYMS, STOPWORDS};
+use self::lexicon::{antonym_bases, singular, strip_possessive, ANTONYMS, STOPWORDS};
+
+/// The most bytes of each prompt the gate reads; the rest is not looked at.
+pub const MAX_TEXT_BYTES: usize = 32 * 1024;
 
 /// The gate's decision on a (query, cached prompt) pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,10 +65,28 @@ impl GateVerdict {
     }
 }
 
-/// Checks whether a cached answer to `candidate` may be served for `query`.
+/// Checks whether a cached answer to `candidate` may be served for `query`, reading at most
+/// [`MAX_TEXT_BYTES`] of each.
 ///
 /// Symmetric: `gate(a, b) == gate(b, a)`.
 pub fn gate(query: &str, candidate: &str) -> GateVerdict {
+    judge(capped(query), capped(candidate))
+}
+
+/// The start of `text` the gate reads: at most [`MAX_TEXT_BYTES`], ending before the last
+/// whitespace there (a word cut in two would read as another word). A caller that copies a
+/// prompt for the gate needs to copy no more.
+pub fn capped(text: &str) -> &str {
+    if text.len() <= MAX_TEXT_BYTES {
+        return text;
+    }
+    let end = text.floor_char_boundary(MAX_TEXT_BYTES);
+    let end = text[..end].rfind(char::is_whitespace).unwrap_or(end);
+    &text[..end]
+}
+
+/// The rules over the whole of both texts.
+fn judge(query: &str, candidate: &str) -> GateVerdict {
     let a = Features::of(query);
     let b = Features::of(candidate);
     if !same_numbers(&a, &b) {
@@ -71,16 +98,58 @@ pub fn gate(query: &str, candidate: &str) -> GateVerdict {
     if a.negations % 2 != b.negations % 2 {
         return GateVerdict::Reject("negation");
     }
-    if antonyms(&a, &b) {
+    let (wa, wb) = (Words::of(&a), Words::of(&b));
+    if antonyms(&wa, &wb) {
         return GateVerdict::Reject("antonym");
     }
-    if !entities_covered(&a, &b) || !entities_covered(&b, &a) || !same_quotes(&a, &b) {
+    if !entities_covered(&a, &wb) || !entities_covered(&b, &wa) || !same_quotes(&a, &b) {
         return GateVerdict::Reject("entity");
     }
     if reversed(&a, &b) {
         return GateVerdict::Reject("direction");
     }
     GateVerdict::Pass
+}
+
+// Work done by the gate on this thread, counted in steps of constant cost (a character, a
+// word, a set lookup), for the tests that show its cost is linear.
+#[cfg(test)]
+thread_local! {
+    static STEPS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts `n` steps of work (tests only).
+#[inline(always)]
+pub(crate) fn steps(n: usize) {
+    #[cfg(test)]
+    STEPS.with(|s| s.set(s.get() + n as u64));
+    #[cfg(not(test))]
+    let _ = n;
+}
+
+/// The sets the word rules look words up in, built once per prompt in one pass each.
+struct Words<'a> {
+    /// The words (possessives stripped, phrasal verbs joined).
+    words: HashSet<&'a str>,
+    /// The words of [`ANTONYMS`] this prompt has, itself or inflected.
+    antonyms: HashSet<&'static str>,
+    /// Every token, lower-cased, possessive stripped and plural folded (for entities).
+    folded: HashSet<&'a str>,
+}
+
+impl<'a> Words<'a> {
+    fn of(f: &'a Features) -> Self {
+        steps(f.words.len() + f.tokens.len());
+        Words {
+            words: f.words.iter().map(String::as_str).collect(),
+            antonyms: f.words.iter().flat_map(|w| antonym_bases(w)).collect(),
+            folded: f
+                .tokens
+                .iter()
+                .map(|t| singular(strip_possessive(&t.lower)))
+                .collect(),
+        }
+    }
 }
 
 /// A sorted copy, for comparing multisets.
@@ -121,19 +190,15 @@ fn same_quotes(a: &Features, b: &Features) -> bool {
     a.quotes == b.quotes
 }
 
-/// Whether any of `words` is `base` or an inflection of it.
-fn has(words: &[String], base: &str) -> bool {
-    words.iter().any(|w| inflects(w, base))
-}
-
 /// One side has a word and the other its opposite, from [`ANTONYMS`] or by a prefix.
-fn antonyms(a: &Features, b: &Features) -> bool {
+fn antonyms(a: &Words, b: &Words) -> bool {
+    steps(ANTONYMS.len());
     for (x, y) in ANTONYMS {
         let (ax, ay, bx, by) = (
-            has(&a.words, x),
-            has(&a.words, y),
-            has(&b.words, x),
-            has(&b.words, y),
+            a.antonyms.contains(x),
+            a.antonyms.contains(y),
+            b.antonyms.contains(x),
+            b.antonyms.contains(y),
         );
         if (ax && !ay && by && !bx) || (ay && !ax && bx && !by) {
             return true;
@@ -144,7 +209,8 @@ fn antonyms(a: &Features, b: &Features) -> bool {
 
 /// "unlock" against "lock", "disconnect" against "connect", "deactivate" against
 /// "activate": one side has the prefixed word, the other the bare one and not the prefixed.
-fn prefixed_opposite(a: &Features, b: &Features) -> bool {
+fn prefixed_opposite(a: &Words, b: &Words) -> bool {
+    steps(a.words.len());
     for w in &a.words {
         for prefix in ["un", "dis", "de"] {
             let Some(bare) = w.strip_prefix(prefix) else {
@@ -154,10 +220,7 @@ fn prefixed_opposite(a: &Features, b: &Features) -> bool {
             if bare.len() < 4 {
                 continue;
             }
-            let b_has_bare = b.words.iter().any(|v| v == bare);
-            let b_has_prefixed = b.words.iter().any(|v| v == w);
-            let a_has_bare = a.words.iter().any(|v| v == bare);
-            if b_has_bare && !b_has_prefixed && !a_has_bare {
+            if b.words.contains(bare) && !b.words.contains(w) && !a.words.contains(bare) {
                 return true;
             }
         }
@@ -166,13 +229,9 @@ fn prefixed_opposite(a: &Features, b: &Features) -> bool {
 }
 
 /// Every entity of `a` appears as a word of `b` (case-insensitively, plurals folded).
-fn entities_covered(a: &Features, b: &Features) -> bool {
-    a.entities.iter().all(|e| {
-        let e = singular(e);
-        b.tokens
-            .iter()
-            .any(|t| singular(strip_possessive(&t.lower)) == e)
-    })
+fn entities_covered(a: &Features, b: &Words) -> bool {
+    steps(a.entities.len());
+    a.entities.iter().all(|e| b.folded.contains(singular(e)))
 }
 
 /// The content words before and after each "to" in a clause (up to 3 each side).
@@ -301,6 +360,63 @@ mod tests {
             "um what is the tallest mountain in the uk",
         );
         passes("How do I unlock my card?", "How do I unfreeze my card?");
+    }
+
+    /// The gate's steps on `a` and `b`, and its verdict, over the whole texts.
+    fn work(a: &str, b: &str) -> (u64, GateVerdict) {
+        STEPS.with(|s| s.set(0));
+        let verdict = judge(a, b);
+        let _ = substitution::substitution(a, b);
+        (STEPS.with(|s| s.get()), verdict)
+    }
+
+    /// Prompts that reach every rule: prefixed words, antonyms, entities and plurals all
+    /// through, and the same verdict however often they repeat.
+    fn long_pair(repeats: usize) -> (String, String) {
+        let a = "Then we unlock the Berlin gateway, disconnect the Madrid routers and reactivate \
+                 Oslo's accounts so the team can upload reports. ";
+        let b = "So the team can upload reports, we unlock the Berlin gateway, disconnect the \
+                 Madrid routers and reactivate Oslo's accounts. ";
+        (a.repeat(repeats), b.repeat(repeats))
+    }
+
+    #[test]
+    fn work_grows_linearly_with_the_text() {
+        let (a, b) = long_pair(1);
+        assert_eq!(gate(&a, &b), GateVerdict::Pass);
+        let (a, b) = long_pair(100);
+        let (n, verdict) = work(&a, &b);
+        assert_eq!(verdict, GateVerdict::Pass);
+        let (a, b) = long_pair(200);
+        let (two_n, verdict) = work(&a, &b);
+        assert_eq!(verdict, GateVerdict::Pass);
+        assert!(n > 20_000, "{n}");
+        // Rescanning one side for each word of the other would give about 4n.
+        assert!(two_n <= 2 * n, "n: {n}, 2n: {two_n}");
+    }
+
+    #[test]
+    fn megabyte_prompts_are_judged_whole_and_read_only_up_to_the_cap() {
+        let (a, b) = long_pair(9_000);
+        assert!(a.len() > 1_000_000 && b.len() > 1_000_000);
+        let (whole, verdict) = work(&a, &b);
+        assert_eq!(verdict, GateVerdict::Pass);
+        assert_eq!(gate(&a, &b), GateVerdict::Pass);
+        // Through `gate`, a prompt costs what its first MAX_TEXT_BYTES cost.
+        STEPS.with(|s| s.set(0));
+        gate(&a, &b);
+        let capped_work = STEPS.with(|s| s.get());
+        STEPS.with(|s| s.set(0));
+        gate(capped(&a), capped(&b));
+        assert_eq!(capped_work, STEPS.with(|s| s.get()));
+        assert!(
+            capped_work * 20 < whole,
+            "capped {capped_work}, whole {whole}"
+        );
+        // A difference beyond the cap is not read.
+        let late = format!("{a} Then ask about Rome.");
+        assert_eq!(gate(&late, &b), GateVerdict::Pass);
+        assert_eq!(judge(&late, &b), GateVerdict::Reject("entity"));
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! the caller to compare by meaning: a textual check cannot tell a synonym from another
 //! subject.
 
+use std::collections::HashSet;
+
 use super::features::tokenize;
 use super::lexicon::{singular, strip_possessive, STOPWORDS};
 
@@ -10,6 +12,7 @@ use super::lexicon::{singular, strip_possessive, STOPWORDS};
 /// cannot tell "shop"/"store" (same question) from "home"/"car" insurance (another question):
 /// the caller compares the two sides' meanings (e.g. with the embedder) and rejects the
 /// candidate when they are far apart. `None` when the prompts do not differ that way.
+/// Like the gate, it reads at most [`super::MAX_TEXT_BYTES`] of each prompt.
 pub fn substitution(query: &str, candidate: &str) -> Option<(String, String)> {
     fn content(text: &str) -> Vec<String> {
         tokenize(text)
@@ -19,11 +22,14 @@ pub fn substitution(query: &str, candidate: &str) -> Option<(String, String)> {
             .map(|w| singular(strip_possessive(&w)).to_string())
             .collect()
     }
-    let a = content(query);
-    let b = content(candidate);
-    let only_a: Vec<&String> = a.iter().filter(|w| !b.contains(w)).collect();
-    let only_b: Vec<&String> = b.iter().filter(|w| !a.contains(w)).collect();
-    let shared = a.iter().any(|w| b.contains(w));
+    let a = content(super::capped(query));
+    let b = content(super::capped(candidate));
+    let (set_a, set_b): (HashSet<&String>, HashSet<&String>) =
+        (a.iter().collect(), b.iter().collect());
+    super::steps(a.len() + b.len());
+    let only_a: Vec<&String> = a.iter().filter(|w| !set_b.contains(w)).collect();
+    let only_b: Vec<&String> = b.iter().filter(|w| !set_a.contains(w)).collect();
+    let shared = a.iter().any(|w| set_b.contains(w));
     let small = |v: &Vec<&String>| (1..=3).contains(&v.len());
     if !(shared && small(&only_a) && small(&only_b)) {
         return None;

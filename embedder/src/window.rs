@@ -1,0 +1,99 @@
+//! Where the local model stops reading a text.
+//!
+//! The model reads at most `max_tokens` tokens, its own special tokens included (fastembed
+//! truncates the rest away): for all-MiniLM-L6-v2 at 256, about 250 English words. Two texts
+//! that differ only beyond that point get the same vector, so the server must match that part
+//! exactly. [`Window::end`] finds the point with the tokenizer the model uses (the same
+//! normalisation, pre-tokenisation and vocabulary), not with a character estimate: a
+//! character bound safe for every text (one token per byte) would be about 250 bytes, a
+//! sixth of what the model reads of English.
+//!
+//! The tokenizer reads only a bounded start of the text: the first [`SCAN_BYTES`] (2 KiB,
+//! then 16 KiB when that held too few tokens), cut at a whitespace. Cut there, the start is
+//! tokenized exactly as it is inside the whole text (the BERT normaliser works character by
+//! character, and words never span whitespace), so its tokens are the whole text's first
+//! tokens. 256 tokens of natural text in any script fit in far less than 16 KiB; a text whose
+//! first 16 KiB hold fewer (long runs of whitespace or of one unbroken word) is counted as read
+//! up to where the scan ended, which is less than the model reads: the rest is then matched
+//! exactly, which is the safe side.
+
+use fastembed::TextEmbedding;
+use tokenizers::{PostProcessor, Tokenizer};
+
+/// How far into a text the tokenizer looks for the end of the window, in bytes: a short scan
+/// first, a longer one when the short one held too few tokens.
+pub const SCAN_BYTES: [usize; 2] = [2 * 1024, 16 * 1024];
+
+/// The model's tokenizer, without truncation or padding, and how many of a text's tokens the
+/// model reads.
+pub(crate) struct Window {
+    tokenizer: Tokenizer,
+    /// Tokens of the text itself the model reads (its maximum minus the special tokens it
+    /// adds around them).
+    tokens: usize,
+}
+
+impl Window {
+    /// The window of `model`, which reads at most `max_tokens` tokens.
+    pub(crate) fn of(model: &TextEmbedding, max_tokens: usize) -> Self {
+        let mut tokenizer = model.tokenizer.clone();
+        // fastembed truncates at the smaller of `max_tokens` and the model's own maximum,
+        // counting the special tokens the post-processor adds ([CLS] and [SEP]).
+        let max_length = tokenizer
+            .get_truncation()
+            .map_or(max_tokens, |t| t.max_length.min(max_tokens));
+        let added = tokenizer
+            .get_post_processor()
+            .map_or(0, |p| p.added_tokens(false));
+        // Without truncation every token of the scanned start comes back with its offsets.
+        let _ = tokenizer.with_truncation(None);
+        tokenizer.with_padding(None);
+        Window {
+            tokenizer,
+            tokens: max_length.saturating_sub(added).max(1),
+        }
+    }
+
+    /// Tokens of a text the model reads.
+    pub(crate) fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// How many bytes of the start of `text` the model reads whole (a character boundary).
+    /// Equal to `text.len()` when the model reads all of it; never more than it reads.
+    pub(crate) fn end(&self, text: &str) -> usize {
+        let mut read = 0;
+        for limit in SCAN_BYTES {
+            let whole = text.len() <= limit;
+            let start = if whole {
+                text
+            } else {
+                let cut = text.floor_char_boundary(limit);
+                match text[..cut].rfind(char::is_whitespace) {
+                    Some(at) => &text[..at],
+                    // No whitespace to cut at: a longer scan may find one.
+                    None => continue,
+                }
+            };
+            let Ok(encoding) = self.tokenizer.encode(start, false) else {
+                // Cannot tell: what was established stands, the rest is matched exactly.
+                return read;
+            };
+            let offsets = encoding.get_offsets();
+            if offsets.len() > self.tokens {
+                let end = offsets[..self.tokens]
+                    .iter()
+                    .map(|&(_, end)| end)
+                    .max()
+                    .unwrap_or(0);
+                return text.floor_char_boundary(end);
+            }
+            // Every token of `start` is read.
+            if whole {
+                return text.len();
+            }
+            read = start.len();
+        }
+        read
+    }
+}
