@@ -31,6 +31,8 @@ pub enum Source {
     Feedback,
     /// A near miss checked against the backend's answer.
     NearMiss,
+    /// A hit checked in the background ([`crate::verify`]).
+    Verified,
 }
 
 impl Source {
@@ -38,6 +40,7 @@ impl Source {
         match self {
             Source::Feedback => "feedback",
             Source::NearMiss => "near_miss",
+            Source::Verified => "verified",
         }
     }
 }

@@ -199,7 +199,7 @@ pub async fn handle(
 /// A semantic or prefetch hit reported wrong: the entry refuses the question (its exact
 /// key no longer leads there, on any replica) and, when it was matched by meaning, the
 /// question's neighbourhood. Whether a refusal was added.
-async fn refuse(state: &AppState, served: &Served) -> bool {
+pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
     let hit_by_meaning = served.outcome == Outcome::Semantic.as_str()
         || served.outcome == Outcome::Prefetch.as_str();
     let Some(id) = served.entry.filter(|_| hit_by_meaning) else {

@@ -43,6 +43,7 @@ pub mod state;
 pub mod tasks;
 #[cfg(test)]
 pub(crate) mod test_support;
+mod verify;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};

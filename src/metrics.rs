@@ -222,6 +222,10 @@ fn describe() {
         "Upper 95 % confidence bound of the share of wrong semantic hits at the threshold in use, by tenant (1: no verdicts yet)."
     );
     describe_counter!(
+        "reprise_verify_checks_total",
+        "Sampled semantic hits offered for a background check, by result (started, skipped: a client request or another check was running, or the budget was spent)."
+    );
+    describe_counter!(
         "reprise_feedback_total",
         "Verdicts on served answers (POST /v1/feedback), by tenant, verdict (wrong, right) and how the answer was served."
     );
@@ -318,6 +322,11 @@ impl Metrics {
             .set(f64::from(threshold));
         metrics::gauge!("reprise_semantic_wrong_share_upper", "tenant" => tenant.to_string())
             .set(wrong_upper);
+    }
+
+    /// Counts a sampled hit offered for a background check.
+    pub fn verify(&self, result: &'static str) {
+        metrics::counter!("reprise_verify_checks_total", "result" => result).increment(1);
     }
 
     /// Counts a verdict on a response served as `outcome`.

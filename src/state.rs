@@ -60,6 +60,8 @@ pub struct AppState {
     pub policies: ArcSwap<Policies>,
     /// Serialises policy changes, local and shared (held while a change is published).
     pub policy_change: tokio::sync::Mutex<()>,
+    /// Checks of semantic hits in the background (`semantic.verify_hits`).
+    pub(crate) verifier: crate::verify::Verifier,
     /// Verdicts on answers matched by meaning, per tenant: the learned thresholds.
     pub bounds: crate::bounds::Bounds,
     /// Responses that can still be given a verdict (`POST /v1/feedback`).
@@ -133,6 +135,7 @@ impl AppState {
             p.set_shares(policies.prefetch_shares());
         }
         let responses = crate::feedback::Responses::new(&config.feedback);
+        let verifier = crate::verify::Verifier::new(&config.semantic);
         Ok(Arc::new(AppState {
             config,
             backend,
@@ -151,6 +154,7 @@ impl AppState {
             rollbacks: Default::default(),
             responses,
             bounds: Default::default(),
+            verifier,
             rebuilds: Default::default(),
             ready: AtomicBool::new(true),
         }))

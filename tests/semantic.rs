@@ -843,3 +843,78 @@ async fn text_beyond_what_the_embedder_reads_never_aliases() {
     assert_eq!(cache_status(&r), "semantic");
     assert_eq!(backend.calls(), 3);
 }
+
+/// Sampled checks of hits run in the background, one at a time and within their token budget,
+/// never holding up the answer; a check that finds the cached answer wrong refuses it.
+#[tokio::test]
+async fn hits_are_checked_in_the_background_within_a_budget() {
+    let script = ScriptConfig {
+        first_token_delay: std::time::Duration::from_millis(300),
+        ..ScriptConfig::default()
+    };
+    let mut config = semantic_config();
+    config.semantic.verify_hits = 1.0;
+    // Two checks of 300 tokens a minute.
+    config.semantic.verify_tokens_per_minute = 600;
+    let (app, backend) = spawn_fake(config, script).await;
+    let ask = |text: &str| {
+        let mut b = chat_body(text);
+        b["max_tokens"] = 300.into();
+        b
+    };
+    assert_eq!(
+        cache_status(&app.chat(&ask("How do I reset my password?"), &[]).await),
+        "miss"
+    );
+    assert_eq!(backend.calls(), 1);
+    let first = ask("I forgot my password, how can I change it?");
+    let r = app.chat(&first, &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    // Answered while its check is still generating.
+    assert_eq!((backend.calls(), backend.active()), (2, 1));
+    // Another hit while that check runs: skipped, not queued.
+    let r = app.chat(&ask("How can I reset my password?"), &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(backend.calls(), 2);
+    // The check judged the cached answer wrong for that question (the scripted backend names
+    // the prompt in its answer): it is refused from now on.
+    let b = backend.clone();
+    assert!(eventually(std::time::Duration::from_secs(10), || b.active() == 0).await);
+    let app_ref = &app;
+    let refused = eventually_async(std::time::Duration::from_secs(10), || async {
+        app_ref
+            .state
+            .store
+            .entries()
+            .iter()
+            .any(|e| !e.refusals.is_empty())
+    })
+    .await;
+    assert!(refused);
+    let r = app.chat(&first, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    // One more check fits the budget; after it, none.
+    let calls = backend.calls();
+    let (mut misses, mut hits) = (0, 0);
+    for text in [
+        "I need to reset my password, how?",
+        "Could you help me reset my password?",
+        "Please help me reset my password",
+        "What are the steps to reset my password?",
+        "How would I reset my password?",
+    ] {
+        match cache_status(&app.chat(&ask(text), &[]).await).as_str() {
+            "miss" => misses += 1,
+            "semantic" => hits += 1,
+            other => panic!("{other}"),
+        }
+        let b = backend.clone();
+        assert!(eventually(std::time::Duration::from_secs(10), || b.active() == 0).await);
+    }
+    assert!(hits >= 2, "{hits} hits");
+    assert_eq!(
+        backend.calls(),
+        calls + misses + 1,
+        "one check, then the budget is spent"
+    );
+}

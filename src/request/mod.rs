@@ -149,6 +149,11 @@ async fn serve(
         write_back::link_hit(state, &found, &hit, access.write, observe).await;
         // 9. Respond (remembered for feedback under the response's id).
         let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
+        if let (Outcome::Semantic, Some(sim)) = (hit.outcome, hit.similarity) {
+            if state.config.semantic.verify_hits > 0.0 {
+                crate::verify::offer(state, s.clone(), &parsed.req, &hit.entry, sim);
+            }
+        }
         state.responses.remember(state, renderer.id(), s).await;
         return Ok(respond::hit(&parsed, renderer, hit, book));
     }

@@ -1,0 +1,228 @@
+//! Checks of semantic hits in the background (`[semantic] verify_hits`): the backend answers
+//! a served question afresh and a judge decides whether the cached answer serves it.
+//!
+//! A check never delays or displaces a client: it is sampled (every n-th hit, so the share is
+//! exact), starts only while no client request is running on the backend, runs one at a
+//! time at background priority, and spends at most `verify_tokens_per_minute` (charged its
+//! `max_tokens` up front); a check that does not fit is skipped, not queued. Its verdict counts
+//! like a verdict from feedback: evidence for the learned threshold
+//! ([`crate::bounds`]) and, when wrong, a refusal of that question by the entry.
+//!
+//! Judges (`verify_judge`): `similarity`, the embedding similarity of the two answers against
+//! `answer_threshold`; `prompt`, the backend asked whether the cached answer serves the
+//! question as well as its own (an answer other than yes or no is no verdict).
+
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use futures::StreamExt;
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use reprise_backend::{ChatMessage, GenEvent, GenRequest, Input, Priority};
+use reprise_cache::Entry;
+use tokio::sync::Semaphore;
+
+use crate::bounds::Source;
+use crate::config::{SemanticConfig, VerifyJudge};
+use crate::feedback::Served;
+use crate::state::AppState;
+
+/// Longest answer a check waits for, in tokens.
+const MAX_CHECK_TOKENS: u32 = 512;
+
+/// The checks' budget and sampling.
+pub struct Verifier {
+    hits: AtomicU64,
+    running: Arc<Semaphore>,
+    tokens: Option<DefaultDirectRateLimiter>,
+}
+
+/// What became of a hit offered for a check (counted in `reprise_verify_checks_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Offer {
+    /// Not sampled.
+    NotSampled,
+    /// Skipped: a client request is running, a check is running, or the budget is spent.
+    Skipped,
+    /// Started.
+    Started,
+}
+
+impl Verifier {
+    /// A verifier for `[semantic]`.
+    pub fn new(cfg: &SemanticConfig) -> Verifier {
+        Verifier {
+            hits: AtomicU64::new(0),
+            running: Arc::new(Semaphore::new(1)),
+            tokens: NonZeroU32::new(cfg.verify_tokens_per_minute)
+                .map(|n| RateLimiter::direct(Quota::per_minute(n))),
+        }
+    }
+}
+
+/// Offers a served semantic hit for a check: `served` is what the response served, `req`
+/// the question asked, `similarity` where it was found.
+pub fn offer(
+    state: &Arc<AppState>,
+    served: Served,
+    req: &GenRequest,
+    entry: &Arc<Entry>,
+    similarity: f32,
+) -> Offer {
+    let cfg = &state.config.semantic;
+    let v = &state.verifier;
+    let n = v.hits.fetch_add(1, Ordering::Relaxed) as f64;
+    let share = cfg.verify_hits;
+    if ((n + 1.0) * share).floor() <= (n * share).floor() {
+        return Offer::NotSampled;
+    }
+    let outcome = start(state, served, req, entry, similarity);
+    state.metrics.verify(match outcome {
+        Offer::Started => "started",
+        _ => "skipped",
+    });
+    outcome
+}
+
+fn start(
+    state: &Arc<AppState>,
+    served: Served,
+    req: &GenRequest,
+    entry: &Arc<Entry>,
+    similarity: f32,
+) -> Offer {
+    let v = &state.verifier;
+    if state.backend.interactive_load() > 0 {
+        return Offer::Skipped;
+    }
+    let Ok(permit) = v.running.clone().try_acquire_owned() else {
+        return Offer::Skipped;
+    };
+    let mut fresh = req.clone();
+    fresh.priority = Priority::Background;
+    let max = fresh
+        .params
+        .max_tokens
+        .unwrap_or(MAX_CHECK_TOKENS)
+        .min(MAX_CHECK_TOKENS);
+    fresh.params.max_tokens = Some(max);
+    let within = match (&v.tokens, NonZeroU32::new(max)) {
+        (Some(l), Some(n)) => matches!(l.check_n(n), Ok(Ok(()))),
+        _ => false,
+    };
+    if !within {
+        return Offer::Skipped;
+    }
+    let (state, entry) = (state.clone(), entry.clone());
+    tokio::spawn(async move {
+        let _permit = permit;
+        let Some(answer) = generate(&state, fresh.clone()).await else {
+            return;
+        };
+        let Some(wrong) = judge(&state, &served, &fresh, &entry, &answer).await else {
+            return;
+        };
+        state
+            .bounds
+            .record(&state, &served.tenant, similarity, wrong, Source::Verified);
+        if wrong {
+            crate::feedback::refuse(&state, &served).await;
+        }
+    });
+    Offer::Started
+}
+
+/// The backend's answer to `req` (none when it fails or stalls).
+async fn generate(state: &AppState, req: GenRequest) -> Option<String> {
+    let server = &state.config.server;
+    let run = async {
+        let mut stream = state.backend.generate(req).await.ok()?;
+        let mut text = String::new();
+        loop {
+            let next = tokio::time::timeout(server.token_timeout(), stream.next())
+                .await
+                .ok()?;
+            match next? {
+                Ok(GenEvent::Delta(d)) => text.push_str(&d),
+                Ok(GenEvent::Finish { .. }) => return Some(text),
+                Err(_) => return None,
+            }
+        }
+    };
+    tokio::time::timeout(server.request_timeout(), run)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Whether the cached answer is wrong for the question (none: no verdict).
+async fn judge(
+    state: &AppState,
+    served: &Served,
+    req: &GenRequest,
+    entry: &Entry,
+    fresh: &str,
+) -> Option<bool> {
+    match state.config.semantic.verify_judge {
+        VerifyJudge::Similarity => {
+            let embedder = state.embedder.as_ref()?;
+            let texts = [fresh.to_string(), entry.text.clone()];
+            let v = embedder.embed_many_in(&served.tenant, &texts).await.ok()?;
+            let same = reprise_embedder::cosine(&v[0], &v[1]);
+            Some(same < state.config.semantic.answer_threshold)
+        }
+        VerifyJudge::Prompt => {
+            let question = served.question.as_ref().map(|(_, q)| q.as_str())?;
+            let mut ask = req.clone();
+            ask.params.max_tokens = Some(4);
+            ask.params.temperature = Some(0.0);
+            ask.input = Input::Chat(vec![
+                ChatMessage::new(
+                    "system",
+                    "You judge answers. Reply with one word: yes or no.",
+                ),
+                ChatMessage::new("user", &judge_prompt(question, &entry.text, fresh)),
+            ]);
+            let reply = generate(state, ask).await?;
+            parse_yes_no(&reply).map(|serves| !serves)
+        }
+    }
+}
+
+/// The judge prompt: does `cached` serve `question` as well as `reference`?
+fn judge_prompt(question: &str, cached: &str, reference: &str) -> String {
+    format!(
+        "Question:\n{question}\n\nCandidate answer:\n{cached}\n\nReference answer:\n{reference}\n\n\
+         Does the candidate answer serve the question as well as the reference answer? \
+         Answer yes or no."
+    )
+}
+
+/// `yes` → true, `no` → false, anything else → none.
+fn parse_yes_no(reply: &str) -> Option<bool> {
+    let word: String = reply
+        .trim_start()
+        .chars()
+        .take_while(|c| c.is_alphabetic())
+        .collect::<String>()
+        .to_lowercase();
+    match word.as_str() {
+        "yes" => Some(true),
+        "no" => Some(false),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn judge_replies_are_yes_no_or_nothing() {
+        assert_eq!(parse_yes_no(" Yes."), Some(true));
+        assert_eq!(parse_yes_no("no, it does not"), Some(false));
+        assert_eq!(parse_yes_no("Maybe"), None);
+        assert_eq!(parse_yes_no(""), None);
+        assert!(judge_prompt("q?", "a", "b").contains("Candidate answer:\na"));
+    }
+}
