@@ -181,7 +181,7 @@ async fn judge(
                     "system",
                     "You judge answers. Reply with one word: yes or no.",
                 ),
-                ChatMessage::new("user", &judge_prompt(question, &entry.text, fresh)),
+                ChatMessage::new("user", judge_prompt(question, &entry.text, fresh)),
             ]);
             let reply = generate(state, ask).await?;
             parse_yes_no(&reply).map(|serves| !serves)
