@@ -375,7 +375,7 @@ async fn conversation_context_is_shared_across_replicas() {
 }
 
 /// A verdict can be given on any replica (the response is remembered in Redis), and the
-/// refusal it makes travels with the entry to every replica.
+/// refusal it makes travels with the entry to every replica, and survives a restart.
 #[tokio::test]
 async fn a_refusal_reaches_every_replica() {
     let redis = RedisServer::start();
@@ -397,8 +397,11 @@ async fn a_refusal_reaches_every_replica() {
     };
     let r = eventually_ok(|| said(&a)).await;
     assert_eq!(r["refused"], true, "{r}");
-    // Neither replica serves it to that question any more; both still serve its own.
-    for app in [&a, &b] {
+    // A replica started after the verdict (its memory rebuilt from Redis) honours it too.
+    a.state.store.redis().unwrap().flush().await.unwrap();
+    let c = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    // No replica serves it to that question any more; each still serves its own.
+    for app in [&a, &b, &c] {
         let app_ref = app;
         let refused = eventually_async(Duration::from_secs(10), || async {
             let r = app_ref.chat(&asked, &[]).await;
