@@ -22,6 +22,18 @@ fn admin_config() -> reprise::Config {
     c
 }
 
+/// [`admin_config`] with keys required and the tenants of a policy document.
+fn tenants_config(doc: &str, semantic: bool) -> reprise::Config {
+    let mut c = admin_config();
+    c.semantic.enabled = semantic;
+    c.auth.required = true;
+    c.tenants = reprise::policy::PolicyDocument::from_toml(doc)
+        .unwrap()
+        .tenants
+        .unwrap();
+    c
+}
+
 async fn put(app: &TestApp, doc: &str) -> reqwest::Response {
     app.client
         .put(app.url("/admin/policies"))
@@ -586,13 +598,7 @@ async fn shadow_counts_match_a_replay_under_the_candidate() {
         ("control", strict, ""),
         ("replay", lax_policy, ""),
     ]);
-    let mut config = admin_config();
-    config.semantic.enabled = true;
-    config.auth.required = true;
-    config.tenants = reprise::policy::PolicyDocument::from_toml(&writable)
-        .unwrap()
-        .tenants
-        .unwrap();
+    let config = tenants_config(&writable, true);
     let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
     for q in ORIGINALS {
         for t in ["shadowed", "control", "replay"] {
@@ -666,13 +672,7 @@ async fn a_canary_worse_than_the_rest_is_rolled_back_and_a_good_one_promoted() {
     let canary = "mode = \"canary\"\npercent = 50\nmin_requests = 5\nmax_latency_ratio = 1000\n\
                   [[tenants.candidate.semantic_rules]]\nenabled = false";
     let writable = tenants_doc(&[("tried", "", canary)]);
-    let mut config = admin_config();
-    config.semantic.enabled = true;
-    config.auth.required = true;
-    config.tenants = reprise::policy::PolicyDocument::from_toml(&writable)
-        .unwrap()
-        .tenants
-        .unwrap();
+    let config = tenants_config(&writable, true);
     let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
     // The answer is stored (this request may be on either side: both store on a miss).
     assert_eq!(
@@ -763,12 +763,7 @@ async fn a_canary_whose_hits_are_reported_wrong_is_rolled_back() {
     // Latency is not what this test judges: a generous bound keeps noise out of it.
     let canary = "mode = \"canary\"\npercent = 50\nmin_requests = 3\nmax_latency_ratio = 1000";
     let doc = tenants_doc(&[("judged", "", canary)]);
-    let mut config = admin_config();
-    config.auth.required = true;
-    config.tenants = reprise::policy::PolicyDocument::from_toml(&doc)
-        .unwrap()
-        .tenants
-        .unwrap();
+    let config = tenants_config(&doc, false);
     let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
     // Every second request is the candidate's (the 2nd, the 4th, ...).
     let mut ids = Vec::new();

@@ -205,9 +205,8 @@ pub fn now_ms() -> u64 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn weight_counts_text_embedding_and_tags() {
-        let mut e = Entry {
+    fn entry() -> Entry {
+        Entry {
             id: EntryId(1),
             namespace: "ns".into(),
             model: "m".into(),
@@ -223,7 +222,12 @@ mod tests {
             refusals: Vec::new(),
             created_ms: 0,
             expires_ms: 1,
-        };
+        }
+    }
+
+    #[test]
+    fn weight_counts_text_embedding_and_tags() {
+        let mut e = entry();
         let bare = e.weight();
         e.embedding = Some(Arc::from(vec![0.0; 384]));
         assert_eq!(e.weight(), bare + 384 * 4);
@@ -242,23 +246,7 @@ mod tests {
 
     #[test]
     fn refusals_cover_the_key_and_the_neighbourhood_in_one_partition() {
-        let mut e = Entry {
-            id: EntryId(1),
-            namespace: "ns".into(),
-            model: "m".into(),
-            text: "answer".into(),
-            finish_reason: "stop".into(),
-            prompt_tokens: 1,
-            completion_tokens: 1,
-            prompt: "question".into(),
-            partition: [0; 32],
-            embedding: None,
-            origin: Origin::Live,
-            tags: Vec::new(),
-            refusals: Vec::new(),
-            created_ms: 0,
-            expires_ms: 1,
-        };
+        let mut e = entry();
         let q: Arc<[f32]> = Arc::from(vec![1.0, 0.0]);
         e.refuse(Refusal {
             key: [1; 32],
