@@ -357,6 +357,10 @@ pub struct BackendConfig {
     pub max_queue: usize,
     /// llama and fake: `max_tokens` used when a request does not set one.
     pub default_max_tokens: u32,
+    /// The largest `max_tokens` (or `max_completion_tokens`) any request may ask for; above
+    /// it 400. One request cannot reserve a whole context or an unbounded upstream answer.
+    /// A request without one is not given it (its key and the backend's default stay).
+    pub max_tokens_cap: u32,
     /// fake: reply template; `{prompt}` is replaced by the last user message.
     pub fake_reply: String,
     /// fake: delay between streamed tokens in milliseconds.
@@ -383,6 +387,7 @@ impl Default for BackendConfig {
             parallel: 4,
             max_queue: 64,
             default_max_tokens: 256,
+            max_tokens_cap: 4096,
             fake_reply: "You asked: {prompt}".to_string(),
             fake_token_delay_ms: 0,
         }
@@ -1047,6 +1052,12 @@ impl Config {
         }
         if b.default_max_tokens == 0 {
             return Err(invalid("backend.default_max_tokens", "must be positive"));
+        }
+        if b.max_tokens_cap < b.default_max_tokens {
+            return Err(invalid(
+                "backend.max_tokens_cap",
+                "must be at least backend.default_max_tokens",
+            ));
         }
         if self.cache.memory_bytes == 0 {
             return Err(invalid("cache.memory_bytes", "must be positive"));

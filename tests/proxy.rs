@@ -223,6 +223,13 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
             .send()
     };
     assert_openai_error(post("{not json".into()).await.unwrap(), 400, None).await;
+    // Beyond `backend.max_tokens_cap` (4096), under either name.
+    for field in ["max_tokens", "max_completion_tokens"] {
+        let body = format!(
+            r#"{{"model":"fake","messages":[{{"role":"user","content":"x"}}],"{field}":4097}}"#
+        );
+        assert_openai_error(post(body).await.unwrap(), 400, Some("max_tokens")).await;
+    }
     assert_openai_error(post(r#"{"model":"fake"}"#.into()).await.unwrap(), 400, None).await;
     assert_openai_error(
         post(r#"{"model":"fake","messages":"hi"}"#.into())

@@ -40,7 +40,7 @@ pub async fn explain(
         }
     };
     let ctl = Controls::from_headers(headers, &tenant)?;
-    policy::cap_max_tokens(&tenant, &mut parsed.req)?;
+    policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     let access = policy::access(state, &tenant, &ctl);
     let wants = Wants {
         threshold: ctl.threshold,

@@ -100,7 +100,7 @@ async fn serve(
     };
     // 2. Controls.
     let ctl = admit(state, headers, &tenant, &parsed.req.model, book)?;
-    policy::cap_max_tokens(&tenant, &mut parsed.req)?;
+    policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     // 3. Policy.
     let access = policy::access(state, &tenant, &ctl);
     let renderer = Renderer::new(endpoint, &parsed.req.model);

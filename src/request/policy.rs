@@ -23,14 +23,25 @@ pub fn access(state: &AppState, tenant: &Tenant, ctl: &Controls) -> Access {
 
 /// Applies the tenant's `max_tokens` cap: a request without `max_tokens` gets the cap, one
 /// above it is refused (400) rather than silently cut short.
-pub fn cap_max_tokens(tenant: &Tenant, req: &mut GenRequest) -> Result<(), ApiError> {
-    req.params.max_tokens = capped(tenant, req.params.max_tokens)?;
+pub fn cap_max_tokens(
+    state: &AppState,
+    tenant: &Tenant,
+    req: &mut GenRequest,
+) -> Result<(), ApiError> {
+    req.params.max_tokens = capped(state, tenant, req.params.max_tokens)?;
     Ok(())
 }
 
 /// The `max_tokens` a request of `tenant` asking for `asked` gets: the cap when it asked for
 /// none, 400 when it asked for more.
-fn capped(tenant: &Tenant, asked: Option<u32>) -> Result<Option<u32>, ApiError> {
+fn capped(state: &AppState, tenant: &Tenant, asked: Option<u32>) -> Result<Option<u32>, ApiError> {
+    let global = state.config.backend.max_tokens_cap;
+    if asked.is_some_and(|n| n > global) {
+        return Err(ApiError::invalid(
+            format!("`max_tokens` may be at most {global}"),
+            Some("max_tokens"),
+        ));
+    }
     let cap = tenant.policy().max_tokens;
     match asked {
         _ if cap == 0 => Ok(asked),
@@ -52,7 +63,7 @@ pub fn cap_forward(
     f: &mut Forward,
     body: Bytes,
 ) -> Result<Bytes, ApiError> {
-    let max_tokens = capped(tenant, f.max_tokens)?;
+    let max_tokens = capped(state, tenant, f.max_tokens)?;
     let charge = max_tokens.unwrap_or(state.config.backend.default_max_tokens);
     tenant.take_tokens(charge.saturating_mul(f.answers))?;
     if max_tokens == f.max_tokens {
