@@ -558,41 +558,73 @@ impl LlamaBackend {
 
     /// Tokens of a request's input: the chat template applied to messages, or the raw prompt.
     fn tokenize(&self, input: &Input) -> Result<Vec<LlamaToken>, BackendError> {
-        let text = match input {
-            Input::Prompt(prompt) => prompt.clone(),
-            Input::Chat(messages) => {
-                if messages.is_empty() {
-                    return Err(invalid("messages must not be empty", "messages"));
-                }
-                let template = self.template.as_ref().ok_or_else(|| {
-                    invalid(
-                        "this model has no chat template; use the completions endpoint",
-                        "messages",
-                    )
-                })?;
-                let chat = messages
-                    .iter()
-                    .map(|msg| {
-                        // Templates know `system`; `developer` is OpenAI's newer name for it.
-                        let role = match msg.role.as_str() {
-                            "developer" => "system",
-                            other => other,
-                        };
-                        LlamaChatMessage::new(role.to_owned(), msg.content.clone())
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|_| invalid("messages must not contain NUL characters", "messages"))?;
-                self.model
-                    .apply_chat_template(template, &chat, true)
-                    .map_err(|e| {
-                        BackendError::Internal(format!("cannot apply the chat template: {e}"))
-                    })?
-            }
+        let vocab = self.model.vocab();
+        let messages = match input {
+            // A raw prompt is the client's own text, template markers included.
+            Input::Prompt(prompt) => return Ok(vocab.tokenize(prompt.as_bytes(), true, true)),
+            Input::Chat(messages) => messages,
         };
-        // Special tokens are parsed (the template's markers are special tokens), and the
-        // model's BOS is added when its vocabulary asks for it, as llama-server does.
-        Ok(self.model.vocab().tokenize(text.as_bytes(), true, true))
+        if messages.is_empty() {
+            return Err(invalid("messages must not be empty", "messages"));
+        }
+        let template = self.template.as_ref().ok_or_else(|| {
+            invalid(
+                "this model has no chat template; use the completions endpoint",
+                "messages",
+            )
+        })?;
+        // The template is rendered around placeholders, then tokenized in pieces: its own text
+        // with special tokens parsed (its markers are special tokens, and the model's BOS is
+        // added when its vocabulary asks for it, as llama-server does), the messages' contents
+        // as plain text, so no content can forge a turn with a marker's text.
+        let chat = messages
+            .iter()
+            .enumerate()
+            .map(|(i, msg)| {
+                // Templates know `system`; `developer` is OpenAI's newer name for it.
+                let role = match msg.role.as_str() {
+                    "developer" => "system",
+                    other => other,
+                };
+                LlamaChatMessage::new(role.to_owned(), placeholder(i))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| invalid("messages must not contain NUL characters", "messages"))?;
+        if messages.iter().any(|m| m.content.contains('\0')) {
+            return Err(invalid(
+                "messages must not contain NUL characters",
+                "messages",
+            ));
+        }
+        let rendered = self
+            .model
+            .apply_chat_template(template, &chat, true)
+            .map_err(|e| BackendError::Internal(format!("cannot apply the chat template: {e}")))?;
+        let mut tokens = Vec::new();
+        let mut rest = rendered.as_str();
+        for (i, msg) in messages.iter().enumerate() {
+            let mark = placeholder(i);
+            // A template that does not insert each content as it is cannot keep contents as
+            // text: refused rather than tokenized with markers parsed.
+            let Some((before, after)) = rest.split_once(&mark) else {
+                return Err(BackendError::Internal(
+                    "the chat template changes message contents".into(),
+                ));
+            };
+            vocab.tokenize_into(before.as_bytes(), &mut tokens, i == 0, true);
+            vocab.tokenize_into(msg.content.as_bytes(), &mut tokens, false, false);
+            rest = after;
+        }
+        vocab.tokenize_into(rest.as_bytes(), &mut tokens, false, true);
+        Ok(tokens)
     }
+}
+
+/// Stands in for message `i`'s content while the template is rendered: private-use
+/// characters no tokenizer treats as markers, and that clients' contents are checked not to
+/// split (a content holding one is still tokenized as text, after the template is rendered).
+fn placeholder(i: usize) -> String {
+    format!("\u{F0000}{i}\u{F0001}")
 }
 
 fn invalid(message: &str, param: &str) -> BackendError {
