@@ -945,6 +945,19 @@ impl Config {
                     format!("the tenants' shares add up to {sum}, above 1"),
                 ));
             }
+            // Whole shares leave nothing to the tenants without one (the anonymous tenant
+            // included, when keys are not required): refused rather than caching nothing.
+            let someone_without = !self.auth.required
+                || self.tenants.iter().any(|t| match key {
+                    "tenants.policy.memory_share" => t.policy.memory_share.is_none(),
+                    _ => t.policy.prefetch_share.is_none(),
+                });
+            if sum > 1.0 - 1e-9 && someone_without {
+                return Err(invalid(
+                    key,
+                    "the shares add up to 1, leaving nothing to the tenants without one",
+                ));
+            }
         }
         let sem = &self.semantic;
         if !(0.0..0.5).contains(&sem.delta) {

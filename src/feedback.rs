@@ -3,9 +3,10 @@
 //!
 //! Every response reprise answers from the cache or generates has a fresh `id`; what it
 //! served is remembered under that id for `[feedback] window_secs` ([`Responses`]: in memory
-//! within `memory_bytes`, and in Redis when configured, so any replica takes the verdict). A
-//! verdict names a response of the caller's own tenant; another tenant's id is as unknown as
-//! one never sent (404).
+//! within `memory_bytes`; hits matched by meaning and canary requests also in Redis when
+//! configured, so any replica takes their verdict). A verdict names a response of the
+//! caller's own tenant; another tenant's id is as unknown as one never sent (404). A response
+//! takes one verdict: a second is a 404.
 //!
 //! A `wrong` verdict on a semantic or prefetch hit means the entry does not answer that
 //! question: the key that led the question to it (linked when it was served) is removed, and
@@ -93,12 +94,31 @@ impl Responses {
         if !self.config.enabled {
             return;
         }
-        if let Some(redis) = state.store.redis() {
+        // Shared with the other replicas only where a verdict acts beyond counting: hits
+        // matched by meaning (refusals) and canary requests; the rest stay here, so every
+        // response does not cost a Redis write.
+        let by_meaning = ["semantic", "prefetch"].contains(&served.outcome.as_str());
+        if let Some(redis) = state
+            .store
+            .redis()
+            .filter(|_| by_meaning || served.canary.is_some())
+        {
             if let Ok(bytes) = serde_json::to_vec(&served) {
                 redis.put_blob_for(&blob_name(id), bytes, self.config.window());
             }
         }
         self.memory.insert(id.to_string(), Arc::new(served)).await;
+    }
+
+    /// Takes what response `id` served: one verdict a response (the record is spent here and
+    /// in Redis, so repeating a verdict cannot weigh twice).
+    async fn take(&self, state: &AppState, id: &str) -> Option<Arc<Served>> {
+        let served = self.find(state, id).await?;
+        self.memory.invalidate(id).await;
+        if let Some(redis) = state.store.redis() {
+            redis.put_blob_for(&blob_name(id), b"spent".to_vec(), self.config.window());
+        }
+        Some(served)
     }
 
     /// What response `id` served, if it is remembered here or in Redis.
@@ -158,11 +178,15 @@ pub async fn handle(
     if !state.config.feedback.enabled || v.id.is_empty() || v.id.len() > MAX_ID_BYTES {
         return Err(unknown());
     }
+    // Another tenant's response is as unknown as one never sent (and stays unspent).
+    let mine = state.responses.find(state, &v.id).await;
+    if mine.is_none_or(|s| s.tenant != tenant.name()) {
+        return Err(unknown());
+    }
     let served = state
         .responses
-        .find(state, &v.id)
+        .take(state, &v.id)
         .await
-        .filter(|s| s.tenant == tenant.name())
         .ok_or_else(unknown)?;
     let verdict = match v.verdict {
         Kind::Wrong => "wrong",
@@ -215,10 +239,12 @@ pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
         }
     }
     let mut refusing = (*entry).clone();
-    refusing.refuse(Refusal {
+    if !refusing.refuse(Refusal {
         key: served.key,
         around,
-    });
+    }) {
+        return false;
+    }
     // Its key's link, here and on every replica, is dropped on sight (a key another answer
     // took since stays).
     state.store.update(Arc::new(refusing)).await;

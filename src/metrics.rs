@@ -211,7 +211,7 @@ fn describe() {
     );
     describe_counter!(
         "reprise_semantic_verdicts_total",
-        "Verdicts on answers matched by meaning that the learned thresholds count, by tenant, source (feedback, near_miss) and verdict."
+        "Verdicts on answers matched by meaning that the learned thresholds count, by tenant, source (feedback, near_miss, verified) and verdict."
     );
     describe_gauge!(
         "reprise_semantic_threshold",
@@ -219,7 +219,7 @@ fn describe() {
     );
     describe_gauge!(
         "reprise_semantic_wrong_share_upper",
-        "Upper 95 % confidence bound of the share of wrong semantic hits at the threshold in use, by tenant (1: no verdicts yet)."
+        "Upper confidence bound (its level split over the similarity bins) of the share of wrong semantic hits at the threshold in use, by tenant (1: no verdicts yet)."
     );
     describe_counter!(
         "reprise_verify_checks_total",

@@ -100,11 +100,9 @@ fn start(
     };
     let mut fresh = req.clone();
     fresh.priority = Priority::Background;
-    let max = fresh
-        .params
-        .max_tokens
-        .unwrap_or(MAX_CHECK_TOKENS)
-        .min(MAX_CHECK_TOKENS);
+    // Never more than a minute's budget, or it could never be charged.
+    let most = MAX_CHECK_TOKENS.min(state.config.semantic.verify_tokens_per_minute);
+    let max = fresh.params.max_tokens.unwrap_or(most).min(most);
     fresh.params.max_tokens = Some(max);
     let within = match (&v.tokens, NonZeroU32::new(max)) {
         (Some(l), Some(n)) => matches!(l.check_n(n), Ok(Ok(()))),

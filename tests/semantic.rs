@@ -565,6 +565,9 @@ async fn a_hit_reported_wrong_is_not_served_to_that_question_again() {
         (j["refused"].clone(), j["entry"].clone()),
         (json!(true), json!(entry))
     );
+    // One verdict a response.
+    let again = feedback(&app, json!({"id": id, "verdict": "wrong"}), Some("sk-a")).await;
+    assert_openai_error(again, 404, Some("id")).await;
     // Neither the question nor one worded almost alike gets that answer again.
     let calls = backend.calls();
     let r = app.chat(&asked, &auth).await;
@@ -767,7 +770,10 @@ async fn megabyte_prompts_like_a_stored_one_leave_exact_hits_answering() {
             break;
         }
     }
-    assert!(answered >= 1);
+    assert!(
+        answered > 0,
+        "{answered} exact hits while they were in flight"
+    );
     assert!(
         hostile.iter().all(|h| !h.is_finished()),
         "the hostile requests are still in flight"
@@ -848,8 +854,9 @@ async fn text_beyond_what_the_embedder_reads_never_aliases() {
 /// never holding up the answer; a check that finds the cached answer wrong refuses it.
 #[tokio::test]
 async fn hits_are_checked_in_the_background_within_a_budget() {
+    // Generations take seconds, so a check is still running while the next hits come.
     let script = ScriptConfig {
-        first_token_delay: std::time::Duration::from_millis(300),
+        first_token_delay: std::time::Duration::from_secs(2),
         ..ScriptConfig::default()
     };
     let mut config = semantic_config();
@@ -870,8 +877,10 @@ async fn hits_are_checked_in_the_background_within_a_budget() {
     let first = ask("I forgot my password, how can I change it?");
     let r = app.chat(&first, &[]).await;
     assert_eq!(cache_status(&r), "semantic");
-    // Answered while its check is still generating.
-    assert_eq!((backend.calls(), backend.active()), (2, 1));
+    // Answered before its check generated anything (its first token takes seconds).
+    assert_eq!(backend.completed(), 1);
+    let b = backend.clone();
+    assert!(eventually(std::time::Duration::from_secs(10), || b.calls() == 2).await);
     // Another hit while that check runs: skipped, not queued.
     let r = app.chat(&ask("How can I reset my password?"), &[]).await;
     assert_eq!(cache_status(&r), "semantic");

@@ -157,12 +157,27 @@ impl Entry {
         self.refusals.iter().any(|r| r.key == *key)
     }
 
-    /// Adds a refusal (the oldest goes beyond [`MAX_REFUSALS`]).
-    pub fn refuse(&mut self, refusal: Refusal) {
+    /// Adds a refusal (the oldest goes beyond [`MAX_REFUSALS`]); one for a key already
+    /// refused changes nothing. Whether it was added.
+    pub fn refuse(&mut self, refusal: Refusal) -> bool {
+        if self.refuses_key(&refusal.key) {
+            return false;
+        }
         if self.refusals.len() == MAX_REFUSALS {
             self.refusals.remove(0);
         }
         self.refusals.push(refusal);
+        true
+    }
+
+    /// Takes in `other`'s refusals this copy lacks (copies of one entry on two replicas may
+    /// each have learned some). Whether any was added.
+    pub fn merge_refusals(&mut self, other: &Entry) -> bool {
+        let mut added = false;
+        for r in &other.refusals {
+            added |= self.refuse(r.clone());
+        }
+        added
     }
 
     /// Time left before expiry (zero when expired).
@@ -256,6 +271,13 @@ mod tests {
         assert!(e.refuses(&[2; 32], &[0.95, 0.1], 0.9));
         assert!(!e.refuses(&[2; 32], &[0.5, 0.8], 0.9), "outside the radius");
         assert!(!e.refuses(&[4; 32], &q, 0.9), "another partition");
+        assert!(
+            !e.refuse(Refusal {
+                key: [1; 32],
+                around: None,
+            }),
+            "a key refused once is refused once"
+        );
         for i in 0..MAX_REFUSALS as u8 {
             e.refuse(Refusal {
                 key: [10 + i; 32],

@@ -220,6 +220,11 @@ impl Store {
     /// and in Redis, whose replicas then take it in place of theirs (see
     /// [`Store::install`]). Its keys and vector stay.
     pub async fn update(&self, entry: Arc<Entry>) {
+        // Refusals another replica gave the held copy meanwhile are kept.
+        let entry = match self.memory.get(entry.id).await {
+            Some(held) => self.merge_refusals_into(entry, &held),
+            None => entry,
+        };
         if let Some(redis) = &self.redis {
             redis.put_with_tags(&entry, &[], &entry.tags);
         }
@@ -258,17 +263,12 @@ impl Store {
     }
 
     /// Puts an entry that another replica wrote (or a snapshot held) into this replica's
-    /// memory and index. One already held is returned as held and not re-indexed, unless the
-    /// incoming copy carries more refusals ([`Store::update`] on another replica): then it
-    /// replaces the held copy. An expired entry is returned but not installed.
+    /// memory and index. One already held is returned as held and not re-indexed; refusals
+    /// the incoming copy has and the held one lacks ([`Store::update`] on another replica)
+    /// are merged into it. An expired entry is returned but not installed.
     pub async fn install(&self, entry: Entry) -> Arc<Entry> {
         if let Some(held) = self.memory.get(entry.id).await {
-            if entry.refusals.len() > held.refusals.len() {
-                let entry = Arc::new(entry);
-                self.memory.insert_entry(entry.clone()).await;
-                return entry;
-            }
-            return held;
+            return self.merge_refusals(held, &entry).await;
         }
         let entry = Arc::new(entry);
         if entry.is_expired() {
@@ -277,6 +277,26 @@ impl Store {
         self.memory.insert_entry(entry.clone()).await;
         self.index_entry(&entry);
         entry
+    }
+
+    fn merge_refusals_into(&self, entry: Arc<Entry>, other: &Entry) -> Arc<Entry> {
+        let mut merged = (*entry).clone();
+        if merged.merge_refusals(other) {
+            Arc::new(merged)
+        } else {
+            entry
+        }
+    }
+
+    /// `held` with `incoming`'s refusals it lacks (stored in memory when there were any).
+    async fn merge_refusals(&self, held: Arc<Entry>, incoming: &Entry) -> Arc<Entry> {
+        let mut merged = (*held).clone();
+        if !merged.merge_refusals(incoming) {
+            return held;
+        }
+        let merged = Arc::new(merged);
+        self.memory.insert_entry(merged.clone()).await;
+        merged
     }
 
     /// Bulk load (replica rebuild, snapshot): entries into memory, then keys, then every
@@ -295,7 +315,12 @@ impl Store {
             if (i + 1) % 10_000 == 0 {
                 progress(i + 1);
             }
-            if entry.is_expired() || self.memory.get(entry.id).await.is_some() {
+            if entry.is_expired() {
+                continue;
+            }
+            if let Some(held) = self.memory.get(entry.id).await {
+                // Held already: only refusals it may have missed are taken.
+                self.merge_refusals(held, &entry).await;
                 continue;
             }
             let entry = Arc::new(entry);

@@ -8,8 +8,12 @@
 //! `delta` with confidence: its Wilson upper bound, at a level split over every threshold the
 //! rule could pick (a union bound), so the guarantee holds for the threshold picked, not only
 //! for a threshold fixed in advance. Serving every candidate at or above `t` then keeps the
-//! wrong share of those hits at most `delta` with probability at least `1 - alpha`, as far as
-//! future questions resemble the ones judged.
+//! wrong share of those hits at most `delta` with probability about `1 - alpha`, as far as
+//! future questions resemble the ones judged. What the level does not cover, stated plainly:
+//! the threshold is recomputed as verdicts arrive (each recomputation is another look at the
+//! data), Wilson's bound is an approximation in the tails, and verdicts of different sources
+//! (feedback, near-miss and hit checks, each sampled at its own rate) are pooled as if they
+//! were a sample of served hits. The level is a guide for tuning, not a certificate.
 //!
 //! - With little evidence the bound is wide and no threshold qualifies: the configured
 //!   threshold stays, raised above the similarities where verdicts already show more than
@@ -52,12 +56,14 @@ pub struct Learned {
     pub verdicts: f64,
     /// The upper confidence bound of the wrong share at or above it (1 without verdicts).
     pub wrong_upper: f64,
-    /// Whether the verdicts set it (else the configured threshold, maybe raised).
+    /// Whether the verdicts lowered it below the configured threshold.
     pub learned: bool,
 }
 
 fn bin(similarity: f32) -> usize {
-    ((similarity.clamp(0.0, 1.0) * BINS as f32).floor() as usize).min(BINS)
+    // With slack for f32 rounding, so 0.58 is bin 58, not 57.
+    let s = f64::from(similarity.clamp(0.0, 1.0));
+    ((s * BINS as f64 + 1e-4).floor() as usize).min(BINS)
 }
 
 fn edge(b: usize) -> f32 {
@@ -114,22 +120,24 @@ impl Evidence {
                 unsafe_above = Some(b);
             }
         }
-        let base = lowest_safe.unwrap_or(configured_bin);
+        // Verdicts only ever loosen the configured threshold (what they show above it says
+        // nothing against the band between).
+        let base = lowest_safe.map_or(configured_bin, |b| b.min(configured_bin));
         let chosen = match unsafe_above {
             Some(b) => base.max(b + 1),
             None => base,
         };
-        let threshold = if lowest_safe.is_some() || chosen > configured_bin {
-            edge(chosen.min(BINS))
-        } else {
+        let threshold = if chosen == configured_bin {
             configured
+        } else {
+            edge(chosen.min(BINS))
         };
         let (n, w) = self.at_least(bin(threshold));
         Learned {
             threshold,
             verdicts: n,
             wrong_upper: if n > 0.0 { wilson_upper(w, n, z) } else { 1.0 },
-            learned: lowest_safe.is_some(),
+            learned: chosen < configured_bin,
         }
     }
 
@@ -222,6 +230,25 @@ mod tests {
         assert!((u - 0.0263).abs() < 0.001, "{u}");
         assert_eq!(wilson_lower(0.0, 100.0, 1.644854), 0.0);
         assert!(wilson_lower(50.0, 100.0, 1.96) > 0.39);
+    }
+
+    #[test]
+    fn bins_are_where_the_similarity_is_written() {
+        assert_eq!(bin(0.58), 58);
+        assert_eq!(bin(0.83), 83);
+        assert_eq!(bin(0.999), 99);
+        assert_eq!(bin(1.0), 100);
+    }
+
+    #[test]
+    fn right_verdicts_above_the_configured_threshold_never_raise_it() {
+        let mut e = Evidence::default();
+        for _ in 0..600 {
+            e.record(0.90, false);
+        }
+        let l = e.threshold(0.02, 0.05, 0.86, 0.7);
+        assert_eq!(l.threshold, 0.86, "{l:?}");
+        assert!(!l.learned);
     }
 
     #[test]
