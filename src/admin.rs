@@ -283,12 +283,15 @@ pub async fn promote(
     let tenant = q
         .tenant
         .ok_or_else(|| ApiError::invalid("`tenant` is required", Some("tenant")))?;
-    let doc = state
+    // Checked first for a clear answer; computed again under the change lock.
+    state
         .policies
         .load()
         .promoting(&tenant)
         .map_err(|e| ApiError::invalid(e, Some("tenant")))?;
-    let applied = crate::policy::apply(&state, doc)
+    let change =
+        move |p: &crate::policy::Policies| p.promoting(&tenant).map_err(|e| anyhow::anyhow!(e));
+    let applied = crate::policy::apply_change(&state, &change)
         .await
         .map_err(|e| ApiError::invalid(format!("policy refused: {e:#}"), None))?;
     Ok(Json(

@@ -464,9 +464,14 @@ async fn a_version_invalid_on_a_replica_leaves_it_running() {
     let r = b.chat(&chat_body("still serving?"), &[]).await;
     assert_eq!(r.status(), 200);
 
-    // A replica like B publishes a version B can run: B takes it, and so does A.
+    // A replica like B cannot build on a version it cannot run: its change is refused
+    // rather than written over what it could not read (the running policies stay).
     let c = spawn_replica(replica_config(server.url(), false), backend).await;
     let r = put(&c, "[semantic]\nthreshold = 0.9\n").await;
+    assert_openai_error(r, 400, None).await;
+    assert_eq!(policies(&c).await["version"], 1);
+    // A version B can run, published where the shared one runs: B takes it.
+    let r = put(&a, "[semantic]\nenabled = false\nthreshold = 0.9\n").await;
     let j: Value = r.json().await.unwrap();
     assert_eq!(j["shared"], true, "{j}");
     let version = j["version"].as_u64().unwrap();

@@ -289,14 +289,25 @@ pub struct Applied {
 /// Applies a document to the running state: validated, built, swapped in, and with Redis
 /// shared with the other replicas; or why it was refused (the running policies stay).
 pub async fn apply(state: &AppState, doc: PolicyDocument) -> anyhow::Result<Applied> {
+    apply_change(state, &move |_| Ok(doc.clone())).await
+}
+
+/// Like [`apply`], for a change computed from the running policies (a rollback, a
+/// promotion): computed under the change lock, and again on top of any newer version shared
+/// meanwhile, so a change made elsewhere in between is never undone.
+pub async fn apply_change(
+    state: &AppState,
+    change: &(dyn Fn(&Policies) -> anyhow::Result<PolicyDocument> + Send + Sync),
+) -> anyhow::Result<Applied> {
     // One change at a time, so two concurrent changes cannot both take the same version and
     // a version from Redis waits for a change being shared. An async lock: sharing awaits
     // Redis while holding it.
     let _guard = state.policy_change.lock().await;
     if let Some(redis) = state.store.redis() {
-        return share::publish(state, redis, doc).await;
+        return share::publish(state, redis, change).await;
     }
-    let next = state.policies.load().next(doc, state.embedder.is_some())?;
+    let current = state.policies.load_full();
+    let next = current.next(change(&current)?, state.embedder.is_some())?;
     let version = install(state, next);
     tracing::info!(version, "policies changed");
     Ok(Applied {
@@ -334,11 +345,17 @@ pub fn roll_back(state: Arc<AppState>, tenant: String, reason: String) {
         return;
     };
     runtime.spawn(async move {
-        // Gone already (another replica's rollback, an operator's change): nothing to do.
-        let Some(doc) = state.policies.load().without_candidate(&tenant) else {
-            return;
+        // Computed from the policies running when the change is made; gone already (another
+        // replica's rollback, an operator's change): nothing to do.
+        let t = tenant.clone();
+        let change = move |p: &Policies| {
+            p.without_candidate(&t)
+                .ok_or_else(|| anyhow::anyhow!("tenant `{t}` has no candidate any more"))
         };
-        match apply(&state, doc).await {
+        if state.policies.load().without_candidate(&tenant).is_none() {
+            return;
+        }
+        match apply_change(&state, &change).await {
             Ok(a) => tracing::info!(tenant, version = a.version, "canary removed"),
             Err(e) => tracing::error!(tenant, error = %format!("{e:#}"), "canary not removed"),
         }

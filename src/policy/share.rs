@@ -29,26 +29,26 @@ use super::{install, Applied, Policies, PolicyDocument};
 use crate::auth::KeyDigest;
 use crate::state::AppState;
 
-/// Publications tried when other replicas keep storing newer versions first; the last one
-/// publishes regardless of what is stored.
+/// Publications tried when other replicas keep storing newer versions first.
 const ATTEMPTS: usize = 3;
 
-/// Applies `doc` here and publishes the result (the caller holds the change lock).
+/// Applies `change` here and publishes the result (the caller holds the change lock). The
+/// change is made again on top of each newer version another replica stored meanwhile, so
+/// what it did not touch is never written back as it was.
 pub(super) async fn publish(
     state: &AppState,
     redis: &RedisTier,
-    doc: PolicyDocument,
+    change: &(dyn Fn(&Policies) -> anyhow::Result<PolicyDocument> + Send + Sync),
 ) -> anyhow::Result<Applied> {
     let semantic_loaded = state.embedder.is_some();
     let mut known = 0;
-    for attempt in 1..=ATTEMPTS {
+    for _ in 0..ATTEMPTS {
         let current = state.policies.load_full();
-        let mut next = current.next(doc.clone(), semantic_loaded)?;
+        let mut next = current.next(change(&current)?, semantic_loaded)?;
         known = known.max(current.shared);
-        let base = (attempt < ATTEMPTS).then_some(known);
         let published = match encode(&next) {
             Ok(bytes) => redis
-                .publish_policies(base, current.version, &bytes)
+                .publish_policies(Some(known), current.version, &bytes)
                 .await
                 .map_err(anyhow::Error::from),
             Err(e) => Err(e.into()),
@@ -69,13 +69,15 @@ pub(super) async fn publish(
                     newer,
                     "policies: another replica shared a newer version; applying it first"
                 );
-                adopt(state, redis).await;
-                known = newer;
+                // Only a version applied here may be built on; otherwise the next attempt is
+                // refused again rather than overwriting what it could not read.
+                if adopt(state, redis).await {
+                    known = known.max(state.policies.load().shared);
+                }
             }
             Err(e) => return Ok(keep_here(state, next, &e)),
         }
     }
-    // The last attempt publishes regardless of what is stored.
     anyhow::bail!("policies kept changing on other replicas; try again")
 }
 
