@@ -18,8 +18,9 @@
 //!
 //! A publication builds on the newest shared version this replica knows. If another replica
 //! stored a newer one meanwhile, that one is applied here first and the change is made again
-//! on top of it (the last attempt publishes regardless), so two concurrent changes to different
-//! sections both hold, and every replica ends on the same, last version. When Redis cannot be
+//! on top of it (at most three times; a replica that cannot apply the shared version is
+//! refused rather than publishing over it), so two concurrent changes to different sections
+//! both hold, and every replica ends on the same, last version. When Redis cannot be
 //! reached the change holds on this replica only (`"shared": false`), under a version number of
 //! its own, until the next shared version replaces it.
 
