@@ -267,6 +267,10 @@ pub struct ServerConfig {
     /// Serve `/admin/*` only on this address (e.g. a private interface), not on `listen`
     /// (absent: on `listen`, behind the admin token).
     pub admin_listen: Option<SocketAddr>,
+    /// An environment variable holding a secret every replica shares: policy versions shared
+    /// through Redis are then signed with it, and one not signed with it is refused (unset:
+    /// shared versions are as trustworthy as whoever can write to Redis).
+    pub policy_key_env: Option<String>,
 }
 
 /// Upper bound of the server timeouts (one year).
@@ -282,6 +286,7 @@ impl Default for ServerConfig {
             token_timeout_secs: 60.0,
             admin_token_env: None,
             admin_listen: None,
+            policy_key_env: None,
         }
     }
 }

@@ -60,6 +60,8 @@ pub struct AppState {
     pub policies: ArcSwap<Policies>,
     /// Serialises policy changes, local and shared (held while a change is published).
     pub policy_change: tokio::sync::Mutex<()>,
+    /// The secret that signs policy versions shared through Redis (`server.policy_key_env`).
+    pub(crate) policy_key: Option<crate::policy::PolicyKey>,
     /// Checks of semantic hits in the background (`semantic.verify_hits`).
     pub(crate) verifier: crate::verify::Verifier,
     /// Verdicts on answers matched by meaning, per tenant: the learned thresholds.
@@ -136,6 +138,19 @@ impl AppState {
         }
         let responses = crate::feedback::Responses::new(&config.feedback);
         let verifier = crate::verify::Verifier::new(&config.semantic);
+        let policy_key = match &config.server.policy_key_env {
+            Some(var) => {
+                let secret = std::env::var(var).with_context(|| {
+                    format!("server.policy_key_env names `{var}`, which is not set")
+                })?;
+                anyhow::ensure!(
+                    !secret.is_empty(),
+                    "server.policy_key_env: `{var}` is empty"
+                );
+                Some(crate::policy::PolicyKey::new(&secret))
+            }
+            None => None,
+        };
         Ok(Arc::new(AppState {
             config,
             backend,
@@ -155,6 +170,7 @@ impl AppState {
             responses,
             bounds: Default::default(),
             verifier,
+            policy_key,
             rebuilds: Default::default(),
             ready: AtomicBool::new(true),
         }))

@@ -23,7 +23,7 @@ use crate::auth::Tenants;
 use crate::config::{AuthConfig, Config, TenantConfig};
 use crate::state::AppState;
 
-pub use share::sync;
+pub use share::{sync, PolicyKey};
 
 /// The live policies.
 pub struct Policies {

@@ -47,7 +47,7 @@ pub(super) async fn publish(
         let current = state.policies.load_full();
         let mut next = current.next(change(&current)?, semantic_loaded)?;
         known = known.max(current.shared);
-        let published = match encode(&next) {
+        let published = match encode(&next, state.policy_key.as_ref()) {
             Ok(bytes) => redis
                 .publish_policies(Some(known), current.version, &bytes)
                 .await
@@ -119,7 +119,8 @@ async fn adopt(state: &AppState, redis: &RedisTier) -> bool {
         }
     };
     let current = state.policies.load_full();
-    match next_shared(&current, &stored, state.embedder.is_some()) {
+    let key = state.policy_key.as_ref();
+    match next_shared(&current, &stored, state.embedder.is_some(), key) {
         None => {}
         Some(Ok(next)) => {
             let version = install(state, next);
@@ -144,11 +145,12 @@ fn next_shared(
     current: &Policies,
     stored: &SharedPolicies,
     semantic_loaded: bool,
+    key: Option<&PolicyKey>,
 ) -> Option<anyhow::Result<Policies>> {
     if stored.version <= current.shared {
         return None;
     }
-    let next = decode(&stored.doc).and_then(|doc| current.next(doc, semantic_loaded));
+    let next = decode(&stored.doc, key).and_then(|doc| current.next(doc, semantic_loaded));
     Some(next.map(|mut next| {
         next.version = stored.version;
         next.shared = stored.version;
@@ -156,16 +158,59 @@ fn next_shared(
     }))
 }
 
-/// The document every replica applies to run `policies`: its policy sections, keys as digests.
-fn encode(policies: &Policies) -> serde_json::Result<Vec<u8>> {
-    serde_json::to_vec(&without_plain_keys(PolicyDocument::of_config(
-        &policies.config,
-    )))
+/// The secret that signs shared policy versions (`server.policy_key_env`).
+pub struct PolicyKey([u8; 32]);
+
+impl PolicyKey {
+    /// The key derived from a shared secret.
+    pub fn new(secret: &str) -> PolicyKey {
+        PolicyKey(blake3::derive_key(
+            "reprise shared policies v1",
+            secret.as_bytes(),
+        ))
+    }
+
+    fn sign(&self, doc: &[u8]) -> blake3::Hash {
+        blake3::keyed_hash(&self.0, doc)
+    }
 }
 
-/// A document read from Redis.
-fn decode(bytes: &[u8]) -> anyhow::Result<PolicyDocument> {
-    serde_json::from_slice(bytes)
+/// Prefix of a signed document: `mac:<64 hex digits>\n`, then the JSON.
+const MAC_PREFIX: &[u8] = b"mac:";
+const MAC_LEN: usize = 4 + 64 + 1;
+
+/// The document every replica applies to run `policies`: its policy sections, keys as
+/// digests; signed when a key is configured.
+fn encode(policies: &Policies, key: Option<&PolicyKey>) -> serde_json::Result<Vec<u8>> {
+    let doc = serde_json::to_vec(&without_plain_keys(PolicyDocument::of_config(
+        &policies.config,
+    )))?;
+    Ok(match key {
+        Some(k) => {
+            let mut out = format!("mac:{}\n", k.sign(&doc).to_hex()).into_bytes();
+            out.extend_from_slice(&doc);
+            out
+        }
+        None => doc,
+    })
+}
+
+/// A document read from Redis; with a key, only one signed with it.
+fn decode(bytes: &[u8], key: Option<&PolicyKey>) -> anyhow::Result<PolicyDocument> {
+    let signed = bytes.starts_with(MAC_PREFIX) && bytes.len() >= MAC_LEN;
+    let doc = if signed { &bytes[MAC_LEN..] } else { bytes };
+    if let Some(k) = key {
+        let mac = signed
+            .then(|| std::str::from_utf8(&bytes[4..MAC_LEN - 1]).ok())
+            .flatten()
+            .and_then(|hex| blake3::Hash::from_hex(hex).ok());
+        // blake3's Hash compares in constant time.
+        anyhow::ensure!(
+            mac == Some(k.sign(doc)),
+            "the shared policy document is not signed with this replica's policy key"
+        );
+    }
+    serde_json::from_slice(doc)
         .map_err(|e| anyhow::anyhow!("the shared policy document does not decode: {e}"))
 }
 
@@ -222,7 +267,7 @@ mod tests {
         let mut c = config();
         c.tenants = vec![t];
         let running = Policies::from_config(&c, 1).unwrap();
-        let bytes = encode(&running).unwrap();
+        let bytes = encode(&running, None).unwrap();
         let text = String::from_utf8(bytes.clone()).unwrap();
         assert!(
             !text.contains("sk-one") && !text.contains("sk-two"),
@@ -238,7 +283,7 @@ mod tests {
             version: 2,
             doc: bytes,
         };
-        let next = next_shared(&fresh, &stored, false).unwrap().unwrap();
+        let next = next_shared(&fresh, &stored, false, None).unwrap().unwrap();
         for key in ["sk-one", "sk-two"] {
             let who = next.tenants.identify(&bearer(key)).unwrap();
             assert_eq!(who.name(), "acme", "{key}");
@@ -251,21 +296,25 @@ mod tests {
         c.semantic.threshold = 0.5;
         let stored = |version| SharedPolicies {
             version,
-            doc: encode(&Policies::from_config(&c, 1).unwrap()).unwrap(),
+            doc: encode(&Policies::from_config(&c, 1).unwrap(), None).unwrap(),
         };
         // A replica at start (version 1, nothing shared yet) takes any shared version, and
         // then runs under its number.
         let start = Policies::from_config(&config(), 1).unwrap();
-        let v4 = next_shared(&start, &stored(4), false).unwrap().unwrap();
+        let v4 = next_shared(&start, &stored(4), false, None)
+            .unwrap()
+            .unwrap();
         assert_eq!((v4.version, v4.shared), (4, 4));
         assert_eq!(v4.semantic.threshold, 0.5);
-        assert!(next_shared(&v4, &stored(4), false).is_none());
-        assert!(next_shared(&v4, &stored(3), false).is_none());
+        assert!(next_shared(&v4, &stored(4), false, None).is_none());
+        assert!(next_shared(&v4, &stored(3), false, None).is_none());
         // A change made here only (Redis down) counts locally, but the next shared version
         // replaces it.
         let local = v4.next(PolicyDocument::default(), false).unwrap();
         assert_eq!((local.version, local.shared), (5, 4));
-        let v5 = next_shared(&local, &stored(5), false).unwrap().unwrap();
+        let v5 = next_shared(&local, &stored(5), false, None)
+            .unwrap()
+            .unwrap();
         assert_eq!((v5.version, v5.shared), (5, 5));
         // Not valid here: refused with the reason.
         let missing_var = SharedPolicies {
@@ -276,7 +325,7 @@ mod tests {
             })
             .unwrap(),
         };
-        let err = next_shared(&v5, &missing_var, false)
+        let err = next_shared(&v5, &missing_var, false, None)
             .unwrap()
             .err()
             .unwrap();
@@ -288,6 +337,26 @@ mod tests {
             version: 7,
             doc: b"{\"semantic\": 3}".to_vec(),
         };
-        assert!(next_shared(&v5, &garbage, false).unwrap().is_err());
+        assert!(next_shared(&v5, &garbage, false, None).unwrap().is_err());
+    }
+
+    #[test]
+    fn with_a_policy_key_only_documents_signed_with_it_are_taken() {
+        let running = Policies::from_config(&config(), 1).unwrap();
+        let key = PolicyKey::new("shared secret");
+        let signed = encode(&running, Some(&key)).unwrap();
+        assert!(signed.starts_with(b"mac:"));
+        assert!(decode(&signed, Some(&key)).is_ok());
+        // Unsigned, signed with another key, or altered: refused.
+        let plain = encode(&running, None).unwrap();
+        assert!(decode(&plain, Some(&key)).is_err());
+        let other = encode(&running, Some(&PolicyKey::new("another"))).unwrap();
+        assert!(decode(&other, Some(&key)).is_err());
+        let mut altered = signed.clone();
+        let last = altered.len() - 2;
+        altered[last] ^= 1;
+        assert!(decode(&altered, Some(&key)).is_err());
+        // Without a key of its own a replica reads either.
+        assert!(decode(&signed, None).is_ok() && decode(&plain, None).is_ok());
     }
 }
