@@ -215,14 +215,31 @@ impl MemoryTier {
             return;
         }
         let id = entry.id;
+        let namespace = entry.namespace.clone();
         self.entries.insert(id, entry).await;
         self.keys.insert(key, id).await;
+        self.recheck(id, &namespace).await;
     }
 
     /// Stores an entry without a key (it is reached by id, e.g. through the semantic index).
     pub async fn insert_entry(&self, entry: Arc<Entry>) {
         if self.admit(&entry, None).await {
-            self.entries.insert(entry.id, entry).await;
+            let (id, namespace) = (entry.id, entry.namespace.clone());
+            self.entries.insert(id, entry).await;
+            self.recheck(id, &namespace).await;
+        }
+    }
+
+    /// After an insert: an entry its pool evicted between being recorded and entering the
+    /// tier (another write of the pool settled that eviction first) leaves now, so nothing
+    /// stays in the tier unrecorded.
+    async fn recheck(&self, id: EntryId, namespace: &str) {
+        let evicted = match &*self.ledgers.load() {
+            Some(ledgers) => !ledgers.of(namespace).holds(id),
+            None => false,
+        };
+        if evicted {
+            self.entries.invalidate(&id).await;
         }
     }
 
