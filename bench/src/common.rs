@@ -21,8 +21,9 @@ pub use reprise::harness::{
     build_replica, load_embedder, sse_data, sse_text, start_app, start_configured, start_redis,
     start_replica, Server,
 };
-pub use reprise::headers::{CACHE_HEADER, DEFAULT_NAMESPACE, NAMESPACE_HEADER};
+pub use reprise::headers::{CACHE_HEADER, DEFAULT_NAMESPACE, NAMESPACE_HEADER, SIMILARITY_HEADER};
 pub use reprise::prefetch::{PrefetchConfig, PrefetchStats, Prefetcher};
+pub use reprise_policies::bound::Learned;
 
 /// The semantic index of a server, when its semantic tier is on.
 pub fn semantic_index(state: &AppState) -> Option<Arc<SemanticIndex>> {
@@ -37,6 +38,15 @@ pub fn store(state: &AppState) -> &Store {
 /// The Redis tier (L2) of a server, when it has one.
 pub fn redis_tier(state: &AppState) -> Option<&RedisTier> {
     state.store.redis()
+}
+
+/// The threshold the anonymous tenant of a server is served at under `delta` (the learned
+/// one, from the verdicts the server holds now).
+pub fn learned_threshold(state: &AppState, delta: f64) -> Learned {
+    let s = &state.config.semantic;
+    state
+        .bounds
+        .threshold("", delta, s.threshold, s.min_threshold)
 }
 
 /// How many index rebuilds from Redis a replica has finished.

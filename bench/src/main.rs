@@ -30,7 +30,8 @@ enum Mode {
     /// upstream directly.
     Proxy(proxy::ProxyArgs),
     /// Semantic hit quality on labelled pairs: store side A through the HTTP path, ask side B,
-    /// report hit rate on true pairs and false hits, over thresholds, with and without the gate.
+    /// report hit rate on true pairs and false hits, over thresholds, with and without the gate;
+    /// with --online, the learned thresholds on the pairs sent as traffic.
     Quality(quality::QualityArgs),
     /// The llama backend through reprise's HTTP API against a bare llama.cpp decode loop
     /// (tokens/s, time to first token), and aggregate throughput at 1, 2, 4, 8 streams.

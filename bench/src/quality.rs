@@ -16,6 +16,12 @@
 //! `--pairwise` measures each pair on its own instead: pair i's A is stored and its B asked in
 //! namespace `pair-i`, so B can only hit its own A and every hit is judged by the pair's own
 //! label (other pairs' unlabelled texts play no part).
+//!
+//! `--online` ([`online`]) measures the learned thresholds (`semantic.delta`) instead: the
+//! pairs as a stream of traffic, verdicts from the labels, each bound side by side with the
+//! static policy.
+
+mod online;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -48,6 +54,19 @@ pub struct QualityArgs {
     /// label alone) instead of every stored A.
     #[arg(long)]
     pairwise: bool,
+    /// Measure the learned thresholds (`semantic.delta`) instead: the pairs as a stream of
+    /// traffic with verdicts from the labels, each delta side by side with the static policy.
+    #[arg(long)]
+    online: bool,
+    /// With --online: seed of the stream's order and of the scripted replies.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// With --online: share of semantic hits given a verdict (`POST /v1/feedback`).
+    #[arg(long, default_value_t = 0.1)]
+    feedback_share: f64,
+    /// With --online: the bounds measured (`semantic.delta`), each on its own server.
+    #[arg(long, value_delimiter = ',', default_value = "0.01,0.02,0.05")]
+    deltas: Vec<f64>,
 }
 
 /// One labelled pair.
@@ -278,6 +297,9 @@ impl Point {
 
 /// Runs the quality benchmark.
 pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
+    if a.online {
+        return online::run(a).await;
+    }
     let mut config = Config::load(a.config.as_deref())?;
     config.semantic.enabled = true;
     config.cache.enabled = true;
