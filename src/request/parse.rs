@@ -120,7 +120,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                 ));
             }
             if let Some(found) = chat_forward_field(&r) {
-                let max_tokens = r.max_completion_tokens.or(r.max_tokens);
+                // Both fields go upstream as they are: the larger is what may be spent.
+                let max_tokens = r.max_completion_tokens.max(r.max_tokens);
                 return Ok(Request::Forward(Forward::new(
                     r.model, r.stream, found, max_tokens, r.n,
                 )));
@@ -168,12 +169,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
             if let Some(found) = completion_forward_field(&r) {
+                let answers = completion_answers(&r);
                 return Ok(Request::Forward(Forward::new(
                     r.model,
                     r.stream,
                     found,
                     r.max_tokens,
-                    r.n,
+                    Some(answers),
                 )));
             }
             let prompt = match r.prompt {
@@ -235,6 +237,23 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         include_usage,
         user,
     }))
+}
+
+/// How many answers a completions request asks the upstream to generate: `max(n, best_of)`
+/// for each of its prompts.
+fn completion_answers(r: &CompletionRequest) -> u32 {
+    let best_of = r
+        .extra
+        .get("best_of")
+        .and_then(serde_json::Value::as_u64)
+        .map_or(1, |b| u32::try_from(b).unwrap_or(u32::MAX));
+    let prompts = match &r.prompt {
+        Prompt::Many(v) => v.len(),
+        Prompt::Tokens(crate::openai::TokenPrompt::Many(v)) => v.len(),
+        _ => 1,
+    };
+    let per_prompt = r.n.unwrap_or(1).max(best_of).max(1);
+    per_prompt.saturating_mul(u32::try_from(prompts.max(1)).unwrap_or(u32::MAX))
 }
 
 #[cfg(test)]
@@ -355,5 +374,38 @@ mod tests {
             panic!("chat input");
         };
         assert_eq!(msgs[0].name.as_deref(), Some("alice"));
+    }
+
+    #[test]
+    fn forwards_count_every_answer_and_the_larger_max_tokens() {
+        let forward = |endpoint, body: Value| match parse(endpoint, body.to_string().as_bytes()) {
+            Ok(Request::Forward(f)) => (f.answers, f.max_tokens),
+            _ => panic!("not forwarded: {body}"),
+        };
+        let prompt = |p: Value, extra: Value| {
+            let mut b = json!({"model": "m", "prompt": p, "max_tokens": 10});
+            b.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            b
+        };
+        assert_eq!(
+            forward(
+                Endpoint::Completion,
+                prompt(json!(["a", "b", "c"]), json!({"n": 2}))
+            ),
+            (6, Some(10))
+        );
+        assert_eq!(
+            forward(
+                Endpoint::Completion,
+                prompt(json!("a"), json!({"best_of": 4, "n": 2}))
+            ),
+            (4, Some(10))
+        );
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "max_completion_tokens": 5, "max_tokens": 900});
+        assert_eq!(forward(Endpoint::Chat, chat), (1, Some(900)));
     }
 }
