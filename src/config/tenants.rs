@@ -1,0 +1,365 @@
+//! `[auth]` and `[[tenants]]`: API keys, each tenant's policy and its candidate policy, and
+//! their validation.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::{invalid, Config, ConfigError};
+
+/// `[auth]`
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// `/v1` answers 401 (`invalid_api_key`) to a request without a known key. Off: a request
+    /// with no key or an unknown one is served as the anonymous tenant, which shares nothing
+    /// with the configured tenants. Needs at least one `[[tenants]]`.
+    pub required: bool,
+}
+
+/// `[[tenants]]`: one application (or customer) and the API keys that name it. The tenant of
+/// a request comes from its key (`Authorization: Bearer <key>`), never from a header; every
+/// cached answer, conversation link and learned follow-up belongs to one tenant.
+///
+/// Serialised only into the policy document shared through Redis, whose keys are digests by
+/// then (`crate::policy`).
+#[derive(Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Name (1 to 64 letters, digits, `-`, `_`, `.`); unique.
+    pub name: String,
+    /// Its API keys: the key itself, or `sha256:<64 hex digits>` of it (so the file holds no
+    /// secret).
+    #[serde(default)]
+    pub api_keys: Vec<String>,
+    /// An environment variable holding more keys, comma-separated (same forms).
+    #[serde(default)]
+    pub api_keys_env: Option<String>,
+    /// A file holding more keys, one per line (same forms; blank lines and `#` comments
+    /// skipped).
+    #[serde(default)]
+    pub api_keys_file: Option<PathBuf>,
+    /// Whether `x-reprise-namespace` may pick a sub-namespace inside this tenant (off: such a
+    /// request gets 403).
+    #[serde(default = "yes")]
+    pub sub_namespaces: bool,
+    /// An environment variable holding this tenant's admin token: `/admin` calls with it
+    /// reach only this tenant's entries, namespaces and tags (and explain as this tenant).
+    #[serde(default)]
+    pub admin_token_env: Option<String>,
+    /// What the tenant may do and how its answers are cached.
+    #[serde(default)]
+    pub policy: TenantPolicy,
+    /// A candidate lookup policy tried beside the running one (`[tenants.candidate]`).
+    #[serde(default)]
+    pub candidate: Option<CandidateConfig>,
+}
+
+/// How a candidate policy is tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CandidateMode {
+    /// Every request is also looked up under the candidate; what is served does not change.
+    Shadow,
+    /// `percent` of the requests are served under the candidate, and compared with the rest.
+    Canary,
+}
+
+/// `[tenants.candidate]`: a candidate of the tenant's lookup policy (its semantic rules),
+/// tried in shadow or canary mode. Everything else of the tenant's policy stays.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CandidateConfig {
+    /// `shadow` or `canary`.
+    pub mode: CandidateMode,
+    /// The candidate's semantic rules, in place of `policy.semantic_rules` (same form; a rule
+    /// without selectors applies to every namespace and model of the tenant).
+    #[serde(default)]
+    pub semantic_rules: Vec<reprise_policies::semantic::Rule>,
+    /// Canary: the share of requests served under the candidate, in percent (0, 100).
+    #[serde(default = "CandidateConfig::default_percent")]
+    pub percent: f64,
+    /// Canary: requests each side must have answered before the candidate is judged.
+    #[serde(default = "CandidateConfig::default_min_requests")]
+    pub min_requests: u64,
+    /// Canary: rolled back when its error rate exceeds the rest's by more than this (0.02:
+    /// two points).
+    #[serde(default = "CandidateConfig::default_max_error_rate_increase")]
+    pub max_error_rate_increase: f64,
+    /// Canary: rolled back when its P95 latency exceeds the rest's by more than this factor.
+    #[serde(default = "CandidateConfig::default_max_latency_ratio")]
+    pub max_latency_ratio: f64,
+    /// Canary: rolled back when its hit rate falls below this share of the rest's (0: not
+    /// judged).
+    #[serde(default)]
+    pub min_hit_rate_ratio: f64,
+    /// Canary: rolled back when the share of its hits reported wrong (`POST /v1/feedback`)
+    /// exceeds the rest's by more than this.
+    #[serde(default = "CandidateConfig::default_max_error_rate_increase")]
+    pub max_wrong_hit_rate_increase: f64,
+}
+
+impl CandidateConfig {
+    fn default_percent() -> f64 {
+        10.0
+    }
+    fn default_min_requests() -> u64 {
+        100
+    }
+    fn default_max_error_rate_increase() -> f64 {
+        0.02
+    }
+    fn default_max_latency_ratio() -> f64 {
+        1.5
+    }
+}
+
+/// `[tenants.policy]`: one tenant's overrides of the global policy.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantPolicy {
+    /// Read-only: its requests are answered from the cache or generated, never stored.
+    pub read_only: bool,
+    /// Models it may ask for (empty: every model served); others get 404 `model_not_found`.
+    pub models: Vec<String>,
+    /// Largest `max_tokens` it may ask for; a request without one gets this (0: no cap). A
+    /// larger request gets 400.
+    pub max_tokens: u32,
+    /// Lifetime of the answers it stores, in seconds, at most `cache.ttl_secs` (absent:
+    /// `cache.ttl_secs`).
+    pub ttl_secs: Option<u64>,
+    /// Client controls it may use: any of `no-cache`, `no-store`, `only-if-cached`,
+    /// `max-age`, `threshold` (`x-reprise-threshold`), `tags` (`x-reprise-tags`). Using
+    /// another gets 403.
+    pub controls: Vec<String>,
+    /// Requests per minute (0: unlimited); beyond it 429 with `Retry-After`.
+    pub requests_per_minute: u32,
+    /// Tokens per minute its misses may ask the backend for (0: unlimited): each request
+    /// that goes to the backend is charged its `max_tokens` (or `backend.default_max_tokens`)
+    /// up front; beyond the budget 429 with `Retry-After`, and a request larger than a whole
+    /// minute's budget 400. Cache hits cost nothing.
+    pub tokens_per_minute: u32,
+    /// Semantic overrides for this tenant, before the global `[[semantic.rules]]`: the first
+    /// rule whose `namespace` (inside the tenant) and `model` match sets `enabled`,
+    /// `threshold`, `top_k`, `gate`.
+    pub semantic_rules: Vec<reprise_policies::semantic::Rule>,
+    /// Its share of the memory tier (`cache.memory_bytes`), in (0, 1]: its entries and keys
+    /// are held within that share, so its flood evicts only its own entries. Tenants without
+    /// a share (and the anonymous tenant) share what the others leave. The shares of all
+    /// tenants add up to at most 1.
+    pub memory_share: Option<f64>,
+    /// Its share of the prefetch budgets (`prefetch.max_tokens_per_minute`,
+    /// `prefetch.max_backend_share`) and of the prefetch queue, in (0, 1]; tenants without
+    /// one share what the others leave. The shares add up to at most 1.
+    pub prefetch_share: Option<f64>,
+    /// Its bound on the share of wrong semantic hits, in place of `semantic.delta`.
+    pub delta: Option<f64>,
+}
+
+/// The client controls a tenant may be allowed.
+pub const CLIENT_CONTROLS: &[&str] = &[
+    "no-cache",
+    "no-store",
+    "only-if-cached",
+    "max-age",
+    "threshold",
+    "tags",
+];
+
+impl Default for TenantPolicy {
+    fn default() -> Self {
+        TenantPolicy {
+            read_only: false,
+            models: Vec::new(),
+            max_tokens: 0,
+            ttl_secs: None,
+            controls: CLIENT_CONTROLS.iter().map(|c| c.to_string()).collect(),
+            requests_per_minute: 0,
+            tokens_per_minute: 0,
+            semantic_rules: Vec::new(),
+            memory_share: None,
+            prefetch_share: None,
+            delta: None,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl std::fmt::Debug for TenantConfig {
+    // Keys are secrets: never in Debug output or logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TenantConfig")
+            .field("name", &self.name)
+            .field(
+                "api_keys",
+                &format_args!("[{} redacted]", self.api_keys.len()),
+            )
+            .field("api_keys_env", &self.api_keys_env)
+            .field("api_keys_file", &self.api_keys_file)
+            .field("sub_namespaces", &self.sub_namespaces)
+            .field("admin_token_env", &self.admin_token_env)
+            .field("policy", &self.policy)
+            .field("candidate", &self.candidate)
+            .finish()
+    }
+}
+
+/// Validates `[auth]` and `[[tenants]]` (names, controls, lifetimes, rules, keys, candidates,
+/// shares) against the rest of `config`.
+pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
+    if config.auth.required && config.tenants.is_empty() {
+        return Err(invalid(
+            "auth.required",
+            "needs at least one [[tenants]] entry with API keys",
+        ));
+    }
+    let mut names = std::collections::HashSet::new();
+    for t in &config.tenants {
+        let ok = (1..=64).contains(&t.name.len())
+            && t.name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !ok {
+            return Err(invalid(
+                "tenants.name",
+                format!(
+                    "`{}`: 1 to 64 letters, digits, `-`, `_` or `.`",
+                    t.name.escape_debug()
+                ),
+            ));
+        }
+        if !names.insert(t.name.as_str()) {
+            return Err(invalid("tenants.name", format!("`{}` twice", t.name)));
+        }
+        if let Some(c) = t
+            .policy
+            .controls
+            .iter()
+            .find(|c| !CLIENT_CONTROLS.contains(&c.as_str()))
+        {
+            return Err(invalid(
+                "tenants.policy.controls",
+                format!("tenant `{}`: unknown control `{c}`", t.name),
+            ));
+        }
+        if t.policy
+            .ttl_secs
+            .is_some_and(|ttl| ttl == 0 || ttl > config.cache.ttl_secs)
+        {
+            // Keys live at most cache.ttl_secs in memory: a longer lifetime would leave
+            // answers no key leads to.
+            return Err(invalid(
+                "tenants.policy.ttl_secs",
+                "must be positive and at most cache.ttl_secs",
+            ));
+        }
+        for r in &t.policy.semantic_rules {
+            if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
+                return Err(invalid(
+                    "tenants.policy.semantic_rules.threshold",
+                    "must be in (0, 1]",
+                ));
+            }
+        }
+        if let Some(c) = &t.candidate {
+            let bad = |key, reason: &str| invalid(key, format!("tenant `{}`: {reason}", t.name));
+            if c.mode == CandidateMode::Canary && !(c.percent > 0.0 && c.percent < 100.0) {
+                return Err(bad("tenants.candidate.percent", "must be in (0, 100)"));
+            }
+            if c.min_requests == 0 {
+                return Err(bad("tenants.candidate.min_requests", "must be positive"));
+            }
+            if !(c.max_error_rate_increase >= 0.0 && c.max_error_rate_increase <= 1.0) {
+                return Err(bad(
+                    "tenants.candidate.max_error_rate_increase",
+                    "must be in [0, 1]",
+                ));
+            }
+            if !(c.max_latency_ratio >= 1.0 && c.max_latency_ratio.is_finite()) {
+                return Err(bad(
+                    "tenants.candidate.max_latency_ratio",
+                    "must be at least 1",
+                ));
+            }
+            if !(0.0..=1.0).contains(&c.max_wrong_hit_rate_increase) {
+                return Err(bad(
+                    "tenants.candidate.max_wrong_hit_rate_increase",
+                    "must be in [0, 1]",
+                ));
+            }
+            if !(0.0..=1.0).contains(&c.min_hit_rate_ratio) {
+                return Err(bad(
+                    "tenants.candidate.min_hit_rate_ratio",
+                    "must be in [0, 1]",
+                ));
+            }
+            if c.semantic_rules
+                .iter()
+                .any(|r| r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)))
+            {
+                return Err(bad(
+                    "tenants.candidate.semantic_rules.threshold",
+                    "must be in (0, 1]",
+                ));
+            }
+        }
+        for (key, share) in [
+            ("tenants.policy.memory_share", t.policy.memory_share),
+            ("tenants.policy.prefetch_share", t.policy.prefetch_share),
+        ] {
+            if share.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
+                return Err(invalid(
+                    key,
+                    format!("tenant `{}`: must be in (0, 1]", t.name),
+                ));
+            }
+        }
+        for k in &t.api_keys {
+            crate::auth::KeyDigest::parse(k)
+                .map_err(|e| invalid("tenants.api_keys", format!("tenant `{}`: {e}", t.name)))?;
+        }
+    }
+    for (key, sum) in [
+        (
+            "tenants.policy.memory_share",
+            config
+                .tenants
+                .iter()
+                .filter_map(|t| t.policy.memory_share)
+                .sum::<f64>(),
+        ),
+        (
+            "tenants.policy.prefetch_share",
+            config
+                .tenants
+                .iter()
+                .filter_map(|t| t.policy.prefetch_share)
+                .sum::<f64>(),
+        ),
+    ] {
+        // A little slack for shares like 0.1 written ten times.
+        if sum > 1.0 + 1e-9 {
+            return Err(invalid(
+                key,
+                format!("the tenants' shares add up to {sum}, above 1"),
+            ));
+        }
+        // Whole shares leave nothing to the tenants without one (the anonymous tenant
+        // included, when keys are not required): refused rather than caching nothing.
+        let someone_without = !config.auth.required
+            || config.tenants.iter().any(|t| match key {
+                "tenants.policy.memory_share" => t.policy.memory_share.is_none(),
+                _ => t.policy.prefetch_share.is_none(),
+            });
+        if sum > 1.0 - 1e-9 && someone_without {
+            return Err(invalid(
+                key,
+                "the shares add up to 1, leaving nothing to the tenants without one",
+            ));
+        }
+    }
+    Ok(())
+}
