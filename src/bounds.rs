@@ -10,13 +10,13 @@
 //! threshold fall: verdicts on served hits only ever speak of similarities already served.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use reprise_cache::EntryId;
 use reprise_policies::bound::{Evidence, Learned};
 
+use crate::share::ExactShare;
 use crate::state::AppState;
 
 /// Confidence of the bound: the wrong share is at most `delta` with probability 95 %.
@@ -50,15 +50,14 @@ impl Source {
 pub struct Bounds {
     evidence: Mutex<HashMap<String, Evidence>>,
     /// Near misses seen, for sampling.
-    near_misses: AtomicU64,
+    near_misses: ExactShare,
 }
 
 impl Bounds {
     /// Whether the next near miss is checked, for a `share` of them (every n-th, so the
     /// share is exact at any count).
     pub fn sample(&self, share: f64) -> bool {
-        let n = self.near_misses.fetch_add(1, Ordering::Relaxed) as f64;
-        ((n + 1.0) * share).floor() > (n * share).floor()
+        self.near_misses.take(share)
     }
 
     /// Records a verdict on a candidate of `tenant` found at `similarity`.

@@ -24,6 +24,7 @@ use serde_json::json;
 
 use crate::config::{CandidateConfig, CandidateMode};
 use crate::metrics::Outcome;
+use crate::share::ExactShare;
 
 /// Latencies kept per canary side for its P95.
 const LATENCY_SAMPLES: usize = 1024;
@@ -146,8 +147,8 @@ impl Side {
 /// A tenant's candidate and what was seen of it.
 pub struct Candidate {
     config: CandidateConfig,
-    /// Requests assigned so far (the canary's every-n-th count).
-    assigned: AtomicU64,
+    /// The canary's share of requests.
+    assigned: ExactShare,
     control: Mutex<Side>,
     candidate: Mutex<Side>,
     shadow: [AtomicU64; 5],
@@ -160,7 +161,7 @@ impl Candidate {
     pub fn new(config: CandidateConfig) -> Candidate {
         Candidate {
             config,
-            assigned: AtomicU64::new(0),
+            assigned: ExactShare::default(),
             control: Mutex::default(),
             candidate: Mutex::default(),
             shadow: Default::default(),
@@ -183,9 +184,7 @@ impl Candidate {
         match self.config.mode {
             CandidateMode::Shadow => Arm::Shadow,
             CandidateMode::Canary => {
-                let n = self.assigned.fetch_add(1, Ordering::Relaxed) as f64;
-                let p = self.config.percent / 100.0;
-                if ((n + 1.0) * p).floor() > (n * p).floor() {
+                if self.assigned.take(self.config.percent / 100.0) {
                     Arm::Candidate
                 } else {
                     Arm::Current

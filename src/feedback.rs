@@ -253,10 +253,6 @@ pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
 
 /// The question of a request looked up by meaning, to remember with its response.
 pub fn question(partition: Option<Digest>, text: &str) -> Option<(Digest, String)> {
-    let partition = partition?;
-    let mut end = text.len().min(MAX_QUESTION_BYTES);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    Some((partition, text[..end].to_string()))
+    let end = text.floor_char_boundary(MAX_QUESTION_BYTES);
+    Some((partition?, text[..end].to_string()))
 }

@@ -38,6 +38,7 @@ pub mod prefetch;
 mod replication;
 mod reqlog;
 pub mod request;
+mod share;
 pub mod snapshot;
 pub mod state;
 pub mod tasks;

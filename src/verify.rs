@@ -13,7 +13,6 @@
 //! question as well as its own (an answer other than yes or no is no verdict).
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -25,6 +24,7 @@ use tokio::sync::Semaphore;
 use crate::bounds::Source;
 use crate::config::{SemanticConfig, VerifyJudge};
 use crate::feedback::Served;
+use crate::share::ExactShare;
 use crate::state::AppState;
 
 /// Longest answer a check waits for, in tokens.
@@ -32,7 +32,7 @@ const MAX_CHECK_TOKENS: u32 = 512;
 
 /// The checks' budget and sampling.
 pub struct Verifier {
-    hits: AtomicU64,
+    hits: ExactShare,
     running: Arc<Semaphore>,
     tokens: Option<DefaultDirectRateLimiter>,
 }
@@ -52,7 +52,7 @@ impl Verifier {
     /// A verifier for `[semantic]`.
     pub fn new(cfg: &SemanticConfig) -> Verifier {
         Verifier {
-            hits: AtomicU64::new(0),
+            hits: ExactShare::default(),
             running: Arc::new(Semaphore::new(1)),
             tokens: NonZeroU32::new(cfg.verify_tokens_per_minute)
                 .map(|n| RateLimiter::direct(Quota::per_minute(n))),
@@ -69,11 +69,7 @@ pub fn offer(
     entry: &Arc<Entry>,
     similarity: f32,
 ) -> Offer {
-    let cfg = &state.config.semantic;
-    let v = &state.verifier;
-    let n = v.hits.fetch_add(1, Ordering::Relaxed) as f64;
-    let share = cfg.verify_hits;
-    if ((n + 1.0) * share).floor() <= (n * share).floor() {
+    if !state.verifier.hits.take(state.config.semantic.verify_hits) {
         return Offer::NotSampled;
     }
     let outcome = start(state, served, req, entry, similarity);
