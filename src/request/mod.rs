@@ -132,7 +132,11 @@ async fn serve(
         session,
         prev_entry: found.prev_entry,
     });
-    let question = feedback::question(found.plan.partition, found.plan.read());
+    // Copied only when something will read it (feedback, checks of hits).
+    let wanted = state.config.feedback.enabled || state.config.semantic.verify_hits > 0.0;
+    let question = wanted
+        .then(|| feedback::question(found.plan.partition, found.plan.read()))
+        .flatten();
     let key = found.plan.exact;
     let served =
         |entry: Option<_>, outcome: Outcome, sim: Option<f32>, book: &Bookkeeping| Served {
