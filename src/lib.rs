@@ -91,6 +91,30 @@ fn serve_until_loaded(
     (loaded, server)
 }
 
+/// Awaits a server task that stops on `stop`, for at most `grace` once `stop` was
+/// cancelled; past that it is aborted (its connections are left to end with the process).
+async fn drain(
+    mut server: tokio::task::JoinHandle<std::io::Result<()>>,
+    stop: &tokio_util::sync::CancellationToken,
+    grace: std::time::Duration,
+) -> Result<std::io::Result<()>, tokio::task::JoinError> {
+    tokio::select! {
+        done = &mut server => return done,
+        _ = stop.cancelled() => {}
+    }
+    match tokio::time::timeout(grace, &mut server).await {
+        Ok(done) => done,
+        Err(_) => {
+            tracing::warn!(
+                seconds = grace.as_secs_f64(),
+                "open requests did not end within server.shutdown_timeout_secs; closing them"
+            );
+            server.abort();
+            Ok(Ok(()))
+        }
+    }
+}
+
 /// Logs to stderr for reprise's binaries (the server and the benchmarks): `RUST_LOG` picks
 /// what; by default info, with llama.cpp's and hnsw_rs's own logs (very chatty at info) at
 /// warnings only. Colour codes only for a terminal, not in files and log collectors.
@@ -210,9 +234,12 @@ pub async fn run_with(
         seconds = started.elapsed().as_secs_f64(),
         "ready: models loaded"
     );
-    let served = server.await;
+    // Open requests get `shutdown_timeout_secs` to end once the signal came; then `run`
+    // goes on (the remaining connections end with the process) to save what must survive.
+    let grace = state.config.server.shutdown_timeout();
+    let served = drain(server, &stop, grace).await;
     let admin_served = match admin_server {
-        Some((_, handle)) => Some(handle.await),
+        Some((_, handle)) => Some(drain(handle, &stop, grace).await),
         None => None,
     };
     tasks.stop(&state).await;

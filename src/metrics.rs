@@ -178,6 +178,10 @@ fn describe() {
         "Entries removed from memory for size or expiry."
     );
     describe_counter!(
+        "reprise_lookup_timeouts_total",
+        "Requests whose cache lookup ran past server.lookup_timeout_secs and went on as misses."
+    );
+    describe_counter!(
         "reprise_forwarded_total",
         "Requests sent upstream unchanged because the cache cannot represent them, by the field that required it (tools, n, logprobs, image parts, ...)."
     );
@@ -344,6 +348,11 @@ impl Metrics {
     pub fn canary_rollback(&self, tenant: &str) {
         metrics::counter!("reprise_canary_rollbacks_total", "tenant" => tenant.to_string())
             .increment(1);
+    }
+
+    /// Counts a lookup that ran out of time.
+    pub fn lookup_timeout(&self) {
+        metrics::counter!("reprise_lookup_timeouts_total").increment(1);
     }
 
     /// Counts a request sent upstream unchanged; `field` is one of a fixed set of names.

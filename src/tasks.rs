@@ -6,6 +6,9 @@
 //!   ([`crate::replication`]);
 //! - **index maintenance**: partitions with many tombstones rebuilt every
 //!   `semantic.maintain_interval_secs`;
+//! - **snapshots**: without them a crash would lose everything since the start; every
+//!   `cache.snapshot_interval_secs` the memory tier is saved to `cache.snapshot_path`
+//!   ([`crate::snapshot`], written aside and renamed over the last);
 //! - **policy reload**: on `SIGHUP`, the configuration file's policy sections
 //!   ([`crate::policy`]; with Redis, shared with the other replicas).
 //!
@@ -42,6 +45,11 @@ pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
     }
     if state.store.index().is_some() {
         start_maintenance(state, &tracker, stop.clone());
+    }
+    let cache = &state.config.cache;
+    if let (Some(path), 1..) = (cache.snapshot_path.clone(), cache.snapshot_interval_secs) {
+        let every = Duration::from_secs(cache.snapshot_interval_secs);
+        start_snapshots(state, path, every, &tracker, stop.clone());
     }
     if let Some(path) = state.config.source.clone() {
         start_reload_on_hangup(state, path, &tracker, stop.clone());
@@ -152,6 +160,38 @@ fn start_maintenance(state: &Arc<AppState>, tracker: &TaskTracker, stop: Cancell
                         "index maintenance"
                     );
                 }
+            }
+        }
+    });
+}
+
+/// Saves the memory tier to `path` every `every` (the first save one interval after the
+/// start), off the async workers; one save at a time, and the shutdown's own save comes after
+/// this task ended.
+fn start_snapshots(
+    state: &Arc<AppState>,
+    path: std::path::PathBuf,
+    every: Duration,
+    tracker: &TaskTracker,
+    stop: CancellationToken,
+) {
+    let weak = Arc::downgrade(state);
+    tracker.spawn(async move {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            let Some(state) = weak.upgrade() else { break };
+            let p = path.clone();
+            match tokio::task::spawn_blocking(move || crate::snapshot::save(&state, &p)).await {
+                Ok(Ok(c)) => tracing::debug!(entries = c.entries, keys = c.keys, "snapshot saved"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, path = %path.display(), "snapshot not saved")
+                }
+                Err(e) => tracing::warn!(error = %e, "snapshot task failed"),
             }
         }
     });

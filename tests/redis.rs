@@ -429,3 +429,123 @@ where
     }
     panic!("never answered 200");
 }
+
+/// A conversation whose earlier exchanges only Redis knows (another replica answered them)
+/// is resolved in a fixed number of round trips, not one or two per exchange, and to the
+/// same context: a paraphrase of its last question, asked on the other replica, is a
+/// semantic hit.
+#[tokio::test]
+async fn a_long_conversation_resolves_in_a_few_round_trips() {
+    let (rounds, gets) = conversation_across_replicas(32).await;
+    // The exact key, the raw links of all eight exchanges (ids, then entries), and a little
+    // room for the replication stream's reads; one by one they would take sixteen.
+    assert!(rounds <= 6, "{rounds} round trips");
+    assert!(gets <= 2 * 8 + 2, "{gets} GETs");
+}
+
+/// Only the first `cache.context_turns` exchanges are looked up; later ones join the context
+/// by their text, the same way on every replica (their hits are still shared).
+#[tokio::test]
+async fn exchanges_beyond_the_turn_cap_are_not_looked_up() {
+    let (rounds, gets) = conversation_across_replicas(3).await;
+    assert!(rounds <= 6, "{rounds} round trips");
+    // The exact key and three links (ids, then entries), not eight.
+    assert!(gets <= 2 * 3 + 2, "{gets} GETs");
+}
+
+/// Replica A answers a nine-question conversation; replica B is asked the last question
+/// reworded after the same eight exchanges (cache only). Returns B's round trips and the GET
+/// commands Redis ran for that lookup.
+async fn conversation_across_replicas(context_turns: usize) -> (u64, u64) {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let mut config = redis_config(redis.url());
+    // Nothing but the lookup writes or reads Redis during the measured request.
+    config.feedback.enabled = false;
+    config.cache.context_turns = context_turns;
+    let a = spawn_replica(config.clone(), Arc::new(backend.clone())).await;
+    let b = spawn_replica(config, Arc::new(backend.clone())).await;
+    let questions = [
+        "How do I reset my password?",
+        "What if I no longer have access to my email?",
+        "Can support verify my identity another way?",
+        "How long does the identity check take?",
+        "Will my saved payment methods be kept?",
+        "Can I turn on two-factor authentication afterwards?",
+        "Which authenticator apps are supported?",
+        "What happens if I lose my phone?",
+        "How do I download my backup codes?",
+    ];
+    let mut messages: Vec<Value> = Vec::new();
+    for q in questions {
+        messages.push(json!({"role": "user", "content": q}));
+        let r = a
+            .chat(&json!({"model": "fake", "messages": messages}), &[])
+            .await;
+        assert_eq!(cache_status(&r), "miss");
+        messages.push(json!({"role": "assistant", "content": content(r).await}));
+    }
+    // The last question again, reworded, after the same eight exchanges.
+    messages.pop();
+    messages.pop();
+    messages.push(json!({"role": "user", "content": "How can I get my backup codes?"}));
+    let body = json!({"model": "fake", "messages": messages});
+    let cached_only = [("cache-control", "only-if-cached")];
+    // Once B holds the entries (the replication stream), count B's round trips for one
+    // lookup of the conversation.
+    let tier = b.state.store.redis().unwrap();
+    for _ in 0..200 {
+        let (before, gets_before) = (tier.rounds(), get_calls(&redis));
+        let r = b.chat(&body, &cached_only).await;
+        if cache_status(&r) == "semantic" {
+            assert_eq!(backend.calls(), questions.len());
+            return (tier.rounds() - before, get_calls(&redis) - gets_before);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("B never served the paraphrase from the conversation");
+}
+
+/// GET commands the Redis server has run.
+fn get_calls(redis: &RedisServer) -> u64 {
+    let out = std::process::Command::new("redis-cli")
+        .args(["-p", &redis.port().to_string(), "INFO", "commandstats"])
+        .output()
+        .expect("redis-cli runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_get:calls="))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+/// A Redis that stops answering delays an answer by the lookup deadline, not by Redis's own
+/// (here, one-minute) command timeout: the request goes on as a miss.
+#[tokio::test]
+async fn a_stalled_redis_delays_answers_by_the_lookup_deadline_only() {
+    let mut redis = RedisServer::start();
+    let backend = scripted();
+    let mut config = redis_config(redis.url());
+    config.redis.timeout_ms = 60_000;
+    config.server.lookup_timeout_secs = 0.5;
+    config.feedback.enabled = false;
+    let a = spawn_replica(config, Arc::new(backend.clone())).await;
+    let r = a.chat(&chat_body("Is Redis reachable?"), &[]).await;
+    assert_eq!(cache_status(&r), "miss", "{:?}", r.text().await);
+    let port = redis.port().to_string();
+    let paused = std::process::Command::new("redis-cli")
+        .args(["-p", port.as_str(), "CLIENT", "PAUSE", "60000", "ALL"])
+        .status()
+        .expect("redis-cli runs");
+    assert!(paused.success());
+    let asked = chat_body("What is the capital of France?");
+    let answer = tokio::time::timeout(Duration::from_secs(30), a.chat(&asked, &[])).await;
+    // (A paused server does not take an UNPAUSE from a new connection either.)
+    redis.stop();
+    let r = answer.expect("the answer waited for Redis");
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(
+        content(r).await,
+        "You asked: What is the capital of France?"
+    );
+}

@@ -733,6 +733,7 @@ impl Backend for LlamaBackend {
             enqueued: Instant::now(),
             load: (req.priority == Priority::Interactive)
                 .then(|| LoadGuard::new(&self.shared.interactive_load)),
+            passed: 0,
         };
         self.shared.enqueue(job, self.max_queue)?;
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))

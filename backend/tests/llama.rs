@@ -305,6 +305,30 @@ async fn dropping_the_stream_frees_the_slot() {
     );
 }
 
+/// A request at the head of the line that waits for KV room does not hold back a smaller one
+/// behind it that fits a free slot now.
+#[tokio::test]
+async fn a_small_request_passes_one_waiting_for_kv_room() {
+    let backend = load(config(2, 8));
+    // Reserves about 1,230 of the 2,048 cells and keeps running.
+    let mut long = backend
+        .generate(completion(COUNTING, greedy(1200)))
+        .await
+        .expect("accepted");
+    first_delta(&mut long).await;
+    // Needs about 1,010 cells: it waits for the long one, with a slot free.
+    let big = backend
+        .generate(completion("Write a long story.", greedy(1000)))
+        .await
+        .expect("accepted");
+    let small = run(&backend, completion("The sky is", greedy(8))).await;
+    small.finished();
+    // The small one finished while the long one still runs (and the big one still waits).
+    let stats = backend.stats();
+    assert_eq!(stats.completed, 1, "{stats:?}");
+    drop((long, big));
+}
+
 #[tokio::test]
 async fn background_is_preempted_by_interactive() {
     let backend = load(config(1, 8));

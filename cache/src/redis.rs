@@ -33,6 +33,7 @@
 //! future envelope version) is skipped: the read is a miss, `reprise_redis_skipped_total`
 //! counts it.
 
+mod batch;
 mod breaker;
 mod config;
 mod conn;
@@ -135,6 +136,7 @@ impl RedisTier {
             metrics,
             dropped: AtomicU64::new(0),
             up: AtomicBool::new(false),
+            rounds: AtomicU64::new(0),
         });
         let (writes, rx) = mpsc::channel(cfg.write_queue.max(1));
         tokio::spawn(write_loop(shared.clone(), rx));
@@ -182,6 +184,12 @@ impl RedisTier {
             return Ok(None);
         };
         self.shared.get(Op::GetByKey, id).await
+    }
+
+    /// Operations this tier has sent to Redis (each one round trip: a command, or commands
+    /// sent together), for observing how many round trips a piece of work costs.
+    pub fn rounds(&self) -> u64 {
+        self.shared.rounds.load(Ordering::Relaxed)
     }
 
     /// An entry by id.

@@ -154,6 +154,42 @@ impl Store {
         (ByKey::Fresh(entry), probe)
     }
 
+    /// The fresh entries several keys lead to, in the order of `keys`: memory first, then
+    /// every key memory lacks from Redis in one batched read ([`RedisTier::get_many_by_key`]:
+    /// two rounds, not two per key), promoted like [`Store::find`]'s. Redis failing reads as
+    /// absent.
+    pub async fn find_many(
+        &self,
+        keys: &[Digest],
+        fresh: impl Fn(&Entry) -> bool,
+    ) -> Vec<Option<Arc<Entry>>> {
+        let mut out = Vec::with_capacity(keys.len());
+        let mut missing = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            let (hit, _) = sort(self.memory.get_by_key(key).await, &fresh);
+            if hit.is_none() {
+                missing.push(i);
+            }
+            out.push(hit);
+        }
+        let Some(redis) = self.redis.as_ref().filter(|_| !missing.is_empty()) else {
+            return out;
+        };
+        let asked: Vec<Digest> = missing.iter().map(|&i| keys[i]).collect();
+        let Ok(found) = redis.get_many_by_key(&asked).await else {
+            return out;
+        };
+        for (i, l2) in missing.into_iter().zip(found) {
+            let Some(l2) = l2.filter(|e| !e.refuses_key(&keys[i]) && fresh(e)) else {
+                continue;
+            };
+            let entry = self.install(l2).await;
+            self.memory.alias(keys[i], entry.id).await;
+            out[i] = Some(entry);
+        }
+        out
+    }
+
     /// An entry this replica holds in memory.
     pub async fn get(&self, id: EntryId) -> Option<Arc<Entry>> {
         self.memory.get(id).await

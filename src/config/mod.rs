@@ -58,8 +58,14 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest accepted request body in bytes; larger bodies get 413.
     pub max_body_bytes: usize,
-    /// Longest a non-streaming request may take end to end, in seconds (504 after that).
+    /// Longest a request may take, in seconds, counted from its arrival: a non-streaming
+    /// request end to end, a streaming one until its first token (504 after that).
     pub request_timeout_secs: f64,
+    /// Longest the cache lookup of a request may take (exact and semantic, the conversation's
+    /// turn links, embedding and the gate together), in seconds, within the request's time:
+    /// past it the request goes on as a miss (`reprise_lookup_timeouts_total`), so a slow
+    /// Redis or a long embedder queue delays an answer by at most this much.
+    pub lookup_timeout_secs: f64,
     /// Longest a request waits for its first token from the backend, in seconds (504 after
     /// that). Applies to streaming and non-streaming requests.
     pub first_token_timeout_secs: f64,
@@ -68,6 +74,10 @@ pub struct ServerConfig {
     /// non-streaming request gets 504. Background generations (prefetch, refresh) too. A
     /// forwarded stream (tools, ...) is cut off mid-body after such a gap between chunks.
     pub token_timeout_secs: f64,
+    /// On shutdown, longest the server waits for open requests (long streams included) to
+    /// end before closing them, in seconds; the snapshot and the Redis write queue are saved
+    /// after that either way.
+    pub shutdown_timeout_secs: f64,
     /// Name of the environment variable holding the admin token for `/admin/*` endpoints
     /// (unset: those endpoints answer 401 to everyone).
     pub admin_token_env: Option<String>,
@@ -89,8 +99,10 @@ impl Default for ServerConfig {
             listen: "127.0.0.1:8080".parse().expect("valid default address"),
             max_body_bytes: 4 * 1024 * 1024,
             request_timeout_secs: 300.0,
+            lookup_timeout_secs: 2.0,
             first_token_timeout_secs: 60.0,
             token_timeout_secs: 60.0,
+            shutdown_timeout_secs: 30.0,
             admin_token_env: None,
             admin_listen: None,
             policy_key_env: None,
@@ -103,9 +115,17 @@ impl ServerConfig {
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.request_timeout_secs)
     }
+    /// `lookup_timeout_secs` as a duration.
+    pub fn lookup_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.lookup_timeout_secs)
+    }
     /// `first_token_timeout_secs` as a duration.
     pub fn first_token_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.first_token_timeout_secs)
+    }
+    /// `shutdown_timeout_secs` as a duration.
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.shutdown_timeout_secs)
     }
     /// `token_timeout_secs` as a duration.
     pub fn token_timeout(&self) -> Duration {
@@ -242,6 +262,14 @@ pub struct CacheConfig {
     /// Without Redis: save the memory tier here on shutdown and load it at start, so a restart
     /// keeps the cache and the semantic index (off when absent).
     pub snapshot_path: Option<PathBuf>,
+    /// With `snapshot_path`: also save every this many seconds while running (written to a
+    /// temporary file, then renamed over the last), so a crash loses at most one interval.
+    /// 0 saves on shutdown only.
+    pub snapshot_interval_secs: u64,
+    /// Earlier exchanges of a conversation looked up by their turn links (so differently
+    /// worded turns that reprise answered with the same entry share later hits); the ones
+    /// after join the context by their raw text.
+    pub context_turns: usize,
 }
 
 impl Default for CacheConfig {
@@ -251,6 +279,8 @@ impl Default for CacheConfig {
             memory_bytes: 256 * 1024 * 1024,
             ttl_secs: 24 * 3600,
             snapshot_path: None,
+            snapshot_interval_secs: 300,
+            context_turns: 32,
         }
     }
 }
@@ -665,17 +695,22 @@ impl Config {
         if !(f.radius > 0.0 && f.radius <= 1.0) {
             return Err(invalid("feedback.radius", "must be in (0, 1]"));
         }
+        if self.cache.context_turns > 1024 {
+            return Err(invalid("cache.context_turns", "must be at most 1024"));
+        }
         let s = &self.server;
         if s.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be positive"));
         }
         for (key, secs) in [
             ("server.request_timeout_secs", s.request_timeout_secs),
+            ("server.lookup_timeout_secs", s.lookup_timeout_secs),
             (
                 "server.first_token_timeout_secs",
                 s.first_token_timeout_secs,
             ),
             ("server.token_timeout_secs", s.token_timeout_secs),
+            ("server.shutdown_timeout_secs", s.shutdown_timeout_secs),
         ] {
             // Bounded so that turning a timeout "off" with a huge value stays a valid duration.
             if !(secs > 0.0 && secs <= MAX_TIMEOUT_SECS) {

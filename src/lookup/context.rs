@@ -5,6 +5,8 @@
 //! users who phrased turn 1 differently but were served the same entry share turn-2 hits,
 //! while "How old is he?" after two different people never matches.
 
+use std::collections::HashSet;
+
 use reprise_cache::{Digest, EntryId};
 
 use crate::key::{self, Conversation, KeyHasher};
@@ -15,6 +17,9 @@ use crate::state::AppState;
 pub struct Context {
     /// The context of this turn (to link this turn's answer for the next turn).
     pub turn: Digest,
+    /// The context of this turn by the raw text of every earlier exchange (the answer is
+    /// linked under it too, so that the next turn with this very history finds it at once).
+    pub raw: Digest,
     /// The turn context plus any messages pending before the query (they are not matched by
     /// meaning, so they must match exactly).
     pub partition: Digest,
@@ -25,32 +30,144 @@ pub struct Context {
 }
 
 /// Resolves a conversation's context: the preamble, then each earlier exchange.
+///
+/// Each answer is linked under its turn's resolved context and under its raw history (see
+/// [`Context::raw`]). Resolving reads first the raw links of every looked-up exchange, in
+/// one round (memory, then what memory lacks from Redis at once,
+/// [`reprise_cache::Store::find_many`]): the last one found settles the context up to it,
+/// since an exchange answered by an entry stands for everything before it. The exchanges
+/// after it are read by their resolved links, in rounds: each round computes their links from
+/// what memory holds (an exchange memory lacks taken as raw text) and asks Redis for those
+/// memory lacked at once; when Redis holds one, the exchanges after it are computed again in
+/// the next round. A conversation that went through reprise costs one round; one whose
+/// exchanges were matched by meaning on other replicas, one more per such exchange (each
+/// then promoted into memory), never one per turn.
+///
+/// Only the first `max_turns` exchanges are looked up; later ones join the context by their
+/// raw text, so a turn's context never depends on how long the conversation grew and links
+/// written earlier are found the same way.
 pub async fn resolve(
     state: &AppState,
     namespace: &str,
     model: &str,
     conv: &Conversation<'_>,
+    max_turns: usize,
 ) -> Context {
-    let mut ctx = key::messages_digest("preamble", &conv.preamble);
+    let n = conv.turns.len();
+    let resolved = n.min(max_turns);
+    let queries: Vec<Digest> = conv
+        .turns
+        .iter()
+        .map(|(msgs, _)| key::messages_digest("query", msgs))
+        .collect();
+    let raw = |ctx: &Digest, k: usize| {
+        let mut h = KeyHasher::new("ctx-raw");
+        h.digest(ctx)
+            .digest(&queries[k])
+            .str(&conv.turns[k].1.content);
+        h.finish()
+    };
+    let by_entry = |id: EntryId| {
+        let mut h = KeyHasher::new("ctx-entry");
+        h.str(&id.to_string());
+        h.finish()
+    };
+    let link = |ctx: &Digest, k: usize| {
+        turn_key(namespace, model, ctx, &queries[k], &conv.turns[k].1.content)
+    };
+    // The raw contexts: before exchange k, by the raw text of exchanges 0..k.
+    let mut raws = Vec::with_capacity(n + 1);
+    raws.push(key::messages_digest("preamble", &conv.preamble));
+    for k in 0..n {
+        let next = raw(&raws[k], k);
+        raws.push(next);
+    }
+
+    // Round one: the raw links; the last one found settles the context up to it.
+    let raw_links: Vec<Digest> = (0..resolved).map(|k| link(&raws[k], k)).collect();
+    let found = match raw_links.is_empty() {
+        true => Vec::new(),
+        false => state.store.find_many(&raw_links, |_| true).await,
+    };
+    let mut absent: HashSet<Digest> = HashSet::new();
+    let mut ctx = raws[0];
     let mut prev_entry = None;
-    for (msgs, answer) in &conv.turns {
-        let query = key::messages_digest("query", msgs);
-        let link = turn_key(namespace, model, &ctx, &query, &answer.content);
-        let mut h;
-        // L2 too: the link may have been written by another replica.
-        match state.store.find(&link, |_| true).await.0.fresh() {
-            Some(entry) => {
-                h = KeyHasher::new("ctx-entry");
-                h.str(&entry.id.to_string());
-                prev_entry = Some(entry.id);
+    let mut from = 0;
+    for (k, entry) in found.iter().enumerate() {
+        match entry {
+            Some(e) => {
+                ctx = by_entry(e.id);
+                prev_entry = Some(e.id);
+                from = k + 1;
             }
             None => {
-                h = KeyHasher::new("ctx-raw");
-                h.digest(&ctx).digest(&query).str(&answer.content);
-                prev_entry = None;
+                absent.insert(raw_links[k]);
             }
         }
-        ctx = h.finish();
+    }
+
+    // The exchanges after it, by their resolved links, in rounds. Turns before `from` are
+    // settled; `ctx` is the context after them.
+    while from < resolved {
+        // One pass from memory: an exchange memory lacks is taken as raw text for now.
+        let mut c = ctx;
+        let mut lacked = Vec::new();
+        let mut pass = Vec::with_capacity(resolved - from);
+        for k in from..resolved {
+            let l = link(&c, k);
+            let entry = match absent.contains(&l) {
+                true => None,
+                false => state.store.get_by_key(&l).await,
+            };
+            match entry {
+                Some(entry) => {
+                    c = by_entry(entry.id);
+                    pass.push((c, Some(entry.id)));
+                }
+                None => {
+                    c = raw(&c, k);
+                    if !absent.contains(&l) {
+                        lacked.push((k, l));
+                    }
+                    pass.push((c, None));
+                }
+            }
+        }
+        // Redis, for every link memory lacked at once (another replica may have written
+        // it); the first it holds changes the exchanges after it.
+        let keys: Vec<Digest> = lacked.iter().map(|(_, l)| *l).collect();
+        let found = match keys.is_empty() {
+            true => Vec::new(),
+            false => state.store.find_many(&keys, |_| true).await,
+        };
+        let mut first = None;
+        for ((k, l), entry) in lacked.iter().zip(found) {
+            match entry {
+                Some(e) => {
+                    first = Some((*k, e.id));
+                    break;
+                }
+                None => {
+                    absent.insert(*l);
+                }
+            }
+        }
+        let settled = first.map_or(resolved, |(k, _)| k);
+        for (c, id) in &pass[..settled - from] {
+            ctx = *c;
+            prev_entry = *id;
+        }
+        from = settled;
+        if let Some((k, id)) = first {
+            ctx = by_entry(id);
+            prev_entry = Some(id);
+            from = k + 1;
+        }
+    }
+    // Exchanges beyond the cap: by their raw text.
+    for k in resolved..n {
+        ctx = raw(&ctx, k);
+        prev_entry = None;
     }
     let mut query_msgs = conv.pending.clone();
     query_msgs.push(conv.last);
@@ -62,6 +179,7 @@ pub async fn resolve(
     }
     Context {
         turn: ctx,
+        raw: raws[n],
         partition: h.finish(),
         query,
         prev_entry,

@@ -72,6 +72,22 @@ pub struct Lookup {
     pub notes: Notes,
 }
 
+impl Lookup {
+    /// Nothing found, and a write plan for the exact key only (no turn link, no partition):
+    /// what a request whose lookup ran out of time goes on with.
+    pub fn unmatched(namespace: &str, endpoint: Endpoint, req: &GenRequest) -> Lookup {
+        let exact = key::exact_key(namespace, endpoint, req);
+        Lookup {
+            plan: WritePlan::new(exact, namespace, req),
+            hit: None,
+            prev_entry: None,
+            policy: None,
+            exact_taken: false,
+            notes: Notes::default(),
+        }
+    }
+}
+
 /// What a request accepts from the cache besides the configured policy.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Wants {
@@ -105,15 +121,8 @@ pub async fn lookup(
     wants: Wants,
     counted: bool,
 ) -> Lookup {
-    let exact = key::exact_key(namespace, endpoint, req);
-    let mut found = Lookup {
-        plan: WritePlan::new(exact, namespace, req),
-        hit: None,
-        prev_entry: None,
-        policy: None,
-        exact_taken: false,
-        notes: Notes::default(),
-    };
+    let mut found = Lookup::unmatched(namespace, endpoint, req);
+    let exact = found.plan.exact;
     // 4. Exact first: a hit needs no conversation analysis (the hot path), unless the
     // prefetcher wants to know which earlier answer this turn followed.
     let exact_hit = if read {
@@ -134,8 +143,10 @@ pub async fn lookup(
         Input::Prompt(p) => (Some(p.clone()), key::messages_digest("preamble", &[])),
         Input::Chat(msgs) => match key::split_conversation(msgs) {
             Some(conv) => {
-                let ctx = context::resolve(state, namespace, &req.model, &conv).await;
+                let turns = state.config.cache.context_turns;
+                let ctx = context::resolve(state, namespace, &req.model, &conv, turns).await;
                 found.plan.turn = Some((ctx.turn, ctx.query));
+                found.plan.raw_turn = Some(ctx.raw);
                 found.prev_entry = ctx.prev_entry;
                 (Some(conv.last.content.clone()), ctx.partition)
             }

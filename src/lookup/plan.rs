@@ -30,6 +30,9 @@ pub struct WritePlan {
     pub embedding: Option<Arc<[f32]>>,
     /// Context and query of this turn, to link the answer to the next turn's context.
     pub turn: Option<(Digest, Digest)>,
+    /// The context of this turn by the raw text of the earlier exchanges: the answer is
+    /// linked under it too (see [`crate::lookup::context::resolve`]).
+    pub raw_turn: Option<Digest>,
     /// Live, prefetch or refresh.
     pub origin: Origin,
     /// Report the stored entry to the prefetcher (live requests, when prefetch is on).
@@ -68,6 +71,7 @@ impl WritePlan {
             partition: None,
             embedding: None,
             turn: None,
+            raw_turn: None,
             origin: Origin::Live,
             observe: None,
             tags: Vec::new(),
@@ -93,10 +97,25 @@ impl WritePlan {
         ))
     }
 
-    /// Every key the new entry is stored under: the exact key, then the turn link.
+    /// The turn link, and the link under the raw history when the context was resolved
+    /// to something else.
+    pub fn turn_keys(&self, answer: &str) -> Vec<Digest> {
+        let Some(link) = self.turn_key(answer) else {
+            return Vec::new();
+        };
+        let mut keys = vec![link];
+        if let (Some(raw), Some((context, query))) = (self.raw_turn, self.turn) {
+            if raw != context {
+                keys.push(turn_key(&self.namespace, &self.model, &raw, &query, answer));
+            }
+        }
+        keys
+    }
+
+    /// Every key the new entry is stored under: the exact key, then the turn links.
     pub fn keys(&self, answer: &str) -> Vec<Digest> {
         let mut keys = vec![self.exact];
-        keys.extend(self.turn_key(answer));
+        keys.extend(self.turn_keys(answer));
         keys
     }
 }

@@ -80,6 +80,9 @@ async fn serve(
     body: Result<Bytes, BytesRejection>,
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
+    // One deadline for the whole request, from its arrival: the lookup, the wait for the
+    // first token and (without streaming) the whole answer are within it.
+    let deadline = tokio::time::Instant::now() + state.config.server.request_timeout();
     // 0. Who is asking: the API key names the tenant (401 before anything else is read),
     //    within its rate limit (429).
     let tenant = state.policies.load().tenants.admit(headers)?;
@@ -113,7 +116,8 @@ async fn serve(
         arm,
     };
     let counted = book.is_counted();
-    let mut found = lookup::lookup(
+    let within = tokio::time::Instant::now() + state.config.server.lookup_timeout();
+    let looking = lookup::lookup(
         state,
         &ctl.namespace,
         endpoint,
@@ -122,8 +126,16 @@ async fn serve(
         access.write,
         wants,
         counted,
-    )
-    .await;
+    );
+    let mut found = match tokio::time::timeout_at(within.min(deadline), looking).await {
+        Ok(found) => found,
+        Err(_) => {
+            // A slow Redis or a long embedder queue: answered as a miss rather than late.
+            state.metrics.lookup_timeout();
+            tracing::warn!(namespace = %ctl.namespace, "cache lookup timed out; going on as a miss");
+            lookup::Lookup::unmatched(&ctl.namespace, endpoint, &parsed.req)
+        }
+    };
     book.note(&found.notes);
     let session = ctl.session.clone().or_else(|| parsed.user.clone());
     let observe = state.observer.is_some().then(|| ObserveLater {
@@ -183,8 +195,16 @@ async fn serve(
     let outcome = book.outcome;
     let s = served(joined.subscriber.entry(), outcome, joined.similarity, book);
     state.responses.remember(state, renderer.id(), s).await;
-    let mut resp =
-        respond::generation(state, &parsed, renderer, joined.subscriber, outcome, book).await?;
+    let mut resp = respond::generation(
+        state,
+        &parsed,
+        renderer,
+        joined.subscriber,
+        outcome,
+        book,
+        deadline,
+    )
+    .await?;
     if let Some(sim) = joined.similarity {
         crate::headers::set_similarity(&mut resp, sim);
     }

@@ -71,13 +71,15 @@ pub async fn generation(
     mut sub: Subscriber,
     outcome: Outcome,
     book: &mut Bookkeeping,
+    deadline: tokio::time::Instant,
 ) -> Result<Response, ApiError> {
     let server = &state.config.server;
     // The entry the flight's answer is stored as (none when it is not stored).
     let entry = sub.entry();
     // Wait for the first event before answering, so a backend that fails at once becomes a
     // real status code.
-    let first = tokio::time::timeout(server.first_token_timeout(), sub.next())
+    let first_by = deadline.min(tokio::time::Instant::now() + server.first_token_timeout());
+    let first = tokio::time::timeout_at(first_by, sub.next())
         .await
         .map_err(|_| ApiError::Timeout)?;
     let first = match first {
@@ -103,7 +105,6 @@ pub async fn generation(
         };
         Sse::new(stream).into_response()
     } else {
-        let deadline = tokio::time::Instant::now() + server.request_timeout();
         let mut text = String::new();
         let mut ev: Option<Result<GenEvent, BackendError>> = Some(Ok(first));
         let (reason, usage) = loop {

@@ -25,7 +25,7 @@ pub async fn link_hit(
         if !found.exact_taken {
             keys.push(found.plan.exact);
         }
-        keys.extend(found.plan.turn_key(&hit.entry.text));
+        keys.extend(found.plan.turn_keys(&hit.entry.text));
         for k in keys {
             state.store.alias(k, &hit.entry).await;
         }

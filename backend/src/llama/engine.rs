@@ -14,7 +14,10 @@
 //! admitted sequence reserves `prompt + max_tokens` cells up front (requests were capped at
 //! the context size before queueing), and a request is only admitted when its reservation
 //! fits. This means a decode can never fail for lack of KV space halfway through an answer,
-//! at the price of admitting fewer sequences when clients ask for very long answers.
+//! at the price of admitting fewer sequences when clients ask for very long answers. An
+//! interactive request waiting at the head of its line for KV room lets smaller ones behind
+//! it that fit a free slot pass, at most `MAX_PASSES` of them, so one long ask neither holds
+//! back short ones nor starves.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -78,7 +81,15 @@ pub(crate) struct Job {
     pub enqueued: Instant,
     /// Present for interactive requests.
     pub load: Option<LoadGuard>,
+    /// Smaller requests admitted ahead of this one while it waited at the head of its line
+    /// for KV room (at most [`MAX_PASSES`]).
+    pub passed: u32,
 }
+
+/// How many smaller requests may pass a request that waits at the head of its line for KV
+/// room: enough to keep free slots busy, few enough that the big one is not starved (after
+/// that, its line waits for room as before).
+const MAX_PASSES: u32 = 4;
 
 impl Job {
     fn reservation(&self) -> u32 {
@@ -369,7 +380,12 @@ impl<'a> Engine<'a> {
             // Preempting every background sequence frees a slot; it must also free enough
             // KV, or the request waits for interactive work to finish instead.
             if bg_count == 0 || self.reserved - bg_reserved + need > self.limits.n_ctx {
-                break;
+                // Meanwhile a smaller request behind it that fits a free slot may pass it (a
+                // bounded number of times, so the head is not starved).
+                if !self.pass_head(&mut q.interactive) {
+                    break;
+                }
+                continue;
             }
             self.preempt_youngest_background();
         }
@@ -397,6 +413,24 @@ impl<'a> Engine<'a> {
             }
         }
         q.publish_lengths();
+        true
+    }
+
+    /// Admits the first request behind the head of `line` that fits a free slot and the KV
+    /// room left, when the head may still be passed; returns whether one was admitted.
+    fn pass_head(&mut self, line: &mut VecDeque<Job>) -> bool {
+        if self.free_slot().is_none() || line.front().is_none_or(|h| h.passed >= MAX_PASSES) {
+            return false;
+        }
+        let room = self.limits.n_ctx.saturating_sub(self.reserved);
+        let Some(i) = line.iter().skip(1).position(|j| j.reservation() <= room) else {
+            return false;
+        };
+        let job = line.remove(i + 1).expect("position is in the line");
+        if let Some(head) = line.front_mut() {
+            head.passed += 1;
+        }
+        self.admit(job);
         true
     }
 

@@ -30,6 +30,8 @@ pub(super) struct Shared {
     pub(super) metrics: RedisMetrics,
     pub(super) dropped: AtomicU64,
     pub(super) up: AtomicBool,
+    /// Operations run (each one round trip: a command, a pipeline or a batch sent together).
+    pub(super) rounds: AtomicU64,
 }
 
 impl Shared {
@@ -44,6 +46,7 @@ impl Shared {
             return Err(RedisError::Unavailable);
         };
         let permit = Permit::new(&self.breaker, pass);
+        self.rounds.fetch_add(1, Ordering::Relaxed);
         if permit.is_probe() {
             self.reconnect();
         }

@@ -1,0 +1,210 @@
+//! reprise as a process, killed with SIGKILL and started again: without Redis it keeps what
+//! its periodic snapshot saved (so a crash loses at most one `snapshot_interval_secs`), with
+//! Redis everything Redis was written; and a shutdown does not wait for open streams beyond
+//! `server.shutdown_timeout_secs`.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use reprise_cache::testing::RedisServer;
+
+/// A `reprise serve` process on a free loopback port; killed (SIGKILL) when dropped.
+struct Process {
+    child: Child,
+    base: String,
+}
+
+impl Process {
+    async fn start(config: &Path) -> Process {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(env!("CARGO_BIN_EXE_reprise"))
+            .args(["serve", "--config"])
+            .arg(config)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("reprise starts");
+        let p = Process {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+        };
+        let client = reqwest::Client::new();
+        for _ in 0..600 {
+            if let Ok(r) = client.get(format!("{}/readyz", p.base)).send().await {
+                if r.status() == 200 {
+                    return p;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("reprise never became ready");
+    }
+
+    async fn ask(&self, question: &str) -> String {
+        let r = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", self.base))
+            .json(&chat_body(question))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        cache_status(&r)
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const QUESTIONS: [&str; 4] = [
+    "How do I reset my password?",
+    "What is the capital of France?",
+    "How do I export a PNG?",
+    "Which plans include priority support?",
+];
+
+fn write_config(dir: &Path, extra: &str) -> std::path::PathBuf {
+    let path = dir.join("reprise.toml");
+    std::fs::write(
+        &path,
+        format!("[backend]\nkind = \"fake\"\n\n[semantic]\nenabled = false\n\n{extra}"),
+    )
+    .unwrap();
+    path
+}
+
+#[tokio::test]
+async fn a_killed_server_keeps_what_its_last_snapshot_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = dir.path().join("cache.snapshot");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[cache]\nsnapshot_path = {:?}\nsnapshot_interval_secs = 1\n",
+            snapshot.display().to_string()
+        ),
+    );
+    let p = Process::start(&config).await;
+    for q in QUESTIONS {
+        assert_eq!(p.ask(q).await, "miss");
+    }
+    // A periodic snapshot (no shutdown happens) holds every answer.
+    let mut saved = 0;
+    for _ in 0..300 {
+        saved = std::fs::read_to_string(&snapshot)
+            .map(|s| s.lines().filter(|l| l.starts_with("{\"entry\"")).count())
+            .unwrap_or(0);
+        if saved >= QUESTIONS.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        saved,
+        QUESTIONS.len(),
+        "no periodic snapshot with every answer"
+    );
+    p.kill();
+    let p = Process::start(&config).await;
+    for q in QUESTIONS {
+        assert_eq!(p.ask(q).await, "exact", "{q} was lost");
+    }
+}
+
+#[tokio::test]
+async fn a_killed_replica_loses_nothing_redis_was_written() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &format!("[redis]\nurl = {:?}\n", redis.url()));
+    let p = Process::start(&config).await;
+    for q in QUESTIONS {
+        assert_eq!(p.ask(q).await, "miss");
+    }
+    // Writes are queued off the request path: wait until Redis holds them, then kill.
+    let entries = || {
+        let out = Command::new("redis-cli")
+            .args([
+                "-p",
+                &redis.port().to_string(),
+                "--scan",
+                "--pattern",
+                "reprise:e:*",
+            ])
+            .output()
+            .expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    };
+    for _ in 0..300 {
+        if entries() >= QUESTIONS.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(entries(), QUESTIONS.len());
+    p.kill();
+    let p = Process::start(&config).await;
+    for q in QUESTIONS {
+        assert_eq!(p.ask(q).await, "exact", "{q} was lost");
+    }
+}
+
+/// A stream that would run for minutes does not hold a shutdown beyond
+/// `server.shutdown_timeout_secs`, and the shutdown still saves the snapshot.
+#[tokio::test]
+async fn shutdown_does_not_wait_for_open_streams_forever() {
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = dir.path().join("cache.snapshot");
+    let mut config = test_config();
+    config.backend.kind = reprise::config::BackendKind::Fake;
+    // About two seconds a token: the answer below would stream for more than half a minute.
+    config.backend.fake_token_delay_ms = 2_000;
+    config.server.shutdown_timeout_secs = 0.5;
+    config.cache.snapshot_path = Some(snapshot.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(reprise::run(listener, config, async move {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::new();
+    let ready = format!("http://{addr}/readyz");
+    for _ in 0..600 {
+        if matches!(client.get(&ready).send().await, Ok(r) if r.status() == 200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut body = chat_body("Tell me a long story about a lighthouse keeper and the sea");
+    body["stream"] = serde_json::json!(true);
+    let mut stream = client
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    // The stream is open (its first token arrived); then the signal.
+    assert!(stream.chunk().await.unwrap().is_some());
+    stop.send(()).unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), server).await;
+    let ended = ended.expect("shutdown waited for the open stream");
+    ended.unwrap().unwrap();
+    assert!(snapshot.exists(), "the shutdown saved no snapshot");
+}
