@@ -49,6 +49,12 @@ pub enum ApiError {
     /// The backend or models are still loading.
     #[error("the server is not ready")]
     NotReady,
+    /// The embedder's queue stayed full: the semantic lookup this request needed could not run.
+    #[error("the server is overloaded; retry in {retry_after_secs} s")]
+    Overloaded {
+        /// Seconds until a retry may find room.
+        retry_after_secs: u64,
+    },
     /// An admin endpoint was called without the right token.
     #[error("unauthorized")]
     Unauthorized,
@@ -97,6 +103,7 @@ impl ApiError {
             ApiError::Timeout => "timeout",
             ApiError::NotCached => "not_cached",
             ApiError::NotReady => "not_ready",
+            ApiError::Overloaded { .. } => "overloaded",
             ApiError::Unauthorized => "unauthorized",
             ApiError::InvalidApiKey => "invalid_api_key",
             ApiError::Forbidden(_) => "forbidden",
@@ -116,7 +123,10 @@ impl ApiError {
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unauthorized | ApiError::InvalidApiKey => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            // Like a full backend queue: a capacity limit, retried after `Retry-After`.
+            ApiError::RateLimited { .. } | ApiError::Overloaded { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Backend(e) => match e {
                 BackendError::Unavailable(_) | BackendError::Internal(_) => StatusCode::BAD_GATEWAY,
@@ -195,6 +205,12 @@ impl ApiError {
                 None,
                 Some("permission_denied"),
             ),
+            ApiError::Overloaded { .. } => (
+                self.to_string(),
+                "rate_limit_error",
+                None,
+                Some("overloaded"),
+            ),
             ApiError::RateLimited { .. } => (
                 self.to_string(),
                 "rate_limit_error",
@@ -259,7 +275,9 @@ impl IntoResponse for ApiError {
                 HeaderValue::from(retry_after_secs.max(&1).to_owned()),
             );
         }
-        if let ApiError::RateLimited { retry_after_secs } = &self {
+        if let ApiError::RateLimited { retry_after_secs }
+        | ApiError::Overloaded { retry_after_secs } = &self
+        {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
         }

@@ -241,7 +241,11 @@ pub async fn build_embedder(config: &Config) -> anyhow::Result<Option<Arc<dyn Em
         onnx_runtime: config.semantic.onnx_runtime.clone(),
         batch_wait_us: config.semantic.batch_wait_us,
         max_batch: config.semantic.max_batch,
-        cache_entries: config.semantic.embedding_cache_entries,
+        batch_tokens: config.semantic.embedder_batch_tokens,
+        cache_bytes: config.semantic.embedding_cache_bytes,
+        queue_texts: config.semantic.embedder_queue_texts,
+        queue_bytes: config.semantic.embedder_queue_bytes,
+        queue_wait_ms: config.semantic.embedder_queue_wait_ms,
         threads: config.semantic.embedder_threads.max(1),
         ..EmbedderConfig::default()
     };

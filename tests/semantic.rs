@@ -927,3 +927,48 @@ async fn hits_are_checked_in_the_background_within_a_budget() {
         "one check, then the budget is spent"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_embedder_queue_is_a_429_with_retry_after_that_changes_nothing() {
+    let mut config = semantic_config();
+    let dir = models_dir();
+    config.semantic.model_dir = dir.join("all-MiniLM-L6-v2");
+    config.semantic.onnx_runtime = dir.join("libonnxruntime.so");
+    // Room for one prompt, no waiting for more, and a first round held open while the other
+    // requests arrive.
+    config.semantic.embedder_queue_texts = 1;
+    config.semantic.embedder_queue_wait_ms = 0;
+    config.semantic.batch_wait_us = 300_000;
+    let embedder = load_embedder(&config).await.unwrap();
+    let backend = scripted();
+    let app = start_app(config, std::sync::Arc::new(backend.clone()), embedder)
+        .await
+        .unwrap();
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("Which train goes to station number {i}?"))
+        .collect();
+    let bodies: Vec<Value> = prompts.iter().map(|p| chat_body(p)).collect();
+    let answers = futures::future::join_all(bodies.iter().map(|b| app.chat(b, &[]))).await;
+    let mut refused = Vec::new();
+    for (prompt, r) in prompts.iter().zip(answers) {
+        if r.status() == 429 {
+            assert_eq!(r.headers()["retry-after"], "1");
+            let body = assert_openai_error(r, 429, None).await;
+            assert_eq!(body["error"]["code"], "overloaded", "{body}");
+            refused.push(prompt.clone());
+        } else {
+            assert_eq!(r.status(), 200);
+            assert_eq!(cache_status(&r), "miss");
+        }
+    }
+    assert!(!refused.is_empty(), "no request was refused");
+    // Refused requests never reached the backend, and stored nothing: asked again, each is
+    // a miss the backend answers.
+    assert_eq!(backend.calls(), 8 - refused.len());
+    for p in &refused {
+        let r = app.chat(&chat_body(p), &[]).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(cache_status(&r), "miss");
+    }
+    assert_eq!(backend.calls(), 8);
+}

@@ -41,6 +41,13 @@ pub enum EmbedError {
     /// Running the model failed.
     #[error("embedding failed: {0}")]
     Inference(String),
+    /// The queue of texts waiting for the model stayed full for the configured wait
+    /// (`queue_texts`, `queue_bytes`, `queue_wait_ms`): the caller should retry later.
+    #[error("the embedder is overloaded; retry in {retry_after_secs} s")]
+    Overloaded {
+        /// Seconds a caller should wait before retrying.
+        retry_after_secs: u64,
+    },
     /// The batching thread is gone (it panicked or the embedder is shutting down).
     #[error("the embedding worker has stopped")]
     Closed,
@@ -56,6 +63,7 @@ impl EmbedError {
             EmbedError::ModelLoad { .. } => "model_load",
             EmbedError::Config(_) => "config",
             EmbedError::Inference(_) => "inference",
+            EmbedError::Overloaded { .. } => "overloaded",
             EmbedError::Closed => "closed",
         }
     }

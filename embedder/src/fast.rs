@@ -1,18 +1,19 @@
 //! The local embedder: all-MiniLM-L6-v2 on ONNX Runtime (through fastembed), with
-//! micro-batching and an LRU of recent texts.
+//! micro-batching by length, a bounded queue and an LRU of recent texts bounded by bytes.
 //!
-//! Request path: `embed` looks the text up in the LRU; on a miss it hands the text to the
-//! batching thread and awaits a oneshot reply. The batching thread takes the first queued
-//! text, keeps collecting for up to `batch_wait_us` or until `max_batch` texts, runs the
-//! model once for all of them and answers every waiter. While a batch runs, new texts queue
-//! up and form the next batch, so N concurrent callers cost about one model call.
+//! Request path: `embed` looks the text up in the LRU; on a miss it takes room in the bounded
+//! queue (waiting at most `queue_wait_ms`, else [`EmbedError::Overloaded`]), hands the text to
+//! the batching thread and awaits a oneshot reply. The batching thread takes the queued texts
+//! as one round (waiting up to `batch_wait_us` for a full call), sorts them by token length and
+//! runs the model on groups of similar lengths within `batch_tokens` (see `batch.rs`), then
+//! answers every waiter. While a round runs, new texts queue up and form the next round, so N
+//! concurrent callers cost a few model calls, none padded far beyond its own texts.
 //!
 //! The model reads at most `max_tokens` tokens of a text; [`Embedder::window`] tells where
 //! that ends (see `window.rs`), on the caller's thread: it only tokenizes a bounded start.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -20,46 +21,58 @@ use async_trait::async_trait;
 use fastembed::{
     InitOptionsUserDefined, Pooling, TextEmbedding, TokenizerFiles, UserDefinedEmbeddingModel,
 };
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Semaphore};
 
+use crate::batch::{Counters, Job, Worker};
 use crate::window::Window;
 use crate::{EmbedError, Embedder, EmbedderConfig};
 
 /// Counters of the local embedder, for tests and metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EmbedderStats {
-    /// Model calls run (one per batch).
+    /// Model calls run.
     pub batches: u64,
+    /// Rounds of queued texts taken together, each run as one or more model calls (one per
+    /// group of similar lengths).
+    pub rounds: u64,
     /// Texts that went through the model.
     pub texts_embedded: u64,
+    /// Tokens of those texts (special tokens included, as far as the model reads).
+    pub tokens: u64,
+    /// Tokens the model computed for them, padding included (texts × longest, per call).
+    pub padded_tokens: u64,
     /// Requests answered by the LRU without touching the model.
     pub cache_hits: u64,
     /// Requests that missed the LRU.
     pub cache_misses: u64,
+    /// Requests refused because the queue stayed full ([`EmbedError::Overloaded`]).
+    pub refused: u64,
 }
 
-#[derive(Default)]
-struct Counters {
-    batches: AtomicU64,
-    texts_embedded: AtomicU64,
-    cache_hits: AtomicU64,
-    cache_misses: AtomicU64,
-}
-
-/// Where the batching thread sends one text's vector.
-type Reply = oneshot::Sender<Result<Arc<[f32]>, EmbedError>>;
-
-/// The caller's end of a [`Reply`].
+/// The caller's end of a reply.
 type Pending = oneshot::Receiver<Result<Arc<[f32]>, EmbedError>>;
-
-/// One text waiting for its vector.
-struct Job {
-    text: String,
-    reply: Reply,
-}
 
 /// Recent vectors by (scope, text).
 type TextCache = moka::sync::Cache<(String, String), Arc<[f32]>>;
+
+/// What one cache entry weighs besides its texts and vector: the key's two `String` headers,
+/// the `Arc` and its counts, and moka's own bookkeeping per entry (an estimate).
+const ENTRY_OVERHEAD_BYTES: usize = 160;
+
+/// The weight of one cache entry, in bytes.
+fn entry_bytes(key: &(String, String), vector: &Arc<[f32]>) -> u32 {
+    let bytes = key.0.len() + key.1.len() + std::mem::size_of_val::<[f32]>(vector);
+    u32::try_from(bytes + ENTRY_OVERHEAD_BYTES).unwrap_or(u32::MAX)
+}
+
+/// Room in the queue of texts waiting for the model: texts, and bytes of text.
+struct Queue {
+    texts: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
+    /// Permits of `bytes` (what one text takes at most).
+    bytes_total: usize,
+    wait: Duration,
+}
 
 /// all-MiniLM-L6-v2 (384 dimensions) run locally, with micro-batching and an LRU.
 ///
@@ -67,6 +80,7 @@ type TextCache = moka::sync::Cache<(String, String), Arc<[f32]>>;
 /// the queued texts are answered.
 pub struct FastEmbedder {
     jobs: mpsc::Sender<Job>,
+    queue: Queue,
     /// Recent vectors by (scope, text): a scope never reuses another scope's entries.
     cache: Option<TextCache>,
     counters: Arc<Counters>,
@@ -96,6 +110,14 @@ impl FastEmbedder {
         if cfg.max_tokens == 0 {
             return Err(EmbedError::Config("max_tokens must be at least 1".into()));
         }
+        if cfg.batch_tokens == 0 {
+            return Err(EmbedError::Config("batch_tokens must be at least 1".into()));
+        }
+        if cfg.queue_texts == 0 || cfg.queue_bytes == 0 {
+            return Err(EmbedError::Config(
+                "queue_texts and queue_bytes must be at least 1".into(),
+            ));
+        }
         let started = Instant::now();
         load_runtime(&cfg.onnx_runtime)?;
         let mut model = load_model(&cfg)?;
@@ -120,9 +142,11 @@ impl FastEmbedder {
         let counters = Arc::new(Counters::default());
         let (jobs, queue) = mpsc::channel();
         let worker = Worker {
+            lengths: Worker::length_tokenizer(&model),
             model,
             queue,
             max_batch: cfg.max_batch,
+            batch_tokens: cfg.batch_tokens,
             wait: Duration::from_micros(cfg.batch_wait_us),
             counters: Arc::clone(&counters),
         };
@@ -138,11 +162,18 @@ impl FastEmbedder {
                 message: format!("could not start the embedding thread: {e}"),
             })?;
 
-        let cache = (cfg.cache_entries > 0).then(|| {
+        let cache = (cfg.cache_bytes > 0).then(|| {
             moka::sync::Cache::builder()
-                .max_capacity(cfg.cache_entries)
+                .weigher(entry_bytes)
+                .max_capacity(cfg.cache_bytes)
                 .build()
         });
+        let queue = Queue {
+            texts: Arc::new(Semaphore::new(cfg.queue_texts.min(Semaphore::MAX_PERMITS))),
+            bytes: Arc::new(Semaphore::new(cfg.queue_bytes.min(Semaphore::MAX_PERMITS))),
+            bytes_total: cfg.queue_bytes.min(Semaphore::MAX_PERMITS),
+            wait: Duration::from_millis(cfg.queue_wait_ms),
+        };
         tracing::info!(
             model_dir = %cfg.model_dir.display(),
             dim,
@@ -154,6 +185,7 @@ impl FastEmbedder {
         );
         Ok(FastEmbedder {
             jobs,
+            queue,
             cache,
             counters,
             dim,
@@ -170,11 +202,27 @@ impl FastEmbedder {
     /// A snapshot of the counters.
     pub fn stats(&self) -> EmbedderStats {
         let c = &self.counters;
+        let load = |n: &std::sync::atomic::AtomicU64| n.load(Ordering::Relaxed);
         EmbedderStats {
-            batches: c.batches.load(Ordering::Relaxed),
-            texts_embedded: c.texts_embedded.load(Ordering::Relaxed),
-            cache_hits: c.cache_hits.load(Ordering::Relaxed),
-            cache_misses: c.cache_misses.load(Ordering::Relaxed),
+            batches: load(&c.batches),
+            rounds: load(&c.rounds),
+            texts_embedded: load(&c.texts_embedded),
+            tokens: load(&c.tokens),
+            padded_tokens: load(&c.padded_tokens),
+            cache_hits: load(&c.cache_hits),
+            cache_misses: load(&c.cache_misses),
+            refused: load(&c.refused),
+        }
+    }
+
+    /// Entries and weighed bytes held by the text cache, once its pending evictions have run.
+    pub fn cache_usage(&self) -> (u64, u64) {
+        match &self.cache {
+            Some(cache) => {
+                cache.run_pending_tasks();
+                (cache.entry_count(), cache.weighted_size())
+            }
+            None => (0, 0),
         }
     }
 
@@ -192,13 +240,35 @@ impl FastEmbedder {
         hit
     }
 
-    /// Queues a text for the batching thread; the receiver yields its vector.
-    fn submit(&self, text: &str) -> Result<Pending, EmbedError> {
+    /// Queues a text for the batching thread once the queue has room for it (waiting at
+    /// most `queue_wait_ms`); the receiver yields its vector.
+    async fn submit(&self, text: &str) -> Result<Pending, EmbedError> {
+        let q = &self.queue;
+        // A text longer than the whole byte budget takes all of it (and waits for an empty
+        // queue) rather than never fitting.
+        let bytes = u32::try_from(text.len().clamp(1, q.bytes_total)).unwrap_or(u32::MAX);
+        let room = async {
+            let texts = Arc::clone(&q.texts).acquire_owned().await;
+            let bytes = Arc::clone(&q.bytes).acquire_many_owned(bytes).await;
+            (texts, bytes)
+        };
+        let (texts, bytes) = match tokio::time::timeout(q.wait, room).await {
+            Ok((Ok(texts), Ok(bytes))) => (texts, bytes),
+            // The semaphores are never closed.
+            Ok(_) => return Err(EmbedError::Closed),
+            Err(_) => {
+                self.counters.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(EmbedError::Overloaded {
+                    retry_after_secs: 1,
+                });
+            }
+        };
         let (reply, rx) = oneshot::channel();
         self.jobs
             .send(Job {
                 text: text.to_owned(),
                 reply,
+                room: (texts, bytes),
             })
             .map_err(|_| EmbedError::Closed)?;
         Ok(rx)
@@ -225,7 +295,7 @@ impl Embedder for FastEmbedder {
         if let Some(v) = self.cached(scope, text) {
             return Ok(v);
         }
-        let rx = self.submit(text)?;
+        let rx = self.submit(text).await?;
         let v = rx.await.map_err(|_| EmbedError::Closed)??;
         self.remember(scope, text, &v);
         Ok(v)
@@ -241,7 +311,7 @@ impl Embedder for FastEmbedder {
         for text in texts {
             match self.cached(scope, text) {
                 Some(v) => pending.push(Ok(v)),
-                None => pending.push(Err(self.submit(text)?)),
+                None => pending.push(Err(self.submit(text).await?)),
             }
         }
         let mut out = Vec::with_capacity(texts.len());
@@ -325,86 +395,4 @@ fn load_model(cfg: &EmbedderConfig) -> Result<TextEmbedding, EmbedError> {
         path: dir.clone(),
         message: e.to_string(),
     })
-}
-
-/// The batching thread's state.
-struct Worker {
-    model: TextEmbedding,
-    queue: mpsc::Receiver<Job>,
-    max_batch: usize,
-    wait: Duration,
-    counters: Arc<Counters>,
-}
-
-impl Worker {
-    fn run(mut self) {
-        // `recv` fails once every sender is dropped: the embedder is gone.
-        while let Ok(first) = self.queue.recv() {
-            let mut batch = vec![first];
-            let deadline = Instant::now() + self.wait;
-            while batch.len() < self.max_batch {
-                // Take whatever is already queued without waiting, then wait out the window.
-                match self.queue.try_recv() {
-                    Ok(job) => {
-                        batch.push(job);
-                        continue;
-                    }
-                    Err(mpsc::TryRecvError::Disconnected) => break,
-                    Err(mpsc::TryRecvError::Empty) => {}
-                }
-                let now = Instant::now();
-                if now >= deadline {
-                    break;
-                }
-                match self.queue.recv_timeout(deadline - now) {
-                    Ok(job) => batch.push(job),
-                    Err(_) => break,
-                }
-            }
-            self.run_batch(batch);
-        }
-        tracing::debug!("embedding thread stopped");
-    }
-
-    fn run_batch(&mut self, batch: Vec<Job>) {
-        // Several callers may wait on the same text: embed it once.
-        let mut unique: Vec<&str> = Vec::with_capacity(batch.len());
-        let mut slot_of: HashMap<&str, usize> = HashMap::with_capacity(batch.len());
-        let slots: Vec<usize> = batch
-            .iter()
-            .map(|job| {
-                *slot_of.entry(job.text.as_str()).or_insert_with(|| {
-                    unique.push(job.text.as_str());
-                    unique.len() - 1
-                })
-            })
-            .collect();
-        let count = unique.len();
-        let result = self.model.embed(&unique, Some(count));
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .texts_embedded
-            .fetch_add(count as u64, Ordering::Relaxed);
-        let vectors: Result<Vec<Arc<[f32]>>, EmbedError> = match result {
-            Ok(vectors) if vectors.len() == count => {
-                Ok(vectors.into_iter().map(Arc::from).collect())
-            }
-            Ok(vectors) => Err(EmbedError::Inference(format!(
-                "the model returned {} vectors for {count} texts",
-                vectors.len()
-            ))),
-            Err(e) => {
-                tracing::warn!(error = %e, texts = count, "embedding batch failed");
-                Err(EmbedError::Inference(e.to_string()))
-            }
-        };
-        for (job, slot) in batch.into_iter().zip(slots) {
-            let answer = match &vectors {
-                Ok(v) => Ok(Arc::clone(&v[slot])),
-                Err(e) => Err(EmbedError::Inference(e.to_string())),
-            };
-            // The caller may have given up waiting; nothing to do then.
-            let _ = job.reply.send(answer);
-        }
-    }
 }

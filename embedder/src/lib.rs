@@ -4,12 +4,14 @@
 //!   cosine similarity is a plain dot product — and how much of a text it reads
 //!   ([`Embedder::window`]: the model reads a bounded number of tokens).
 //! - [`FastEmbedder`]: the local implementation, all-MiniLM-L6-v2 run by ONNX Runtime through
-//!   fastembed, with micro-batching of concurrent requests and an LRU of recent texts.
+//!   fastembed, with micro-batching of concurrent requests by length under a token budget, a bounded
+//!   queue and an LRU of recent texts bounded by bytes.
 //! - [`FakeEmbedder`]: a deterministic bag-of-words stand-in for unit tests that must not
 //!   load the model (never used by the server).
 //! - [`EmbedderConfig`]: where the model and runtime live and how batching behaves.
 //! - [`EmbedError`]: everything that can go wrong, with a low-cardinality [`EmbedError::kind`].
 
+mod batch;
 mod config;
 mod error;
 mod fake;

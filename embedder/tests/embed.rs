@@ -53,7 +53,7 @@ async fn vectors_are_normalised_with_384_components() {
 async fn batched_and_single_embeddings_agree() {
     // Padding to the longest in a batch must not change a short text's vector.
     let e = load(EmbedderConfig {
-        cache_entries: 0,
+        cache_bytes: 0,
         ..common::config()
     });
     let alone = e.embed("hi").await.unwrap();
@@ -195,7 +195,7 @@ fn words(n: usize, salt: &str) -> String {
 #[tokio::test]
 async fn the_window_ends_where_the_model_stops_reading() {
     let e = load(EmbedderConfig {
-        cache_entries: 0,
+        cache_bytes: 0,
         ..common::config()
     });
     // 256 tokens less [CLS] and [SEP].
@@ -236,4 +236,167 @@ async fn the_window_ends_where_the_model_stops_reading() {
     let long = words(200_000, "");
     assert!(long.len() > 1_000_000);
     assert_eq!(e.window(&long), e.window(&long[..20 * 1024]));
+}
+
+#[tokio::test]
+async fn the_text_cache_is_bounded_by_bytes() {
+    let cap = 64 * 1024;
+    let e = load(EmbedderConfig {
+        cache_bytes: cap,
+        ..common::config()
+    });
+    // 120 texts of ~450 bytes: each entry weighs its text, a 1,536-byte vector and an
+    // overhead, so about 30 fit, far fewer than a count of entries would allow.
+    let texts: Vec<String> = (0..120).map(|i| words(40, &format!("t{i}x"))).collect();
+    assert!(texts.iter().all(|t| t.len() > 400));
+    e.embed_many(&texts).await.unwrap();
+    let (entries, bytes) = e.cache_usage();
+    assert!(bytes <= cap, "{bytes} bytes held, cap {cap}");
+    assert!(entries > 0 && entries < 60, "{entries} entries held");
+    // Weighed by bytes: each entry counts at least its text and its vector.
+    assert!(
+        bytes >= entries * (400 + 384 * 4),
+        "{bytes} bytes for {entries} entries"
+    );
+}
+
+/// A text of about `tokens` tokens (ordinary words: one token each).
+fn sentence(tokens: usize, salt: usize) -> String {
+    let words = [
+        "cache", "answer", "question", "model", "server", "tenant", "prompt",
+    ];
+    (0..tokens)
+        .map(|i| words[(i + salt) % words.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::test]
+async fn a_mixed_round_is_split_by_length_and_every_vector_is_its_own() {
+    let e = load(EmbedderConfig {
+        cache_bytes: 0,
+        // The round stays open long enough for every text below to join it.
+        batch_wait_us: 200_000,
+        ..common::config()
+    });
+    // Short and long texts, interleaved.
+    let texts: Vec<String> = (0..12)
+        .map(|i| match i % 2 {
+            0 => format!("short question {i}"),
+            _ => sentence(200, i),
+        })
+        .collect();
+    let mut alone = Vec::new();
+    for t in &texts {
+        alone.push(e.embed(t).await.unwrap());
+    }
+    let before = e.stats();
+    let together = e.embed_many(&texts).await.unwrap();
+    let after = e.stats();
+    // One round, run as two model calls: the short texts, then the long ones.
+    assert_eq!(after.rounds - before.rounds, 1);
+    assert_eq!(after.batches - before.batches, 2);
+    assert_eq!(after.texts_embedded - before.texts_embedded, 12);
+    // Padding: the short texts were not padded to the long ones (one call would have padded
+    // all 12 to about 200 tokens).
+    let padded = after.padded_tokens - before.padded_tokens;
+    let real = after.tokens - before.tokens;
+    assert!(padded < 12 * 200, "{padded} padded tokens");
+    assert!(padded <= real + 12, "{padded} padded for {real} tokens");
+    // Every caller got the vector of its own text, as embedded alone.
+    for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+        let diff = a
+            .iter()
+            .zip(b.iter())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(diff < 1e-4, "text {i}: max difference {diff}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_queue_refuses_at_once_and_never_grows() {
+    let e = Arc::new(load(EmbedderConfig {
+        cache_bytes: 0,
+        queue_texts: 2,
+        queue_wait_ms: 0,
+        // The first round stays open while the other callers arrive.
+        batch_wait_us: 300_000,
+        ..common::config()
+    }));
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let e = Arc::clone(&e);
+            tokio::spawn(async move { e.embed(&format!("question number {i}")).await })
+        })
+        .collect();
+    let (mut ok, mut refused) = (0u64, 0u64);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(v) => {
+                assert_eq!(v.len(), 384);
+                ok += 1;
+            }
+            Err(err) => {
+                assert!(
+                    matches!(
+                        err,
+                        EmbedError::Overloaded {
+                            retry_after_secs: 1
+                        }
+                    ),
+                    "{err:?}"
+                );
+                assert_eq!(err.kind(), "overloaded");
+                refused += 1;
+            }
+        }
+    }
+    let s = e.stats();
+    assert_eq!(ok + refused, 32);
+    assert!(ok >= 2, "{ok} answered");
+    assert!(refused > 0, "nothing refused");
+    assert_eq!(s.refused, refused);
+    assert_eq!(s.texts_embedded, ok);
+    // Never more than the queue's two texts in one round.
+    assert!(s.texts_embedded <= 2 * s.rounds, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_queue_makes_callers_wait_for_room() {
+    let e = Arc::new(load(EmbedderConfig {
+        cache_bytes: 0,
+        queue_texts: 2,
+        queue_wait_ms: 600_000,
+        ..common::config()
+    }));
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let e = Arc::clone(&e);
+            tokio::spawn(async move { e.embed(&format!("question number {i}")).await })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().len(), 384);
+    }
+    let s = e.stats();
+    assert_eq!((s.texts_embedded, s.refused), (16, 0));
+    // Everyone waited for room: no round held more than the queue's two texts.
+    assert!(s.rounds >= 8, "{s:?}");
+}
+
+#[test]
+fn zero_batch_tokens_or_queue_is_refused() {
+    for cfg in [
+        EmbedderConfig {
+            batch_tokens: 0,
+            ..common::config()
+        },
+        EmbedderConfig {
+            queue_texts: 0,
+            ..common::config()
+        },
+    ] {
+        assert_eq!(FastEmbedder::load(cfg).unwrap_err().kind(), "config");
+    }
 }

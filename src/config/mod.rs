@@ -324,8 +324,20 @@ pub struct SemanticConfig {
     pub batch_wait_us: u64,
     /// Most prompts embedded in one batch.
     pub max_batch: usize,
-    /// Prompt embeddings kept in the embedder's LRU.
-    pub embedding_cache_entries: u64,
+    /// Most tokens one embedding batch computes, padding included (prompts × the longest):
+    /// queued prompts are sorted by length and cut into batches within it, so a short prompt
+    /// is not padded to a long one.
+    pub embedder_batch_tokens: usize,
+    /// Bytes of prompt embeddings kept in the embedder's LRU (each entry weighed as its text,
+    /// its vector and a fixed overhead; 0 turns it off).
+    pub embedding_cache_bytes: u64,
+    /// Most prompts waiting for the embedder.
+    pub embedder_queue_texts: usize,
+    /// Most bytes of prompts waiting for the embedder.
+    pub embedder_queue_bytes: usize,
+    /// How long a request waits for room in a full embedder queue, in milliseconds; then it
+    /// is answered 429 with `Retry-After` (when the semantic tier had to be read to answer).
+    pub embedder_queue_wait_ms: u64,
     /// ONNX Runtime threads per embedding batch. 2 measured best on 2 cores (semantic-hit
     /// p50 3.6 ms vs 5.8 ms with 1, and higher throughput at every concurrency).
     pub embedder_threads: usize,
@@ -382,7 +394,11 @@ impl Default for SemanticConfig {
             substitution_threshold: 0.0,
             batch_wait_us: 0,
             max_batch: 32,
-            embedding_cache_entries: 10_000,
+            embedder_batch_tokens: 4096,
+            embedding_cache_bytes: 16 * 1024 * 1024,
+            embedder_queue_texts: 256,
+            embedder_queue_bytes: 4 * 1024 * 1024,
+            embedder_queue_wait_ms: 500,
             embedder_threads: 2,
             maintain_interval_secs: 60,
             delta: 0.0,
@@ -794,6 +810,24 @@ impl Config {
         }
         if self.semantic.max_batch == 0 {
             return Err(invalid("semantic.max_batch", "must be at least 1"));
+        }
+        if self.semantic.embedder_batch_tokens == 0 {
+            return Err(invalid(
+                "semantic.embedder_batch_tokens",
+                "must be at least 1",
+            ));
+        }
+        if self.semantic.embedder_queue_texts == 0 {
+            return Err(invalid(
+                "semantic.embedder_queue_texts",
+                "must be at least 1",
+            ));
+        }
+        if self.semantic.embedder_queue_bytes == 0 {
+            return Err(invalid(
+                "semantic.embedder_queue_bytes",
+                "must be at least 1",
+            ));
         }
         if self.semantic.top_k == 0 {
             return Err(invalid("semantic.top_k", "must be at least 1"));

@@ -68,6 +68,9 @@ pub struct Lookup {
     /// The exact key leads to an entry, only one too old for this request: a paraphrase's
     /// answer served instead must not take the key from it.
     pub exact_taken: bool,
+    /// The embedder's queue was full (the seconds it asks callers to wait): the semantic
+    /// lookup did not run.
+    pub embed_overloaded: Option<u64>,
     /// What the lookup saw.
     pub notes: Notes,
 }
@@ -83,6 +86,7 @@ impl Lookup {
             prev_entry: None,
             policy: None,
             exact_taken: false,
+            embed_overloaded: None,
             notes: Notes::default(),
         }
     }
@@ -236,6 +240,13 @@ pub async fn lookup(
         .await
     {
         Ok(e) => e,
+        Err(reprise_embedder::EmbedError::Overloaded { retry_after_secs }) => {
+            // Too busy to embed: the caller decides (a client request that needed the read
+            // is told to retry, so the backend is not handed every request meanwhile).
+            tracing::debug!("embedder queue full; semantic tier skipped");
+            found.embed_overloaded = Some(retry_after_secs);
+            return found;
+        }
         Err(e) => {
             // The semantic tier is an optimisation: a failing embedder degrades to exact-only.
             tracing::warn!(error = %e, "embedding failed; semantic tier skipped");

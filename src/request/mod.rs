@@ -173,6 +173,12 @@ async fn serve(
         state.responses.remember(state, renderer.id(), s).await;
         return Ok(respond::hit(&parsed, renderer, hit, book));
     }
+    // The embedder's queue is full: the semantic lookup this request needed did not run.
+    // Answering it from the backend would hand the backend every request while the embedder
+    // is overloaded; the client is asked to retry instead.
+    if let (true, Some(retry_after_secs)) = (access.read, found.embed_overloaded) {
+        return Err(ApiError::Overloaded { retry_after_secs });
+    }
     if !access.generate {
         return Err(ApiError::NotCached);
     }

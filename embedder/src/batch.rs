@@ -1,0 +1,268 @@
+//! The batching thread: takes the queued texts as one *round*, sorts them by token length and
+//! embeds them in model calls of similar lengths within a token budget.
+//!
+//! ONNX Runtime pads every text of a call to the longest of the call, so a call costs about
+//! (texts × longest) tokens of compute. A round of mixed lengths run as one call makes each
+//! short text pay for the longest; sorted and cut into groups, each call pads only to the
+//! longest of its group. Where to cut is chosen to minimise the round's estimated cost, a
+//! fixed cost per call ([`CALL_COST_TOKENS`]) plus its padded tokens, under two limits: at
+//! most `max_batch` texts and `batch_tokens` padded tokens per call (a single text longer than
+//! the budget runs alone). Each waiter gets the vector of its own text whatever group it ran
+//! in; several waiters on one text share one embedding.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use fastembed::TextEmbedding;
+use tokenizers::Tokenizer;
+use tokio::sync::{oneshot, OwnedSemaphorePermit};
+
+use crate::window::SCAN_BYTES;
+use crate::EmbedError;
+
+/// The estimated fixed cost of one model call, in tokens of compute: splitting a group pays
+/// off when it saves more padding than this.
+pub(crate) const CALL_COST_TOKENS: usize = 32;
+
+/// Where the batching thread sends one text's vector.
+pub(crate) type Reply = oneshot::Sender<Result<Arc<[f32]>, EmbedError>>;
+
+/// One text waiting for its vector, holding its place in the bounded queue until answered.
+pub(crate) struct Job {
+    pub(crate) text: String,
+    pub(crate) reply: Reply,
+    /// The queue room this text takes (texts and bytes), given back once it is answered.
+    pub(crate) room: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+}
+
+/// Counters shared by the embedder and its thread.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) batches: AtomicU64,
+    pub(crate) rounds: AtomicU64,
+    pub(crate) texts_embedded: AtomicU64,
+    pub(crate) tokens: AtomicU64,
+    pub(crate) padded_tokens: AtomicU64,
+    pub(crate) cache_hits: AtomicU64,
+    pub(crate) cache_misses: AtomicU64,
+    pub(crate) refused: AtomicU64,
+}
+
+/// The batching thread's state.
+pub(crate) struct Worker {
+    pub(crate) model: TextEmbedding,
+    /// The model's tokenizer, truncating where the model does and never padding: how many
+    /// tokens each text takes.
+    pub(crate) lengths: Tokenizer,
+    pub(crate) queue: mpsc::Receiver<Job>,
+    pub(crate) max_batch: usize,
+    pub(crate) batch_tokens: usize,
+    pub(crate) wait: Duration,
+    pub(crate) counters: Arc<Counters>,
+}
+
+impl Worker {
+    /// A tokenizer for [`Worker::lengths`]: `model`'s, without padding.
+    pub(crate) fn length_tokenizer(model: &TextEmbedding) -> Tokenizer {
+        let mut t = model.tokenizer.clone();
+        t.with_padding(None);
+        t
+    }
+
+    pub(crate) fn run(mut self) {
+        // A round takes what is queued, up to a few model calls' worth, so sorting has
+        // something to sort while no text waits behind more than a bounded round.
+        let round_cap = self.max_batch.saturating_mul(4);
+        // `recv` fails once every sender is dropped: the embedder is gone.
+        while let Ok(first) = self.queue.recv() {
+            let mut round = vec![first];
+            let deadline = Instant::now() + self.wait;
+            while round.len() < round_cap {
+                // Take whatever is already queued without waiting; wait out the window only
+                // while the round is short of one full call.
+                match self.queue.try_recv() {
+                    Ok(job) => {
+                        round.push(job);
+                        continue;
+                    }
+                    Err(mpsc::TryRecvError::Disconnected) => break,
+                    Err(mpsc::TryRecvError::Empty) => {}
+                }
+                let now = Instant::now();
+                if now >= deadline || round.len() >= self.max_batch {
+                    break;
+                }
+                match self.queue.recv_timeout(deadline - now) {
+                    Ok(job) => round.push(job),
+                    Err(_) => break,
+                }
+            }
+            self.run_round(round);
+        }
+        tracing::debug!("embedding thread stopped");
+    }
+
+    /// Tokens the model reads of `text`, its special tokens included. Counts a bounded start
+    /// (a longer text is cut by the model's truncation anyway); a text the tokenizer refuses
+    /// counts as the longest.
+    fn length(&self, text: &str) -> usize {
+        let start = &text[..text.floor_char_boundary(SCAN_BYTES[1])];
+        match self.lengths.encode_fast(start, true) {
+            Ok(e) => e.len().max(1),
+            Err(_) => self.batch_tokens.max(1),
+        }
+    }
+
+    fn run_round(&mut self, round: Vec<Job>) {
+        self.counters.rounds.fetch_add(1, Ordering::Relaxed);
+        // Several callers may wait on the same text: embed it once.
+        let mut unique: Vec<&str> = Vec::with_capacity(round.len());
+        let mut slot_of: HashMap<&str, usize> = HashMap::with_capacity(round.len());
+        let slots: Vec<usize> = round
+            .iter()
+            .map(|job| {
+                *slot_of.entry(job.text.as_str()).or_insert_with(|| {
+                    unique.push(job.text.as_str());
+                    unique.len() - 1
+                })
+            })
+            .collect();
+        // Shortest first, so every group is a run of similar lengths.
+        let mut order: Vec<(usize, usize)> = unique
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (self.length(t), i))
+            .collect();
+        order.sort_unstable();
+        let lengths: Vec<usize> = order.iter().map(|&(len, _)| len).collect();
+        let mut vectors: Vec<Option<Result<Arc<[f32]>, String>>> = vec![None; unique.len()];
+        let mut start = 0;
+        for end in groups(&lengths, self.max_batch, self.batch_tokens) {
+            let members = &order[start..end];
+            let texts: Vec<&str> = members.iter().map(|&(_, i)| unique[i]).collect();
+            let result = self.embed(&texts, &lengths[start..end]);
+            for (k, &(_, i)) in members.iter().enumerate() {
+                vectors[i] = Some(match &result {
+                    Ok(v) => Ok(Arc::clone(&v[k])),
+                    Err(e) => Err(e.clone()),
+                });
+            }
+            start = end;
+        }
+        for (job, slot) in round.into_iter().zip(slots) {
+            let answer = match &vectors[slot] {
+                Some(Ok(v)) => Ok(Arc::clone(v)),
+                Some(Err(e)) => Err(EmbedError::Inference(e.clone())),
+                None => Err(EmbedError::Inference("text left out of every batch".into())),
+            };
+            // The caller may have given up waiting; nothing to do then.
+            let _ = job.reply.send(answer);
+            // Answered: its room in the queue is free for the next text.
+            drop(job.room);
+        }
+    }
+
+    /// One model call for `texts` (of `lengths` tokens).
+    fn embed(&mut self, texts: &[&str], lengths: &[usize]) -> Result<Vec<Arc<[f32]>>, String> {
+        let count = texts.len();
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let c = &self.counters;
+        c.batches.fetch_add(1, Ordering::Relaxed);
+        c.texts_embedded.fetch_add(count as u64, Ordering::Relaxed);
+        c.tokens
+            .fetch_add(lengths.iter().sum::<usize>() as u64, Ordering::Relaxed);
+        c.padded_tokens
+            .fetch_add((count * longest) as u64, Ordering::Relaxed);
+        match self.model.embed(texts, Some(count)) {
+            Ok(vectors) if vectors.len() == count => {
+                Ok(vectors.into_iter().map(Arc::from).collect())
+            }
+            Ok(vectors) => Err(format!(
+                "the model returned {} vectors for {count} texts",
+                vectors.len()
+            )),
+            Err(e) => {
+                tracing::warn!(error = %e, texts = count, "embedding batch failed");
+                Err(e.to_string())
+            }
+        }
+    }
+}
+
+/// Where to cut `lengths` (sorted, shortest first) into model calls: the end of each group,
+/// the last one `lengths.len()`. Minimises the sum over groups of [`CALL_COST_TOKENS`] plus
+/// (size × longest), each group at most `max_batch` texts and `batch_tokens` padded tokens
+/// (or a single text).
+pub(crate) fn groups(lengths: &[usize], max_batch: usize, batch_tokens: usize) -> Vec<usize> {
+    let n = lengths.len();
+    // best[j]: the least cost of the first j texts, and where its last group starts.
+    let mut best: Vec<(usize, usize)> = vec![(0, 0); n + 1];
+    for j in 1..=n {
+        let longest = lengths[j - 1];
+        best[j] = (usize::MAX, j - 1);
+        for i in (j.saturating_sub(max_batch.max(1))..j).rev() {
+            let size = j - i;
+            let padded = size.saturating_mul(longest);
+            if size > 1 && padded > batch_tokens {
+                // Longer groups ending at j only pad more.
+                break;
+            }
+            let cost = best[i].0.saturating_add(CALL_COST_TOKENS + padded);
+            if cost < best[j].0 {
+                best[j] = (cost, i);
+            }
+        }
+    }
+    let mut ends = Vec::new();
+    let mut j = n;
+    while j > 0 {
+        ends.push(j);
+        j = best[j].1;
+    }
+    ends.reverse();
+    ends
+}
+
+#[cfg(test)]
+mod tests {
+    use super::groups;
+
+    /// The groups' sizes.
+    fn sizes(lengths: &[usize], max_batch: usize, budget: usize) -> Vec<usize> {
+        let mut start = 0;
+        groups(lengths, max_batch, budget)
+            .into_iter()
+            .map(|end| {
+                let size = end - start;
+                start = end;
+                size
+            })
+            .collect()
+    }
+
+    #[test]
+    fn similar_lengths_share_one_call() {
+        assert_eq!(sizes(&[10; 16], 32, 4096), vec![16]);
+        assert_eq!(sizes(&[], 32, 4096), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn short_and_long_texts_are_split() {
+        let mut lengths = vec![12; 8];
+        lengths.extend([250; 8]);
+        assert_eq!(sizes(&lengths, 32, 4096), vec![8, 8]);
+    }
+
+    #[test]
+    fn limits_hold() {
+        // 40 texts of 100 tokens: at most 32 per call, at most 1000 padded tokens per call.
+        for s in sizes(&[100; 40], 32, 1000) {
+            assert!(s <= 10, "{s}");
+        }
+        assert!(sizes(&[10; 40], 32, 100_000).iter().all(|&s| s <= 32));
+        // A text longer than the budget runs alone.
+        assert_eq!(sizes(&[5, 300], 32, 256), vec![1, 1]);
+    }
+}
