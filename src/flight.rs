@@ -76,6 +76,23 @@ impl Flight {
         }
     }
 
+    /// A new subscriber, unless the flight is over: ended, cancelled, or left by its last
+    /// subscriber (about to be cancelled). Decided under the lock a leaving subscriber takes,
+    /// so a request never follows a flight its last client is leaving.
+    fn follow(self: &Arc<Self>) -> Option<Subscriber> {
+        let mut n = self.subscribers.lock();
+        if *n == 0 || self.cancel.is_cancelled() || self.is_ended() {
+            return None;
+        }
+        *n += 1;
+        Some(Subscriber {
+            flight: self.clone(),
+            rx: self.progress.subscribe(),
+            pos: 0,
+            done: false,
+        })
+    }
+
     fn is_ended(&self) -> bool {
         self.progress.borrow().1.is_some()
     }
@@ -159,11 +176,10 @@ impl Flights {
     /// whose answer will be stored as `entry`.
     pub fn join(&self, key: Digest, entry: EntryId) -> Joined {
         let mut map = self.map.lock();
-        if let Some(f) = map.get(&key) {
-            // A cancelled flight is on its way out; start afresh rather than join a corpse.
-            if !f.cancel.is_cancelled() && !f.is_ended() {
-                return Joined::Follower(f.subscribe());
-            }
+        // A cancelled (or abandoned) flight is on its way out; start afresh rather than join
+        // a corpse.
+        if let Some(sub) = map.get(&key).and_then(|f| f.follow()) {
+            return Joined::Follower(sub);
         }
         let f = Flight::new(Some(entry));
         let sub = f.subscribe();
@@ -174,8 +190,7 @@ impl Flights {
     /// Follows the running flight for `key`, if there is one.
     pub fn follow(&self, key: &Digest) -> Option<Subscriber> {
         let map = self.map.lock();
-        let f = map.get(key)?;
-        (!f.cancel.is_cancelled() && !f.is_ended()).then(|| f.subscribe())
+        map.get(key)?.follow()
     }
 
     /// A flight that is not shared (requests that must not be joined: `no-store`, background
@@ -289,6 +304,46 @@ impl InFlightParaphrases {
 mod tests {
     use super::*;
     use reprise_backend::{FinishReason, Usage};
+
+    /// A request that joins a flight while its last client leaves either follows a flight
+    /// that goes on (it keeps it alive) or leads a fresh one: never follows a cancelled one,
+    /// whose waiters would get an error instead of an answer.
+    #[test]
+    fn joining_as_the_last_client_leaves_never_follows_a_cancelled_flight() {
+        let flights = Arc::new(Flights::default());
+        let mut followed_cancelled = 0;
+        for i in 0..20_000u32 {
+            let key = [(i % 251) as u8; 32];
+            let Joined::Leader(_, leader) = flights.join(key, EntryId(1)) else {
+                panic!("a fresh key leads")
+            };
+            let barrier = Arc::new(std::sync::Barrier::new(2));
+            let b = barrier.clone();
+            let leaving = std::thread::spawn(move || {
+                b.wait();
+                drop(leader);
+            });
+            barrier.wait();
+            let joined = flights.join(key, EntryId(2));
+            leaving.join().unwrap();
+            match joined {
+                Joined::Follower(sub) => {
+                    if sub.flight.cancel.is_cancelled() {
+                        followed_cancelled += 1;
+                    }
+                }
+                Joined::Leader(f, sub) => {
+                    drop(sub);
+                    flights.remove(&key, &f);
+                }
+            }
+            let map = flights.map.lock().get(&key).cloned();
+            if let Some(f) = map {
+                flights.remove(&key, &f);
+            }
+        }
+        assert_eq!(followed_cancelled, 0, "joined a cancelled flight");
+    }
 
     #[tokio::test]
     async fn late_joiner_replays_everything() {

@@ -128,25 +128,16 @@ fn start(
 
 /// The backend's answer to `req` (none when it fails or stalls).
 async fn generate(state: &AppState, req: GenRequest) -> Option<String> {
-    let server = &state.config.server;
-    let run = async {
-        let mut stream = state.backend.generate(req).await.ok()?;
-        let mut text = String::new();
-        loop {
-            let next = tokio::time::timeout(server.token_timeout(), stream.next())
-                .await
-                .ok()?;
-            match next? {
-                Ok(GenEvent::Delta(d)) => text.push_str(&d),
-                Ok(GenEvent::Finish { .. }) => return Some(text),
-                Err(_) => return None,
-            }
+    let mut stream = state.backend.generate(req).await.ok()?;
+    let mut text = String::new();
+    let mut deadlines = crate::generate::Deadlines::new(&state.config.server);
+    loop {
+        match deadlines.next(stream.next()).await.ok()?? {
+            Ok(GenEvent::Delta(d)) => text.push_str(&d),
+            Ok(GenEvent::Finish { .. }) => return Some(text),
+            Err(_) => return None,
         }
-    };
-    tokio::time::timeout(server.request_timeout(), run)
-        .await
-        .ok()
-        .flatten()
+    }
 }
 
 /// Whether the cached answer is wrong for the question (none: no verdict).

@@ -916,3 +916,51 @@ async fn run_saves_the_learned_counts_on_shutdown() {
     );
     assert!(!fresh.export().namespaces.is_empty());
 }
+
+/// A background generation whose backend never sends a first token gives up at the
+/// first-token deadline (and the backend stream is dropped), instead of holding prefetch
+/// forever.
+#[tokio::test]
+async fn a_background_generation_that_never_starts_times_out() {
+    let mut config = prefetch_config(false);
+    config.server.first_token_timeout_secs = 0.5;
+    let script = ScriptConfig {
+        first_token_delay: Duration::from_secs(3600),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(config, script).await;
+    let req = GenRequest {
+        model: "fake".into(),
+        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage::new(
+            "user",
+            "What will I ask next?",
+        )]),
+        params: Default::default(),
+        priority: Priority::Background,
+        extra: Default::default(),
+    };
+    let got = tokio::time::timeout(
+        WAIT,
+        reprise::generate::generate_in_background(
+            &app.state,
+            reprise::headers::DEFAULT_NAMESPACE,
+            reprise::openai::Endpoint::Chat,
+            req,
+            Origin::Prefetch,
+            true,
+        ),
+    )
+    .await
+    .expect("the background generation waited for a token that never came");
+    assert!(
+        matches!(
+            got,
+            reprise::generate::Background::Failed(BackendError::Timeout)
+        ),
+        "{got:?}"
+    );
+    assert_eq!(backend.calls(), 1);
+    // The abandoned flight stopped the backend's stream.
+    let stopped = eventually(WAIT, || backend.active() == 0).await;
+    assert!(stopped, "the backend still generates");
+}

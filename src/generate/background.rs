@@ -55,7 +55,7 @@ pub async fn generate_in_background(
     }
     req.priority = Priority::Background;
     // Not client traffic: kept out of the lookup metrics analysts read.
-    let found = lookup::lookup(
+    let looking = lookup::lookup(
         state,
         namespace,
         endpoint,
@@ -64,8 +64,11 @@ pub async fn generate_in_background(
         true,
         Wants::default(),
         false,
-    )
-    .await;
+    );
+    let Ok(found) = tokio::time::timeout(state.config.server.lookup_timeout(), looking).await
+    else {
+        return Background::Failed(BackendError::Timeout);
+    };
     if let Some(hit) = found.hit {
         return Background::Cached(hit.entry);
     }
@@ -75,11 +78,14 @@ pub async fn generate_in_background(
     let (flight, mut sub) = state.flights.solo(Some(plan.id));
     super::spawn(state.clone(), flight, None, req, Some(plan));
     let mut usage = None;
-    while let Some(ev) = sub.next().await {
-        match ev {
-            Ok(GenEvent::Finish { usage: u, .. }) => usage = Some(u),
-            Ok(GenEvent::Delta(_)) => {}
-            Err(e) => return Background::Failed(e),
+    // Past a deadline the subscriber is dropped: the flight, abandoned, stops the backend.
+    let mut deadlines = super::Deadlines::new(&state.config.server);
+    loop {
+        match deadlines.next(sub.next()).await {
+            Ok(Some(Ok(GenEvent::Finish { usage: u, .. }))) => usage = Some(u),
+            Ok(Some(Ok(GenEvent::Delta(_)))) => {}
+            Ok(Some(Err(e))) | Err(e) => return Background::Failed(e),
+            Ok(None) => break,
         }
     }
     match (usage, state.store.get_by_key(&exact).await) {

@@ -8,6 +8,7 @@
 //!   (prefetch and refresh-ahead use this, and nothing of the request path).
 
 pub mod background;
+mod deadlines;
 mod write_back;
 
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use crate::flight::{End, Flight};
 use crate::lookup::WritePlan;
 use crate::state::AppState;
 pub use background::{generate_in_background, Background};
+pub(crate) use deadlines::Deadlines;
 pub(crate) use write_back::write_back;
 
 /// Starts the task that runs one generation into `flight` and, with a `plan`, writes the

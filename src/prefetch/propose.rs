@@ -105,7 +105,8 @@ impl Shared {
 async fn ask_backend(state: &AppState, req: GenRequest) -> Result<(String, Usage), BackendError> {
     let mut stream = state.backend.generate(req).await?;
     let mut text = String::new();
-    while let Some(ev) = stream.next().await {
+    let mut deadlines = crate::generate::Deadlines::new(&state.config.server);
+    while let Some(ev) = deadlines.next(stream.next()).await? {
         match ev? {
             GenEvent::Delta(t) => text.push_str(&t),
             GenEvent::Finish { usage, .. } => return Ok((text, usage)),
