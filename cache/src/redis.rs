@@ -189,6 +189,30 @@ impl RedisTier {
         self.shared.get(Op::Get, id).await
     }
 
+    /// Whether Redis holds each entry (its key exists), in one bounded round. Any outage fails
+    /// the whole round: only a definite answer says an entry is absent.
+    pub async fn exists_many(&self, ids: &[EntryId]) -> Result<Vec<bool>, RedisError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let cmds: Vec<::redis::Cmd> = ids
+            .iter()
+            .map(|id| {
+                ::redis::cmd("EXISTS")
+                    .arg(self.shared.keys.entry(*id))
+                    .clone()
+            })
+            .collect();
+        self.shared
+            .run(Op::Get, |c| async move {
+                let replies =
+                    futures::future::try_join_all(cmds.iter().map(|cmd| c.query::<i64>(cmd)))
+                        .await?;
+                Ok(replies.into_iter().map(|n| n > 0).collect())
+            })
+            .await
+    }
+
     /// Queues an entry and the exact keys pointing at it, all expiring with the entry.
     /// Returns at once: `false` when the write was dropped (queue full, breaker open,
     /// entry already expired).

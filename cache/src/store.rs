@@ -32,6 +32,8 @@ use crate::shares::MemoryShares;
 /// How long a deletion is remembered, so that a read of Redis that started before it cannot
 /// put the entry back into memory. Far longer than a Redis command may take.
 pub const DELETED_TTL: Duration = Duration::from_secs(120);
+/// Entries asked about per round by [`Store::drop_absent`].
+const RECONCILE_BATCH: usize = 500;
 /// Deletions remembered at most (the oldest are forgotten first).
 const DELETED_MAX: u64 = 200_000;
 
@@ -418,6 +420,29 @@ impl Store {
             }
         }
         n
+    }
+
+    /// Drops from this replica every entry Redis no longer holds (deleted by another replica
+    /// in events this one missed); returns how many. Writes this replica queued before are
+    /// applied first, so its own recent entries are found. Only a definite absence drops an
+    /// entry: a Redis error ends the pass (`Err`, nothing more dropped).
+    pub async fn drop_absent(&self) -> Result<u64, RedisError> {
+        let Some(redis) = &self.redis else {
+            return Ok(0);
+        };
+        let ids: Vec<EntryId> = self.memory.iter_entries().iter().map(|e| e.id).collect();
+        redis.flush().await?;
+        let mut dropped = 0;
+        for chunk in ids.chunks(RECONCILE_BATCH) {
+            let present = redis.exists_many(chunk).await?;
+            for (id, present) in chunk.iter().zip(present) {
+                if !present {
+                    self.remove_local(*id).await;
+                    dropped += 1;
+                }
+            }
+        }
+        Ok(dropped)
     }
 
     /// Deletes an entry everywhere (this replica, Redis and through it every replica).

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use reprise_cache::redis::RedisConfig;
+use reprise_cache::redis::{RedisConfig, ReplicationEvent};
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::testing::RedisServer;
 use reprise_cache::{ByKey, Store};
@@ -100,4 +100,77 @@ async fn a_deletion_wins_over_a_late_promotion() {
     a.redis().unwrap().flush().await.unwrap();
     let (found, _) = b.find(&digest(2), |_| true).await;
     assert_eq!(found.fresh().map(|x| x.id), Some(f.id));
+}
+
+/// A reader that fell behind by more than the stream keeps (its consumer stalled while other
+/// replicas kept writing) is told to resync on its next read, with no connection error to
+/// give it away, rather than skipping the trimmed events (a delete among them).
+#[tokio::test]
+async fn a_reader_behind_the_trimmed_stream_is_told_to_resync() {
+    let server = RedisServer::start();
+    let a = tier(config(server.url()), "a").await;
+    let b = tier(config(server.url()), "b").await;
+    let mut b_events = b.subscribe(true);
+    // B is subscribed (its start position resolved) once it sees a first event.
+    let first = entry("ns", "first", 60_000);
+    a.put(&first, &[]);
+    a.flush().await.unwrap();
+    assert!(matches!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::Put { id, .. } if id == first.id
+    ));
+
+    // B's consumer stalls: its reader buffers what it can (1024 events, plus one read in
+    // hand) and waits. 1,400 puts are more than that.
+    for i in 0..1_400 {
+        assert!(a.put(&entry("ns", &format!("p{i}"), 60_000), &[]));
+    }
+    a.flush().await.unwrap();
+    // A delete B has not read, more puts, then the stream is trimmed past them all (as
+    // writers' `MAXLEN` does once enough events followed).
+    let victim = entry("ns", "victim", 60_000);
+    a.put(&victim, &[]);
+    a.flush().await.unwrap();
+    assert!(a.delete(victim.id).await.unwrap());
+    for i in 0..1_000 {
+        assert!(a.put(&entry("ns", &format!("q{i}"), 60_000), &[]));
+    }
+    let last = entry("ns", "last", 60_000);
+    a.put(&last, &[]);
+    a.flush().await.unwrap();
+    let mut c = raw(&server.url()).await;
+    let trimmed: u64 = redis::cmd("XTRIM")
+        .arg("reprise:events")
+        .arg("MAXLEN")
+        .arg(10)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(trimmed > 2_000, "{trimmed}");
+
+    // B catches up: the delete is gone from the stream, so it must be told to resync (the
+    // rebuild reads Redis as it is, without the victim) rather than read on past the gap.
+    loop {
+        match next_event(&mut b_events).await {
+            ReplicationEvent::Resync => break,
+            ReplicationEvent::Delete { id } if id == victim.id => {
+                panic!("the delete was trimmed, it cannot be read")
+            }
+            ReplicationEvent::Put { id, .. } if id == last.id => {
+                panic!("B read on past the trimmed events without a resync")
+            }
+            _ => {}
+        }
+    }
+    // Events after the resync arrive as usual.
+    let after = entry("ns", "after", 60_000);
+    a.put(&after, &[]);
+    a.flush().await.unwrap();
+    loop {
+        match next_event(&mut b_events).await {
+            ReplicationEvent::Put { id, .. } if id == after.id => break,
+            ReplicationEvent::Put { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
 }
