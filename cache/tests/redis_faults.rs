@@ -174,3 +174,76 @@ async fn a_reader_behind_the_trimmed_stream_is_told_to_resync() {
         }
     }
 }
+
+/// `PTTL` of a key, milliseconds.
+async fn pttl(c: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query_async(c).await.unwrap()
+}
+
+/// Namespace and tag index sets never expire before their entries: each put raises their
+/// lifetime to at least the entry's, and a shorter-lived entry does not lower it.
+#[tokio::test]
+async fn index_sets_outlive_their_entries() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let tags = ["doc-1".to_string()];
+    let short = entry("ns", "short", 30_000);
+    let long = entry("ns", "long", 600_000);
+    let shorter = entry("ns", "shorter", 10_000);
+    let mut c = raw(&server.url()).await;
+    for e in [&short, &long, &shorter] {
+        assert!(t.put_with_tags(e, &[], &tags));
+        t.flush().await.unwrap();
+        for set in ["reprise:ns:{ns}", "reprise:tag:{doc-1}"] {
+            let entry_ttl = pttl(&mut c, &format!("reprise:e:{{{}}}", long.id)).await;
+            let set_ttl = pttl(&mut c, set).await;
+            assert!(set_ttl > 0, "{set} expires");
+            let longest = if e.id == short.id {
+                pttl(&mut c, &format!("reprise:e:{{{}}}", short.id)).await
+            } else {
+                entry_ttl
+            };
+            assert!(set_ttl >= longest, "{set}: {set_ttl} < {longest}");
+        }
+    }
+}
+
+/// A put whose index entry cannot be written (a foreign value under the tag's index key)
+/// stores nothing: never an entry that a tag delete could not find.
+#[tokio::test]
+async fn a_put_is_all_or_nothing() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let mut c = raw(&server.url()).await;
+    let _: () = redis::cmd("SET")
+        .arg("reprise:tag:{broken}")
+        .arg("not a set")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let e = entry("ns", "hello", 60_000);
+    assert!(t.put_with_tags(&e, &[digest(1)], &["fine".into(), "broken".into()]));
+    t.flush().await.unwrap();
+    assert_eq!(
+        t.get(e.id).await.unwrap(),
+        None,
+        "no entry without its index"
+    );
+    assert_eq!(t.get_by_key(&digest(1)).await.unwrap(), None);
+    assert_eq!(t.health().dropped_writes, 1, "counted as dropped");
+    let len: u64 = redis::cmd("XLEN")
+        .arg("reprise:events")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(len, 0, "and no event announces it");
+
+    // The same put with a usable tag is stored whole.
+    assert!(t.put_with_tags(&e, &[digest(1)], &["fine".into()]));
+    t.flush().await.unwrap();
+    assert_eq!(
+        t.get_by_key(&digest(1)).await.unwrap().map(|x| x.id),
+        Some(e.id)
+    );
+    assert_eq!(t.delete_tag("fine").await.unwrap(), 1);
+}
