@@ -126,6 +126,7 @@ impl RedisTier {
             timeout,
             connect_timeout,
             events_maxlen: cfg.events_maxlen.max(1),
+            max_value_bytes: cfg.max_value_bytes.max(1),
             connector,
             conn: RwLock::new(conn),
             breaker: Breaker::new(
@@ -160,7 +161,8 @@ impl RedisTier {
     /// The entry an exact key (or alias) points at.
     pub async fn get_by_key(&self, key: &Digest) -> Result<Option<Entry>, RedisError> {
         let name = self.shared.keys.key(key);
-        let cmd = ::redis::cmd("GET").arg(&name).clone();
+        // An id is 32 characters: a longer value is foreign, and is not read whole.
+        let cmd = ::redis::cmd("GETRANGE").arg(&name).arg(0).arg(63).clone();
         let raw: Option<Vec<u8>> = match self
             .shared
             .run(Op::GetByKey, |c| async move { c.query(&cmd).await })
@@ -173,7 +175,9 @@ impl RedisTier {
             }
             Err(e) => return Err(e),
         };
-        let Some(raw) = raw else { return Ok(None) };
+        let Some(raw) = raw.filter(|r| !r.is_empty()) else {
+            return Ok(None);
+        };
         let Some(id) = std::str::from_utf8(&raw)
             .ok()
             .and_then(|s| s.parse::<EntryId>().ok())

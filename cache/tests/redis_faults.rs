@@ -247,3 +247,42 @@ async fn a_put_is_all_or_nothing() {
     );
     assert_eq!(t.delete_tag("fine").await.unwrap(), 1);
 }
+
+/// Values over `max_value_bytes` are never read: they are absent, and counted as skipped; a
+/// key whose value is longer than an id is not read whole either.
+#[tokio::test]
+async fn values_over_the_size_cap_read_as_absent() {
+    let server = RedisServer::start();
+    let t = tier(
+        RedisConfig {
+            max_value_bytes: 4096,
+            ..config(server.url())
+        },
+        "a",
+    )
+    .await;
+    let small = entry("ns", "small", 60_000);
+    let mut big = entry("ns", &"x".repeat(10_000), 60_000);
+    big.prompt = "big".into();
+    assert!(t.put(&small, &[digest(1)]));
+    assert!(t.put(&big, &[digest(2)]));
+    t.flush().await.unwrap();
+    let skipped = counter("reprise_redis_skipped_total");
+    assert_eq!(t.get(small.id).await.unwrap().map(|e| e.id), Some(small.id));
+    assert_eq!(t.get(big.id).await.unwrap(), None, "over the cap");
+    assert_eq!(t.get_by_key(&digest(2)).await.unwrap(), None);
+    assert!(counter("reprise_redis_skipped_total") >= skipped + 2);
+    let scanned = t.scan_entries(|_| {}).await.unwrap();
+    assert_eq!(scanned.len(), 1, "a scan skips it too");
+
+    // A key holding something longer than an id.
+    let mut c = raw(&server.url()).await;
+    let key = format!("reprise:k:{}", blake3::Hash::from(digest(3)).to_hex());
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg(format!("{}{}", small.id, "y".repeat(1 << 20)))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(t.get_by_key(&digest(3)).await.unwrap(), None);
+}
