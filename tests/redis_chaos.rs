@@ -20,13 +20,13 @@ fn redis_config(url: String) -> Config {
     c
 }
 
-/// The id of the entry `app` holds for `question`.
+/// The id of the entry `app` holds for `question` (the scripted backend's answer names it).
 fn held(app: &TestApp, question: &str) -> Option<reprise_cache::EntryId> {
     app.state
         .store
         .entries()
         .iter()
-        .find(|e| e.prompt == question)
+        .find(|e| e.text == format!("You asked: {question}"))
         .map(|e| e.id)
 }
 
@@ -124,4 +124,66 @@ async fn a_replica_lagging_past_the_trimmed_stream_honours_every_delete() {
         "exact"
     );
     assert_eq!(backend.calls(), 3);
+}
+
+/// Redis killed and restarted while clients send requests concurrently: every request is
+/// answered (200, a complete body), and writes reach Redis again once it is back.
+#[tokio::test]
+async fn redis_killed_and_restarted_under_load_fails_no_request() {
+    let mut redis = RedisServer::start();
+    let backend = scripted();
+    // Exact matching only: the questions differ in numbers alone, which meaning may not.
+    let mut config = redis_config(redis.url());
+    config.semantic.enabled = false;
+    let app = Arc::new(spawn_replica(config, Arc::new(backend.clone())).await);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..8)
+        .map(|c| {
+            let app = app.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut sent = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) || sent < 10 {
+                    // Repeats (hits) and new questions (misses, written to Redis) mixed.
+                    let q = format!("client {c} question {}", sent % 13 + (sent / 40) * 13);
+                    let r = app.chat(&chat_body(&q), &[]).await;
+                    assert_eq!(r.status(), 200, "request {sent} of client {c}");
+                    let text = content(r).await;
+                    assert_eq!(text, format!("You asked: {q}"));
+                    sent += 1;
+                }
+                sent
+            })
+        })
+        .collect();
+    // Kill and restart Redis twice while they run.
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        redis.stop();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        redis.restart();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = 0;
+    for c in clients {
+        total += c.await.expect("no client saw a failed request");
+    }
+    assert!(total >= 80);
+
+    // Writes resume: a new answer reaches Redis.
+    let tier = app.state.store.redis().unwrap();
+    let mut resumed = false;
+    for i in 0..50 {
+        let q = format!("after the restarts {i}");
+        assert_eq!(app.chat(&chat_body(&q), &[]).await.status(), 200);
+        let _ = tier.flush().await;
+        let id = held(&app, &q).unwrap();
+        if tier.get(id).await.is_ok_and(|e| e.is_some()) {
+            resumed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(resumed, "writes to Redis resumed");
 }
