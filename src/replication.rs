@@ -97,10 +97,18 @@ async fn sync_policies(weak: &Weak<AppState>) {
     }
 }
 
-/// Loads every live entry from Redis into memory and the index.
+/// Drops what Redis no longer holds (deletes this replica may have missed), then loads every
+/// live entry from Redis into memory and the index.
 async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier) {
     let started = std::time::Instant::now();
     tracing::info!("rebuilding the index from redis");
+    if let Some(state) = weak.upgrade() {
+        match state.store.drop_absent().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(entries = n, "dropped entries deleted in redis meanwhile"),
+            Err(e) => tracing::warn!(error = %e, "could not check held entries against redis"),
+        }
+    }
     let entries = match redis
         .scan_entries(|n| tracing::info!(entries = n, "index rebuild: scanned"))
         .await

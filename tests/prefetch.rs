@@ -393,7 +393,11 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     config.prefetch.refresh_window_secs = 1.5;
     config.prefetch.refresh_min_hits = 2;
     let (app, probe) = spawn_probe(config, ScriptConfig::default()).await;
-    assert_eq!(ask(&app, "a", X).await, "miss");
+    let tagged = [("x-reprise-session", "a"), ("x-reprise-tags", "doc-9")];
+    assert_eq!(
+        cache_status(&app.chat(&chat_body(X), &tagged).await),
+        "miss"
+    );
     let old = entry_answering(&app, X).unwrap();
     assert_eq!(ask(&app, "b", X).await, "exact");
     assert_eq!(ask(&app, "c", X).await, "exact");
@@ -416,6 +420,7 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     );
     let new = refreshed().unwrap();
     assert_ne!(new.id, old);
+    assert_eq!(new.tags, ["doc-9"], "the renewed entry keeps its tags");
     // The alias follows the renewed entry.
     assert!(
         eventually(WAIT, || app.state.store.keys().contains(&(alias, new.id))).await,

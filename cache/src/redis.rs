@@ -127,6 +127,7 @@ impl RedisTier {
             timeout,
             connect_timeout,
             events_maxlen: cfg.events_maxlen.max(1),
+            max_value_bytes: cfg.max_value_bytes.max(1),
             connector,
             conn: RwLock::new(conn),
             breaker: Breaker::new(
@@ -162,7 +163,8 @@ impl RedisTier {
     /// The entry an exact key (or alias) points at.
     pub async fn get_by_key(&self, key: &Digest) -> Result<Option<Entry>, RedisError> {
         let name = self.shared.keys.key(key);
-        let cmd = ::redis::cmd("GET").arg(&name).clone();
+        // An id is 32 characters: a longer value is foreign, and is not read whole.
+        let cmd = ::redis::cmd("GETRANGE").arg(&name).arg(0).arg(63).clone();
         let raw: Option<Vec<u8>> = match self
             .shared
             .run(Op::GetByKey, |c| async move { c.query(&cmd).await })
@@ -175,7 +177,9 @@ impl RedisTier {
             }
             Err(e) => return Err(e),
         };
-        let Some(raw) = raw else { return Ok(None) };
+        let Some(raw) = raw.filter(|r| !r.is_empty()) else {
+            return Ok(None);
+        };
         let Some(id) = std::str::from_utf8(&raw)
             .ok()
             .and_then(|s| s.parse::<EntryId>().ok())
@@ -195,6 +199,30 @@ impl RedisTier {
     /// An entry by id.
     pub async fn get(&self, id: EntryId) -> Result<Option<Entry>, RedisError> {
         self.shared.get(Op::Get, id).await
+    }
+
+    /// Whether Redis holds each entry (its key exists), in one bounded round. Any outage fails
+    /// the whole round: only a definite answer says an entry is absent.
+    pub async fn exists_many(&self, ids: &[EntryId]) -> Result<Vec<bool>, RedisError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let cmds: Vec<::redis::Cmd> = ids
+            .iter()
+            .map(|id| {
+                ::redis::cmd("EXISTS")
+                    .arg(self.shared.keys.entry(*id))
+                    .clone()
+            })
+            .collect();
+        self.shared
+            .run(Op::Get, |c| async move {
+                let replies =
+                    futures::future::try_join_all(cmds.iter().map(|cmd| c.query::<i64>(cmd)))
+                        .await?;
+                Ok(replies.into_iter().map(|n| n > 0).collect())
+            })
+            .await
     }
 
     /// Queues an entry and the exact keys pointing at it, all expiring with the entry.

@@ -12,7 +12,10 @@
 //!   vector is tombstoned;
 //! - an alias points a key at an entry in memory and, queued, in Redis;
 //! - writes to Redis are queued (never awaited on the request path); deletes go through the
-//!   same queue, so an older pending put cannot resurrect a deleted entry.
+//!   same queue, so an older pending put cannot resurrect a deleted entry;
+//! - a deletion wins over a late promotion: an entry removed from this replica is remembered
+//!   for a while ([`DELETED_TTL`]), and a copy read from Redis before the deletion (a
+//!   promotion, a replicated put, a rebuild's page) is not installed again.
 
 use std::borrow::Borrow;
 use std::sync::Arc;
@@ -25,6 +28,14 @@ use crate::memory::{EvictionHook, MemoryTier};
 use crate::redis::{RedisError, RedisTier};
 use crate::semantic::{Candidate, MaintainReport, SemanticIndex};
 use crate::shares::MemoryShares;
+
+/// How long a deletion is remembered, so that a read of Redis that started before it cannot
+/// put the entry back into memory. Far longer than a Redis command may take.
+pub const DELETED_TTL: Duration = Duration::from_secs(120);
+/// Entries asked about per round by [`Store::drop_absent`].
+const RECONCILE_BATCH: usize = 500;
+/// Deletions remembered at most (the oldest are forgotten first).
+const DELETED_MAX: u64 = 200_000;
 
 /// What a key leads to, judged by the caller's freshness rule.
 #[derive(Debug)]
@@ -73,6 +84,8 @@ pub struct Store {
     memory: MemoryTier,
     redis: Option<RedisTier>,
     index: Option<Arc<SemanticIndex>>,
+    /// Ids removed from this replica lately (see [`DELETED_TTL`]).
+    deleted: moka::sync::Cache<EntryId, ()>,
 }
 
 impl Store {
@@ -101,6 +114,10 @@ impl Store {
             memory: MemoryTier::new(memory_bytes, key_ttl, Some(hook)),
             redis,
             index,
+            deleted: moka::sync::Cache::builder()
+                .max_capacity(DELETED_MAX)
+                .time_to_live(DELETED_TTL)
+                .build(),
         }
     }
 
@@ -149,7 +166,11 @@ impl Store {
         let Some(l2) = l2 else {
             return (miss(stale || l2_stale), probe);
         };
-        let entry = self.install(l2).await;
+        let Some(entry) = self.promote(l2).await else {
+            // Deleted while it was being read: the deletion wins.
+            probe.redis = Some(false);
+            return (miss(stale), probe);
+        };
         self.memory.alias(*key, entry.id).await;
         (ByKey::Fresh(entry), probe)
     }
@@ -195,15 +216,19 @@ impl Store {
         self.memory.get(id).await
     }
 
-    /// An entry by id for serving a semantic candidate: memory, else Redis (promoted). When
-    /// neither holds it any more its vector is tombstoned, so it is not found again.
+    /// An entry by id for serving a semantic candidate: memory, else Redis (promoted). Only
+    /// when every tier answers that it does not hold it is its vector tombstoned, so it is not
+    /// found again; a Redis that cannot answer (down, slow, breaker open) leaves the vector
+    /// alone: the entry may well still be there.
     pub async fn fetch(&self, id: EntryId) -> Option<Arc<Entry>> {
         if let Some(e) = self.memory.get(id).await {
             return Some(e);
         }
         if let Some(redis) = &self.redis {
-            if let Ok(Some(e)) = redis.get(id).await {
-                return Some(self.install(e).await);
+            match redis.get(id).await {
+                Ok(Some(e)) => return self.promote(e).await,
+                Ok(None) => {}
+                Err(_) => return None,
             }
         }
         self.tombstone(id);
@@ -256,6 +281,10 @@ impl Store {
     /// and in Redis, whose replicas then take it in place of theirs (see
     /// [`Store::install`]). Its keys and vector stay.
     pub async fn update(&self, entry: Arc<Entry>) {
+        if self.was_deleted(entry.id) {
+            // Deleted meanwhile: storing it again would bring it back everywhere.
+            return;
+        }
         // Refusals another replica gave the held copy meanwhile are kept.
         let entry = match self.memory.get(entry.id).await {
             Some(held) => self.merge_refusals_into(entry, &held),
@@ -302,17 +331,39 @@ impl Store {
     /// memory and index. One already held is returned as held and not re-indexed; refusals
     /// the incoming copy has and the held one lacks ([`Store::update`] on another replica)
     /// are merged into it. An expired entry is returned but not installed.
+    /// An entry this replica deleted lately is not installed either (the deletion wins).
     pub async fn install(&self, entry: Entry) -> Arc<Entry> {
         if let Some(held) = self.memory.get(entry.id).await {
             return self.merge_refusals(held, &entry).await;
         }
         let entry = Arc::new(entry);
-        if entry.is_expired() {
+        if entry.is_expired() || self.was_deleted(entry.id) {
             return entry;
         }
         self.memory.insert_entry(entry.clone()).await;
         self.index_entry(&entry);
         entry
+    }
+
+    /// An entry read from Redis for a lookup, installed here; `None` when this replica
+    /// deleted it meanwhile (the read started before the deletion reached it).
+    async fn promote(&self, entry: Entry) -> Option<Arc<Entry>> {
+        if self.was_deleted(entry.id) {
+            return None;
+        }
+        let entry = self.install(entry).await;
+        // A deletion between the check and the insertion removed it from memory after it
+        // was put there, or before: look again so that it is not served either way.
+        if self.was_deleted(entry.id) {
+            self.remove_local(entry.id).await;
+            return None;
+        }
+        Some(entry)
+    }
+
+    /// Whether this replica removed the entry within [`DELETED_TTL`].
+    pub fn was_deleted(&self, id: EntryId) -> bool {
+        self.deleted.contains_key(&id)
     }
 
     fn merge_refusals_into(&self, entry: Arc<Entry>, other: &Entry) -> Arc<Entry> {
@@ -351,7 +402,7 @@ impl Store {
             if (i + 1) % 10_000 == 0 {
                 progress(i + 1);
             }
-            if entry.is_expired() {
+            if entry.is_expired() || self.was_deleted(entry.id) {
                 continue;
             }
             if let Some(held) = self.memory.get(entry.id).await {
@@ -387,8 +438,10 @@ impl Store {
         }
     }
 
-    /// Drops an entry from this replica (memory and index); Redis is not touched.
+    /// Drops an entry from this replica (memory and index); Redis is not touched. The id is
+    /// remembered for [`DELETED_TTL`] so that no read that started earlier brings it back.
     pub async fn remove_local(&self, id: EntryId) {
+        self.deleted.insert(id, ());
         self.memory.remove(id).await;
         self.tombstone(id);
     }
@@ -403,6 +456,29 @@ impl Store {
             }
         }
         n
+    }
+
+    /// Drops from this replica every entry Redis no longer holds (deleted by another replica
+    /// in events this one missed); returns how many. Writes this replica queued before are
+    /// applied first, so its own recent entries are found. Only a definite absence drops an
+    /// entry: a Redis error ends the pass (`Err`, nothing more dropped).
+    pub async fn drop_absent(&self) -> Result<u64, RedisError> {
+        let Some(redis) = &self.redis else {
+            return Ok(0);
+        };
+        let ids: Vec<EntryId> = self.memory.iter_entries().iter().map(|e| e.id).collect();
+        redis.flush().await?;
+        let mut dropped = 0;
+        for chunk in ids.chunks(RECONCILE_BATCH) {
+            let present = redis.exists_many(chunk).await?;
+            for (id, present) in chunk.iter().zip(present) {
+                if !present {
+                    self.remove_local(*id).await;
+                    dropped += 1;
+                }
+            }
+        }
+        Ok(dropped)
     }
 
     /// Deletes an entry everywhere (this replica, Redis and through it every replica).

@@ -3,130 +3,17 @@
 //! foreign values, outages and recovery through the circuit breaker, invalidation, full scans,
 //! and a 3-master cluster.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
+use common::*;
 use futures::StreamExt;
-use metrics::{
-    Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
-};
-use parking_lot::Mutex;
-use reprise_cache::redis::{
-    PolicyPublish, RedisConfig, RedisError, RedisTier, ReplicationEvent, ReplicationStream,
-};
+use reprise_cache::redis::{PolicyPublish, RedisConfig, RedisError, ReplicationEvent};
 use reprise_cache::testing::{RedisCluster, RedisServer};
-use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
-
-/// A recorder that only keeps counters, so tests can read `reprise_redis_skipped_total`.
-#[derive(Default)]
-struct Counters(Mutex<HashMap<String, Arc<TestCounter>>>);
-
-#[derive(Default)]
-struct TestCounter(AtomicU64);
-
-impl CounterFn for TestCounter {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::Relaxed);
-    }
-    fn absolute(&self, value: u64) {
-        self.0.fetch_max(value, Ordering::Relaxed);
-    }
-}
-
-impl Recorder for Counters {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        let c = self
-            .0
-            .lock()
-            .entry(key.name().to_string())
-            .or_default()
-            .clone();
-        Counter::from_arc(c)
-    }
-    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::noop()
-    }
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
-    }
-}
-
-/// The process-wide recorder (installed before any tier is created).
-fn counters() -> &'static Counters {
-    static RECORDER: OnceLock<&'static Counters> = OnceLock::new();
-    RECORDER.get_or_init(|| {
-        let r: &'static Counters = Box::leak(Box::default());
-        metrics::set_global_recorder(r).expect("no other recorder in this test binary");
-        r
-    })
-}
-
-/// Sum of a counter over all label sets registered so far.
-fn counter(name: &str) -> u64 {
-    counters()
-        .0
-        .lock()
-        .get(name)
-        .map_or(0, |c| c.0.load(Ordering::Relaxed))
-}
-
-fn config(url: String) -> RedisConfig {
-    RedisConfig {
-        url: Some(url),
-        ..RedisConfig::default()
-    }
-}
-
-async fn tier(cfg: RedisConfig, replica: &str) -> RedisTier {
-    counters();
-    RedisTier::connect(cfg, replica.to_string()).await.unwrap()
-}
-
-fn entry(namespace: &str, text: &str, ttl_ms: u64) -> Entry {
-    Entry {
-        id: EntryId::random(),
-        namespace: namespace.into(),
-        model: "m".into(),
-        text: text.into(),
-        finish_reason: "stop".into(),
-        prompt_tokens: 3,
-        completion_tokens: 5,
-        prompt: format!("prompt for {text}"),
-        partition: [7; 32],
-        embedding: Some(Arc::from(vec![0.25f32, -1.5, 3.0e-7])),
-        origin: Origin::Live,
-        tags: Vec::new(),
-        refusals: Vec::new(),
-        created_ms: now_ms(),
-        expires_ms: now_ms() + ttl_ms,
-    }
-}
-
-fn digest(n: u32) -> Digest {
-    *blake3::hash(&n.to_le_bytes()).as_bytes()
-}
-
-/// The next event, failing the test after a generous wait.
-async fn next_event(stream: &mut ReplicationStream) -> ReplicationEvent {
-    tokio::time::timeout(Duration::from_secs(20), stream.next())
-        .await
-        .expect("an event within 20 s")
-        .expect("the stream stays open")
-}
-
-/// A plain connection for writing foreign values and inspecting keys.
-async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
+use reprise_cache::{Entry, EntryId};
 
 #[tokio::test]
 async fn put_get_and_alias_round_trip() {

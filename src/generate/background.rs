@@ -35,9 +35,32 @@ pub async fn generate_in_background(
     state: &Arc<AppState>,
     namespace: &str,
     endpoint: Endpoint,
+    req: GenRequest,
+    origin: Origin,
+    check_cache: bool,
+) -> Background {
+    generate_tagged(
+        state,
+        namespace,
+        endpoint,
+        req,
+        origin,
+        check_cache,
+        Vec::new(),
+    )
+    .await
+}
+
+/// [`generate_in_background`], storing the answer with invalidation `tags` (refresh-ahead
+/// gives the renewed entry the tags of the one it replaces, so a tag delete still reaches it).
+pub async fn generate_tagged(
+    state: &Arc<AppState>,
+    namespace: &str,
+    endpoint: Endpoint,
     mut req: GenRequest,
     origin: Origin,
     check_cache: bool,
+    tags: Vec<String>,
 ) -> Background {
     if state
         .policies
@@ -74,6 +97,7 @@ pub async fn generate_in_background(
     }
     let mut plan = found.plan;
     plan.origin = origin;
+    plan.tags = tags;
     let exact = plan.exact;
     let (flight, mut sub) = state.flights.solo(Some(plan.id));
     super::spawn(state.clone(), flight, None, req, Some(plan));

@@ -21,7 +21,7 @@ use reprise_cache::Digest;
 use crate::flight::{End, Flight};
 use crate::lookup::WritePlan;
 use crate::state::AppState;
-pub use background::{generate_in_background, Background};
+pub use background::{generate_in_background, generate_tagged, Background};
 pub(crate) use deadlines::Deadlines;
 pub(crate) use write_back::write_back;
 

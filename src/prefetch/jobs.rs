@@ -13,7 +13,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::propose::Proposal;
 use super::{bump, Shared};
 use crate::auth::scope_of as pool_of;
-use crate::generate::{generate_in_background, Background};
+use crate::generate::{generate_tagged, Background};
 use crate::openai::Endpoint;
 use crate::state::AppState;
 
@@ -215,13 +215,24 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
         JobKind::Refresh(_) => (Origin::Refresh, false),
         _ => (Origin::Prefetch, true),
     };
-    let result = generate_in_background(
+    // A renewed entry keeps the tags of the one it replaces.
+    let tags = match job.kind {
+        JobKind::Refresh(old) => state
+            .store
+            .get(old)
+            .await
+            .map(|e| e.tags.clone())
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    let result = generate_tagged(
         state,
         &job.namespace,
         job.endpoint,
         job.request.clone(),
         origin,
         check_cache,
+        tags,
     )
     .await;
     // The answer serves the follow-up in the cluster's other observed wordings too: their

@@ -30,6 +30,9 @@ pub struct RedisConfig {
     pub breaker_cooldown_ms: u64,
     /// Approximate length the replication event stream is trimmed to (`XADD MAXLEN ~`).
     pub events_maxlen: usize,
+    /// Largest entry value read from Redis, bytes. A larger value is never fetched: it reads
+    /// as absent and counts in `reprise_redis_skipped_total`.
+    pub max_value_bytes: usize,
 }
 
 impl Default for RedisConfig {
@@ -44,6 +47,7 @@ impl Default for RedisConfig {
             breaker_failures: 5,
             breaker_cooldown_ms: 2000,
             events_maxlen: 100_000,
+            max_value_bytes: 8 << 20,
         }
     }
 }
@@ -75,6 +79,7 @@ impl fmt::Debug for RedisConfig {
             .field("breaker_failures", &self.breaker_failures)
             .field("breaker_cooldown_ms", &self.breaker_cooldown_ms)
             .field("events_maxlen", &self.events_maxlen)
+            .field("max_value_bytes", &self.max_value_bytes)
             .finish()
     }
 }

@@ -108,6 +108,11 @@ impl Conn {
         }
     }
 
+    /// Whether this is a cluster (keys of one script must then share a slot).
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self, Conn::Cluster(_))
+    }
+
     /// Runs one command on a given node (the only server when not a cluster).
     pub(crate) async fn query_node<T: FromRedisValue>(
         &self,

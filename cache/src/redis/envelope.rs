@@ -1,5 +1,6 @@
 //! The versioned JSON envelope an entry is stored in, and decoding a stored value: anything
-//! but a current envelope of the expected, unexpired entry is skipped (a miss, counted).
+//! but a current envelope of the expected, unexpired entry with a usable embedding is skipped
+//! (a miss, counted). Values over `max_value_bytes` are not even read (`shared.rs`).
 
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +36,16 @@ impl Shared {
             }
             // Redis expires it at the same moment; clocks of replicas may differ slightly.
             Ok(env) if env.entry.is_expired() => None,
+            Ok(env)
+                if env
+                    .entry
+                    .embedding
+                    .as_ref()
+                    .is_some_and(|v| v.is_empty() || v.iter().any(|x| !x.is_finite())) =>
+            {
+                self.skip(name, "embedding empty or not finite");
+                None
+            }
             Ok(env) => Some(env.entry),
             Err(_) => {
                 self.skip(name, "not an entry envelope");

@@ -3,9 +3,17 @@
 //! Every put, delete and namespace delete is appended (XADD, capped with `MAXLEN ~`) with the
 //! writer's replica id, so each replica can keep its in-process tiers (memory, semantic index)
 //! in step with the shared Redis tier and skip its own events. A new version of the shared
-//! policies is announced the same way. A reader that may have missed events (it was
-//! disconnected while the stream was trimmed, or Redis lost the stream in a restart) is told
-//! so with [`ReplicationEvent::Resync`] and rebuilds from a full scan.
+//! policies is announced the same way. A reader that may have missed events is told so with
+//! [`ReplicationEvent::Resync`] and rebuilds from a full scan.
+//!
+//! Missed events are found on every read, not only after a connection error: each read is
+//! one script ([`READ_SCRIPT`]) that returns the stream's `max-deleted-entry-id` (Redis 7;
+//! the first entry's id on older servers) and last id together with the events after the
+//! reader's position, in one atomic step. An entry after the position that was trimmed away
+//! (a reader that fell behind by more than `MAXLEN`) or a stream that is gone or went back
+//! (Redis restarted without it) is a gap. A reader that was disconnected also compares the
+//! stream's ends with its position when it is back (a restart may have recreated the stream
+//! with newer ids).
 
 use std::fmt;
 use std::pin::Pin;
@@ -57,6 +65,26 @@ pub(crate) const OP_PUT: &str = "put";
 pub(crate) const OP_DEL: &str = "del";
 pub(crate) const OP_DEL_NS: &str = "del_ns";
 pub(crate) const OP_POLICIES: &str = "policies";
+
+/// One read: the stream's state and the events after position `ARGV[2]` (at most `ARGV[1]`),
+/// atomically, so that a trim cannot fall between the check and the read. Returns
+/// `{exists, last-generated-id, max-deleted-entry-id, first id, length, events}`;
+/// `max-deleted` (events removed by `XDEL`) is `0-0` when the server does not report it
+/// (before Redis 7). One key, so it runs on a cluster too.
+const READ_SCRIPT: &str = "\
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, '0-0', '0-0', '0-0', 0, {}} end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local last, deleted, length = '0-0', '0-0', 0
+for i = 1, #info, 2 do
+  if info[i] == 'last-generated-id' then last = info[i + 1]
+  elseif info[i] == 'max-deleted-entry-id' then deleted = info[i + 1]
+  elseif info[i] == 'length' then length = info[i + 1] end
+end
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+local first_id = '0-0'
+if #first > 0 then first_id = first[1][1] end
+local events = redis.call('XRANGE', KEYS[1], '(' .. ARGV[2], '+', 'COUNT', ARGV[1])
+return {1, last, deleted, first_id, length, events}";
 
 /// How long one XREAD blocks waiting for new events.
 const BLOCK: Duration = Duration::from_millis(1000);
@@ -236,24 +264,75 @@ impl Subscriber {
             Some(_) => {}
         }
         let cursor = state.cursor.unwrap_or(StreamPos::ZERO);
-        let cmd = ::redis::cmd("XREAD")
-            .arg("COUNT")
-            .arg(READ_COUNT)
-            .arg("BLOCK")
-            .arg(BLOCK.as_millis() as u64)
-            .arg("STREAMS")
+        let read = ::redis::cmd("EVAL")
+            .arg(READ_SCRIPT)
+            .arg(1)
             .arg(&self.stream_key)
+            .arg(READ_COUNT)
             .arg(cursor.to_string())
             .clone();
-        let reply: Option<StreamReadReply> = self.bounded(conn, &cmd, BLOCK).await?;
-        for key in reply.into_iter().flat_map(|r| r.keys) {
-            for item in key.ids {
-                if let Ok(pos) = item.id.parse() {
-                    state.cursor = Some(pos);
-                }
-                if let Some(event) = self.decode(&item) {
-                    events.push(event);
-                }
+        let (exists, last, deleted, first, length, items): (
+            i64,
+            String,
+            String,
+            String,
+            u64,
+            StreamRangeReply,
+        ) = self.bounded(conn, &read, Duration::ZERO).await?;
+        let pos = |s: &str| s.parse::<StreamPos>().unwrap_or(StreamPos::ZERO);
+        let (last, deleted, first) = (pos(&last), pos(&deleted), pos(&first));
+        if cursor != StreamPos::ZERO {
+            let gap = if exists == 0 {
+                // Gone (deleted, or Redis restarted without it) though we had read some.
+                true
+            } else if last < cursor {
+                // Recreated with smaller ids.
+                true
+            } else if deleted > cursor {
+                // An event after our position was deleted (`XDEL`) before we read it.
+                true
+            } else if length == 0 {
+                // Trimmed empty: anything written after our position is gone.
+                last > cursor
+            } else {
+                // Trimmed from the start: the oldest event left is after ours, so events
+                // between may have gone (or only ours did: a resync too many, never one too
+                // few; a reader that keeps up holds a position near the newest event, far
+                // from the trimmed end).
+                first > cursor
+            };
+            if gap {
+                tracing::info!(
+                    cursor = %cursor,
+                    "redis events: the stream was trimmed past this reader, resyncing"
+                );
+                // The rebuild reads the state as of now; events after `last` follow it.
+                state.cursor = Some(last);
+                events.push(ReplicationEvent::Resync);
+                return Ok(events);
+            }
+        }
+        if items.ids.is_empty() {
+            // Nothing new: wait for the next event (what the wait returns is read again, with
+            // the check, on the next turn).
+            let wait = ::redis::cmd("XREAD")
+                .arg("COUNT")
+                .arg(1)
+                .arg("BLOCK")
+                .arg(BLOCK.as_millis() as u64)
+                .arg("STREAMS")
+                .arg(&self.stream_key)
+                .arg(cursor.to_string())
+                .clone();
+            let _: Option<StreamReadReply> = self.bounded(conn, &wait, BLOCK).await?;
+            return Ok(events);
+        }
+        for item in items.ids {
+            if let Ok(pos) = item.id.parse() {
+                state.cursor = Some(pos);
+            }
+            if let Some(event) = self.decode(&item) {
+                events.push(event);
             }
         }
         Ok(events)

@@ -16,6 +16,31 @@ use super::keys::Keys;
 use super::metrics::{Op, RedisMetrics};
 use crate::entry::{Entry, EntryId};
 
+/// Reads a value only when it is at most `ARGV[1]` bytes long: returns the value, nil when
+/// absent, or its length when longer (never sent). One key, so it runs on a cluster too.
+const CAPPED_GET: &str = "\
+local n = redis.call('STRLEN', KEYS[1])
+if n == 0 then return false end
+if n > tonumber(ARGV[1]) then return n end
+return redis.call('GET', KEYS[1])";
+
+/// What [`CAPPED_GET`] answered.
+enum Capped {
+    Value(Vec<u8>),
+    Absent,
+    TooLarge(i64),
+}
+
+impl ::redis::FromRedisValue for Capped {
+    fn from_redis_value(v: ::redis::Value) -> Result<Self, ::redis::ParsingError> {
+        match v {
+            ::redis::Value::Nil => Ok(Capped::Absent),
+            ::redis::Value::Int(n) => Ok(Capped::TooLarge(n)),
+            other => Ok(Capped::Value(::redis::from_redis_value(other)?)),
+        }
+    }
+}
+
 /// State shared by the handles and the background tasks.
 pub(super) struct Shared {
     pub(super) keys: Keys,
@@ -23,6 +48,8 @@ pub(super) struct Shared {
     pub(super) timeout: Duration,
     pub(super) connect_timeout: Duration,
     pub(super) events_maxlen: usize,
+    /// Largest value read (see `RedisConfig::max_value_bytes`).
+    pub(super) max_value_bytes: usize,
     pub(super) connector: Connector,
     /// Replaced on each half-open probe; a read lock per command to clone the handle.
     pub(super) conn: RwLock<Conn>,
@@ -111,13 +138,38 @@ impl Shared {
         tracing::debug!(key, why, "redis: value skipped");
     }
 
+    /// The `GET` of an entry key, unless the value is over the size cap.
+    fn capped_get(&self, name: &str) -> ::redis::Cmd {
+        ::redis::cmd("EVAL")
+            .arg(CAPPED_GET)
+            .arg(1)
+            .arg(name)
+            .arg(self.max_value_bytes)
+            .clone()
+    }
+
+    /// A capped read's value; one over the cap is absent (skipped and counted).
+    fn uncap(&self, name: &str, got: Capped) -> Option<Vec<u8>> {
+        match got {
+            Capped::Value(v) => Some(v),
+            Capped::Absent => None,
+            Capped::TooLarge(n) => {
+                tracing::debug!(key = name, bytes = n, "redis: value over max_value_bytes");
+                self.skip(name, "over max_value_bytes");
+                None
+            }
+        }
+    }
+
     /// An entry by id (for either read operation's metrics).
     pub(super) async fn get(&self, op: Op, id: EntryId) -> Result<Option<Entry>, RedisError> {
         let name = self.keys.entry(id);
-        let cmd = ::redis::cmd("GET").arg(&name).clone();
-        let raw: Option<Vec<u8>> = match self.run(op, |c| async move { c.query(&cmd).await }).await
+        let cmd = self.capped_get(&name);
+        let raw: Option<Vec<u8>> = match self
+            .run(op, |c| async move { c.query::<Capped>(&cmd).await })
+            .await
         {
-            Ok(raw) => raw,
+            Ok(got) => self.uncap(&name, got),
             Err(e) if is_wrong_type(&e) => {
                 self.skip(&name, "not a string");
                 None
@@ -142,10 +194,8 @@ impl Shared {
             .run(op, |c| async move {
                 let replies = join_all(names.iter().map(|(name, _)| {
                     let c = c.clone();
-                    async move {
-                        let cmd = ::redis::cmd("GET").arg(name).clone();
-                        c.query::<Option<Vec<u8>>>(&cmd).await
-                    }
+                    let cmd = self.capped_get(name);
+                    async move { c.query::<Capped>(&cmd).await }
                 }))
                 .await;
                 if let Some(e) = replies
@@ -160,11 +210,12 @@ impl Shared {
         Ok(results
             .into_iter()
             .zip(names)
-            .map(|(r, (name, _))| {
-                r.unwrap_or_else(|_| {
+            .map(|(r, (name, _))| match r {
+                Ok(got) => self.uncap(name, got),
+                Err(_) => {
                     self.skip(name, "not a string");
                     None
-                })
+                }
             })
             .collect())
     }

@@ -28,6 +28,29 @@ if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then
 end
 return 1";
 
+/// A whole put on a single server, in one step: index sets first (as [`INDEX_SCRIPT`]), then
+/// the entry, its exact keys and the event. A failing index (say, a foreign value under an
+/// index key) aborts the script before the entry is written, so no entry is ever stored
+/// without its index entries, where a namespace or tag delete could not find it; and nothing
+/// else runs between the steps. `KEYS`: entry, events, `ARGV[6]` index sets, exact keys.
+/// `ARGV`: value, ttl, expiry, id, now, index count, events maxlen, namespace, origin.
+const PUT_SCRIPT: &str = "\
+local ttl = tonumber(ARGV[2])
+local nidx = tonumber(ARGV[6])
+for i = 3, 2 + nidx do
+  redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[5])
+  if redis.call('PTTL', KEYS[i]) < ttl then
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+for i = 3 + nidx, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[4], 'PX', ttl)
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'op', 'put', 'id', ARGV[4], 'ns', ARGV[8], 'origin', ARGV[9])
+return 1";
+
 /// Writes taken from the queue at once; puts and aliases of one batch run concurrently.
 const WRITE_BATCH: usize = 64;
 /// Ids deleted per round of a namespace or tag delete.
@@ -175,43 +198,8 @@ impl Shared {
                 if ttl == 0 {
                     return Ok(());
                 }
-                let id_str = id.to_string();
-                let mut cmds = Vec::with_capacity(keys.len() + tags.len() + 3);
-                cmds.push(
-                    ::redis::cmd("SET")
-                        .arg(self.keys.entry(id))
-                        .arg(bytes)
-                        .arg("PX")
-                        .arg(ttl)
-                        .clone(),
-                );
-                for key in &keys {
-                    cmds.push(
-                        ::redis::cmd("SET")
-                            .arg(self.keys.key(key))
-                            .arg(&id_str)
-                            .arg("PX")
-                            .arg(ttl)
-                            .clone(),
-                    );
-                }
-                let index = |name: String| {
-                    ::redis::cmd("EVAL")
-                        .arg(INDEX_SCRIPT)
-                        .arg(1)
-                        .arg(name)
-                        .arg(expires_ms)
-                        .arg(&id_str)
-                        .arg(now)
-                        .arg(ttl)
-                        .clone()
-                };
-                cmds.push(index(self.keys.namespace(&namespace)));
-                for tag in &tags {
-                    cmds.push(index(self.keys.tag(tag)));
-                }
-                cmds.push(self.event(events::OP_PUT, Some(id), &namespace));
-                self.run(Op::Put, |c| run_all(c, cmds)).await.map(drop)
+                self.put(id, &namespace, expires_ms, now, ttl, bytes, &keys, &tags)
+                    .await
             }
             Write::Alias {
                 key,
@@ -247,6 +235,94 @@ impl Shared {
                     .map(drop)
             }
         }
+    }
+
+    /// Stores an entry with its keys and index entries, never the entry without its index
+    /// entries: on a single server in one script ([`PUT_SCRIPT`]); on a cluster, where they
+    /// live in different slots, index sets first, then (only when they were written) the
+    /// entry and its keys, then the event.
+    #[allow(clippy::too_many_arguments)]
+    async fn put(
+        &self,
+        id: EntryId,
+        namespace: &str,
+        expires_ms: u64,
+        now: u64,
+        ttl: u64,
+        bytes: Vec<u8>,
+        keys: &[Digest],
+        tags: &[String],
+    ) -> Result<(), RedisError> {
+        let id_str = id.to_string();
+        let indexes: Vec<String> = std::iter::once(self.keys.namespace(namespace))
+            .chain(tags.iter().map(|t| self.keys.tag(t)))
+            .collect();
+        let cluster = self.conn.read().is_cluster();
+        if !cluster {
+            let mut cmd = ::redis::cmd("EVAL");
+            cmd.arg(PUT_SCRIPT)
+                .arg(2 + indexes.len() + keys.len())
+                .arg(self.keys.entry(id))
+                .arg(self.keys.events())
+                .arg(&indexes);
+            for key in keys {
+                cmd.arg(self.keys.key(key));
+            }
+            cmd.arg(bytes)
+                .arg(ttl)
+                .arg(expires_ms)
+                .arg(&id_str)
+                .arg(now)
+                .arg(indexes.len())
+                .arg(self.events_maxlen)
+                .arg(namespace)
+                .arg(&self.replica_id);
+            return self
+                .run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
+                .await
+                .map(drop);
+        }
+        let index: Vec<::redis::Cmd> = indexes
+            .into_iter()
+            .map(|name| {
+                ::redis::cmd("EVAL")
+                    .arg(INDEX_SCRIPT)
+                    .arg(1)
+                    .arg(name)
+                    .arg(expires_ms)
+                    .arg(&id_str)
+                    .arg(now)
+                    .arg(ttl)
+                    .clone()
+            })
+            .collect();
+        let mut sets = Vec::with_capacity(keys.len() + 1);
+        sets.push(
+            ::redis::cmd("SET")
+                .arg(self.keys.entry(id))
+                .arg(bytes)
+                .arg("PX")
+                .arg(ttl)
+                .clone(),
+        );
+        for key in keys {
+            sets.push(
+                ::redis::cmd("SET")
+                    .arg(self.keys.key(key))
+                    .arg(&id_str)
+                    .arg("PX")
+                    .arg(ttl)
+                    .clone(),
+            );
+        }
+        let event = self.event(events::OP_PUT, Some(id), namespace);
+        self.run(Op::Put, |c| async move {
+            run_all(c.clone(), index).await?;
+            run_all(c.clone(), sets).await?;
+            c.query::<Value>(&event).await
+        })
+        .await
+        .map(drop)
     }
 
     /// Applies a delete or flush and answers its caller.

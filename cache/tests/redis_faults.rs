@@ -1,0 +1,288 @@
+//! The store and the Redis tier under faults and races, against real `redis-server`
+//! processes: a Redis that cannot answer never tombstones a semantic candidate, a deletion
+//! wins over a promotion that read the entry before it, index sets outlive their entries, a
+//! put is all or nothing, values over the size cap are never used.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use reprise_cache::redis::{RedisConfig, ReplicationEvent};
+use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+use reprise_cache::testing::RedisServer;
+use reprise_cache::{ByKey, Store};
+
+/// A store over a tier of `cfg` with a 3-dimensional index, as one replica.
+async fn store(cfg: RedisConfig, replica: &str) -> Store {
+    let redis = tier(cfg, replica).await;
+    let index = Arc::new(SemanticIndex::new(3, IndexConfig::default()));
+    Store::new(
+        1 << 20,
+        Duration::from_secs(60),
+        Some(redis),
+        Some(index),
+        None,
+    )
+}
+
+/// A candidate whose entry this replica does not hold keeps its vector while Redis cannot
+/// say whether the entry exists; once Redis answers "absent", the vector is tombstoned.
+#[tokio::test]
+async fn a_redis_error_never_tombstones_a_candidate() {
+    let mut server = RedisServer::start();
+    let cfg = RedisConfig {
+        breaker_cooldown_ms: 100,
+        ..config(server.url())
+    };
+    let a = store(cfg.clone(), "a").await;
+    let b = store(cfg, "b").await;
+    let e = Arc::new(entry("ns", "hello", 60_000));
+    a.insert(e.clone(), &[digest(1)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    // B knows the vector (as from a replicated put whose entry memory then evicted).
+    let index = b.index().unwrap();
+    index.insert(e.partition, e.id, e.embedding.clone().unwrap());
+
+    server.stop();
+    for _ in 0..10 {
+        assert!(b.fetch(e.id).await.is_none(), "Redis is down");
+        assert!(index.contains(e.id), "an error is not an absence");
+    }
+
+    // Back (empty): Redis now answers that the entry is absent.
+    server.restart();
+    let mut gone = false;
+    for _ in 0..100 {
+        assert!(b.fetch(e.id).await.is_none());
+        if !index.contains(e.id) {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "a definite absence tombstones the vector");
+}
+
+/// A read of Redis that started before a deletion reached this replica (a key lookup's
+/// promotion, a candidate fetch, a replicated put) does not bring the entry back.
+#[tokio::test]
+async fn a_deletion_wins_over_a_late_promotion() {
+    let server = RedisServer::start();
+    let a = store(config(server.url()), "a").await;
+    let b = store(config(server.url()), "b").await;
+    let e = Arc::new(entry("ns", "hello", 60_000));
+    a.insert(e.clone(), &[digest(1)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+
+    // B read the entry from Redis (the read in flight) ...
+    let read = b.redis().unwrap().get(e.id).await.unwrap().unwrap();
+    // ... when the deletion event arrived and was applied ...
+    b.remove_local(e.id).await;
+    // ... and then the read's result would be installed.
+    b.install(read).await;
+    assert!(b.get(e.id).await.is_none(), "not back in memory");
+    assert_eq!(b.indexed(), 0, "nor in the index");
+
+    // Redis still holds it here (the deletion's own DEL has not been applied): a lookup by key
+    // or by id does not promote it either.
+    let (found, probe) = b.find(&digest(1), |_| true).await;
+    assert!(matches!(found, ByKey::Absent), "{found:?}");
+    assert_eq!(probe.redis, Some(false));
+    assert!(b.fetch(e.id).await.is_none());
+    assert!(b.get(e.id).await.is_none());
+    assert_eq!(b.indexed(), 0);
+
+    // Another entry is promoted as before.
+    let f = Arc::new(entry("ns", "world", 60_000));
+    a.insert(f.clone(), &[digest(2)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    let (found, _) = b.find(&digest(2), |_| true).await;
+    assert_eq!(found.fresh().map(|x| x.id), Some(f.id));
+}
+
+/// A reader that fell behind by more than the stream keeps (its consumer stalled while other
+/// replicas kept writing) is told to resync on its next read, with no connection error to
+/// give it away, rather than skipping the trimmed events (a delete among them).
+#[tokio::test]
+async fn a_reader_behind_the_trimmed_stream_is_told_to_resync() {
+    let server = RedisServer::start();
+    let a = tier(config(server.url()), "a").await;
+    let b = tier(config(server.url()), "b").await;
+    let mut b_events = b.subscribe(true);
+    // B is subscribed (its start position resolved) once it sees a first event.
+    let first = entry("ns", "first", 60_000);
+    a.put(&first, &[]);
+    a.flush().await.unwrap();
+    assert!(matches!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::Put { id, .. } if id == first.id
+    ));
+
+    // B's consumer stalls: its reader buffers what it can (1024 events, plus one read in
+    // hand) and waits. 1,400 puts are more than that.
+    for i in 0..1_400 {
+        assert!(a.put(&entry("ns", &format!("p{i}"), 60_000), &[]));
+    }
+    a.flush().await.unwrap();
+    // A delete B has not read, more puts, then the stream is trimmed past them all (as
+    // writers' `MAXLEN` does once enough events followed).
+    let victim = entry("ns", "victim", 60_000);
+    a.put(&victim, &[]);
+    a.flush().await.unwrap();
+    assert!(a.delete(victim.id).await.unwrap());
+    for i in 0..1_000 {
+        assert!(a.put(&entry("ns", &format!("q{i}"), 60_000), &[]));
+    }
+    let last = entry("ns", "last", 60_000);
+    a.put(&last, &[]);
+    a.flush().await.unwrap();
+    let mut c = raw(&server.url()).await;
+    let trimmed: u64 = redis::cmd("XTRIM")
+        .arg("reprise:events")
+        .arg("MAXLEN")
+        .arg(10)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(trimmed > 2_000, "{trimmed}");
+
+    // B catches up: the delete is gone from the stream, so it must be told to resync (the
+    // rebuild reads Redis as it is, without the victim) rather than read on past the gap.
+    loop {
+        match next_event(&mut b_events).await {
+            ReplicationEvent::Resync => break,
+            ReplicationEvent::Delete { id } if id == victim.id => {
+                panic!("the delete was trimmed, it cannot be read")
+            }
+            ReplicationEvent::Put { id, .. } if id == last.id => {
+                panic!("B read on past the trimmed events without a resync")
+            }
+            _ => {}
+        }
+    }
+    // Events after the resync arrive as usual.
+    let after = entry("ns", "after", 60_000);
+    a.put(&after, &[]);
+    a.flush().await.unwrap();
+    loop {
+        match next_event(&mut b_events).await {
+            ReplicationEvent::Put { id, .. } if id == after.id => break,
+            ReplicationEvent::Put { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// `PTTL` of a key, milliseconds.
+async fn pttl(c: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query_async(c).await.unwrap()
+}
+
+/// Namespace and tag index sets never expire before their entries: each put raises their
+/// lifetime to at least the entry's, and a shorter-lived entry does not lower it.
+#[tokio::test]
+async fn index_sets_outlive_their_entries() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let tags = ["doc-1".to_string()];
+    let short = entry("ns", "short", 30_000);
+    let long = entry("ns", "long", 600_000);
+    let shorter = entry("ns", "shorter", 10_000);
+    let mut c = raw(&server.url()).await;
+    for e in [&short, &long, &shorter] {
+        assert!(t.put_with_tags(e, &[], &tags));
+        t.flush().await.unwrap();
+        for set in ["reprise:ns:{ns}", "reprise:tag:{doc-1}"] {
+            let entry_ttl = pttl(&mut c, &format!("reprise:e:{{{}}}", long.id)).await;
+            let set_ttl = pttl(&mut c, set).await;
+            assert!(set_ttl > 0, "{set} expires");
+            let longest = if e.id == short.id {
+                pttl(&mut c, &format!("reprise:e:{{{}}}", short.id)).await
+            } else {
+                entry_ttl
+            };
+            assert!(set_ttl >= longest, "{set}: {set_ttl} < {longest}");
+        }
+    }
+}
+
+/// A put whose index entry cannot be written (a foreign value under the tag's index key)
+/// stores nothing: never an entry that a tag delete could not find.
+#[tokio::test]
+async fn a_put_is_all_or_nothing() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let mut c = raw(&server.url()).await;
+    let _: () = redis::cmd("SET")
+        .arg("reprise:tag:{broken}")
+        .arg("not a set")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let e = entry("ns", "hello", 60_000);
+    assert!(t.put_with_tags(&e, &[digest(1)], &["fine".into(), "broken".into()]));
+    t.flush().await.unwrap();
+    assert_eq!(
+        t.get(e.id).await.unwrap(),
+        None,
+        "no entry without its index"
+    );
+    assert_eq!(t.get_by_key(&digest(1)).await.unwrap(), None);
+    assert_eq!(t.health().dropped_writes, 1, "counted as dropped");
+    let len: u64 = redis::cmd("XLEN")
+        .arg("reprise:events")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(len, 0, "and no event announces it");
+
+    // The same put with a usable tag is stored whole.
+    assert!(t.put_with_tags(&e, &[digest(1)], &["fine".into()]));
+    t.flush().await.unwrap();
+    assert_eq!(
+        t.get_by_key(&digest(1)).await.unwrap().map(|x| x.id),
+        Some(e.id)
+    );
+    assert_eq!(t.delete_tag("fine").await.unwrap(), 1);
+}
+
+/// Values over `max_value_bytes` are never read: they are absent, and counted as skipped; a
+/// key whose value is longer than an id is not read whole either.
+#[tokio::test]
+async fn values_over_the_size_cap_read_as_absent() {
+    let server = RedisServer::start();
+    let t = tier(
+        RedisConfig {
+            max_value_bytes: 4096,
+            ..config(server.url())
+        },
+        "a",
+    )
+    .await;
+    let small = entry("ns", "small", 60_000);
+    let mut big = entry("ns", &"x".repeat(10_000), 60_000);
+    big.prompt = "big".into();
+    assert!(t.put(&small, &[digest(1)]));
+    assert!(t.put(&big, &[digest(2)]));
+    t.flush().await.unwrap();
+    let skipped = counter("reprise_redis_skipped_total");
+    assert_eq!(t.get(small.id).await.unwrap().map(|e| e.id), Some(small.id));
+    assert_eq!(t.get(big.id).await.unwrap(), None, "over the cap");
+    assert_eq!(t.get_by_key(&digest(2)).await.unwrap(), None);
+    assert!(counter("reprise_redis_skipped_total") >= skipped + 2);
+    let scanned = t.scan_entries(|_| {}).await.unwrap();
+    assert_eq!(scanned.len(), 1, "a scan skips it too");
+
+    // A key holding something longer than an id.
+    let mut c = raw(&server.url()).await;
+    let key = format!("reprise:k:{}", blake3::Hash::from(digest(3)).to_hex());
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg(format!("{}{}", small.id, "y".repeat(1 << 20)))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(t.get_by_key(&digest(3)).await.unwrap(), None);
+}
