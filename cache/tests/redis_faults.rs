@@ -8,6 +8,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
+
 use common::*;
 use reprise_cache::redis::{RedisConfig, ReplicationEvent};
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
@@ -111,14 +113,19 @@ async fn a_reader_behind_the_trimmed_stream_is_told_to_resync() {
     let a = tier(config(server.url()), "a").await;
     let b = tier(config(server.url()), "b").await;
     let mut b_events = b.subscribe(true);
-    // B is subscribed (its start position resolved) once it sees a first event.
-    let first = entry("ns", "first", 60_000);
-    a.put(&first, &[]);
-    a.flush().await.unwrap();
-    assert!(matches!(
-        next_event(&mut b_events).await,
-        ReplicationEvent::Put { id, .. } if id == first.id
-    ));
+    // B is subscribed (its start position resolved, after whatever was written before)
+    // once it sees an event: puts until it does.
+    let mut subscribed = false;
+    for i in 0..100 {
+        a.put(&entry("ns", &format!("first{i}"), 60_000), &[]);
+        a.flush().await.unwrap();
+        let seen = tokio::time::timeout(Duration::from_millis(200), b_events.next()).await;
+        if matches!(seen, Ok(Some(ReplicationEvent::Put { .. }))) {
+            subscribed = true;
+            break;
+        }
+    }
+    assert!(subscribed, "B never saw an event");
 
     // B's consumer stalls: its reader buffers what it can (1024 events, plus one read in
     // hand) and waits. 1,400 puts are more than that.
@@ -175,9 +182,14 @@ async fn a_reader_behind_the_trimmed_stream_is_told_to_resync() {
     }
 }
 
-/// `PTTL` of a key, milliseconds.
+/// When a key expires (`PEXPIRETIME`, Unix milliseconds; -1 without expiry): absolute, so
+/// two keys compare the same whenever they are read.
 async fn pttl(c: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
-    redis::cmd("PTTL").arg(key).query_async(c).await.unwrap()
+    redis::cmd("PEXPIRETIME")
+        .arg(key)
+        .query_async(c)
+        .await
+        .unwrap()
 }
 
 /// Namespace and tag index sets never expire before their entries: each put raises their

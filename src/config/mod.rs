@@ -507,6 +507,10 @@ pub struct PrefetchConfig {
     pub regroup_min_seen: f64,
     /// Half-life of the learned counts in seconds: old habits fade.
     pub half_life_secs: f64,
+    /// Bytes the learned model may hold (questions, their vectors and follow-up counts, over
+    /// every namespace); past it the least recently used are forgotten. Questions longer
+    /// than 4 KiB are not learned.
+    pub model_bytes: u64,
     /// Background generations (prefetch and refresh) running at once.
     pub max_concurrent: usize,
     /// Tokens background generations may produce per sliding minute; none start once spent.
@@ -538,6 +542,7 @@ impl Default for PrefetchConfig {
             regroup_min_cosine: 0.4,
             regroup_min_seen: 3.0,
             half_life_secs: 3600.0,
+            model_bytes: 64 * 1024 * 1024,
             max_concurrent: 1,
             max_tokens_per_minute: 20_000,
             max_backend_share: 0.5,

@@ -87,7 +87,10 @@ impl Shared {
             self.sessions.get(key).map(|s| s.entry)
         });
         let multi = has_history(&obs.request);
-        let predictions = {
+        // A question too long to be worth predicting is not learned (it would only take the
+        // model's memory); the session still moves on to it.
+        let learnable = prompt.len() <= model::MAX_PROMPT_BYTES;
+        let predictions = learnable.then(|| {
             let mut model = self.model.lock();
             // One question for counting: close enough to the cluster's representative, and
             // the gate passes. The gate applies even when the semantic tier runs without it:
@@ -122,14 +125,14 @@ impl Shared {
             } else {
                 None
             }
-        };
+        });
         if let Some(key) = session_key {
             self.sessions.insert(key, SessionLast { entry: entry.id });
         }
         if self.cfg.refresh_ahead {
             self.note_hit(&obs, now);
         }
-        let Some((predictions, style)) = predictions else {
+        let Some((predictions, style)) = predictions.flatten() else {
             return;
         };
         bump(&self.counts.predictions, predictions.len() as u64);

@@ -219,7 +219,7 @@ impl Prefetcher {
     pub fn new(cfg: PrefetchConfig) -> Arc<Prefetcher> {
         let (observer, rx) = Observer::channel(OBSERVATION_QUEUE);
         let shared = Arc::new(Shared {
-            model: Mutex::new(Model::new(cfg.half_life_secs)),
+            model: Mutex::new(Model::with_budget(cfg.half_life_secs, cfg.model_bytes)),
             sessions: moka::sync::Cache::builder()
                 .max_capacity(MAX_SESSIONS)
                 .time_to_idle(SESSION_IDLE)

@@ -54,6 +54,13 @@ const MAX_NEXT: usize = 64;
 /// Wordings kept per cluster; beyond this the least used one (never the representative)
 /// makes room.
 pub const MAX_WORDINGS: usize = 16;
+/// Longest question (bytes) the model learns; longer ones are not predicted.
+pub const MAX_PROMPT_BYTES: usize = 4096;
+/// Bytes counted for a node or cluster besides its texts, vector and follow-ups (maps,
+/// counters, its key).
+const ITEM_OVERHEAD: usize = 160;
+/// Bytes counted per follow-up count (key, count, map slot).
+const NEXT_BYTES: usize = 48;
 
 /// A count that halves every half-life.
 #[derive(Debug, Clone, Copy, Default)]
@@ -137,6 +144,12 @@ pub struct Model {
     half_life_ms: f64,
     namespaces: HashMap<String, Namespace>,
     changed: bool,
+    /// Bytes the model may hold ([`Model::bytes`]); the least recently touched go first.
+    budget: u64,
+    /// [`Model::bytes`] when last measured, plus what was added since (an overestimate:
+    /// what left since is not subtracted), so the model is measured again only when it may
+    /// have passed the budget.
+    estimate: u64,
 }
 
 /// Two prompts are one question by exact text only (the join rule when nothing better is
@@ -164,13 +177,77 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
 }
 
 impl Model {
-    /// An empty model whose counts halve every `half_life_secs`.
+    /// An empty model whose counts halve every `half_life_secs`, without a byte budget.
+    #[cfg(test)]
     pub fn new(half_life_secs: f64) -> Model {
+        Model::with_budget(half_life_secs, u64::MAX)
+    }
+
+    /// An empty model that holds at most about `budget` bytes ([`Model::bytes`]).
+    pub fn with_budget(half_life_secs: f64, budget: u64) -> Model {
         Model {
             half_life_ms: (half_life_secs * 1000.0).max(1.0),
             namespaces: HashMap::new(),
             changed: false,
+            budget,
+            estimate: 0,
         }
+    }
+
+    /// What the model holds, in bytes: texts, vectors, follow-up counts and a fixed overhead
+    /// per node, cluster and namespace.
+    pub fn bytes(&self) -> u64 {
+        let mut total = 0usize;
+        for (name, space) in &self.namespaces {
+            total += name.len() + ITEM_OVERHEAD;
+            total += space.nodes.values().map(node_bytes).sum::<usize>();
+            total += space.clusters.values().map(cluster_bytes).sum::<usize>();
+        }
+        total as u64
+    }
+
+    /// Counts `added` bytes; past the budget, measures the model and forgets the least
+    /// recently touched nodes and clusters (of any namespace) until it holds at most nine
+    /// tenths of it, so the next measurement is a tenth of the budget away.
+    fn grew(&mut self, added: usize) {
+        self.estimate = self.estimate.saturating_add(added as u64);
+        if self.estimate <= self.budget {
+            return;
+        }
+        let goal = self.budget / 10 * 9;
+        let mut bytes = self.bytes();
+        if bytes > goal {
+            enum Item {
+                Node(EntryId),
+                Cluster(u64),
+            }
+            let mut ages: Vec<(u64, String, Item)> = Vec::new();
+            for (ns, space) in &self.namespaces {
+                let nodes = space.nodes.iter();
+                ages.extend(nodes.map(|(id, n)| (n.touched_ms, ns.clone(), Item::Node(*id))));
+                let clusters = space.clusters.iter();
+                ages.extend(clusters.map(|(k, c)| (c.touched_ms, ns.clone(), Item::Cluster(*k))));
+            }
+            ages.sort_unstable_by_key(|(touched, _, _)| *touched);
+            for (_, ns, item) in ages {
+                if bytes <= goal {
+                    break;
+                }
+                let Some(space) = self.namespaces.get_mut(&ns) else {
+                    continue;
+                };
+                // A node whose cluster went is placed again when next seen.
+                let freed = match item {
+                    Item::Node(id) => space.nodes.remove(&id).as_ref().map_or(0, node_bytes),
+                    Item::Cluster(k) => space.clusters.remove(&k).as_ref().map_or(0, cluster_bytes),
+                };
+                bytes = bytes.saturating_sub(freed as u64);
+            }
+            self.namespaces
+                .retain(|_, s| !(s.nodes.is_empty() && s.clusters.is_empty()));
+            bytes = self.bytes();
+        }
+        self.estimate = bytes;
     }
 
     /// Whether anything changed since the last [`Model::take_changed`].
@@ -229,6 +306,9 @@ impl Model {
             forget_oldest(&mut space.nodes, MAX_NODES / 10);
         }
         self.changed = true;
+        // A new node (and perhaps a cluster and a wording): its texts and vector at most.
+        let vector = embedding.map_or(0, |e| e.len() * 4);
+        self.grew(3 * (ITEM_OVERHEAD + prompt.len() + vector));
     }
 
     /// Records that `next` answered the turn after `prev`; `multi`: the follow-up carried the
@@ -261,6 +341,7 @@ impl Model {
             }
         }
         self.changed = true;
+        self.grew(ITEM_OVERHEAD + 2 * NEXT_BYTES);
     }
 
     /// Whether follow-ups in `ns` mostly carry their history (`Some(true)`), mostly arrive as
@@ -326,6 +407,23 @@ fn trim_next<K: Copy + Eq + std::hash::Hash>(next: &mut HashMap<K, Decayed>, now
     }
 }
 
+/// What [`Model::bytes`] counts for a node.
+fn node_bytes(n: &Node) -> usize {
+    ITEM_OVERHEAD
+        + n.prompt.len()
+        + n.embedding.as_ref().map_or(0, |e| e.len() * 4)
+        + n.next.len() * NEXT_BYTES
+}
+
+/// What [`Model::bytes`] counts for a cluster.
+fn cluster_bytes(c: &Cluster) -> usize {
+    ITEM_OVERHEAD
+        + c.prompt.len()
+        + c.embedding.as_ref().map_or(0, |e| e.len() * 4)
+        + c.next.len() * NEXT_BYTES
+        + c.wordings.iter().map(|w| w.text.len() + 48).sum::<usize>()
+}
+
 /// Drops the `n` least recently touched nodes.
 fn forget_oldest(nodes: &mut HashMap<EntryId, Node>, n: usize) {
     let mut ages: Vec<(u64, EntryId)> = nodes.iter().map(|(k, v)| (v.touched_ms, *k)).collect();
@@ -338,6 +436,36 @@ fn forget_oldest(nodes: &mut HashMap<EntryId, Node>, n: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// However many questions arrive, over however many namespaces, the model stays within
+    /// its byte budget, keeping the most recently used.
+    #[test]
+    fn the_model_stays_within_its_byte_budget() {
+        let budget = 1 << 20;
+        let mut m = Model::with_budget(3600.0, budget);
+        let vector: Arc<[f32]> = Arc::from(vec![0.1f32; 384]);
+        let mut last = EntryId(0);
+        for i in 0..5_000u128 {
+            let ns = format!("ns{}", i % 50);
+            let prompt = format!("{} question number {i}", "long ".repeat(200));
+            let id = EntryId(i + 1);
+            m.observe(&ns, id, &prompt, Some(&vector), i as u64, same_text);
+            m.link(&ns, last, id, true, i as u64);
+            last = id;
+            assert!(
+                m.bytes() <= budget,
+                "{} bytes after {i} questions",
+                m.bytes()
+            );
+        }
+        // The latest question is kept; the first ones are gone.
+        let space = &m.namespaces[&format!("ns{}", 4_999 % 50)];
+        assert!(space.nodes.contains_key(&EntryId(5_000)));
+        assert!(m
+            .namespaces
+            .values()
+            .all(|s| !s.nodes.contains_key(&EntryId(1))));
+    }
 
     pub(super) fn params() -> PredictParams {
         PredictParams {

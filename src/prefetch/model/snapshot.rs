@@ -165,6 +165,8 @@ impl Model {
             }
         }
         self.changed = true;
+        // Measured against the budget at once (a saved model may be larger).
+        self.grew(usize::MAX);
         read
     }
 }
