@@ -539,6 +539,24 @@ async fn models_health_ready_metrics() {
     }
 }
 
+/// Lets a loader blocked opening the pipe at `.0` go on when dropped (a failed assertion
+/// included, or the runtime would wait for the blocked loader forever): opens the pipe as a
+/// writer (read-write, which never blocks on Linux) and leaves it open, so a loader that opens
+/// it later does not block either.
+struct Unblock(std::path::PathBuf);
+
+impl Drop for Unblock {
+    fn drop(&mut self) {
+        let pipe = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.0);
+        if let Ok(f) = pipe {
+            std::mem::forget(f);
+        }
+    }
+}
+
 /// `run` answers `/healthz` while the model loads, 503 (OpenAI error shape) on everything
 /// else, and ends with an error naming the model when the load fails. The model "file" is a
 /// named pipe: the loader's open blocks until a writer opens it, so the load is provably
@@ -556,6 +574,7 @@ async fn run_serves_health_while_loading_and_fails_on_bad_model() {
     let addr = listener.local_addr().unwrap();
     let mut config = test_config();
     config.backend.model = model.clone();
+    let unblock = Unblock(model.clone());
     let running = tokio::spawn(reprise::run(listener, config, std::future::pending()));
     // A guard against a server that does not answer at all (a hang becomes a failure).
     let client = reqwest::Client::builder()
@@ -582,12 +601,8 @@ async fn run_serves_health_while_loading_and_fails_on_bad_model() {
         .unwrap();
     assert_openai_error(r, 503, None).await;
     assert!(!running.is_finished(), "the loader still waits on the pipe");
-    // Let the load go on: a writer opens the pipe (and closes it); no model is found in it.
-    let pipe = model.clone();
-    tokio::task::spawn_blocking(move || std::fs::OpenOptions::new().write(true).open(pipe))
-        .await
-        .unwrap()
-        .unwrap();
+    // Let the load go on; no model is found in the pipe.
+    drop(unblock);
     let err = running.await.unwrap().unwrap_err();
     assert!(
         format!("{err:#}").contains(model.to_str().unwrap()),
