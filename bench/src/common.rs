@@ -215,3 +215,74 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     let idx = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
     s[idx.min(s.len() - 1)]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server answering 200 (with an outcome), 500, and the 504 of an `only-if-cached`
+    /// miss, and an address nothing listens on.
+    async fn answers() -> (String, String) {
+        use axum::http::StatusCode;
+        use axum::routing::get;
+        let router = axum::Router::new()
+            .route("/ok", get(|| async { ([(CACHE_HEADER, "exact")], "body") }))
+            .route(
+                "/fail",
+                get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "no") }),
+            )
+            .route(
+                "/miss",
+                get(|| async { (StatusCode::GATEWAY_TIMEOUT, "not cached") }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let nobody = closed.local_addr().unwrap();
+        drop(closed);
+        (format!("http://{addr}"), format!("http://{nobody}/ok"))
+    }
+
+    #[tokio::test]
+    async fn failures_are_told_from_answers() {
+        let (base, nobody) = answers().await;
+        let client = reqwest::Client::new();
+        let get = |path: &str| client.get(format!("{base}{path}")).send();
+
+        let (headers, body) = read_answer(get("/ok").await).await.unwrap();
+        assert_eq!(headers[CACHE_HEADER], "exact");
+        assert_eq!(&body[..], b"body");
+        assert_eq!(read_answer(get("/fail").await).await, Err(Failure::Status));
+        assert_eq!(read_answer(get("/miss").await).await, Err(Failure::Status));
+        let refused = client.get(&nobody).send().await;
+        assert_eq!(read_answer(refused).await, Err(Failure::Transport));
+
+        // Under only-if-cached a 504 is a miss, not a failure.
+        assert_eq!(
+            read_cached_outcome(get("/ok").await).await,
+            Ok("exact".into())
+        );
+        assert_eq!(
+            read_cached_outcome(get("/miss").await).await,
+            Ok("not_cached".into())
+        );
+        assert_eq!(
+            read_cached_outcome(get("/fail").await).await,
+            Err(Failure::Status)
+        );
+        let refused = client.get(&nobody).send().await;
+        assert_eq!(read_cached_outcome(refused).await, Err(Failure::Transport));
+
+        let mut samples = Samples::default();
+        samples.failed.count(Failure::Transport);
+        samples.failed.count(Failure::Status);
+        let mut more = Samples::default();
+        more.lat.push(0.001);
+        more.failed.count(Failure::Status);
+        samples.merge(more);
+        assert_eq!(samples.lat.len(), 1, "failures are never timed");
+        assert_eq!((samples.failed.transport, samples.failed.status), (1, 2));
+        assert_eq!(samples.failed.total(), 3);
+    }
+}
