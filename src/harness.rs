@@ -36,8 +36,9 @@ pub struct Server {
     /// A client with a pooled keep-alive connection.
     pub client: reqwest::Client,
     server: tokio::task::JoinHandle<()>,
-    /// Its background work (prefetch, replication, maintenance), cancelled on drop.
-    _tasks: BackgroundTasks,
+    /// Its background work (prefetch, replication, maintenance), cancelled on drop (`None`
+    /// once [`Server::shutdown`] stopped it).
+    tasks: Option<BackgroundTasks>,
 }
 
 /// The name the tests know a [`Server`] by.
@@ -50,6 +51,16 @@ impl Drop for Server {
 }
 
 impl Server {
+    /// Shuts down as [`crate::run`] does: stops serving, then stops the background tasks and
+    /// saves what they must keep ([`BackgroundTasks::stop`]). Dropping a server only cancels
+    /// its tasks.
+    pub async fn shutdown(mut self) {
+        self.server.abort();
+        if let Some(tasks) = self.tasks.take() {
+            tasks.stop(&self.state).await;
+        }
+    }
+
     /// `http://127.0.0.1:PORT` followed by `path`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
@@ -155,7 +166,7 @@ async fn serve_with_tasks(state: Arc<AppState>, tasks: BackgroundTasks) -> anyho
         state,
         client: reqwest::Client::new(),
         server,
-        _tasks: tasks,
+        tasks: Some(tasks),
     })
 }
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 use common::*;
 use futures::StreamExt;
 use reprise::config::BackendKind;
-use reprise::prefetch::PrefetchStats;
+use reprise::prefetch::{PrefetchStats, Snapshot};
 use reprise::Config;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use reprise_backend::llama::{LlamaBackend, LlamaConfig};
@@ -126,6 +126,16 @@ async fn spawn_probe(config: Config, script: ScriptConfig) -> (TestApp, Probe) {
         counts: Arc::new(ProbeCounts::default()),
     };
     let app = spawn_app(config, Arc::new(probe.clone())).await;
+    (app, probe)
+}
+
+/// [`spawn_probe`] with the Redis tier of `config` (the worker restores and saves there).
+async fn spawn_probe_replica(config: Config, script: ScriptConfig) -> (TestApp, Probe) {
+    let probe = Probe {
+        inner: ScriptedBackend::new(script),
+        counts: Arc::new(ProbeCounts::default()),
+    };
+    let app = spawn_replica(config, Arc::new(probe.clone())).await;
     (app, probe)
 }
 
@@ -456,31 +466,97 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
     assert_eq!(via_alias.id, new.id);
 }
 
+/// The counts saved in Redis, if any.
+async fn saved_counts(tier: &RedisTier) -> Option<Snapshot> {
+    let bytes = tier
+        .get_blob(reprise::prefetch::BLOB_NAME)
+        .await
+        .expect("redis answers")?;
+    Some(serde_json::from_slice(&bytes).expect("saved counts decode"))
+}
+
+/// Follow-ups linked by session in namespace `ns` of `snap`.
+fn session_links(snap: &Option<Snapshot>, ns: &str) -> f64 {
+    snap.iter()
+        .flat_map(|s| &s.namespaces)
+        .filter(|n| n.name == ns)
+        .map(|n| n.single)
+        .sum()
+}
+
 #[tokio::test]
-async fn predictions_survive_a_restart_through_redis() {
+async fn the_worker_saves_the_counts_to_redis_while_serving() {
     let server = RedisServer::start();
-    let cfg = RedisConfig {
+    let redis = RedisConfig {
         url: Some(server.url()),
         ..RedisConfig::default()
     };
-    let tier = RedisTier::connect(cfg.clone(), "first".into())
-        .await
-        .unwrap();
-    let (app, _probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
+    let mut config = prefetch_config(true);
+    config.redis = redis.clone();
+    config.prefetch.persist_interval_secs = 0.2;
+    let (app, _probe) = spawn_probe_replica(config, ScriptConfig::default()).await;
+    let reader = RedisTier::connect(redis, "reader".into()).await.unwrap();
     for i in 0..3 {
         let s = format!("learn-{i}");
         ask(&app, &s, X).await;
         ask(&app, &s, Y).await;
     }
     assert!(eventually(WAIT, || stats(&app).links >= 3).await);
-    let p = app.state.prefetch.clone().unwrap();
-    assert!(p.persist(&tier));
-    tier.flush().await.unwrap();
-    drop(app);
+    // Saved by the running worker: the server is neither stopped nor dropped.
+    let saved = eventually_async(WAIT, || async {
+        session_links(&saved_counts(&reader).await, "default") > 0.0
+    });
+    assert!(saved.await, "the counts reach Redis while serving");
+    // And again as more is learned (every interval, not once).
+    for i in 0..2 {
+        let s = format!("later-{i}");
+        let h = [
+            ("x-reprise-session", s.as_str()),
+            ("x-reprise-namespace", "later"),
+        ];
+        assert_eq!(app.chat(&chat_body(X), &h).await.status(), 200);
+        assert_eq!(app.chat(&chat_body(Y), &h).await.status(), 200);
+    }
+    let saved = eventually_async(WAIT, || async {
+        session_links(&saved_counts(&reader).await, "later") > 0.0
+    });
+    assert!(saved.await, "later counts saved too");
+}
 
-    // A new process: empty cache, counts restored by the worker from Redis.
+#[tokio::test]
+async fn predictions_survive_a_restart_through_the_shutdown_save() {
+    let server = RedisServer::start();
+    let redis = RedisConfig {
+        url: Some(server.url()),
+        ..RedisConfig::default()
+    };
+    let mut config = prefetch_config(true);
+    config.redis = redis.clone();
+    // No periodic save during the test: only the shutdown writes the counts.
+    config.prefetch.persist_interval_secs = 3600.0;
+    let (app, _probe) = spawn_probe_replica(config, ScriptConfig::default()).await;
+    let reader = RedisTier::connect(redis.clone(), "reader".into())
+        .await
+        .unwrap();
+    for i in 0..3 {
+        let s = format!("learn-{i}");
+        ask(&app, &s, X).await;
+        ask(&app, &s, Y).await;
+    }
+    assert!(eventually(WAIT, || stats(&app).links >= 3).await);
+    let before = saved_counts(&reader).await;
+    assert_eq!(
+        session_links(&before, "default"),
+        0.0,
+        "nothing saved yet: {before:?}"
+    );
+    app.shutdown().await;
+    let saved = saved_counts(&reader).await;
+    assert!(session_links(&saved, "default") > 0.0, "{saved:?}");
+
+    // A new process: empty cache (no Redis tier for entries), counts restored by the worker.
     let (app, probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
-    let second = RedisTier::connect(cfg, "second".into()).await.unwrap();
+    let second = RedisTier::connect(redis, "second".into()).await.unwrap();
     let p = app.state.prefetch.clone().unwrap();
     assert!(p.export().namespaces.is_empty());
     p.attach_redis(second);

@@ -443,34 +443,69 @@ async fn client_disconnect_cancels_and_stores_nothing() {
     assert_eq!(backend.calls(), 2);
 }
 
+/// A TCP relay in front of `to` that counts the connections clients opened through it.
+async fn counting_relay(
+    to: std::net::SocketAddr,
+) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = opened.clone();
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    (addr, opened)
+}
+
+/// Three requests over HTTP/2 (prior knowledge, no upgrade) share one connection, and three
+/// over HTTP/1.1 share another: the server keeps connections open between requests.
 #[tokio::test]
 async fn h2c_and_keep_alive() {
+    use std::sync::atomic::Ordering::SeqCst;
     let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;
+    let (relay, opened) = counting_relay(app.addr).await;
+    let url = format!("http://{relay}/v1/chat/completions");
     let h2 = reqwest::Client::builder()
         .http2_prior_knowledge()
         .build()
         .unwrap();
     for _ in 0..3 {
         let r = h2
-            .post(app.url("/v1/chat/completions"))
+            .post(&url)
             .json(&chat_body("over h2"))
             .send()
             .await
             .unwrap();
         assert_eq!(r.version(), reqwest::Version::HTTP_2);
         assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
     }
+    assert_eq!(opened.load(SeqCst), 1, "three h2 requests, one connection");
     let h1 = reqwest::Client::builder().http1_only().build().unwrap();
     for _ in 0..3 {
         let r = h1
-            .post(app.url("/v1/chat/completions"))
+            .post(&url)
             .json(&chat_body("over h2"))
             .send()
             .await
             .unwrap();
         assert_eq!(r.version(), reqwest::Version::HTTP_11);
         assert_eq!(cache_status(&r), "exact");
+        // Read to the end, so the connection goes back to the client's pool.
+        r.bytes().await.unwrap();
     }
+    assert_eq!(
+        opened.load(SeqCst),
+        2,
+        "three HTTP/1.1 requests, one connection"
+    );
     assert_eq!(backend.calls(), 1);
 }
 
@@ -504,16 +539,73 @@ async fn models_health_ready_metrics() {
     }
 }
 
-#[tokio::test]
+/// Lets a loader blocked opening the pipe at `.0` go on when dropped (a failed assertion
+/// included, or the runtime would wait for the blocked loader forever): opens the pipe as a
+/// writer (read-write, which never blocks on Linux) and leaves it open, so a loader that opens
+/// it later does not block either.
+struct Unblock(std::path::PathBuf);
+
+impl Drop for Unblock {
+    fn drop(&mut self) {
+        let pipe = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.0);
+        if let Ok(f) = pipe {
+            std::mem::forget(f);
+        }
+    }
+}
+
+/// `run` answers `/healthz` while the model loads, 503 (OpenAI error shape) on everything
+/// else, and ends with an error naming the model when the load fails. The model "file" is a
+/// named pipe: the loader's open blocks until a writer opens it, so the load is provably
+/// still going on while the test asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_serves_health_while_loading_and_fails_on_bad_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model.gguf");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&model)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
     let mut config = test_config();
-    config.backend.model = "/nonexistent/model.gguf".into();
-    let err = reprise::run(listener, config, std::future::pending())
+    config.backend.model = model.clone();
+    let unblock = Unblock(model.clone());
+    let running = tokio::spawn(reprise::run(listener, config, std::future::pending()));
+    // A guard against a server that does not answer at all (a hang becomes a failure).
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let r = client
+        .get(format!("http://{addr}/healthz"))
+        .send()
         .await
-        .unwrap_err();
+        .expect("/healthz answers while loading");
+    assert_eq!(r.status(), 200);
+    let r = client
+        .get(format!("http://{addr}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 503, None).await;
+    let r = client
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&chat_body("too early"))
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 503, None).await;
+    assert!(!running.is_finished(), "the loader still waits on the pipe");
+    // Let the load go on; no model is found in the pipe.
+    drop(unblock);
+    let err = running.await.unwrap().unwrap_err();
     assert!(
-        format!("{err:#}").contains("/nonexistent/model.gguf"),
+        format!("{err:#}").contains(model.to_str().unwrap()),
         "{err:#}"
     );
 }

@@ -68,51 +68,93 @@ async fn unrelated_prompt_is_a_miss() {
     assert_eq!(backend.calls(), 2);
 }
 
+/// Pairs that look alike but ask different things (negation, direction, antonyms, numbers,
+/// names): the embedder puts them close, only the false-hit gate tells them apart.
+const TRAPS: [(&str, &str); 9] = [
+    (
+        "How do I cancel my subscription?",
+        "How do I not cancel my subscription?",
+    ),
+    (
+        "Can I upgrade my plan today?",
+        "Can't I upgrade my plan today?",
+    ),
+    (
+        "What is the flight time from Paris to London?",
+        "What is the flight time from London to Paris?",
+    ),
+    (
+        "How do I install the printer driver?",
+        "How do I uninstall the printer driver?",
+    ),
+    (
+        "What is the minimum order value?",
+        "What is the maximum order value?",
+    ),
+    (
+        "Is the store open on Monday?",
+        "Is the store open on Tuesday?",
+    ),
+    (
+        "Can I book a table for 4 people?",
+        "Can I book a table for 6 people?",
+    ),
+    ("Who is the CEO of Microsoft?", "Who is the CEO of Google?"),
+    (
+        "How do I enable two-factor authentication?",
+        "How do I disable two-factor authentication?",
+    ),
+];
+
+/// With the threshold far below every trap's similarity, each trap is a candidate and the gate
+/// is what refuses it: the request log names the gate's verdict. The same traps with the gate
+/// off are served, so the threshold alone would not stop them.
 #[tokio::test]
-async fn traps_are_never_served() {
-    let (app, _backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
-    let traps = [
-        (
-            "How do I cancel my subscription?",
-            "How do I not cancel my subscription?",
-        ),
-        (
-            "Can I upgrade my plan today?",
-            "Can't I upgrade my plan today?",
-        ),
-        (
-            "What is the flight time from Paris to London?",
-            "What is the flight time from London to Paris?",
-        ),
-        (
-            "How do I install the printer driver?",
-            "How do I uninstall the printer driver?",
-        ),
-        (
-            "What is the minimum order value?",
-            "What is the maximum order value?",
-        ),
-        (
-            "Is the store open on Monday?",
-            "Is the store open on Tuesday?",
-        ),
-        (
-            "Can I book a table for 4 people?",
-            "Can I book a table for 6 people?",
-        ),
-        ("Who is the CEO of Microsoft?", "Who is the CEO of Google?"),
-        (
-            "How do I enable two-factor authentication?",
-            "How do I disable two-factor authentication?",
-        ),
-    ];
-    for (a, b) in traps {
-        let ns = format!("trap-{}", a.len());
-        let h = [("x-reprise-namespace", ns.as_str())];
-        app.chat(&chat_body(a), &h).await;
-        let r = app.chat(&chat_body(b), &h).await;
-        assert_eq!(cache_status(&r), "miss", "trap served: {a:?} -> {b:?}");
-        assert_eq!(content(r).await, format!("You asked: {b}"));
+async fn traps_are_rejected_by_the_gate_not_the_threshold() {
+    const THRESHOLD: f32 = 0.5;
+    let dir = tempfile::tempdir().unwrap();
+    for gate in [true, false] {
+        let path = dir.path().join(format!("gate-{gate}.jsonl"));
+        let mut config = semantic_config();
+        config.semantic.threshold = THRESHOLD;
+        config.semantic.gate = gate;
+        config.log.request_log = Some(path.clone());
+        let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+        for (a, b) in TRAPS {
+            let ns = format!("trap-{}", a.len());
+            let h = [("x-reprise-namespace", ns.as_str())];
+            app.chat(&chat_body(a), &h).await;
+            let r = app.chat(&chat_body(b), &h).await;
+            if gate {
+                assert_eq!(cache_status(&r), "miss", "trap served: {a:?} -> {b:?}");
+                assert_eq!(content(r).await, format!("You asked: {b}"));
+            } else {
+                assert_eq!(cache_status(&r), "semantic", "{a:?} -> {b:?}");
+                assert_eq!(content(r).await, format!("You asked: {a}"));
+            }
+        }
+        let lines = || {
+            std::fs::read_to_string(&path)
+                .unwrap_or_default()
+                .lines()
+                .map(|l| serde_json::from_str::<Value>(l).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let all = 2 * TRAPS.len();
+        assert!(eventually(std::time::Duration::from_secs(5), || lines().len() == all).await);
+        // One line per request, written in order (the requests ran one by one).
+        let l = lines();
+        for ((a, b), rec) in TRAPS.iter().zip(l.iter().skip(1).step_by(2)) {
+            let sim = rec["similarity"].as_f64().unwrap_or_default();
+            assert!(sim >= f64::from(THRESHOLD), "{a:?} -> {b:?}: {rec}");
+            let verdict = rec["gate"].as_str().unwrap_or_default();
+            if gate {
+                assert_eq!(rec["outcome"], "miss", "{rec}");
+                assert!(!matches!(verdict, "pass" | ""), "{a:?} -> {b:?}: {rec}");
+            } else {
+                assert_eq!(rec["outcome"], "semantic", "{rec}");
+            }
+        }
     }
 }
 
@@ -348,7 +390,14 @@ async fn request_log_records_every_request() {
     let path = dir.path().join("requests.jsonl");
     let mut config = semantic_config();
     config.log.request_log = Some(path.clone());
-    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    const FIRST_TOKEN: std::time::Duration = std::time::Duration::from_millis(50);
+    const TOKEN: std::time::Duration = std::time::Duration::from_millis(10);
+    let script = ScriptConfig {
+        first_token_delay: FIRST_TOKEN,
+        token_delay: TOKEN,
+        ..ScriptConfig::default()
+    };
+    let (app, _backend) = spawn_fake(config, script).await;
     app.chat(
         &chat_body("How do I reset my password?"),
         &[("x-reprise-namespace", "logged")],
@@ -385,9 +434,26 @@ async fn request_log_records_every_request() {
     assert_eq!(l[2]["outcome"], "miss");
     assert_eq!(l[2]["gate"], "negation", "{}", l[2]);
     for rec in &l {
-        assert!(rec["total_ms"].as_f64().unwrap() >= 0.0);
+        // The whole request contains the steps it logs: lookup, then (a miss) the wait for the
+        // backend's first token.
+        let total = rec["total_ms"].as_f64().unwrap();
+        let parts = ["embed_ms", "search_ms"]
+            .iter()
+            .filter_map(|k| rec[*k].as_f64())
+            .sum::<f64>();
+        assert!(total >= parts, "{rec}");
+        if let Some(first_token) = rec["backend_ms"].as_f64() {
+            assert!(first_token >= parts, "{rec}");
+            assert!(total >= first_token, "{rec}");
+        }
         assert!(rec["time_ms"].as_u64().unwrap() > 0);
     }
+    // The miss waited for every scripted token (sleeps are never shorter than asked): at least
+    // the first token's delay plus one delay per further word of "You asked: How do I reset
+    // my password?" (7 words).
+    let waited = (FIRST_TOKEN + 6 * TOKEN).as_secs_f64() * 1000.0;
+    assert!(l[0]["backend_ms"].as_f64().unwrap() >= FIRST_TOKEN.as_secs_f64() * 1000.0);
+    assert!(l[0]["total_ms"].as_f64().unwrap() >= waited, "{}", l[0]);
 }
 
 #[tokio::test]

@@ -22,6 +22,7 @@
 //! llama.cpp's own log lines are routed to `tracing` (target `llama-cpp-2`); filter them
 //! with e.g. `RUST_LOG=info,llama-cpp-2=warn`.
 
+mod bare;
 mod engine;
 mod text;
 
@@ -30,11 +31,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::llama_backend::LlamaBackend as LlamaRuntime;
-use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::{LlamaChatMessage, LlamaChatTemplate, LlamaModel};
 use llama_cpp_2::sampling::LlamaSampler;
@@ -42,6 +42,7 @@ use llama_cpp_2::token::LlamaToken;
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
+pub use self::bare::{bare_decode_benchmark, BareDecoder, BareStats};
 use self::engine::{Engine, EngineLimits, Job, LoadGuard, Shared};
 use crate::{Backend, BackendError, GenRequest, GenStream, Input, Priority, SamplingParams};
 
@@ -761,103 +762,4 @@ impl Drop for LlamaBackend {
             let _ = engine.join();
         }
     }
-}
-
-/// Result of [`bare_decode_benchmark`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BareStats {
-    /// Prompt tokens decoded.
-    pub prompt_tokens: u32,
-    /// Tokens generated (fewer than asked if the model ended the text).
-    pub generated_tokens: u32,
-    /// Time to load the model and create the context.
-    pub load_time: Duration,
-    /// Time from the start of the prefill to the first sampled token.
-    pub time_to_first_token: Duration,
-    /// Decode rate after the first token (0 when fewer than two tokens were generated).
-    pub tokens_per_second: f64,
-}
-
-/// Runs `prompt` (raw, no chat template) through a plain single-sequence greedy decode loop
-/// with the same model, context and threads as `cfg`, without the engine, queue or
-/// channels: the baseline that `reprise-bench llama` compares the backend against. Blocking.
-pub fn bare_decode_benchmark(
-    cfg: &LlamaConfig,
-    prompt: &str,
-    n_tokens: u32,
-) -> Result<BareStats, LoadError> {
-    let failure = |reason: String| LoadError::Runtime {
-        path: cfg.model.clone(),
-        reason,
-    };
-    let started = Instant::now();
-    let (runtime, model, _) = load_model(cfg)?;
-    let mut ctx = model
-        .new_context(runtime, context_params(cfg, 1))
-        .map_err(|e| failure(format!("cannot create a context: {e}")))?;
-    let load_time = started.elapsed();
-
-    let vocab = model.vocab();
-    let tokens = vocab.tokenize(prompt.as_bytes(), true, true);
-    if tokens.is_empty() || tokens.len() as u32 + n_tokens > ctx.n_ctx() {
-        return Err(failure(format!(
-            "prompt of {} tokens plus {n_tokens} generated does not fit the context of {}",
-            tokens.len(),
-            ctx.n_ctx()
-        )));
-    }
-    let n_batch = ctx.n_batch() as usize;
-    let mut batch = LlamaBatch::new(n_batch.max(1), 1);
-    let mut sampler = LlamaSampler::greedy();
-
-    let prefill_start = Instant::now();
-    for (chunk_no, chunk) in tokens.chunks(n_batch).enumerate() {
-        batch.clear();
-        let base = chunk_no * n_batch;
-        for (i, &token) in chunk.iter().enumerate() {
-            let pos = base + i;
-            batch
-                .add(token, pos as i32, &[0], pos + 1 == tokens.len())
-                .map_err(|e| failure(e.to_string()))?;
-        }
-        ctx.decode(&mut batch).map_err(|e| failure(e.to_string()))?;
-    }
-    let mut idx = batch.n_tokens() - 1;
-    let mut pos = tokens.len() as i32;
-    let mut generated = 0u32;
-    let mut first = None;
-    let mut last = prefill_start;
-    while generated < n_tokens {
-        let token = sampler.sample(&ctx, idx);
-        let now = Instant::now();
-        first.get_or_insert(now);
-        last = now;
-        if vocab.is_eog(token) {
-            break;
-        }
-        generated += 1;
-        if generated == n_tokens {
-            break;
-        }
-        batch.clear();
-        batch
-            .add(token, pos, &[0], true)
-            .map_err(|e| failure(e.to_string()))?;
-        ctx.decode(&mut batch).map_err(|e| failure(e.to_string()))?;
-        pos += 1;
-        idx = 0;
-    }
-    let first = first.unwrap_or(last);
-    let decode_secs = last.duration_since(first).as_secs_f64();
-    Ok(BareStats {
-        prompt_tokens: tokens.len() as u32,
-        generated_tokens: generated,
-        load_time,
-        time_to_first_token: first.duration_since(prefill_start),
-        tokens_per_second: if generated > 1 && decode_secs > 0.0 {
-            f64::from(generated - 1) / decode_secs
-        } else {
-            0.0
-        },
-    })
 }

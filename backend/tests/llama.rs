@@ -7,7 +7,9 @@
 use std::path::PathBuf;
 
 use futures::StreamExt;
-use reprise_backend::llama::{bare_decode_benchmark, LlamaBackend, LlamaConfig, LoadError};
+use reprise_backend::llama::{
+    bare_decode_benchmark, BareDecoder, LlamaBackend, LlamaConfig, LoadError,
+};
 use reprise_backend::{
     Backend, BackendError, ChatMessage, FinishReason, GenEvent, GenRequest, GenStream, Input,
     Priority, SamplingParams, Usage,
@@ -519,6 +521,22 @@ fn bare_benchmark_decodes() {
     assert!(stats.tokens_per_second > 0.0);
 }
 
+#[test]
+fn bare_decoder_loads_once_and_starts_each_run_afresh() {
+    let _one_at_a_time = LOADING.lock().unwrap_or_else(|e| e.into_inner());
+    let decoder = BareDecoder::load(&config(1, 1)).expect("decoder loads");
+    let warm_up = decoder.run(COUNTING, 4).expect("warm-up runs");
+    let first = decoder.run(COUNTING, 16).expect("first run");
+    let second = decoder.run(COUNTING, 16).expect("second run");
+    // One load for every run.
+    assert_eq!(warm_up.load_time, decoder.load_time());
+    assert_eq!(second.load_time, first.load_time);
+    // Each run starts from an empty KV cache: the same prompt decodes the same way again (a
+    // cache left full would put the second prompt after the first, or fail to decode).
+    assert_eq!(first.prompt_tokens, second.prompt_tokens);
+    assert_eq!((first.generated_tokens, second.generated_tokens), (16, 16));
+}
+
 /// Not a check: prints the backend's decode rate next to the bare llama.cpp loop's.
 /// `cargo test -p reprise-backend --test llama -- --ignored --nocapture throughput`
 #[tokio::test]
@@ -552,9 +570,10 @@ async fn throughput_report() {
     );
 }
 
-/// GPU offload. Built only with the `cuda` feature, which is meant for machines with a GPU:
-/// there a missing device fails these tests rather than skipping them.
-#[cfg(feature = "cuda")]
+/// GPU offload, judged by what the load measured (GPU memory taken, devices found, the text
+/// decoded), not by the layer count asked for. Always compiled; run only in a build with the
+/// `cuda` feature, which is meant for machines with a GPU: there a missing device fails these
+/// tests rather than skipping them (without the feature they are ignored).
 mod gpu {
     use super::*;
 
@@ -566,11 +585,11 @@ mod gpu {
     }
 
     #[tokio::test]
+    #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
     async fn every_layer_offloaded_and_greedy_text_matches_the_cpu() {
         let gpu = on_gpu(99);
         let offload = gpu.gpu_offload().cloned().expect("layers on a GPU");
-        assert_eq!(offload.offloaded, offload.layers, "{offload:?}");
-        assert!(!offload.devices.is_empty());
+        assert!(!offload.devices.is_empty(), "{offload:?}");
         // The weights really moved: GPU memory taken by the load is at least half the file
         // (the rest is the token embedding, which llama.cpp keeps in host memory).
         let file = std::fs::metadata(model_path()).unwrap().len();
@@ -590,16 +609,21 @@ mod gpu {
     }
 
     #[tokio::test]
+    #[cfg_attr(not(feature = "cuda"), ignore = "needs --features cuda and a GPU")]
     async fn partial_offload_places_the_layers_asked_for() {
-        let all = on_gpu(99).gpu_offload().cloned().expect("layers on a GPU");
+        let measured = |n| {
+            let offload = on_gpu(n).gpu_offload().cloned().expect("layers on a GPU");
+            offload.weight_bytes
+        };
+        let all = measured(99);
+        let twenty = measured(20);
         let backend = on_gpu(10);
         let offload = backend.gpu_offload().cloned().expect("layers on a GPU");
-        assert_eq!(offload.offloaded, 10);
-        assert!(offload.layers > 10);
-        // Part of the weights, measured: some, but less than all of them.
+        // GPU memory the loads took, measured: more layers asked, more weights moved; part of
+        // the model is not all of it.
         assert!(
-            offload.weight_bytes > 0 && offload.weight_bytes < all.weight_bytes,
-            "10 layers {offload:?}, all {all:?}"
+            0 < offload.weight_bytes && offload.weight_bytes < twenty && twenty < all,
+            "10 layers {offload:?}, 20 layers {twenty} bytes, all {all} bytes"
         );
         let out = run(&backend, chat("Say hello.", greedy(8))).await;
         assert!(out.finished().1.completion_tokens > 0);

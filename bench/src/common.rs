@@ -69,17 +69,125 @@ pub fn chat_exact_key(body: &[u8]) -> anyhow::Result<Digest> {
     Ok(exact_key(DEFAULT_NAMESPACE, Endpoint::Chat, &probe.req))
 }
 
-/// Latency samples of one side.
+/// Why a benchmark's request failed. Failed requests are counted and printed per side, never
+/// timed and never counted as served or not served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The request or its body broke (refused, reset, timed out, a stream cut short).
+    Transport,
+    /// An answer with a status the benchmark did not expect (not a success).
+    Status,
+    /// Any other error of the operation measured (an embedding that failed).
+    Other,
+}
+
+/// Failed requests of one side, by kind.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Failures {
+    /// Transport failures.
+    pub transport: u64,
+    /// Answers with an unexpected status.
+    pub status: u64,
+    /// Other errors.
+    pub other: u64,
+}
+
+impl Failures {
+    /// Counts one failure.
+    pub fn count(&mut self, f: Failure) {
+        match f {
+            Failure::Transport => self.transport += 1,
+            Failure::Status => self.status += 1,
+            Failure::Other => self.other += 1,
+        }
+    }
+
+    /// Every failure.
+    pub fn total(&self) -> u64 {
+        self.transport + self.status + self.other
+    }
+
+    /// Adds `other`'s counts.
+    pub fn add(&mut self, other: Failures) {
+        self.transport += other.transport;
+        self.status += other.status;
+        self.other += other.other;
+    }
+
+    /// As JSON, for the benchmarks' result files.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "transport": self.transport, "status": self.status, "other": self.other,
+        })
+    }
+}
+
+impl std::fmt::Display for Failures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} failed ({} transport, {} bad status, {} other)",
+            self.total(),
+            self.transport,
+            self.status,
+            self.other
+        )
+    }
+}
+
+/// Reads an answer to its end: its headers and body when the status is a success, else the
+/// failure (the body of a failed answer is read too, so the connection can be reused).
+pub async fn read_answer(
+    sent: reqwest::Result<reqwest::Response>,
+) -> Result<(reqwest::header::HeaderMap, axum::body::Bytes), Failure> {
+    let r = sent.map_err(|_| Failure::Transport)?;
+    let ok = r.status().is_success();
+    let headers = r.headers().clone();
+    let body = r.bytes().await.map_err(|_| Failure::Transport)?;
+    if ok {
+        Ok((headers, body))
+    } else {
+        Err(Failure::Status)
+    }
+}
+
+/// Reads an answer to a request sent with `Cache-Control: only-if-cached` to its end: its
+/// `x-reprise-cache` outcome, `not_cached` for the 504 of a miss, else the failure.
+pub async fn read_cached_outcome(
+    sent: reqwest::Result<reqwest::Response>,
+) -> Result<String, Failure> {
+    let r = sent.map_err(|_| Failure::Transport)?;
+    let status = r.status();
+    let outcome = r
+        .headers()
+        .get(CACHE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    r.bytes().await.map_err(|_| Failure::Transport)?;
+    if status.is_success() {
+        Ok(outcome)
+    } else if status == reqwest::StatusCode::GATEWAY_TIMEOUT {
+        Ok("not_cached".to_string())
+    } else {
+        Err(Failure::Status)
+    }
+}
+
+/// Latency samples of one side: only requests that succeeded are timed; the others are
+/// counted in `failed`.
 #[derive(Debug, Default, Clone)]
 pub struct Samples {
-    /// Seconds per request.
+    /// Seconds per request that succeeded.
     pub lat: Vec<f64>,
     /// Wall time the samples took.
     pub wall: f64,
+    /// Requests that failed (not in `lat`).
+    pub failed: Failures,
 }
 
 impl Samples {
-    /// Requests per second.
+    /// Requests that succeeded, per second.
     pub fn throughput(&self) -> f64 {
         self.lat.len() as f64 / self.wall.max(1e-9)
     }
@@ -93,6 +201,7 @@ impl Samples {
     pub fn merge(&mut self, other: Samples) {
         self.lat.extend(other.lat);
         self.wall += other.wall;
+        self.failed.add(other.failed);
     }
 }
 
@@ -105,4 +214,75 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     s.sort_by(|a, b| a.total_cmp(b));
     let idx = ((p / 100.0) * (s.len() - 1) as f64).round() as usize;
     s[idx.min(s.len() - 1)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server answering 200 (with an outcome), 500, and the 504 of an `only-if-cached`
+    /// miss, and an address nothing listens on.
+    async fn answers() -> (String, String) {
+        use axum::http::StatusCode;
+        use axum::routing::get;
+        let router = axum::Router::new()
+            .route("/ok", get(|| async { ([(CACHE_HEADER, "exact")], "body") }))
+            .route(
+                "/fail",
+                get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "no") }),
+            )
+            .route(
+                "/miss",
+                get(|| async { (StatusCode::GATEWAY_TIMEOUT, "not cached") }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let nobody = closed.local_addr().unwrap();
+        drop(closed);
+        (format!("http://{addr}"), format!("http://{nobody}/ok"))
+    }
+
+    #[tokio::test]
+    async fn failures_are_told_from_answers() {
+        let (base, nobody) = answers().await;
+        let client = reqwest::Client::new();
+        let get = |path: &str| client.get(format!("{base}{path}")).send();
+
+        let (headers, body) = read_answer(get("/ok").await).await.unwrap();
+        assert_eq!(headers[CACHE_HEADER], "exact");
+        assert_eq!(&body[..], b"body");
+        assert_eq!(read_answer(get("/fail").await).await, Err(Failure::Status));
+        assert_eq!(read_answer(get("/miss").await).await, Err(Failure::Status));
+        let refused = client.get(&nobody).send().await;
+        assert_eq!(read_answer(refused).await, Err(Failure::Transport));
+
+        // Under only-if-cached a 504 is a miss, not a failure.
+        assert_eq!(
+            read_cached_outcome(get("/ok").await).await,
+            Ok("exact".into())
+        );
+        assert_eq!(
+            read_cached_outcome(get("/miss").await).await,
+            Ok("not_cached".into())
+        );
+        assert_eq!(
+            read_cached_outcome(get("/fail").await).await,
+            Err(Failure::Status)
+        );
+        let refused = client.get(&nobody).send().await;
+        assert_eq!(read_cached_outcome(refused).await, Err(Failure::Transport));
+
+        let mut samples = Samples::default();
+        samples.failed.count(Failure::Transport);
+        samples.failed.count(Failure::Status);
+        let mut more = Samples::default();
+        more.lat.push(0.001);
+        more.failed.count(Failure::Status);
+        samples.merge(more);
+        assert_eq!(samples.lat.len(), 1, "failures are never timed");
+        assert_eq!((samples.failed.transport, samples.failed.status), (1, 2));
+        assert_eq!(samples.failed.total(), 3);
+    }
 }

@@ -29,7 +29,8 @@ use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::json;
 
 use crate::common::{
-    load_embedder, semantic_index, start_app, BackendKind, Config, Samples, CACHE_HEADER,
+    load_embedder, read_cached_outcome, semantic_index, start_app, BackendKind, Config, Failure,
+    Failures, Samples,
 };
 
 /// Options of `reprise-bench latency`.
@@ -235,22 +236,23 @@ struct Side {
 
 impl Side {
     fn merge(&mut self, other: Side) {
-        self.hits.lat.extend(other.hits.lat);
-        self.hits.wall += other.hits.wall;
+        self.hits.merge(other.hits);
         self.requests += other.requests;
     }
 
+    /// Hits among the requests answered (failed ones are neither hits nor misses).
     fn hit_share(&self) -> f64 {
-        self.hits.lat.len() as f64 / self.requests.max(1) as f64
+        let answered = self.requests as u64 - self.hits.failed.total();
+        self.hits.lat.len() as f64 / answered.max(1) as f64
     }
 }
 
 /// Closed loop: `concurrency` workers call `op` back to back for `seconds`. `op` resolves to
-/// whether the call counts as a hit (its latency is kept only then).
+/// whether the call counts as a hit (its latency is kept only then), or how it failed.
 async fn closed_loop<F, Fut>(op: Arc<F>, concurrency: usize, seconds: f64) -> Side
 where
     F: Fn() -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = bool> + Send + 'static,
+    Fut: Future<Output = Result<bool, Failure>> + Send + 'static,
 {
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
     let start = Instant::now();
@@ -258,49 +260,41 @@ where
         .map(|_| {
             let op = op.clone();
             tokio::spawn(async move {
-                let (mut lat, mut requests) = (Vec::new(), 0usize);
+                let mut side = Side::default();
                 while Instant::now() < deadline {
                     let t = Instant::now();
                     let hit = op().await;
-                    requests += 1;
-                    if hit {
-                        lat.push(t.elapsed().as_secs_f64());
+                    side.requests += 1;
+                    match hit {
+                        Ok(true) => side.hits.lat.push(t.elapsed().as_secs_f64()),
+                        Ok(false) => {}
+                        Err(f) => side.hits.failed.count(f),
                     }
                 }
-                (lat, requests)
+                side
             })
         })
         .collect();
     let mut side = Side::default();
     for w in workers {
-        let (lat, requests) = w.await.unwrap_or_default();
-        side.hits.lat.extend(lat);
-        side.requests += requests;
+        side.merge(w.await.unwrap_or_default());
     }
     side.hits.wall = start.elapsed().as_secs_f64();
     side
 }
 
 /// Asks `text` with `only-if-cached`; true when the answer's outcome is `want`.
-async fn ask(client: &reqwest::Client, url: &str, text: &str, want: &str) -> bool {
+async fn ask(client: &reqwest::Client, url: &str, text: &str, want: &str) -> Result<bool, Failure> {
     let body =
         json!({"model": "fake", "messages": [{"role": "user", "content": text}]}).to_string();
-    let Ok(r) = client
+    let sent = client
         .post(url)
         .header("content-type", "application/json")
         .header("cache-control", "only-if-cached")
         .body(body)
         .send()
-        .await
-    else {
-        return false;
-    };
-    let outcome = r
-        .headers()
-        .get(CACHE_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    r.bytes().await.is_ok() && outcome.as_deref() == Some(want)
+        .await;
+    Ok(read_cached_outcome(sent).await? == want)
 }
 
 fn ms(x: f64) -> String {
@@ -419,7 +413,12 @@ pub async fn run(a: LatencyArgs) -> anyhow::Result<()> {
         let (embedder, variants) = (embedder.clone(), variants.clone());
         Arc::new(move || {
             let (embedder, text) = (embedder.clone(), variants.next());
-            async move { embedder.embed(&text).await.is_ok() }
+            async move {
+                match embedder.embed(&text).await {
+                    Ok(_) => Ok(true),
+                    Err(_) => Err(Failure::Other),
+                }
+            }
         })
     };
 
@@ -447,6 +446,18 @@ pub async fn run(a: LatencyArgs) -> anyhow::Result<()> {
             100.0 * semantic.hit_share(),
             embed.hits.throughput()
         );
+        for (name, side) in [
+            ("exact", &exact),
+            ("semantic", &semantic),
+            ("embed", &embed),
+        ] {
+            if side.hits.failed.total() > 0 {
+                eprintln!(
+                    "     {name}: {} (left out of the figures)",
+                    side.hits.failed
+                );
+            }
+        }
         rows.push((c, exact, semantic, embed));
     }
     let used = variants.next.load(Ordering::Relaxed);
@@ -483,6 +494,20 @@ pub async fn run(a: LatencyArgs) -> anyhow::Result<()> {
             semantic.hits.pct(50.0) / exact.hits.pct(50.0),
         );
     }
+    let mut failed = (
+        Failures::default(),
+        Failures::default(),
+        Failures::default(),
+    );
+    for (_, exact, semantic, embed) in &rows {
+        failed.0.add(exact.hits.failed);
+        failed.1.add(semantic.hits.failed);
+        failed.2.add(embed.hits.failed);
+    }
+    println!(
+        "failed requests (neither timed nor counted as hits or misses): exact {}; semantic {}; embed {}",
+        failed.0, failed.1, failed.2
+    );
     if let Some((_, e1, s1, m1)) = rows.first() {
         println!("throughput at k clients / at {} (goal: rising)", rows[0].0);
         for (c, e, s, m) in &rows {

@@ -1,10 +1,13 @@
 //! `reprise-bench llama`: the llama.cpp backend through reprise's HTTP API, side by side with
 //! a bare llama.cpp decode loop, in one run on loopback.
 //!
-//! 1. **Single stream.** The same raw prompt, greedy, `--tokens` tokens: once through
-//!    [`bare_decode_benchmark`] (no engine, queue, channels or HTTP) and once through
-//!    `/v1/completions` with `stream: true` and `Cache-Control: no-store` (never a hit).
-//!    The two alternate for `--rounds` rounds, the order flipping every round. Reported: time
+//! 1. **Single stream.** The same raw prompt, greedy, `--tokens` tokens: once through a
+//!    [`BareDecoder`] (a plain decode loop: no engine, queue, channels or HTTP) and once
+//!    through `/v1/completions` with `stream: true` and `Cache-Control: no-store` (never a
+//!    hit). Both sides are treated alike: loaded once before the measured rounds (model and
+//!    context stay loaded; each run starts from an empty KV cache) and warmed up by one
+//!    unmeasured 8-token run. The two alternate for `--rounds` rounds, the order flipping
+//!    every round. Reported: time
 //!    to first token and decode tokens/s after the first token, and the ratio reprise/bare.
 //! 2. **Concurrency.** 1, 2, 4 and 8 simultaneous distinct streams through reprise; the
 //!    aggregate rate (all generated tokens over the wall time of the level) and its ratio to
@@ -17,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use clap::Args;
 use futures::StreamExt;
-use reprise_backend::llama::{bare_decode_benchmark, BareStats, LlamaBackend};
+use reprise_backend::llama::{BareDecoder, BareStats, LlamaBackend};
 use serde_json::{json, Value};
 
 use crate::common::{start_app, BackendKind, Config};
@@ -262,8 +265,26 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
         .timeout(Duration::from_secs(600))
         .build()?;
 
-    // Warm-up, not measured: first-use costs (page faults, thread pools) land here.
+    // The baseline, loaded once like the backend (its load is not part of any round).
+    let bare_cfg = llama_cfg.clone();
+    let bare_decoder = Arc::new(
+        tokio::task::spawn_blocking(move || BareDecoder::load(&bare_cfg))
+            .await
+            .context("bare decoder loader panicked")??,
+    );
+    eprintln!(
+        "  bare decoder loaded in {:.2} s",
+        bare_decoder.load_time().as_secs_f64()
+    );
+
+    // Warm-up of both sides, not measured: first-use costs (page faults, thread pools, the
+    // first decode's allocations) land here, the same 8 tokens on each side.
     stream_once(&client, &url, &model_name, &prompt, 8).await?;
+    let d = bare_decoder.clone();
+    let p = prompt.clone();
+    tokio::task::spawn_blocking(move || d.run(&p, 8))
+        .await
+        .context("bare warm-up panicked")??;
 
     // Part 1: single stream, bare vs reprise, alternating.
     eprintln!(
@@ -276,20 +297,19 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
         // Flip the order every round so neither side always runs first.
         for side in 0..2 {
             if (side + round) % 2 == 0 {
-                let cfg = llama_cfg.clone();
+                let d = bare_decoder.clone();
                 let p = prompt.clone();
                 let n = a.tokens;
-                let s = tokio::task::spawn_blocking(move || bare_decode_benchmark(&cfg, &p, n))
+                let s = tokio::task::spawn_blocking(move || d.run(&p, n))
                     .await
                     .context("bare benchmark panicked")??;
                 eprintln!(
-                    "  round {}/{} bare:    TTFT {:>7.2} ms  {:>7.1} tok/s  ({} tokens, load {:.2} s)",
+                    "  round {}/{} bare:    TTFT {:>7.2} ms  {:>7.1} tok/s  ({} tokens)",
                     round + 1,
                     a.rounds,
                     ms(s.time_to_first_token),
                     s.tokens_per_second,
                     s.generated_tokens,
-                    s.load_time.as_secs_f64()
                 );
                 bare.push(s);
             } else {
@@ -317,6 +337,11 @@ pub async fn run(a: LlamaArgs) -> anyhow::Result<()> {
     );
     let via_ttft = median(&via.iter().map(|s| ms(s.ttft)).collect::<Vec<_>>());
     let ratio = via_tps / bare_tps;
+
+    // The baseline's model and context are not needed for the concurrency part.
+    tokio::task::spawn_blocking(move || drop(bare_decoder))
+        .await
+        .context("unloading the bare decoder panicked")?;
 
     // Part 2: aggregate throughput at rising concurrency.
     eprintln!(

@@ -14,7 +14,8 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 use crate::common::{
-    start_app, start_configured, BackendKind, Config, Samples, Server, TenantConfig, TenantPolicy,
+    read_answer, start_app, start_configured, BackendKind, Config, Failure, Samples, Server,
+    TenantConfig, TenantPolicy,
 };
 
 /// Options of `reprise-bench proxy`.
@@ -60,7 +61,7 @@ async fn load(
             let body = body.to_string();
             let key = (!keys.is_empty()).then(|| format!("Bearer {}", keys[i % keys.len()]));
             tokio::spawn(async move {
-                let mut lat = Vec::new();
+                let mut s = Samples::default();
                 while Instant::now() < deadline {
                     let t = Instant::now();
                     let mut req = client
@@ -70,20 +71,18 @@ async fn load(
                     if let Some(k) = &key {
                         req = req.header("authorization", k);
                     }
-                    let r = req.send().await;
-                    if let Ok(r) = r {
-                        if r.bytes().await.is_ok() {
-                            lat.push(t.elapsed().as_secs_f64());
-                        }
+                    match read_answer(req.send().await).await {
+                        Ok(_) => s.lat.push(t.elapsed().as_secs_f64()),
+                        Err(f) => s.failed.count(f),
                     }
                 }
-                lat
+                s
             })
         })
         .collect();
     let mut s = Samples::default();
     for t in tasks {
-        s.lat.extend(t.await.unwrap_or_default());
+        s.merge(t.await.unwrap_or_default());
     }
     s.wall = start.elapsed().as_secs_f64();
     s
@@ -115,14 +114,33 @@ async fn ttft(client: &reqwest::Client, url: &str, model: &str, tag: &str, n: us
         let body = json!({"model": model, "stream": true,
             "messages": [{"role": "user", "content": format!("bench {tag} question number {i}")}]});
         let t = Instant::now();
-        let Ok(r) = client.post(url).json(&body).send().await else {
-            continue;
+        let r = match client.post(url).json(&body).send().await {
+            Ok(r) if r.status().is_success() => r,
+            failed => {
+                // The body of a failed answer is read, so the connection can be reused.
+                let f = read_answer(failed).await.err().unwrap_or(Failure::Status);
+                s.failed.count(f);
+                continue;
+            }
         };
         let mut stream = r.bytes_stream();
-        if let Some(Ok(_)) = stream.next().await {
-            s.lat.push(t.elapsed().as_secs_f64());
+        let first = match stream.next().await {
+            Some(Ok(_)) => t.elapsed().as_secs_f64(),
+            _ => {
+                s.failed.count(Failure::Transport);
+                continue;
+            }
+        };
+        // Timed only when the whole stream arrived.
+        let mut broke = false;
+        while let Some(chunk) = stream.next().await {
+            broke |= chunk.is_err();
         }
-        while stream.next().await.is_some() {}
+        if broke {
+            s.failed.count(Failure::Transport);
+        } else {
+            s.lat.push(first);
+        }
     }
     s.wall = start.elapsed().as_secs_f64();
     s
@@ -243,6 +261,11 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
 
     let ratio = hit.throughput() / base.throughput();
     println!("== reprise bench proxy ==");
+    println!("req/s and percentiles count only requests that succeeded; failures per side:");
+    println!(
+        "  exact hit {}; ceiling {}; with keys {}; miss direct {}; miss via reprise {}",
+        hit.failed, base.failed, auth_hit.failed, direct.failed, via.failed
+    );
     println!(
         "exact hit        {:>10.0} req/s  p50 {}  p99 {}",
         hit.throughput(),
@@ -296,6 +319,11 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
             "ttft_direct_p50_s": direct.pct(50.0), "ttft_via_p50_s": via.pct(50.0),
             "ttft_added_p50_s": added50, "ttft_added_p99_s": added99,
             "tenants": a.tenants, "auth_rps": auth_hit.throughput(), "auth_ratio": auth_ratio,
+            "failed": {
+                "exact": hit.failed.json(), "ceiling": base.failed.json(),
+                "auth": auth_hit.failed.json(), "ttft_direct": direct.failed.json(),
+                "ttft_via": via.failed.json(),
+            },
         });
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
     }

@@ -32,7 +32,9 @@ use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::{json, Value};
 
-use crate::common::{load_embedder, start_app, BackendKind, Config, Server, NAMESPACE_HEADER};
+use crate::common::{
+    load_embedder, start_app, BackendKind, Config, Failure, Failures, Server, NAMESPACE_HEADER,
+};
 
 /// Options of `reprise-bench quality`.
 #[derive(Debug, Args)]
@@ -137,6 +139,9 @@ struct Answer {
     /// The A text the hit was served from, if any.
     served: Option<String>,
     similarity: f32,
+    /// The request failed (or, for a B, the store of its A did): neither served nor not
+    /// served, left out of every figure and counted apart.
+    failed: Option<Failure>,
 }
 
 async fn start(config: Config) -> anyhow::Result<Server> {
@@ -166,8 +171,17 @@ async fn ask_all(
                 req = req.header(NAMESPACE_HEADER, ns);
             }
             let Ok(r) = req.json(&body).send().await else {
-                return Answer { served: None, similarity: f32::NAN };
+                return Answer { served: None, similarity: f32::NAN, failed: Some(Failure::Transport) };
             };
+            // Only an `only-if-cached` miss may answer 504; any other failure status is a
+            // failed request, not a miss.
+            let status = r.status();
+            if !(status.is_success()
+                || (cache_control == "only-if-cached" && status == reqwest::StatusCode::GATEWAY_TIMEOUT))
+            {
+                let _ = r.bytes().await;
+                return Answer { served: None, similarity: f32::NAN, failed: Some(Failure::Status) };
+            }
             let outcome = r.headers().get("x-reprise-cache").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
             let similarity = r
                 .headers()
@@ -175,11 +189,14 @@ async fn ask_all(
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(if outcome == "exact" { 1.0 } else { f32::NAN });
-            let body: Value = r.json().await.unwrap_or(Value::Null);
+            let Ok(body) = r.bytes().await else {
+                return Answer { served: None, similarity: f32::NAN, failed: Some(Failure::Transport) };
+            };
+            let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             let served = matches!(outcome.as_str(), "exact" | "semantic")
                 .then(|| body.pointer("/choices/0/message/content").and_then(Value::as_str).map(str::to_string))
                 .flatten();
-            Answer { served, similarity }
+            Answer { served, similarity, failed: None }
         }
     }))
     .buffered(concurrency)
@@ -215,9 +232,17 @@ async fn cache_view(
             .collect()
     };
     eprintln!("  storing {} prompts", a_texts.len());
-    ask_all(&client, &url, a_texts, "no-cache", concurrency).await;
+    let stores = ask_all(&client, &url, a_texts.clone(), "no-cache", concurrency).await;
+    let mut store_failed = Failures::default();
+    let mut unstored = std::collections::HashMap::new();
+    for (a, r) in a_texts.into_iter().zip(&stores) {
+        if let Some(f) = r.failed {
+            store_failed.count(f);
+            unstored.insert(a, f);
+        }
+    }
     eprintln!("  asking {} prompts", pairs.len());
-    Ok(ask_all(
+    let mut answers = ask_all(
         &client,
         &url,
         pairs
@@ -228,7 +253,21 @@ async fn cache_view(
         "only-if-cached",
         concurrency,
     )
-    .await)
+    .await;
+    let mut ask_failed = Failures::default();
+    for (i, (p, ans)) in pairs.iter().zip(&mut answers).enumerate() {
+        if let Some(f) = ans.failed {
+            ask_failed.count(f);
+        } else if let Some(f) = unstored.get(&(p.a.clone(), ns(i))) {
+            // Its A was never stored: whatever B got says nothing about the cache.
+            ans.failed = Some(*f);
+        }
+    }
+    let left_out = answers.iter().filter(|a| a.failed.is_some()).count();
+    println!(
+        "  requests: stores {store_failed}, asks {ask_failed}; {left_out} pairs left out of the figures below"
+    );
+    Ok(answers)
 }
 
 /// Counts at one operating point.
@@ -341,6 +380,9 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
         while t <= 0.981 {
             let (mut plain, mut gated) = (Point::default(), Point::default());
             for ((p, ans), ok) in pairs.iter().zip(&answers).zip(&gate_ok) {
+                if ans.failed.is_some() {
+                    continue;
+                }
                 let served = ans.served.as_deref().filter(|_| ans.similarity >= t);
                 plain.add(&eq, p, served);
                 gated.add(&eq, p, served.filter(|_| *ok));
@@ -357,6 +399,9 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
         let mut total = Point::default();
         let mut by_cat: BTreeMap<String, Point> = BTreeMap::new();
         for (p, ans) in pairs.iter().zip(&answers) {
+            if ans.failed.is_some() {
+                continue;
+            }
             total.add(&eq, p, ans.served.as_deref());
             by_cat
                 .entry(p.category.clone())

@@ -34,9 +34,9 @@ use reprise_embedder::Embedder;
 use serde_json::json;
 
 use crate::common::{
-    build_replica, chat_exact_key, load_embedder, percentile, rebuilds, redis_tier, semantic_index,
-    start_redis, start_replica, store, BackendKind, Config, Samples, Server, CACHE_HEADER,
-    DEFAULT_NAMESPACE,
+    build_replica, chat_exact_key, load_embedder, percentile, read_cached_outcome, rebuilds,
+    redis_tier, semantic_index, start_redis, start_replica, store, BackendKind, Config, Failure,
+    Failures, Samples, Server, DEFAULT_NAMESPACE,
 };
 
 /// Options of `reprise-bench redis`.
@@ -143,13 +143,14 @@ fn chat_body(text: &str) -> String {
     json!({"model": "fake", "messages": [{"role": "user", "content": text}]}).to_string()
 }
 
-/// Posts `body`; returns the `x-reprise-cache` outcome once the whole body arrived.
+/// Posts `body`; returns the `x-reprise-cache` outcome once the whole body arrived
+/// (`not_cached` for the 504 of an `only-if-cached` miss), or how the request failed.
 async fn post(
     client: &reqwest::Client,
     url: &str,
     body: String,
     headers: &[(&str, &str)],
-) -> Option<String> {
+) -> Result<String, Failure> {
     let mut req = client
         .post(url)
         .header("content-type", "application/json")
@@ -157,15 +158,7 @@ async fn post(
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let r = req.send().await.ok()?;
-    let outcome = r
-        .headers()
-        .get(CACHE_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
-    r.bytes().await.ok()?;
-    Some(outcome)
+    read_cached_outcome(req.send().await).await
 }
 
 /// Runs the Redis benchmark.
@@ -384,15 +377,21 @@ async fn l2_vs_l1(
     let stored = futures::stream::iter(texts.iter().map(|text| {
         let (client, url_a) = (client.clone(), url_a.clone());
         let body = chat_body(text);
-        async move { post(&client, &url_a, body, &[]).await.as_deref() == Some("miss") }
+        async move { post(&client, &url_a, body, &[]).await }
     }))
     .buffer_unordered(8)
-    .filter(|ok| futures::future::ready(*ok))
-    .count()
+    .collect::<Vec<_>>()
     .await;
+    let mut store_failed = Failures::default();
+    for r in &stored {
+        if let Err(f) = r {
+            store_failed.count(*f);
+        }
+    }
+    let stored = stored.iter().filter(|r| r.as_deref() == Ok("miss")).count();
     anyhow::ensure!(
         stored == texts.len(),
-        "only {stored} of {} stored",
+        "only {stored} of {} stored as misses; {store_failed}",
         texts.len()
     );
     if let Some(r) = redis_tier(&replica_a.state) {
@@ -443,16 +442,14 @@ async fn l2_vs_l1(
                 "a key meant for an L2 pass is already in B's memory"
             );
             let (s, w) = pass(&client, &url_b, &batch, c).await;
-            l2.lat.extend(s.lat);
-            l2.wall += s.wall;
+            l2.merge(s);
             wrong += w;
             anyhow::ensure!(
                 memory_b.get_by_key(&key).await.is_some(),
                 "an L2 hit was not promoted into B's memory"
             );
             let (s, w) = pass(&client, &url_b, &batch, c).await;
-            l1.lat.extend(s.lat);
-            l1.wall += s.wall;
+            l1.merge(s);
             wrong += w;
         }
         eprintln!(
@@ -482,6 +479,12 @@ async fn l2_vs_l1(
     if wrong > 0 {
         println!("    warning: {wrong} requests were not exact hits (left out of the figures)");
     }
+    let (mut l2_failed, mut l1_failed) = (Failures::default(), Failures::default());
+    for (_, l2, l1) in &rows {
+        l2_failed.add(l2.failed);
+        l1_failed.add(l1.failed);
+    }
+    println!("    failed requests (left out of the figures): L2 {l2_failed}; L1 {l1_failed}");
     if let Some(index) = index_b {
         // A promotion re-installs an entry replication had already indexed: each one leaves
         // a tombstone behind, which maintenance reports when it drops them.
@@ -496,8 +499,8 @@ async fn l2_vs_l1(
     Ok(())
 }
 
-/// Asks every text once with `concurrency` clients; latencies of exact hits, and how many
-/// were not.
+/// Asks every text once with `concurrency` clients; latencies of exact hits (failed requests
+/// counted in the samples), and how many were answered but not as exact hits.
 async fn pass(
     client: &reqwest::Client,
     url: &str,
@@ -505,27 +508,33 @@ async fn pass(
     concurrency: usize,
 ) -> (Samples, usize) {
     let start = Instant::now();
-    let results: Vec<Option<f64>> = futures::stream::iter(texts.iter().map(|text| {
-        let (client, url) = (client.clone(), url.to_string());
-        let body = chat_body(text);
-        async move {
-            let t = Instant::now();
-            let outcome = post(&client, &url, body, &[("cache-control", "only-if-cached")]).await;
-            (outcome.as_deref() == Some("exact")).then(|| t.elapsed().as_secs_f64())
+    let results: Vec<Result<Option<f64>, Failure>> =
+        futures::stream::iter(texts.iter().map(|text| {
+            let (client, url) = (client.clone(), url.to_string());
+            let body = chat_body(text);
+            async move {
+                let t = Instant::now();
+                let outcome =
+                    post(&client, &url, body, &[("cache-control", "only-if-cached")]).await?;
+                Ok((outcome == "exact").then(|| t.elapsed().as_secs_f64()))
+            }
+        }))
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+    let mut samples = Samples {
+        wall: start.elapsed().as_secs_f64(),
+        ..Samples::default()
+    };
+    let mut wrong = 0;
+    for r in results {
+        match r {
+            Ok(Some(lat)) => samples.lat.push(lat),
+            Ok(None) => wrong += 1,
+            Err(f) => samples.failed.count(f),
         }
-    }))
-    .buffer_unordered(concurrency)
-    .collect()
-    .await;
-    let wall = start.elapsed().as_secs_f64();
-    let wrong = results.iter().filter(|r| r.is_none()).count();
-    (
-        Samples {
-            lat: results.into_iter().flatten().collect(),
-            wall,
-        },
-        wrong,
-    )
+    }
+    (samples, wrong)
 }
 
 /// (c) Time from a miss answered on A until B has the entry.
@@ -552,6 +561,7 @@ async fn propagation(
     let timeout = Duration::from_secs(2);
     let (mut via_index, mut via_http) = (Vec::new(), Vec::new());
     let mut lost = 0usize;
+    let mut poll_failed = Failures::default();
     // A few unrecorded samples first: connections, the embedder's LRU.
     let warmup = 6;
     for i in 0..(2 * a.samples + warmup) {
@@ -565,7 +575,7 @@ async fn propagation(
         let before = index_b.len();
         let outcome = post(&client, &url_a, body.clone(), &ns_header).await;
         anyhow::ensure!(
-            outcome.as_deref() == Some("miss"),
+            outcome.as_deref() == Ok("miss"),
             "the write on A was not a miss: {outcome:?}"
         );
         let t0 = Instant::now();
@@ -590,13 +600,13 @@ async fn propagation(
             ];
             let mut seen = None;
             while t0.elapsed() < timeout {
-                if post(&client, &url_b, body.clone(), &headers)
-                    .await
-                    .as_deref()
-                    == Some("exact")
-                {
-                    seen = Some(t0.elapsed().as_secs_f64());
-                    break;
+                match post(&client, &url_b, body.clone(), &headers).await {
+                    Ok(o) if o == "exact" => {
+                        seen = Some(t0.elapsed().as_secs_f64());
+                        break;
+                    }
+                    Ok(_) => {}
+                    Err(f) => poll_failed.count(f),
                 }
             }
             seen
@@ -627,6 +637,9 @@ async fn propagation(
     );
     if lost > 0 {
         println!("    {lost} samples did not arrive within {timeout:?}");
+    }
+    if poll_failed.total() > 0 {
+        println!("    polls of B: {poll_failed} (a failed poll is not a sighting)");
     }
     Ok(())
 }

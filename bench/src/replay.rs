@@ -361,13 +361,28 @@ async fn play_session(
                 let mut stream = r.bytes_stream();
                 let mut body = Vec::new();
                 let mut ttft = None;
+                let mut broke = false;
                 while let Some(chunk) = stream.next().await {
-                    let chunk = chunk?;
+                    let Ok(chunk) = chunk else {
+                        broke = true;
+                        break;
+                    };
                     ttft.get_or_insert_with(|| t.elapsed().as_secs_f64());
                     body.extend_from_slice(&chunk);
                 }
-                let answer = sse_text(&sse_data(&String::from_utf8_lossy(&body)));
-                (served, ttft.unwrap_or(f64::NAN), answer)
+                let data = sse_data(&String::from_utf8_lossy(&body));
+                // A stream cut short, or one that reported an error in-band, is a failed turn
+                // (counted as an error, not timed), not a miss or a hit.
+                if broke
+                    || !data.iter().any(|d| d == "[DONE]")
+                    || data.iter().any(|d| {
+                        serde_json::from_str::<Value>(d).is_ok_and(|v| v.get("error").is_some())
+                    })
+                {
+                    (Served::Error, f64::NAN, String::new())
+                } else {
+                    (served, ttft.unwrap_or(f64::NAN), sse_text(&data))
+                }
             }
             _ => (Served::Error, f64::NAN, String::new()),
         };

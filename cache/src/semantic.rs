@@ -12,6 +12,7 @@
 //! Vectors are expected L2-normalised, so similarity is a dot product (= cosine).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -84,6 +85,33 @@ pub struct SemanticIndex {
     /// and swaps in; two overlapping rebuilds of one partition would replay against a
     /// structure the other one already replaced.
     maintaining: Mutex<()>,
+    /// What the HNSW side did, for diagnostics and tests.
+    graph: GraphCounters,
+}
+
+/// Counts of the index's HNSW work since it was created ([`SemanticIndex::graph_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Graphs built over a whole partition in one pass (inside an insert far past the
+    /// limit, a bulk load, or maintenance).
+    pub builds: u64,
+    /// Vectors inserted one by one into a graph that already existed.
+    pub inserts: u64,
+    /// Searches answered by a graph (the rest were exact scans).
+    pub searches: u64,
+}
+
+#[derive(Default)]
+struct GraphCounters {
+    builds: AtomicU64,
+    inserts: AtomicU64,
+    searches: AtomicU64,
+}
+
+impl GraphCounters {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
 }
 
 impl std::fmt::Debug for SemanticIndex {
@@ -116,7 +144,26 @@ impl SemanticIndex {
             partitions: RwLock::new(HashMap::new()),
             location: RwLock::new(HashMap::new()),
             maintaining: Mutex::new(()),
+            graph: GraphCounters::default(),
         }
+    }
+
+    /// What the HNSW side did since the index was created.
+    pub fn graph_stats(&self) -> GraphStats {
+        let g = &self.graph;
+        GraphStats {
+            builds: g.builds.load(Ordering::Relaxed),
+            inserts: g.inserts.load(Ordering::Relaxed),
+            searches: g.searches.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Points in `partition`'s HNSW graph (dead ones included until a rebuild); `None` when
+    /// the partition has no graph (it is scanned exactly) or does not exist.
+    pub fn graph_points(&self, partition: &PartitionKey) -> Option<usize> {
+        let p = self.partition(partition)?;
+        let inner = p.inner.read();
+        inner.graph.as_ref().map(|g| g.get_nb_point())
     }
 
     /// Number of components the index expects.
@@ -142,7 +189,9 @@ impl SemanticIndex {
         {
             let map = self.partitions.read();
             if let Some(p) = map.get(&partition) {
-                p.inner.write().push(id, &vector, self.dim, &self.cfg);
+                p.inner
+                    .write()
+                    .push(id, &vector, self.dim, &self.cfg, &self.graph);
                 return;
             }
         }
@@ -150,7 +199,9 @@ impl SemanticIndex {
         let p = map
             .entry(partition)
             .or_insert_with(|| Arc::new(Partition::default()));
-        p.inner.write().push(id, &vector, self.dim, &self.cfg);
+        p.inner
+            .write()
+            .push(id, &vector, self.dim, &self.cfg, &self.graph);
     }
 
     /// Adds (or replaces) many entries at once: each partition is locked once, and a partition
@@ -176,7 +227,9 @@ impl SemanticIndex {
             {
                 let map = self.partitions.read();
                 if let Some(p) = map.get(&partition) {
-                    p.inner.write().push_many(&items, self.dim, &self.cfg);
+                    p.inner
+                        .write()
+                        .push_many(&items, self.dim, &self.cfg, &self.graph);
                     continue;
                 }
             }
@@ -184,7 +237,9 @@ impl SemanticIndex {
             let p = map
                 .entry(partition)
                 .or_insert_with(|| Arc::new(Partition::default()));
-            p.inner.write().push_many(&items, self.dim, &self.cfg);
+            p.inner
+                .write()
+                .push_many(&items, self.dim, &self.cfg, &self.graph);
         }
     }
 
@@ -213,6 +268,9 @@ impl SemanticIndex {
             return Vec::new();
         };
         let inner = p.inner.read();
+        if inner.graph.is_some() {
+            GraphCounters::add(&self.graph.searches, 1);
+        }
         inner.search(query, k, self.dim, &self.cfg)
     }
 
@@ -300,7 +358,7 @@ impl SemanticIndex {
                 dropped = snapshot_len - fresh.ids.len(),
                 "rebuilding semantic index partition graph"
             );
-            fresh.build_graph(self.dim, &self.cfg);
+            fresh.build_graph(self.dim, &self.cfg, &self.graph);
         }
 
         let mut inner = part.inner.write();
@@ -316,7 +374,7 @@ impl SemanticIndex {
             if !inner.dead[s] {
                 let id = inner.ids[s];
                 let v: Vec<f32> = inner.vector(s, self.dim).to_vec();
-                fresh.push(id, &v, self.dim, &self.cfg);
+                fresh.push(id, &v, self.dim, &self.cfg, &self.graph);
             }
         }
         let dropped = inner.ids.len() - fresh.ids.len();
@@ -377,23 +435,39 @@ impl PartitionInner {
         slot
     }
 
-    fn push(&mut self, id: EntryId, vector: &[f32], dim: usize, cfg: &IndexConfig) {
+    fn push(
+        &mut self,
+        id: EntryId,
+        vector: &[f32],
+        dim: usize,
+        cfg: &IndexConfig,
+        counters: &GraphCounters,
+    ) {
         let slot = self.push_flat(id, vector);
         match &self.graph {
-            Some(graph) => graph.insert_slice((vector, slot)),
+            Some(graph) => {
+                graph.insert_slice((vector, slot));
+                GraphCounters::add(&counters.inserts, 1);
+            }
             // Building a graph over thousands of vectors inside one request would stall it:
             // the periodic `maintain` builds it off the request path, and exact scans serve
             // meanwhile. Only a partition growing far past the limit between two passes gets
             // its graph built here.
             None if self.ids.len() > cfg.exact_scan_max.saturating_mul(4) => {
-                self.build_graph(dim, cfg)
+                self.build_graph(dim, cfg, counters)
             }
             None => {}
         }
     }
 
     /// Appends many; the graph (existing or newly needed) is fed in one parallel pass.
-    fn push_many(&mut self, items: &[IdVector], dim: usize, cfg: &IndexConfig) {
+    fn push_many(
+        &mut self,
+        items: &[IdVector],
+        dim: usize,
+        cfg: &IndexConfig,
+        counters: &GraphCounters,
+    ) {
         let first = self.ids.len();
         for (id, v) in items {
             self.push_flat(*id, v);
@@ -404,9 +478,10 @@ impl PartitionInner {
                     .map(|s| (self.vector(s, dim), s))
                     .collect();
                 graph.parallel_insert_slice(&data);
+                GraphCounters::add(&counters.inserts, data.len() as u64);
             }
             // Bulk loads run off the request path, so the graph is built right away.
-            None if self.ids.len() > cfg.exact_scan_max => self.build_graph(dim, cfg),
+            None if self.ids.len() > cfg.exact_scan_max => self.build_graph(dim, cfg, counters),
             None => {}
         }
     }
@@ -424,7 +499,7 @@ impl PartitionInner {
 
     /// Builds the HNSW graph over every slot (dead ones too: they are filtered at search
     /// time, and a rebuild drops them later).
-    fn build_graph(&mut self, dim: usize, cfg: &IndexConfig) {
+    fn build_graph(&mut self, dim: usize, cfg: &IndexConfig, counters: &GraphCounters) {
         let n = self.ids.len();
         let graph = Hnsw::new(
             cfg.hnsw_m.clamp(2, 256),
@@ -437,6 +512,7 @@ impl PartitionInner {
         let data: Vec<(&[f32], usize)> = (0..n).map(|s| (self.vector(s, dim), s)).collect();
         graph.parallel_insert_slice(&data);
         self.graph = Some(graph);
+        GraphCounters::add(&counters.builds, 1);
     }
 
     fn search(&self, query: &[f32], k: usize, dim: usize, cfg: &IndexConfig) -> Vec<Candidate> {

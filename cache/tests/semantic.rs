@@ -206,10 +206,20 @@ fn maintain_drops_emptied_partitions() {
 
 #[test]
 fn crossing_the_threshold_keeps_recall() {
-    // 3000 random vectors, graph built at 2048 and grown afterwards.
-    let idx = SemanticIndex::new(DIM, small_cfg(2048));
+    // Past the exact-scan limit (but under 4× it, so no insert builds a graph): exact scans
+    // serve until maintenance builds the graph, which then grows point by point.
+    let limit = 256;
+    let idx = SemanticIndex::new(DIM, small_cfg(limit));
     let mut rng = Rng(7);
-    let items = fill(&idx, key(7), 3000, &mut rng);
+    let mut items = fill(&idx, key(7), 600, &mut rng);
+    assert_eq!(idx.graph_points(&key(7)), None, "no graph inside an insert");
+    assert_eq!(idx.maintain().rebuilt, 1);
+    assert_eq!(idx.graph_points(&key(7)), Some(600));
+    items.extend(fill(&idx, key(7), 400, &mut rng));
+    let stats = idx.graph_stats();
+    assert_eq!(stats.builds, 1, "{stats:?}");
+    assert_eq!(stats.inserts, 400, "{stats:?}");
+    assert_eq!(idx.graph_points(&key(7)), Some(1000));
     let queries: Vec<Arc<[f32]>> = (0..200).map(|_| rng.unit()).collect();
     let mut agree = 0;
     for q in &queries {
@@ -218,6 +228,11 @@ fn crossing_the_threshold_keeps_recall() {
             agree += 1;
         }
     }
+    assert_eq!(
+        idx.graph_stats().searches,
+        200,
+        "every search went through the graph"
+    );
     assert!(
         agree as f32 / queries.len() as f32 >= 0.95,
         "recall {agree}/200"
@@ -279,6 +294,13 @@ fn bulk_insert_builds_the_graph_once_and_finds_the_same() {
     let query = items[123].2.clone();
     bulk.insert_many(items);
     assert_eq!(bulk.len(), 500);
+    // One graph over all 500 in one pass, not grown point by point (as the point-by-point
+    // index's is, past 4× the limit).
+    let built = bulk.graph_stats();
+    assert_eq!((built.builds, built.inserts), (1, 0), "{built:?}");
+    assert_eq!(bulk.graph_points(&part), Some(500));
+    let grown = point.graph_stats();
+    assert_eq!((grown.builds, grown.inserts), (1, 500 - 257), "{grown:?}");
     assert!(bulk.contains(EntryId(123)));
     assert!(!bulk.contains(EntryId(9999)));
     let a = bulk.search(&part, &query, 1);
@@ -297,6 +319,8 @@ fn maintenance_builds_the_graph_of_a_partition_that_outgrew_exact_scans() {
     assert_eq!(report.rebuilt, 1, "{report:?}");
     // A second pass has nothing to do, and the graph answers.
     assert_eq!(idx.maintain().rebuilt, 0);
+    assert_eq!(idx.graph_points(&key(42)), Some(150));
     let (id, v) = &items[17];
     assert_eq!(idx.search(&key(42), v, 1)[0].id, *id);
+    assert_eq!(idx.graph_stats().searches, 1, "the graph answered");
 }

@@ -523,6 +523,9 @@ pub struct PrefetchConfig {
     pub refresh_window_secs: f64,
     /// Hits that make an entry hot.
     pub refresh_min_hits: u64,
+    /// With Redis: how often, in seconds, the learned counts are saved there when they
+    /// changed (they are also saved on shutdown).
+    pub persist_interval_secs: f64,
 }
 
 impl Default for PrefetchConfig {
@@ -549,6 +552,7 @@ impl Default for PrefetchConfig {
             refresh_ahead: false,
             refresh_window_secs: 300.0,
             refresh_min_hits: 3,
+            persist_interval_secs: 30.0,
         }
     }
 }
@@ -611,6 +615,9 @@ impl PrefetchConfig {
                 "prefetch.refresh_window_secs",
                 "must not be negative".into(),
             ));
+        }
+        if !(self.persist_interval_secs.is_finite() && self.persist_interval_secs > 0.0) {
+            return Err(("prefetch.persist_interval_secs", "must be positive".into()));
         }
         Ok(())
     }
@@ -896,6 +903,14 @@ mod tests {
             ..PrefetchConfig::default()
         };
         assert_eq!(bad.validate().unwrap_err().0, "prefetch.min_probability");
+        for secs in [0.0, -1.0, f64::NAN] {
+            let bad = PrefetchConfig {
+                persist_interval_secs: secs,
+                ..PrefetchConfig::default()
+            };
+            let err = bad.validate().unwrap_err();
+            assert_eq!(err.0, "prefetch.persist_interval_secs");
+        }
         let parsed: PrefetchConfig = toml::from_str("enabled = true\nmax_concurrent = 2").unwrap();
         assert!(parsed.enabled && parsed.max_concurrent == 2);
         assert!(toml::from_str::<PrefetchConfig>("nope = 1").is_err());
@@ -926,6 +941,7 @@ mod tests {
         assert_eq!(p.regroup_min_seen, q.regroup_min_seen);
         assert_eq!(p.propose, q.propose);
         assert_eq!(p.propose_questions, q.propose_questions);
+        assert_eq!(p.persist_interval_secs, q.persist_interval_secs);
     }
 
     #[test]

@@ -33,8 +33,9 @@
 //!    same budgets. What was learned about the old entry moves to the new one, and so do
 //!    the keys that led to it (aliases of paraphrases and wordings, here and in Redis).
 //! 5. **Persistence**: the counts can be exported and imported; with a Redis tier attached
-//!    ([`Prefetcher::attach_redis`]) they are restored at start and saved every 30 s when
-//!    they changed.
+//!    ([`Prefetcher::attach_redis`]) they are restored at start, saved every
+//!    `persist_interval_secs` (30 s by default) when they changed, and saved on shutdown
+//!    (`tasks::BackgroundTasks::stop`).
 //!
 //! 6. **Regrouping by use** (`regroup`): every 2 s while links are learned, clusters whose
 //!    representatives are moderately similar (`regroup_min_cosine`) and that are used alike
@@ -111,7 +112,7 @@ const SESSION_IDLE: Duration = Duration::from_secs(3600);
 /// Hot-entry records kept for refresh-ahead.
 const MAX_HOT: u64 = 10_000;
 /// Name of the saved counts under the Redis tier's prefix.
-const BLOB_NAME: &str = "prefetch-transitions";
+pub const BLOB_NAME: &str = "prefetch-transitions";
 
 /// Counters since start, cheap to read (tests, benchmarks, admin pages).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -323,8 +324,8 @@ impl Prefetcher {
         self.shared.restore(tier).await
     }
 
-    /// Lets the worker restore the counts from `tier` and save them there every 30 s when
-    /// they changed. May be called before or after [`Prefetcher::start`].
+    /// Lets the worker restore the counts from `tier` and save them there every
+    /// `persist_interval_secs` when they changed. May be called before or after [`Prefetcher::start`].
     pub fn attach_redis(&self, tier: RedisTier) {
         *self.shared.redis.lock() = Some(tier);
         self.shared.wake.notify_one();

@@ -20,8 +20,6 @@ const IDLE_TICK: Duration = Duration::from_millis(100);
 const SCAN_EVERY: Duration = Duration::from_millis(250);
 /// How often clusters are regrouped by use (when links were learned since).
 const REGROUP_EVERY: Duration = Duration::from_secs(2);
-/// How often the counts are saved to Redis (when they changed).
-const PERSIST_EVERY: Duration = Duration::from_secs(30);
 
 impl Shared {
     /// Learns from one event of the observation channel.
@@ -47,6 +45,8 @@ pub(super) async fn worker(
     let mut last_regroup = Instant::now();
     let mut links_at_regroup = 0;
     let mut restored = false;
+    // How often the counts are saved to Redis (when they changed); validated positive.
+    let persist_every = Duration::from_secs_f64(shared.cfg.persist_interval_secs);
     loop {
         let wait = if shared.queue.lock().is_empty() {
             IDLE_TICK
@@ -88,7 +88,7 @@ pub(super) async fn worker(
                     }
                     Err(e) => tracing::debug!(error = %e, "prefetch: restore failed"),
                 }
-            } else if last_persist.elapsed() >= PERSIST_EVERY {
+            } else if last_persist.elapsed() >= persist_every {
                 last_persist = Instant::now();
                 if shared.model.lock().take_changed() {
                     shared.persist(&tier);
