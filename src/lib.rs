@@ -243,6 +243,16 @@ pub async fn run_with(
         None => None,
     };
     tasks.stop(&state).await;
+    // What the Redis write queue still holds is written before the process ends (within the
+    // shutdown deadline: a Redis that does not answer cannot hold a restart).
+    if let Some(redis) = state.store.redis() {
+        let grace = state.config.server.shutdown_timeout();
+        match tokio::time::timeout(grace, redis.flush()).await {
+            Ok(Ok(())) => tracing::info!("redis write queue flushed"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "redis write queue not flushed"),
+            Err(_) => tracing::warn!("redis write queue not flushed within the shutdown deadline"),
+        }
+    }
     served??;
     if let Some(s) = admin_served {
         s??;

@@ -208,3 +208,50 @@ async fn shutdown_does_not_wait_for_open_streams_forever() {
     ended.unwrap().unwrap();
     assert!(snapshot.exists(), "the shutdown saved no snapshot");
 }
+
+/// On shutdown the Redis write queue is written out before `run` returns: an answer given
+/// just before the signal, while Redis was not taking writes, is in Redis afterwards.
+#[tokio::test]
+async fn shutdown_flushes_the_redis_write_queue() {
+    let redis = RedisServer::start();
+    let mut config = test_config();
+    config.backend.kind = reprise::config::BackendKind::Fake;
+    config.redis.url = Some(redis.url());
+    config.redis.timeout_ms = 10_000;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(reprise::run(listener, config, async move {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::new();
+    let ready = format!("http://{addr}/readyz");
+    for _ in 0..600 {
+        if matches!(client.get(&ready).send().await, Ok(r) if r.status() == 200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Redis holds writes back for two seconds; the answer's write waits in the queue.
+    let port = redis.port().to_string();
+    let paused = Command::new("redis-cli")
+        .args(["-p", port.as_str(), "CLIENT", "PAUSE", "2000", "WRITE"])
+        .status()
+        .expect("redis-cli runs");
+    assert!(paused.success());
+    let r = client
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&chat_body("What is the capital of France?"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cache_status(&r), "miss");
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+    let out = Command::new("redis-cli")
+        .args(["-p", port.as_str(), "--scan", "--pattern", "reprise:e:*"])
+        .output()
+        .expect("redis-cli runs");
+    let entries = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert_eq!(entries, 1, "the queued write was not flushed on shutdown");
+}

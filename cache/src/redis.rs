@@ -138,6 +138,8 @@ impl RedisTier {
             dropped: AtomicU64::new(0),
             up: AtomicBool::new(false),
             rounds: AtomicU64::new(0),
+            queued_bytes: AtomicU64::new(0),
+            queue_bytes: cfg.write_queue_bytes.max(1),
         });
         let (writes, rx) = mpsc::channel(cfg.write_queue.max(1));
         tokio::spawn(write_loop(shared.clone(), rx));
@@ -188,6 +190,11 @@ impl RedisTier {
             return Ok(None);
         };
         self.shared.get(Op::GetByKey, id).await
+    }
+
+    /// Bytes of writes queued and not yet applied (at most `write_queue_bytes`).
+    pub fn queued_bytes(&self) -> u64 {
+        self.shared.queued_bytes.load(Ordering::Relaxed)
     }
 
     /// Operations this tier has sent to Redis (each one round trip: a command, or commands

@@ -298,3 +298,53 @@ async fn values_over_the_size_cap_read_as_absent() {
         .unwrap();
     assert_eq!(t.get_by_key(&digest(3)).await.unwrap(), None);
 }
+
+/// The write queue is bounded by bytes as well as by count: while Redis does not take
+/// writes, puts past the byte budget are dropped (and counted), never buffered.
+#[tokio::test]
+async fn the_write_queue_is_bounded_by_bytes() {
+    let server = RedisServer::start();
+    let mut cfg = config(server.url());
+    cfg.timeout_ms = 10_000;
+    cfg.write_queue_bytes = 64 * 1024;
+    let t = tier(cfg, "a").await;
+    t.flush().await.unwrap();
+    let mut c = raw(&server.url()).await;
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(3_000)
+        .arg("WRITE")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    // The writer takes the first and waits for Redis; the rest queue behind it.
+    let text = "x".repeat(4096);
+    let entries: Vec<_> = (0..100).map(|_| entry("ns", &text, 60_000)).collect();
+    let dropped_before = t.health().dropped_writes;
+    let mut accepted = 0;
+    for e in &entries {
+        if t.put(e, &[]) {
+            accepted += 1;
+        }
+        assert!(
+            t.queued_bytes() <= 64 * 1024,
+            "{} bytes queued",
+            t.queued_bytes()
+        );
+    }
+    assert!(
+        accepted < 20,
+        "{accepted} of 100 writes of 4 KiB queued in 64 KiB"
+    );
+    assert_eq!(t.health().dropped_writes - dropped_before, 100 - accepted);
+    // Once Redis takes writes again, what was queued lands and the budget is free again.
+    t.flush().await.unwrap();
+    assert_eq!(t.queued_bytes(), 0);
+    let mut landed = 0;
+    for e in &entries {
+        if t.get(e.id).await.unwrap().is_some() {
+            landed += 1;
+        }
+    }
+    assert_eq!(landed, accepted);
+}

@@ -23,6 +23,9 @@ pub struct RedisConfig {
     /// Writes waiting for the background writer; beyond this they are dropped (and counted)
     /// rather than buffered without limit while Redis is slow.
     pub write_queue: usize,
+    /// Bytes of writes waiting for the background writer (entries, keys, blobs); a write
+    /// that would pass it is dropped (and counted) like one past `write_queue`.
+    pub write_queue_bytes: u64,
     /// Consecutive failures (errors or timeouts) that open the circuit breaker.
     pub breaker_failures: u32,
     /// How long an open breaker fails calls fast before letting one probe through,
@@ -44,6 +47,7 @@ impl Default for RedisConfig {
             timeout_ms: 200,
             connect_timeout_ms: 1000,
             write_queue: 10_000,
+            write_queue_bytes: 64 * 1024 * 1024,
             breaker_failures: 5,
             breaker_cooldown_ms: 2000,
             events_maxlen: 100_000,
@@ -76,6 +80,7 @@ impl fmt::Debug for RedisConfig {
             .field("timeout_ms", &self.timeout_ms)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("write_queue", &self.write_queue)
+            .field("write_queue_bytes", &self.write_queue_bytes)
             .field("breaker_failures", &self.breaker_failures)
             .field("breaker_cooldown_ms", &self.breaker_cooldown_ms)
             .field("events_maxlen", &self.events_maxlen)

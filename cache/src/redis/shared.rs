@@ -57,6 +57,9 @@ pub(super) struct Shared {
     pub(super) metrics: RedisMetrics,
     pub(super) dropped: AtomicU64,
     pub(super) up: AtomicBool,
+    /// Bytes of writes queued and not yet applied ([`super::writer`]), and their budget.
+    pub(super) queued_bytes: AtomicU64,
+    pub(super) queue_bytes: u64,
     /// Operations run (each one round trip: a command, a pipeline or a batch sent together).
     pub(super) rounds: AtomicU64,
 }

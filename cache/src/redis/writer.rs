@@ -2,6 +2,7 @@
 //! batch at a time and concurrently; deletes and flushes go through the same queue, so they
 //! apply after the writes queued before them, and their callers wait for the result.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ::redis::Value;
@@ -117,9 +118,18 @@ impl RedisTier {
             self.shared.drop_write();
             return false;
         }
+        // Bounded by bytes as well as by count: one write may be megabytes.
+        let bytes = write.bytes();
+        let queued = self.shared.queued_bytes.fetch_add(bytes, Ordering::Relaxed);
+        if queued + bytes > self.shared.queue_bytes {
+            self.shared.queued_bytes.fetch_sub(bytes, Ordering::Relaxed);
+            self.shared.drop_write();
+            return false;
+        }
         match self.writes.try_send(Queued::Write(write)) {
             Ok(()) => true,
             Err(_) => {
+                self.shared.queued_bytes.fetch_sub(bytes, Ordering::Relaxed);
                 self.shared.drop_write();
                 false
             }
@@ -432,11 +442,43 @@ pub(super) async fn write_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<Queue
             match queued {
                 Queued::Write(write) => writes.push(write),
                 Queued::Admin(admin) => {
-                    shared.apply_writes(std::mem::take(&mut writes)).await;
+                    shared.apply_queued(std::mem::take(&mut writes)).await;
                     shared.apply_admin(admin).await;
                 }
             }
         }
-        shared.apply_writes(std::mem::take(&mut writes)).await;
+        shared.apply_queued(std::mem::take(&mut writes)).await;
+    }
+}
+
+impl Write {
+    /// Bytes the write holds while queued (what the queue's byte budget counts).
+    pub(super) fn bytes(&self) -> u64 {
+        let n = match self {
+            Write::Put {
+                namespace,
+                bytes,
+                keys,
+                tags,
+                ..
+            } => {
+                namespace.len()
+                    + bytes.len()
+                    + keys.len() * 32
+                    + tags.iter().map(|t| t.len() + 24).sum::<usize>()
+            }
+            Write::Alias { .. } => 64,
+            Write::Blob { name, bytes, .. } => name.len() + bytes.len(),
+        };
+        (n + 64) as u64
+    }
+}
+
+impl Shared {
+    /// Applies writes taken from the queue, then frees their bytes in the queue's budget.
+    async fn apply_queued(&self, writes: Vec<Write>) {
+        let bytes: u64 = writes.iter().map(Write::bytes).sum();
+        self.apply_writes(writes).await;
+        self.queued_bytes.fetch_sub(bytes, Ordering::Relaxed);
     }
 }
