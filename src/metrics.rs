@@ -178,6 +178,10 @@ fn describe() {
         "Entries removed from memory for size or expiry."
     );
     describe_counter!(
+        "reprise_rebuild_stopped_at_budget_total",
+        "Rebuilds from Redis that stopped at the memory budget (cache.memory_bytes), leaving the rest in Redis."
+    );
+    describe_counter!(
         "reprise_lookup_timeouts_total",
         "Requests whose cache lookup ran past server.lookup_timeout_secs and went on as misses."
     );
@@ -348,6 +352,11 @@ impl Metrics {
     pub fn canary_rollback(&self, tenant: &str) {
         metrics::counter!("reprise_canary_rollbacks_total", "tenant" => tenant.to_string())
             .increment(1);
+    }
+
+    /// Counts a rebuild from Redis stopped at the memory budget.
+    pub fn rebuild_stopped_at_budget(&self) {
+        metrics::counter!("reprise_rebuild_stopped_at_budget_total").increment(1);
     }
 
     /// Counts a lookup that ran out of time.

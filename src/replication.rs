@@ -109,24 +109,31 @@ async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier) {
             Err(e) => tracing::warn!(error = %e, "could not check held entries against redis"),
         }
     }
-    let entries = match redis
-        .scan_entries(|n| tracing::info!(entries = n, "index rebuild: scanned"))
-        .await
-    {
-        Ok(e) => e,
+    let Some(state) = weak.upgrade() else { return };
+    // Streamed: one page of entries at a time from Redis into memory, up to what memory
+    // holds (the rest stays in Redis, found there on demand).
+    let (pages, receive) = tokio::sync::mpsc::channel(2);
+    let scan = redis.scan_pages(pages, |n| {
+        tracing::info!(entries = n, "index rebuild: scanned")
+    });
+    let load = state.store.load_pages(receive, |done| {
+        tracing::info!(done, "index rebuild: loaded into memory")
+    });
+    let (scanned, loaded) = tokio::join!(scan, load);
+    let total = match scanned {
+        Ok(n) => n,
         Err(e) => {
             tracing::warn!(error = %e, "index rebuild from redis failed; will retry on resync");
             return;
         }
     };
-    let Some(state) = weak.upgrade() else { return };
-    let total = entries.len();
-    let loaded = state
-        .store
-        .load(entries, Vec::new(), |done| {
-            tracing::info!(done, total, "index rebuild: loaded into memory")
-        })
-        .await;
+    if loaded.stopped_at_budget {
+        tracing::warn!(
+            loaded = loaded.entries,
+            "index rebuild stopped at the memory budget (cache.memory_bytes); the rest stays in redis"
+        );
+        state.metrics.rebuild_stopped_at_budget();
+    }
     state
         .rebuilds
         .fetch_add(1, std::sync::atomic::Ordering::SeqCst);

@@ -59,6 +59,7 @@ pub struct MemoryTier {
     /// at a time and never an older one after a newer.
     shares: Arc<parking_lot::Mutex<(Option<MemoryShares>, u64)>>,
     key_ttl: Duration,
+    max_bytes: u64,
 }
 
 impl MemoryTier {
@@ -95,6 +96,7 @@ impl MemoryTier {
             evicted: EvictedQueue::default(),
             shares: Arc::default(),
             key_ttl,
+            max_bytes,
         }
     }
 
@@ -265,6 +267,11 @@ impl MemoryTier {
     pub fn clear(&self) {
         self.entries.invalidate_all();
         self.keys.invalidate_all();
+    }
+
+    /// The bytes of entries the tier holds at most.
+    pub fn capacity(&self) -> u64 {
+        self.max_bytes
     }
 
     /// Number of entries held (approximate until pending work runs).

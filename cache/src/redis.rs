@@ -343,17 +343,38 @@ impl RedisTier {
         self.admin(|reply| Admin::Flush { reply }).await
     }
 
-    /// Every live entry (on a cluster, from every master), to rebuild a replica's indexes.
-    /// `progress` is called with the running count after each batch. Undecodable values are
-    /// skipped. Each command is bounded by `timeout_ms`; the scan as a whole is not.
+    /// Every live entry (on a cluster, from every master) in one `Vec`: for tests and small
+    /// stores; a replica's rebuild streams them with [`RedisTier::scan_pages`].
     pub async fn scan_entries(&self, progress: impl Fn(usize)) -> Result<Vec<Entry>, RedisError> {
+        let (tx, mut rx) = mpsc::channel(4);
+        let collect = async move {
+            let mut out = Vec::new();
+            while let Some(page) = rx.recv().await {
+                out.extend(page);
+            }
+            out
+        };
+        let (scanned, out) = tokio::join!(self.scan_pages(tx, progress), collect);
+        scanned.map(|_| out)
+    }
+
+    /// Every live entry (on a cluster, from every master), to rebuild a replica's indexes,
+    /// sent to `pages` one `SCAN` page at a time (so the keyspace is never held at once);
+    /// the scan stops early, without error, when the receiver is dropped. Returns the count
+    /// sent. `progress` is called with the running count after each page. Undecodable values
+    /// are skipped. Each command is bounded by `timeout_ms`; the scan as a whole is not.
+    pub async fn scan_pages(
+        &self,
+        pages: mpsc::Sender<Vec<Entry>>,
+        progress: impl Fn(usize),
+    ) -> Result<usize, RedisError> {
         let shared = &self.shared;
         let nodes = shared
             .run(Op::Scan, |c| async move { c.scan_nodes().await })
             .await?;
         let pattern = shared.keys.entry_pattern();
         let mut seen = HashSet::new();
-        let mut out = Vec::new();
+        let mut sent = 0usize;
         let mut next_log = SCAN_LOG_EVERY;
         for node in &nodes {
             let mut cursor: u64 = 0;
@@ -382,14 +403,19 @@ impl RedisTier {
                     .filter(|(_, id)| seen.insert(*id))
                     .collect();
                 let values = shared.get_many(Op::Scan, &names).await?;
-                for ((name, id), raw) in names.iter().zip(values) {
-                    if let Some(entry) = raw.and_then(|raw| shared.decode(name, *id, &raw)) {
-                        out.push(entry);
-                    }
+                let page: Vec<Entry> = names
+                    .iter()
+                    .zip(values)
+                    .filter_map(|((name, id), raw)| shared.decode(name, *id, &raw?))
+                    .collect();
+                sent += page.len();
+                if !page.is_empty() && pages.send(page).await.is_err() {
+                    // The loader has what it can hold.
+                    return Ok(sent);
                 }
-                progress(out.len());
-                if out.len() >= next_log {
-                    tracing::info!(entries = out.len(), "redis: scanning entries");
+                progress(sent);
+                if sent >= next_log {
+                    tracing::info!(entries = sent, "redis: scanning entries");
                     next_log += SCAN_LOG_EVERY;
                 }
                 cursor = next;
@@ -398,7 +424,7 @@ impl RedisTier {
                 }
             }
         }
-        Ok(out)
+        Ok(sent)
     }
 
     /// The events other replicas publish. `from_last`: only events after now; otherwise the

@@ -26,7 +26,7 @@ use moka::notification::RemovalCause;
 use crate::entry::{Digest, Entry, EntryId};
 use crate::memory::{EvictionHook, MemoryTier};
 use crate::redis::{RedisError, RedisTier};
-use crate::semantic::{Candidate, MaintainReport, SemanticIndex};
+use crate::semantic::{Candidate, IndexItem, MaintainReport, SemanticIndex};
 use crate::shares::MemoryShares;
 
 /// How long a deletion is remembered, so that a read of Redis that started before it cannot
@@ -76,6 +76,9 @@ pub struct Loaded {
     pub vectors: usize,
     /// Keys pointed at entries.
     pub keys: usize,
+    /// Loading stopped at the memory tier's capacity: the rest was left in Redis (found
+    /// there on demand).
+    pub stopped_at_budget: bool,
 }
 
 /// The cache's tiers behind one type. Cloning is cheap (handles to the same tiers).
@@ -402,21 +405,66 @@ impl Store {
             if (i + 1) % 10_000 == 0 {
                 progress(i + 1);
             }
-            if entry.is_expired() || self.was_deleted(entry.id) {
-                continue;
-            }
-            if let Some(held) = self.memory.get(entry.id).await {
-                // Held already: only refusals it may have missed are taken.
-                self.merge_refusals(held, &entry).await;
-                continue;
-            }
-            let entry = Arc::new(entry);
-            if let Some(v) = self.indexable(&entry) {
-                vectors.push((entry.partition, entry.id, v));
-            }
-            self.memory.insert_entry(entry).await;
-            loaded.entries += 1;
+            self.load_one(entry, &mut loaded, &mut vectors).await;
         }
+        self.finish_load(keys, loaded, vectors).await
+    }
+
+    /// [`Store::load`] of entries arriving in pages (a replica's rebuild streaming from
+    /// Redis), never more than the memory tier holds: once the entries loaded weigh its
+    /// capacity, the rest is left where it is (`stopped_at_budget`; Redis still serves them
+    /// on demand) and `pages` is dropped, which stops the sender.
+    pub async fn load_pages(
+        &self,
+        mut pages: tokio::sync::mpsc::Receiver<Vec<Entry>>,
+        progress: impl Fn(usize),
+    ) -> Loaded {
+        let mut loaded = Loaded::default();
+        let mut vectors = Vec::new();
+        let (budget, mut bytes, mut seen) = (self.memory.capacity(), 0u64, 0usize);
+        'pages: while let Some(page) = pages.recv().await {
+            for entry in page {
+                bytes += u64::from(entry.weight());
+                if bytes > budget {
+                    loaded.stopped_at_budget = true;
+                    break 'pages;
+                }
+                self.load_one(entry, &mut loaded, &mut vectors).await;
+                seen += 1;
+                if seen % 10_000 == 0 {
+                    progress(seen);
+                }
+            }
+        }
+        drop(pages);
+        self.finish_load(Vec::new(), loaded, vectors).await
+    }
+
+    /// One entry of a bulk load into memory; its vector is indexed by [`Store::finish_load`].
+    async fn load_one(&self, entry: Entry, loaded: &mut Loaded, vectors: &mut Vec<IndexItem>) {
+        if entry.is_expired() || self.was_deleted(entry.id) {
+            return;
+        }
+        if let Some(held) = self.memory.get(entry.id).await {
+            // Held already: only refusals it may have missed are taken.
+            self.merge_refusals(held, &entry).await;
+            return;
+        }
+        let entry = Arc::new(entry);
+        if let Some(v) = self.indexable(&entry) {
+            vectors.push((entry.partition, entry.id, v));
+        }
+        self.memory.insert_entry(entry).await;
+        loaded.entries += 1;
+    }
+
+    /// The end of a bulk load: keys, then every vector in one parallel index build.
+    async fn finish_load(
+        &self,
+        keys: Vec<(Digest, EntryId)>,
+        mut loaded: Loaded,
+        vectors: Vec<IndexItem>,
+    ) -> Loaded {
         for (k, id) in keys {
             self.memory.alias(k, id).await;
             loaded.keys += 1;

@@ -348,3 +348,41 @@ async fn the_write_queue_is_bounded_by_bytes() {
     }
     assert_eq!(landed, accepted);
 }
+
+/// A rebuild streams entries from Redis page by page and stops once memory's budget is
+/// loaded: the scan ends early (the keyspace is never read whole), and memory holds no more
+/// than its capacity.
+#[tokio::test]
+async fn a_rebuild_streams_and_stops_at_the_memory_budget() {
+    let server = RedisServer::start();
+    let writer = tier(config(server.url()), "a").await;
+    let n = 3_000;
+    for i in 0..n {
+        assert!(writer.put(&entry("ns", &format!("answer {i}"), 600_000), &[]));
+    }
+    writer.flush().await.unwrap();
+    // A replica whose memory holds about a sixth of them.
+    let one = u64::from(entry("ns", "answer 1000", 600_000).weight());
+    let capacity = one * 500;
+    let redis = tier(config(server.url()), "b").await;
+    let index = Arc::new(SemanticIndex::new(3, IndexConfig::default()));
+    let store = Store::new(
+        capacity,
+        Duration::from_secs(60),
+        Some(redis.clone()),
+        Some(index),
+        None,
+    );
+    let (pages, receive) = tokio::sync::mpsc::channel(2);
+    let (sent, loaded) = tokio::join!(
+        redis.scan_pages(pages, |_| {}),
+        store.load_pages(receive, |_| {})
+    );
+    let sent = sent.unwrap();
+    assert!(loaded.stopped_at_budget);
+    assert!(loaded.entries <= 520 && loaded.entries > 300, "{loaded:?}");
+    // The scan stopped a few pages after the loader did, not at the end of the keyspace.
+    assert!(sent < n, "scanned {sent} of {n}");
+    store.run_pending_tasks().await;
+    assert!(store.weighted_size() <= capacity);
+}
