@@ -767,7 +767,8 @@ mod tests {
             Loaded {
                 entries: 1,
                 vectors: 1,
-                keys: 1
+                keys: 1,
+                stopped_at_budget: false,
             }
         );
         assert_eq!(s.get_by_key(&[5; 32]).await.unwrap().id, b.id);
