@@ -165,6 +165,30 @@ async fn a_killed_replica_loses_nothing_redis_was_written() {
     }
 }
 
+/// `reprise::run` on a free loopback port, ready; it shuts down when told through the sender.
+async fn run_until_told(
+    config: reprise::Config,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(reprise::run(listener, config, async move {
+        let _ = stopped.await;
+    }));
+    let ready = format!("http://{addr}/readyz");
+    for _ in 0..600 {
+        if matches!(reqwest::get(&ready).await, Ok(r) if r.status() == 200) {
+            return (addr, stop, server);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("reprise never became ready");
+}
+
 /// A stream that would run for minutes does not hold a shutdown beyond
 /// `server.shutdown_timeout_secs`, and the shutdown still saves the snapshot.
 #[tokio::test]
@@ -177,20 +201,8 @@ async fn shutdown_does_not_wait_for_open_streams_forever() {
     config.backend.fake_token_delay_ms = 2_000;
     config.server.shutdown_timeout_secs = 0.5;
     config.cache.snapshot_path = Some(snapshot.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(reprise::run(listener, config, async move {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, server) = run_until_told(config).await;
     let client = reqwest::Client::new();
-    let ready = format!("http://{addr}/readyz");
-    for _ in 0..600 {
-        if matches!(client.get(&ready).send().await, Ok(r) if r.status() == 200) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let mut body = chat_body("Tell me a long story about a lighthouse keeper and the sea");
     body["stream"] = serde_json::json!(true);
     let mut stream = client
@@ -218,20 +230,8 @@ async fn shutdown_flushes_the_redis_write_queue() {
     config.backend.kind = reprise::config::BackendKind::Fake;
     config.redis.url = Some(redis.url());
     config.redis.timeout_ms = 10_000;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(reprise::run(listener, config, async move {
-        let _ = stopped.await;
-    }));
+    let (addr, stop, server) = run_until_told(config).await;
     let client = reqwest::Client::new();
-    let ready = format!("http://{addr}/readyz");
-    for _ in 0..600 {
-        if matches!(client.get(&ready).send().await, Ok(r) if r.status() == 200) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     // Redis holds writes back for two seconds; the answer's write waits in the queue.
     let port = redis.port().to_string();
     let paused = Command::new("redis-cli")
