@@ -69,6 +69,16 @@ pub struct QualityArgs {
     /// With --online: the bounds measured (`semantic.delta`), each on its own server.
     #[arg(long, value_delimiter = ',', default_value = "0.01,0.02,0.05")]
     deltas: Vec<f64>,
+    /// Split each file's pairs in two halves by a hash of the pair and `--seed` (a fixed
+    /// split): a tuning half, on which the threshold meeting each `--target-wrong` is chosen,
+    /// and a held-out half, on which that threshold is then reported. Each half is its own
+    /// cache (its own stored prompts).
+    #[arg(long)]
+    holdout: bool,
+    /// With --holdout: wrong shares among served hits (with the gate) to choose a threshold
+    /// for on the tuning half.
+    #[arg(long, value_delimiter = ',', default_value = "0.02,0.05,0.10")]
+    target_wrong: Vec<f64>,
 }
 
 /// One labelled pair.
@@ -359,6 +369,10 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
             }
         );
 
+        if a.holdout {
+            holdout(&a, &config, &pairs).await?;
+            continue;
+        }
         eprintln!("curve pass (best candidate of every question)");
         let mut curve_cfg = config.clone();
         curve_cfg.semantic.threshold = 1e-6;
@@ -418,6 +432,105 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
             for (cat, p) in &by_cat {
                 println!("  {cat:<12} {}", p.line());
             }
+        }
+    }
+    Ok(())
+}
+
+/// Which half of a `--holdout` split a pair falls in: `true` for the tuning half.
+fn in_tuning_half(seed: u64, p: &Pair) -> bool {
+    let mut h = blake3::Hasher::new();
+    h.update(&seed.to_le_bytes());
+    h.update(p.a.as_bytes());
+    h.update(&[0]);
+    h.update(p.b.as_bytes());
+    h.finalize().as_bytes()[0] & 1 == 0
+}
+
+/// The best candidate of every question of `pairs` (threshold near 0, gate off, top-1) and
+/// whether the gate passes it: the curve's raw material.
+async fn best_candidates(
+    a: &QualityArgs,
+    config: &Config,
+    pairs: &[Pair],
+) -> anyhow::Result<(Vec<Answer>, Vec<bool>)> {
+    let mut curve_cfg = config.clone();
+    curve_cfg.semantic.threshold = 1e-6;
+    curve_cfg.semantic.gate = false;
+    curve_cfg.semantic.top_k = 1;
+    let answers = cache_view(curve_cfg, pairs, a.concurrency, a.pairwise).await?;
+    let gate_ok = pairs
+        .iter()
+        .zip(&answers)
+        .map(|(p, ans)| {
+            ans.served
+                .as_deref()
+                .is_none_or(|s| reprise_policies::gate(&p.b, s).is_pass())
+        })
+        .collect();
+    Ok((answers, gate_ok))
+}
+
+/// The counts at threshold `t` with the gate.
+fn gated_point(pairs: &[Pair], answers: &[Answer], gate_ok: &[bool], t: f32) -> Point {
+    let eq = Equivalence::new(pairs);
+    let mut gated = Point::default();
+    for ((p, ans), ok) in pairs.iter().zip(answers).zip(gate_ok) {
+        if ans.failed.is_some() {
+            continue;
+        }
+        let served = ans.served.as_deref().filter(|_| ans.similarity >= t && *ok);
+        gated.add(&eq, p, served);
+    }
+    gated
+}
+
+/// `--holdout`: the curve (with the gate) on the tuning and held-out halves side by side,
+/// then, for each target wrong share, the lowest threshold meeting it on the tuning half and
+/// what that threshold does on the held-out half. This is how a default threshold is chosen
+/// without reporting the data it was chosen on.
+async fn holdout(a: &QualityArgs, config: &Config, pairs: &[Pair]) -> anyhow::Result<()> {
+    let (tune, held): (Vec<Pair>, Vec<Pair>) = pairs
+        .iter()
+        .cloned()
+        .partition(|p| in_tuning_half(a.seed, p));
+    println!(
+        "split (seed {}): {} tuning pairs, {} held-out pairs",
+        a.seed,
+        tune.len(),
+        held.len()
+    );
+    eprintln!("curve pass, tuning half");
+    let (tune_ans, tune_gate) = best_candidates(a, config, &tune).await?;
+    eprintln!("curve pass, held-out half");
+    let (held_ans, held_gate) = best_candidates(a, config, &held).await?;
+    println!("threshold | tuning half (gate on) | held-out half (gate on)");
+    let thresholds: Vec<f32> = (70..=98).map(|i| i as f32 / 100.0).collect();
+    for &t in thresholds.iter().step_by(2) {
+        let tp = gated_point(&tune, &tune_ans, &tune_gate, t);
+        let hp = gated_point(&held, &held_ans, &held_gate, t);
+        println!("{t:.2} | {}\n     | {}", tp.line(), hp.line());
+    }
+    for &target in &a.target_wrong {
+        let chosen = thresholds.iter().copied().find(|&t| {
+            let p = gated_point(&tune, &tune_ans, &tune_gate, t);
+            p.served > 0 && (p.wrong as f64) <= target * p.served as f64
+        });
+        match chosen {
+            Some(t) => {
+                let tp = gated_point(&tune, &tune_ans, &tune_gate, t);
+                let hp = gated_point(&held, &held_ans, &held_gate, t);
+                println!(
+                    "target wrong ≤ {:.0} %: threshold {t:.2} chosen on the tuning half\n  tuning:   {}\n  held-out: {}",
+                    target * 100.0,
+                    tp.line(),
+                    hp.line()
+                );
+            }
+            None => println!(
+                "target wrong ≤ {:.0} %: no threshold up to 0.98 meets it on the tuning half",
+                target * 100.0
+            ),
         }
     }
     Ok(())
