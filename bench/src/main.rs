@@ -5,6 +5,7 @@
 //! so both see the same machine noise. docs/BENCHMARKS.md holds the latest figures.
 
 mod common;
+mod index;
 mod latency;
 mod llama;
 mod proxy;
@@ -42,6 +43,9 @@ enum Mode {
     /// The Redis tier: L2 against L1 exact hits, a fresh replica's index rebuild time and
     /// memory, replica-to-replica propagation delay.
     Redis(redis::RedisArgs),
+    /// The semantic index alone at scale: memory per entry on top of the vectors, time until a
+    /// bulk load is searchable and until its graphs are built, recall against an exact scan.
+    Index(index::IndexArgs),
     /// Predictive prefetch on recorded sessions: the same conversations through reprise with
     /// prefetch off and on, side by side; hit rates, latency, compute spent and wasted.
     Replay(replay::ReplayArgs),
@@ -56,6 +60,7 @@ fn main() -> std::process::ExitCode {
             Mode::Llama(a) => llama::run(a).await,
             Mode::Latency(a) => latency::run(a).await,
             Mode::Redis(a) => redis::run(a).await,
+            Mode::Index(a) => index::run(a).await,
             Mode::Replay(a) => replay::run(a).await,
         }
     })

@@ -74,7 +74,7 @@ pub struct RedisArgs {
 }
 
 /// Resident and peak resident memory of this process, bytes (`/proc/self/status`).
-fn rss() -> (u64, u64) {
+pub(crate) fn rss() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| {
         status
@@ -87,7 +87,7 @@ fn rss() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-fn mib(bytes: u64) -> f64 {
+pub(crate) fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
@@ -96,10 +96,10 @@ fn ms(x: f64) -> String {
 }
 
 /// A small deterministic generator (splitmix64): synthetic vectors need no quality.
-struct SplitMix(u64);
+pub(crate) struct SplitMix(pub(crate) u64);
 
 impl SplitMix {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -108,12 +108,12 @@ impl SplitMix {
     }
 
     /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
+    pub(crate) fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 
     /// A random unit vector of `dim` components.
-    fn vector(&mut self, dim: usize) -> Arc<[f32]> {
+    pub(crate) fn vector(&mut self, dim: usize) -> Arc<[f32]> {
         let mut v: Vec<f32> = (0..dim).map(|_| self.unit()).collect();
         let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
         v.iter_mut().for_each(|x| *x /= norm);

@@ -2,9 +2,18 @@
 //!
 //! Entries live in partitions keyed by a digest of everything that must match exactly
 //! (namespace, model, output-affecting parameters, conversation context), so a search never
-//! crosses into another partition. Small partitions are scanned exactly over a flat array
-//! of vectors; once a partition grows past [`IndexConfig::exact_scan_max`] it also gets an
-//! HNSW graph (hnsw_rs) and is searched approximately.
+//! crosses into another partition. Small partitions are scanned exactly over their vectors;
+//! once a partition grows past [`IndexConfig::exact_scan_max`] it also gets an HNSW graph
+//! (hnsw_rs) and is searched approximately.
+//!
+//! Each vector is held once: the index keeps the caller's `Arc<[f32]>` (the entry's own
+//! embedding), and the graph's points hold that same `Arc`, not a copy of the floats, so what
+//! the index adds per entry is its slot and the graph's links.
+//!
+//! A bulk load ([`SemanticIndex::insert_many`]) places the vectors and returns: big partitions
+//! are searched by exact scans until [`SemanticIndex::maintain`] (or
+//! [`SemanticIndex::build_graphs`]) has built their graphs, off the request path, so a replica
+//! rebuilding from Redis answers semantic lookups without waiting for graph construction.
 //!
 //! Removal is a tombstone: the id is never returned again, and [`SemanticIndex::maintain`]
 //! rebuilds partitions whose tombstones pass [`IndexConfig::rebuild_tombstone_ratio`].
@@ -93,9 +102,9 @@ pub struct SemanticIndex {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GraphStats {
     /// Graphs built over a whole partition in one pass (inside an insert far past the
-    /// limit, a bulk load, or maintenance).
+    /// limit, by `build_graphs` after a bulk load, or by maintenance).
     pub builds: u64,
-    /// Vectors inserted one by one into a graph that already existed.
+    /// Vectors inserted into a graph that already existed.
     pub inserts: u64,
     /// Searches answered by a graph (the rest were exact scans).
     pub searches: u64,
@@ -111,6 +120,16 @@ struct GraphCounters {
 impl GraphCounters {
     fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts what pushing `n` vectors into a partition did: inserts into a graph it had, or
+    /// the build of one it got.
+    fn pushed(&self, had_graph: bool, has_graph: bool, n: usize) {
+        if had_graph {
+            GraphCounters::add(&self.inserts, n as u64);
+        } else if has_graph {
+            GraphCounters::add(&self.builds, 1);
+        }
     }
 }
 
@@ -148,24 +167,6 @@ impl SemanticIndex {
         }
     }
 
-    /// What the HNSW side did since the index was created.
-    pub fn graph_stats(&self) -> GraphStats {
-        let g = &self.graph;
-        GraphStats {
-            builds: g.builds.load(Ordering::Relaxed),
-            inserts: g.inserts.load(Ordering::Relaxed),
-            searches: g.searches.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Points in `partition`'s HNSW graph (dead ones included until a rebuild); `None` when
-    /// the partition has no graph (it is scanned exactly) or does not exist.
-    pub fn graph_points(&self, partition: &PartitionKey) -> Option<usize> {
-        let p = self.partition(partition)?;
-        let inner = p.inner.read();
-        inner.graph.as_ref().map(|g| g.get_nb_point())
-    }
-
     /// Number of components the index expects.
     pub fn dim(&self) -> usize {
         self.dim
@@ -189,9 +190,7 @@ impl SemanticIndex {
         {
             let map = self.partitions.read();
             if let Some(p) = map.get(&partition) {
-                p.inner
-                    .write()
-                    .push(id, &vector, self.dim, &self.cfg, &self.graph);
+                self.push_one(&mut p.inner.write(), id, vector);
                 return;
             }
         }
@@ -199,15 +198,47 @@ impl SemanticIndex {
         let p = map
             .entry(partition)
             .or_insert_with(|| Arc::new(Partition::default()));
-        p.inner
-            .write()
-            .push(id, &vector, self.dim, &self.cfg, &self.graph);
+        self.push_one(&mut p.inner.write(), id, vector);
     }
 
-    /// Adds (or replaces) many entries at once: each partition is locked once, and a partition
-    /// that needs a graph gets it built in one parallel pass instead of point by point. This
-    /// is the bulk load of a replica's rebuild; it is CPU work, so call it off the async
-    /// workers.
+    /// One vector into a partition, counted.
+    fn push_one(&self, inner: &mut PartitionInner, id: EntryId, vector: Arc<[f32]>) {
+        let had = inner.graph.is_some();
+        inner.push(id, vector, &self.cfg);
+        self.graph.pushed(had, inner.graph.is_some(), 1);
+    }
+
+    /// Many vectors into a partition, counted.
+    fn push_some(&self, inner: &mut PartitionInner, items: Vec<IdVector>) {
+        let (had, n) = (inner.graph.is_some(), items.len());
+        inner.push_many(items, &self.cfg);
+        self.graph.pushed(had, inner.graph.is_some(), n);
+    }
+
+    /// What the HNSW side did since the index was created.
+    pub fn graph_stats(&self) -> GraphStats {
+        let g = &self.graph;
+        GraphStats {
+            builds: g.builds.load(Ordering::Relaxed),
+            inserts: g.inserts.load(Ordering::Relaxed),
+            searches: g.searches.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Points in `partition`'s HNSW graph (dead ones included until a rebuild); `None` when
+    /// the partition has no graph (it is scanned exactly) or does not exist.
+    pub fn graph_points(&self, partition: &PartitionKey) -> Option<usize> {
+        let p = self.partition(partition)?;
+        let inner = p.inner.read();
+        inner.graph.as_ref().map(|g| g.get_nb_point())
+    }
+
+    /// Adds (or replaces) many entries at once: each partition is locked once; a partition
+    /// that already has a graph gets the new points in one parallel pass. A partition that
+    /// needs a graph and has none is left to exact scans until [`SemanticIndex::maintain`] or
+    /// [`SemanticIndex::build_graphs`] builds it (the vectors are searchable as soon as this
+    /// returns). This is the bulk load of a replica's rebuild and of a snapshot; it is CPU
+    /// work, so call it off the async workers.
     pub fn insert_many(&self, items: Vec<IndexItem>) {
         let mut by_partition: HashMap<PartitionKey, Vec<IdVector>> = HashMap::new();
         for (partition, id, vector) in items {
@@ -227,9 +258,7 @@ impl SemanticIndex {
             {
                 let map = self.partitions.read();
                 if let Some(p) = map.get(&partition) {
-                    p.inner
-                        .write()
-                        .push_many(&items, self.dim, &self.cfg, &self.graph);
+                    self.push_some(&mut p.inner.write(), items);
                     continue;
                 }
             }
@@ -237,15 +266,49 @@ impl SemanticIndex {
             let p = map
                 .entry(partition)
                 .or_insert_with(|| Arc::new(Partition::default()));
-            p.inner
-                .write()
-                .push_many(&items, self.dim, &self.cfg, &self.graph);
+            self.push_some(&mut p.inner.write(), items);
         }
     }
 
     /// Whether `id` is indexed (and not removed).
     pub fn contains(&self, id: EntryId) -> bool {
         self.location.read().contains_key(&id)
+    }
+
+    /// The vector indexed for `id`: the very `Arc` it was inserted with (the index shares it,
+    /// never copies it).
+    pub fn vector(&self, id: EntryId) -> Option<Arc<[f32]>> {
+        let key = *self.location.read().get(&id)?;
+        let p = self.partition(&key)?;
+        let inner = p.inner.read();
+        let slot = *inner.slot_of.get(&id)?;
+        Some(inner.vectors[slot].clone())
+    }
+
+    /// Partitions searched through an HNSW graph (the others are scanned exactly).
+    pub fn graphs(&self) -> usize {
+        self.partitions
+            .read()
+            .values()
+            .filter(|p| p.inner.read().graph.is_some())
+            .count()
+    }
+
+    /// Builds the graphs that partitions past [`IndexConfig::exact_scan_max`] still lack (a
+    /// bulk load leaves them), each without holding its partition's lock, one partition at a
+    /// time (each build is itself parallel); returns how many were built. Blocking: call it
+    /// from `spawn_blocking`. [`SemanticIndex::maintain`] does this too, among its other work.
+    pub fn build_graphs(&self) -> usize {
+        let _one_at_a_time = self.maintaining.lock();
+        let all: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        let mut built = 0;
+        for part in all {
+            if part.inner.read().needs_graph(&self.cfg) {
+                self.rebuild(&part);
+                built += 1;
+            }
+        }
+        built
     }
 
     /// Tombstones `id`; it is never returned by a search again. False if it was not present.
@@ -271,7 +334,7 @@ impl SemanticIndex {
         if inner.graph.is_some() {
             GraphCounters::add(&self.graph.searches, 1);
         }
-        inner.search(query, k, self.dim, &self.cfg)
+        inner.search(query, k, &self.cfg)
     }
 
     /// Live entries across all partitions.
@@ -321,10 +384,7 @@ impl SemanticIndex {
                 }
                 continue;
             }
-            let needs_graph = {
-                let inner = part.inner.read();
-                inner.graph.is_none() && slots - dead > self.cfg.exact_scan_max
-            };
+            let needs_graph = part.inner.read().needs_graph(&self.cfg);
             let worn = (dead as f32) >= self.cfg.rebuild_tombstone_ratio * slots as f32;
             if slots == 0 || !(worn || needs_graph) {
                 continue;
@@ -347,7 +407,7 @@ impl SemanticIndex {
             let live: Vec<usize> = (0..inner.ids.len()).filter(|&s| !inner.dead[s]).collect();
             let mut fresh = PartitionInner::default();
             for &s in &live {
-                fresh.push_flat(inner.ids[s], inner.vector(s, self.dim));
+                fresh.push_flat(inner.ids[s], inner.vectors[s].clone());
             }
             (inner.ids.len(), live, fresh)
         };
@@ -358,7 +418,8 @@ impl SemanticIndex {
                 dropped = snapshot_len - fresh.ids.len(),
                 "rebuilding semantic index partition graph"
             );
-            fresh.build_graph(self.dim, &self.cfg, &self.graph);
+            fresh.build_graph(&self.cfg);
+            GraphCounters::add(&self.graph.builds, 1);
         }
 
         let mut inner = part.inner.write();
@@ -372,9 +433,7 @@ impl SemanticIndex {
         }
         for s in snapshot_len..inner.ids.len() {
             if !inner.dead[s] {
-                let id = inner.ids[s];
-                let v: Vec<f32> = inner.vector(s, self.dim).to_vec();
-                fresh.push(id, &v, self.dim, &self.cfg, &self.graph);
+                fresh.push(inner.ids[s], inner.vectors[s].clone(), &self.cfg);
             }
         }
         let dropped = inner.ids.len() - fresh.ids.len();
@@ -399,31 +458,31 @@ struct Partition {
     inner: RwLock<PartitionInner>,
 }
 
-/// Slots are append-only until a rebuild: slot `s` holds `ids[s]`, its vector at
-/// `vectors[s*dim..(s+1)*dim]`, and `dead[s]`. The HNSW graph, when present, uses the slot
-/// number as its data id (hnsw_rs ids are `usize`).
+/// The graph of a big partition: its points are the partition's slot numbers (hnsw_rs ids are
+/// `usize`), and each point's data is the slot's shared vector (one `Arc`, not the floats).
+type Graph = Hnsw<'static, Arc<[f32]>, DotDistance>;
+
+/// Slots are append-only until a rebuild: slot `s` holds `ids[s]`, its vector `vectors[s]`
+/// (shared with the entry) and `dead[s]`.
 #[derive(Default)]
 struct PartitionInner {
     ids: Vec<EntryId>,
-    // The flat copy is kept even when a graph exists (the graph keeps its own copy): exact
-    // rescoring, rebuilds and replays need the vectors, and hnsw_rs does not hand them back.
-    vectors: Vec<f32>,
+    vectors: Vec<Arc<[f32]>>,
     dead: Vec<bool>,
     dead_count: usize,
     slot_of: HashMap<EntryId, usize>,
-    graph: Option<Hnsw<'static, f32, DotDistance>>,
+    graph: Option<Graph>,
+    /// A bulk load left the graph to be built in the background: inserts meanwhile do not
+    /// build it themselves (that would hold the partition's lock for the whole build).
+    graph_pending: bool,
 }
 
 impl PartitionInner {
-    fn vector(&self, slot: usize, dim: usize) -> &[f32] {
-        &self.vectors[slot * dim..(slot + 1) * dim]
-    }
-
     /// Appends without touching the graph.
-    fn push_flat(&mut self, id: EntryId, vector: &[f32]) -> usize {
+    fn push_flat(&mut self, id: EntryId, vector: Arc<[f32]>) -> usize {
         let slot = self.ids.len();
         self.ids.push(id);
-        self.vectors.extend_from_slice(vector);
+        self.vectors.push(vector);
         self.dead.push(false);
         if let Some(old) = self.slot_of.insert(id, slot) {
             // Same id pushed twice into one partition: the older slot dies.
@@ -435,55 +494,44 @@ impl PartitionInner {
         slot
     }
 
-    fn push(
-        &mut self,
-        id: EntryId,
-        vector: &[f32],
-        dim: usize,
-        cfg: &IndexConfig,
-        counters: &GraphCounters,
-    ) {
+    fn push(&mut self, id: EntryId, vector: Arc<[f32]>, cfg: &IndexConfig) {
         let slot = self.push_flat(id, vector);
         match &self.graph {
-            Some(graph) => {
-                graph.insert_slice((vector, slot));
-                GraphCounters::add(&counters.inserts, 1);
-            }
+            Some(graph) => graph.insert_slice((&self.vectors[slot..=slot], slot)),
             // Building a graph over thousands of vectors inside one request would stall it:
             // the periodic `maintain` builds it off the request path, and exact scans serve
             // meanwhile. Only a partition growing far past the limit between two passes gets
-            // its graph built here.
-            None if self.ids.len() > cfg.exact_scan_max.saturating_mul(4) => {
-                self.build_graph(dim, cfg, counters)
+            // its graph built here (never one whose build a bulk load left to the background).
+            None if !self.graph_pending
+                && self.ids.len() > cfg.exact_scan_max.saturating_mul(4) =>
+            {
+                self.build_graph(cfg)
             }
             None => {}
         }
     }
 
-    /// Appends many; the graph (existing or newly needed) is fed in one parallel pass.
-    fn push_many(
-        &mut self,
-        items: &[IdVector],
-        dim: usize,
-        cfg: &IndexConfig,
-        counters: &GraphCounters,
-    ) {
+    /// Appends many; an existing graph is fed in one parallel pass, a missing one is left to
+    /// the background.
+    fn push_many(&mut self, items: Vec<IdVector>, cfg: &IndexConfig) {
         let first = self.ids.len();
         for (id, v) in items {
-            self.push_flat(*id, v);
+            self.push_flat(id, v);
         }
         match &self.graph {
             Some(graph) => {
-                let data: Vec<(&[f32], usize)> = (first..self.ids.len())
-                    .map(|s| (self.vector(s, dim), s))
+                let data: Vec<(&[Arc<[f32]>], usize)> = (first..self.ids.len())
+                    .map(|s| (&self.vectors[s..=s], s))
                     .collect();
                 graph.parallel_insert_slice(&data);
-                GraphCounters::add(&counters.inserts, data.len() as u64);
             }
-            // Bulk loads run off the request path, so the graph is built right away.
-            None if self.ids.len() > cfg.exact_scan_max => self.build_graph(dim, cfg, counters),
-            None => {}
+            None => self.graph_pending |= self.needs_graph(cfg),
         }
+    }
+
+    /// Big enough for a graph and without one.
+    fn needs_graph(&self, cfg: &IndexConfig) -> bool {
+        self.graph.is_none() && self.ids.len() - self.dead_count > cfg.exact_scan_max
     }
 
     fn tombstone(&mut self, id: EntryId) -> bool {
@@ -498,8 +546,8 @@ impl PartitionInner {
     }
 
     /// Builds the HNSW graph over every slot (dead ones too: they are filtered at search
-    /// time, and a rebuild drops them later).
-    fn build_graph(&mut self, dim: usize, cfg: &IndexConfig, counters: &GraphCounters) {
+    /// time, and a rebuild drops them later), in one parallel pass.
+    fn build_graph(&mut self, cfg: &IndexConfig) {
         let n = self.ids.len();
         let graph = Hnsw::new(
             cfg.hnsw_m.clamp(2, 256),
@@ -509,13 +557,13 @@ impl PartitionInner {
             cfg.ef_construction.max(1),
             DotDistance,
         );
-        let data: Vec<(&[f32], usize)> = (0..n).map(|s| (self.vector(s, dim), s)).collect();
+        let data: Vec<(&[Arc<[f32]>], usize)> = (0..n).map(|s| (&self.vectors[s..=s], s)).collect();
         graph.parallel_insert_slice(&data);
         self.graph = Some(graph);
-        GraphCounters::add(&counters.builds, 1);
+        self.graph_pending = false;
     }
 
-    fn search(&self, query: &[f32], k: usize, dim: usize, cfg: &IndexConfig) -> Vec<Candidate> {
+    fn search(&self, query: &[f32], k: usize, cfg: &IndexConfig) -> Vec<Candidate> {
         let live = self.ids.len() - self.dead_count;
         if live == 0 {
             return Vec::new();
@@ -525,18 +573,19 @@ impl PartitionInner {
                 let dead = &self.dead;
                 let keep = |slot: &usize| !dead[*slot];
                 let ef = cfg.ef_search.max(k);
+                let q: [Arc<[f32]>; 1] = [Arc::from(query)];
                 graph
-                    .search_filter(query, k, ef, Some(&keep))
+                    .search_filter(&q, k, ef, Some(&keep))
                     .into_iter()
                     .filter(|n| !self.dead[n.d_id])
-                    // Rescore exactly from the flat copy: the graph's distance is clamped.
+                    // Rescore exactly: the graph's distance is clamped.
                     .map(|n| Candidate {
                         id: self.ids[n.d_id],
-                        similarity: dot(query, self.vector(n.d_id, dim)),
+                        similarity: dot(query, &self.vectors[n.d_id]),
                     })
                     .collect::<Vec<_>>()
             }
-            None => self.scan(query, k, dim),
+            None => self.scan(query, k),
         };
         out.sort_by(|a, b| b.similarity.total_cmp(&a.similarity));
         out.truncate(k);
@@ -544,10 +593,10 @@ impl PartitionInner {
     }
 
     /// Exact top-k by a linear scan.
-    fn scan(&self, query: &[f32], k: usize, dim: usize) -> Vec<Candidate> {
+    fn scan(&self, query: &[f32], k: usize) -> Vec<Candidate> {
         // Keep the k best in a small sorted vec: k is tiny (a handful) in practice.
         let mut best: Vec<Candidate> = Vec::with_capacity(k + 1);
-        for (slot, v) in self.vectors.chunks_exact(dim).enumerate() {
+        for (slot, v) in self.vectors.iter().enumerate() {
             if self.dead[slot] {
                 continue;
             }
@@ -580,9 +629,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[derive(Debug, Clone, Copy, Default)]
 struct DotDistance;
 
-impl Distance<f32> for DotDistance {
-    fn eval(&self, va: &[f32], vb: &[f32]) -> f32 {
-        (1.0 - dot(va, vb)).max(0.0)
+/// A graph point's data is one shared vector (a slice of one `Arc`).
+impl Distance<Arc<[f32]>> for DotDistance {
+    fn eval(&self, va: &[Arc<[f32]>], vb: &[Arc<[f32]>]) -> f32 {
+        (1.0 - dot(&va[0], &vb[0])).max(0.0)
     }
 }
 
@@ -622,7 +672,7 @@ mod tests {
 
     #[test]
     fn dot_distance_never_goes_negative() {
-        let v = unit(&[0.3, 0.4, 0.5]);
+        let v = [unit(&[0.3, 0.4, 0.5])];
         assert!(DotDistance.eval(&v, &v) >= 0.0);
     }
 }

@@ -390,7 +390,8 @@ impl Store {
     }
 
     /// Bulk load (replica rebuild, snapshot): entries into memory, then keys, then every
-    /// vector in one parallel index build off the async workers. Entries already held and
+    /// vector into the index off the async workers; big partitions' graphs are built after
+    /// this returns, in the background. Entries already held and
     /// expired ones are skipped. `progress` is called with the count of entries handled
     /// every 10,000.
     pub async fn load(
@@ -458,7 +459,7 @@ impl Store {
         loaded.entries += 1;
     }
 
-    /// The end of a bulk load: keys, then every vector in one parallel index build.
+    /// The end of a bulk load: keys, then the vectors placed in the index (graphs after).
     async fn finish_load(
         &self,
         keys: Vec<(Digest, EntryId)>,
@@ -471,8 +472,12 @@ impl Store {
         }
         loaded.vectors = vectors.len();
         if let Some(index) = self.index.clone() {
-            // Graph construction is CPU work: one parallel pass per partition.
-            let _ = tokio::task::spawn_blocking(move || index.insert_many(vectors)).await;
+            // The vectors are searchable (exact scans) once placed; the graphs of big
+            // partitions are built after, in the background (CPU work, one parallel pass per
+            // partition), so lookups need not wait for them.
+            let placed = index.clone();
+            let _ = tokio::task::spawn_blocking(move || placed.insert_many(vectors)).await;
+            tokio::task::spawn_blocking(move || index.build_graphs());
         }
         loaded
     }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use reprise_cache::semantic::{IndexConfig, PartitionKey, SemanticIndex};
+use reprise_cache::semantic::{GraphStats, IndexConfig, PartitionKey, SemanticIndex};
 use reprise_cache::EntryId;
 
 const DIM: usize = 32;
@@ -264,49 +264,131 @@ fn concurrent_inserts_and_searches() {
     assert_eq!(idx.len(), 4 * (300 - 75));
 }
 
+/// `n` distinct unit vectors of `dim` components (xorshift), for bulk loads.
+fn vectors(dim: usize, n: usize, mut seed: u64) -> Vec<Arc<[f32]>> {
+    (0..n)
+        .map(|_| {
+            let v: Vec<f32> = (0..dim)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed % 1000) as f32 / 1000.0 - 0.5
+                })
+                .collect();
+            normalise(&v)
+        })
+        .collect()
+}
+
 #[test]
-fn bulk_insert_builds_the_graph_once_and_finds_the_same() {
-    let dim = 16;
-    let cfg = IndexConfig {
-        exact_scan_max: 64,
-        ..IndexConfig::default()
-    };
-    let bulk = SemanticIndex::new(dim, cfg.clone());
-    let point = SemanticIndex::new(dim, cfg);
+fn a_bulk_load_is_searchable_at_once_and_its_graph_built_after_finds_what_exact_search_finds() {
+    let dim = 8;
+    let idx = SemanticIndex::new(dim, small_cfg(256));
     let part = [9u8; 32];
-    let mut items = Vec::new();
-    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-    for i in 0..500u32 {
-        let v: Vec<f32> = (0..dim)
-            .map(|_| {
-                // xorshift: distinct pseudo-random vectors without a dependency.
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                (seed % 1000) as f32 / 1000.0 - 0.5
-            })
+    let vs = vectors(dim, 2000, 0x2545_f491_4f6c_dd1d);
+    idx.insert_many(
+        vs.iter()
+            .enumerate()
+            .map(|(i, v)| (part, EntryId(i as u128), v.clone()))
+            .collect(),
+    );
+    assert_eq!(idx.len(), 2000);
+    // Placed, searchable, and no graph built inside the load.
+    assert_eq!(idx.graphs(), 0);
+    let queries = vectors(dim, 100, 0x9E37_79B9_7F4A_7C15);
+    let exact: Vec<Vec<EntryId>> = queries
+        .iter()
+        .map(|q| idx.search(&part, q, 5).iter().map(|c| c.id).collect())
+        .collect();
+    assert!(exact.iter().all(|ids| ids.len() == 5));
+    // The exact scan really is exact.
+    for (q, ids) in queries.iter().zip(&exact) {
+        let all: Vec<(EntryId, Arc<[f32]>)> = vs
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (EntryId(i as u128), v.clone()))
             .collect();
-        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
-        let v: Arc<[f32]> = v.iter().map(|x| x / n).collect();
-        items.push((part, EntryId(i as u128), v.clone()));
-        point.insert(part, EntryId(i as u128), v);
+        assert_eq!(ids[0], brute_best(&all, q, &[]));
     }
-    let query = items[123].2.clone();
-    bulk.insert_many(items);
-    assert_eq!(bulk.len(), 500);
-    // One graph over all 500 in one pass, not grown point by point (as the point-by-point
-    // index's is, past 4× the limit).
-    let built = bulk.graph_stats();
+    assert_eq!(
+        idx.graph_stats(),
+        GraphStats::default(),
+        "no graph work in the load"
+    );
+
+    assert_eq!(idx.build_graphs(), 1);
+    assert_eq!(idx.graphs(), 1);
+    // One graph over all 2,000 in one pass, not grown point by point.
+    let built = idx.graph_stats();
     assert_eq!((built.builds, built.inserts), (1, 0), "{built:?}");
-    assert_eq!(bulk.graph_points(&part), Some(500));
-    let grown = point.graph_stats();
-    assert_eq!((grown.builds, grown.inserts), (1, 500 - 257), "{grown:?}");
-    assert!(bulk.contains(EntryId(123)));
-    assert!(!bulk.contains(EntryId(9999)));
-    let a = bulk.search(&part, &query, 1);
-    let b = point.search(&part, &query, 1);
-    assert_eq!(a[0].id, EntryId(123));
-    assert_eq!(a[0].id, b[0].id);
+    assert_eq!(idx.graph_points(&part), Some(2000));
+    assert_eq!(idx.build_graphs(), 0, "nothing left to build");
+    // The graph finds the same five, in the same order, as the exact scan did.
+    for (q, ids) in queries.iter().zip(&exact) {
+        let got: Vec<EntryId> = idx.search(&part, q, 5).iter().map(|c| c.id).collect();
+        assert_eq!(&got, ids);
+    }
+}
+
+#[test]
+fn inserts_into_a_partition_awaiting_its_graph_do_not_build_it() {
+    let idx = SemanticIndex::new(DIM, small_cfg(64));
+    let part = key(10);
+    let vs = vectors(DIM, 300, 77);
+    // Past four times the limit: a point insert into a graphless partition this big would
+    // build the graph itself, holding the partition's lock throughout.
+    idx.insert_many(
+        vs.iter()
+            .enumerate()
+            .map(|(i, v)| (part, EntryId(i as u128), v.clone()))
+            .collect(),
+    );
+    let mut rng = Rng(5);
+    fill(&idx, part, 3, &mut rng);
+    assert_eq!(idx.graphs(), 0, "left to the background build");
+    assert_eq!(idx.maintain().rebuilt, 1);
+    assert_eq!(idx.graphs(), 1);
+    // Later inserts go into the graph.
+    let late = fill(&idx, part, 5, &mut rng);
+    for (id, v) in &late {
+        assert_eq!(idx.search(&part, v, 1)[0].id, *id);
+    }
+}
+
+#[test]
+fn the_index_and_its_graph_share_the_callers_vectors() {
+    let idx = SemanticIndex::new(DIM, small_cfg(64));
+    let part = key(11);
+    let vs = vectors(DIM, 200, 99);
+    idx.insert_many(
+        vs.iter()
+            .enumerate()
+            .map(|(i, v)| (part, EntryId(i as u128), v.clone()))
+            .collect(),
+    );
+    // Held by the caller and by the partition's slot: no copy.
+    for (i, v) in vs.iter().enumerate() {
+        assert!(Arc::ptr_eq(&idx.vector(EntryId(i as u128)).unwrap(), v));
+        assert_eq!(Arc::strong_count(v), 2);
+    }
+    assert_eq!(idx.build_graphs(), 1);
+    // The graph's points hold the same vectors (a third reference, not a third copy).
+    for (i, v) in vs.iter().enumerate() {
+        assert!(Arc::ptr_eq(&idx.vector(EntryId(i as u128)).unwrap(), v));
+        assert_eq!(Arc::strong_count(v), 3);
+    }
+    // So does a point inserted into the graph afterwards.
+    let late = vectors(DIM, 1, 1234).remove(0);
+    idx.insert(part, EntryId(9999), late.clone());
+    assert!(Arc::ptr_eq(&idx.vector(EntryId(9999)).unwrap(), &late));
+    assert_eq!(Arc::strong_count(&late), 3);
+    // Removing the entries releases them.
+    for i in 0..200u128 {
+        idx.remove(EntryId(i));
+    }
+    idx.maintain();
+    assert!(vs.iter().all(|v| Arc::strong_count(v) == 1));
 }
 
 #[test]
@@ -315,9 +397,11 @@ fn maintenance_builds_the_graph_of_a_partition_that_outgrew_exact_scans() {
     let mut rng = Rng(77);
     let items = fill(&idx, key(42), 150, &mut rng);
     // Past the limit but not far past it: no graph was built inside an insert.
+    assert_eq!(idx.graphs(), 0);
     let report = idx.maintain();
     assert_eq!(report.rebuilt, 1, "{report:?}");
     // A second pass has nothing to do, and the graph answers.
+    assert_eq!(idx.graphs(), 1);
     assert_eq!(idx.maintain().rebuilt, 0);
     assert_eq!(idx.graph_points(&key(42)), Some(150));
     let (id, v) = &items[17];

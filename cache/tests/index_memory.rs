@@ -1,0 +1,110 @@
+//! What the semantic index adds to memory per entry, counted exactly by a counting allocator
+//! (this test binary's global allocator; one test, so nothing else allocates meanwhile).
+//!
+//! The vectors are made before counting, as the cache's entries hold their embeddings; the
+//! index must hold them without copying, so what it adds per entry does not grow with the
+//! vector's size: the same entries at 8 dimensions and padded with zeros to 384 (the same
+//! similarities, so the same graph) cost the index the same, within a fraction of one
+//! vector's floats.
+
+// `GlobalAlloc` is an unsafe trait: the counting allocator forwards to the system's.
+#![allow(unsafe_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+
+use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+use reprise_cache::EntryId;
+
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        System.alloc(layout)
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        System.dealloc(ptr, layout)
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        System.realloc(ptr, layout, new_size)
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+const ENTRIES: usize = 3000;
+
+/// `n` unit vectors with 8 random components, padded with zeros to `dim`.
+fn unit_vectors(dim: usize, n: usize) -> Vec<Arc<[f32]>> {
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    (0..n)
+        .map(|_| {
+            let mut v: Vec<f32> = (0..8)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed % 1000) as f32 / 1000.0 - 0.5
+                })
+                .collect();
+            v.resize(dim, 0.0);
+            let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+            v.iter().map(|x| x / norm).collect()
+        })
+        .collect()
+}
+
+/// Bytes the index holds per entry once `ENTRIES` vectors of `dim` components are loaded in
+/// one partition (past the exact-scan limit) and its graph is built.
+fn index_bytes_per_entry(dim: usize) -> f64 {
+    let vectors = unit_vectors(dim, ENTRIES);
+    let before = LIVE.load(Ordering::SeqCst);
+    let index = SemanticIndex::new(dim, IndexConfig::default());
+    index.insert_many(
+        vectors
+            .iter()
+            .enumerate()
+            .map(|(i, v)| ([1; 32], EntryId(i as u128), v.clone()))
+            .collect(),
+    );
+    assert_eq!(index.build_graphs(), 1);
+    assert_eq!(index.graphs(), 1, "the partition is past exact_scan_max");
+    let after = LIVE.load(Ordering::SeqCst);
+    drop(index);
+    (after - before) as f64 / ENTRIES as f64
+}
+
+#[test]
+fn the_index_holds_no_copy_of_the_vectors() {
+    assert!(ENTRIES > IndexConfig::default().exact_scan_max);
+    // Warm up: the first graph build starts rayon's pool, whose allocations stay.
+    index_bytes_per_entry(8);
+    let small = index_bytes_per_entry(8);
+    let large = index_bytes_per_entry(384);
+    let floats = ((384 - 8) * std::mem::size_of::<f32>()) as f64;
+    eprintln!("index bytes/entry: {small:.0} at 8 dims, {large:.0} at 384 dims");
+    // One copy anywhere in the index would add `floats` (1504 bytes) per entry.
+    assert!(
+        (large - small).abs() < floats / 4.0,
+        "the index grows with the vector's size: {small:.0} bytes/entry at 8 dims, \
+         {large:.0} at 384"
+    );
+    // And what it adds is bounded: under two vectors' worth of floats at 384 dimensions
+    // (the graph's links, the slot and the id maps).
+    assert!(
+        large < (2 * 384 * std::mem::size_of::<f32>()) as f64,
+        "{large:.0} bytes/entry"
+    );
+}
