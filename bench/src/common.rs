@@ -205,6 +205,32 @@ impl Samples {
     }
 }
 
+/// A field of `/proc/self/status` given in kB (`VmRSS:`, `VmHWM:`), in bytes; `None` when
+/// the field is absent or unreadable.
+pub fn status_bytes(status: &str, field: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
+/// Resident and peak resident memory of this process, bytes (`/proc/self/status`; 0 where
+/// it cannot be read).
+pub fn rss() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    (
+        status_bytes(&status, "VmRSS:").unwrap_or(0),
+        status_bytes(&status, "VmHWM:").unwrap_or(0),
+    )
+}
+
+/// Bytes as MiB.
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
 /// The `p`-th percentile of unsorted samples.
 pub fn percentile(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
@@ -242,6 +268,16 @@ mod tests {
         let nobody = closed.local_addr().unwrap();
         drop(closed);
         (format!("http://{addr}"), format!("http://{nobody}/ok"))
+    }
+
+    #[test]
+    fn status_fields_are_read_in_bytes() {
+        let status = "Name:\treprise-bench\nVmPeak:\t  999 kB\nVmHWM:\t  2048 kB\nVmRSS:\t    1536 kB\nThreads:\t4\n";
+        assert_eq!(status_bytes(status, "VmRSS:"), Some(1536 * 1024));
+        assert_eq!(status_bytes(status, "VmHWM:"), Some(2048 * 1024));
+        assert_eq!(status_bytes(status, "VmSwap:"), None);
+        assert_eq!(status_bytes("VmRSS:\tlots kB\n", "VmRSS:"), None);
+        assert_eq!(status_bytes("", "VmRSS:"), None);
     }
 
     #[tokio::test]

@@ -19,7 +19,8 @@ use clap::Args;
 use reprise_cache::semantic::{IndexConfig, IndexItem, PartitionKey, SemanticIndex};
 use reprise_cache::EntryId;
 
-use crate::redis::{mib, rss, SplitMix};
+use crate::common::{mib, rss};
+use crate::redis::SplitMix;
 
 /// Options of `reprise-bench index`.
 #[derive(Debug, Args)]

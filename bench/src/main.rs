@@ -12,6 +12,7 @@ mod proxy;
 mod quality;
 mod redis;
 mod replay;
+mod soak;
 
 use clap::{Parser, Subcommand};
 
@@ -49,6 +50,9 @@ enum Mode {
     /// Predictive prefetch on recorded sessions: the same conversations through reprise with
     /// prefetch off and on, side by side; hit rates, latency, compute spent and wasted.
     Replay(replay::ReplayArgs),
+    /// Many distinct prompts through one server with a fixed memory budget: entries held,
+    /// weighted bytes and resident memory as it fills and evicts; RSS against the budget.
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -62,6 +66,7 @@ fn main() -> std::process::ExitCode {
             Mode::Redis(a) => redis::run(a).await,
             Mode::Index(a) => index::run(a).await,
             Mode::Replay(a) => replay::run(a).await,
+            Mode::Soak(a) => soak::run(a).await,
         }
     })
 }

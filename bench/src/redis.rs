@@ -34,9 +34,9 @@ use reprise_embedder::Embedder;
 use serde_json::json;
 
 use crate::common::{
-    build_replica, chat_exact_key, load_embedder, percentile, read_cached_outcome, rebuilds,
-    redis_tier, semantic_index, start_redis, start_replica, store, BackendKind, Config, Failure,
-    Failures, Samples, Server, DEFAULT_NAMESPACE,
+    build_replica, chat_exact_key, load_embedder, mib, percentile, read_cached_outcome, rebuilds,
+    redis_tier, rss, semantic_index, start_redis, start_replica, store, BackendKind, Config,
+    Failure, Failures, Samples, Server, DEFAULT_NAMESPACE,
 };
 
 /// Options of `reprise-bench redis`.
@@ -71,24 +71,6 @@ pub struct RedisArgs {
     /// Lifetime of everything this benchmark writes, in seconds.
     #[arg(long, default_value_t = 3600)]
     ttl_secs: u64,
-}
-
-/// Resident and peak resident memory of this process, bytes (`/proc/self/status`).
-pub(crate) fn rss() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map_or(0, |kb| kb * 1024)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
-
-pub(crate) fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }
 
 fn ms(x: f64) -> String {
