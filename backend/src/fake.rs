@@ -24,6 +24,9 @@ pub enum Failure {
     AfterChunks(usize),
 }
 
+/// Requests a [`ScriptedBackend`] remembers for [`ScriptedBackend::requests`].
+pub const LOG_LEN: usize = 10_000;
+
 /// Settings of a [`ScriptedBackend`].
 #[derive(Debug, Clone)]
 pub struct ScriptConfig {
@@ -68,7 +71,9 @@ struct Inner {
     active: AtomicUsize,
     interactive: AtomicUsize,
     completed: AtomicUsize,
-    log: Mutex<Vec<GenRequest>>,
+    /// The latest requests received (at most [`LOG_LEN`]: a benchmark sending millions must
+    /// not measure this log).
+    log: Mutex<std::collections::VecDeque<GenRequest>>,
 }
 
 impl ScriptedBackend {
@@ -82,7 +87,7 @@ impl ScriptedBackend {
                 active: AtomicUsize::new(0),
                 interactive: AtomicUsize::new(0),
                 completed: AtomicUsize::new(0),
-                log: Mutex::new(Vec::new()),
+                log: Mutex::new(std::collections::VecDeque::new()),
             }),
         }
     }
@@ -102,9 +107,9 @@ impl ScriptedBackend {
         self.inner.active.load(Ordering::SeqCst)
     }
 
-    /// Every request received, in order.
+    /// The requests received, in order (the latest [`LOG_LEN`]).
     pub fn requests(&self) -> Vec<GenRequest> {
-        self.inner.log.lock().clone()
+        self.inner.log.lock().iter().cloned().collect()
     }
 
     /// Sets how the next calls misbehave.
@@ -158,7 +163,12 @@ impl Drop for ActiveGuard {
 impl Backend for ScriptedBackend {
     async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError> {
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.log.lock().push(req.clone());
+        let mut log = self.inner.log.lock();
+        if log.len() == LOG_LEN {
+            log.pop_front();
+        }
+        log.push_back(req.clone());
+        drop(log);
         let cfg = self.inner.cfg.lock().clone();
         if req.model != cfg.model {
             return Err(BackendError::UnknownModel(req.model));
@@ -313,6 +323,23 @@ mod tests {
     use super::*;
     use crate::{ChatMessage, Priority, SamplingParams};
     use futures::StreamExt;
+
+    /// The request log keeps the latest [`LOG_LEN`]: a benchmark sending millions of
+    /// requests measures the server, not this log.
+    #[tokio::test]
+    async fn the_request_log_keeps_the_latest() {
+        let b = ScriptedBackend::new(ScriptConfig::default());
+        for i in 0..LOG_LEN + 5 {
+            drop(b.generate(req(&format!("q{i}"), Some(1))).await.unwrap());
+        }
+        let log = b.requests();
+        assert_eq!(log.len(), LOG_LEN);
+        assert_eq!(b.calls(), LOG_LEN + 5);
+        match &log[0].input {
+            Input::Chat(m) => assert_eq!(m[0].content, "q5"),
+            other => panic!("{other:?}"),
+        }
+    }
 
     fn req(text: &str, max: Option<u32>) -> GenRequest {
         GenRequest {
