@@ -269,6 +269,7 @@ pub async fn build_backend(config: &Config) -> anyhow::Result<Arc<dyn Backend>> 
             first_token_delay: Duration::ZERO,
             token_delay: Duration::from_millis(b.fake_token_delay_ms),
             default_max_tokens: b.default_max_tokens,
+            slots: None,
         })),
         BackendKind::Openai => {
             let api_key = match &b.api_key_env {

@@ -4,12 +4,20 @@
 //! prompt), streams the answer word by word with an optional delay, counts its calls, and
 //! can be told to fail at the start or after a number of chunks. It never stands in for the
 //! real backends in tests of their behaviour; it makes the server's own behaviour observable.
+//!
+//! By default its capacity is unlimited (every stream sleeps on its own). With
+//! [`ScriptConfig::slots`] it runs at most that many generations at once, like a server with
+//! a fixed number of decode slots: a stream takes a slot when it is first polled (before its
+//! first-token delay) and keeps it until it ends, fails or is dropped; streams beyond wait in
+//! one FIFO queue whatever their priority (background generations queue like interactive ones,
+//! not behind them), and the wait counts in their time to first token.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::{Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Usage};
 
@@ -43,6 +51,9 @@ pub struct ScriptConfig {
     pub token_delay: Duration,
     /// `max_tokens` when the request sets none (a "token" is one word here).
     pub default_max_tokens: u32,
+    /// Generations running at once; `None` is unlimited. Streams beyond wait in FIFO order
+    /// for a slot (see the module header).
+    pub slots: Option<usize>,
 }
 
 impl Default for ScriptConfig {
@@ -54,6 +65,7 @@ impl Default for ScriptConfig {
             first_token_delay: Duration::ZERO,
             token_delay: Duration::ZERO,
             default_max_tokens: 256,
+            slots: None,
         }
     }
 }
@@ -66,6 +78,8 @@ pub struct ScriptedBackend {
 
 struct Inner {
     cfg: Mutex<ScriptConfig>,
+    /// The slots of `cfg.slots`, replaced when a new config changes their number.
+    slots: Mutex<Option<Arc<Semaphore>>>,
     failure: Mutex<Failure>,
     calls: AtomicUsize,
     active: AtomicUsize,
@@ -81,6 +95,7 @@ impl ScriptedBackend {
     pub fn new(cfg: ScriptConfig) -> Self {
         ScriptedBackend {
             inner: Arc::new(Inner {
+                slots: Mutex::new(semaphore(cfg.slots)),
                 cfg: Mutex::new(cfg),
                 failure: Mutex::new(Failure::None),
                 calls: AtomicUsize::new(0),
@@ -117,15 +132,24 @@ impl ScriptedBackend {
         *self.inner.failure.lock() = failure;
     }
 
-    /// Changes the script.
+    /// Changes the script. A new number of slots applies to streams started from now on
+    /// (streams already holding or awaiting a slot keep the old ones).
     pub fn set_config(&self, cfg: ScriptConfig) {
-        *self.inner.cfg.lock() = cfg;
+        let mut cur = self.inner.cfg.lock();
+        if cur.slots != cfg.slots {
+            *self.inner.slots.lock() = semaphore(cfg.slots);
+        }
+        *cur = cfg;
     }
 
     /// Changes only the delay between chunks.
     pub fn set_token_delay(&self, delay: Duration) {
         self.inner.cfg.lock().token_delay = delay;
     }
+}
+
+fn semaphore(slots: Option<usize>) -> Option<Arc<Semaphore>> {
+    slots.map(|n| Arc::new(Semaphore::new(n.max(1))))
 }
 
 /// Splits text into word-sized pieces that concatenate back to the text.
@@ -229,7 +253,8 @@ impl Backend for ScriptedBackend {
             inner: self.inner.clone(),
             interactive,
         };
-        let stream = async_stream_like(parts, cfg, fail_after, reason, prompt_tokens, guard);
+        let slots = self.inner.slots.lock().clone();
+        let stream = async_stream_like(parts, cfg, fail_after, reason, prompt_tokens, guard, slots);
         Ok(stream)
     }
 
@@ -254,6 +279,7 @@ fn async_stream_like(
     reason: FinishReason,
     prompt_tokens: u32,
     guard: ActiveGuard,
+    slots: Option<Arc<Semaphore>>,
 ) -> GenStream {
     struct State {
         parts: std::vec::IntoIter<String>,
@@ -264,6 +290,9 @@ fn async_stream_like(
         reason: FinishReason,
         prompt_tokens: u32,
         guard: ActiveGuard,
+        /// The slots to take one of before the first chunk, then the slot held.
+        slots: Option<Arc<Semaphore>>,
+        permit: Option<OwnedSemaphorePermit>,
     }
     let state = State {
         parts: parts.into_iter(),
@@ -274,10 +303,16 @@ fn async_stream_like(
         reason,
         prompt_tokens,
         guard,
+        slots,
+        permit: None,
     };
     Box::pin(futures::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;
+        }
+        if let Some(slots) = st.slots.take() {
+            // Never closed, so acquiring only waits.
+            st.permit = slots.acquire_owned().await.ok();
         }
         let delay = if st.sent == 0 {
             st.cfg.first_token_delay
@@ -289,6 +324,7 @@ fn async_stream_like(
         }
         if st.fail_after == Some(st.sent) {
             st.done = true;
+            st.permit = None;
             return Some((
                 Err(BackendError::Unavailable("scripted failure".into())),
                 st,
@@ -301,6 +337,8 @@ fn async_stream_like(
             }
             None => {
                 st.done = true;
+                // The generation is over: its slot is free before the consumer polls again.
+                st.permit = None;
                 st.guard.inner.completed.fetch_add(1, Ordering::SeqCst);
                 let usage = Usage {
                     prompt_tokens: st.prompt_tokens,
@@ -408,5 +446,112 @@ mod tests {
         assert!(matches!(s.next().await, Some(Ok(GenEvent::Delta(_)))));
         assert!(matches!(s.next().await, Some(Err(_))));
         assert!(s.next().await.is_none());
+    }
+
+    fn with_slots(slots: Option<usize>) -> ScriptedBackend {
+        ScriptedBackend::new(ScriptConfig {
+            token_delay: Duration::from_millis(5),
+            slots,
+            ..ScriptConfig::default()
+        })
+    }
+
+    /// Plays `a` (already past its first chunk) and `b` at once, recording `(name, event)`
+    /// in the order the events came.
+    async fn race(a: GenStream, b: GenStream) -> Vec<(&'static str, bool)> {
+        let log = Arc::new(Mutex::new(vec![("a", false)]));
+        let drain = |name: &'static str, mut s: GenStream, log: Arc<Mutex<Vec<_>>>| async move {
+            while let Some(ev) = s.next().await {
+                let finish = matches!(ev.unwrap(), GenEvent::Finish { .. });
+                log.lock().push((name, finish));
+            }
+        };
+        let one = tokio::spawn(drain("a", a, log.clone()));
+        let two = tokio::spawn(drain("b", b, log.clone()));
+        // Generous: it only turns a hang (a slot never freed) into a failure, it times nothing.
+        tokio::time::timeout(Duration::from_secs(30), async {
+            one.await.unwrap();
+            two.await.unwrap();
+        })
+        .await
+        .expect("a stream never got a slot");
+        let out = log.lock().clone();
+        out
+    }
+
+    #[tokio::test]
+    async fn one_slot_makes_the_second_stream_wait_for_the_first() {
+        let b = with_slots(Some(1));
+        let mut first = b
+            .generate(req("one two three four five six", None))
+            .await
+            .unwrap();
+        assert!(matches!(first.next().await, Some(Ok(GenEvent::Delta(_)))));
+        let mut background = req("seven eight", None);
+        background.priority = Priority::Background;
+        let second = b.generate(background).await.unwrap();
+        let log = race(first, second).await;
+        let a_finished = log.iter().position(|e| *e == ("a", true)).unwrap();
+        let b_first = log.iter().position(|e| e.0 == "b").unwrap();
+        assert!(a_finished < b_first, "{log:?}");
+        assert_eq!(b.completed(), 2);
+    }
+
+    #[tokio::test]
+    async fn without_slots_streams_interleave() {
+        let b = with_slots(None);
+        let mut first = b
+            .generate(req("one two three four five six", None))
+            .await
+            .unwrap();
+        assert!(matches!(first.next().await, Some(Ok(GenEvent::Delta(_)))));
+        let second = b.generate(req("seven eight", None)).await.unwrap();
+        let log = race(first, second).await;
+        let a_finished = log.iter().position(|e| *e == ("a", true)).unwrap();
+        let b_first = log.iter().position(|e| e.0 == "b").unwrap();
+        assert!(b_first < a_finished, "{log:?}");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_stream_frees_its_slot() {
+        let b = with_slots(Some(1));
+        let mut first = b.generate(req("one two three", None)).await.unwrap();
+        assert!(matches!(first.next().await, Some(Ok(GenEvent::Delta(_)))));
+        let second = b.generate(req("four five", None)).await.unwrap();
+        let waiting = tokio::spawn(async move { collect_stream(second).await });
+        drop(first);
+        // Generous: it only bounds a hang (a slot never freed), it times nothing.
+        let text = tokio::time::timeout(Duration::from_secs(30), waiting)
+            .await
+            .expect("the second stream never got the slot")
+            .unwrap();
+        assert_eq!(text, "You asked: four five");
+    }
+
+    #[tokio::test]
+    async fn a_failed_stream_frees_its_slot() {
+        let b = with_slots(Some(1));
+        b.set_failure(Failure::AfterChunks(1));
+        let mut first = b.generate(req("one two three", None)).await.unwrap();
+        assert!(matches!(first.next().await, Some(Ok(GenEvent::Delta(_)))));
+        assert!(matches!(first.next().await, Some(Err(_))));
+        b.set_failure(Failure::None);
+        let second = b.generate(req("four five", None)).await.unwrap();
+        // `first` is still held, ended but not dropped.
+        let text = tokio::time::timeout(Duration::from_secs(30), collect_stream(second))
+            .await
+            .expect("the failed stream kept its slot");
+        assert_eq!(text, "You asked: four five");
+        drop(first);
+    }
+
+    async fn collect_stream(mut s: GenStream) -> String {
+        let mut text = String::new();
+        while let Some(ev) = s.next().await {
+            if let GenEvent::Delta(d) = ev.unwrap() {
+                text.push_str(&d);
+            }
+        }
+        text
     }
 }

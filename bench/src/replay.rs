@@ -5,13 +5,20 @@
 //!
 //! Each session is one multi-turn conversation: every request carries the earlier user turns
 //! and the answers reprise served as assistant turns, so follow-ups are linked through the
-//! conversation history (no session header). Both servers run the scripted backend with a
-//! per-token delay, so prefetch competes with live traffic for a busy backend, and the
-//! semantic tier with the real embedder (one instance, shared by both sides).
+//! conversation history (no session header). Each side has its own server state, its own
+//! backend and its own embedder instance, so the "off" side never waits on the "on" side's
+//! backend or embedder (they still share the machine's cores unless `--sequential`). The
+//! backend is the scripted one with a per-token delay, by default with unlimited capacity
+//! (every stream sleeps on its own, so background generations cannot delay interactive ones);
+//! with `--backend-slots N` it runs at most N generations at once and the rest queue, so
+//! prefetch competes with live traffic for a busy backend. `--backend llama` serves a real
+//! model instead (`--backend-slots` is then its `parallel`).
 //!
 //! The scripted answer starts with `You asked: <question>` and then pads to a realistic
 //! length, so every answer names the question it was generated for; a hit whose question
 //! belongs to another intent than the turn's (per the session file's labels) is a false hit.
+//! A real model's answers do not name their question, so with `--backend llama` false hits
+//! are not judged.
 //! The session file's format is described next to it (`README.md`).
 
 use std::collections::HashMap;
@@ -20,9 +27,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+use reprise_backend::llama::LlamaBackend;
+use reprise_backend::Backend;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
@@ -56,6 +65,26 @@ pub struct ReplayArgs {
     /// realistic (long) think times; both sides get the same.
     #[arg(long)]
     warmup_think_ms: Option<u64>,
+    /// The backend of both sides (one instance per side).
+    #[arg(long, value_enum, default_value_t = ReplayBackend::Scripted)]
+    backend: ReplayBackend,
+    /// Generations the backend runs at once, per side; requests beyond wait in a queue.
+    /// Scripted: unlimited when not given. Llama: its `parallel` (default: the configured one).
+    #[arg(long)]
+    backend_slots: Option<usize>,
+    /// Play the "off" side to its end, then the "on" side, instead of both at once (neither
+    /// then shares the machine with the other; both see whatever else runs on it).
+    #[arg(long)]
+    sequential: bool,
+    /// `--backend llama`: the model file.
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+    /// `--backend llama`: decode threads per side.
+    #[arg(long, default_value_t = 2)]
+    threads: i32,
+    /// `--backend llama`: layers offloaded to the GPU (needs the CUDA build).
+    #[arg(long, default_value_t = 0)]
+    n_gpu_layers: u32,
     /// Scripted backend: delay per generated token, milliseconds.
     #[arg(long, default_value_t = 3)]
     token_delay_ms: u64,
@@ -95,6 +124,15 @@ pub struct ReplayArgs {
     /// Write the results as JSON here as well.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The backend `reprise-bench replay` runs on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ReplayBackend {
+    /// The scripted backend (answers name their question; timing from `--token-delay-ms`).
+    Scripted,
+    /// The llama.cpp backend with `--model`.
+    Llama,
 }
 
 #[derive(Debug, Deserialize)]
@@ -151,6 +189,8 @@ struct TurnResult {
 struct Side {
     name: &'static str,
     url: String,
+    /// The model name requests carry.
+    model: String,
     server: Server,
     results: parking_lot::Mutex<Vec<TurnResult>>,
     /// Prefetch counters when the first measured session started.
@@ -191,13 +231,6 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
     if let Some(t) = a.threshold {
         base.semantic.threshold = t;
     }
-    eprintln!(
-        "loading the embedder from {}",
-        base.semantic.model_dir.display()
-    );
-    let embedder = load_embedder(&base)
-        .await?
-        .ok_or_else(|| anyhow::anyhow!("semantic tier is off"))?;
     let padding: Vec<&str> = "Open the editor and follow these steps to get it done quickly"
         .split(' ')
         .cycle()
@@ -208,8 +241,16 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         // Prompt processing before the first token: a few tokens' worth.
         first_token_delay: Duration::from_millis(a.token_delay_ms * 5),
         token_delay: Duration::from_millis(a.token_delay_ms),
+        slots: a.backend_slots,
         ..ScriptConfig::default()
     };
+    if a.backend == ReplayBackend::Llama {
+        anyhow::ensure!(
+            a.model.is_file(),
+            "model file {} not found (run scripts/fetch-models.sh or pass --model)",
+            a.model.display()
+        );
+    }
     let mut sides = Vec::new();
     for (name, prefetch) in [("prefetch off", false), ("prefetch on", true)] {
         let mut config = base.clone();
@@ -230,11 +271,45 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         if let Some(p) = a.min_probability {
             config.prefetch.min_probability = p;
         }
-        let backend = Arc::new(ScriptedBackend::new(script.clone()));
-        let server = start_app(config, backend, Some(embedder.clone())).await?;
+        // Its own embedder instance: the other side's embeddings never queue ahead of its own.
+        eprintln!(
+            "{name}: loading the embedder from {}",
+            base.semantic.model_dir.display()
+        );
+        let embedder = load_embedder(&base)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("semantic tier is off"))?;
+        let (backend, model): (Arc<dyn Backend>, String) = match a.backend {
+            ReplayBackend::Scripted => (
+                Arc::new(ScriptedBackend::new(script.clone())),
+                script.model.clone(),
+            ),
+            ReplayBackend::Llama => {
+                config.backend.kind = BackendKind::Llama;
+                config.backend.model = a.model.clone();
+                config.backend.n_threads = a.threads;
+                config.backend.n_gpu_layers = a.n_gpu_layers;
+                if let Some(n) = a.backend_slots {
+                    config.backend.parallel = n.max(1);
+                }
+                // Room for every slot's conversation (a few turns of short answers).
+                config.backend.n_ctx = (config.backend.parallel as u32 * 1024).max(4096);
+                config.backend.max_queue = 4096;
+                config.validate()?;
+                let cfg = config.backend.llama_config();
+                let model = cfg.served_name();
+                eprintln!("{name}: loading {}", a.model.display());
+                let engine = tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
+                (Arc::new(engine), model)
+            }
+        };
+        let server = start_app(config, backend, Some(embedder)).await?;
         sides.push(Arc::new(Side {
             name,
             url: server.chat_url(),
+            model,
             server,
             results: parking_lot::Mutex::new(Vec::new()),
             at_measure: parking_lot::Mutex::new(None),
@@ -245,31 +320,44 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         .pool_max_idle_per_host(a.concurrency * 4)
         .tcp_nodelay(true)
         .build()?;
+    let backend = match a.backend {
+        ReplayBackend::Scripted => format!(
+            "scripted backend at {} ms/token, {} reply words, slots {}",
+            a.token_delay_ms,
+            a.reply_words + 3,
+            a.backend_slots
+                .map_or_else(|| "unlimited".to_string(), |n| n.to_string())
+        ),
+        ReplayBackend::Llama => format!("llama backend {}", a.model.display()),
+    };
     eprintln!(
-        "replaying {} sessions ({} warm-up, think {} ms), {} at a time per side, think {} ms, {} ms/token, {} reply words",
+        "replaying {} sessions ({} warm-up, think {} ms), {} at a time per side, think {} ms, {backend}, sides {}",
         sessions.len(),
         a.warmup,
         a.warmup_think_ms.unwrap_or(a.think_ms),
         a.concurrency,
         a.think_ms,
-        a.token_delay_ms,
-        a.reply_words + 3
+        if a.sequential { "one after the other" } else { "at once" }
     );
     let started = Instant::now();
-    let runs: Vec<_> = sides
-        .iter()
-        .map(|side| {
-            tokio::spawn(play_side(
-                side.clone(),
-                client.clone(),
-                sessions.clone(),
-                intent_of.clone(),
-                a.clone(),
-            ))
-        })
-        .collect();
-    for r in runs {
-        r.await??;
+    let play = |side: &Arc<Side>| {
+        tokio::spawn(play_side(
+            side.clone(),
+            client.clone(),
+            sessions.clone(),
+            intent_of.clone(),
+            a.clone(),
+        ))
+    };
+    if a.sequential {
+        for side in &sides {
+            play(side).await??;
+        }
+    } else {
+        let runs: Vec<_> = sides.iter().map(play).collect();
+        for r in runs {
+            r.await??;
+        }
     }
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
     report(&a, &sides, &intent_of, &sessions)
@@ -348,7 +436,14 @@ async fn play_session(
             tokio::time::sleep(Duration::from_secs_f64(pause / 1000.0)).await;
         }
         messages.push(json!({"role": "user", "content": turn.text}));
-        let body = json!({"model": "fake", "messages": messages, "stream": true});
+        let body = match a.backend {
+            ReplayBackend::Scripted => {
+                json!({"model": side.model, "messages": messages, "stream": true})
+            }
+            // A real model writes until it stops; answers of about the scripted length.
+            ReplayBackend::Llama => json!({"model": side.model, "messages": messages,
+                "stream": true, "max_tokens": a.reply_words + 20}),
+        };
         let t = Instant::now();
         let (served, ttft, answer) = match client.post(&side.url).json(&body).send().await {
             Ok(r) if r.status().is_success() => {
@@ -392,7 +487,9 @@ async fn play_session(
             .strip_prefix("You asked: ")
             .and_then(|s| s.split('\n').next())
             .unwrap_or("");
-        let false_hit = served.is_hit() && intent_of.get(asked) != Some(&turn.intent);
+        let false_hit = a.backend == ReplayBackend::Scripted
+            && served.is_hit()
+            && intent_of.get(asked) != Some(&turn.intent);
         if measured {
             side.results.lock().push(TurnResult {
                 depth: depth + 1,
@@ -555,8 +652,12 @@ fn report(
     let sums: Vec<Summary> = sides.iter().map(|s| summarise(s)).collect();
     println!("== reprise bench replay ==");
     println!(
-        "measured: {} turns per side (sessions {}..), multi-turn conversations",
-        sums[0].turns, a.warmup
+        "measured: {} turns per side (sessions {}..), multi-turn conversations; backend slots {}; sides {}",
+        sums[0].turns,
+        a.warmup,
+        a.backend_slots
+            .map_or_else(|| "unlimited".to_string(), |n| n.to_string()),
+        if a.sequential { "one after the other" } else { "at once" }
     );
     for (side, s) in sides.iter().zip(&sums) {
         println!("-- {} --", side.name);
@@ -569,12 +670,16 @@ fn report(
             s.misses,
             s.errors
         );
-        println!(
-            "false hits {} ({} of hits); correct-hit rate {}",
-            s.false_hits,
-            pct(s.false_hits as f64 / s.hits().max(1) as f64),
-            pct(s.correct_rate())
-        );
+        if a.backend == ReplayBackend::Scripted {
+            println!(
+                "false hits {} ({} of hits); correct-hit rate {}",
+                s.false_hits,
+                pct(s.false_hits as f64 / s.hits().max(1) as f64),
+                pct(s.correct_rate())
+            );
+        } else {
+            println!("false hits not judged (a real model's answers do not name their question)");
+        }
         println!(
             "latency p50 {}  p95 {}   TTFT p50 {}  p95 {}",
             ms(s.p50),
@@ -657,7 +762,10 @@ fn report(
                    "prefetch_backend_s": s.spent.backend_seconds, "prefetch_tokens": s.spent.tokens,
                    "prefetch_unused_share": s.unused_share()})
         };
-        let out = json!({"off": side(off), "on": side(on), "hit_ratio": hit_ratio,
+        let out = json!({"backend": format!("{:?}", a.backend).to_lowercase(),
+                         "backend_slots": a.backend_slots, "sequential": a.sequential,
+                         "token_delay_ms": a.token_delay_ms,
+                         "off": side(off), "on": side(on), "hit_ratio": hit_ratio,
                          "p95_ratio": p95_ratio, "ttft_p95_ratio": ttft_ratio,
                          "ceiling": ceiling.map(|c| json!({"off": c.off, "on": c.on, "unused": c.unused}))});
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
