@@ -374,21 +374,8 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
             continue;
         }
         eprintln!("curve pass (best candidate of every question)");
-        let mut curve_cfg = config.clone();
-        curve_cfg.semantic.threshold = 1e-6;
-        curve_cfg.semantic.gate = false;
-        curve_cfg.semantic.top_k = 1;
         let eq = Equivalence::new(&pairs);
-        let answers = cache_view(curve_cfg, &pairs, a.concurrency, a.pairwise).await?;
-        let gate_ok: Vec<bool> = pairs
-            .iter()
-            .zip(&answers)
-            .map(|(p, ans)| {
-                ans.served
-                    .as_deref()
-                    .is_none_or(|s| reprise_policies::gate(&p.b, s).is_pass())
-            })
-            .collect();
+        let (answers, gate_ok) = best_candidates(&a, &config, &pairs).await?;
         println!("threshold | without gate | with gate");
         let mut t = 0.70f32;
         while t <= 0.981 {
