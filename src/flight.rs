@@ -68,6 +68,11 @@ impl Flight {
     /// A new subscriber replaying from the first event.
     fn subscribe(self: &Arc<Self>) -> Subscriber {
         *self.subscribers.lock() += 1;
+        self.subscriber()
+    }
+
+    /// A subscriber at the first event; the caller has counted it.
+    fn subscriber(self: &Arc<Self>) -> Subscriber {
         Subscriber {
             flight: self.clone(),
             rx: self.progress.subscribe(),
@@ -85,12 +90,7 @@ impl Flight {
             return None;
         }
         *n += 1;
-        Some(Subscriber {
-            flight: self.clone(),
-            rx: self.progress.subscribe(),
-            pos: 0,
-            done: false,
-        })
+        Some(self.subscriber())
     }
 
     fn is_ended(&self) -> bool {
