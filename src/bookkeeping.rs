@@ -4,14 +4,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use reprise_cache::now_ms;
+use reprise_cache::{now_ms, Entry};
 
 use crate::candidate::Candidate;
 use crate::error::ApiError;
 use crate::lookup::Notes;
-use crate::metrics::Outcome;
+use crate::metrics::{Finished, Outcome, Saved, Stage};
 use crate::openai::Endpoint;
-use crate::reqlog::LogRecord;
+use crate::reqlog::{cut, LogRecord};
 use crate::state::AppState;
 
 /// The bookkeeping of one client request; recorded on drop.
@@ -101,8 +101,40 @@ impl Bookkeeping {
         }
     }
 
+    /// Notes the entry a hit is answered from: what it saves (its tokens, its backend
+    /// time, their price) and, for a hit by meaning, the question it was generated for.
+    pub fn served_from(&mut self, entry: &Entry, outcome: Outcome) {
+        self.record.entry_id = Some(entry.id.to_string());
+        let Some(state) = &self.state else {
+            return;
+        };
+        self.record.saved_prompt_tokens = entry.prompt_tokens;
+        self.record.saved_completion_tokens = entry.completion_tokens;
+        self.record.saved_backend_ms = entry.gen_ms;
+        self.record.saved_cost = state
+            .config
+            .metrics
+            .prices
+            .get(&entry.model)
+            .map_or(0.0, |p| {
+                p.cost(entry.prompt_tokens, entry.completion_tokens)
+            });
+        if matches!(outcome, Outcome::Semantic | Outcome::Prefetch) {
+            self.record.matched = cut(&entry.prompt, state.config.log.question_chars);
+        }
+    }
+
+    /// Notes the question asked (cut to `log.question_chars`).
+    pub fn question(&mut self, text: &str) {
+        if let Some(state) = &self.state {
+            self.record.question = cut(text, state.config.log.question_chars);
+        }
+    }
+
     /// Copies what the cache lookup saw into the log line.
     pub fn note(&mut self, notes: &Notes) {
+        self.record.exact_ms = notes.exact_ms;
+        self.record.tier = notes.tier;
         self.record.embed_ms = notes.embed_ms;
         self.record.search_ms = notes.search_ms;
         self.record.similarity = notes.similarity;
@@ -132,10 +164,26 @@ impl Drop for Bookkeeping {
             self.outcome
         };
         let total = self.start.elapsed().as_secs_f64();
-        state.metrics.request(outcome, total);
-        if let Some(t) = self.first_token {
-            state.metrics.first_token(outcome, t);
+        let mut rec = std::mem::take(&mut self.record);
+        rec.outcome = outcome.as_str();
+        rec.error = self.error;
+        rec.total_ms = total * 1000.0;
+        rec.ttft_ms = self.first_token.map(|t| t * 1000.0);
+        let hit = matches!(
+            outcome,
+            Outcome::Exact | Outcome::Semantic | Outcome::Prefetch
+        );
+        if outcome != Outcome::Exact {
+            rec.tier = None;
         }
+        if !hit {
+            rec.saved_prompt_tokens = 0;
+            rec.saved_completion_tokens = 0;
+            rec.saved_backend_ms = 0;
+            rec.saved_cost = 0.0;
+            rec.matched = None;
+        }
+        record_metrics(&state, outcome, &rec, total, self.first_token, hit);
         if let Some(side) = self.canary.take() {
             state
                 .metrics
@@ -145,11 +193,51 @@ impl Drop for Bookkeeping {
             }
         }
         if let Some(log) = &state.request_log {
-            let mut rec = std::mem::take(&mut self.record);
-            rec.outcome = outcome.as_str();
-            rec.error = self.error;
-            rec.total_ms = total * 1000.0;
             log.write(rec);
         }
+    }
+}
+
+/// The metrics of a finished request: by outcome, tenant and model, its stages, what a hit
+/// saved, the gate's rejection and a miss's best similarity.
+fn record_metrics(
+    state: &AppState,
+    outcome: Outcome,
+    rec: &LogRecord,
+    total: f64,
+    first_token: Option<f64>,
+    hit: bool,
+) {
+    let m = &state.metrics;
+    m.request(
+        outcome,
+        &Finished {
+            tenant: &rec.tenant,
+            model: &rec.model,
+            total,
+            first_token,
+            saved: hit.then(|| Saved {
+                prompt_tokens: rec.saved_prompt_tokens,
+                completion_tokens: rec.saved_completion_tokens,
+                backend_seconds: f64::from(rec.saved_backend_ms) / 1000.0,
+                cost: rec.saved_cost,
+            }),
+        },
+    );
+    for (stage, ms) in [
+        (Stage::Exact, rec.exact_ms),
+        (Stage::Embed, rec.embed_ms),
+        (Stage::Search, rec.search_ms),
+        (Stage::FirstToken, rec.backend_ms),
+    ] {
+        if let Some(ms) = ms {
+            m.stage(stage, ms / 1000.0);
+        }
+    }
+    if let Some(reason) = rec.gate.filter(|g| *g != "pass") {
+        m.gate_rejection(reason);
+    }
+    if let (Outcome::Miss | Outcome::Bypass, Some(sim)) = (outcome, rec.similarity) {
+        m.miss_similarity(&rec.tenant, sim);
     }
 }

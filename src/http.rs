@@ -39,19 +39,23 @@ pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
     } else {
         router
     };
-    router
-        .fallback(fallback)
-        .layer(DefaultBodyLimit::max(limit))
-        .with_state(state)
+    crate::trace::with_request_ids(
+        router
+            .fallback(fallback)
+            .layer(DefaultBodyLimit::max(limit)),
+    )
+    .with_state(state)
 }
 
 /// The admin API alone, for `server.admin_listen`.
 pub fn admin_app(state: Arc<AppState>) -> Router {
     let limit = state.config.server.max_body_bytes;
-    admin_routes()
-        .fallback(not_found)
-        .layer(DefaultBodyLimit::max(limit))
-        .with_state(state)
+    crate::trace::with_request_ids(
+        admin_routes()
+            .fallback(not_found)
+            .layer(DefaultBodyLimit::max(limit)),
+    )
+    .with_state(state)
 }
 
 /// The `/admin` routes ([`crate::admin`]).

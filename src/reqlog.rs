@@ -1,5 +1,6 @@
-//! The request log: one JSON line per request (time, tenant, namespace, outcome, best candidate
-//! similarity, matched entry, gate verdict, stage latencies), written by a background task
+//! The request log: one JSON line per request (time, ids, tenant, namespace, model, outcome,
+//! best candidate similarity, matched entry, gate verdict, stage latencies, what a hit saved,
+//! the question), and one per verdict (`outcome: "feedback"`), written by a background task
 //! so the request path never waits on the disk.
 
 use std::io::Write;
@@ -13,15 +14,32 @@ use tokio::sync::mpsc;
 pub struct LogRecord {
     /// Milliseconds since the Unix epoch when the request arrived.
     pub time_ms: u64,
+    /// The request's `x-request-id` (taken from the client or generated).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub request_id: String,
+    /// The response's `id` (what `POST /v1/feedback` names); on a verdict line, the id judged.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub id: String,
     /// The caller's tenant (absent for the anonymous tenant).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub tenant: String,
     /// Namespace (inside the tenant).
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub namespace: String,
+    /// The model asked for.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub model: String,
     /// `/v1/chat/completions` or `/v1/completions`.
+    #[serde(skip_serializing_if = "str::is_empty")]
     pub endpoint: &'static str,
-    /// exact, semantic, prefetch, miss, bypass or error.
+    /// exact, semantic, prefetch, miss, bypass or error; `feedback` for a verdict.
     pub outcome: &'static str,
+    /// Where an exact hit was found: `memory` or `redis`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<&'static str>,
+    /// A verdict line's verdict: `wrong` or `right`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<&'static str>,
     /// Error kind when the outcome is `error`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<&'static str>,
@@ -37,6 +55,9 @@ pub struct LogRecord {
     /// `pass`, or the reason the false-hit gate rejected the best candidate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gate: Option<&'static str>,
+    /// Exact lookup time (memory, then Redis) in milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exact_ms: Option<f64>,
     /// Embedding time in milliseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub embed_ms: Option<f64>,
@@ -46,8 +67,49 @@ pub struct LogRecord {
     /// Time to the backend's first token in milliseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_ms: Option<f64>,
+    /// Time to the first token (a hit: to its answer) in milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
     /// Total time in milliseconds.
     pub total_ms: f64,
+    /// What a hit saved: the prompt tokens of the generation it replaced.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub saved_prompt_tokens: u32,
+    /// What a hit saved: the completion tokens of the generation it replaced.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub saved_completion_tokens: u32,
+    /// What a hit saved: the backend time of the generation it replaced, milliseconds.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub saved_backend_ms: u32,
+    /// What a hit saved at `[metrics.prices]` (0 without a price for the model).
+    #[serde(skip_serializing_if = "is_zero_f64")]
+    pub saved_cost: f64,
+    /// The question (last user turn or prompt), cut to `log.question_chars`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub question: Option<String>,
+    /// For a hit by meaning (or a predicted one): the question the entry was generated for,
+    /// cut the same way.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub matched: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+fn is_zero_f64(n: &f64) -> bool {
+    *n == 0.0
+}
+
+/// `text` cut to at most `chars` characters (`None` when nothing is kept).
+pub fn cut(text: &str, chars: usize) -> Option<String> {
+    if chars == 0 || text.is_empty() {
+        return None;
+    }
+    Some(match text.char_indices().nth(chars) {
+        Some((at, _)) => text[..at].to_string(),
+        None => text.to_string(),
+    })
 }
 
 /// Handle to the log writer.

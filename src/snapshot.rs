@@ -181,6 +181,7 @@ mod tests {
             refusals: Vec::new(),
             created_ms: 1,
             expires_ms: u64::MAX,
+            gen_ms: 0,
         };
         let s = serde_json::to_string(&EntryLine { entry: e }).unwrap();
         assert!(matches!(parse_line(&s), Some(Line::Entry(_))), "{s}");

@@ -92,7 +92,23 @@ impl AppState {
         embedder: Option<Arc<dyn Embedder>>,
         redis: Option<RedisTier>,
     ) -> anyhow::Result<Arc<AppState>> {
-        let metrics = Metrics::new();
+        let models = match config.backend.kind {
+            BackendKind::Openai => {
+                let mut m = config.backend.models.clone();
+                m.extend(config.backend.model_name.clone());
+                m
+            }
+            _ => backend.models(),
+        };
+        // The `model` label's values: what is served, allowed or priced; the rest is `other`.
+        let labelled = models
+            .iter()
+            .chain(&config.metrics.models)
+            .chain(config.metrics.prices.keys())
+            .chain(config.tenants.iter().flat_map(|t| &t.policy.models))
+            .cloned();
+        let metrics = Metrics::with_models(labelled);
+        metrics.slo(config.slo.total_secs, config.slo.ttft_secs);
         let embedder = embedder.filter(|_| config.semantic.enabled);
         let index = embedder
             .as_ref()
@@ -111,14 +127,6 @@ impl AppState {
                     .with_context(|| format!("cannot open request log {}", path.display()))?,
             ),
             None => None,
-        };
-        let models = match config.backend.kind {
-            BackendKind::Openai => {
-                let mut m = config.backend.models.clone();
-                m.extend(config.backend.model_name.clone());
-                m
-            }
-            _ => backend.models(),
         };
         let prefetch = config
             .prefetch

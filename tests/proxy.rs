@@ -526,7 +526,7 @@ async fn models_health_ready_metrics() {
     app.chat(&chat_body("m"), &[]).await;
     let text = app.metrics_text().await;
     for name in [
-        "reprise_requests_total{outcome=\"exact\"}",
+        "reprise_requests_total{outcome=\"exact\",tenant=\"anonymous\",model=\"fake\"}",
         "reprise_cache_lookups_total{tier=\"exact\",result=\"hit\"}",
         "reprise_request_duration_seconds_bucket",
         "reprise_time_to_first_token_seconds_bucket",

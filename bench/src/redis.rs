@@ -232,6 +232,7 @@ async fn rebuild(
             refusals: Vec::new(),
             created_ms: now,
             expires_ms: now + a.ttl_secs * 1000,
+            gen_ms: 0,
         };
         let key = *blake3::hash(format!("{prefix} key {i}").as_bytes()).as_bytes();
         dropped += usize::from(!writer.put(&entry, &[key]));

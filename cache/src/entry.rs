@@ -113,6 +113,10 @@ pub struct Entry {
     pub created_ms: u64,
     /// Expiry time, milliseconds since the Unix epoch.
     pub expires_ms: u64,
+    /// How long the backend took to generate it, in milliseconds (0: not known, e.g. an
+    /// entry stored before this was recorded): the backend time a hit on it saves.
+    #[serde(default)]
+    pub gen_ms: u32,
 }
 
 impl Entry {
@@ -237,6 +241,7 @@ mod tests {
             refusals: Vec::new(),
             created_ms: 0,
             expires_ms: 1,
+            gen_ms: 0,
         }
     }
 

@@ -339,6 +339,7 @@ mod tests {
             refusals: Vec::new(),
             created_ms: now_ms(),
             expires_ms: now_ms() + ttl_ms,
+            gen_ms: 0,
         })
     }
 

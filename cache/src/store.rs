@@ -676,6 +676,7 @@ mod tests {
             refusals: Vec::new(),
             created_ms,
             expires_ms: now_ms() + 60_000,
+            gen_ms: 0,
         }
     }
 

@@ -44,10 +44,8 @@ pub(crate) fn spawn(
             r = drive(&state, &flight, req) => r,
             _ = flight.cancelled().cancelled() => Err(BackendError::Internal("abandoned by every client".into())),
         };
-        state
-            .metrics
-            .backend_duration
-            .record(start.elapsed().as_secs_f64());
+        let took = start.elapsed();
+        state.metrics.backend_duration.record(took.as_secs_f64());
         match result {
             Ok((text, reason, usage)) => {
                 // Stored before the waiters learn of the end, so a request that arrives right
@@ -59,12 +57,17 @@ pub(crate) fn spawn(
                             &state, tenant, candidate, similarity, answer,
                         );
                     }
-                    write_back(&state, plan, text, reason, usage).await;
+                    let gen_ms = u32::try_from(took.as_millis()).unwrap_or(u32::MAX);
+                    write_back(&state, plan, text, reason, usage, gen_ms).await;
                 }
                 flight.end(End::Finished);
             }
             Err(e) => {
                 state.metrics.incomplete_generations.increment(1);
+                // A generation every client left is not the backend's failure.
+                if !flight.cancelled().is_cancelled() {
+                    state.metrics.backend_error(e.kind());
+                }
                 flight.end(End::Failed(e));
             }
         }

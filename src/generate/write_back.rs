@@ -10,13 +10,15 @@ use crate::observe::Observation;
 use crate::state::AppState;
 
 /// Stores a finished answer in every tier (Redis queued, memory, index) under the plan's
-/// exact key and turn link, and reports it to the prefetcher when the plan asks.
+/// exact key and turn link, and reports it to the prefetcher when the plan asks. `gen_ms`:
+/// how long the backend took (what a hit on the entry saves).
 pub(crate) async fn write_back(
     state: &AppState,
     plan: WritePlan,
     text: String,
     reason: FinishReason,
     usage: Usage,
+    gen_ms: u32,
 ) -> EntryId {
     let now = now_ms();
     let ttl_secs = state
@@ -45,6 +47,7 @@ pub(crate) async fn write_back(
         refusals: Vec::new(),
         created_ms: now,
         expires_ms: now + ttl,
+        gen_ms,
     });
     let id = entry.id;
     state.store.insert(entry.clone(), &keys).await;

@@ -40,6 +40,10 @@ pub struct Hit {
 /// What the lookup saw, for the request log.
 #[derive(Debug, Default, Clone)]
 pub struct Notes {
+    /// Milliseconds spent on the exact lookup (memory, then Redis).
+    pub exact_ms: Option<f64>,
+    /// Where the exact key was found: `memory` or `redis`.
+    pub tier: Option<&'static str>,
     /// Milliseconds spent embedding the query.
     pub embed_ms: Option<f64>,
     /// Milliseconds spent searching and vetting candidates.
@@ -131,7 +135,10 @@ pub async fn lookup(
     // prefetcher wants to know which earlier answer this turn followed.
     let exact_hit = if read {
         // Too old for this client is a miss; a generated answer then takes the key over.
-        let by_key = exact::find(state, &exact, wants, counted).await;
+        let t = std::time::Instant::now();
+        let (by_key, tier) = exact::find(state, &exact, wants, counted).await;
+        found.notes.exact_ms = Some(ms(t));
+        found.notes.tier = tier;
         found.exact_taken = matches!(by_key, ByKey::Stale);
         by_key.fresh()
     } else {
@@ -383,7 +390,15 @@ mod tests {
         let found = find(state, ns, req, Wants::default()).await;
         assert!(found.hit.is_none(), "stored only after a miss");
         let usage = Usage::default();
-        write_back(state, found.plan, answer.into(), FinishReason::Stop, usage).await
+        write_back(
+            state,
+            found.plan,
+            answer.into(),
+            FinishReason::Stop,
+            usage,
+            0,
+        )
+        .await
     }
 
     fn ask(q: &str) -> GenRequest {
@@ -615,7 +630,7 @@ mod tests {
         assert!(found.plan.partition.is_some());
         assert!(found.plan.embedding.is_none(), "nothing to index");
         let usage = Usage::default();
-        write_back(&s, found.plan, "Paris".into(), FinishReason::Stop, usage).await;
+        write_back(&s, found.plan, "Paris".into(), FinishReason::Stop, usage, 0).await;
         let again = find(&s, "ns", &q, Wants::default()).await;
         assert_eq!(again.hit.map(|h| h.outcome), Some(Outcome::Exact));
     }

@@ -62,6 +62,7 @@ pub async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let mut book = Bookkeeping::new(&state, endpoint);
+    book.record.request_id = crate::trace::request_id(&headers).to_string();
     match serve(&state, endpoint, &headers, body, &mut book).await {
         Ok(resp) => resp,
         Err(e) => {
@@ -107,6 +108,9 @@ async fn serve(
     // 3. Policy.
     let access = policy::access(state, &tenant, &ctl);
     let renderer = Renderer::new(endpoint, &parsed.req.model);
+    book.record.id = renderer.id().to_string();
+    book.record.model = parsed.req.model.clone();
+    book.question(question_of(&parsed.req));
 
     // 4. Exact and 5. semantic lookup.
     let arm = candidate_arm(&tenant, book);
@@ -215,6 +219,19 @@ async fn serve(
         crate::headers::set_similarity(&mut resp, sim);
     }
     Ok(resp)
+}
+
+/// The question of a request, as people read it: the last user turn, or the raw prompt.
+fn question_of(req: &reprise_backend::GenRequest) -> &str {
+    match &req.input {
+        reprise_backend::Input::Prompt(p) => p,
+        reprise_backend::Input::Chat(msgs) => msgs
+            .iter()
+            .rev()
+            .find(|m| m.role == "user")
+            .or(msgs.last())
+            .map_or("", |m| m.content.as_str()),
+    }
 }
 
 /// The policy a request of `tenant` is looked up under: with a candidate, the side it

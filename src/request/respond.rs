@@ -27,7 +27,7 @@ pub fn hit(parsed: &Parsed, renderer: Renderer, hit: Hit, book: &mut Bookkeeping
         similarity,
     } = hit;
     book.outcome = outcome;
-    book.record.entry_id = Some(entry.id.to_string());
+    book.served_from(&entry, outcome);
     book.first_token();
     let reason = match entry.finish_reason.as_str() {
         "length" => FinishReason::Length,

@@ -101,6 +101,7 @@ pub fn entry(namespace: &str, text: &str, ttl_ms: u64) -> Entry {
         refusals: Vec::new(),
         created_ms: now_ms(),
         expires_ms: now_ms() + ttl_ms,
+        gen_ms: 0,
     }
 }
 

@@ -5,12 +5,16 @@
 //! in one process (tests) share it, so tests assert on headers and backend counters, not on
 //! absolute metric values.
 
-use std::sync::OnceLock;
+mod request;
+
+use std::sync::{Arc, OnceLock};
 
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+pub use request::{Finished, RequestMetrics, Saved, ANONYMOUS, OTHER_MODEL};
 
 /// How a request was answered; the `outcome` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -51,9 +55,33 @@ impl Outcome {
             Outcome::Error => "error",
         }
     }
+}
 
-    fn index(self) -> usize {
-        self as usize
+/// A stage of a client request; the `stage` label of `reprise_stage_duration_seconds`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The exact lookup (memory, then Redis).
+    Exact,
+    /// Embedding the question.
+    Embed,
+    /// Searching the index and vetting candidates.
+    Search,
+    /// A miss's wait for the backend's first token.
+    FirstToken,
+}
+
+impl Stage {
+    /// Every stage.
+    pub const ALL: [Stage; 4] = [Stage::Exact, Stage::Embed, Stage::Search, Stage::FirstToken];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Exact => "exact",
+            Stage::Embed => "embed",
+            Stage::Search => "search",
+            Stage::FirstToken => "first_token",
+        }
     }
 }
 
@@ -71,9 +99,9 @@ pub enum Tier {
 /// Typed handles to every metric the server records.
 #[derive(Clone)]
 pub struct Metrics {
-    requests: [Counter; 6],
-    duration: [Histogram; 6],
-    ttft: [Histogram; 6],
+    /// Finished client requests by outcome, tenant and model, and what hits saved.
+    pub requests: Arc<RequestMetrics>,
+    stages: [Histogram; 4],
     lookups: [[Counter; 2]; 3],
     /// Time the backend took for a whole generation.
     pub backend_duration: Histogram,
@@ -123,6 +151,12 @@ pub fn prometheus() -> PrometheusHandle {
                         SIMILARITY_BUCKETS,
                     )
                 })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("reprise_miss_similarity".into()),
+                        SIMILARITY_BUCKETS,
+                    )
+                })
                 .expect("static buckets are valid")
                 .build_recorder();
             let handle = recorder.handle();
@@ -138,17 +172,52 @@ pub fn prometheus() -> PrometheusHandle {
 fn describe() {
     describe_counter!(
         "reprise_requests_total",
-        "Requests answered, by outcome (exact, semantic, prefetch, miss, bypass, error)."
+        "Requests answered, by outcome (exact, semantic, prefetch, miss, bypass, error), tenant and model."
     );
     describe_histogram!(
         "reprise_request_duration_seconds",
         Unit::Seconds,
-        "Time from request received to last byte produced, by outcome."
+        "Time from request received to last byte produced, by outcome, tenant and model."
     );
     describe_histogram!(
         "reprise_time_to_first_token_seconds",
         Unit::Seconds,
-        "Time from request received to the first answer token being available, by outcome."
+        "Time from request received to the first answer token sent (a hit: its answer), by outcome, tenant and model."
+    );
+    describe_counter!(
+        "reprise_saved_tokens_total",
+        "Tokens hits saved (the generation each replaced), by tenant, model and kind (prompt, completion)."
+    );
+    describe_gauge!(
+        "reprise_saved_backend_seconds",
+        Unit::Seconds,
+        "Backend seconds hits saved (the recorded generation time of each entry served), by tenant and model; only grows."
+    );
+    describe_gauge!(
+        "reprise_saved_cost",
+        "What hits saved at the configured per-model prices ([metrics.prices]), by tenant and model; only grows."
+    );
+    describe_counter!(
+        "reprise_gate_rejections_total",
+        "Requests whose best semantic candidate the false-hit gate rejected, by reason."
+    );
+    describe_histogram!(
+        "reprise_miss_similarity",
+        "Similarity of the best semantic candidate of requests the cache did not answer, by tenant (near misses show where a threshold could move)."
+    );
+    describe_histogram!(
+        "reprise_stage_duration_seconds",
+        Unit::Seconds,
+        "Time spent per stage of client requests: exact (lookup), embed, search, first_token (a miss's wait for the backend)."
+    );
+    describe_counter!(
+        "reprise_backend_errors_total",
+        "Generations that failed, by error kind."
+    );
+    describe_gauge!(
+        "reprise_slo_seconds",
+        Unit::Seconds,
+        "The configured latency targets ([slo]) as 95th percentiles, by kind (total, ttft)."
     );
     describe_counter!(
         "reprise_cache_lookups_total",
@@ -375,24 +444,27 @@ impl Metrics {
         metrics::counter!("reprise_passthrough_total", "endpoint" => endpoint).increment(1);
     }
 
-    /// Registers (once) and returns the handles.
+    /// Registers (once) and returns the handles; `models` are the `model` label values kept.
+    pub fn with_models(models: impl IntoIterator<Item = String>) -> Self {
+        Metrics {
+            requests: Arc::new(RequestMetrics::new(models)),
+            ..Self::new()
+        }
+    }
+
+    /// Registers (once) and returns the handles (no `model` label values but `other`).
     pub fn new() -> Self {
         let _ = prometheus();
-        let by_outcome = |name: &'static str| {
-            Outcome::ALL.map(|o| metrics::counter!(name, "outcome" => o.as_str()))
-        };
-        let hist_by_outcome = |name: &'static str| {
-            Outcome::ALL.map(|o| metrics::histogram!(name, "outcome" => o.as_str()))
-        };
         let lookup = |tier: &'static str| {
             ["hit", "miss"].map(
                 |r| metrics::counter!("reprise_cache_lookups_total", "tier" => tier, "result" => r),
             )
         };
         Metrics {
-            requests: by_outcome("reprise_requests_total"),
-            duration: hist_by_outcome("reprise_request_duration_seconds"),
-            ttft: hist_by_outcome("reprise_time_to_first_token_seconds"),
+            requests: Arc::new(RequestMetrics::new([])),
+            stages: Stage::ALL.map(
+                |s| metrics::histogram!("reprise_stage_duration_seconds", "stage" => s.as_str()),
+            ),
             lookups: [lookup("exact"), lookup("semantic"), lookup("redis")],
             backend_duration: metrics::histogram!("reprise_backend_duration_seconds"),
             backend_calls: metrics::counter!("reprise_backend_calls_total"),
@@ -407,15 +479,38 @@ impl Metrics {
         }
     }
 
-    /// Counts a finished request and its duration.
-    pub fn request(&self, outcome: Outcome, seconds: f64) {
-        self.requests[outcome.index()].increment(1);
-        self.duration[outcome.index()].record(seconds);
+    /// Counts a finished request: its outcome, latencies and savings by tenant and model.
+    pub fn request(&self, outcome: Outcome, finished: &Finished<'_>) {
+        self.requests.record(outcome, finished);
     }
 
-    /// Records time to first token.
-    pub fn first_token(&self, outcome: Outcome, seconds: f64) {
-        self.ttft[outcome.index()].record(seconds);
+    /// Records the time one stage of a client request took.
+    pub fn stage(&self, stage: Stage, seconds: f64) {
+        self.stages[stage as usize].record(seconds);
+    }
+
+    /// Counts a request whose best candidate the gate rejected; `reason` is one of the
+    /// gate's fixed reasons.
+    pub fn gate_rejection(&self, reason: &'static str) {
+        metrics::counter!("reprise_gate_rejections_total", "reason" => reason).increment(1);
+    }
+
+    /// Records the best candidate's similarity of a request the cache did not answer.
+    pub fn miss_similarity(&self, tenant: &str, similarity: f32) {
+        let tenant = RequestMetrics::tenant_label(tenant).to_string();
+        metrics::histogram!("reprise_miss_similarity", "tenant" => tenant)
+            .record(f64::from(similarity));
+    }
+
+    /// Counts a failed generation; `kind` is one of the error kinds.
+    pub fn backend_error(&self, kind: &'static str) {
+        metrics::counter!("reprise_backend_errors_total", "kind" => kind).increment(1);
+    }
+
+    /// Publishes the latency targets.
+    pub fn slo(&self, total_secs: f64, ttft_secs: f64) {
+        metrics::gauge!("reprise_slo_seconds", "kind" => "total").set(total_secs);
+        metrics::gauge!("reprise_slo_seconds", "kind" => "ttft").set(ttft_secs);
     }
 
     /// Counts a lookup.
