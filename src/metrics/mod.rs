@@ -348,7 +348,7 @@ fn describe() {
     );
     // A gauge only because the facade's counters count integers; it only ever grows.
     describe_gauge!(
-        "reprise_prefetch_backend_seconds_total",
+        "reprise_prefetch_backend_seconds",
         Unit::Seconds,
         "Seconds of background generation (prefetch and refresh); only ever grows."
     );
@@ -574,7 +574,7 @@ impl PrefetchMetrics {
             completed: metrics::counter!("reprise_prefetch_completed_total"),
             cancelled: metrics::counter!("reprise_prefetch_cancelled_total"),
             hits: metrics::counter!("reprise_prefetch_hits_total"),
-            backend_seconds: metrics::gauge!("reprise_prefetch_backend_seconds_total"),
+            backend_seconds: metrics::gauge!("reprise_prefetch_backend_seconds"),
             tokens: metrics::counter!("reprise_prefetch_tokens_total"),
             wasted: metrics::counter!("reprise_prefetch_wasted_total"),
             refresh: metrics::counter!("reprise_refresh_total"),

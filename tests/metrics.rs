@@ -1,0 +1,319 @@
+//! What analysts read, checked against what happened: the request metrics by tenant and
+//! model, what hits saved (tokens, backend seconds, cost), gate rejections and near misses,
+//! request ids in the log, and the exposition as Prometheus's own `promtool` reads it.
+//!
+//! The metrics recorder is process-wide, so every test here uses a tenant of its own and
+//! asserts only on series labelled with it (or on differences).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use reprise::config::{Price, TenantConfig, TenantPolicy};
+use reprise::Config;
+use reprise_backend::fake::ScriptConfig;
+use serde_json::Value;
+
+fn tenant(name: &str, key: &str) -> TenantConfig {
+    TenantConfig {
+        name: name.into(),
+        api_keys: vec![key.into()],
+        api_keys_env: None,
+        api_keys_file: None,
+        sub_namespaces: true,
+        admin_token_env: None,
+        candidate: None,
+        policy: TenantPolicy::default(),
+    }
+}
+
+/// A config with one tenant, a price for the scripted model and a request log.
+fn config(tenant_name: &str, key: &str, log: &Path) -> Config {
+    let mut c = test_config();
+    c.tenants = vec![tenant(tenant_name, key)];
+    c.metrics.prices.insert(
+        "fake".into(),
+        Price {
+            prompt_per_million: 1000.0,
+            completion_per_million: 3000.0,
+        },
+    );
+    c.log.request_log = Some(log.to_path_buf());
+    c
+}
+
+/// The value of the sample of `name` whose labels include all of `labels`.
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (n, rest) = series.split_once('{').unwrap_or((series, "}"));
+        if n != name {
+            return None;
+        }
+        let has_all = labels
+            .iter()
+            .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
+        has_all.then(|| value.parse().ok()).flatten()
+    })
+}
+
+fn log_lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+async fn wait_for_lines(path: &PathBuf, n: usize) -> Vec<Value> {
+    assert!(
+        eventually(Duration::from_secs(10), || log_lines(path).len() >= n).await,
+        "{} log lines, wanted {n}",
+        log_lines(path).len()
+    );
+    log_lines(path)
+}
+
+#[tokio::test]
+async fn a_mix_of_hits_and_misses_adds_up_to_what_hits_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("requests.jsonl");
+    let script = ScriptConfig {
+        token_delay: Duration::from_millis(5),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(config("mix", "sk-mix", &log), script).await;
+    let key = [("authorization", "Bearer sk-mix")];
+    let mut usage = Vec::new();
+    for (q, repeats) in [
+        ("How long is the warranty?", 2),
+        ("Where is my parcel now?", 1),
+    ] {
+        let r = app.chat(&chat_body(q), &key).await;
+        assert_eq!(cache_status(&r), "miss");
+        let j: Value = r.json().await.unwrap();
+        let u = &j["usage"];
+        let (p, c) = (
+            u["prompt_tokens"].as_u64().unwrap(),
+            u["completion_tokens"].as_u64().unwrap(),
+        );
+        assert!(p > 0 && c > 0, "{j}");
+        usage.push((p, c, repeats));
+        for _ in 0..repeats {
+            let r = app.chat(&chat_body(q), &key).await;
+            assert_eq!(cache_status(&r), "exact");
+        }
+    }
+    assert_eq!(backend.calls(), 2);
+    let lines = wait_for_lines(&log, 5).await;
+    let text = app.metrics_text().await;
+    let mine =
+        |outcome: &'static str| vec![("outcome", outcome), ("tenant", "mix"), ("model", "fake")];
+    assert_eq!(
+        sample(&text, "reprise_requests_total", &mine("exact")),
+        Some(3.0)
+    );
+    assert_eq!(
+        sample(&text, "reprise_requests_total", &mine("miss")),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "reprise_time_to_first_token_seconds_count",
+            &mine("exact")
+        ),
+        Some(3.0)
+    );
+    let prompt: u64 = usage.iter().map(|(p, _, n)| p * n).sum();
+    let completion: u64 = usage.iter().map(|(_, c, n)| c * n).sum();
+    let tm = [("tenant", "mix"), ("model", "fake")];
+    let kind = |k| [("tenant", "mix"), ("model", "fake"), ("kind", k)];
+    assert_eq!(
+        sample(&text, "reprise_saved_tokens_total", &kind("prompt")),
+        Some(prompt as f64)
+    );
+    assert_eq!(
+        sample(&text, "reprise_saved_tokens_total", &kind("completion")),
+        Some(completion as f64)
+    );
+    let cost = sample(&text, "reprise_saved_cost", &tm).unwrap();
+    let want = (prompt as f64 * 1000.0 + completion as f64 * 3000.0) / 1e6;
+    assert!((cost - want).abs() < 1e-9, "{cost} vs {want}");
+    // Backend seconds saved: each hit saves its entry's recorded generation time, which took
+    // at least a token delay per streamed token after the first.
+    let hits: Vec<_> = lines.iter().filter(|l| l["outcome"] == "exact").collect();
+    assert_eq!(hits.len(), 3);
+    let mut saved_ms = 0.0;
+    for h in &hits {
+        let ms = h["saved_backend_ms"].as_f64().unwrap();
+        let tokens = h["saved_completion_tokens"].as_f64().unwrap();
+        assert!(ms >= 5.0 * (tokens - 1.0), "{h}");
+        saved_ms += ms;
+        assert_eq!(h["tier"], "memory");
+        assert!(h["ttft_ms"].as_f64().is_some());
+    }
+    let seconds = sample(&text, "reprise_saved_backend_seconds", &tm).unwrap();
+    assert!((seconds - saved_ms / 1000.0).abs() < 1e-6, "{seconds}");
+    // Misses save nothing; every line names its request, its response and its question.
+    for l in &lines {
+        assert!(!l["request_id"].as_str().unwrap().is_empty(), "{l}");
+        assert!(l["id"].as_str().unwrap().starts_with("chatcmpl-"), "{l}");
+        assert_eq!(l["model"], "fake");
+        assert_eq!(l["tenant"], "mix");
+        assert!(l["question"].as_str().unwrap().ends_with('?'), "{l}");
+        if l["outcome"] == "miss" {
+            assert!(l.get("saved_prompt_tokens").is_none(), "{l}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn request_ids_are_kept_when_sane_and_made_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("requests.jsonl");
+    let (app, _) = spawn_fake(config("ids", "sk-ids", &log), ScriptConfig::default()).await;
+    let body = chat_body("What time is it in Oslo?");
+    let r = app
+        .chat(
+            &body,
+            &[
+                ("authorization", "Bearer sk-ids"),
+                ("x-request-id", "trace-me-42"),
+            ],
+        )
+        .await;
+    assert_eq!(r.headers()["x-request-id"], "trace-me-42");
+    let long = "x".repeat(500);
+    let r = app
+        .chat(
+            &body,
+            &[("authorization", "Bearer sk-ids"), ("x-request-id", &long)],
+        )
+        .await;
+    let made = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    assert_ne!(made, long);
+    assert_eq!(made.len(), 36, "a UUID: {made}");
+    // Errors carry one too.
+    let bad = serde_json::json!({"model": "fake", "messages": "not a list"});
+    let r = app.chat(&bad, &[("authorization", "Bearer sk-ids")]).await;
+    assert_eq!(r.status(), 400);
+    assert!(r.headers().contains_key("x-request-id"));
+    let lines = wait_for_lines(&log, 2).await;
+    assert_eq!(lines[0]["request_id"], "trace-me-42");
+    assert_eq!(lines[1]["request_id"], made.as_str());
+}
+
+#[tokio::test]
+async fn hits_by_meaning_record_their_pair_and_rejections_their_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("requests.jsonl");
+    let mut c = config("sem", "sk-sem", &log);
+    c.semantic.enabled = true;
+    let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
+    let key = [("authorization", "Bearer sk-sem")];
+    let rejections_before = app.metrics_text().await;
+    let asked = [
+        "How do I enable two-factor authentication?",
+        "How can I turn on two-factor authentication?",
+        "How do I disable two-factor authentication?",
+    ];
+    let mut statuses = Vec::new();
+    for q in asked {
+        statuses.push(cache_status(&app.chat(&chat_body(q), &key).await));
+    }
+    assert_eq!(statuses, ["miss", "semantic", "miss"]);
+    let lines = wait_for_lines(&log, 3).await;
+    // The hit by meaning: what it saved, and the pair an auditor reads.
+    let hit = &lines[1];
+    assert_eq!(hit["matched"], asked[0]);
+    assert_eq!(hit["question"], asked[1]);
+    assert!(hit["saved_completion_tokens"].as_u64().unwrap() > 0);
+    // The rejected near duplicate: counted under its reason, and its similarity kept as a
+    // near miss.
+    let reason = lines[2]["gate"].as_str().unwrap();
+    assert_ne!(reason, "pass");
+    let text = app.metrics_text().await;
+    let count =
+        |t: &str| sample(t, "reprise_gate_rejections_total", &[("reason", reason)]).unwrap_or(0.0);
+    assert!(count(&text) >= count(&rejections_before) + 1.0);
+    let sem = [("tenant", "sem")];
+    assert_eq!(
+        sample(&text, "reprise_miss_similarity_count", &sem),
+        Some(1.0)
+    );
+    let sum = sample(&text, "reprise_miss_similarity_sum", &sem).unwrap();
+    let logged = lines[2]["similarity"].as_f64().unwrap();
+    assert!((sum - logged).abs() < 1e-3, "{sum} vs {logged}");
+    for stage in ["exact", "embed", "search", "first_token"] {
+        let n = sample(
+            &text,
+            "reprise_stage_duration_seconds_count",
+            &[("stage", stage)],
+        );
+        assert!(n.is_some_and(|n| n >= 1.0), "stage {stage}");
+    }
+}
+
+/// Prometheus's `promtool` (Debian's `prometheus` package; `scripts/setup.sh` installs it):
+/// `PROMTOOL` or on the PATH.
+pub fn promtool() -> PathBuf {
+    let path = std::env::var_os("PROMTOOL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "promtool".into());
+    let found = std::process::Command::new(&path)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "promtool not found: run scripts/setup.sh (it installs Debian's prometheus package) \
+         or set PROMTOOL"
+    );
+    path
+}
+
+#[tokio::test]
+async fn the_exposition_passes_promtool() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("requests.jsonl");
+    let mut c = config("lint", "sk-lint", &log);
+    c.semantic.enabled = true;
+    c.prefetch.enabled = true;
+    let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
+    let key = [("authorization", "Bearer sk-lint")];
+    for q in [
+        "Is the shop open on Sundays?",
+        "Is the shop open on Sundays?",
+        "Is the store open on Sunday?",
+        "Is the shop closed on Sundays?",
+    ] {
+        app.chat(&chat_body(q), &key).await;
+    }
+    app.chat(&chat_body("x"), &[("authorization", "Bearer wrong")])
+        .await;
+    let text = app.metrics_text().await;
+    let mut child = std::process::Command::new(promtool())
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
