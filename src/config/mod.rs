@@ -13,8 +13,10 @@ use figment::providers::{Env, Format, Toml};
 use figment::Figment;
 use serde::Deserialize;
 
+mod log;
 mod tenants;
 
+pub use log::LogConfig;
 use tenants::validate_tenants;
 pub use tenants::{
     AuthConfig, CandidateConfig, CandidateMode, TenantConfig, TenantPolicy, CLIENT_CONTROLS,
@@ -412,14 +414,6 @@ impl Default for SemanticConfig {
     }
 }
 
-/// `[log]`
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LogConfig {
-    /// Write one JSON line per request to this file (off when absent).
-    pub request_log: Option<PathBuf>,
-}
-
 /// `[feedback]`: verdicts on served answers. Every response reprise answers from the cache or
 /// generates is remembered for `window_secs` (in memory within `memory_bytes`, and in Redis
 /// when configured) so `POST /v1/feedback` can name it by its `id`.
@@ -681,6 +675,7 @@ impl Config {
     /// Checks values that parse but make no sense.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_tenants(self)?;
+        self.log.validate()?;
         let sem = &self.semantic;
         if !(0.0..0.5).contains(&sem.delta) {
             return Err(invalid("semantic.delta", "must be in [0, 0.5)"));
