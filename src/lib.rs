@@ -44,6 +44,7 @@ pub mod state;
 pub mod tasks;
 #[cfg(test)]
 pub(crate) mod test_support;
+pub mod tune;
 mod verify;
 
 use std::future::Future;
