@@ -45,6 +45,7 @@ pub mod tasks;
 #[cfg(test)]
 pub(crate) mod test_support;
 pub mod trace;
+pub mod tune;
 mod verify;
 
 use std::future::Future;

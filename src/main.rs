@@ -1,4 +1,5 @@
-//! The `reprise` command line: `serve` (the benchmarks are the `reprise-bench` binary).
+//! The `reprise` command line: `serve`, and `tune` (thresholds from labelled pairs or the
+//! request log); the benchmarks are the `reprise-bench` binary.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -26,6 +27,14 @@ enum Command {
         #[arg(long)]
         listen: Option<SocketAddr>,
     },
+    /// Choose a semantic threshold from labelled pairs or the request log.
+    ///
+    /// Prints the curve of hit rate and wrong hits at thresholds 0.70 to 0.99, from labelled
+    /// pairs (--pairs, measured with the configured embedder and the false-hit gate) or the
+    /// request log and its verdicts (--log), then the lowest threshold whose wrong share
+    /// (with the gate) meets --target-wrong and the TOML that applies it. Exits 1 when no
+    /// threshold does.
+    Tune(reprise::tune::TuneArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -33,6 +42,7 @@ fn main() -> std::process::ExitCode {
     reprise::main_with(async move {
         match cli.command {
             Command::Serve { config, listen } => serve(config, listen).await,
+            Command::Tune(args) => reprise::tune::run(args).await,
         }
     })
 }

@@ -1,11 +1,15 @@
 //! The request log: one JSON line per request (time, ids, tenant, namespace, model, outcome,
 //! best candidate similarity, matched entry, gate verdict, stage latencies, what a hit saved,
 //! the question), and one per verdict (`outcome: "feedback"`), written by a background task
-//! so the request path never waits on the disk.
+//! so the request path never waits on the disk, and rotated by size (`[log]
+//! request_log_max_bytes`, `request_log_files`) so it never fills one.
 
 use std::io::Write;
 use std::path::Path;
 
+use file_rotate::compression::Compression;
+use file_rotate::suffix::AppendCount;
+use file_rotate::{ContentLimit, FileRotate};
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -122,22 +126,44 @@ pub struct RequestLog {
 const LOG_BUFFER: usize = 4096;
 
 impl RequestLog {
-    /// Opens (appends to) the file and starts the writer task.
-    pub fn open(path: &Path) -> std::io::Result<RequestLog> {
+    /// Opens (appends to) the file and starts the writer task. The file is rotated by size:
+    /// once it holds more than `max_bytes`, it becomes `FILE.1` (older ones shift to `.2`, ...;
+    /// beyond `keep` rotated files the oldest is deleted) and a fresh file is started, so the
+    /// log never holds much more than `(keep + 1) × max_bytes`. A file ends with the line that
+    /// passed `max_bytes`: lines are never cut.
+    ///
+    /// A path that is not a regular file (a pipe, `/dev/stdout`) is appended to without
+    /// rotation: renaming it would move the device, not start a new log.
+    pub fn open(path: &Path, max_bytes: usize, keep: usize) -> std::io::Result<RequestLog> {
+        // Opened here first so a path that cannot be written is a start-up error (the
+        // rotating writer would only drop its lines), and its directory listed, which the
+        // writer does to find the rotated files (and panics where it cannot).
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)?;
+        let limit = if file.metadata()?.is_file() {
+            let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+            std::fs::read_dir(dir.unwrap_or(Path::new(".")))?;
+            // The writer counts the bytes the file already holds and rotates before the
+            // first write that finds them past `max_bytes`.
+            ContentLimit::BytesSurpassed(max_bytes.max(1))
+        } else {
+            ContentLimit::None
+        };
+        drop(file);
+        let mut w = FileRotate::new(path, AppendCount::new(keep), limit, Compression::None, None);
         let (tx, mut rx) = mpsc::channel::<LogRecord>(LOG_BUFFER);
         tokio::task::spawn_blocking(move || {
-            let mut w = std::io::BufWriter::new(file);
+            // One write per line, unbuffered: the rotation is decided per write, so a
+            // buffered batch would let a file run past its size by a whole buffer (and
+            // lines appear at once without a flush). The writer is this thread's only work.
+            let mut line = Vec::with_capacity(1024);
             while let Some(rec) = rx.blocking_recv() {
-                if serde_json::to_writer(&mut w, &rec).is_ok() {
-                    let _ = w.write_all(b"\n");
-                }
-                // Flush when nothing else is queued, so lines appear promptly.
-                if rx.is_empty() {
-                    let _ = w.flush();
+                line.clear();
+                if serde_json::to_writer(&mut line, &rec).is_ok() {
+                    line.push(b'\n');
+                    let _ = w.write_all(&line);
                 }
             }
             let _ = w.flush();
@@ -148,5 +174,94 @@ impl RequestLog {
     /// Queues a line; dropped if the writer is far behind.
     pub fn write(&self, rec: LogRecord) {
         let _ = self.tx.try_send(rec);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+    use std::time::Duration;
+
+    use super::{LogRecord, RequestLog};
+
+    /// The `time_ms` of every line of `path`, in order.
+    fn times(path: &Path) -> Vec<u64> {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("whole JSON lines");
+                v["time_ms"].as_u64().unwrap()
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn rotates_by_size_and_keeps_the_newest_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("requests.jsonl");
+        let (max_bytes, keep, n) = (4096, 3, 400u64);
+        let log = RequestLog::open(&path, max_bytes, keep).unwrap();
+        // About 200 bytes a line: some 80 KB in all, twenty files' worth.
+        for i in 0..n {
+            log.write(LogRecord {
+                time_ms: i,
+                namespace: "n".repeat(100),
+                endpoint: "/v1/chat/completions",
+                outcome: "miss",
+                ..LogRecord::default()
+            });
+        }
+        drop(log);
+        // The writer ends once it has written what was queued.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while times(&path).last() != Some(&(n - 1)) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the last line never came"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "requests.jsonl",
+                "requests.jsonl.1",
+                "requests.jsonl.2",
+                "requests.jsonl.3"
+            ]
+        );
+        let files: Vec<PathBuf> = names.iter().rev().map(|f| dir.path().join(f)).collect();
+        let longest = files
+            .iter()
+            .flat_map(|f| {
+                std::fs::read_to_string(f)
+                    .unwrap()
+                    .lines()
+                    .map(|l| l.len() + 1)
+                    .collect::<Vec<_>>()
+            })
+            .max()
+            .unwrap();
+        for f in &files {
+            let size = std::fs::metadata(f).unwrap().len() as usize;
+            assert!(size <= max_bytes + longest, "{}: {size} bytes", f.display());
+        }
+        // Oldest file first (.3, .2, .1, then the current one): the lines follow one another
+        // and end with the newest in the current file; the oldest were deleted.
+        let kept: Vec<u64> = files.iter().flat_map(|f| times(f)).collect();
+        assert_eq!(kept.last(), Some(&(n - 1)));
+        assert!(kept.windows(2).all(|w| w[1] == w[0] + 1), "{kept:?}");
+        assert!(kept[0] > 0, "the oldest lines are gone");
+        for f in &files[..3] {
+            let size = std::fs::metadata(f).unwrap().len() as usize;
+            assert!(size > max_bytes, "a rotated file passed the size");
+        }
     }
 }

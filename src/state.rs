@@ -123,8 +123,12 @@ impl AppState {
         );
         let request_log = match &config.log.request_log {
             Some(path) => Some(
-                RequestLog::open(path)
-                    .with_context(|| format!("cannot open request log {}", path.display()))?,
+                RequestLog::open(
+                    path,
+                    config.log.request_log_max_bytes as usize,
+                    config.log.request_log_files,
+                )
+                .with_context(|| format!("cannot open request log {}", path.display()))?,
             ),
             None => None,
         };

@@ -24,13 +24,15 @@
 mod online;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
 use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::{json, Value};
+
+pub use reprise::tune::pairs::{load_pairs, Pair};
 
 use crate::common::{
     load_embedder, start_app, BackendKind, Config, Failure, Failures, Server, NAMESPACE_HEADER,
@@ -79,68 +81,6 @@ pub struct QualityArgs {
     /// for on the tuning half.
     #[arg(long, value_delimiter = ',', default_value = "0.02,0.05,0.10")]
     target_wrong: Vec<f64>,
-}
-
-/// One labelled pair.
-#[derive(Debug, Clone)]
-pub struct Pair {
-    /// Stored side.
-    pub a: String,
-    /// Asked side.
-    pub b: String,
-    /// Whether one answer serves both.
-    pub same: bool,
-    /// Trap category, when the file has one.
-    pub category: String,
-}
-
-/// Reads any of the supported pair formats.
-pub fn load_pairs(path: &Path) -> anyhow::Result<Vec<Pair>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
-    let rows: Vec<Value> = match serde_json::from_str::<Value>(&text) {
-        Ok(Value::Array(v)) => v,
-        _ => text
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(serde_json::from_str)
-            .collect::<Result<_, _>>()?,
-    };
-    let s = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
-    rows.iter()
-        .map(|r| {
-            if let (Some(a), Some(b)) = (s(r, "origin"), s(r, "similar")) {
-                return Ok(Pair {
-                    a,
-                    b,
-                    same: true,
-                    category: "paraphrase".into(),
-                });
-            }
-            if let (Some(a), Some(b)) = (s(r, "text_a"), s(r, "text_b")) {
-                let same = r.get("label").and_then(Value::as_i64) == Some(1);
-                return Ok(Pair {
-                    a,
-                    b,
-                    same,
-                    category: if same { "duplicate" } else { "different" }.into(),
-                });
-            }
-            if let (Some(a), Some(b)) = (s(r, "a"), s(r, "b")) {
-                let same = r
-                    .get("same_answer")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false);
-                return Ok(Pair {
-                    a,
-                    b,
-                    same,
-                    category: s(r, "category").unwrap_or_default(),
-                });
-            }
-            anyhow::bail!("unrecognised pair row in {}: {r}", path.display())
-        })
-        .collect()
 }
 
 /// What asking one B returned.

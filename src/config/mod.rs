@@ -13,10 +13,12 @@ use figment::providers::{Env, Format, Toml};
 use figment::Figment;
 use serde::Deserialize;
 
+mod log;
 mod observe;
 mod tenants;
 
-pub use observe::{LogConfig, MetricsConfig, Price, SloConfig};
+pub use log::LogConfig;
+pub use observe::{MetricsConfig, Price, SloConfig};
 use tenants::validate_tenants;
 pub use tenants::{
     AuthConfig, CandidateConfig, CandidateMode, TenantConfig, TenantPolicy, CLIENT_CONTROLS,
@@ -680,6 +682,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_tenants(self)?;
         observe::validate(self)?;
+        self.log.validate()?;
         let sem = &self.semantic;
         if !(0.0..0.5).contains(&sem.delta) {
             return Err(invalid("semantic.delta", "must be in [0, 0.5)"));

@@ -1,32 +1,11 @@
-//! What analysts read: `[log]` (the request log), `[slo]` (latency targets) and `[metrics]`
-//! (label values and prices).
+//! What analysts read: `[slo]` (latency targets) and `[metrics]` (label values and prices);
+//! the bound on `log.question_chars`.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use serde::Deserialize;
 
 use super::{invalid, Config, ConfigError};
-
-/// `[log]`
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LogConfig {
-    /// Write one JSON line per request to this file (off when absent).
-    pub request_log: Option<PathBuf>,
-    /// The first characters of each question kept in the request log and the stats (top
-    /// missed questions, most-served pairs); 0 keeps no question text anywhere.
-    pub question_chars: usize,
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        LogConfig {
-            request_log: None,
-            question_chars: 200,
-        }
-    }
-}
 
 /// `[slo]`: the latency targets, as 95th percentiles. The dashboard draws them, the alert
 /// rules compare against them (`reprise_slo_seconds`), and a request slower than `total_secs`

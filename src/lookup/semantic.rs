@@ -108,7 +108,7 @@ pub async fn judge(
 /// The gate's verdict on `query` against a cached `candidate` and, when it passes and
 /// `substitutions` are checked, the words one swaps for the other. CPU-bound: run on
 /// [`AppState::cpu`].
-fn vet(
+pub(crate) fn vet(
     query: &str,
     candidate: &str,
     substitutions: bool,
@@ -158,7 +158,7 @@ pub async fn find(
 
 /// Whether the words two prompts swap (`words`, "home" vs "car" insurance) are far apart in
 /// meaning, judged by the embedder; `threshold` 0 turns the check off.
-async fn meanings_apart(
+pub(crate) async fn meanings_apart(
     embedder: &dyn Embedder,
     scope: &str,
     threshold: f32,
