@@ -67,7 +67,7 @@ fn log_lines(path: &Path) -> Vec<Value> {
         .collect()
 }
 
-async fn wait_for_lines(path: &PathBuf, n: usize) -> Vec<Value> {
+async fn wait_for_lines(path: &Path, n: usize) -> Vec<Value> {
     assert!(
         eventually(Duration::from_secs(10), || log_lines(path).len() >= n).await,
         "{} log lines, wanted {n}",
