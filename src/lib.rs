@@ -41,6 +41,7 @@ pub mod request;
 mod share;
 pub mod snapshot;
 pub mod state;
+pub mod stats;
 pub mod tasks;
 #[cfg(test)]
 pub(crate) mod test_support;
