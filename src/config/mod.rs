@@ -14,9 +14,11 @@ use figment::Figment;
 use serde::Deserialize;
 
 mod observe;
+mod stats;
 mod tenants;
 
 pub use observe::{LogConfig, MetricsConfig, Price, SloConfig};
+pub use stats::StatsConfig;
 use tenants::validate_tenants;
 pub use tenants::{
     AuthConfig, CandidateConfig, CandidateMode, TenantConfig, TenantPolicy, CLIENT_CONTROLS,
@@ -40,6 +42,8 @@ pub struct Config {
     pub slo: SloConfig,
     /// Metric labels and prices.
     pub metrics: MetricsConfig,
+    /// Per-interval rollups for `GET /admin/stats`.
+    pub stats: StatsConfig,
     /// Shared Redis tier (absent `url`: memory only).
     pub redis: reprise_cache::redis::RedisConfig,
     /// Predictive prefetch and refresh-ahead.
@@ -680,6 +684,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_tenants(self)?;
         observe::validate(self)?;
+        stats::validate(self)?;
         let sem = &self.semantic;
         if !(0.0..0.5).contains(&sem.delta) {
             return Err(invalid("semantic.delta", "must be in [0, 0.5)"));
