@@ -1,4 +1,5 @@
-//! What the served traffic adds up to, per interval: the data behind `GET /admin/stats`.
+//! What the served traffic adds up to, per interval: the data behind `GET /admin/stats`
+//! and `reprise report`.
 //!
 //! - [`rollup`]: a [`Rollup`] sums the requests of one interval (by outcome, tier and tenant,
 //!   latency and TTFT histograms of fixed buckets ([`hist`]), savings, gate rejections, the
@@ -12,6 +13,8 @@
 //!   (one hash per interval, living as long as the ring spans); a view merges every replica's
 //!   rollups of each interval with its own.
 //! - [`view`]: the JSON of `GET /admin/stats`.
+//! - [`report`]: `reprise report`, the same rollups folded from a request log file, as
+//!   markdown or a self-contained HTML page ([`html`]: tables and inline SVG charts).
 //!
 //! A background task ([`start`]) wakes just after each interval ends: it samples the
 //! prefetcher's totals into the interval (the prefetcher counts for every tenant, so only the
@@ -19,6 +22,8 @@
 //! interval too.
 
 pub mod hist;
+pub mod html;
+pub mod report;
 pub mod ring;
 pub mod rollup;
 mod shared;
