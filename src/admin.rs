@@ -1,4 +1,4 @@
-//! The operators' API under `/admin`: invalidation, live policies, explain.
+//! The operators' API under `/admin`: invalidation, live policies, explain, stats.
 //!
 //! Two kinds of token open it (`Authorization: Bearer <token>`): the global admin token
 //! (`server.admin_token_env`) reaches everything; a tenant's admin token
@@ -257,6 +257,30 @@ pub async fn explain(
     let view =
         request::explain::explain(&state, endpoint, tenant.as_deref(), &headers, &body).await?;
     Ok(Json(view))
+}
+
+/// `?minutes=N&tenant=NAME` of `GET /admin/stats`.
+#[derive(serde::Deserialize)]
+pub struct StatsQuery {
+    /// Minutes back from now (default 60; at most the span of `[stats] intervals`). Read as
+    /// text so that a bad value gets the OpenAI error shape.
+    minutes: Option<String>,
+    /// One tenant's requests (`anonymous`: those without a tenant).
+    tenant: Option<String>,
+}
+
+/// `GET /admin/stats?minutes=N&tenant=NAME`: requests, hits, latency, savings and prefetch per
+/// interval, merged across replicas ([`crate::stats`]); a tenant's admin sees only its own
+/// tenant's.
+pub async fn stats(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Query(q): Query<StatsQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let tenant = tenant_scope(&authorize(&state, &headers)?, q.tenant)?;
+    crate::stats::view(&state, q.minutes.as_deref(), tenant.as_deref())
+        .await
+        .map(Json)
 }
 
 /// `GET /admin/policies`: the live policies, their version, and the tenants (how many keys

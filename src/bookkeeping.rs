@@ -192,6 +192,7 @@ impl Drop for Bookkeeping {
                 crate::policy::roll_back(state.clone(), side.tenant, reason);
             }
         }
+        state.stats.record(&rec);
         if let Some(log) = &state.request_log {
             log.write(rec);
         }

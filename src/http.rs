@@ -74,6 +74,7 @@ fn admin_routes() -> Router<Arc<AppState>> {
         )
         .route("/admin/policies/promote", post(admin::promote))
         .route("/admin/explain", post(admin::explain))
+        .route("/admin/stats", get(admin::stats))
 }
 
 async fn chat_completions(

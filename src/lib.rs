@@ -9,6 +9,7 @@
 //!   [`tasks::start`] starts its background work.
 //! - [`request`] is the request path, top to bottom, one file per step; docs/ARCHITECTURE.md
 //!   maps the rest.
+//! - [`stats`] sums the served traffic per interval (`GET /admin/stats`, `reprise report`).
 //! - `harness` (feature `harness`) builds servers on loopback for the tests and the
 //!   benchmarks (the `reprise-bench` crate).
 
@@ -41,6 +42,7 @@ pub mod request;
 mod share;
 pub mod snapshot;
 pub mod state;
+pub mod stats;
 pub mod tasks;
 #[cfg(test)]
 pub(crate) mod test_support;

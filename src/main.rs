@@ -1,5 +1,6 @@
-//! The `reprise` command line: `serve`, and `tune` (thresholds from labelled pairs or the
-//! request log); the benchmarks are the `reprise-bench` binary.
+//! The `reprise` command line: `serve`, `tune` (thresholds from labelled pairs or the
+//! request log) and `report` (a request log summed up); the benchmarks are the
+//! `reprise-bench` binary.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -35,6 +36,35 @@ enum Command {
     /// (with the gate) meets --target-wrong and the TOML that applies it. Exits 1 when no
     /// threshold does.
     Tune(reprise::tune::TuneArgs),
+    /// Sum up a request log (`[log] request_log`) as markdown on stdout: requests, hit rate by
+    /// tier, latency against `[slo]`, savings, top missed questions and served pairs.
+    Report {
+        /// The request log (JSON lines).
+        #[arg(long)]
+        log: PathBuf,
+        /// Also read the rotated files beside it: LOG.1, LOG.2, ... (up to the first missing).
+        #[arg(long)]
+        rotated: bool,
+        /// Length of one interval of the series, seconds.
+        #[arg(long, default_value_t = 3600)]
+        interval_secs: u64,
+        /// Only requests that ended at or after this time (RFC 3339 or epoch milliseconds).
+        #[arg(long, value_parser = reprise::stats::report::parse_time)]
+        since: Option<u64>,
+        /// Only requests that ended before this time (RFC 3339 or epoch milliseconds).
+        #[arg(long, value_parser = reprise::stats::report::parse_time)]
+        until: Option<u64>,
+        /// Only this tenant's requests (`anonymous`: those without a tenant).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The configuration whose `[slo]` targets and `[metrics] currency` apply (defaults
+        /// otherwise).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Also write the report as a self-contained HTML page with charts to this file.
+        #[arg(long)]
+        html: Option<PathBuf>,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -43,6 +73,33 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Serve { config, listen } => serve(config, listen).await,
             Command::Tune(args) => reprise::tune::run(args).await,
+            Command::Report {
+                log,
+                rotated,
+                interval_secs,
+                since,
+                until,
+                tenant,
+                config,
+                html,
+            } => {
+                anyhow::ensure!(interval_secs > 0, "--interval-secs must be positive");
+                let config = match config {
+                    Some(path) => Config::load(Some(&path))?,
+                    None => Config::default(),
+                };
+                let opts = reprise::stats::report::Options {
+                    log,
+                    rotated,
+                    interval_secs,
+                    since_ms: since,
+                    until_ms: until,
+                    tenant,
+                    slo: config.slo,
+                    currency: config.metrics.currency,
+                };
+                reprise::stats::report::run(&opts, html.as_deref())
+            }
         }
     })
 }

@@ -49,6 +49,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Per-request JSON log, when configured.
     pub request_log: Option<RequestLog>,
+    /// Per-interval rollups of the requests served (`GET /admin/stats`).
+    pub stats: crate::stats::Stats,
     /// Completed rebuilds of this replica's memory and index from Redis.
     pub rebuilds: std::sync::atomic::AtomicU64,
     /// Follow-up prediction and background generation, when enabled.
@@ -149,6 +151,7 @@ impl AppState {
             p.set_shares(policies.prefetch_shares());
         }
         let responses = crate::feedback::Responses::new(&config.feedback);
+        let stats = crate::stats::Stats::new(&config.stats);
         let verifier = crate::verify::Verifier::new(&config.semantic);
         let policy_key = match &config.server.policy_key_env {
             Some(var) => {
@@ -174,6 +177,7 @@ impl AppState {
             cpu: CpuPool::per_core(),
             metrics,
             request_log,
+            stats,
             prefetch,
             observer,
             policies: ArcSwap::from_pointee(policies),

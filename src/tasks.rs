@@ -9,6 +9,9 @@
 //! - **snapshots**: without them a crash would lose everything since the start; every
 //!   `cache.snapshot_interval_secs` the memory tier is saved to `cache.snapshot_path`
 //!   ([`crate::snapshot`], written aside and renamed over the last);
+//! - **stats**: just after each `stats.interval_secs`, the prefetcher's counters sampled into
+//!   the interval that ended and, with Redis, the closed intervals published for the other
+//!   replicas ([`crate::stats`]);
 //! - **policy reload**: on `SIGHUP`, the configuration file's policy sections
 //!   ([`crate::policy`]; with Redis, shared with the other replicas).
 //!
@@ -51,6 +54,7 @@ pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
         let every = Duration::from_secs(cache.snapshot_interval_secs);
         start_snapshots(state, path, every, &tracker, stop.clone());
     }
+    crate::stats::start(state, &tracker, stop.clone());
     if let Some(path) = state.config.source.clone() {
         start_reload_on_hangup(state, path, &tracker, stop.clone());
     }

@@ -15,6 +15,8 @@
 //! | `{prefix}:tag:{<tag>}`     | sorted set of ids, score = expiry ms    | longest member  |
 //! | `{prefix}:events`          | stream of `op`, `id`, `ns`, `origin`    | `MAXLEN ~`      |
 //! | `{prefix}:policies`        | hash: `version`, `doc`, `origin`        | none            |
+//! | `{prefix}:blob:{<name>}`   | a component's value (`put_blob`)        | none or given   |
+//! | `{prefix}:hash:{<name>}`   | hash of values by field (`put_field`)   | given, renewed  |
 //!
 //! A policy event carries `version` instead of `id` and `ns`. The policy document is the
 //! server's (JSON); the tier only keeps its version rule (see `policies.rs`).
@@ -62,7 +64,7 @@ use crate::entry::{now_ms, Digest, Entry, EntryId};
 use breaker::Breaker;
 use conn::Connector;
 use envelope::{EnvelopeOut, ENVELOPE_VERSION};
-use error::is_wrong_type;
+use error::{is_outage, is_wrong_type};
 use keys::Keys;
 use shared::Shared;
 use writer::{write_loop, Admin, Queued, Write};
@@ -75,6 +77,27 @@ pub use policies::{PolicyPublish, SharedPolicies};
 
 /// Keys asked for per SCAN call.
 const SCAN_COUNT: usize = 500;
+/// Hashes read per round by [`RedisTier::get_fields`] (each round is bounded by the command
+/// timeout).
+pub const FIELDS_ROUND: usize = 32;
+
+/// The fields of a hash whose values are at most `ARGV[1]` bytes, at most `ARGV[2]` of them,
+/// as field, value, field, value...; a field whose value is longer comes with an empty value
+/// (never sent). One key, so it runs on a cluster too.
+const CAPPED_FIELDS: &str = "\
+local out = {}
+local n = 0
+for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if n >= tonumber(ARGV[2]) then break end
+  n = n + 1
+  out[#out + 1] = f
+  if redis.call('HSTRLEN', KEYS[1], f) <= tonumber(ARGV[1]) then
+    out[#out + 1] = redis.call('HGET', KEYS[1], f)
+  else
+    out[#out + 1] = ''
+  end
+end
+return out";
 /// A scan logs its progress every this many entries.
 const SCAN_LOG_EVERY: usize = 10_000;
 
@@ -297,6 +320,79 @@ impl RedisTier {
             bytes,
             ttl_ms: Some(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
         })
+    }
+
+    /// Queues one field of the named hash (e.g. one replica's part of a shared record),
+    /// replacing that field, and keeps the hash for `ttl` from this write. Returns `false`
+    /// when the write was dropped.
+    pub fn put_field(&self, name: &str, field: &str, bytes: Vec<u8>, ttl: Duration) -> bool {
+        self.enqueue(Write::Field {
+            name: name.to_string(),
+            field: field.to_string(),
+            bytes,
+            ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+        })
+    }
+
+    /// The fields of each named hash written by [`RedisTier::put_field`] (absent: none), in
+    /// the order of `names`, read [`FIELDS_ROUND`] hashes per round. At most `max_fields`
+    /// fields of a hash are read; a value over `max_value_bytes` is never sent (skipped and
+    /// counted), and a key that is not a hash reads as empty. Fails when a round fails.
+    pub async fn get_fields(
+        &self,
+        names: &[String],
+        max_fields: usize,
+    ) -> Result<Vec<Vec<(String, Vec<u8>)>>, RedisError> {
+        let mut out = Vec::with_capacity(names.len());
+        for chunk in names.chunks(FIELDS_ROUND) {
+            let keys: Vec<String> = chunk.iter().map(|n| self.shared.keys.hash(n)).collect();
+            let replies = self
+                .shared
+                .run(Op::Get, |c| {
+                    let keys = &keys;
+                    async move {
+                        let replies = futures::future::join_all(keys.iter().map(|key| {
+                            let c = c.clone();
+                            let cmd = ::redis::cmd("EVAL")
+                                .arg(CAPPED_FIELDS)
+                                .arg(1)
+                                .arg(key)
+                                .arg(self.shared.max_value_bytes)
+                                .arg(max_fields)
+                                .clone();
+                            async move { c.query::<Vec<Vec<u8>>>(&cmd).await }
+                        }))
+                        .await;
+                        if let Some(e) = replies
+                            .iter()
+                            .find_map(|r| r.as_ref().err().filter(|e| is_outage(e)))
+                        {
+                            return Err(e.clone());
+                        }
+                        Ok(replies)
+                    }
+                })
+                .await?;
+            for (key, reply) in keys.iter().zip(replies) {
+                // Redis answered with an error for this key alone (not a hash).
+                let Ok(flat) = reply else {
+                    self.shared.skip(key, "not a hash");
+                    out.push(Vec::new());
+                    continue;
+                };
+                let mut fields = Vec::with_capacity(flat.len() / 2);
+                let mut it = flat.into_iter();
+                while let (Some(f), Some(v)) = (it.next(), it.next()) {
+                    match String::from_utf8(f) {
+                        Ok(f) if v.is_empty() => self.shared.skip(&f, "over max_value_bytes"),
+                        Ok(f) => fields.push((f, v)),
+                        Err(_) => self.shared.skip(key, "field not UTF-8"),
+                    }
+                }
+                out.push(fields);
+            }
+        }
+        Ok(out)
     }
 
     /// The value stored by [`RedisTier::put_blob`] under `name`, if any.

@@ -244,6 +244,70 @@ async fn foreign_and_corrupt_values_are_skipped_and_counted() {
     assert!(t.health().up);
 }
 
+/// Named hashes: each writer replaces its own field, the hash lives for the given time, and
+/// reads are capped (values over `max_value_bytes`, fields past the bound, foreign keys).
+#[tokio::test]
+async fn hash_fields_round_trip_with_their_lifetime_and_caps() {
+    let server = RedisServer::start();
+    let mut cfg = config(server.url());
+    cfg.max_value_bytes = 100;
+    let t = tier(cfg, "a").await;
+    let ttl = Duration::from_secs(60);
+    assert!(t.put_field("stats:1", "replica-a", b"one".to_vec(), ttl));
+    assert!(t.put_field("stats:1", "replica-b", b"two".to_vec(), ttl));
+    assert!(t.put_field("stats:1", "replica-a", b"three".to_vec(), ttl));
+    assert!(t.put_field("stats:1", "big", vec![b'x'; 101], ttl));
+    assert!(t.put_field("stats:2", "replica-a", b"four".to_vec(), ttl));
+    for f in ["a", "b", "c"] {
+        assert!(t.put_field("stats:3", f, b"v".to_vec(), ttl));
+    }
+    t.flush().await.unwrap();
+
+    let mut c = raw(&server.url()).await;
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg("reprise:hash:{stats:1}")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(pttl > 0 && pttl <= 60_000, "{pttl}");
+    let _: () = redis::cmd("SET")
+        .arg("reprise:hash:{foreign}")
+        .arg("x")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+
+    let before = counter("reprise_redis_skipped_total");
+    let names: Vec<String> = ["stats:1", "stats:2", "stats:absent", "foreign"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let mut got = t.get_fields(&names, 10).await.unwrap();
+    got[0].sort();
+    let field = |f: &str, v: &[u8]| (f.to_string(), v.to_vec());
+    assert_eq!(
+        got,
+        vec![
+            vec![field("replica-a", b"three"), field("replica-b", b"two")],
+            vec![field("replica-a", b"four")],
+            vec![],
+            vec![],
+        ]
+    );
+    assert!(counter("reprise_redis_skipped_total") >= before + 2);
+    // At most `max_fields` fields of one hash.
+    let three = ["stats:3".to_string()];
+    assert_eq!(t.get_fields(&three, 2).await.unwrap()[0].len(), 2);
+    // More hashes than one round reads.
+    let many: Vec<String> = (0..70).map(|i| format!("stats:{}", i % 3)).collect();
+    let got = t.get_fields(&many, 10).await.unwrap();
+    assert_eq!(got.len(), 70);
+    // stats:2, in the first round and in the last.
+    assert_eq!(got[2], vec![field("replica-a", b"four")]);
+    assert_eq!(got[68], got[2]);
+    assert!(got[0].is_empty() && got[69].is_empty());
+}
+
 #[tokio::test]
 async fn an_outage_opens_the_breaker_and_recovery_closes_it() {
     let mut server = RedisServer::start();

@@ -15,10 +15,12 @@ use serde::Deserialize;
 
 mod log;
 mod observe;
+mod stats;
 mod tenants;
 
 pub use log::LogConfig;
 pub use observe::{MetricsConfig, Price, SloConfig};
+pub use stats::StatsConfig;
 use tenants::validate_tenants;
 pub use tenants::{
     AuthConfig, CandidateConfig, CandidateMode, TenantConfig, TenantPolicy, CLIENT_CONTROLS,
@@ -42,6 +44,8 @@ pub struct Config {
     pub slo: SloConfig,
     /// Metric labels and prices.
     pub metrics: MetricsConfig,
+    /// Per-interval rollups for `GET /admin/stats`.
+    pub stats: StatsConfig,
     /// Shared Redis tier (absent `url`: memory only).
     pub redis: reprise_cache::redis::RedisConfig,
     /// Predictive prefetch and refresh-ahead.
@@ -683,6 +687,7 @@ impl Config {
         validate_tenants(self)?;
         observe::validate(self)?;
         self.log.validate()?;
+        stats::validate(self)?;
         let sem = &self.semantic;
         if !(0.0..0.5).contains(&sem.delta) {
             return Err(invalid("semantic.delta", "must be in [0, 0.5)"));

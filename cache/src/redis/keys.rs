@@ -47,6 +47,10 @@ impl Keys {
         format!("{}:blob:{{{name}}}", self.prefix)
     }
 
+    pub(super) fn hash(&self, name: &str) -> String {
+        format!("{}:hash:{{{name}}}", self.prefix)
+    }
+
     /// SCAN pattern matching every entry key; glob characters of the prefix are escaped.
     pub(super) fn entry_pattern(&self) -> String {
         let mut s = String::with_capacity(self.prefix.len() + 4);
@@ -85,5 +89,6 @@ mod tests {
         assert_eq!(keys.namespace("acme"), "p*x:ns:{acme}");
         assert_eq!(keys.entry_pattern(), "p\\*x:e:*");
         assert_eq!(keys.policies(), "p*x:policies");
+        assert_eq!(keys.hash("stats:60:0"), "p*x:hash:{stats:60:0}");
     }
 }

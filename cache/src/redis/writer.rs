@@ -89,7 +89,21 @@ pub(super) enum Write {
         bytes: Vec<u8>,
         ttl_ms: Option<u64>,
     },
+    /// One field of a named hash, the hash kept for `ttl_ms` (see [`RedisTier::put_field`]).
+    Field {
+        name: String,
+        field: String,
+        bytes: Vec<u8>,
+        ttl_ms: u64,
+    },
 }
+
+/// Sets one field of a hash and the hash's lifetime: `ARGV` = field, value, milliseconds.
+/// One key, so it runs on a cluster too.
+const PUT_FIELD: &str = "\
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1";
 
 /// A queued operation whose caller waits for the result.
 pub(super) enum Admin {
@@ -240,6 +254,24 @@ impl Shared {
                 if let Some(ttl) = ttl_ms {
                     cmd.arg("PX").arg(ttl.max(1));
                 }
+                self.run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
+                    .await
+                    .map(drop)
+            }
+            Write::Field {
+                name,
+                field,
+                bytes,
+                ttl_ms,
+            } => {
+                let cmd = ::redis::cmd("EVAL")
+                    .arg(PUT_FIELD)
+                    .arg(1)
+                    .arg(self.keys.hash(&name))
+                    .arg(field)
+                    .arg(bytes)
+                    .arg(ttl_ms.max(1))
+                    .clone();
                 self.run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
                     .await
                     .map(drop)
@@ -469,6 +501,9 @@ impl Write {
             }
             Write::Alias { .. } => 64,
             Write::Blob { name, bytes, .. } => name.len() + bytes.len(),
+            Write::Field {
+                name, field, bytes, ..
+            } => name.len() + field.len() + bytes.len(),
         };
         (n + 64) as u64
     }

@@ -1,0 +1,95 @@
+//! Stats shared by the replicas through Redis: each publishes its intervals' rollups
+//! ([`Interval`]: all tenants and each tenant) as one field, named by its replica id, of the
+//! interval's hash `{prefix}:hash:{stats:<interval_secs>:<start_ms>}`, which lives as long as
+//! the ring spans. A view reads the hashes of its window and merges every other replica's
+//! field into its own rollups (its own field is skipped: its ring is fresher).
+//!
+//! Publishing is a queued write like every Redis write (dropped, and counted, when Redis is
+//! slow or down), so a replica's intervals may be missing from the others' views, never
+//! counted twice. A restarted replica has a new id: its earlier intervals are still read,
+//! under the old id, until they expire.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use super::rollup::Rollup;
+use super::Interval;
+use crate::state::AppState;
+
+/// Most replicas whose rollups are read per interval.
+const MAX_REPLICAS: usize = 256;
+
+/// The hash holding every replica's rollups of the interval starting at `start_ms`.
+fn name(interval_secs: u64, start_ms: u64) -> String {
+    format!("stats:{interval_secs}:{start_ms}")
+}
+
+/// Publishes the intervals that changed since they were last published: those that ended by
+/// `now_ms`, and with `all` the open one too. Nothing without Redis.
+pub fn publish(state: &AppState, now_ms: u64, all: bool) {
+    let Some(redis) = state.store.redis() else {
+        return;
+    };
+    let cfg = &state.config.stats;
+    let ttl = Duration::from_secs(cfg.span_secs());
+    let changed = state.stats.ring().unpublished(now_ms, all);
+    for (start, interval) in changed {
+        let Ok(bytes) = serde_json::to_vec(&interval) else {
+            continue;
+        };
+        let name = name(cfg.interval_secs, start);
+        if !redis.put_field(&name, redis.replica_id(), bytes, ttl) {
+            tracing::debug!(interval = start, "stats: publication dropped");
+        }
+    }
+}
+
+/// Merges the other replicas' rollups of `tenant` (`None`: all requests) into `series`
+/// (interval starts with this replica's rollups); returns the other replicas that had any.
+/// When Redis cannot be read, nothing is merged (the view is this replica's alone).
+pub async fn merge_remote(
+    state: &AppState,
+    series: &mut [(u64, Rollup)],
+    tenant: Option<&str>,
+) -> BTreeSet<String> {
+    let mut others = BTreeSet::new();
+    let Some(redis) = state.store.redis() else {
+        return others;
+    };
+    let cfg = &state.config.stats;
+    let mut merged: Vec<Rollup> = vec![Rollup::default(); series.len()];
+    let round = reprise_cache::redis::FIELDS_ROUND;
+    for (i, chunk) in series.chunks(round).enumerate() {
+        let names: Vec<String> = chunk
+            .iter()
+            .map(|(start, _)| name(cfg.interval_secs, *start))
+            .collect();
+        let got = match redis.get_fields(&names, MAX_REPLICAS).await {
+            Ok(got) => got,
+            Err(e) => {
+                tracing::warn!(error = %e, "stats: other replicas' rollups not read");
+                return BTreeSet::new();
+            }
+        };
+        for (j, fields) in got.into_iter().enumerate() {
+            for (replica, bytes) in fields {
+                if replica == redis.replica_id() {
+                    continue;
+                }
+                let Ok(mut interval) = serde_json::from_slice::<Interval>(&bytes) else {
+                    tracing::debug!(replica, "stats: an undecodable rollup skipped");
+                    continue;
+                };
+                interval.bound(cfg.tenants);
+                if let Some(r) = interval.of(tenant) {
+                    merged[i * round + j].merge(r);
+                }
+                others.insert(replica);
+            }
+        }
+    }
+    for ((_, mine), theirs) in series.iter_mut().zip(&merged) {
+        mine.merge(theirs);
+    }
+    others
+}
