@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares a fresh Debian/Ubuntu machine (with a Rust toolchain) to build, run and test
-# reprise: the Debian packages the build and tests need, the Python client used by one test,
-# and the models (scripts/fetch-models.sh). Safe to run again: it only installs what is missing.
+# reprise: the Debian packages the build and tests need (a headless browser among them), the
+# Python client used by one test, and the models (scripts/fetch-models.sh). Safe to run again:
+# it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,8 +10,9 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # cmake + clang/libclang build llama.cpp and its bindings; redis-server is started by the tests;
-# procps gives `kill`, with which one test sends SIGHUP.
-PKGS="cmake clang libclang-dev redis-server redis-tools python3-pip procps"
+# procps gives `kill`, with which one test sends SIGHUP; chromium is the headless browser the
+# dashboard's tests drive (tests/dashboard.rs; `CHROME` names another Chrome or Chromium).
+PKGS="cmake clang libclang-dev redis-server redis-tools python3-pip procps chromium"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -1,5 +1,5 @@
-//! Routes: the OpenAI endpoints, models, health, readiness, metrics and the admin API
-//! ([`crate::admin`]).
+//! Routes: the OpenAI endpoints, models, health, readiness, metrics, the admin API
+//! ([`crate::admin`]) and the dashboard ([`crate::dashboard`]), served where the admin API is.
 
 use std::sync::Arc;
 
@@ -22,8 +22,8 @@ pub fn app(state: Arc<AppState>) -> Router {
     api(state, true)
 }
 
-/// The API, with the admin routes when `with_admin` (without them when they are served on
-/// `server.admin_listen`).
+/// The API, with the admin routes and the dashboard when `with_admin` (without them when
+/// they are served on `server.admin_listen`).
 pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
     let limit = state.config.server.max_body_bytes;
     let router = Router::new()
@@ -47,7 +47,7 @@ pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
     .with_state(state)
 }
 
-/// The admin API alone, for `server.admin_listen`.
+/// The admin API and the dashboard alone, for `server.admin_listen`.
 pub fn admin_app(state: Arc<AppState>) -> Router {
     let limit = state.config.server.max_body_bytes;
     crate::trace::with_request_ids(
@@ -58,9 +58,9 @@ pub fn admin_app(state: Arc<AppState>) -> Router {
     .with_state(state)
 }
 
-/// The `/admin` routes ([`crate::admin`]).
+/// The `/admin` routes ([`crate::admin`]) and the dashboard that reads them.
 fn admin_routes() -> Router<Arc<AppState>> {
-    Router::new()
+    crate::dashboard::routes()
         .route("/admin/entries", delete(admin::delete_entries))
         .route("/admin/entries/{id}", delete(admin::delete_entry))
         .route(

@@ -20,6 +20,7 @@ pub mod bounds;
 pub mod candidate;
 pub mod config;
 mod cpu;
+pub mod dashboard;
 pub mod error;
 pub mod feedback;
 mod flight;
