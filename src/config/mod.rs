@@ -15,12 +15,14 @@ use serde::Deserialize;
 
 mod observe;
 mod tenants;
+mod traces;
 
 pub use observe::{LogConfig, MetricsConfig, Price, SloConfig};
 use tenants::validate_tenants;
 pub use tenants::{
     AuthConfig, CandidateConfig, CandidateMode, TenantConfig, TenantPolicy, CLIENT_CONTROLS,
 };
+pub use traces::{traces_url, TracingConfig};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -40,6 +42,8 @@ pub struct Config {
     pub slo: SloConfig,
     /// Metric labels and prices.
     pub metrics: MetricsConfig,
+    /// OpenTelemetry traces (off without `otlp_endpoint`).
+    pub tracing: TracingConfig,
     /// Shared Redis tier (absent `url`: memory only).
     pub redis: reprise_cache::redis::RedisConfig,
     /// Predictive prefetch and refresh-ahead.
@@ -680,6 +684,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_tenants(self)?;
         observe::validate(self)?;
+        traces::validate(self)?;
         let sem = &self.semantic;
         if !(0.0..0.5).contains(&sem.delta) {
             return Err(invalid("semantic.delta", "must be in [0, 0.5)"));
