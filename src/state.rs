@@ -49,6 +49,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Per-request JSON log, when configured.
     pub request_log: Option<RequestLog>,
+    /// Traces of requests, exported when `[tracing] otlp_endpoint` is set.
+    pub traces: Option<crate::otel::Traces>,
     /// Completed rebuilds of this replica's memory and index from Redis.
     pub rebuilds: std::sync::atomic::AtomicU64,
     /// Follow-up prediction and background generation, when enabled.
@@ -128,6 +130,8 @@ impl AppState {
             ),
             None => None,
         };
+        let traces = crate::otel::Traces::start(&config)
+            .context("cannot start exporting traces ([tracing])")?;
         let prefetch = config
             .prefetch
             .enabled
@@ -170,6 +174,7 @@ impl AppState {
             cpu: CpuPool::per_core(),
             metrics,
             request_log,
+            traces,
             prefetch,
             observer,
             policies: ArcSwap::from_pointee(policies),
