@@ -20,6 +20,7 @@
 //! runs each request on the server's runtime (reqwest, as everywhere else). On shutdown what
 //! is queued is sent within the shutdown deadline ([`Traces::shutdown`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -46,6 +47,9 @@ pub struct Traces {
     tracer: SdkTracer,
     sample_share: f64,
     slow_ms: f64,
+    /// Set by [`Traces::shutdown`]: requests that end later (past the shutdown deadline) are
+    /// not traced.
+    stopped: AtomicBool,
 }
 
 /// Why a request was traced.
@@ -111,6 +115,7 @@ impl Traces {
             tracer,
             sample_share: t.sample_share,
             slow_ms: config.slo.total_secs * 1000.0,
+            stopped: AtomicBool::new(false),
         }))
     }
 
@@ -128,6 +133,9 @@ impl Traces {
     /// The finished request `rec` (ended now): traced or not ([`Traces::keep`]); when it is,
     /// its spans are built and queued for export, and its trace id returned.
     pub fn finished(&self, rec: &LogRecord) -> Option<String> {
+        if self.stopped.load(Ordering::Relaxed) {
+            return None;
+        }
         let kept = self.keep(rec.total_ms)?;
         let end = SystemTime::now();
         let start = end
@@ -172,6 +180,7 @@ impl Traces {
 
     /// Sends what is queued, within `grace`, and stops the exporter.
     pub async fn shutdown(&self, grace: Duration) {
+        self.stopped.store(true, Ordering::Relaxed);
         let provider = self.provider.clone();
         let stopped =
             tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(grace)).await;
