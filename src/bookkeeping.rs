@@ -192,6 +192,9 @@ impl Drop for Bookkeeping {
                 crate::policy::roll_back(state.clone(), side.tenant, reason);
             }
         }
+        if let Some(traces) = &state.traces {
+            rec.trace_id = traces.finished(&rec);
+        }
         state.stats.record(&rec);
         if let Some(log) = &state.request_log {
             log.write(rec);

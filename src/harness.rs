@@ -52,12 +52,17 @@ impl Drop for Server {
 
 impl Server {
     /// Shuts down as [`crate::run`] does: stops serving, then stops the background tasks and
-    /// saves what they must keep ([`BackgroundTasks::stop`]). Dropping a server only cancels
-    /// its tasks.
+    /// saves what they must keep ([`BackgroundTasks::stop`]), and sends the queued spans.
+    /// Dropping a server only cancels its tasks.
     pub async fn shutdown(mut self) {
         self.server.abort();
         if let Some(tasks) = self.tasks.take() {
             tasks.stop(&self.state).await;
+        }
+        if let Some(traces) = &self.state.traces {
+            traces
+                .shutdown(self.state.config.server.shutdown_timeout())
+                .await;
         }
     }
 

@@ -39,7 +39,7 @@ pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
     } else {
         router
     };
-    crate::trace::with_request_ids(
+    crate::trace::with_layers(
         router
             .fallback(fallback)
             .layer(DefaultBodyLimit::max(limit)),
@@ -50,7 +50,7 @@ pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
 /// The admin API and the dashboard alone, for `server.admin_listen`.
 pub fn admin_app(state: Arc<AppState>) -> Router {
     let limit = state.config.server.max_body_bytes;
-    crate::trace::with_request_ids(
+    crate::trace::with_layers(
         admin_routes()
             .fallback(not_found)
             .layer(DefaultBodyLimit::max(limit)),

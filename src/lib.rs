@@ -35,6 +35,7 @@ mod lookup;
 pub mod metrics;
 mod observe;
 pub mod openai;
+pub mod otel;
 pub mod policy;
 pub mod prefetch;
 mod replication;
@@ -257,6 +258,12 @@ pub async fn run_with(
             Ok(Err(e)) => tracing::warn!(error = %e, "redis write queue not flushed"),
             Err(_) => tracing::warn!("redis write queue not flushed within the shutdown deadline"),
         }
+    }
+    // Queued spans are sent within the shutdown deadline too.
+    if let Some(traces) = &state.traces {
+        traces
+            .shutdown(state.config.server.shutdown_timeout())
+            .await;
     }
     served??;
     if let Some(s) = admin_served {

@@ -21,6 +21,12 @@ pub struct LogRecord {
     /// The request's `x-request-id` (taken from the client or generated).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub request_id: String,
+    /// The trace the request's spans were exported in, when it was traced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
+    /// The caller's span (W3C `traceparent`), the parent of the request's trace; not written.
+    #[serde(skip)]
+    pub trace_parent: Option<opentelemetry::trace::SpanContext>,
     /// The response's `id` (what `POST /v1/feedback` names); on a verdict line, the id judged.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub id: String,

@@ -51,6 +51,8 @@ pub struct AppState {
     pub request_log: Option<RequestLog>,
     /// Per-interval rollups of the requests served (`GET /admin/stats`).
     pub stats: crate::stats::Stats,
+    /// Traces of requests, exported when `[tracing] otlp_endpoint` is set.
+    pub traces: Option<crate::otel::Traces>,
     /// Completed rebuilds of this replica's memory and index from Redis.
     pub rebuilds: std::sync::atomic::AtomicU64,
     /// Follow-up prediction and background generation, when enabled.
@@ -134,6 +136,8 @@ impl AppState {
             ),
             None => None,
         };
+        let traces = crate::otel::Traces::start(&config)
+            .context("cannot start exporting traces ([tracing])")?;
         let prefetch = config
             .prefetch
             .enabled
@@ -178,6 +182,7 @@ impl AppState {
             metrics,
             request_log,
             stats,
+            traces,
             prefetch,
             observer,
             policies: ArcSwap::from_pointee(policies),

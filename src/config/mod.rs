@@ -17,6 +17,7 @@ mod log;
 mod observe;
 mod stats;
 mod tenants;
+mod traces;
 
 pub use log::LogConfig;
 pub use observe::{MetricsConfig, Price, SloConfig};
@@ -25,6 +26,7 @@ use tenants::validate_tenants;
 pub use tenants::{
     AuthConfig, CandidateConfig, CandidateMode, TenantConfig, TenantPolicy, CLIENT_CONTROLS,
 };
+pub use traces::{traces_url, TracingConfig};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -46,6 +48,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// Per-interval rollups for `GET /admin/stats`.
     pub stats: StatsConfig,
+    /// OpenTelemetry traces (off without `otlp_endpoint`).
+    pub tracing: TracingConfig,
     /// Shared Redis tier (absent `url`: memory only).
     pub redis: reprise_cache::redis::RedisConfig,
     /// Predictive prefetch and refresh-ahead.
@@ -688,6 +692,7 @@ impl Config {
         observe::validate(self)?;
         self.log.validate()?;
         stats::validate(self)?;
+        traces::validate(self)?;
         let sem = &self.semantic;
         if !(0.0..0.5).contains(&sem.delta) {
             return Err(invalid("semantic.delta", "must be in [0, 0.5)"));

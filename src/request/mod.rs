@@ -63,6 +63,7 @@ pub async fn handle(
 ) -> Response {
     let mut book = Bookkeeping::new(&state, endpoint);
     book.record.request_id = crate::trace::request_id(&headers).to_string();
+    book.record.trace_parent = crate::otel::parent(&headers);
     match serve(&state, endpoint, &headers, body, &mut book).await {
         Ok(resp) => resp,
         Err(e) => {
