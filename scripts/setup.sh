@@ -10,9 +10,10 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 # cmake + clang/libclang build llama.cpp and its bindings; redis-server is started by the tests;
-# procps gives `kill`, with which one test sends SIGHUP; chromium is the headless browser the
+# procps gives `kill`, with which one test sends SIGHUP; prometheus brings promtool, which
+# checks the metrics exposition (tests/metrics.rs); chromium is the headless browser the
 # dashboard's tests drive (tests/dashboard.rs; `CHROME` names another Chrome or Chromium).
-PKGS="cmake clang libclang-dev redis-server redis-tools python3-pip procps chromium"
+PKGS="cmake clang libclang-dev redis-server redis-tools python3-pip procps prometheus chromium"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
