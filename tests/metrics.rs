@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use reprise::config::{Price, TenantConfig, TenantPolicy};
+use reprise::harness::RedisServer;
 use reprise::Config;
 use reprise_backend::fake::ScriptConfig;
 use serde_json::Value;
@@ -275,14 +276,68 @@ pub fn promtool() -> PathBuf {
     path
 }
 
+/// Runs `promtool` with `args` in `dir`, feeding it `input`; panics with its output when it
+/// fails.
+fn run_promtool(args: &[&str], dir: &Path, input: &str) {
+    use std::io::Write;
+    let mut child = std::process::Command::new(promtool())
+        .args(args)
+        .current_dir(dir)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool {args:?}:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The `reprise_*` metric names a PromQL text uses (histogram suffixes stripped).
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("reprise_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..end];
+        let name = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        // `reprise:...` recording rules and the dashboard's own uid are not metrics.
+        if rest[..at].ends_with(|c: char| c.is_ascii_alphanumeric() || c == ':') {
+            rest = &tail[end..];
+            continue;
+        }
+        names.insert(name.to_string());
+        rest = &tail[end..];
+    }
+    names
+}
+
 #[tokio::test]
-async fn the_exposition_passes_promtool() {
+async fn the_exposition_the_alerts_and_the_grafana_dashboard_agree_and_pass_promtool() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("requests.jsonl");
+    let redis = RedisServer::start();
     let mut c = config("lint", "sk-lint", &log);
     c.semantic.enabled = true;
     c.prefetch.enabled = true;
-    let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
+    c.redis.url = Some(redis.url());
+    let app = spawn_replica(c, std::sync::Arc::new(scripted())).await;
     let key = [("authorization", "Bearer sk-lint")];
     for q in [
         "Is the shop open on Sundays?",
@@ -295,25 +350,36 @@ async fn the_exposition_passes_promtool() {
     app.chat(&chat_body("x"), &[("authorization", "Bearer wrong")])
         .await;
     let text = app.metrics_text().await;
-    let mut child = std::process::Command::new(promtool())
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
+    run_promtool(&["check", "metrics"], dir.path(), &text);
+
+    // The alert rules: valid, and each fires on the history written for it.
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let rules = deploy.join("prometheus");
+    run_promtool(&["check", "rules", "alerts.yml"], &rules, "");
+    run_promtool(&["test", "rules", "alerts_test.yml"], &rules, "");
+
+    // Every metric the rules and the Grafana dashboard read is one reprise exposes.
+    let exposed: std::collections::BTreeSet<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .map(str::to_string)
+        .collect();
+    let alerts = std::fs::read_to_string(rules.join("alerts.yml")).unwrap();
+    let grafana = std::fs::read_to_string(deploy.join("grafana/reprise.json")).unwrap();
+    let dashboard: Value = serde_json::from_str(&grafana).unwrap();
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
         .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().clone())
+        .map(|t| t["expr"].as_str().unwrap().to_string())
+        .collect();
+    assert!(exprs.len() >= 10, "{}", exprs.len());
+    for (what, source) in [("alerts.yml", alerts), ("reprise.json", exprs.join("\n"))] {
+        let used = metric_names(&source);
+        assert!(!used.is_empty());
+        let missing: Vec<_> = used.difference(&exposed).collect();
+        assert!(missing.is_empty(), "{what} reads {missing:?}, not exposed");
+    }
 }

@@ -455,6 +455,17 @@ impl Metrics {
     /// Registers (once) and returns the handles (no `model` label values but `other`).
     pub fn new() -> Self {
         let _ = prometheus();
+        // Exposed at 0 from the start, so an error ratio has a series before the first error.
+        for kind in [
+            "unavailable",
+            "timeout",
+            "overloaded",
+            "invalid_request",
+            "unknown_model",
+            "internal",
+        ] {
+            let _ = metrics::counter!("reprise_backend_errors_total", "kind" => kind);
+        }
         let lookup = |tier: &'static str| {
             ["hit", "miss"].map(
                 |r| metrics::counter!("reprise_cache_lookups_total", "tier" => tier, "result" => r),
