@@ -171,6 +171,20 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
             == Some("exact"),
         "the warm request did not become an exact hit"
     );
+    // The same without the stats ring (`[stats] enabled = false`): what the ring costs a hit.
+    let mut no_stats_cfg = Config::default();
+    no_stats_cfg.stats.enabled = false;
+    let no_stats = fake_reprise(no_stats_cfg).await?;
+    let no_stats_url = no_stats.chat_url();
+    for _ in 0..2 {
+        client
+            .post(&no_stats_url)
+            .json(&body)
+            .send()
+            .await?
+            .bytes()
+            .await?;
+    }
     // The ceiling: a plain axum handler returning the same bytes.
     let bytes = hit_bytes.clone();
     let ceiling = serve_router(axum::Router::new().route(
@@ -226,9 +240,12 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
     let mut hit = Samples::default();
     let mut base = Samples::default();
     let mut auth_hit = Samples::default();
+    let mut unrecorded = Samples::default();
     for round in 0..a.rounds {
         base.merge(load(&client, &ceiling_url, &body, a.concurrency, a.seconds, &[]).await);
         hit.merge(load(&client, &url, &body, a.concurrency, a.seconds, &[]).await);
+        let u = &no_stats_url;
+        unrecorded.merge(load(&client, u, &body, a.concurrency, a.seconds, &[]).await);
         if let Some(s) = &with_auth {
             let u = s.chat_url();
             auth_hit.merge(load(&client, &u, &body, a.concurrency, a.seconds, &keys).await);
@@ -263,8 +280,8 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
     println!("== reprise bench proxy ==");
     println!("req/s and percentiles count only requests that succeeded; failures per side:");
     println!(
-        "  exact hit {}; ceiling {}; with keys {}; miss direct {}; miss via reprise {}",
-        hit.failed, base.failed, auth_hit.failed, direct.failed, via.failed
+        "  exact hit {}; ceiling {}; with keys {}; stats off {}; miss direct {}; miss via reprise {}",
+        hit.failed, base.failed, auth_hit.failed, unrecorded.failed, direct.failed, via.failed
     );
     println!(
         "exact hit        {:>10.0} req/s  p50 {}  p99 {}",
@@ -279,6 +296,14 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
         ms(base.pct(99.0))
     );
     println!("throughput ratio exact/ceiling: {ratio:.2}x  (goal >= 0.70x)");
+    let stats_ratio = hit.throughput() / unrecorded.throughput();
+    println!(
+        "exact hit, stats ring off {:>10.0} req/s  p50 {}  p99 {}",
+        unrecorded.throughput(),
+        ms(unrecorded.pct(50.0)),
+        ms(unrecorded.pct(99.0))
+    );
+    println!("throughput ratio with stats/without: {stats_ratio:.2}x  (goal >= 0.95x)");
     let auth_ratio = (a.tenants > 0).then(|| auth_hit.throughput() / hit.throughput());
     if let Some(r) = auth_ratio {
         println!(
@@ -319,9 +344,11 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
             "ttft_direct_p50_s": direct.pct(50.0), "ttft_via_p50_s": via.pct(50.0),
             "ttft_added_p50_s": added50, "ttft_added_p99_s": added99,
             "tenants": a.tenants, "auth_rps": auth_hit.throughput(), "auth_ratio": auth_ratio,
+            "no_stats_rps": unrecorded.throughput(), "stats_ratio": stats_ratio,
             "failed": {
                 "exact": hit.failed.json(), "ceiling": base.failed.json(),
-                "auth": auth_hit.failed.json(), "ttft_direct": direct.failed.json(),
+                "auth": auth_hit.failed.json(), "no_stats": unrecorded.failed.json(),
+                "ttft_direct": direct.failed.json(),
                 "ttft_via": via.failed.json(),
             },
         });
