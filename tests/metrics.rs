@@ -11,29 +11,16 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
-use reprise::config::{Price, TenantConfig, TenantPolicy};
+use reprise::config::{Price, TenantConfig};
 use reprise::harness::RedisServer;
 use reprise::Config;
 use reprise_backend::fake::ScriptConfig;
 use serde_json::Value;
 
-fn tenant(name: &str, key: &str) -> TenantConfig {
-    TenantConfig {
-        name: name.into(),
-        api_keys: vec![key.into()],
-        api_keys_env: None,
-        api_keys_file: None,
-        sub_namespaces: true,
-        admin_token_env: None,
-        candidate: None,
-        policy: TenantPolicy::default(),
-    }
-}
-
 /// A config with one tenant, a price for the scripted model and a request log.
 fn config(tenant_name: &str, key: &str, log: &Path) -> Config {
     let mut c = test_config();
-    c.tenants = vec![tenant(tenant_name, key)];
+    c.tenants = vec![TenantConfig::with_key(tenant_name, key)];
     c.metrics.prices.insert(
         "fake".into(),
         Price {

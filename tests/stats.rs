@@ -8,21 +8,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use reprise::config::{Config, TenantConfig, TenantPolicy};
+use reprise::config::{Config, TenantConfig};
 use reprise_backend::fake::ScriptConfig;
 use reprise_cache::testing::RedisServer;
 use serde_json::Value;
 
 fn tenant(name: &str, key: &str, admin_token_env: Option<&str>) -> TenantConfig {
     TenantConfig {
-        name: name.into(),
-        api_keys: vec![key.into()],
-        api_keys_env: None,
-        api_keys_file: None,
-        sub_namespaces: true,
         admin_token_env: admin_token_env.map(str::to_string),
-        candidate: None,
-        policy: TenantPolicy::default(),
+        ..TenantConfig::with_key(name, key)
     }
 }
 

@@ -64,7 +64,7 @@ use crate::entry::{now_ms, Digest, Entry, EntryId};
 use breaker::Breaker;
 use conn::Connector;
 use envelope::{EnvelopeOut, ENVELOPE_VERSION};
-use error::{is_outage, is_wrong_type};
+use error::{first_outage, is_wrong_type};
 use keys::Keys;
 use shared::Shared;
 use writer::{write_loop, Admin, Queued, Write};
@@ -363,12 +363,7 @@ impl RedisTier {
                             async move { c.query::<Vec<Vec<u8>>>(&cmd).await }
                         }))
                         .await;
-                        if let Some(e) = replies
-                            .iter()
-                            .find_map(|r| r.as_ref().err().filter(|e| is_outage(e)))
-                        {
-                            return Err(e.clone());
-                        }
+                        first_outage(&replies)?;
                         Ok(replies)
                     }
                 })

@@ -188,6 +188,22 @@ fn yes() -> bool {
     true
 }
 
+impl TenantConfig {
+    /// A tenant known by one API key, with namespaces of its own and the default policy.
+    pub fn with_key(name: &str, key: &str) -> Self {
+        TenantConfig {
+            name: name.into(),
+            api_keys: vec![key.into()],
+            api_keys_env: None,
+            api_keys_file: None,
+            sub_namespaces: true,
+            admin_token_env: None,
+            candidate: None,
+            policy: TenantPolicy::default(),
+        }
+    }
+}
+
 impl std::fmt::Debug for TenantConfig {
     // Keys are secrets: never in Debug output or logs.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -47,6 +47,20 @@ pub struct RedisHealth {
     pub dropped_writes: u64,
 }
 
+/// The first outage among the replies of a batch of commands, as the batch's error (errors
+/// about one command alone stay with its reply).
+pub(super) fn first_outage<T>(
+    replies: &[Result<T, ::redis::RedisError>],
+) -> Result<(), ::redis::RedisError> {
+    match replies
+        .iter()
+        .find_map(|r| r.as_ref().err().filter(|e| is_outage(e)))
+    {
+        Some(e) => Err(e.clone()),
+        None => Ok(()),
+    }
+}
+
 /// Whether an error means Redis could not serve (counts against the breaker), as opposed to
 /// Redis answering with an error about this request.
 pub(super) fn is_outage(e: &::redis::RedisError) -> bool {

@@ -11,7 +11,7 @@ use parking_lot::RwLock;
 
 use super::breaker::{Breaker, Permit, Transition};
 use super::conn::{Conn, Connector};
-use super::error::{is_outage, is_wrong_type, RedisError};
+use super::error::{first_outage, is_outage, is_wrong_type, RedisError};
 use super::keys::Keys;
 use super::metrics::{Op, RedisMetrics};
 use crate::entry::{Entry, EntryId};
@@ -201,12 +201,7 @@ impl Shared {
                     async move { c.query::<Capped>(&cmd).await }
                 }))
                 .await;
-                if let Some(e) = replies
-                    .iter()
-                    .find_map(|r| r.as_ref().err().filter(|e| is_outage(e)))
-                {
-                    return Err(e.clone());
-                }
+                first_outage(&replies)?;
                 Ok(replies)
             })
             .await?;
