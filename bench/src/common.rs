@@ -16,7 +16,7 @@ use reprise_cache::redis::RedisTier;
 use reprise_cache::semantic::SemanticIndex;
 use reprise_cache::{Digest, Store};
 
-pub use reprise::config::{BackendKind, Config, TenantConfig, TenantPolicy};
+pub use reprise::config::{BackendKind, Config, TenantConfig};
 pub use reprise::harness::{
     build_replica, load_embedder, sse_data, sse_text, start_app, start_configured, start_redis,
     start_replica, Server,

@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 
 use crate::common::{
     read_answer, start_app, start_configured, BackendKind, Config, Failure, Samples, Server,
-    TenantConfig, TenantPolicy,
+    TenantConfig,
 };
 
 /// Options of `reprise-bench proxy`.
@@ -210,16 +210,7 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
         let mut c = Config::default();
         c.auth.required = true;
         c.tenants = (0..a.tenants)
-            .map(|i| TenantConfig {
-                name: format!("tenant-{i}"),
-                api_keys: vec![format!("sk-bench-{i}")],
-                api_keys_env: None,
-                api_keys_file: None,
-                sub_namespaces: true,
-                admin_token_env: None,
-                candidate: None,
-                policy: TenantPolicy::default(),
-            })
+            .map(|i| TenantConfig::with_key(&format!("tenant-{i}"), &format!("sk-bench-{i}")))
             .collect();
         let server = fake_reprise(c).await?;
         for k in &keys {
