@@ -94,6 +94,20 @@ impl Priority {
     }
 }
 
+/// What a backend is doing now: routing and wait prediction read it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Generations it runs at once (llama: parallel slots; an upstream: its concurrency
+    /// limit); 0 when unlimited or unknown.
+    pub capacity: usize,
+    /// Generations running now.
+    pub running: usize,
+    /// Generations waiting for a slot, interactive ones first.
+    pub queued: usize,
+    /// Of `queued`, those of interactive requests.
+    pub queued_interactive: usize,
+}
+
 /// A generation request as the backends see it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenRequest {
@@ -273,6 +287,12 @@ pub trait Backend: Send + Sync + 'static {
     /// is above zero.
     fn interactive_load(&self) -> usize {
         0
+    }
+
+    /// What it is doing now (capacity, running and waiting generations); all zero when it
+    /// cannot tell.
+    fn load(&self) -> Load {
+        Load::default()
     }
 
     /// Whether [`Backend::forward`] works: only an HTTP upstream can answer what reprise does
