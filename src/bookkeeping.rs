@@ -7,6 +7,7 @@ use std::time::Instant;
 use reprise_cache::{now_ms, Entry};
 
 use crate::candidate::Candidate;
+use crate::degraded::Degraded;
 use crate::error::ApiError;
 use crate::lookup::Notes;
 use crate::metrics::{Finished, Outcome, Saved, Stage};
@@ -27,6 +28,8 @@ pub struct Bookkeeping {
     pub record: LogRecord,
     /// The canary side the request is on, when its tenant tries a canary candidate.
     pub canary: Option<CanarySide>,
+    /// How its answer was degraded, if it was.
+    degraded: Option<Degraded>,
 }
 
 /// A request on one side of a tenant's canary: its outcome and latency are recorded there.
@@ -57,6 +60,7 @@ impl Bookkeeping {
                 ..Default::default()
             },
             canary: None,
+            degraded: None,
         }
     }
 
@@ -71,6 +75,7 @@ impl Bookkeeping {
             first_token: None,
             record: LogRecord::default(),
             canary: None,
+            degraded: None,
         }
     }
 
@@ -122,6 +127,13 @@ impl Bookkeeping {
         if matches!(outcome, Outcome::Semantic | Outcome::Prefetch) {
             self.record.matched = cut(&entry.prompt, state.config.log.question_chars);
         }
+    }
+
+    /// Notes that the answer is degraded (`kind`): in the log line and, when the request
+    /// ends, in `reprise_degraded_total`.
+    pub fn degraded(&mut self, kind: Degraded) {
+        self.degraded = Some(kind);
+        self.record.degraded = Some(kind.as_str());
     }
 
     /// Notes the question asked (cut to `log.question_chars`).
@@ -183,7 +195,14 @@ impl Drop for Bookkeeping {
             rec.saved_cost = 0.0;
             rec.matched = None;
         }
+        if outcome == Outcome::Error {
+            // Whatever it was going to be, it was not served.
+            rec.degraded = None;
+        }
         record_metrics(&state, outcome, &rec, total, self.first_token, hit);
+        if let Some(kind) = self.degraded.filter(|_| rec.degraded.is_some()) {
+            state.metrics.degraded(kind);
+        }
         if let Some(side) = self.canary.take() {
             state
                 .metrics

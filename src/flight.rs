@@ -96,6 +96,12 @@ impl Flight {
     fn is_ended(&self) -> bool {
         self.progress.borrow().1.is_some()
     }
+
+    /// Whether the flight is still under way: someone follows it and it is neither ended
+    /// nor cancelled.
+    fn is_live(&self) -> bool {
+        *self.subscribers.lock() > 0 && !self.cancel.is_cancelled() && !self.is_ended()
+    }
 }
 
 /// One waiter's view of a flight.
@@ -185,6 +191,26 @@ impl Flights {
         let sub = f.subscribe();
         map.insert(key, f.clone());
         Joined::Leader(f, sub)
+    }
+
+    /// Registers a new flight for `key` for the caller to drive (stored as `entry`), unless
+    /// one is under way for it (the key's answer is being generated: nothing to start) or
+    /// `admit` refuses. `admit` runs under the registry's lock, and only when the caller is
+    /// about to lead, so of callers racing for one key exactly one is admitted and leads.
+    pub fn lead(
+        &self,
+        key: Digest,
+        entry: EntryId,
+        admit: impl FnOnce() -> bool,
+    ) -> Option<(Arc<Flight>, Subscriber)> {
+        let mut map = self.map.lock();
+        if map.get(&key).is_some_and(|f| f.is_live()) || !admit() {
+            return None;
+        }
+        let f = Flight::new(Some(entry));
+        let sub = f.subscribe();
+        map.insert(key, f.clone());
+        Some((f, sub))
     }
 
     /// Follows the running flight for `key`, if there is one.
@@ -304,6 +330,33 @@ impl InFlightParaphrases {
 mod tests {
     use super::*;
     use reprise_backend::{FinishReason, Usage};
+
+    /// Of several callers asking to lead one key, one leads (and only it is admitted); the
+    /// key is free again once its flight ended, and a refused admission leads nothing.
+    #[test]
+    fn one_leader_per_key_and_admission_only_for_it() {
+        let flights = Flights::default();
+        let key = [7; 32];
+        let mut admitted = 0;
+        let led: Vec<_> = (0..5)
+            .filter_map(|i| {
+                flights.lead(key, EntryId(i), || {
+                    admitted += 1;
+                    true
+                })
+            })
+            .collect();
+        assert_eq!((led.len(), admitted), (1, 1));
+        // An identical miss follows the flight being led.
+        assert!(flights.follow(&key).is_some());
+        let (flight, _sub) = led.into_iter().next().unwrap();
+        flight.end(End::Finished);
+        assert!(flights.lead(key, EntryId(9), || false).is_none(), "refused");
+        assert!(
+            flights.lead(key, EntryId(9), || true).is_some(),
+            "free again"
+        );
+    }
 
     /// A request that joins a flight while its last client leaves either follows a flight
     /// that goes on (it keeps it alive) or leads a fresh one: never follows a cancelled one,

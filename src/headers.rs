@@ -13,6 +13,9 @@ pub const CACHE_HEADER: &str = "x-reprise-cache";
 /// Response header naming the entry that answered, or that a miss stores its answer as (an
 /// operator can act on a reported answer by it: `DELETE /admin/entries/{id}`).
 pub const ENTRY_HEADER: &str = "x-reprise-entry";
+/// Response header naming how an answer was degraded (`stale-while-revalidate`,
+/// `stale-if-error`, ...; see [`crate::degraded`]); absent on ordinary answers.
+pub const DEGRADED_HEADER: &str = "x-reprise-degraded";
 /// Response header with the similarity of a semantic hit.
 pub const SIMILARITY_HEADER: &str = "x-reprise-similarity";
 /// Request header raising the similarity threshold for this request.
@@ -56,4 +59,20 @@ pub fn set_cache_status(resp: &mut Response, outcome: Outcome, entry: Option<&En
         h.insert(axum::http::header::AGE, HeaderValue::from(e.age_secs()));
         set_entry(resp, e.id);
     }
+}
+
+/// Marks a hit on an expired entry as stale: `x-reprise-cache: stale`, `Cache-Status` with
+/// the (negative) seconds since it expired as its `ttl` (RFC 9211) and the kind as detail,
+/// and `x-reprise-degraded`. `Age` and `x-reprise-entry` are set as for any hit.
+pub fn set_stale(resp: &mut Response, entry: &Entry, kind: crate::degraded::Degraded) {
+    set_cache_status(resp, Outcome::Exact, Some(entry));
+    // Stale from its first millisecond past expiry: never `ttl=0`.
+    let ttl = entry.expired_for_ms().div_ceil(1000).max(1);
+    let status = format!("reprise; hit; ttl=-{ttl}; detail={}", kind.header_value());
+    let h = resp.headers_mut();
+    h.insert(CACHE_HEADER, HeaderValue::from_static("stale"));
+    if let Ok(v) = HeaderValue::from_str(&status) {
+        h.insert("cache-status", v);
+    }
+    crate::degraded::set_degraded(resp, kind);
 }

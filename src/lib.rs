@@ -21,6 +21,7 @@ pub mod candidate;
 pub mod config;
 mod cpu;
 pub mod dashboard;
+pub mod degraded;
 pub mod error;
 pub mod feedback;
 mod flight;

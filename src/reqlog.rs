@@ -44,6 +44,10 @@ pub struct LogRecord {
     pub endpoint: &'static str,
     /// exact, semantic, prefetch, miss, bypass or error; `feedback` for a verdict.
     pub outcome: &'static str,
+    /// How the answer was degraded (`stale_while_revalidate`, `stale_if_error`, ...; see
+    /// `crate::degraded`); absent on ordinary answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<&'static str>,
     /// Where an exact hit was found: `memory` or `redis`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tier: Option<&'static str>,

@@ -121,6 +121,8 @@ impl AppState {
         let store = Store::new(
             config.cache.memory_bytes,
             config.cache.ttl(),
+            // Expired entries are kept for the longer stale window, to be served stale.
+            config.cache.stale_retention(),
             redis,
             index,
             Some(Arc::new(move |_cause| evictions.increment(1))),

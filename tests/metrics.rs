@@ -338,6 +338,16 @@ async fn the_exposition_the_alerts_and_the_grafana_dashboard_agree_and_pass_prom
         .await;
     let text = app.metrics_text().await;
     run_promtool(&["check", "metrics"], dir.path(), &text);
+    // Degraded answers: every kind has a series from the start (none was served here).
+    for kind in [
+        "stale_while_revalidate",
+        "stale_if_error",
+        "loose_threshold",
+        "fallback",
+    ] {
+        let n = sample(&text, "reprise_degraded_total", &[("kind", kind)]);
+        assert_eq!(n, Some(0.0), "reprise_degraded_total{{kind={kind}}}");
+    }
 
     // The alert rules: valid, and each fires on the history written for it.
     let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");

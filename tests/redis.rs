@@ -549,3 +549,76 @@ async fn a_stalled_redis_delays_answers_by_the_lookup_deadline_only() {
         "You asked: What is the capital of France?"
     );
 }
+
+/// Expired entries are kept in Redis for the stale windows: a replica that never held one
+/// (started after it expired; a rebuild loads no expired entry) serves it stale from Redis,
+/// instead of its backend's failure (stale-if-error) or at once while regenerating it
+/// (stale-while-revalidate); the regenerated answer reaches the replica that wrote the
+/// first one through Redis as an ordinary hit.
+#[tokio::test]
+async fn an_expired_entry_is_served_stale_from_redis_by_a_replica_that_never_held_it() {
+    use reprise_backend::fake::{Failure, ScriptConfig, ScriptedBackend};
+    use reprise_backend::BackendError;
+
+    let redis = RedisServer::start();
+    let config = |while_revalidate: u64| {
+        let mut c = redis_config(redis.url());
+        c.semantic.enabled = false;
+        c.cache.ttl_secs = 2;
+        c.cache.stale_while_revalidate_secs = while_revalidate;
+        c.cache.stale_if_error_secs = 60;
+        c
+    };
+    let backend = |reply: &str| {
+        ScriptedBackend::new(ScriptConfig {
+            reply: reply.into(),
+            ..ScriptConfig::default()
+        })
+    };
+    let entry_of = |r: &reqwest::Response| -> reprise_cache::EntryId {
+        r.headers()["x-reprise-entry"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let body = chat_body("When does the market open?");
+    let a = spawn_replica(config(60), Arc::new(backend("first"))).await;
+    let r = a.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let old = entry_of(&r);
+    a.state.store.redis().unwrap().flush().await.unwrap();
+    let expires = a.state.store.get(old).await.unwrap().expires_ms;
+    while reprise_cache::now_ms() < expires {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // B: its backend is down and it never held the entry: stale-if-error from Redis.
+    let down = backend("never");
+    down.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
+    let b = spawn_replica(config(0), Arc::new(down.clone())).await;
+    let r = b.chat(&body, &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "stale");
+    assert_eq!(r.headers()["x-reprise-degraded"], "stale-if-error");
+    assert_eq!(entry_of(&r), old);
+    assert_eq!(content(r).await, "first");
+    assert_eq!(down.calls(), 1, "the backend was asked first");
+    assert!(b.state.store.get(old).await.is_none(), "never fresh on B");
+
+    // C: stale-while-revalidate from Redis, and the regeneration written back to Redis.
+    let fresh = backend("second");
+    let c = spawn_replica(config(60), Arc::new(fresh.clone())).await;
+    let r = c.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "stale");
+    assert_eq!(r.headers()["x-reprise-degraded"], "stale-while-revalidate");
+    assert_eq!(content(r).await, "first");
+    assert!(eventually(Duration::from_secs(10), || fresh.completed() == 1).await);
+    c.state.store.redis().unwrap().flush().await.unwrap();
+
+    // A, which holds the expired entry, asks Redis and finds the fresh one.
+    let r = a.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_ne!(entry_of(&r), old);
+    assert_eq!(content(r).await, "second");
+}

@@ -194,9 +194,22 @@ impl Entry {
         now_ms().saturating_sub(self.created_ms) / 1000
     }
 
-    /// Whether the entry has expired.
+    /// Whether the entry has expired. An expired entry is never fresh; it may still be
+    /// kept for a while to be served stale (see [`Entry::kept_left`]).
     pub fn is_expired(&self) -> bool {
         now_ms() >= self.expires_ms
+    }
+
+    /// Milliseconds since the entry expired (0 while it has not).
+    pub fn expired_for_ms(&self) -> u64 {
+        now_ms().saturating_sub(self.expires_ms)
+    }
+
+    /// Time left before a tier that keeps expired entries for `retain_ms` past their expiry
+    /// (to serve them stale) drops this one.
+    pub fn kept_left(&self, retain_ms: u64) -> Duration {
+        let until = self.expires_ms.saturating_add(retain_ms);
+        Duration::from_millis(until.saturating_sub(now_ms()))
     }
 }
 

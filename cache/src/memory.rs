@@ -4,6 +4,11 @@
 //! Keys and entries live in two caches so that many keys (every exact phrasing that was ever
 //! served an entry) can point at one copy of the answer. A key whose entry was evicted is a
 //! miss and is dropped on sight.
+//!
+//! With a retention (`retain`, the longest stale window), an expired entry stays held that
+//! long past its expiry, still weighing in the byte budget, so that it can be served stale
+//! (RFC 5861). The ordinary reads ([`MemoryTier::get`], [`MemoryTier::get_by_key`]) never
+//! return it; only the `*_kept` reads do.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,8 +21,9 @@ use moka::notification::RemovalCause;
 use crate::entry::{Digest, Entry, EntryId};
 use crate::shares::{Evicted, EvictedQueue, Ledgers, MemoryShares};
 
-/// Per-entry expiry: an entry lives until its own `expires_ms`.
-struct EntryExpiry;
+/// Per-entry expiry: an entry lives until its own `expires_ms`, plus the retention of
+/// expired entries (milliseconds).
+struct EntryExpiry(u64);
 
 impl moka::Expiry<EntryId, Arc<Entry>> for EntryExpiry {
     fn expire_after_create(
@@ -26,7 +32,7 @@ impl moka::Expiry<EntryId, Arc<Entry>> for EntryExpiry {
         value: &Arc<Entry>,
         _created_at: Instant,
     ) -> Option<Duration> {
-        Some(value.ttl_left())
+        Some(value.kept_left(self.0))
     }
 
     fn expire_after_update(
@@ -36,7 +42,7 @@ impl moka::Expiry<EntryId, Arc<Entry>> for EntryExpiry {
         _updated_at: Instant,
         _duration_until_expiry: Option<Duration>,
     ) -> Option<Duration> {
-        Some(value.ttl_left())
+        Some(value.kept_left(self.0))
     }
 }
 
@@ -59,19 +65,31 @@ pub struct MemoryTier {
     /// at a time and never an older one after a newer.
     shares: Arc<parking_lot::Mutex<(Option<MemoryShares>, u64)>>,
     key_ttl: Duration,
+    /// How long expired entries stay held past their expiry, milliseconds.
+    retain_ms: u64,
     max_bytes: u64,
 }
 
 impl MemoryTier {
     /// A tier holding up to `max_bytes` of entries (keys get an eighth of that on top),
-    /// keeping keys for at most `key_ttl`.
-    pub fn new(max_bytes: u64, key_ttl: Duration, on_evict: Option<EvictionHook>) -> Self {
+    /// keeping keys for at most `key_ttl` and expired entries (and their keys) `retain` past
+    /// their expiry.
+    pub fn new(
+        max_bytes: u64,
+        key_ttl: Duration,
+        retain: Duration,
+        on_evict: Option<EvictionHook>,
+    ) -> Self {
+        let retain_ms = u64::try_from(retain.as_millis()).unwrap_or(u64::MAX);
+        // A key outlives its entry's expiry by the retention, so it still leads to the entry
+        // while that may be served stale.
+        let key_ttl = key_ttl.saturating_add(retain);
         let ledgers: Arc<ArcSwapOption<Ledgers>> = Arc::default();
         let forget = ledgers.clone();
         let entries = Cache::builder()
             .max_capacity(max_bytes)
             .weigher(|_k: &EntryId, v: &Arc<Entry>| v.weight())
-            .expire_after(EntryExpiry)
+            .expire_after(EntryExpiry(retain_ms))
             .eviction_listener(move |k: Arc<EntryId>, v: Arc<Entry>, cause| {
                 if cause == RemovalCause::Replaced {
                     return;
@@ -96,6 +114,7 @@ impl MemoryTier {
             evicted: EvictedQueue::default(),
             shares: Arc::default(),
             key_ttl,
+            retain_ms,
             max_bytes,
         }
     }
@@ -126,6 +145,7 @@ impl MemoryTier {
             &shares,
             KEY_WEIGHT,
             self.key_ttl,
+            self.retain_ms,
             &self.evicted,
         ));
         // Writes from now on record themselves in the new ledgers; the pass records what is
@@ -185,10 +205,22 @@ impl MemoryTier {
         kept
     }
 
-    /// The entry an exact key points at, if both are still held and not expired.
+    /// The entry an exact key points at, if both are still held and not expired. A key whose
+    /// entry is held expired stays (it leads to a stale answer, [`MemoryTier::get_kept_by_key`]).
     pub async fn get_by_key(&self, key: &Digest) -> Option<Arc<Entry>> {
+        let e = self.get_kept_by_key(key).await?;
+        if e.is_expired() {
+            return None;
+        }
+        self.touch(&e);
+        Some(e)
+    }
+
+    /// The entry an exact key points at, if both are still held, expired or not (an expired
+    /// one is held only within the retention).
+    pub async fn get_kept_by_key(&self, key: &Digest) -> Option<Arc<Entry>> {
         let id = self.keys.get(key).await?;
-        match self.get(id).await {
+        match self.get_kept(id).await {
             // An entry reported wrong for this key's question is not reached by it.
             Some(e) if !e.refuses_key(key) => Some(e),
             _ => {
@@ -200,15 +232,30 @@ impl MemoryTier {
 
     /// An entry by id, if held and not expired.
     pub async fn get(&self, id: EntryId) -> Option<Arc<Entry>> {
-        let e = self.entries.get(&id).await?;
+        let e = self.get_kept(id).await?;
         if e.is_expired() {
+            return None;
+        }
+        self.touch(&e);
+        Some(e)
+    }
+
+    /// An entry by id, if held, expired or not. Reading an expired entry does not make it
+    /// recently used in its pool: a stale answer should not keep fresh ones out.
+    pub async fn get_kept(&self, id: EntryId) -> Option<Arc<Entry>> {
+        let e = self.entries.get(&id).await?;
+        if e.kept_left(self.retain_ms).is_zero() {
             self.entries.invalidate(&id).await;
             return None;
         }
-        if let Some(ledgers) = &*self.ledgers.load() {
-            ledgers.of(&e.namespace).touch(id);
-        }
         Some(e)
+    }
+
+    /// A read of `e`: it becomes the most recently used of its pool.
+    fn touch(&self, e: &Entry) {
+        if let Some(ledgers) = &*self.ledgers.load() {
+            ledgers.of(&e.namespace).touch(e.id);
+        }
     }
 
     /// Stores an entry and points `key` at it.
@@ -306,7 +353,8 @@ impl MemoryTier {
             .collect()
     }
 
-    /// A snapshot of the live entries (for index rebuilds and admin listings).
+    /// A snapshot of the entries held, expired ones kept for stale serving included (for
+    /// snapshots, admin listings and deletions).
     pub fn iter_entries(&self) -> Vec<Arc<Entry>> {
         self.entries.iter().map(|(_, v)| v).collect()
     }
@@ -345,7 +393,7 @@ mod tests {
 
     #[tokio::test]
     async fn keys_and_aliases_reach_the_entry() {
-        let t = MemoryTier::new(1 << 20, Duration::from_secs(60), None);
+        let t = MemoryTier::new(1 << 20, Duration::from_secs(60), Duration::ZERO, None);
         let e = entry("hello", 60_000);
         t.insert([1; 32], e.clone()).await;
         t.alias([2; 32], e.id).await;
@@ -358,7 +406,7 @@ mod tests {
 
     #[tokio::test]
     async fn entries_expire_at_their_own_time() {
-        let t = MemoryTier::new(1 << 20, Duration::from_secs(60), None);
+        let t = MemoryTier::new(1 << 20, Duration::from_secs(60), Duration::ZERO, None);
         let short = entry("short", 50);
         let long = entry("long", 60_000);
         t.insert([1; 32], short).await;
@@ -369,6 +417,48 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn expired_entries_are_kept_for_the_retention_and_read_only_as_kept() {
+        let t = MemoryTier::new(
+            1 << 20,
+            Duration::from_millis(50),
+            Duration::from_millis(400),
+            None,
+        );
+        let e = entry("stale soon", 50);
+        t.insert([1; 32], e.clone()).await;
+        assert!(t.get_by_key(&[1; 32]).await.is_some());
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        // Expired: never fresh, but kept (and its key with it) within the retention.
+        assert!(t.get_by_key(&[1; 32]).await.is_none());
+        assert!(t.get(e.id).await.is_none());
+        assert_eq!(t.get_kept_by_key(&[1; 32]).await.map(|k| k.id), Some(e.id));
+        assert_eq!(t.get_kept(e.id).await.map(|k| k.id), Some(e.id));
+        t.run_pending_tasks().await;
+        assert_eq!(t.weighted_size(), u64::from(e.weight()), "it still weighs");
+        // Past the retention: gone.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(t.get_kept_by_key(&[1; 32]).await.is_none());
+        assert!(t.get_kept(e.id).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn kept_entries_count_in_their_pool() {
+        let one = entry_in("a/x", &"x".repeat(1000), 50).weight() as u64;
+        let t = MemoryTier::new(
+            one * 40,
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+            None,
+        );
+        t.set_shares(Some(shares(&[("a", one * 10)], one * 30)), 1);
+        t.insert([1; 32], entry_in("a/x", &"x".repeat(1000), 50))
+            .await;
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        assert_eq!(t.pool_size("a/x"), Some(one), "recorded past its expiry");
+        assert!(t.get_kept_by_key(&[1; 32]).await.is_some());
+    }
+
+    #[tokio::test]
     async fn bounded_by_bytes_with_eviction_hook() {
         let evicted = Arc::new(AtomicUsize::new(0));
         let ev = evicted.clone();
@@ -376,7 +466,12 @@ mod tests {
             ev.fetch_add(1, Ordering::SeqCst);
         });
         let one = entry(&"x".repeat(1000), 60_000).weight() as u64;
-        let t = MemoryTier::new(one * 10, Duration::from_secs(60), Some(hook));
+        let t = MemoryTier::new(
+            one * 10,
+            Duration::from_secs(60),
+            Duration::ZERO,
+            Some(hook),
+        );
         for i in 0..50u8 {
             t.insert([i; 32], entry(&"x".repeat(1000), 60_000)).await;
             t.run_pending_tasks().await;
@@ -402,7 +497,7 @@ mod tests {
     #[tokio::test]
     async fn a_pool_flooding_the_tier_evicts_only_its_own_entries() {
         let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
-        let t = MemoryTier::new(one * 40, Duration::from_secs(60), None);
+        let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         t.set_shares(
             Some(shares(&[("a", one * 10), ("b", one * 10)], one * 20)),
             1,
@@ -449,7 +544,7 @@ mod tests {
     #[tokio::test]
     async fn shares_apply_to_what_is_held_and_can_be_lifted() {
         let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
-        let t = MemoryTier::new(one * 40, Duration::from_secs(60), None);
+        let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         for i in 0..20u8 {
             t.insert([i; 32], entry_in("a/x", &"x".repeat(1000), 60_000))
                 .await;
@@ -478,7 +573,7 @@ mod tests {
     #[tokio::test]
     async fn a_removed_entry_leaves_its_pool() {
         let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
-        let t = MemoryTier::new(one * 40, Duration::from_secs(60), None);
+        let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         t.set_shares(Some(shares(&[("a", one * 10)], one * 30)), 1);
         let e = entry_in("a/x", &"x".repeat(1000), 60_000);
         t.insert([1; 32], e.clone()).await;

@@ -9,14 +9,21 @@
 //!
 //! | key                        | value                                   | expiry          |
 //! |----------------------------|-----------------------------------------|-----------------|
-//! | `{prefix}:e:{<id>}`        | `{"v":1,"entry":{...}}` (JSON envelope) | entry's own     |
+//! | `{prefix}:e:{<id>}`        | `{"v":1,"entry":{...}}` (JSON envelope) | entry's own +   |
 //! | `{prefix}:k:<hex digest>`  | entry id (32 hex chars)                 | entry's / alias |
-//! | `{prefix}:ns:{<ns>}`       | sorted set of ids, score = expiry ms    | longest member  |
-//! | `{prefix}:tag:{<tag>}`     | sorted set of ids, score = expiry ms    | longest member  |
+//! | `{prefix}:ns:{<ns>}`       | sorted set of ids, score = kept until   | longest member  |
+//! | `{prefix}:tag:{<tag>}`     | sorted set of ids, score = kept until   | longest member  |
 //! | `{prefix}:events`          | stream of `op`, `id`, `ns`, `origin`    | `MAXLEN ~`      |
 //! | `{prefix}:policies`        | hash: `version`, `doc`, `origin`        | none            |
 //! | `{prefix}:blob:{<name>}`   | a component's value (`put_blob`)        | none or given   |
 //! | `{prefix}:hash:{<name>}`   | hash of values by field (`put_field`)   | given, renewed  |
+//!
+//! `+`: entries, their keys and their index entries are kept past the entry's expiry for the
+//! retention of expired entries ([`RedisTier::retain_expired`], the longest stale window;
+//! zero by default), so that a replica can still serve them stale (RFC 5861). The reads
+//! return such an expired entry like any other; callers tell them apart by
+//! `Entry::is_expired` (the [`crate::Store`] never treats one as fresh). Namespace and tag
+//! deletes reach kept entries too, since their index entries last as long.
 //!
 //! A policy event carries `version` instead of `id` and `ns`. The policy document is the
 //! server's (JSON); the tier only keeps its version rule (see `policies.rs`).
@@ -161,6 +168,7 @@ impl RedisTier {
             dropped: AtomicU64::new(0),
             up: AtomicBool::new(false),
             rounds: AtomicU64::new(0),
+            retain_ms: AtomicU64::new(0),
             queued_bytes: AtomicU64::new(0),
             queue_bytes: cfg.write_queue_bytes.max(1),
         });
@@ -213,6 +221,15 @@ impl RedisTier {
             return Ok(None);
         };
         self.shared.get(Op::GetByKey, id).await
+    }
+
+    /// Keeps entries written from now on (with their keys, aliases and index entries)
+    /// `retain` past their expiry, and reads expired entries that are still within it, so
+    /// that they can be served stale; zero (the default) drops them at expiry. Replicas
+    /// sharing one Redis should keep the same retention.
+    pub fn retain_expired(&self, retain: Duration) {
+        let ms = u64::try_from(retain.as_millis()).unwrap_or(u64::MAX);
+        self.shared.retain_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Bytes of writes queued and not yet applied (at most `write_queue_bytes`).
@@ -434,7 +451,8 @@ impl RedisTier {
         self.admin(|reply| Admin::Flush { reply }).await
     }
 
-    /// Every live entry (on a cluster, from every master) in one `Vec`: for tests and small
+    /// Every entry kept (on a cluster, from every master; expired ones within the retention
+    /// included) in one `Vec`: for tests and small
     /// stores; a replica's rebuild streams them with [`RedisTier::scan_pages`].
     pub async fn scan_entries(&self, progress: impl Fn(usize)) -> Result<Vec<Entry>, RedisError> {
         let (tx, mut rx) = mpsc::channel(4);
@@ -449,7 +467,8 @@ impl RedisTier {
         scanned.map(|_| out)
     }
 
-    /// Every live entry (on a cluster, from every master), to rebuild a replica's indexes,
+    /// Every entry kept (on a cluster, from every master; expired ones within the retention
+    /// included), to rebuild a replica's indexes,
     /// sent to `pages` one `SCAN` page at a time (so the keyspace is never held at once);
     /// the scan stops early, without error, when the receiver is dropped. Returns the count
     /// sent. `progress` is called with the running count after each page. Undecodable values

@@ -53,7 +53,8 @@ pub(crate) enum Evicted {
 /// Evictions waiting to be carried out in the tier.
 pub(crate) type EvictedQueue = Arc<Mutex<Vec<Evicted>>>;
 
-/// An entry's record: its weight and when it expires.
+/// An entry's record: its weight and when the tier drops it (its expiry plus the retention of
+/// expired entries).
 #[derive(Clone, Copy)]
 struct Record {
     weight: u32,
@@ -82,10 +83,19 @@ impl moka::Expiry<EntryId, Record> for RecordExpiry {
 pub(crate) struct Ledger {
     entries: Cache<EntryId, Record>,
     keys: Cache<Digest, ()>,
+    /// How long the tier holds expired entries past their expiry (milliseconds): their
+    /// records last as long, so kept entries still count in the pool.
+    retain_ms: u64,
 }
 
 impl Ledger {
-    fn new(bytes: u64, key_weight: u32, key_ttl: Duration, evicted: &EvictedQueue) -> Ledger {
+    fn new(
+        bytes: u64,
+        key_weight: u32,
+        key_ttl: Duration,
+        retain_ms: u64,
+        evicted: &EvictedQueue,
+    ) -> Ledger {
         let q = evicted.clone();
         let entries = Cache::builder()
             .max_capacity(bytes)
@@ -110,7 +120,11 @@ impl Ledger {
                 }
             })
             .build();
-        Ledger { entries, keys }
+        Ledger {
+            entries,
+            keys,
+            retain_ms,
+        }
     }
 
     /// Records an entry and settles the ledger; whether it was kept (an entry larger than
@@ -118,7 +132,7 @@ impl Ledger {
     pub(crate) fn record_entry(&self, entry: &Entry) -> bool {
         let record = Record {
             weight: entry.weight(),
-            expires_ms: entry.expires_ms,
+            expires_ms: entry.expires_ms.saturating_add(self.retain_ms),
         };
         self.entries.insert(entry.id, record);
         self.entries.run_pending_tasks();
@@ -165,6 +179,7 @@ impl Ledgers {
         shares: &MemoryShares,
         key_weight: u32,
         key_ttl: Duration,
+        retain_ms: u64,
         evicted: &EvictedQueue,
     ) -> Ledgers {
         Ledgers {
@@ -173,11 +188,11 @@ impl Ledgers {
                 .pools
                 .iter()
                 .map(|(name, bytes)| {
-                    let ledger = Ledger::new(*bytes, key_weight, key_ttl, evicted);
+                    let ledger = Ledger::new(*bytes, key_weight, key_ttl, retain_ms, evicted);
                     (name.clone(), ledger)
                 })
                 .collect(),
-            rest: Ledger::new(shares.rest, key_weight, key_ttl, evicted),
+            rest: Ledger::new(shares.rest, key_weight, key_ttl, retain_ms, evicted),
         }
     }
 

@@ -15,7 +15,10 @@
 //!   same queue, so an older pending put cannot resurrect a deleted entry;
 //! - a deletion wins over a late promotion: an entry removed from this replica is remembered
 //!   for a while ([`DELETED_TTL`]), and a copy read from Redis before the deletion (a
-//!   promotion, a replicated put, a rebuild's page) is not installed again.
+//!   promotion, a replicated put, a rebuild's page) is not installed again;
+//! - expired entries are kept for the stale windows (`retain`, RFC 5861) in memory and Redis
+//!   but are never fresh: only [`Store::find`] hands one out, as [`ByKey::Expired`], and
+//!   nothing installs, promotes, loads or indexes one.
 
 use std::borrow::Borrow;
 use std::sync::Arc;
@@ -44,6 +47,9 @@ pub enum ByKey {
     Fresh(Arc<Entry>),
     /// Only an entry too old for the caller (in memory, in Redis, or both).
     Stale,
+    /// Only an expired entry, still kept to be served stale (not judged by the caller's
+    /// freshness rule; of two, the later to expire).
+    Expired(Arc<Entry>),
     /// Nothing.
     Absent,
 }
@@ -65,6 +71,19 @@ pub struct Probe {
     pub memory: bool,
     /// Redis was asked (memory had nothing fresh) and served a fresh entry.
     pub redis: Option<bool>,
+}
+
+/// A key's expired entry, in memory or Redis, kept to be served stale.
+#[derive(Default)]
+struct Expired(Option<Arc<Entry>>);
+
+impl Expired {
+    /// Keeps `e` when it expires later than the one kept.
+    fn offer(&mut self, e: Arc<Entry>) {
+        if self.0.as_ref().is_none_or(|k| k.expires_ms < e.expires_ms) {
+            self.0 = Some(e);
+        }
+    }
 }
 
 /// What a bulk load ([`Store::load`]) installed.
@@ -89,15 +108,20 @@ pub struct Store {
     index: Option<Arc<SemanticIndex>>,
     /// Ids removed from this replica lately (see [`DELETED_TTL`]).
     deleted: moka::sync::Cache<EntryId, ()>,
+    /// How long expired entries are kept past their expiry, to be served stale.
+    retain: Duration,
 }
 
 impl Store {
     /// A store over a new memory tier of `memory_bytes` (keys kept at most `key_ttl`), the
-    /// given Redis tier and index. `on_evict` is told of every entry that leaves memory for
-    /// another reason than being replaced (after its vector was tombstoned).
+    /// given Redis tier and index. Expired entries are kept `retain` past their expiry in
+    /// memory and Redis (the longest stale window; zero: dropped at expiry). `on_evict` is
+    /// told of every entry that leaves memory for another reason than being replaced (after
+    /// its vector was tombstoned).
     pub fn new(
         memory_bytes: u64,
         key_ttl: Duration,
+        retain: Duration,
         redis: Option<RedisTier>,
         index: Option<Arc<SemanticIndex>>,
         on_evict: Option<Arc<dyn Fn(RemovalCause) + Send + Sync>>,
@@ -113,15 +137,24 @@ impl Store {
                 f(cause);
             }
         });
+        if let Some(r) = &redis {
+            r.retain_expired(retain);
+        }
         Store {
-            memory: MemoryTier::new(memory_bytes, key_ttl, Some(hook)),
+            memory: MemoryTier::new(memory_bytes, key_ttl, retain, Some(hook)),
             redis,
             index,
             deleted: moka::sync::Cache::builder()
                 .max_capacity(DELETED_MAX)
                 .time_to_live(DELETED_TTL)
                 .build(),
+            retain,
         }
+    }
+
+    /// How long expired entries are kept past their expiry, to be served stale.
+    pub fn retention(&self) -> Duration {
+        self.retain
     }
 
     /// Shares the memory budget out among pools (see [`crate::shares`]); `None`: one budget.
@@ -150,29 +183,52 @@ impl Store {
     // ---- reads ----
 
     /// The entry `key` leads to, in memory then in Redis, if `fresh` accepts it. A memory
-    /// entry that is too old may have been replaced by another replica, so Redis is asked
-    /// then too. An entry found in Redis is promoted into memory and the index.
+    /// entry that is too old (or expired) may have been replaced by another replica, so Redis
+    /// is asked then too. An entry found in Redis is promoted into memory and the index. With
+    /// nothing fresh or too old, an expired entry still kept is returned as
+    /// [`ByKey::Expired`] (not promoted: it is never fresh again).
     pub async fn find(&self, key: &Digest, fresh: impl Fn(&Entry) -> bool) -> (ByKey, Probe) {
         let mut probe = Probe::default();
-        let (hit, stale) = sort(self.memory.get_by_key(key).await, &fresh);
+        let mut expired = Expired::default();
+        let held = match self.memory.get_kept_by_key(key).await {
+            Some(e) if e.is_expired() => {
+                expired.offer(e);
+                None
+            }
+            held => held,
+        };
+        let (hit, stale) = sort(held, &fresh);
         if let Some(entry) = hit {
             probe.memory = true;
             return (ByKey::Fresh(entry), probe);
         }
-        let miss = |stale: bool| if stale { ByKey::Stale } else { ByKey::Absent };
+        let miss = |stale: bool, expired: Expired| match (stale, expired.0) {
+            (true, _) => ByKey::Stale,
+            (false, Some(e)) => ByKey::Expired(e),
+            (false, None) => ByKey::Absent,
+        };
         let Some(redis) = &self.redis else {
-            return (miss(stale), probe);
+            return (miss(stale, expired), probe);
         };
         let l2 = redis.get_by_key(key).await.ok().flatten();
-        let (l2, l2_stale) = sort(l2.filter(|e| !e.refuses_key(key)), &fresh);
+        let l2 = match l2.filter(|e| !e.refuses_key(key)) {
+            Some(e) if e.is_expired() => {
+                if !self.was_deleted(e.id) {
+                    expired.offer(Arc::new(e));
+                }
+                None
+            }
+            l2 => l2,
+        };
+        let (l2, l2_stale) = sort(l2, &fresh);
         probe.redis = Some(l2.is_some());
         let Some(l2) = l2 else {
-            return (miss(stale || l2_stale), probe);
+            return (miss(stale || l2_stale, expired), probe);
         };
         let Some(entry) = self.promote(l2).await else {
             // Deleted while it was being read: the deletion wins.
             probe.redis = Some(false);
-            return (miss(stale), probe);
+            return (miss(stale, expired), probe);
         };
         self.memory.alias(*key, entry.id).await;
         (ByKey::Fresh(entry), probe)
@@ -204,7 +260,8 @@ impl Store {
             return out;
         };
         for (i, l2) in missing.into_iter().zip(found) {
-            let Some(l2) = l2.filter(|e| !e.refuses_key(&keys[i]) && fresh(e)) else {
+            let usable = |e: &Entry| !e.refuses_key(&keys[i]) && !e.is_expired() && fresh(e);
+            let Some(l2) = l2.filter(usable) else {
                 continue;
             };
             let entry = self.install(l2).await;
@@ -219,18 +276,35 @@ impl Store {
         self.memory.get(id).await
     }
 
+    /// An entry held by any tier, expired ones kept for stale serving included: memory,
+    /// else Redis (nothing promoted). For the admin API.
+    pub async fn get_kept(&self, id: EntryId) -> Option<Arc<Entry>> {
+        if let Some(e) = self.memory.get_kept(id).await {
+            return Some(e);
+        }
+        let redis = self.redis.as_ref()?;
+        let e = redis.get(id).await.ok().flatten()?;
+        (!self.was_deleted(e.id)).then(|| Arc::new(e))
+    }
+
     /// An entry by id for serving a semantic candidate: memory, else Redis (promoted). Only
     /// when every tier answers that it does not hold it is its vector tombstoned, so it is not
     /// found again; a Redis that cannot answer (down, slow, breaker open) leaves the vector
-    /// alone: the entry may well still be there.
+    /// alone: the entry may well still be there. An expired entry (kept to be served stale
+    /// by its exact key) is no candidate: its vector is tombstoned, as it is never fresh
+    /// again.
     pub async fn fetch(&self, id: EntryId) -> Option<Arc<Entry>> {
-        if let Some(e) = self.memory.get(id).await {
-            return Some(e);
+        if let Some(e) = self.memory.get_kept(id).await {
+            if e.is_expired() {
+                self.tombstone(id);
+                return None;
+            }
+            return self.memory.get(id).await;
         }
         if let Some(redis) = &self.redis {
             match redis.get(id).await {
-                Ok(Some(e)) => return self.promote(e).await,
-                Ok(None) => {}
+                Ok(Some(e)) if !e.is_expired() => return self.promote(e).await,
+                Ok(_) => {}
                 Err(_) => return None,
             }
         }
@@ -424,7 +498,9 @@ impl Store {
         let mut vectors = Vec::new();
         let (budget, mut bytes, mut seen) = (self.memory.capacity(), 0u64, 0usize);
         'pages: while let Some(page) = pages.recv().await {
-            for entry in page {
+            // Expired entries kept in Redis to be served stale are not loaded (nor counted
+            // against the budget): found there on demand.
+            for entry in page.into_iter().filter(|e| !e.is_expired()) {
                 bytes += u64::from(entry.weight());
                 if bytes > budget {
                     loaded.stopped_at_budget = true;
@@ -537,7 +613,7 @@ impl Store {
     /// Deletes an entry everywhere (this replica, Redis and through it every replica).
     /// Returns whether any tier held it.
     pub async fn delete(&self, id: EntryId) -> Result<bool, RedisError> {
-        let local = self.memory.get(id).await.is_some();
+        let local = self.memory.get_kept(id).await.is_some();
         self.remove_local(id).await;
         let shared = match &self.redis {
             Some(r) => r.delete(id).await?,
@@ -590,7 +666,8 @@ impl Store {
 
     // ---- views ----
 
-    /// A snapshot of this replica's live entries.
+    /// A snapshot of the entries this replica holds, expired ones kept for stale serving
+    /// included (`Entry::is_expired` tells them apart).
     pub fn entries(&self) -> Vec<Arc<Entry>> {
         self.memory.iter_entries()
     }
@@ -656,7 +733,14 @@ mod tests {
 
     fn store() -> Store {
         let index = Arc::new(SemanticIndex::new(2, IndexConfig::default()));
-        Store::new(1 << 20, Duration::from_secs(60), None, Some(index), None)
+        Store::new(
+            1 << 20,
+            Duration::from_secs(60),
+            Duration::ZERO,
+            None,
+            Some(index),
+            None,
+        )
     }
 
     fn entry(text: &str, created_ms: u64) -> Entry {

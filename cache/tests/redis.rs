@@ -635,6 +635,7 @@ async fn a_store_promotes_what_another_replica_wrote() {
             Store::new(
                 1 << 20,
                 Duration::from_secs(60),
+                Duration::ZERO,
                 Some(redis),
                 Some(index),
                 None,
@@ -693,4 +694,75 @@ async fn a_store_promotes_what_another_replica_wrote() {
     assert!(b.delete(f.id).await.unwrap());
     assert!(b.get(f.id).await.is_none());
     assert_eq!(a.redis().unwrap().get(f.id).await.unwrap(), None);
+}
+
+/// With a retention, an expired entry stays in Redis (entry, key, index entries) for it: a
+/// second store that never held it finds it by key as `Expired`, never as fresh, and no other
+/// read hands it out (by id as a candidate, in a batch of turn links, a rebuild's load); a
+/// namespace delete still reaches it. Past the retention it is gone.
+#[tokio::test]
+async fn expired_entries_are_kept_for_the_retention_and_never_fresh() {
+    use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+    use reprise_cache::{ByKey, Store};
+
+    let server = RedisServer::start();
+    let store = |replica: &'static str| {
+        let url = server.url();
+        async move {
+            let redis = tier(config(url), replica).await;
+            let index = Arc::new(SemanticIndex::new(3, IndexConfig::default()));
+            Store::new(
+                1 << 20,
+                Duration::from_secs(60),
+                Duration::from_millis(1500),
+                Some(redis),
+                Some(index),
+                None,
+            )
+        }
+    };
+    let a = store("a").await;
+    let e = Arc::new(entry("ns", "soon stale", 300));
+    let f = Arc::new(entry("other", "also stale", 300));
+    a.insert(e.clone(), &[digest(1)]).await;
+    a.insert(f.clone(), &[digest(2)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let b = store("b").await;
+    let (found, probe) = b.find(&digest(1), |_| true).await;
+    match found {
+        ByKey::Expired(kept) => assert_eq!(kept.id, e.id),
+        other => panic!("expected the kept entry, got {other:?}"),
+    }
+    assert_eq!(probe.redis, Some(false), "not a fresh hit");
+    assert!(b.get(e.id).await.is_none(), "not promoted into memory");
+    assert!(b.fetch(e.id).await.is_none(), "no semantic candidate");
+    assert_eq!(b.find_many(&[digest(1)], |_| true).await, vec![None]);
+    let (pages, receive) = tokio::sync::mpsc::channel(2);
+    let redis = b.redis().unwrap().clone();
+    let (_, loaded) = tokio::join!(
+        redis.scan_pages(pages, |_| {}),
+        b.load_pages(receive, |_| {})
+    );
+    assert_eq!(loaded.entries, 0, "a rebuild loads no expired entry");
+    // The memory of the writer keeps it too, as expired.
+    assert!(matches!(
+        a.find(&digest(1), |_| true).await.0,
+        ByKey::Expired(_)
+    ));
+
+    // A namespace delete reaches a kept entry.
+    assert_eq!(b.delete_namespace("other").await.unwrap(), 1);
+    assert!(matches!(
+        b.find(&digest(2), |_| true).await.0,
+        ByKey::Absent
+    ));
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(matches!(
+        b.find(&digest(1), |_| true).await.0,
+        ByKey::Absent
+    ));
+    assert_eq!(b.redis().unwrap().get(e.id).await.unwrap(), None);
 }

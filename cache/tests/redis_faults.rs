@@ -23,6 +23,7 @@ async fn store(cfg: RedisConfig, replica: &str) -> Store {
     Store::new(
         1 << 20,
         Duration::from_secs(60),
+        Duration::ZERO,
         Some(redis),
         Some(index),
         None,
@@ -369,6 +370,7 @@ async fn a_rebuild_streams_and_stops_at_the_memory_budget() {
     let store = Store::new(
         capacity,
         Duration::from_secs(60),
+        Duration::ZERO,
         Some(redis.clone()),
         Some(index),
         None,

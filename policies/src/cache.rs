@@ -2,8 +2,9 @@
 //! `Cache-Control` directives, and how old an answer it accepts.
 //!
 //! [`Directives::parse`] reads the request's `Cache-Control` header values, [`access`] turns
-//! the directives into what the request may do with the cache, and [`Freshness`] says
-//! whether a stored answer is young enough for its `max-age`.
+//! the directives into what the request may do with the cache, [`Freshness`] says
+//! whether a stored answer is young enough for its `max-age`, and [`StaleWindows`] how long
+//! past its expiry an answer may still be served (RFC 5861).
 
 /// The largest `max-age` kept, in seconds: RFC 9111 1.2.2 has values too large to represent
 /// count as 2^31 seconds (about 68 years).
@@ -21,6 +22,14 @@ pub struct Directives {
     /// `max-age=N`: only answers at most N seconds old may be served (capped at
     /// [`MAX_AGE_CAP_SECS`]).
     pub max_age_secs: Option<u64>,
+    /// `stale-while-revalidate=N` (RFC 5861): an answer at most N seconds past its expiry
+    /// may be served while a fresh one is generated; narrows the policy's window, never
+    /// widens it (capped at [`MAX_AGE_CAP_SECS`]).
+    pub stale_while_revalidate_secs: Option<u64>,
+    /// `stale-if-error=N` (RFC 5861): an answer at most N seconds past its expiry may be
+    /// served when the backend fails; narrows the policy's window, never widens it (capped
+    /// at [`MAX_AGE_CAP_SECS`]).
+    pub stale_if_error_secs: Option<u64>,
 }
 
 /// A `Cache-Control` header the request cannot be served under. Its `Display` text is the
@@ -29,12 +38,22 @@ pub struct Directives {
 pub enum CacheControlError {
     /// A `max-age` whose value is empty or not all digits.
     BadMaxAge,
+    /// A `stale-while-revalidate` whose value is empty or not all digits.
+    BadStaleWhileRevalidate,
+    /// A `stale-if-error` whose value is empty or not all digits.
+    BadStaleIfError,
 }
 
 impl std::fmt::Display for CacheControlError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             CacheControlError::BadMaxAge => "max-age must be a whole number of seconds",
+            CacheControlError::BadStaleWhileRevalidate => {
+                "stale-while-revalidate must be a whole number of seconds"
+            }
+            CacheControlError::BadStaleIfError => {
+                "stale-if-error must be a whole number of seconds"
+            }
         })
     }
 }
@@ -45,8 +64,9 @@ impl Directives {
     /// Reads the directives of every `Cache-Control` header value of a request, in order.
     ///
     /// Directives are split on ',', trimmed and compared case-insensitively; unknown ones are
-    /// ignored. A `max-age` value may be quoted; one that is empty or not all digits is an
-    /// error; one too large counts as [`MAX_AGE_CAP_SECS`]; of several, the smallest wins.
+    /// ignored. A `max-age`, `stale-while-revalidate` or `stale-if-error` value may be quoted;
+    /// one that is empty or not all digits is an error; one too large counts as
+    /// [`MAX_AGE_CAP_SECS`]; of several of one name, the smallest wins.
     /// A value that is not visible ASCII (what `http::HeaderValue::to_str` refuses) counts as
     /// empty, so callers may pass `to_str().unwrap_or("")`.
     pub fn parse<'a>(
@@ -64,18 +84,24 @@ impl Directives {
                     "no-store" => d.no_store = true,
                     "only-if-cached" => d.only_if_cached = true,
                     other => {
-                        if let Some(value) = other.strip_prefix("max-age=") {
-                            let value = value.trim_matches('"');
-                            if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
-                                return Err(CacheControlError::BadMaxAge);
-                            }
-                            // All digits, so a parse error can only be an overflow.
-                            let secs = value
-                                .parse::<u64>()
-                                .map_or(MAX_AGE_CAP_SECS, |s| s.min(MAX_AGE_CAP_SECS));
-                            // Several max-age directives: the strictest wins.
-                            d.max_age_secs = Some(d.max_age_secs.map_or(secs, |m| m.min(secs)));
-                        }
+                        let Some((name, value)) = other.split_once('=') else {
+                            continue;
+                        };
+                        let (slot, bad) = match name {
+                            "max-age" => (&mut d.max_age_secs, CacheControlError::BadMaxAge),
+                            "stale-while-revalidate" => (
+                                &mut d.stale_while_revalidate_secs,
+                                CacheControlError::BadStaleWhileRevalidate,
+                            ),
+                            "stale-if-error" => (
+                                &mut d.stale_if_error_secs,
+                                CacheControlError::BadStaleIfError,
+                            ),
+                            _ => continue,
+                        };
+                        let secs = seconds(value).ok_or(bad)?;
+                        // Several of one directive: the strictest wins.
+                        *slot = Some(slot.map_or(secs, |m| m.min(secs)));
                     }
                 }
             }
@@ -89,6 +115,21 @@ impl Directives {
             max_age_secs: self.max_age_secs,
         }
     }
+}
+
+/// A delta-seconds value (RFC 9111 1.2.2), maybe quoted: `None` when empty or not all
+/// digits; one too large counts as [`MAX_AGE_CAP_SECS`].
+fn seconds(value: &str) -> Option<u64> {
+    let value = value.trim_matches('"');
+    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    // All digits, so a parse error can only be an overflow.
+    Some(
+        value
+            .parse::<u64>()
+            .map_or(MAX_AGE_CAP_SECS, |s| s.min(MAX_AGE_CAP_SECS)),
+    )
 }
 
 /// The bytes `http::HeaderValue::to_str` accepts: visible ASCII, space and tab.
@@ -111,6 +152,62 @@ impl Freshness {
         self.max_age_secs
             .is_none_or(|max| now_ms.saturating_sub(created_ms) <= max.saturating_mul(1000))
     }
+}
+
+/// How long past its expiry an answer may still be served (RFC 5861), in seconds; 0 turns a
+/// kind off. Expired answers are never fresh: these windows are the only way one is served.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StaleWindows {
+    /// Served at once while a fresh answer is generated in the background
+    /// (`stale-while-revalidate`).
+    pub while_revalidate_secs: u64,
+    /// Served instead of an error when the backend fails (`stale-if-error`).
+    pub if_error_secs: u64,
+}
+
+impl StaleWindows {
+    /// The policy's windows narrowed by the request's directives: a client may ask for less,
+    /// never for more.
+    pub fn narrowed(self, d: &Directives) -> StaleWindows {
+        let narrow = |policy: u64, asked: Option<u64>| asked.map_or(policy, |a| a.min(policy));
+        StaleWindows {
+            while_revalidate_secs: narrow(
+                self.while_revalidate_secs,
+                d.stale_while_revalidate_secs,
+            ),
+            if_error_secs: narrow(self.if_error_secs, d.stale_if_error_secs),
+        }
+    }
+
+    /// Whether an answer that expired at `expires_ms` may be served at `now_ms` (both Unix
+    /// milliseconds) while a fresh one is generated: expired, at most
+    /// `while_revalidate_secs` ago (to the millisecond).
+    pub fn while_revalidate(&self, expires_ms: u64, now_ms: u64) -> bool {
+        within(self.while_revalidate_secs, expires_ms, now_ms)
+    }
+
+    /// Whether an answer that expired at `expires_ms` may be served at `now_ms` when the
+    /// backend fails: expired, at most `if_error_secs` ago.
+    pub fn if_error(&self, expires_ms: u64, now_ms: u64) -> bool {
+        within(self.if_error_secs, expires_ms, now_ms)
+    }
+
+    /// Whether either kind may serve an answer that expired at `expires_ms`.
+    pub fn any(&self, expires_ms: u64, now_ms: u64) -> bool {
+        self.while_revalidate(expires_ms, now_ms) || self.if_error(expires_ms, now_ms)
+    }
+
+    /// The longer window, in seconds.
+    pub fn longest_secs(&self) -> u64 {
+        self.while_revalidate_secs.max(self.if_error_secs)
+    }
+}
+
+/// Expired (`now_ms >= expires_ms`) at most `window_secs` ago; never with a window of 0.
+fn within(window_secs: u64, expires_ms: u64, now_ms: u64) -> bool {
+    window_secs > 0
+        && now_ms >= expires_ms
+        && now_ms - expires_ms <= window_secs.saturating_mul(1000)
 }
 
 /// What the request may do with the cache.
@@ -212,6 +309,84 @@ mod tests {
             CacheControlError::BadMaxAge.to_string(),
             "max-age must be a whole number of seconds"
         );
+    }
+
+    #[test]
+    fn stale_directives_are_read_like_max_age() {
+        let d = parse(&["Stale-While-Revalidate=30, stale-if-error=\"600\""]).unwrap();
+        assert_eq!(d.stale_while_revalidate_secs, Some(30));
+        assert_eq!(d.stale_if_error_secs, Some(600));
+        // Several: the strictest wins; too large: the cap.
+        let d = parse(&[
+            "stale-if-error=60",
+            "stale-if-error=5, stale-while-revalidate=1e3",
+        ]);
+        assert_eq!(d, Err(CacheControlError::BadStaleWhileRevalidate));
+        let d = parse(&["stale-if-error=60", "stale-if-error=5"]).unwrap();
+        assert_eq!(d.stale_if_error_secs, Some(5));
+        let d = parse(&["stale-while-revalidate=99999999999999999999999"]).unwrap();
+        assert_eq!(d.stale_while_revalidate_secs, Some(MAX_AGE_CAP_SECS));
+        for (bad, err) in [
+            (
+                "stale-while-revalidate=",
+                CacheControlError::BadStaleWhileRevalidate,
+            ),
+            (
+                "stale-while-revalidate=-1",
+                CacheControlError::BadStaleWhileRevalidate,
+            ),
+            ("stale-if-error=soon", CacheControlError::BadStaleIfError),
+            ("stale-if-error=1.5", CacheControlError::BadStaleIfError),
+        ] {
+            assert_eq!(parse(&[bad]), Err(err), "{bad}");
+        }
+        assert_eq!(
+            CacheControlError::BadStaleIfError.to_string(),
+            "stale-if-error must be a whole number of seconds"
+        );
+        // Without a value they are unknown directives, ignored like any other.
+        assert_eq!(parse(&["stale-if-error"]), Ok(Directives::default()));
+    }
+
+    #[test]
+    fn a_client_narrows_the_stale_windows_never_widens_them() {
+        let policy = StaleWindows {
+            while_revalidate_secs: 60,
+            if_error_secs: 3600,
+        };
+        let asked = |v: &str| policy.narrowed(&parse(&[v]).unwrap());
+        assert_eq!(asked(""), policy);
+        assert_eq!(
+            asked("stale-while-revalidate=10, stale-if-error=999999"),
+            StaleWindows {
+                while_revalidate_secs: 10,
+                if_error_secs: 3600,
+            }
+        );
+        assert_eq!(asked("stale-if-error=0").if_error_secs, 0);
+        let off = StaleWindows::default();
+        assert_eq!(off.narrowed(&parse(&["stale-if-error=60"]).unwrap()), off);
+    }
+
+    #[test]
+    fn stale_window_boundaries() {
+        let w = StaleWindows {
+            while_revalidate_secs: 10,
+            if_error_secs: 0,
+        };
+        let expired = 1_000_000;
+        assert!(!w.while_revalidate(expired, expired - 1), "not expired yet");
+        assert!(w.while_revalidate(expired, expired));
+        assert!(w.while_revalidate(expired, expired + 10_000));
+        assert!(!w.while_revalidate(expired, expired + 10_001));
+        assert!(!w.if_error(expired, expired), "a window of 0 is off");
+        assert!(w.any(expired, expired + 1));
+        assert_eq!(w.longest_secs(), 10);
+        let huge = StaleWindows {
+            while_revalidate_secs: u64::MAX,
+            if_error_secs: u64::MAX,
+        };
+        assert!(huge.if_error(0, u64::MAX));
     }
 
     #[test]

@@ -286,7 +286,24 @@ pub struct CacheConfig {
     /// worded turns that reprise answered with the same entry share later hits); the ones
     /// after join the context by their raw text.
     pub context_turns: usize,
+    /// Stale-while-revalidate (RFC 5861): for this many seconds after an entry expired, a
+    /// request for it (by its exact key) is answered from it at once, marked stale, while
+    /// one regeneration in the background replaces it. 0 (the default) turns it off; at most
+    /// [`MAX_STALE_SECS`]. A tenant's policy and the request's `Cache-Control` may narrow it.
+    pub stale_while_revalidate_secs: u64,
+    /// Stale-if-error (RFC 5861): for this many seconds after an entry expired, a request for
+    /// it whose generation fails (backend unavailable, overloaded or failing, or no first
+    /// token in time) is answered from it, marked stale, instead of the error. 0 (the
+    /// default) turns it off; at most [`MAX_STALE_SECS`]. Narrowed like the other.
+    ///
+    /// Expired entries are kept (in memory, weighing in `memory_bytes`, and in Redis) for
+    /// the longer of the two windows past their expiry, never as fresh answers.
+    pub stale_if_error_secs: u64,
 }
+
+/// The longest stale window (`cache.stale_while_revalidate_secs`,
+/// `cache.stale_if_error_secs`): seven days.
+pub const MAX_STALE_SECS: u64 = 7 * 24 * 3600;
 
 impl Default for CacheConfig {
     fn default() -> Self {
@@ -297,6 +314,8 @@ impl Default for CacheConfig {
             snapshot_path: None,
             snapshot_interval_secs: 300,
             context_turns: 32,
+            stale_while_revalidate_secs: 0,
+            stale_if_error_secs: 0,
         }
     }
 }
@@ -305,6 +324,20 @@ impl CacheConfig {
     /// `ttl_secs` as a duration.
     pub fn ttl(&self) -> Duration {
         Duration::from_secs(self.ttl_secs)
+    }
+
+    /// The stale windows of the global policy.
+    pub fn stale_windows(&self) -> reprise_policies::cache::StaleWindows {
+        reprise_policies::cache::StaleWindows {
+            while_revalidate_secs: self.stale_while_revalidate_secs,
+            if_error_secs: self.stale_if_error_secs,
+        }
+    }
+
+    /// How long expired entries are kept past their expiry: the longer stale window (a
+    /// tenant's windows are at most these).
+    pub fn stale_retention(&self) -> Duration {
+        Duration::from_secs(self.stale_windows().longest_secs())
     }
 }
 
@@ -817,6 +850,20 @@ impl Config {
         if self.cache.ttl_secs == 0 {
             return Err(invalid("cache.ttl_secs", "must be positive"));
         }
+        for (key, secs) in [
+            (
+                "cache.stale_while_revalidate_secs",
+                self.cache.stale_while_revalidate_secs,
+            ),
+            ("cache.stale_if_error_secs", self.cache.stale_if_error_secs),
+        ] {
+            if secs > MAX_STALE_SECS {
+                return Err(invalid(
+                    key,
+                    format!("must be at most {MAX_STALE_SECS} (7 days)"),
+                ));
+            }
+        }
         let t = self.semantic.threshold;
         if t.is_nan() || t <= 0.0 || t > 1.0 {
             return Err(invalid("semantic.threshold", "must be in (0, 1]"));
@@ -992,6 +1039,53 @@ mod tests {
             assert!(err.contains(key), "{text}: {err}");
         }
         assert!(Config::from_toml("[[tenants]]\nname = \"a\"\nkeys = []\n").is_err());
+    }
+
+    #[test]
+    fn stale_windows_are_bounded_and_tenants_only_narrow_them() {
+        let c = Config::default();
+        assert_eq!(c.cache.stale_retention(), Duration::ZERO, "off by default");
+        let c = Config::from_toml(
+            "[cache]\nstale_while_revalidate_secs = 60\nstale_if_error_secs = 3600\n\
+             [[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n\
+             policy.stale_while_revalidate_secs = 0\npolicy.stale_if_error_secs = 600\n",
+        )
+        .unwrap();
+        assert_eq!(c.cache.stale_retention(), Duration::from_secs(3600));
+        let tenant = c.tenants[0].policy.stale_windows(c.cache.stale_windows());
+        assert_eq!(
+            (tenant.while_revalidate_secs, tenant.if_error_secs),
+            (0, 600)
+        );
+        let default = TenantPolicy::default().stale_windows(c.cache.stale_windows());
+        assert_eq!(
+            default,
+            c.cache.stale_windows(),
+            "absent: the global windows"
+        );
+        for (text, key) in [
+            (
+                "[cache]\nstale_while_revalidate_secs = 604801\n",
+                "cache.stale_while_revalidate_secs",
+            ),
+            (
+                "[cache]\nstale_if_error_secs = 99999999\n",
+                "cache.stale_if_error_secs",
+            ),
+            (
+                "[cache]\nstale_if_error_secs = 60\n[[tenants]]\nname = \"a\"\n\
+                 api_keys = [\"k\"]\npolicy.stale_if_error_secs = 61\n",
+                "tenants.policy.stale_if_error_secs",
+            ),
+            (
+                "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n\
+                 policy.stale_while_revalidate_secs = 1\n",
+                "tenants.policy.stale_while_revalidate_secs",
+            ),
+        ] {
+            let err = Config::from_toml(text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
     }
 
     #[test]

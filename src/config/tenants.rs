@@ -128,9 +128,19 @@ pub struct TenantPolicy {
     /// Lifetime of the answers it stores, in seconds, at most `cache.ttl_secs` (absent:
     /// `cache.ttl_secs`).
     pub ttl_secs: Option<u64>,
+    /// Its stale-while-revalidate window in seconds, at most
+    /// `cache.stale_while_revalidate_secs` (absent: that; 0: off for this tenant). Expired
+    /// entries are kept for the global windows, so a tenant can only narrow them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stale_while_revalidate_secs: Option<u64>,
+    /// Its stale-if-error window in seconds, at most `cache.stale_if_error_secs` (absent:
+    /// that; 0: off for this tenant).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stale_if_error_secs: Option<u64>,
     /// Client controls it may use: any of `no-cache`, `no-store`, `only-if-cached`,
-    /// `max-age`, `threshold` (`x-reprise-threshold`), `tags` (`x-reprise-tags`). Using
-    /// another gets 403.
+    /// `max-age`, `stale-while-revalidate`, `stale-if-error` (`Cache-Control` directives),
+    /// `threshold` (`x-reprise-threshold`), `tags` (`x-reprise-tags`). Using another gets
+    /// 403.
     pub controls: Vec<String>,
     /// Requests per minute (0: unlimited); beyond it 429 with `Retry-After`.
     pub requests_per_minute: u32,
@@ -162,6 +172,8 @@ pub const CLIENT_CONTROLS: &[&str] = &[
     "no-store",
     "only-if-cached",
     "max-age",
+    "stale-while-revalidate",
+    "stale-if-error",
     "threshold",
     "tags",
 ];
@@ -173,6 +185,8 @@ impl Default for TenantPolicy {
             models: Vec::new(),
             max_tokens: 0,
             ttl_secs: None,
+            stale_while_revalidate_secs: None,
+            stale_if_error_secs: None,
             controls: CLIENT_CONTROLS.iter().map(|c| c.to_string()).collect(),
             requests_per_minute: 0,
             tokens_per_minute: 0,
@@ -180,6 +194,21 @@ impl Default for TenantPolicy {
             memory_share: None,
             prefetch_share: None,
             delta: None,
+        }
+    }
+}
+
+impl TenantPolicy {
+    /// Its stale windows: its own where set, else the global ones (`global`, from `[cache]`).
+    pub fn stale_windows(
+        &self,
+        global: reprise_policies::cache::StaleWindows,
+    ) -> reprise_policies::cache::StaleWindows {
+        reprise_policies::cache::StaleWindows {
+            while_revalidate_secs: self
+                .stale_while_revalidate_secs
+                .unwrap_or(global.while_revalidate_secs),
+            if_error_secs: self.stale_if_error_secs.unwrap_or(global.if_error_secs),
         }
     }
 }
@@ -271,6 +300,30 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
                 "tenants.policy.ttl_secs",
                 "must be positive and at most cache.ttl_secs",
             ));
+        }
+        for (key, window, global) in [
+            (
+                "tenants.policy.stale_while_revalidate_secs",
+                t.policy.stale_while_revalidate_secs,
+                config.cache.stale_while_revalidate_secs,
+            ),
+            (
+                "tenants.policy.stale_if_error_secs",
+                t.policy.stale_if_error_secs,
+                config.cache.stale_if_error_secs,
+            ),
+        ] {
+            // Expired entries are kept only as long as the global windows say.
+            if window.is_some_and(|w| w > global) {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "tenant `{}`: must be at most cache.{}",
+                        t.name,
+                        key.trim_start_matches("tenants.policy.")
+                    ),
+                ));
+            }
         }
         for r in &t.policy.semantic_rules {
             if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {

@@ -1,11 +1,12 @@
-//! Background generation: prefetch and refresh-ahead generate requests nobody asked yet.
+//! Background generation: prefetch and refresh-ahead generate requests nobody asked yet;
+//! stale-while-revalidate regenerates, behind a stale answer, the request it answered.
 
 use std::sync::Arc;
 
 use reprise_backend::{BackendError, GenEvent, GenRequest, Priority, Usage};
 use reprise_cache::{Entry, EntryId, Origin};
 
-use crate::lookup::{self, Wants};
+use crate::lookup::{self, Wants, WritePlan};
 use crate::openai::Endpoint;
 use crate::state::AppState;
 
@@ -119,4 +120,59 @@ pub async fn generate_tagged(
         },
         _ => Background::Failed(BackendError::Internal("no entry after generation".into())),
     }
+}
+
+/// Stale-while-revalidate: regenerates `req`, whose client was just answered from the expired
+/// entry `stale`, in the background, and stores the answer as a miss would (`plan`, from the
+/// request's own lookup: its exact key, turn links, partition); the keys that led to `stale`
+/// then lead to the new entry (as refresh-ahead repoints them), so every wording served the
+/// old answer gets the new one.
+///
+/// Once per exact key: the generation is a flight in the registry under that key, started
+/// only when none is under way for it (concurrent stale answers of one question start one
+/// regeneration; a miss of the same question that arrives meanwhile follows it). `admit`
+/// (the tenant's token budget) is asked under the registry's lock, only by the caller that
+/// would start it. It runs at the request's priority, since interactive requests may follow
+/// it, within the deadlines of work nobody waits on; a failure leaves the stale entry as it
+/// is. Returns whether a regeneration started.
+pub(crate) fn revalidate(
+    state: &Arc<AppState>,
+    req: GenRequest,
+    plan: WritePlan,
+    stale: EntryId,
+    admit: impl FnOnce() -> bool,
+) -> bool {
+    let exact = plan.exact;
+    let Some((flight, mut sub)) = state.flights.lead(exact, plan.id, admit) else {
+        return false;
+    };
+    // A paraphrase asked meanwhile follows it, as it would follow a miss.
+    if let (Some(partition), Some(embedding)) = (plan.partition, plan.embedding.clone()) {
+        let prompt = Arc::from(reprise_policies::gate::capped(plan.read()));
+        state
+            .paraphrases
+            .register(partition, exact, prompt, embedding);
+    }
+    let id = plan.id;
+    super::spawn(state.clone(), flight, Some(exact), req, Some(plan));
+    let state = state.clone();
+    // The only subscriber: it keeps the flight alive to the end, or drops it (and so stops
+    // the backend) past a deadline.
+    tokio::spawn(async move {
+        let mut deadlines = super::Deadlines::new(&state.config.server);
+        loop {
+            match deadlines.next(sub.next()).await {
+                Ok(Some(Ok(_))) => {}
+                Ok(None) => break,
+                Ok(Some(Err(e))) | Err(e) => {
+                    tracing::debug!(error = %e, "stale-while-revalidate: regeneration failed");
+                    return;
+                }
+            }
+        }
+        if let Some(new) = state.store.get(id).await {
+            state.store.repoint(stale, &new).await;
+        }
+    });
+    true
 }

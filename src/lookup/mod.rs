@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use reprise_backend::{GenRequest, Input};
 use reprise_cache::{now_ms, ByKey, Entry, EntryId, Origin};
-use reprise_policies::cache::Freshness;
+use reprise_policies::cache::{Freshness, StaleWindows};
 use reprise_policies::semantic::SemanticPolicy;
 
 use crate::candidate::{Arm, Candidate, ShadowResult};
@@ -72,6 +72,10 @@ pub struct Lookup {
     /// The exact key leads to an entry, only one too old for this request: a paraphrase's
     /// answer served instead must not take the key from it.
     pub exact_taken: bool,
+    /// The exact key leads only to an expired entry, still kept, that the request's stale
+    /// windows ([`Wants::stale`]) and `max-age` admit: it may be served stale (never as a
+    /// hit). Found by the exact key only: the semantic tier serves fresh entries alone.
+    pub stale: Option<Arc<Entry>>,
     /// The embedder's queue was full (the seconds it asks callers to wait): the semantic
     /// lookup did not run.
     pub embed_overloaded: Option<u64>,
@@ -90,6 +94,7 @@ impl Lookup {
             prev_entry: None,
             policy: None,
             exact_taken: false,
+            stale: None,
             embed_overloaded: None,
             notes: Notes::default(),
         }
@@ -106,12 +111,20 @@ pub struct Wants {
     /// Which of the tenant's policies it is looked up under (its candidate's, or its own
     /// with the candidate's beside it in shadow mode).
     pub arm: Arm,
+    /// How long past their expiry it takes answers (the policy's stale windows narrowed by
+    /// its `Cache-Control`); none by default.
+    pub stale: StaleWindows,
 }
 
 impl Wants {
     /// Whether `entry` is young enough.
     pub fn fresh(&self, entry: &Entry) -> bool {
         self.freshness.admits(entry.created_ms, now_ms())
+    }
+
+    /// Whether the expired `entry` may be served stale (either window), within `max-age`.
+    pub fn takes_stale(&self, entry: &Entry) -> bool {
+        self.fresh(entry) && self.stale.any(entry.expires_ms, now_ms())
     }
 }
 
@@ -140,6 +153,9 @@ pub async fn lookup(
         found.notes.exact_ms = Some(ms(t));
         found.notes.tier = tier;
         found.exact_taken = matches!(by_key, ByKey::Stale);
+        if let ByKey::Expired(entry) = &by_key {
+            found.stale = wants.takes_stale(entry).then(|| entry.clone());
+        }
         by_key.fresh()
     } else {
         None
@@ -596,6 +612,52 @@ mod tests {
         assert!(found.exact_taken, "the key leads to an older answer");
         let any_age = find(&s, "ns", &q, Wants::default()).await;
         assert_eq!(any_age.hit.map(|h| h.outcome), Some(Outcome::Exact));
+    }
+
+    /// An expired answer kept for the stale windows is found by its exact key only, as
+    /// stale (never as a hit), when the request takes stale answers and its `max-age`
+    /// admits it; a paraphrase is not served it by meaning.
+    #[tokio::test]
+    async fn an_expired_answer_is_stale_by_its_exact_key_only() {
+        let mut config = Config::default();
+        config.semantic.enabled = true;
+        config.cache.ttl_secs = 1;
+        config.cache.stale_while_revalidate_secs = 60;
+        let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+        let embedder = Arc::new(FakeEmbedder::new(256));
+        let s = AppState::new(config, backend, Some(embedder)).unwrap();
+        let q = ask("How do I reset my password?");
+        let id = store(&s, "ns", &q, "Click forgot.").await;
+        let paraphrase = ask("how do I RESET my password");
+        assert!(find(&s, "ns", &paraphrase, Wants::default())
+            .await
+            .hit
+            .is_some());
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+        let takes_stale = Wants {
+            stale: StaleWindows {
+                while_revalidate_secs: 60,
+                if_error_secs: 0,
+            },
+            ..Wants::default()
+        };
+        let found = find(&s, "ns", &q, takes_stale).await;
+        assert!(found.hit.is_none(), "never a hit");
+        assert_eq!(found.stale.map(|e| e.id), Some(id));
+        let found = find(&s, "ns", &q, Wants::default()).await;
+        assert!(found.hit.is_none() && found.stale.is_none(), "not taken");
+        let found = find(&s, "ns", &paraphrase, takes_stale).await;
+        assert!(
+            found.hit.is_none() && found.stale.is_none(),
+            "not by meaning"
+        );
+        let too_old = Wants {
+            freshness: Freshness {
+                max_age_secs: Some(0),
+            },
+            ..takes_stale
+        };
+        assert!(find(&s, "ns", &q, too_old).await.stale.is_none(), "max-age");
     }
 
     #[tokio::test]

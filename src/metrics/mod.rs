@@ -16,6 +16,8 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 pub use request::{Finished, RequestMetrics, Saved, ANONYMOUS, OTHER_MODEL};
 
+use crate::degraded::Degraded;
+
 /// How a request was answered; the `outcome` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
@@ -124,6 +126,8 @@ pub struct Metrics {
     pub policy_version: Gauge,
     /// Shared policy versions from Redis that were not valid here (the running ones stayed).
     pub policy_sync_failures: Counter,
+    /// Answers served degraded, by kind (in the order of [`Degraded::ALL`]).
+    degraded: [Counter; 4],
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -170,6 +174,10 @@ pub fn prometheus() -> PrometheusHandle {
 }
 
 fn describe() {
+    describe_counter!(
+        "reprise_degraded_total",
+        "Answers served degraded, by kind (stale_while_revalidate, stale_if_error, loose_threshold, fallback); the request also counts under the outcome of the tier that served it."
+    );
     describe_counter!(
         "reprise_requests_total",
         "Requests answered, by outcome (exact, semantic, prefetch, miss, bypass, error), tenant and model."
@@ -487,7 +495,20 @@ impl Metrics {
             incomplete_generations: metrics::counter!("reprise_incomplete_generations_total"),
             policy_version: metrics::gauge!("reprise_policy_version"),
             policy_sync_failures: metrics::counter!("reprise_policy_sync_failures_total"),
+            // Every kind exposed at 0 from the start, so a rate has a series before the
+            // first degraded answer.
+            degraded: Degraded::ALL
+                .map(|d| metrics::counter!("reprise_degraded_total", "kind" => d.as_str())),
         }
+    }
+
+    /// Counts an answer served degraded.
+    pub fn degraded(&self, kind: Degraded) {
+        let i = Degraded::ALL
+            .iter()
+            .position(|d| *d == kind)
+            .expect("every kind is in ALL");
+        self.degraded[i].increment(1);
     }
 
     /// Counts a finished request: its outcome, latencies and savings by tenant and model.

@@ -24,7 +24,8 @@ pub struct Controls {
     pub namespace: String,
     /// `Cache-Control`: no-cache, no-store, only-if-cached (answer from the cache or fail
     /// with 504; never call the backend, never store), max-age=N (only answers at most N
-    /// seconds old may be served).
+    /// seconds old may be served), stale-while-revalidate=N and stale-if-error=N (narrow the
+    /// policy's stale windows).
     pub cache: Directives,
     /// Similarity threshold requested by the client (only ever raises the configured one).
     pub threshold: Option<f32>,
@@ -129,6 +130,11 @@ impl Controls {
             (c.no_store, "no-store"),
             (c.only_if_cached, "only-if-cached"),
             (c.max_age_secs.is_some(), "max-age"),
+            (
+                c.stale_while_revalidate_secs.is_some(),
+                "stale-while-revalidate",
+            ),
+            (c.stale_if_error_secs.is_some(), "stale-if-error"),
             (self.threshold.is_some(), "threshold"),
             (!self.tags.is_empty(), "tags"),
         ]

@@ -42,10 +42,12 @@ pub async fn explain(
     let ctl = Controls::from_headers(headers, &tenant)?;
     policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     let access = policy::access(state, &tenant, &ctl);
+    let stale = policy::stale_windows(state, &tenant, &ctl);
     let wants = Wants {
         threshold: ctl.threshold,
         freshness: ctl.cache.freshness(),
         arm: Arm::Current,
+        stale,
     };
     let req = &parsed.req;
     let found = lookup::lookup(
@@ -89,6 +91,17 @@ pub async fn explain(
             "entry": hit.entry.id.to_string(),
             "similarity": hit.similarity,
         }),
+        None if found
+            .stale
+            .as_ref()
+            .is_some_and(|e| stale.while_revalidate(e.expires_ms, reprise_cache::now_ms())) =>
+        {
+            json!({
+                "outcome": "stale",
+                "degraded": crate::degraded::Degraded::StaleWhileRevalidate.header_value(),
+                "entry": found.stale.as_ref().map(|e| e.id.to_string()),
+            })
+        }
         None if !access.generate => json!({"outcome": "not_cached"}),
         None if access.write => json!({"outcome": "miss"}),
         None => json!({"outcome": "bypass"}),
@@ -98,6 +111,10 @@ pub async fn explain(
         "namespace": crate::auth::sub_namespace(&ctl.namespace),
         "exact_key": hex::encode(plan.exact),
         "exact_key_too_old": found.exact_taken,
+        "stale_entry": found.stale.as_ref().map(|e| json!({
+            "entry": e.id.to_string(),
+            "expired_secs": e.expired_for_ms() / 1000,
+        })),
         "read": access.read,
         "write": access.write,
         "partition": plan.partition.map(hex::encode),

@@ -10,14 +10,18 @@
 //! 4. **exact lookup** ([`crate::lookup::exact`]) by the blake3 key of the canonical request;
 //! 5. **semantic lookup** ([`crate::lookup::semantic`]): the last user turn by meaning, in its
 //!    partition, through the false-hit gate (both lookups live in [`crate::lookup`] because
-//!    background generation shares them);
+//!    background generation shares them); without a fresh answer, an expired one within the
+//!    stale-while-revalidate window is served at once, marked stale, while one regeneration
+//!    replaces it ([`crate::generate::revalidate`]);
 //! 6. **single-flight** ([`single_flight`]): follow an identical generation, or a paraphrase
 //!    being generated, or lead a new one;
 //! 7. **generation** ([`crate::generate`]): a driver task runs the backend into the flight;
 //! 8. **write-back**: a miss is stored by the driver task when it finished
 //!    ([`crate::generate::write_back`], never for errors, cut-off streams or abandoned
 //!    generations); a hit links this request's keys to the entry ([`write_back`]);
-//! 9. **respond** ([`respond`], [`sse`]): JSON or SSE, with the cache status headers.
+//! 9. **respond** ([`respond`], [`sse`]): JSON or SSE, with the cache status headers; a
+//!    generation that fails before answering is answered from an expired entry within the
+//!    stale-if-error window instead, when there is one.
 //!
 //! The request's metrics and log line are kept by a [`Bookkeeping`] that is written when the
 //! response is done.
@@ -42,6 +46,7 @@ use crate::auth::Tenant;
 use crate::bookkeeping::{Bookkeeping, CanarySide};
 use crate::candidate::Arm;
 use crate::config::CandidateMode;
+use crate::degraded::Degraded;
 use crate::error::ApiError;
 use crate::feedback::{self, Served};
 pub use crate::forward::Forward;
@@ -115,10 +120,12 @@ async fn serve(
 
     // 4. Exact and 5. semantic lookup.
     let arm = candidate_arm(&tenant, book);
+    let stale_windows = policy::stale_windows(state, &tenant, &ctl);
     let wants = Wants {
         threshold: ctl.threshold,
         freshness: ctl.cache.freshness(),
         arm,
+        stale: stale_windows,
     };
     let counted = book.is_counted();
     let within = tokio::time::Instant::now() + state.config.server.lookup_timeout();
@@ -178,6 +185,32 @@ async fn serve(
         state.responses.remember(state, renderer.id(), s).await;
         return Ok(respond::hit(&parsed, renderer, hit, book));
     }
+    // Nothing fresh; an expired entry within the stale-while-revalidate window is served at
+    // once while one regeneration replaces it (when this request may write and generate,
+    // within the tenant's token budget; otherwise it is only served).
+    let stale = found.stale.take();
+    let now = reprise_cache::now_ms();
+    if let Some(entry) = stale
+        .clone()
+        .filter(|e| stale_windows.while_revalidate(e.expires_ms, now))
+    {
+        if access.write && access.generate {
+            let mut plan = found.plan;
+            plan.tags = merged_tags(&entry.tags, &ctl.tags);
+            plan.observe = observe;
+            let charge = parsed
+                .req
+                .params
+                .max_tokens
+                .unwrap_or(state.config.backend.default_max_tokens);
+            let admit = || tenant.take_tokens(charge).is_ok();
+            crate::generate::revalidate(state, parsed.req.clone(), plan, entry.id, admit);
+        }
+        let s = served(Some(entry.id), Outcome::Exact, None, book);
+        state.responses.remember(state, renderer.id(), s).await;
+        let kind = Degraded::StaleWhileRevalidate;
+        return Ok(respond::stale(&parsed, renderer, entry, kind, book));
+    }
     // The embedder's queue is full: the semantic lookup this request needed did not run.
     // Answering it from the backend would hand the backend every request while the embedder
     // is overloaded; the client is asked to retry instead.
@@ -206,20 +239,64 @@ async fn serve(
     let outcome = book.outcome;
     let s = served(joined.subscriber.entry(), outcome, joined.similarity, book);
     state.responses.remember(state, renderer.id(), s).await;
-    let mut resp = respond::generation(
+    let generated = respond::generation(
         state,
         &parsed,
-        renderer,
+        renderer.clone(),
         joined.subscriber,
         outcome,
         book,
         deadline,
     )
-    .await?;
+    .await;
+    let mut resp = match generated {
+        // The backend failed before answering: an expired entry within the stale-if-error
+        // window answers instead of the error.
+        Err(e) if backend_failed(&e) => {
+            match stale.filter(|e| stale_windows.if_error(e.expires_ms, reprise_cache::now_ms())) {
+                Some(entry) => {
+                    tracing::debug!(error = %e, "generation failed; answered stale");
+                    let s = served(Some(entry.id), Outcome::Exact, None, book);
+                    state.responses.remember(state, renderer.id(), s).await;
+                    let kind = Degraded::StaleIfError;
+                    return Ok(respond::stale(&parsed, renderer, entry, kind, book));
+                }
+                None => return Err(e),
+            }
+        }
+        other => other?,
+    };
     if let Some(sim) = joined.similarity {
         crate::headers::set_similarity(&mut resp, sim);
     }
     Ok(resp)
+}
+
+/// Whether a failed generation is one a stale answer may stand in for (stale-if-error): the
+/// backend unavailable, overloaded, failing or timing out, or no first token within the
+/// first-token deadline. A request the backend refuses (invalid, unknown model) is not.
+fn backend_failed(e: &ApiError) -> bool {
+    use reprise_backend::BackendError as B;
+    matches!(
+        e,
+        ApiError::Timeout
+            | ApiError::Backend(
+                B::Unavailable(_) | B::Timeout | B::Overloaded { .. } | B::Internal(_)
+            )
+    )
+}
+
+/// The tags of a regenerated entry: those of the entry it replaces (so a tag delete still
+/// reaches it) and the request's, at most [`controls::MAX_TAGS`].
+fn merged_tags(old: &[String], asked: &[String]) -> Vec<String> {
+    let mut tags = old.to_vec();
+    for t in asked {
+        if !tags.contains(t) {
+            tags.push(t.clone());
+        }
+    }
+    tags.truncate(controls::MAX_TAGS);
+    tags
 }
 
 /// The question of a request, as people read it: the last user turn, or the raw prompt.

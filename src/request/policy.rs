@@ -4,7 +4,7 @@
 
 use axum::body::Bytes;
 use reprise_backend::GenRequest;
-use reprise_policies::cache::Access;
+use reprise_policies::cache::{Access, StaleWindows};
 
 use crate::auth::Tenant;
 use crate::error::ApiError;
@@ -19,6 +19,14 @@ pub fn access(state: &AppState, tenant: &Tenant, ctl: &Controls) -> Access {
     let mut access = reprise_policies::cache::access(state.config.cache.enabled, ctl.cache);
     access.write &= !tenant.policy().read_only;
     access
+}
+
+/// How long past their expiry the request takes answers (RFC 5861): the tenant's stale
+/// windows (else `[cache]`'s), narrowed by the request's `Cache-Control`
+/// (`stale-while-revalidate=N`, `stale-if-error=N`: a client may ask for less, never more).
+pub fn stale_windows(state: &AppState, tenant: &Tenant, ctl: &Controls) -> StaleWindows {
+    let global = state.config.cache.stale_windows();
+    tenant.policy().stale_windows(global).narrowed(&ctl.cache)
 }
 
 /// Applies the tenant's `max_tokens` cap: a request without `max_tokens` gets the cap, one

@@ -7,11 +7,13 @@ use std::sync::Arc;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use reprise_backend::{BackendError, FinishReason, GenEvent, Usage};
+use reprise_cache::Entry;
 
 use crate::bookkeeping::Bookkeeping;
+use crate::degraded::Degraded;
 use crate::error::ApiError;
 use crate::flight::Subscriber;
-use crate::headers::{set_cache_status, set_entry, set_similarity};
+use crate::headers::{set_cache_status, set_entry, set_similarity, set_stale};
 use crate::lookup::Hit;
 use crate::metrics::Outcome;
 use crate::openai::Renderer;
@@ -60,6 +62,28 @@ pub fn hit(parsed: &Parsed, renderer: Renderer, hit: Hit, book: &mut Bookkeeping
     if let Some(sim) = similarity {
         set_similarity(&mut resp, sim);
     }
+    resp
+}
+
+/// Answers from an expired entry (stale-while-revalidate, stale-if-error): as a hit of the
+/// exact tier (its outcome in the metrics), marked stale in the headers and degraded in the
+/// log line and `reprise_degraded_total`.
+pub fn stale(
+    parsed: &Parsed,
+    renderer: Renderer,
+    entry: Arc<Entry>,
+    kind: Degraded,
+    book: &mut Bookkeeping,
+) -> Response {
+    // Before `hit`, which may move the bookkeeping into a stream.
+    book.degraded(kind);
+    let served = Hit {
+        entry: entry.clone(),
+        outcome: Outcome::Exact,
+        similarity: None,
+    };
+    let mut resp = hit(parsed, renderer, served, book);
+    set_stale(&mut resp, &entry, kind);
     resp
 }
 

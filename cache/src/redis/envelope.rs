@@ -1,11 +1,11 @@
 //! The versioned JSON envelope an entry is stored in, and decoding a stored value: anything
-//! but a current envelope of the expected, unexpired entry with a usable embedding is skipped
-//! (a miss, counted). Values over `max_value_bytes` are not even read (`shared.rs`).
+//! but a current envelope of the expected entry, unexpired or within the retention of expired
+//! entries, with a usable embedding is skipped (a miss, counted). Values over `max_value_bytes` are not even read (`shared.rs`).
 
 use serde::{Deserialize, Serialize};
 
 use super::shared::Shared;
-use crate::entry::{Entry, EntryId};
+use crate::entry::{now_ms, Entry, EntryId};
 
 /// Version of the stored envelope; readers skip any other.
 pub(super) const ENVELOPE_VERSION: u32 = 1;
@@ -34,8 +34,8 @@ impl Shared {
                 self.skip(name, "entry id does not match its key");
                 None
             }
-            // Redis expires it at the same moment; clocks of replicas may differ slightly.
-            Ok(env) if env.entry.is_expired() => None,
+            // Redis drops it at the same moment; clocks of replicas may differ slightly.
+            Ok(env) if now_ms() >= self.kept_until(env.entry.expires_ms) => None,
             Ok(env)
                 if env
                     .entry

@@ -62,6 +62,16 @@ pub(super) struct Shared {
     pub(super) queue_bytes: u64,
     /// Operations run (each one round trip: a command, a pipeline or a batch sent together).
     pub(super) rounds: AtomicU64,
+    /// How long entries (and their keys and index entries) are kept past their expiry, to be
+    /// served stale, milliseconds ([`super::RedisTier::retain_expired`]).
+    pub(super) retain_ms: AtomicU64,
+}
+
+impl Shared {
+    /// Until when (Unix milliseconds) something that expires at `expires_ms` is kept.
+    pub(super) fn kept_until(&self, expires_ms: u64) -> u64 {
+        expires_ms.saturating_add(self.retain_ms.load(Ordering::Relaxed))
+    }
 }
 
 impl Shared {

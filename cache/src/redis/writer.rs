@@ -17,7 +17,8 @@ use super::shared::Shared;
 use super::RedisTier;
 use crate::entry::{now_ms, Digest, EntryId};
 
-/// Adds an id to an index sorted set (score = its expiry), prunes expired ids and makes the
+/// Adds an id to an index sorted set (score = its expiry plus the retention of expired
+/// entries: until when it is kept), prunes ids no longer kept and makes the
 /// set outlive its longest-lived member. One script so the three steps see one state; it
 /// touches a single key, so it runs on a cluster too. `PTTL` is -1 for a set without expiry,
 /// which is below any TTL, so a fresh set always gets one.
@@ -217,12 +218,15 @@ impl Shared {
                 keys,
                 tags,
             } => {
+                // Kept past its expiry for the stale windows: the entry, its keys and its
+                // index entries alike (a namespace or tag delete must reach a kept entry).
                 let now = now_ms();
-                let ttl = expires_ms.saturating_sub(now);
+                let until = self.kept_until(expires_ms);
+                let ttl = until.saturating_sub(now);
                 if ttl == 0 {
                     return Ok(());
                 }
-                self.put(id, &namespace, expires_ms, now, ttl, bytes, &keys, &tags)
+                self.put(id, &namespace, until, now, ttl, bytes, &keys, &tags)
                     .await
             }
             Write::Alias {
@@ -230,7 +234,7 @@ impl Shared {
                 id,
                 expires_ms,
             } => {
-                let ttl = expires_ms.saturating_sub(now_ms());
+                let ttl = self.kept_until(expires_ms).saturating_sub(now_ms());
                 if ttl == 0 {
                     return Ok(());
                 }
@@ -288,7 +292,7 @@ impl Shared {
         &self,
         id: EntryId,
         namespace: &str,
-        expires_ms: u64,
+        kept_until: u64,
         now: u64,
         ttl: u64,
         bytes: Vec<u8>,
@@ -312,7 +316,7 @@ impl Shared {
             }
             cmd.arg(bytes)
                 .arg(ttl)
-                .arg(expires_ms)
+                .arg(kept_until)
                 .arg(&id_str)
                 .arg(now)
                 .arg(indexes.len())
@@ -331,7 +335,7 @@ impl Shared {
                     .arg(INDEX_SCRIPT)
                     .arg(1)
                     .arg(name)
-                    .arg(expires_ms)
+                    .arg(kept_until)
                     .arg(&id_str)
                     .arg(now)
                     .arg(ttl)

@@ -1,0 +1,312 @@
+//! Stale answers (RFC 5861) through the server: an expired entry served at once while one
+//! regeneration replaces it (`stale-while-revalidate`), or instead of an error when the
+//! backend fails (`stale-if-error`), each within its window, marked stale; the request's
+//! `Cache-Control` only narrows the windows. The scripted backend counts generations and
+//! fails on demand; entries live one or two seconds, and the tests wait for expiry by polling
+//! the entry's own expiry time.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use reprise::config::TenantConfig;
+use reprise::Config;
+use reprise_backend::fake::{Failure, ScriptConfig};
+use reprise_backend::BackendError;
+use reprise_cache::{now_ms, EntryId};
+use serde_json::Value;
+
+/// A config whose entries live `ttl_secs`, with the given stale windows.
+fn stale_config(ttl_secs: u64, while_revalidate: u64, if_error: u64) -> Config {
+    let mut c = test_config();
+    c.cache.ttl_secs = ttl_secs;
+    c.cache.stale_while_revalidate_secs = while_revalidate;
+    c.cache.stale_if_error_secs = if_error;
+    c
+}
+
+fn script(reply: &str) -> ScriptConfig {
+    ScriptConfig {
+        reply: reply.into(),
+        ..ScriptConfig::default()
+    }
+}
+
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+}
+
+/// The entry an answer names.
+fn entry_of(r: &reqwest::Response) -> EntryId {
+    header(r, "x-reprise-entry").unwrap().parse().unwrap()
+}
+
+/// Waits until entry `id` of `app` is `past_ms` past its expiry (polling its expiry time).
+async fn wait_past_expiry(app: &TestApp, id: EntryId, past_ms: u64) {
+    let expires = eventually_expiry(app, id).await;
+    while now_ms() < expires + past_ms {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn eventually_expiry(app: &TestApp, id: EntryId) -> u64 {
+    for _ in 0..500 {
+        if let Some(e) = app.state.store.entries().into_iter().find(|e| e.id == id) {
+            return e.expires_ms;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("entry {id} was never stored");
+}
+
+/// Asserts that `r` is a stale answer of `kind` from `entry`, and returns its text.
+async fn assert_stale(r: reqwest::Response, kind: &str, entry: EntryId) -> String {
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "stale");
+    assert_eq!(header(&r, "x-reprise-degraded").as_deref(), Some(kind));
+    let status = header(&r, "cache-status").unwrap();
+    let ttl = status
+        .split("; ")
+        .find_map(|p| p.strip_prefix("ttl="))
+        .unwrap_or_else(|| panic!("no ttl in {status}"));
+    assert!(ttl.parse::<i64>().unwrap() < 0, "{status}");
+    assert!(status.starts_with("reprise; hit; "), "{status}");
+    assert!(status.ends_with(&format!("detail={kind}")), "{status}");
+    assert!(header(&r, "age").is_some(), "Age as for hits");
+    assert_eq!(entry_of(&r), entry);
+    content(r).await
+}
+
+/// Within the stale-while-revalidate window an expired answer is served at once (before
+/// the regeneration has finished), several concurrent requests start one regeneration, and
+/// then the fresh answer is an ordinary hit.
+#[tokio::test]
+async fn stale_while_revalidate_answers_at_once_and_regenerates_once() {
+    let (app, backend) = spawn_fake(stale_config(2, 60, 0), script("first")).await;
+    let body = chat_body("What is the weather like?");
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let old = entry_of(&r);
+    wait_past_expiry(&app, old, 0).await;
+
+    // The regeneration is slow: the stale answers must not wait for it.
+    backend.set_config(ScriptConfig {
+        first_token_delay: Duration::from_secs(3),
+        ..script("second")
+    });
+    let answers = futures::future::join_all((0..5).map(|_| app.chat(&body, &[]))).await;
+    assert_eq!(
+        backend.completed(),
+        1,
+        "answered before the regeneration ended"
+    );
+    for r in answers {
+        assert_eq!(
+            assert_stale(r, "stale-while-revalidate", old).await,
+            "first"
+        );
+    }
+    // One regeneration for all five.
+    assert!(eventually(Duration::from_secs(10), || backend.completed() == 2).await);
+    assert_eq!(backend.calls(), 2);
+
+    // The fresh answer replaced it: an ordinary hit.
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(header(&r, "x-reprise-degraded"), None);
+    assert_eq!(header(&r, "cache-status").unwrap(), "reprise; hit");
+    assert_ne!(entry_of(&r), old);
+    assert_eq!(content(r).await, "second");
+    assert_eq!(backend.calls(), 2);
+
+    // Counted under the tier that served it, and as degraded.
+    let metrics = app.metrics_text().await;
+    let degraded = metrics
+        .lines()
+        .find(|l| l.starts_with("reprise_degraded_total{kind=\"stale_while_revalidate\"}"))
+        .unwrap_or_else(|| panic!("no degraded series in\n{metrics}"));
+    let n: f64 = degraded.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(n >= 5.0, "{degraded}");
+}
+
+/// Past the stale-while-revalidate window an expired answer is an ordinary miss.
+#[tokio::test]
+async fn beyond_the_stale_while_revalidate_window_it_is_a_miss() {
+    let (app, backend) = spawn_fake(stale_config(1, 1, 0), script("first")).await;
+    let body = chat_body("Which way is north?");
+    let old = entry_of(&app.chat(&body, &[]).await);
+    wait_past_expiry(&app, old, 1100).await;
+    backend.set_config(script("second"));
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(header(&r, "x-reprise-degraded"), None);
+    assert_eq!(content(r).await, "second");
+    assert_eq!(backend.calls(), 2);
+}
+
+/// With the backend failing, an expired answer within the stale-if-error window is served
+/// (JSON and SSE) instead of the error, also when the first token does not come in time; a
+/// question with nothing stale still gets the clear error, and so does a request that asks
+/// for no stale answer.
+#[tokio::test]
+async fn stale_if_error_answers_instead_of_a_backend_failure() {
+    let mut config = stale_config(1, 0, 60);
+    config.server.first_token_timeout_secs = 0.5;
+    let (app, backend) = spawn_fake(config, script("first")).await;
+    let body = chat_body("Is the bridge open?");
+    let old = entry_of(&app.chat(&body, &[]).await);
+    wait_past_expiry(&app, old, 0).await;
+
+    backend.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(assert_stale(r, "stale-if-error", old).await, "first");
+    let mut streamed = body.clone();
+    streamed["stream"] = Value::Bool(true);
+    let r = app.chat(&streamed, &[]).await;
+    assert_eq!(cache_status(&r), "stale");
+    let data = sse_data(&r.text().await.unwrap());
+    assert_eq!(sse_text(&data), "first");
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+
+    // Nothing stale for a new question: the error as before.
+    let r = app.chat(&chat_body("Is the tunnel open?"), &[]).await;
+    assert_eq!(cache_status(&r), "error");
+    assert_eq!(header(&r, "x-reprise-degraded"), None);
+    assert_openai_error(r, 502, None).await;
+    // A client that takes no stale answer gets the error too.
+    let r = app
+        .chat(&body, &[("cache-control", "stale-if-error=0")])
+        .await;
+    assert_openai_error(r, 502, None).await;
+
+    // No first token within the first-token timeout: a failure too.
+    backend.set_failure(Failure::None);
+    backend.set_config(ScriptConfig {
+        first_token_delay: Duration::from_secs(5),
+        ..script("late")
+    });
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(assert_stale(r, "stale-if-error", old).await, "first");
+}
+
+/// Stale-if-error off (the default): the backend's failure is the answer.
+#[tokio::test]
+async fn without_a_stale_if_error_window_the_failure_is_the_answer() {
+    let (app, backend) = spawn_fake(stale_config(1, 0, 0), script("first")).await;
+    let body = chat_body("Is the ferry running?");
+    let old = entry_of(&app.chat(&body, &[]).await);
+    wait_past_expiry(&app, old, 0).await;
+    backend.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
+    let r = app
+        .chat(&body, &[("cache-control", "stale-if-error=60")])
+        .await;
+    assert_eq!(cache_status(&r), "error");
+    assert_openai_error(r, 502, None).await;
+}
+
+/// The request's directives only narrow the policy's windows: asking for more than the
+/// policy gives nothing more, asking for less (or 0) gets less; a bad value is a 400 like a
+/// bad `max-age`; a tenant's policy narrows the global windows and may forbid the
+/// directives.
+#[tokio::test]
+async fn the_request_narrows_the_windows_never_widens_them() {
+    let mut config = stale_config(1, 1, 0);
+    let mut narrow = TenantConfig::with_key("narrow", "sk-narrow");
+    narrow.policy.stale_while_revalidate_secs = Some(0);
+    let mut gated = TenantConfig::with_key("gated", "sk-gated");
+    gated.policy.controls = vec!["max-age".into()];
+    config.tenants = vec![narrow, gated];
+    let (app, backend) = spawn_fake(config, script("first")).await;
+
+    // Asking for an hour past a policy of one second: a miss once that second has passed.
+    let body = chat_body("How tall is the tower?");
+    let old = entry_of(&app.chat(&body, &[]).await);
+    wait_past_expiry(&app, old, 1100).await;
+    let long = [("cache-control", "stale-while-revalidate=3600")];
+    assert_eq!(cache_status(&app.chat(&body, &long).await), "miss");
+
+    // Asking for 0 within the policy's window: no stale answer.
+    let body = chat_body("How deep is the lake?");
+    let old = entry_of(&app.chat(&body, &[]).await);
+    wait_past_expiry(&app, old, 0).await;
+    let none = [("cache-control", "stale-while-revalidate=0")];
+    assert_eq!(cache_status(&app.chat(&body, &none).await), "miss");
+    assert_eq!(backend.calls(), 4);
+
+    for bad in [
+        "stale-while-revalidate=soon",
+        "stale-if-error=-1",
+        "stale-if-error=",
+    ] {
+        let r = app.chat(&body, &[("cache-control", bad)]).await;
+        let j = assert_openai_error(r, 400, Some("cache-control")).await;
+        let message = j["error"]["message"].as_str().unwrap();
+        assert!(message.contains("whole number of seconds"), "{message}");
+    }
+
+    // A tenant whose window is 0: its expired answers are misses.
+    let auth = [("authorization", "Bearer sk-narrow")];
+    let body = chat_body("How wide is the river?");
+    let old = entry_of(&app.chat(&body, &auth).await);
+    wait_past_expiry(&app, old, 0).await;
+    assert_eq!(cache_status(&app.chat(&body, &auth).await), "miss");
+    // A tenant not allowed the directives: 403.
+    let r = app
+        .chat(
+            &body,
+            &[
+                ("authorization", "Bearer sk-gated"),
+                ("cache-control", "stale-if-error=5"),
+            ],
+        )
+        .await;
+    let j = assert_openai_error(r, 403, None).await;
+    assert!(j["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("stale-if-error"));
+}
+
+/// The stale answer is written in the request log with its kind.
+#[tokio::test]
+async fn the_request_log_names_the_degraded_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("requests.jsonl");
+    let mut config = stale_config(1, 60, 0);
+    config.log.request_log = Some(path.clone());
+    let (app, backend) = spawn_fake(config, script("first")).await;
+    let body = chat_body("Where is the station?");
+    let old = entry_of(&app.chat(&body, &[]).await);
+    wait_past_expiry(&app, old, 0).await;
+    backend.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "stale");
+    drop(r);
+    let lines = || -> Vec<Value> {
+        std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    assert!(eventually(Duration::from_secs(10), || lines().len() >= 2).await);
+    let lines = lines();
+    assert_eq!(lines[0].get("degraded"), None, "omitted when not degraded");
+    assert_eq!(
+        lines[1]["degraded"], "stale_while_revalidate",
+        "{}",
+        lines[1]
+    );
+    assert_eq!(lines[1]["outcome"], "exact");
+    // The regeneration failed (the backend is down): the stale entry stays and answers.
+    assert!(eventually(Duration::from_secs(10), || backend.calls() == 2).await);
+    assert!(eventually(Duration::from_secs(10), || app.state.flights.is_empty()).await);
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(
+        assert_stale(r, "stale-while-revalidate", old).await,
+        "first"
+    );
+}
