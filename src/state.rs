@@ -247,6 +247,9 @@ pub async fn connect_redis(config: &Config) -> anyhow::Result<Option<RedisTier>>
     if !config.redis.is_enabled() {
         return Ok(None);
     }
+    // The tier makes its metric handles when it connects: the recorder must exist by then,
+    // or they record nothing (the test harness connects before building the state).
+    crate::metrics::prometheus();
     let replica = format!("{}-{}", std::process::id(), uuid::Uuid::new_v4().simple());
     let tier = RedisTier::connect(config.redis.clone(), replica)
         .await
