@@ -988,6 +988,7 @@ mod tests {
         assert_eq!(c.backend.passthrough, d.backend.passthrough);
         assert_eq!(c.cache.memory_bytes, d.cache.memory_bytes);
         assert_eq!(c.cache.ttl_secs, d.cache.ttl_secs);
+        assert_eq!(c.cache.stale_windows(), d.cache.stale_windows());
         assert_eq!(c.semantic.threshold, d.semantic.threshold);
         assert_eq!(c.semantic.model_dir, d.semantic.model_dir);
         let (p, q) = (&c.prefetch, &d.prefetch);
