@@ -132,10 +132,11 @@ async fn stale_while_revalidate_answers_at_once_and_regenerates_once() {
     assert!(n >= 5.0, "{degraded}");
 }
 
-/// Past the stale-while-revalidate window an expired answer is an ordinary miss.
+/// Past the stale-while-revalidate window an expired answer is an ordinary miss (it is still
+/// kept, for the longer stale-if-error window, but the backend answers).
 #[tokio::test]
 async fn beyond_the_stale_while_revalidate_window_it_is_a_miss() {
-    let (app, backend) = spawn_fake(stale_config(1, 1, 0), script("first")).await;
+    let (app, backend) = spawn_fake(stale_config(1, 1, 60), script("first")).await;
     let body = chat_body("Which way is north?");
     let old = entry_of(&app.chat(&body, &[]).await);
     wait_past_expiry(&app, old, 1100).await;
@@ -192,11 +193,26 @@ async fn stale_if_error_answers_instead_of_a_backend_failure() {
     assert_eq!(assert_stale(r, "stale-if-error", old).await, "first");
 }
 
-/// Stale-if-error off (the default): the backend's failure is the answer.
+/// Stale-if-error off, for a tenant (its window 0 while the global one keeps the entry) or
+/// for the whole server (the default): the backend's failure is the answer.
 #[tokio::test]
 async fn without_a_stale_if_error_window_the_failure_is_the_answer() {
-    let (app, backend) = spawn_fake(stale_config(1, 0, 0), script("first")).await;
+    let mut config = stale_config(1, 0, 60);
+    let mut off = TenantConfig::with_key("off", "sk-off");
+    off.policy.stale_if_error_secs = Some(0);
+    config.tenants = vec![off];
+    let (app, backend) = spawn_fake(config, script("first")).await;
+    let auth = [("authorization", "Bearer sk-off")];
     let body = chat_body("Is the ferry running?");
+    let old = entry_of(&app.chat(&body, &auth).await);
+    wait_past_expiry(&app, old, 0).await;
+    backend.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
+    let asking = [auth[0], ("cache-control", "stale-if-error=60")];
+    let r = app.chat(&body, &asking).await;
+    assert_eq!(cache_status(&r), "error");
+    assert_openai_error(r, 502, None).await;
+
+    let (app, backend) = spawn_fake(stale_config(1, 0, 0), script("first")).await;
     let old = entry_of(&app.chat(&body, &[]).await);
     wait_past_expiry(&app, old, 0).await;
     backend.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
@@ -213,19 +229,23 @@ async fn without_a_stale_if_error_window_the_failure_is_the_answer() {
 /// directives.
 #[tokio::test]
 async fn the_request_narrows_the_windows_never_widens_them() {
-    let mut config = stale_config(1, 1, 0);
+    // Expired entries are kept a minute; the tenants' windows are shorter.
+    let mut config = stale_config(1, 60, 0);
+    let mut short = TenantConfig::with_key("short", "sk-short");
+    short.policy.stale_while_revalidate_secs = Some(1);
     let mut narrow = TenantConfig::with_key("narrow", "sk-narrow");
     narrow.policy.stale_while_revalidate_secs = Some(0);
     let mut gated = TenantConfig::with_key("gated", "sk-gated");
     gated.policy.controls = vec!["max-age".into()];
-    config.tenants = vec![narrow, gated];
+    config.tenants = vec![short, narrow, gated];
     let (app, backend) = spawn_fake(config, script("first")).await;
 
     // Asking for an hour past a policy of one second: a miss once that second has passed.
+    let short = ("authorization", "Bearer sk-short");
     let body = chat_body("How tall is the tower?");
-    let old = entry_of(&app.chat(&body, &[]).await);
+    let old = entry_of(&app.chat(&body, &[short]).await);
     wait_past_expiry(&app, old, 1100).await;
-    let long = [("cache-control", "stale-while-revalidate=3600")];
+    let long = [short, ("cache-control", "stale-while-revalidate=3600")];
     assert_eq!(cache_status(&app.chat(&body, &long).await), "miss");
 
     // Asking for 0 within the policy's window: no stale answer.
