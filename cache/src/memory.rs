@@ -251,8 +251,9 @@ impl MemoryTier {
         Some(e)
     }
 
-    /// A read of `e`: it becomes the most recently used of its pool.
-    fn touch(&self, e: &Entry) {
+    /// A read of `e`: it becomes the most recently used of its pool (the ordinary reads do
+    /// this; a caller of a `*_kept` read that uses an unexpired entry calls it).
+    pub fn touch(&self, e: &Entry) {
         if let Some(ledgers) = &*self.ledgers.load() {
             ledgers.of(&e.namespace).touch(e.id);
         }

@@ -195,7 +195,12 @@ impl Store {
                 expired.offer(e);
                 None
             }
-            held => held,
+            Some(e) => {
+                // A read of an unexpired entry, as `get_by_key` counts it.
+                self.memory.touch(&e);
+                Some(e)
+            }
+            None => None,
         };
         let (hit, stale) = sort(held, &fresh);
         if let Some(entry) = hit {
@@ -299,7 +304,8 @@ impl Store {
                 self.tombstone(id);
                 return None;
             }
-            return self.memory.get(id).await;
+            self.memory.touch(&e);
+            return Some(e);
         }
         if let Some(redis) = &self.redis {
             match redis.get(id).await {
