@@ -5,7 +5,8 @@
 //! - [`spawn`]: start one generation (interactive, led by a request, or background);
 //! - [`write_back`]: store a finished answer in every tier and link it for the next turn;
 //! - [`background`]: generate a request at background priority unless the cache answers it
-//!   (prefetch and refresh-ahead use this, and nothing of the request path).
+//!   (prefetch and refresh-ahead use this, and nothing of the request path), and the
+//!   backend's spare slots for such work ([`room`], also read by the checks of hits).
 
 pub mod background;
 mod deadlines;
@@ -21,7 +22,7 @@ use reprise_cache::Digest;
 use crate::flight::{End, Flight};
 use crate::lookup::WritePlan;
 use crate::state::AppState;
-pub use background::{generate_in_background, generate_tagged, Background};
+pub use background::{generate_in_background, generate_tagged, room, Background, Room};
 pub(crate) use deadlines::Deadlines;
 pub(crate) use write_back::write_back;
 

@@ -1,14 +1,19 @@
 //! Step 2 of the request path: the controls a client sets in headers (namespace, scoped to
-//! the caller's tenant,
-//! `Cache-Control`, threshold, session, tags), and admission (ready, model served).
+//! the caller's tenant, `Cache-Control`, threshold, session, tags, priority within the
+//! tenant's cap), and admission (ready, model served).
 
 use axum::http::HeaderMap;
 use reprise_policies::cache::Directives;
 
+use reprise_backend::Priority;
+
 use crate::auth::Tenant;
 use crate::bookkeeping::Bookkeeping;
+use crate::config::UserPriority;
 use crate::error::ApiError;
-use crate::headers::{NAMESPACE_HEADER, SESSION_HEADER, TAGS_HEADER, THRESHOLD_HEADER};
+use crate::headers::{
+    NAMESPACE_HEADER, PRIORITY_HEADER, SESSION_HEADER, TAGS_HEADER, THRESHOLD_HEADER,
+};
 use crate::state::AppState;
 
 /// Most tags one request may set in `x-reprise-tags`.
@@ -34,6 +39,10 @@ pub struct Controls {
     /// most [`MAX_TAGS`], each at most [`MAX_TAG_BYTES`] (they are stored with the entry, in
     /// memory and in Redis's tag index).
     pub tags: Vec<String>,
+    /// The scheduling class the backend serves it at: `x-reprise-priority` (`interactive`
+    /// or `batch`), else the tenant's `priority`, never above its `max_priority` (a request
+    /// asking for more is served at the cap).
+    pub priority: Priority,
 }
 
 impl Controls {
@@ -79,10 +88,21 @@ impl Controls {
                 Some(t)
             }
         };
+        let asked =
+            match headers.get(PRIORITY_HEADER) {
+                None => None,
+                Some(v) => Some(v.to_str().ok().and_then(UserPriority::parse).ok_or_else(
+                    || ApiError::BadHeader {
+                        header: PRIORITY_HEADER,
+                        reason: "must be `interactive` or `batch`".into(),
+                    },
+                )?),
+            };
         Ok(Controls {
             namespace,
             cache,
             threshold,
+            priority: tenant.policy().priority(asked).class(),
             tags: tags(headers)?,
             session: headers
                 .get(SESSION_HEADER)
