@@ -986,6 +986,8 @@ mod tests {
         assert_eq!(c.backend.model, d.backend.model);
         assert_eq!(c.backend.parallel, d.backend.parallel);
         assert_eq!(c.backend.passthrough, d.backend.passthrough);
+        assert_eq!(c.backend.max_concurrent, d.backend.max_concurrent);
+        assert_eq!(c.backend.priority_aging_secs, d.backend.priority_aging_secs);
         assert_eq!(c.cache.memory_bytes, d.cache.memory_bytes);
         assert_eq!(c.cache.ttl_secs, d.cache.ttl_secs);
         assert_eq!(c.semantic.threshold, d.semantic.threshold);
@@ -1001,6 +1003,8 @@ mod tests {
         assert_eq!(p.propose, q.propose);
         assert_eq!(p.propose_questions, q.propose_questions);
         assert_eq!(p.persist_interval_secs, q.persist_interval_secs);
+        assert_eq!(p.max_capacity_share, q.max_capacity_share);
+        assert_eq!(p.max_backend_share, q.max_backend_share);
     }
 
     #[test]

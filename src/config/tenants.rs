@@ -148,9 +148,10 @@ pub struct TenantPolicy {
     /// a share (and the anonymous tenant) share what the others leave. The shares of all
     /// tenants add up to at most 1.
     pub memory_share: Option<f64>,
-    /// Its share of the prefetch budgets (`prefetch.max_tokens_per_minute`,
-    /// `prefetch.max_backend_share`) and of the prefetch queue, in (0, 1]; tenants without
-    /// one share what the others leave. The shares add up to at most 1.
+    /// Its share of the prefetch budgets (`prefetch.max_tokens_per_minute`, and
+    /// `prefetch.max_backend_share` or, where the backend tells its capacity, the background
+    /// slots of `prefetch.max_capacity_share`, at least one) and of the prefetch queue, in
+    /// (0, 1]; tenants without one share what the others leave. The shares add up to at most 1.
     pub prefetch_share: Option<f64>,
     /// Its bound on the share of wrong semantic hits, in place of `semantic.delta`.
     pub delta: Option<f64>,

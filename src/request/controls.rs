@@ -88,16 +88,7 @@ impl Controls {
                 Some(t)
             }
         };
-        let asked =
-            match headers.get(PRIORITY_HEADER) {
-                None => None,
-                Some(v) => Some(v.to_str().ok().and_then(UserPriority::parse).ok_or_else(
-                    || ApiError::BadHeader {
-                        header: PRIORITY_HEADER,
-                        reason: "must be `interactive` or `batch`".into(),
-                    },
-                )?),
-            };
+        let asked = headers.get(PRIORITY_HEADER).map(priority).transpose()?;
         Ok(Controls {
             namespace,
             cache,
@@ -111,6 +102,18 @@ impl Controls {
                 .map(str::to_string),
         })
     }
+}
+
+/// The class `x-reprise-priority` asks for: `interactive` or `batch`, else a 400.
+fn priority(value: &axum::http::HeaderValue) -> Result<UserPriority, ApiError> {
+    value
+        .to_str()
+        .ok()
+        .and_then(UserPriority::parse)
+        .ok_or_else(|| ApiError::BadHeader {
+            header: PRIORITY_HEADER,
+            reason: "must be `interactive` or `batch`".into(),
+        })
 }
 
 /// The tags of `x-reprise-tags` (comma-separated; several header lines add up), within the
