@@ -24,6 +24,9 @@ pub const THRESHOLD_HEADER: &str = "x-reprise-threshold";
 pub const SESSION_HEADER: &str = "x-reprise-session";
 /// Request header with comma-separated invalidation tags for the stored answer.
 pub const TAGS_HEADER: &str = "x-reprise-tags";
+/// Request header asking for a scheduling class: `interactive` or `batch` (capped by the
+/// tenant's `max_priority`).
+pub const PRIORITY_HEADER: &str = "x-reprise-priority";
 /// The namespace of requests that name none.
 pub const DEFAULT_NAMESPACE: &str = "default";
 

@@ -296,6 +296,8 @@ pub async fn build_backend(config: &Config) -> anyhow::Result<Arc<dyn Backend>> 
             token_delay: Duration::from_millis(b.fake_token_delay_ms),
             default_max_tokens: b.default_max_tokens,
             slots: None,
+            max_queue: None,
+            priority_aging: b.priority_aging(),
         })),
         BackendKind::Openai => {
             let api_key = match &b.api_key_env {
@@ -312,6 +314,9 @@ pub async fn build_backend(config: &Config) -> anyhow::Result<Arc<dyn Backend>> 
                 connect_timeout: Duration::from_secs_f64(b.connect_timeout_secs),
                 pool_max_idle: b.pool_max_idle,
                 models,
+                max_concurrent: b.max_concurrent,
+                max_queue: b.max_queue,
+                priority_aging: b.priority_aging(),
             })?)
         }
         BackendKind::Llama => {

@@ -2,8 +2,10 @@
 //! a served question afresh and a judge decides whether the cached answer serves it.
 //!
 //! A check never delays or displaces a client: it is sampled (every n-th hit, so the share is
-//! exact), starts only while no client request is running on the backend, runs one at a
-//! time at background priority, and spends at most `verify_tokens_per_minute` (charged its
+//! exact), starts only on a spare slot (where the backend tells its capacity: a slot free
+//! beyond waiting user requests, within `prefetch.max_capacity_share`; elsewhere only while
+//! no client request is running on the backend), is preempted by the backend when a user
+//! request needs its slot, runs one at a time at background priority, and spends at most `verify_tokens_per_minute` (charged its
 //! `max_tokens` up front); a check that does not fit is skipped, not queued. Its verdict counts
 //! like a verdict from feedback: evidence for the learned threshold
 //! ([`crate::bounds`]) and, when wrong, a refusal of that question by the entry.
@@ -88,8 +90,13 @@ fn start(
     similarity: f32,
 ) -> Offer {
     let v = &state.verifier;
-    if state.backend.interactive_load() > 0 {
-        return Offer::Skipped;
+    // On spare slots where the backend tells its capacity (like prefetch), else only while
+    // no user request runs.
+    match crate::generate::room(state, 0) {
+        Some(room) if room.spare == 0 => return Offer::Skipped,
+        Some(_) => {}
+        None if state.backend.interactive_load() > 0 => return Offer::Skipped,
+        None => {}
     }
     let Ok(permit) = v.running.clone().try_acquire_owned() else {
         return Offer::Skipped;

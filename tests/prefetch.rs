@@ -117,6 +117,10 @@ impl Backend for Probe {
     fn interactive_load(&self) -> usize {
         self.inner.interactive_load()
     }
+
+    fn load(&self) -> reprise_backend::Load {
+        self.inner.load()
+    }
 }
 
 /// A server over a probed scripted backend.
@@ -284,6 +288,8 @@ async fn multi_turn_history_gets_the_follow_up_prefetched_in_a_new_context() {
     assert_eq!(probe.inner.calls(), calls);
 }
 
+/// With a backend that cannot tell its capacity (the scripted one without slots), background
+/// work keeps to idle time.
 #[tokio::test]
 async fn prefetch_never_starts_beside_interactive_requests() {
     let script = ScriptConfig {
@@ -333,6 +339,58 @@ async fn prefetch_never_starts_beside_interactive_requests() {
         "a background generation started while an interactive one ran"
     );
     assert_eq!(ask(&app, "new", Y).await, "prefetch");
+}
+
+/// With a backend that tells its capacity (two slots), background work uses the free slot
+/// while a user request runs in the other.
+#[tokio::test]
+async fn prefetch_starts_on_a_free_slot_beside_a_running_user_request() {
+    let script = ScriptConfig {
+        token_delay: Duration::from_millis(15),
+        slots: Some(2),
+        ..ScriptConfig::default()
+    };
+    let (app, probe) = spawn_probe(prefetch_config(false), script).await;
+    learn_x_then_y(&app, 3).await;
+    // A long answer (about 400 words) holds one slot.
+    let long = vec!["word"; 400].join(" ");
+    let user = {
+        let (client, url) = (app.client.clone(), app.chat_url());
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .json(&chat_body(&long))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            r.bytes().await.unwrap();
+        })
+    };
+    let running = || {
+        let l = probe.load();
+        (l.capacity, l.running, l.running_background) == (2, 1, 0)
+    };
+    assert!(eventually(WAIT, running).await);
+    assert_eq!(ask(&app, "new", X).await, "exact");
+    assert!(
+        eventually(WAIT, || stats(&app).completed >= 1).await,
+        "{:?}",
+        stats(&app)
+    );
+    assert!(
+        !user.is_finished(),
+        "the prefetch waited for the user request to end"
+    );
+    assert!(
+        probe
+            .counts
+            .background_beside_interactive
+            .load(Ordering::SeqCst)
+            >= 1
+    );
+    assert_eq!(ask(&app, "new", Y).await, "prefetch");
+    user.await.unwrap();
 }
 
 /// X was followed by three different questions: all three are predicted at once.

@@ -640,3 +640,81 @@ async fn a_tenants_flood_leaves_the_others_entries_in_memory() {
     let first = chat_body("flood question number 0 with some padding words");
     assert_eq!(cache_status(&ask(&app, "flood", &first, &[]).await), "miss");
 }
+
+/// `x-reprise-priority` picks the scheduling class within the tenant's cap: a tenant capped at
+/// batch is served as batch whatever it asks, its default is the cap, and an unknown value is
+/// refused before the backend is asked.
+#[tokio::test]
+async fn a_tenant_capped_at_batch_is_served_as_batch_whatever_it_asks() {
+    use reprise::config::UserPriority;
+    use reprise_backend::Priority;
+    let (app, backend) = policy_app(
+        vec![
+            (
+                "bulk",
+                TenantPolicy {
+                    max_priority: UserPriority::Batch,
+                    ..TenantPolicy::default()
+                },
+            ),
+            (
+                "nightly",
+                TenantPolicy {
+                    priority: Some(UserPriority::Batch),
+                    ..TenantPolicy::default()
+                },
+            ),
+        ],
+        false,
+    )
+    .await;
+    let last = || backend.requests().pop().expect("a request").priority;
+    let asks = [
+        ("bulk", "interactive", Priority::Batch),
+        ("bulk", "", Priority::Batch),
+        ("nightly", "", Priority::Batch),
+        ("nightly", "interactive", Priority::Interactive),
+        ("free", "", Priority::Interactive),
+        ("free", " Batch ", Priority::Batch),
+    ];
+    for (i, (tenant, asked, served)) in asks.into_iter().enumerate() {
+        let body = chat_body(&format!("question {i}"));
+        let headers: Vec<(&str, &str)> = if asked.is_empty() {
+            vec![]
+        } else {
+            vec![("x-reprise-priority", asked)]
+        };
+        let r = ask(&app, tenant, &body, &headers).await;
+        assert_eq!(r.status(), 200, "{tenant} {asked:?}");
+        assert_eq!(last(), served, "{tenant} asking {asked:?}");
+    }
+    let calls = backend.calls();
+    for bad in ["background", "urgent", ""] {
+        let r = ask(
+            &app,
+            "free",
+            &chat_body("never asked"),
+            &[("x-reprise-priority", bad)],
+        )
+        .await;
+        assert_openai_error(r, 400, Some("x-reprise-priority")).await;
+    }
+    assert_eq!(backend.calls(), calls, "refused before the backend");
+}
+
+#[test]
+fn a_tenants_default_priority_above_its_cap_is_refused() {
+    use reprise::config::UserPriority;
+    let mut c = test_config();
+    c.tenants = vec![with_policy(
+        "odd",
+        "sk-odd",
+        TenantPolicy {
+            priority: Some(UserPriority::Interactive),
+            max_priority: UserPriority::Batch,
+            ..TenantPolicy::default()
+        },
+    )];
+    let err = c.validate().unwrap_err().to_string();
+    assert!(err.contains("tenants.policy.priority"), "{err}");
+}

@@ -451,6 +451,9 @@ async fn listed_api_endpoints_pass_through_to_the_upstream() {
             connect_timeout: Duration::from_secs(5),
             pool_max_idle: 4,
             models: Vec::new(),
+            max_concurrent: 0,
+            max_queue: 64,
+            priority_aging: None,
         })
         .unwrap();
     let app = spawn_app(config, Arc::new(backend)).await;
@@ -591,4 +594,167 @@ async fn https_upstreams_are_reached_over_tls() {
         .unwrap();
     assert_eq!(head[0], 0x16, "a TLS handshake record");
     assert_eq!(head[1], 0x03, "TLS version major");
+}
+
+/// An upstream that streams its answers a word every `token_ms`, and a proxy that sends it at
+/// most one generation at a time (`backend.max_concurrent = 1`).
+async fn one_slot_upstream(token_ms: u64, aging_secs: f64) -> (TestApp, TestApp, ScriptedBackend) {
+    let (up, up_backend) = upstream().await;
+    up_backend.set_config(ScriptConfig {
+        model: "up-model".into(),
+        token_delay: Duration::from_millis(token_ms),
+        ..ScriptConfig::default()
+    });
+    let mut config = openai_config(up.base_url());
+    config.backend.max_concurrent = 1;
+    config.backend.priority_aging_secs = aging_secs;
+    let app = proxy_to(config).await;
+    (app, up, up_backend)
+}
+
+fn up_body(text: &str) -> Value {
+    json!({"model": "up-model", "messages": [{"role": "user", "content": text}], "stream": true})
+}
+
+/// Sends one request in a task and returns its answer's text.
+fn send(app: &TestApp, text: &str, priority: &'static str) -> tokio::task::JoinHandle<String> {
+    let (client, url, body) = (app.client.clone(), app.chat_url(), up_body(text));
+    tokio::spawn(async move {
+        let r = client
+            .post(url)
+            .header("x-reprise-priority", priority)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        sse_text(&sse_data(&r.text().await.unwrap()))
+    })
+}
+
+/// The upstream's concurrency limit serves waiting requests by priority: with its one slot
+/// busy, an interactive request that came after a batch one goes upstream first.
+#[tokio::test]
+async fn the_upstream_limit_serves_interactive_before_batch() {
+    let (app, _up, up_backend) = one_slot_upstream(20, 0.0).await;
+    let mut running = app
+        .client
+        .post(app.chat_url())
+        .json(&up_body("one two three four five six seven eight"))
+        .send()
+        .await
+        .unwrap();
+    running.chunk().await.unwrap().expect("a first chunk");
+    let queued = |interactive, batch| {
+        let l = app.state.backend.load();
+        l.capacity == 1
+            && l.running == 1
+            && (l.queued_interactive, l.queued_batch) == (interactive, batch)
+    };
+    let batch = send(&app, "the batch question", "batch");
+    assert!(eventually(Duration::from_secs(30), || queued(0, 1)).await);
+    let interactive = send(&app, "the interactive question", "interactive");
+    assert!(eventually(Duration::from_secs(30), || queued(1, 1)).await);
+    while running.chunk().await.unwrap().is_some() {}
+    assert_eq!(
+        interactive.await.unwrap(),
+        "You asked: the interactive question"
+    );
+    assert_eq!(batch.await.unwrap(), "You asked: the batch question");
+    let order: Vec<String> = up_backend
+        .requests()
+        .iter()
+        .map(|r| match &r.input {
+            reprise_backend::Input::Chat(m) => m[0].content.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        order[1..],
+        ["the interactive question", "the batch question"],
+        "{order:?}"
+    );
+}
+
+/// A batch request waiting longer than `backend.priority_aging_secs` is served as interactive:
+/// a steady interactive stream does not starve it.
+#[tokio::test]
+async fn the_upstream_limit_ages_batch_through_a_steady_interactive_stream() {
+    let (app, _up, _up_backend) = one_slot_upstream(5, 0.2).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Two clients asking back to back: whenever the slot frees, one of them waits.
+    let clients: Vec<_> = (0..2)
+        .map(|c| {
+            let (client, url, stop) = (app.client.clone(), app.chat_url(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let body = up_body(&format!("client {c} asks question {n}"));
+                    let r = client.post(&url).json(&body).send().await.unwrap();
+                    assert_eq!(r.status(), 200);
+                    r.bytes().await.unwrap();
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+    let busy = || {
+        let l = app.state.backend.load();
+        l.running == 1 && l.queued_interactive >= 1
+    };
+    assert!(eventually(Duration::from_secs(30), busy).await);
+    // Generous: without aging it waits as long as the stream goes on, i.e. forever here.
+    let batch = tokio::time::timeout(
+        Duration::from_secs(60),
+        send(&app, "the batch question", "batch"),
+    )
+    .await
+    .expect("the batch request starved")
+    .unwrap();
+    assert_eq!(batch, "You asked: the batch question");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for c in clients {
+        c.await.unwrap();
+    }
+}
+
+/// A background generation holding the upstream's only slot is cut when a user request needs
+/// it: its stream ends with `Overloaded` (never cached) and the user request goes upstream.
+#[tokio::test]
+async fn a_background_generation_on_the_upstream_is_preempted_for_a_user_request() {
+    use futures::StreamExt;
+    use reprise_backend::{BackendError, ChatMessage, GenEvent, GenRequest, Input, Priority};
+    let (app, _up, up_backend) = one_slot_upstream(20, 5.0).await;
+    let background = GenRequest {
+        model: "up-model".into(),
+        input: Input::Chat(vec![ChatMessage::new(
+            "user",
+            "one two three four five six seven eight nine ten",
+        )]),
+        params: Default::default(),
+        priority: Priority::Background,
+        extra: Default::default(),
+    };
+    let mut stream = app.state.backend.generate(background).await.unwrap();
+    assert!(matches!(stream.next().await, Some(Ok(GenEvent::Delta(_)))));
+    assert_eq!(app.state.backend.load().running_background, 1);
+    let user = send(&app, "a user question", "batch");
+    let mut rest = Vec::new();
+    while let Some(ev) = stream.next().await {
+        rest.push(ev);
+    }
+    assert!(
+        matches!(rest.last(), Some(Err(BackendError::Overloaded { .. }))),
+        "{rest:?}"
+    );
+    assert!(!rest
+        .iter()
+        .any(|e| matches!(e, Ok(GenEvent::Finish { .. }))));
+    assert_eq!(user.await.unwrap(), "You asked: a user question");
+    assert_eq!(up_backend.calls(), 2);
+    let idle = || {
+        let l = app.state.backend.load();
+        (l.running, l.queued) == (0, 0)
+    };
+    assert!(eventually(Duration::from_secs(30), idle).await);
 }

@@ -7,19 +7,25 @@
 //!
 //! By default its capacity is unlimited (every stream sleeps on its own). With
 //! [`ScriptConfig::slots`] it runs at most that many generations at once, like a server with
-//! a fixed number of decode slots: a stream takes a slot when it is first polled (before its
-//! first-token delay) and keeps it until it ends, fails or is dropped; streams beyond wait in
-//! one FIFO queue whatever their priority (background generations queue like interactive ones,
-//! not behind them), and the wait counts in their time to first token.
+//! a fixed number of decode slots, scheduled like the upstream's concurrency limit (the
+//! crate's priority semaphore): a request takes its place in the line when `generate` is
+//! called, gets a slot interactive first, then batch (aged into interactive after
+//! [`ScriptConfig::priority_aging`]), then background, and keeps it (before its first-token
+//! delay) until its stream ends, fails or is dropped; the wait counts in its time to first
+//! token. A background stream holding a slot that a user request needs is preempted: it ends
+//! with `Overloaded` at once, and the slot passes on.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
-use crate::{Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Usage};
+use crate::slots::{Permit, Slots, Ticket};
+use crate::{
+    Backend, BackendError, FinishReason, GenEvent, GenRequest, GenStream, Input, Load, Usage,
+};
 
 /// How the scripted backend should misbehave.
 #[derive(Debug, Clone)]
@@ -51,9 +57,15 @@ pub struct ScriptConfig {
     pub token_delay: Duration,
     /// `max_tokens` when the request sets none (a "token" is one word here).
     pub default_max_tokens: u32,
-    /// Generations running at once; `None` is unlimited. Streams beyond wait in FIFO order
-    /// for a slot (see the module header).
+    /// Generations running at once; `None` is unlimited. Requests beyond wait for a slot by
+    /// priority (see the module header).
     pub slots: Option<usize>,
+    /// With `slots`: requests that may wait for one; beyond, `generate` answers `Overloaded`
+    /// (a user request evicts the newest waiting background one instead). `None`: unbounded.
+    pub max_queue: Option<usize>,
+    /// With `slots`: a batch request waiting this long is served as interactive; `None`:
+    /// never.
+    pub priority_aging: Option<Duration>,
 }
 
 impl Default for ScriptConfig {
@@ -66,6 +78,8 @@ impl Default for ScriptConfig {
             token_delay: Duration::ZERO,
             default_max_tokens: 256,
             slots: None,
+            max_queue: None,
+            priority_aging: Some(Duration::from_secs(5)),
         }
     }
 }
@@ -78,8 +92,8 @@ pub struct ScriptedBackend {
 
 struct Inner {
     cfg: Mutex<ScriptConfig>,
-    /// The slots of `cfg.slots`, replaced when a new config changes their number.
-    slots: Mutex<Option<Arc<Semaphore>>>,
+    /// The slots of `cfg.slots`, replaced when a new config changes them.
+    slots: Mutex<Option<Slots>>,
     failure: Mutex<Failure>,
     calls: AtomicUsize,
     active: AtomicUsize,
@@ -95,7 +109,7 @@ impl ScriptedBackend {
     pub fn new(cfg: ScriptConfig) -> Self {
         ScriptedBackend {
             inner: Arc::new(Inner {
-                slots: Mutex::new(semaphore(cfg.slots)),
+                slots: Mutex::new(slot_line(&cfg)),
                 cfg: Mutex::new(cfg),
                 failure: Mutex::new(Failure::None),
                 calls: AtomicUsize::new(0),
@@ -132,12 +146,23 @@ impl ScriptedBackend {
         *self.inner.failure.lock() = failure;
     }
 
-    /// Changes the script. A new number of slots applies to streams started from now on
-    /// (streams already holding or awaiting a slot keep the old ones).
+    /// Background streams preempted (or evicted from the line) for user requests.
+    pub fn preempted(&self) -> u64 {
+        self.inner
+            .slots
+            .lock()
+            .as_ref()
+            .map_or(0, Slots::preempted_count)
+    }
+
+    /// Changes the script. New slot settings apply to streams started from now on (streams
+    /// already holding or awaiting a slot keep the old ones).
     pub fn set_config(&self, cfg: ScriptConfig) {
         let mut cur = self.inner.cfg.lock();
-        if cur.slots != cfg.slots {
-            *self.inner.slots.lock() = semaphore(cfg.slots);
+        if (cur.slots, cur.max_queue, cur.priority_aging)
+            != (cfg.slots, cfg.max_queue, cfg.priority_aging)
+        {
+            *self.inner.slots.lock() = slot_line(&cfg);
         }
         *cur = cfg;
     }
@@ -148,8 +173,9 @@ impl ScriptedBackend {
     }
 }
 
-fn semaphore(slots: Option<usize>) -> Option<Arc<Semaphore>> {
-    slots.map(|n| Arc::new(Semaphore::new(n.max(1))))
+fn slot_line(cfg: &ScriptConfig) -> Option<Slots> {
+    cfg.slots
+        .map(|n| Slots::new(n, cfg.max_queue, cfg.priority_aging))
 }
 
 /// Splits text into word-sized pieces that concatenate back to the text.
@@ -244,7 +270,12 @@ impl Backend for ScriptedBackend {
             Failure::AfterChunks(n) => Some(n),
             _ => None,
         };
-        let interactive = req.priority == crate::Priority::Interactive;
+        // Its place in the line is taken now, so requests are served in the order they came.
+        let ticket = match self.inner.slots.lock().as_ref() {
+            Some(slots) => Some(slots.enter(req.priority)?),
+            None => None,
+        };
+        let interactive = req.priority.is_user();
         self.inner.active.fetch_add(1, Ordering::SeqCst);
         if interactive {
             self.inner.interactive.fetch_add(1, Ordering::SeqCst);
@@ -253,8 +284,8 @@ impl Backend for ScriptedBackend {
             inner: self.inner.clone(),
             interactive,
         };
-        let slots = self.inner.slots.lock().clone();
-        let stream = async_stream_like(parts, cfg, fail_after, reason, prompt_tokens, guard, slots);
+        let stream =
+            async_stream_like(parts, cfg, fail_after, reason, prompt_tokens, guard, ticket);
         Ok(stream)
     }
 
@@ -269,6 +300,17 @@ impl Backend for ScriptedBackend {
     fn interactive_load(&self) -> usize {
         self.inner.interactive.load(Ordering::SeqCst)
     }
+
+    /// With slots, the line's load; unlimited, capacity 0 and every live stream running.
+    fn load(&self) -> Load {
+        match self.inner.slots.lock().as_ref() {
+            Some(slots) => slots.load(),
+            None => Load {
+                running: self.active(),
+                ..Load::default()
+            },
+        }
+    }
 }
 
 /// Builds the event stream with `futures::stream::unfold` (no macro, so rustfmt reaches it).
@@ -279,7 +321,7 @@ fn async_stream_like(
     reason: FinishReason,
     prompt_tokens: u32,
     guard: ActiveGuard,
-    slots: Option<Arc<Semaphore>>,
+    ticket: Option<Ticket>,
 ) -> GenStream {
     struct State {
         parts: std::vec::IntoIter<String>,
@@ -290,9 +332,9 @@ fn async_stream_like(
         reason: FinishReason,
         prompt_tokens: u32,
         guard: ActiveGuard,
-        /// The slots to take one of before the first chunk, then the slot held.
-        slots: Option<Arc<Semaphore>>,
-        permit: Option<OwnedSemaphorePermit>,
+        /// The place in the line, until a slot is this stream's; then the slot held.
+        ticket: Option<Ticket>,
+        permit: Option<Permit>,
     }
     let state = State {
         parts: parts.into_iter(),
@@ -303,24 +345,33 @@ fn async_stream_like(
         reason,
         prompt_tokens,
         guard,
-        slots,
+        ticket,
         permit: None,
     };
     Box::pin(futures::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;
         }
-        if let Some(slots) = st.slots.take() {
-            // Never closed, so acquiring only waits.
-            st.permit = slots.acquire_owned().await.ok();
+        if let Some(ticket) = st.ticket.take() {
+            match ticket.wait().await {
+                Ok(permit) => st.permit = Some(permit),
+                Err(e) => {
+                    st.done = true;
+                    return Some((Err(e), st));
+                }
+            }
         }
         let delay = if st.sent == 0 {
             st.cfg.first_token_delay
         } else {
             st.cfg.token_delay
         };
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
+        // A background stream whose slot went to a user request stops at once.
+        let preemption = st.permit.as_ref().map(Permit::preemption);
+        if !pause(delay, preemption).await {
+            st.done = true;
+            st.permit = None;
+            return Some((Err(crate::slots::preempted()), st));
         }
         if st.fail_after == Some(st.sent) {
             st.done = true;
@@ -354,6 +405,24 @@ fn async_stream_like(
             }
         }
     }))
+}
+
+/// Sleeps `delay` (not at all when zero); false when `preemption` fired first.
+async fn pause(delay: Duration, preemption: Option<CancellationToken>) -> bool {
+    let Some(token) = preemption else {
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        return true;
+    };
+    if delay.is_zero() {
+        return !token.is_cancelled();
+    }
+    tokio::select! {
+        biased;
+        () = token.cancelled() => false,
+        () = tokio::time::sleep(delay) => true,
+    }
 }
 
 #[cfg(test)]
@@ -543,6 +612,149 @@ mod tests {
             .expect("the failed stream kept its slot");
         assert_eq!(text, "You asked: four five");
         drop(first);
+    }
+
+    fn with_priority(text: &str, priority: Priority) -> GenRequest {
+        GenRequest {
+            priority,
+            ..req(text, None)
+        }
+    }
+
+    /// Drains `s` in a task, noting `name` in `log` at its first event; returns the text.
+    fn drain_noting(
+        name: &'static str,
+        mut s: GenStream,
+        log: Arc<Mutex<Vec<&'static str>>>,
+    ) -> tokio::task::JoinHandle<String> {
+        tokio::spawn(async move {
+            let mut text = String::new();
+            while let Some(ev) = s.next().await {
+                if text.is_empty() {
+                    log.lock().push(name);
+                }
+                if let GenEvent::Delta(d) = ev.unwrap() {
+                    text.push_str(&d);
+                }
+            }
+            text
+        })
+    }
+
+    #[tokio::test]
+    async fn a_waiting_interactive_request_goes_before_an_earlier_batch_one() {
+        let b = with_slots(Some(1));
+        let mut running = b.generate(req("one two three four", None)).await.unwrap();
+        assert!(matches!(running.next().await, Some(Ok(GenEvent::Delta(_)))));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let batch = b
+            .generate(with_priority("batch question", Priority::Batch))
+            .await
+            .unwrap();
+        let batch = drain_noting("batch", batch, log.clone());
+        let interactive = b
+            .generate(with_priority("interactive question", Priority::Interactive))
+            .await
+            .unwrap();
+        let interactive = drain_noting("interactive", interactive, log.clone());
+        let load = b.load();
+        assert_eq!((load.capacity, load.running), (1, 1));
+        assert_eq!((load.queued_interactive, load.queued_batch), (1, 1));
+        collect_stream(running).await;
+        // Generous: it only turns a hang into a failure, it times nothing.
+        let both = tokio::time::timeout(Duration::from_secs(30), async {
+            (batch.await.unwrap(), interactive.await.unwrap())
+        })
+        .await
+        .expect("both were served");
+        assert_eq!(both.0, "You asked: batch question");
+        assert_eq!(*log.lock(), ["interactive", "batch"]);
+    }
+
+    #[tokio::test]
+    async fn an_aged_batch_request_gets_through_a_steady_interactive_stream() {
+        let b = ScriptedBackend::new(ScriptConfig {
+            token_delay: Duration::from_millis(2),
+            slots: Some(1),
+            priority_aging: Some(Duration::from_millis(100)),
+            ..ScriptConfig::default()
+        });
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Two clients asking back to back: whenever the slot frees, one of them waits.
+        let clients: Vec<_> = (0..2)
+            .map(|i| {
+                let (b, stop) = (b.clone(), stop.clone());
+                tokio::spawn(async move {
+                    while !stop.load(Ordering::SeqCst) {
+                        let s = b.generate(req(&format!("client {i} asks"), None)).await;
+                        collect_stream(s.unwrap()).await;
+                    }
+                })
+            })
+            .collect();
+        let busy = || {
+            let l = b.load();
+            l.running == 1 && l.queued_interactive >= 1
+        };
+        while !busy() {
+            tokio::task::yield_now().await;
+        }
+        let batch = b
+            .generate(with_priority("batch question", Priority::Batch))
+            .await
+            .unwrap();
+        // Generous: without aging it waits as long as the stream goes on, i.e. forever here.
+        let text = tokio::time::timeout(Duration::from_secs(30), collect_stream(batch))
+            .await
+            .expect("the batch request starved");
+        assert_eq!(text, "You asked: batch question");
+        assert!(
+            !stop.load(Ordering::SeqCst),
+            "served while the stream went on"
+        );
+        stop.store(true, Ordering::SeqCst);
+        for c in clients {
+            c.await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_user_request_preempts_a_background_stream() {
+        let b = with_slots(Some(1));
+        let mut background = b
+            .generate(with_priority(
+                "one two three four five six",
+                Priority::Background,
+            ))
+            .await
+            .unwrap();
+        assert!(matches!(
+            background.next().await,
+            Some(Ok(GenEvent::Delta(_)))
+        ));
+        assert_eq!(b.load().running_background, 1);
+        let user = b
+            .generate(with_priority("a batch question", Priority::Batch))
+            .await
+            .unwrap();
+        let text = tokio::time::timeout(Duration::from_secs(30), collect_stream(user))
+            .await
+            .expect("the user request never got the slot");
+        assert_eq!(text, "You asked: a batch question");
+        // The background stream was cut: an error, no finish.
+        let mut rest = Vec::new();
+        while let Some(ev) = background.next().await {
+            rest.push(ev);
+        }
+        assert!(
+            matches!(rest.last(), Some(Err(BackendError::Overloaded { .. }))),
+            "{rest:?}"
+        );
+        assert!(!rest
+            .iter()
+            .any(|e| matches!(e, Ok(GenEvent::Finish { .. }))));
+        assert_eq!(b.preempted(), 1);
+        assert_eq!(b.completed(), 1);
     }
 
     async fn collect_stream(mut s: GenStream) -> String {

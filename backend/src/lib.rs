@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 pub mod fake;
 pub mod llama;
 pub mod openai;
+mod slots;
 
 /// What the model is asked to continue.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -73,14 +74,21 @@ pub struct SamplingParams {
     pub frequency_penalty: Option<f32>,
 }
 
-/// Scheduling class of a request. Background work only runs on free capacity and yields to
-/// interactive arrivals.
+/// Scheduling class of a request, highest first (the order of the variants). Waiting
+/// requests are served interactive first, then batch, then background; a batch request that
+/// waited longer than the backend's aging time is served as interactive, so a steady
+/// interactive stream cannot starve it. Background work only runs on spare capacity and is
+/// preempted (its stream ends with [`BackendError::Overloaded`]) when a user request
+/// (interactive or batch) needs its slot; a running batch generation is never preempted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Priority {
     /// A user is waiting for this answer.
     #[default]
     Interactive,
-    /// Prefetch and refresh-ahead work.
+    /// A user's request that can wait (`x-reprise-priority: batch`, or its tenant's policy):
+    /// served after interactive ones, before background work.
+    Batch,
+    /// Prefetch, refresh-ahead and checks of hits; never chosen by a client.
     Background,
 }
 
@@ -89,23 +97,46 @@ impl Priority {
     pub fn as_str(self) -> &'static str {
         match self {
             Priority::Interactive => "interactive",
+            Priority::Batch => "batch",
             Priority::Background => "background",
         }
     }
+
+    /// Whether a user asked for this (interactive or batch): it counts as interactive load and
+    /// preempts background work.
+    pub fn is_user(self) -> bool {
+        self != Priority::Background
+    }
 }
 
-/// What a backend is doing now: routing and wait prediction read it.
+/// What a backend is doing now: routing, wait prediction and background work read it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Load {
     /// Generations it runs at once (llama: parallel slots; an upstream: its concurrency
     /// limit); 0 when unlimited or unknown.
     pub capacity: usize,
-    /// Generations running now.
+    /// Generations running now (holding a slot).
     pub running: usize,
-    /// Generations waiting for a slot, interactive ones first.
+    /// Of `running`, those at background priority.
+    pub running_background: usize,
+    /// Generations waiting for a slot.
     pub queued: usize,
     /// Of `queued`, those of interactive requests.
     pub queued_interactive: usize,
+    /// Of `queued`, those of batch requests.
+    pub queued_batch: usize,
+}
+
+impl Load {
+    /// User requests (interactive and batch) waiting for a slot.
+    pub fn queued_user(&self) -> usize {
+        self.queued_interactive + self.queued_batch
+    }
+
+    /// Background generations waiting for a slot.
+    pub fn queued_background(&self) -> usize {
+        self.queued.saturating_sub(self.queued_user())
+    }
 }
 
 /// A generation request as the backends see it.
@@ -243,9 +274,11 @@ pub struct ForwardRequest {
     /// The client's body, streamed as it arrives (uploads are not buffered); a forwarded
     /// completion's carries the tenant's `max_tokens` cap when it asked for none.
     pub body: reqwest::Body,
-    /// A completion a user waits for: counts as interactive load (background work backs
-    /// off) until its answer is read.
-    pub interactive: bool,
+    /// A completion a user waits for, at this priority: it counts as interactive load
+    /// (background work backs off) and takes one of the upstream's slots
+    /// (`backend.max_concurrent`) until its answer is read. `None` for the API's other
+    /// endpoints, which are neither counted nor limited.
+    pub priority: Option<Priority>,
 }
 
 /// The backend's answer to a [`ForwardRequest`], untouched: a success or a failure status
@@ -283,14 +316,15 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether the backend can take requests (model loaded, upstream configured).
     fn ready(&self) -> bool;
 
-    /// Number of interactive requests queued or running; background work backs off while it
-    /// is above zero.
+    /// Number of user requests (interactive and batch) queued or running; where the backend
+    /// cannot tell its capacity ([`Load::capacity`] 0), background work backs off while it is
+    /// above zero.
     fn interactive_load(&self) -> usize {
         0
     }
 
-    /// What it is doing now (capacity, running and waiting generations); all zero when it
-    /// cannot tell.
+    /// What it is doing now (capacity, running and waiting generations by class); capacity 0
+    /// when it is unlimited or unknown.
     fn load(&self) -> Load {
         Load::default()
     }

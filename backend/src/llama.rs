@@ -3,15 +3,19 @@
 //! [`LlamaBackend::load`] loads a GGUF model and starts one engine thread that owns the
 //! llama.cpp context and decodes up to `parallel` sequences together (continuous batching,
 //! see the `engine` submodule). [`Backend::generate`] validates and tokenizes on the
-//! caller's thread, then hands the request to the engine through a bounded two-class queue
+//! caller's thread, then hands the request to the engine through a bounded three-class queue
 //! and returns a stream fed from a bounded channel.
 //!
-//! Scheduling classes: interactive requests are always admitted first. Background requests
-//! only start when no interactive request waits and, with `parallel > 1`, never take the
-//! last free slot. An interactive request that would otherwise wait preempts the running
-//! background sequence with the least progress; the preempted stream ends with
-//! [`BackendError::Overloaded`] (its capacity went to interactive work; retry later). An
-//! interactive arrival at a full queue likewise evicts the newest waiting background request.
+//! Scheduling classes: interactive requests are always admitted first, then batch requests;
+//! a batch request that waited `priority_aging_secs` joins the interactive line in its arrival
+//! order, so a steady interactive stream cannot starve it. Background requests only start
+//! when no user request waits and, with `parallel > 1`, never take the last free slot. A user
+//! request (interactive or batch) that would otherwise wait preempts the running background
+//! sequence with the least progress; the preempted stream ends with
+//! [`BackendError::Overloaded`] (its capacity went to user work; retry later). A running
+//! batch sequence is never preempted: an interactive arrival waits for a slot like any other
+//! (the batch work was already paid for in prefill and decode). A user arrival at a full
+//! queue likewise evicts the newest waiting background request.
 //!
 //! Sampling: temperature 0 is greedy decoding. An absent temperature means 1.0, the OpenAI
 //! default. Otherwise the chain is penalties (only when a presence or frequency penalty is
@@ -31,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::llama_backend::LlamaBackend as LlamaRuntime;
@@ -44,7 +48,7 @@ use tokio::sync::mpsc;
 
 pub use self::bare::{bare_decode_benchmark, BareDecoder, BareStats};
 use self::engine::{Engine, EngineLimits, Job, LoadGuard, Shared};
-use crate::{Backend, BackendError, GenRequest, GenStream, Input, Priority, SamplingParams};
+use crate::{Backend, BackendError, GenRequest, GenStream, Input, SamplingParams};
 
 /// Events buffered per request between the engine and the client. The engine never blocks
 /// on a full channel (it coalesces text instead), so this only bounds memory per request.
@@ -54,8 +58,8 @@ const CHANNEL_CAPACITY: usize = 64;
 /// not bound it by `max_tokens` (OpenAI applies them to the whole answer).
 const PENALTY_WINDOW_MAX: u32 = 4096;
 
-/// Metric names, shared with the engine.
-mod metric_names {
+/// Metric names, shared with the engine and the other backends' slot lines.
+pub(crate) mod metric_names {
     pub const PROMPT_TOKENS: &str = "reprise_backend_prompt_tokens_total";
     pub const GENERATED_TOKENS: &str = "reprise_backend_generated_tokens_total";
     pub const QUEUE_LENGTH: &str = "reprise_backend_queue_length";
@@ -140,6 +144,9 @@ pub struct LlamaConfig {
     pub default_max_tokens: u32,
     /// Most tokens in one decode call; also bounds how much prompt is prefilled per step.
     pub n_batch: u32,
+    /// A batch request waiting longer than this many seconds is served as interactive (0:
+    /// never, batch waits as long as interactive requests do).
+    pub priority_aging_secs: f64,
 }
 
 impl Default for LlamaConfig {
@@ -159,6 +166,7 @@ impl Default for LlamaConfig {
             max_queue: 64,
             default_max_tokens: 256,
             n_batch: 512,
+            priority_aging_secs: 5.0,
         }
     }
 }
@@ -196,6 +204,12 @@ impl LlamaConfig {
         }
         if self.default_max_tokens < 1 {
             return bad("default_max_tokens must be at least 1".into());
+        }
+        if !(self.priority_aging_secs.is_finite() && self.priority_aging_secs >= 0.0) {
+            return bad(format!(
+                "priority_aging_secs must be a number of seconds, 0 or more, got {}",
+                self.priority_aging_secs
+            ));
         }
         // Every generating sequence contributes one token to each decode call.
         if (self.n_batch as usize) < self.parallel {
@@ -251,7 +265,7 @@ pub struct EngineStats {
     pub completed: u64,
     /// Sequences dropped because their client went away.
     pub cancelled: u64,
-    /// Background requests preempted or evicted in favour of interactive ones.
+    /// Background requests preempted or evicted in favour of user (interactive or batch) ones.
     pub preempted: u64,
     /// Decode calls made.
     pub decode_steps: u64,
@@ -427,6 +441,7 @@ pub struct LlamaBackend {
     n_ctx: u32,
     default_max_tokens: u32,
     max_queue: usize,
+    parallel: usize,
     shared: Arc<Shared>,
     engine: Option<JoinHandle<()>>,
     gpu: Option<GpuOffload>,
@@ -482,6 +497,8 @@ impl LlamaBackend {
                     parallel: engine_cfg.parallel,
                     n_batch: ctx.n_batch() as usize,
                     n_ctx: ctx.n_ctx(),
+                    aging: (engine_cfg.priority_aging_secs > 0.0)
+                        .then(|| Duration::from_secs_f64(engine_cfg.priority_aging_secs)),
                 };
                 let _ = ready_tx.send(Ok(limits.n_ctx));
                 Engine::new(ctx, model.vocab(), engine_shared, limits).run();
@@ -526,6 +543,7 @@ impl LlamaBackend {
             n_ctx,
             default_max_tokens: cfg.default_max_tokens,
             max_queue: cfg.max_queue,
+            parallel: cfg.parallel,
             shared,
             engine: Some(engine),
             gpu,
@@ -732,7 +750,9 @@ impl Backend for LlamaBackend {
             priority: req.priority,
             tx,
             enqueued: Instant::now(),
-            load: (req.priority == Priority::Interactive)
+            load: req
+                .priority
+                .is_user()
                 .then(|| LoadGuard::new(&self.shared.interactive_load)),
             passed: 0,
         };
@@ -750,6 +770,10 @@ impl Backend for LlamaBackend {
 
     fn interactive_load(&self) -> usize {
         self.shared.interactive_load.load(Ordering::Relaxed)
+    }
+
+    fn load(&self) -> crate::Load {
+        self.shared.load(self.parallel)
     }
 }
 

@@ -8,16 +8,30 @@
 //! Requests the cache cannot represent (tools, several choices, images…) and the API's other
 //! endpoints (embeddings, files, …) go through [`Backend::forward`] instead: the client's
 //! body is sent unchanged and the answer streamed back unchanged.
+//!
+//! With `max_concurrent` (0: unlimited) at most that many generations and forwarded
+//! completions are upstream at once; the others wait for a slot by priority (interactive,
+//! then batch aged into interactive after `priority_aging`, then background), at most
+//! `max_queue` of them, beyond which the request is refused with `Overloaded` (429). A
+//! background generation holding a slot that a user request needs is preempted: its stream
+//! ends with `Overloaded` (never cached) and the upstream request is closed as the stream
+//! stops. The line is the crate's priority semaphore (`slots`), shared with the scripted
+//! backend.
 
 use std::time::Duration;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
+use tokio_util::sync::CancellationToken;
 
+use crate::slots::{Permit, Slots};
 use crate::{
     Backend, BackendError, FinishReason, ForwardRequest, Forwarded, GenEvent, GenRequest,
-    GenStream, Input, Usage,
+    GenStream, Input, Load, Priority, Usage,
 };
 
 /// Settings of an [`OpenAiBackend`].
@@ -33,6 +47,13 @@ pub struct OpenAiConfig {
     pub pool_max_idle: usize,
     /// Models accepted; empty means any (the upstream decides).
     pub models: Vec<String>,
+    /// Generations and forwarded completions upstream at once; 0 is unlimited.
+    pub max_concurrent: usize,
+    /// With `max_concurrent`: requests that may wait for a slot; beyond, `Overloaded`.
+    pub max_queue: usize,
+    /// With `max_concurrent`: a batch request waiting this long is served as interactive;
+    /// `None`: never.
+    pub priority_aging: Option<Duration>,
 }
 
 // Hand-written so the API key never reaches logs.
@@ -44,6 +65,9 @@ impl std::fmt::Debug for OpenAiConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("pool_max_idle", &self.pool_max_idle)
             .field("models", &self.models)
+            .field("max_concurrent", &self.max_concurrent)
+            .field("max_queue", &self.max_queue)
+            .field("priority_aging", &self.priority_aging)
             .finish()
     }
 }
@@ -52,7 +76,12 @@ impl std::fmt::Debug for OpenAiConfig {
 pub struct OpenAiBackend {
     cfg: OpenAiConfig,
     client: reqwest::Client,
-    interactive: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// User requests (interactive and batch) upstream or waiting.
+    interactive: Arc<AtomicUsize>,
+    /// Generations and forwarded completions upstream or waiting (for `load` when unlimited).
+    in_flight: Arc<AtomicUsize>,
+    /// The concurrency limit, when `max_concurrent` sets one.
+    slots: Option<Slots>,
 }
 
 impl OpenAiBackend {
@@ -68,10 +97,14 @@ impl OpenAiBackend {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| BackendError::Internal(format!("http client: {e}")))?;
+        let slots = (cfg.max_concurrent > 0)
+            .then(|| Slots::new(cfg.max_concurrent, Some(cfg.max_queue), cfg.priority_aging));
         Ok(OpenAiBackend {
             cfg,
             client,
             interactive: Default::default(),
+            in_flight: Default::default(),
+            slots,
         })
     }
 
@@ -83,11 +116,26 @@ impl OpenAiBackend {
         }
     }
 
-    /// Counts one interactive request in flight until the guard is dropped.
-    fn interactive_guard(&self) -> LoadGuard {
-        self.interactive
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        LoadGuard(self.interactive.clone())
+    /// Counts one request in flight (and one user request, unless `priority` is background)
+    /// until the guard is dropped.
+    fn load_guard(&self, priority: Priority) -> LoadGuard {
+        let user = priority.is_user().then(|| {
+            self.interactive.fetch_add(1, Ordering::SeqCst);
+            self.interactive.clone()
+        });
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        LoadGuard {
+            all: self.in_flight.clone(),
+            user,
+        }
+    }
+
+    /// Waits for a slot at `priority` when the concurrency is limited.
+    async fn slot(&self, priority: Priority) -> Result<Option<Permit>, BackendError> {
+        match &self.slots {
+            Some(slots) => Ok(Some(slots.enter(priority)?.wait().await?)),
+            None => Ok(None),
+        }
     }
 
     /// Sends a request upstream with the configured key; an unreachable upstream is an error.
@@ -283,12 +331,42 @@ impl ChunkState {
     }
 }
 
-/// Decrements the in-flight interactive count when the stream is dropped.
-struct LoadGuard(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+/// Decrements the in-flight counts when the stream is dropped.
+struct LoadGuard {
+    all: Arc<AtomicUsize>,
+    user: Option<Arc<AtomicUsize>>,
+}
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.all.fetch_sub(1, Ordering::SeqCst);
+        if let Some(user) = &self.user {
+            user.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The next upstream event, unless `preemption` fires first (then `Overloaded`).
+async fn next_event<S>(
+    events: &mut S,
+    preemption: Option<&CancellationToken>,
+) -> Option<Result<eventsource_stream::Event, BackendError>>
+where
+    S: futures::Stream<Item = Result<eventsource_stream::Event, String>> + Unpin,
+{
+    let next = async {
+        events
+            .next()
+            .await
+            .map(|ev| ev.map_err(|e| BackendError::Unavailable(format!("upstream stream: {e}"))))
+    };
+    match preemption {
+        None => next.await,
+        Some(token) => tokio::select! {
+            biased;
+            () = token.cancelled() => Some(Err(crate::slots::preempted())),
+            ev = next => ev,
+        },
     }
 }
 
@@ -296,20 +374,29 @@ impl Drop for LoadGuard {
 impl Backend for OpenAiBackend {
     async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError> {
         self.check_model(&req.model)?;
-        let guard =
-            (req.priority == crate::Priority::Interactive).then(|| self.interactive_guard());
+        let guard = self.load_guard(req.priority);
+        // Waiting for a slot counts as load: background work sees the request waiting.
+        let permit = self.slot(req.priority).await?;
+        // Only background holders are ever preempted.
+        let preemption = permit
+            .as_ref()
+            .filter(|_| req.priority == Priority::Background)
+            .map(Permit::preemption);
         let http = self
             .client
             .post(self.url(&req.input))
             .header("accept", "text/event-stream")
             .json(&body(&req));
         let resp = self.send(http).await?;
-        let mut events = resp.bytes_stream().eventsource();
+        let mut events = resp
+            .bytes_stream()
+            .eventsource()
+            .map(|ev| ev.map_err(|e| e.to_string()));
         let stream = async_stream::try_stream! {
-            let _guard = guard;
+            let _held = (guard, permit);
             let mut state = ChunkState::default();
-            while let Some(ev) = events.next().await {
-                let ev = ev.map_err(|e| BackendError::Unavailable(format!("upstream stream: {e}")))?;
+            while let Some(ev) = next_event(&mut events, preemption.as_ref()).await {
+                let ev = ev?;
                 if ev.data.trim() == "[DONE]" {
                     break;
                 }
@@ -331,7 +418,19 @@ impl Backend for OpenAiBackend {
     }
 
     fn interactive_load(&self) -> usize {
-        self.interactive.load(std::sync::atomic::Ordering::SeqCst)
+        self.interactive.load(Ordering::SeqCst)
+    }
+
+    /// With `max_concurrent`, the line's load; unlimited, capacity 0 and every request in
+    /// flight running.
+    fn load(&self) -> Load {
+        match &self.slots {
+            Some(slots) => slots.load(),
+            None => Load {
+                running: self.in_flight.load(Ordering::SeqCst),
+                ..Load::default()
+            },
+        }
     }
 
     fn forwards(&self) -> bool {
@@ -342,7 +441,13 @@ impl Backend for OpenAiBackend {
         if let Some(model) = &req.model {
             self.check_model(model)?;
         }
-        let guard = req.interactive.then(|| self.interactive_guard());
+        // A completion a user waits for takes a slot like a generation (until its body is
+        // read); the API's other endpoints are neither counted nor limited.
+        let guard = req.priority.map(|p| self.load_guard(p));
+        let permit = match req.priority {
+            Some(p) => self.slot(p).await?,
+            None => None,
+        };
         let url = format!("{}/{}", self.cfg.base_url.trim_end_matches('/'), req.path);
         let mut http = self.client.request(req.method, url).body(req.body);
         for (name, value) in &req.headers {
@@ -367,8 +472,8 @@ impl Backend for OpenAiBackend {
             .filter_map(|(name, value)| Some((name.to_string(), value.to_str().ok()?.to_string())))
             .collect();
         let body = resp.bytes_stream().map(move |chunk| {
-            // Counted as interactive load until the body is done or dropped.
-            let _ = &guard;
+            // Counted as load, and holding its slot, until the body is done or dropped.
+            let _ = (&guard, &permit);
             chunk.map_err(|e| BackendError::Unavailable(format!("upstream stream: {e}")))
         });
         Ok(Forwarded {
@@ -439,6 +544,9 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             pool_max_idle: 1,
             models: vec![],
+            max_concurrent: 0,
+            max_queue: 64,
+            priority_aging: None,
         };
         assert!(!format!("{cfg:?}").contains("sk-secret"));
     }

@@ -391,6 +391,158 @@ async fn background_leaves_a_slot_free_for_interactive() {
     assert_eq!(backend.stats().preempted, 0);
 }
 
+/// Drains `stream` in a task, noting `name` in `log` at its first event.
+fn drain_noting(
+    name: &'static str,
+    stream: GenStream,
+    log: std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>,
+) -> tokio::task::JoinHandle<Outcome> {
+    tokio::spawn(async move {
+        let mut stream = stream;
+        let first = stream.next().await;
+        log.lock().unwrap().push(name);
+        let rest = collect(stream).await;
+        let mut out = Outcome::default();
+        match first {
+            Some(Ok(GenEvent::Delta(text))) => out.text = text,
+            Some(Ok(GenEvent::Finish { reason, usage })) => out.finish = Some((reason, usage)),
+            Some(Err(e)) => out.error = Some(e),
+            None => {}
+        }
+        out.text.push_str(&rest.text);
+        out.finish = out.finish.or(rest.finish);
+        out.error = out.error.or(rest.error);
+        out
+    })
+}
+
+#[tokio::test]
+async fn a_waiting_interactive_request_is_admitted_before_an_earlier_batch_one() {
+    let backend = load(config(1, 8));
+    let mut running = backend
+        .generate(completion(COUNTING, greedy(400)))
+        .await
+        .expect("accepted");
+    first_delta(&mut running).await;
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let batch = backend
+        .generate(request(
+            Input::Prompt("The sky is".into()),
+            greedy(8),
+            Priority::Batch,
+        ))
+        .await
+        .expect("accepted");
+    let batch = drain_noting("batch", batch, log.clone());
+    let interactive = backend
+        .generate(completion("Water is", greedy(8)))
+        .await
+        .expect("accepted");
+    let interactive = drain_noting("interactive", interactive, log.clone());
+    let load = backend.load();
+    assert_eq!((load.capacity, load.running), (1, 1), "{load:?}");
+    assert_eq!(
+        (load.queued, load.queued_interactive, load.queued_batch),
+        (2, 1, 1),
+        "{load:?}"
+    );
+    // Both count as user load: background work holds back for either.
+    assert_eq!(backend.interactive_load(), 3);
+    drop(running);
+    interactive.await.expect("task").finished();
+    batch.await.expect("task").finished();
+    // One slot: the interactive request ran first although the batch one came first.
+    assert_eq!(*log.lock().unwrap(), ["interactive", "batch"]);
+    assert_eq!(backend.load().running, 0);
+}
+
+#[tokio::test]
+async fn a_running_batch_sequence_is_not_preempted_but_background_is() {
+    let backend = load(config(1, 8));
+    let mut batch = backend
+        .generate(request(
+            Input::Prompt(COUNTING.into()),
+            greedy(24),
+            Priority::Batch,
+        ))
+        .await
+        .expect("accepted");
+    first_delta(&mut batch).await;
+    // An interactive arrival waits for the batch sequence to finish.
+    let interactive = run(&backend, completion("The sky is", greedy(4))).await;
+    interactive.finished();
+    let rest = collect(batch).await;
+    assert_eq!(rest.finished().1.completion_tokens, 24, "{rest:?}");
+    assert_eq!(backend.stats().preempted, 0);
+
+    // A batch arrival is user work: it preempts a background sequence.
+    let mut background = backend
+        .generate(request(
+            Input::Prompt(COUNTING.into()),
+            greedy(400),
+            Priority::Background,
+        ))
+        .await
+        .expect("accepted");
+    first_delta(&mut background).await;
+    assert_eq!(backend.load().running_background, 1);
+    let user = run(
+        &backend,
+        request(Input::Prompt("Water is".into()), greedy(4), Priority::Batch),
+    )
+    .await;
+    user.finished();
+    let cut = collect(background).await;
+    assert!(
+        matches!(cut.error, Some(BackendError::Overloaded { .. })) && cut.finish.is_none(),
+        "{cut:?}"
+    );
+    assert_eq!(backend.stats().preempted, 1);
+}
+
+#[tokio::test]
+async fn an_aged_batch_request_gets_through_a_steady_interactive_stream() {
+    let backend = std::sync::Arc::new(load(LlamaConfig {
+        priority_aging_secs: 0.2,
+        ..config(1, 8)
+    }));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Two clients asking back to back: whenever the slot frees, one of them waits.
+    let clients: Vec<_> = ["1, 2, 3,", "10, 20, 30,"]
+        .into_iter()
+        .map(|prompt| {
+            let (backend, stop) = (backend.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    run(&backend, completion(prompt, greedy(4)))
+                        .await
+                        .finished();
+                }
+            })
+        })
+        .collect();
+    while !(backend.load().running == 1 && backend.load().queued_interactive == 1) {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let batch = backend
+        .generate(request(
+            Input::Prompt("The sky is".into()),
+            greedy(4),
+            Priority::Batch,
+        ))
+        .await
+        .expect("accepted");
+    // Generous: without aging it waits as long as the stream goes on, i.e. forever here.
+    let out = tokio::time::timeout(std::time::Duration::from_secs(120), collect(batch))
+        .await
+        .expect("the batch request starved");
+    out.finished();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for c in clients {
+        c.await.expect("client");
+    }
+}
+
 #[tokio::test]
 async fn full_queue_is_refused_at_once() {
     let backend = load(config(1, 1));

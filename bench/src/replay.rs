@@ -10,8 +10,10 @@
 //! backend or embedder (they still share the machine's cores unless `--sequential`). The
 //! backend is the scripted one with a per-token delay, by default with unlimited capacity
 //! (every stream sleeps on its own, so background generations cannot delay interactive ones);
-//! with `--backend-slots N` it runs at most N generations at once and the rest queue, so
-//! prefetch competes with live traffic for a busy backend. `--backend llama` serves a real
+//! with `--backend-slots N` it runs at most N generations at once and the rest queue by
+//! priority (interactive first; a background generation holding a slot that a user request
+//! needs is preempted), so prefetch competes with live traffic for a busy backend and tells
+//! its capacity to the prefetcher (`prefetch.max_capacity_share`). `--backend llama` serves a real
 //! model instead (`--backend-slots` is then its `parallel`).
 //!
 //! The scripted answer starts with `You asked: <question>` and then pads to a realistic
@@ -106,6 +108,9 @@ pub struct ReplayArgs {
     /// Prefetch side: `prefetch.max_backend_share` (default: the configured default).
     #[arg(long)]
     max_backend_share: Option<f64>,
+    /// Prefetch side: `prefetch.max_capacity_share` (default: the configured default).
+    #[arg(long)]
+    max_capacity_share: Option<f64>,
     /// Prefetch side: `prefetch.regroup` (default: the configured default).
     #[arg(long)]
     regroup: Option<bool>,
@@ -261,6 +266,9 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         }
         if let Some(v) = a.max_backend_share {
             config.prefetch.max_backend_share = v;
+        }
+        if let Some(v) = a.max_capacity_share {
+            config.prefetch.max_capacity_share = v;
         }
         if let Some(v) = a.regroup {
             config.prefetch.regroup = v;
@@ -559,6 +567,7 @@ fn delta(end: &PrefetchStats, start: &PrefetchStats) -> PrefetchStats {
         completed: end.completed - start.completed,
         skipped: end.skipped - start.skipped,
         cancelled: end.cancelled - start.cancelled,
+        preempted: end.preempted - start.preempted,
         hits: end.hits - start.hits,
         wasted: end.wasted - start.wasted,
         tokens: end.tokens - start.tokens,
@@ -708,8 +717,8 @@ fn report(
         if prefetcher(&side.server.state).is_some() {
             let p = &s.spent;
             println!(
-                "prefetch (measured part): {} predicted, {} queued, {} started, {} generated, {} already cached, {} cancelled; {:.1} backend s, {} tokens; {} used, unused {}",
-                p.predictions, p.queued, p.started, p.completed, p.skipped, p.cancelled,
+                "prefetch (measured part): {} predicted, {} queued, {} started, {} generated, {} already cached, {} cancelled ({} preempted); {:.1} backend s, {} tokens; {} used, unused {}",
+                p.predictions, p.queued, p.started, p.completed, p.skipped, p.cancelled, p.preempted,
                 p.backend_seconds, p.tokens, p.hits, pct(s.unused_share())
             );
             let w = &s.whole;
@@ -759,6 +768,7 @@ fn report(
                    "p50_s": s.p50, "p95_s": s.p95, "ttft_p50_s": s.ttft50, "ttft_p95_s": s.ttft95,
                    "by_depth": s.by_depth.iter().map(|(n, h, p)| json!({"turns": n, "hits": h, "prefetch": p})).collect::<Vec<_>>(),
                    "prefetch_generated": s.spent.completed, "prefetch_used": s.spent.hits,
+                   "prefetch_preempted": s.spent.preempted,
                    "prefetch_backend_s": s.spent.backend_seconds, "prefetch_tokens": s.spent.tokens,
                    "prefetch_unused_share": s.unused_share()})
         };

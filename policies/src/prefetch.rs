@@ -6,6 +6,10 @@
 //! budget and a share of the window's backend time. [`Budgets`] shares those budgets out
 //! among pools (tenants): a pool with a share spends at most that share of each, and the
 //! pools without one share what is left.
+//!
+//! Where the backend tells its capacity (slots), background work is bounded by slots instead
+//! of wall time: [`spare_slots`] says how many more background generations may start now,
+//! and [`Budgets::allows_tokens`] keeps only the token budget.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -132,6 +136,40 @@ impl Budget {
     }
 }
 
+/// A backend's slots as background work sees them (from the backend's load report).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Slots {
+    /// Generations it runs at once (at least 1 to mean anything).
+    pub capacity: usize,
+    /// Slots held now, background ones included.
+    pub running: usize,
+    /// Of `running`, those held by background work.
+    pub background: usize,
+    /// User requests (interactive and batch) waiting for a slot.
+    pub queued_user: usize,
+}
+
+/// The slots background work may hold at once: `share` of `capacity`, rounded down, at least
+/// one unless `share` is 0 (a one-slot backend still gets background work on idle time; it is
+/// preempted when a user arrives).
+pub fn background_slots(capacity: usize, share: f64) -> usize {
+    if share.is_nan() || share <= 0.0 || capacity == 0 {
+        return 0;
+    }
+    ((capacity as f64 * share.min(1.0)).floor() as usize).clamp(1, capacity)
+}
+
+/// How many more background generations may start now: slots free beyond what waiting user
+/// requests need, and no more than the background share leaves.
+pub fn spare_slots(s: Slots, share: f64) -> usize {
+    let free = s
+        .capacity
+        .saturating_sub(s.running)
+        .saturating_sub(s.queued_user);
+    let room = background_slots(s.capacity, share).saturating_sub(s.background);
+    free.min(room)
+}
+
 /// The prefetch budgets as a whole and shared out among pools.
 #[derive(Debug, Clone)]
 pub struct Budgets {
@@ -227,6 +265,25 @@ impl Budgets {
         )
     }
 
+    /// Whether a job of pool `name` may start at `now` under the token budget alone (the
+    /// backend's slots bound the rest, see [`spare_slots`]).
+    pub fn allows_tokens(&mut self, name: &str, now: Instant, max_tokens_per_minute: u64) -> bool {
+        self.allows(name, now, max_tokens_per_minute, f64::INFINITY)
+    }
+
+    /// Jobs of pool `name` running now (every pool's when the budgets are not shared out).
+    pub fn running_in(&self, name: &str) -> usize {
+        if self.shares.is_empty() {
+            return self.all.running();
+        }
+        self.pools.get(&self.pool(name)).map_or(0, Budget::running)
+    }
+
+    /// How many of `total` background slots pool `name` may hold (at least one).
+    pub fn slot_share(&self, name: &str, total: usize) -> usize {
+        ((total as f64 * self.share(name)).floor() as usize).clamp(1, total.max(1))
+    }
+
     /// How many of `total` queued jobs pool `name` may hold (at least one).
     pub fn queue_share(&self, name: &str, total: usize) -> usize {
         ((total as f64 * self.share(name)).ceil() as usize).clamp(1, total.max(1))
@@ -264,6 +321,54 @@ impl Budgets {
                 b.abandon(job);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod slot_tests {
+    use super::*;
+
+    #[test]
+    fn background_uses_free_slots_beyond_waiting_users_within_its_share() {
+        let slots = |running, background, queued_user| Slots {
+            capacity: 2,
+            running,
+            background,
+            queued_user,
+        };
+        // One of two slots free while a user request runs: background may take it.
+        assert_eq!(spare_slots(slots(1, 0, 0), 0.5), 1);
+        // Not when a user request waits for it.
+        assert_eq!(spare_slots(slots(1, 0, 1), 0.5), 0);
+        // Nor beyond the share: half of two is one slot.
+        assert_eq!(spare_slots(slots(1, 1, 0), 0.5), 0);
+        assert_eq!(spare_slots(slots(0, 0, 0), 0.5), 1);
+        assert_eq!(spare_slots(slots(0, 0, 0), 1.0), 2);
+        assert_eq!(spare_slots(slots(0, 0, 0), 0.0), 0);
+        // At least one slot, so a one-slot backend is still used when idle.
+        assert_eq!(background_slots(1, 0.5), 1);
+        assert_eq!(background_slots(4, 0.5), 2);
+        assert_eq!(background_slots(3, 0.5), 1);
+        assert_eq!(background_slots(0, 0.5), 0);
+    }
+
+    #[test]
+    fn pools_hold_their_share_of_the_background_slots() {
+        let mut b = Budgets::new(Duration::from_secs(60));
+        let t0 = Instant::now();
+        assert_eq!(b.slot_share("a", 4), 4);
+        b.start("a", 1, t0);
+        assert_eq!(b.running_in("b"), 1, "not shared out: one pool");
+        b.set_shares(HashMap::from([("a".to_string(), 0.25)]), 0.75);
+        assert_eq!(b.slot_share("a", 4), 1);
+        assert_eq!(b.slot_share("b", 4), 3);
+        assert_eq!(b.slot_share("a", 1), 1);
+        b.start("a", 2, t0);
+        assert_eq!((b.running_in("a"), b.running_in("b")), (1, 0));
+        assert!(b.allows_tokens("a", t0, 10));
+        b.finish(2, t0, t0, 10);
+        assert!(!b.allows_tokens("a", t0, 10));
+        assert!(b.allows_tokens("b", t0, 100));
     }
 }
 

@@ -24,7 +24,8 @@ pub use observe::{MetricsConfig, Price, SloConfig};
 pub use stats::StatsConfig;
 use tenants::validate_tenants;
 pub use tenants::{
-    AuthConfig, CandidateConfig, CandidateMode, TenantConfig, TenantPolicy, CLIENT_CONTROLS,
+    AuthConfig, CandidateConfig, CandidateMode, TenantConfig, TenantPolicy, UserPriority,
+    CLIENT_CONTROLS,
 };
 pub use traces::{traces_url, TracingConfig};
 
@@ -201,8 +202,21 @@ pub struct BackendConfig {
     pub n_gpu_layers: u32,
     /// llama: sequences decoded together (continuous batching slots).
     pub parallel: usize,
-    /// llama: requests allowed to wait for a slot; beyond that requests get 429.
+    /// llama, and openai with `max_concurrent`: requests allowed to wait for a slot; beyond
+    /// that requests get 429 (a user request evicts the newest waiting background one
+    /// instead).
     pub max_queue: usize,
+    /// openai: generations and forwarded completions sent upstream at once (0: unlimited).
+    /// The others wait for a slot by priority, interactive first, then batch, then
+    /// background work (which is preempted when a user request waits). It also tells
+    /// background work the upstream's capacity, so prefetch runs on spare slots rather than
+    /// only while no user request runs.
+    pub max_concurrent: usize,
+    /// llama, and openai with `max_concurrent`: a batch request (`x-reprise-priority: batch`
+    /// or its tenant's `priority`) waiting longer than this many seconds for a slot is served
+    /// as interactive, so interactive traffic cannot starve it. 0: never (batch waits as long
+    /// as interactive requests keep coming).
+    pub priority_aging_secs: f64,
     /// llama and fake: `max_tokens` used when a request does not set one.
     pub default_max_tokens: u32,
     /// The largest `max_tokens` (or `max_completion_tokens`) any request may ask for; above
@@ -234,6 +248,8 @@ impl Default for BackendConfig {
             n_gpu_layers: 0,
             parallel: 4,
             max_queue: 64,
+            max_concurrent: 0,
+            priority_aging_secs: 5.0,
             default_max_tokens: 256,
             max_tokens_cap: 4096,
             fake_reply: "You asked: {prompt}".to_string(),
@@ -254,8 +270,14 @@ impl BackendConfig {
             parallel: self.parallel,
             max_queue: self.max_queue,
             default_max_tokens: self.default_max_tokens,
+            priority_aging_secs: self.priority_aging_secs,
             ..Default::default()
         }
+    }
+
+    /// `priority_aging_secs` as a duration; `None` when aging is off (0).
+    pub fn priority_aging(&self) -> Option<Duration> {
+        (self.priority_aging_secs > 0.0).then(|| Duration::from_secs_f64(self.priority_aging_secs))
     }
 }
 
@@ -557,7 +579,16 @@ pub struct PrefetchConfig {
     /// Tokens background generations may produce per sliding minute; none start once spent.
     pub max_tokens_per_minute: u64,
     /// Share of wall time (0 to 1) background generations may have run over the last minute.
+    /// Applies only where the backend cannot tell its capacity (see `max_capacity_share`).
     pub max_backend_share: f64,
+    /// Share of the backend's slots (0 to 1) background work (prefetch, refresh-ahead, checks
+    /// of hits) may hold at once, at least one slot unless 0: where the backend tells its
+    /// capacity (llama's `parallel`, an upstream's `max_concurrent`), background work starts
+    /// when a slot is free beyond what waiting user requests need, within this share, and is
+    /// preempted when a user request needs its slot. It replaces `max_backend_share` and the
+    /// "only while no user request runs" rule there; where the capacity is unknown (an
+    /// upstream without `max_concurrent`), those still apply.
+    pub max_capacity_share: f64,
     /// Regenerate hot entries before they expire (needs `enabled`).
     pub refresh_ahead: bool,
     /// How close to expiry, in seconds, a hot entry is regenerated.
@@ -590,6 +621,7 @@ impl Default for PrefetchConfig {
             max_concurrent: 1,
             max_tokens_per_minute: 20_000,
             max_backend_share: 0.5,
+            max_capacity_share: 0.5,
             refresh_ahead: false,
             refresh_window_secs: 300.0,
             refresh_min_hits: 3,
@@ -633,6 +665,12 @@ impl PrefetchConfig {
         if !unit(self.max_backend_share) {
             return Err((
                 "prefetch.max_backend_share",
+                "must be between 0 and 1".into(),
+            ));
+        }
+        if !unit(self.max_capacity_share) {
+            return Err((
+                "prefetch.max_capacity_share",
                 "must be between 0 and 1".into(),
             ));
         }
@@ -838,6 +876,15 @@ impl Config {
         if b.default_max_tokens == 0 {
             return Err(invalid("backend.default_max_tokens", "must be positive"));
         }
+        if b.max_queue == 0 {
+            return Err(invalid("backend.max_queue", "must be at least 1"));
+        }
+        if !(b.priority_aging_secs >= 0.0 && b.priority_aging_secs <= MAX_TIMEOUT_SECS) {
+            return Err(invalid(
+                "backend.priority_aging_secs",
+                format!("must be 0 (off) or a number of seconds up to {MAX_TIMEOUT_SECS}"),
+            ));
+        }
         if b.max_tokens_cap < b.default_max_tokens {
             return Err(invalid(
                 "backend.max_tokens_cap",
@@ -986,6 +1033,8 @@ mod tests {
         assert_eq!(c.backend.model, d.backend.model);
         assert_eq!(c.backend.parallel, d.backend.parallel);
         assert_eq!(c.backend.passthrough, d.backend.passthrough);
+        assert_eq!(c.backend.max_concurrent, d.backend.max_concurrent);
+        assert_eq!(c.backend.priority_aging_secs, d.backend.priority_aging_secs);
         assert_eq!(c.cache.memory_bytes, d.cache.memory_bytes);
         assert_eq!(c.cache.ttl_secs, d.cache.ttl_secs);
         assert_eq!(c.cache.stale_windows(), d.cache.stale_windows());
@@ -1002,6 +1051,8 @@ mod tests {
         assert_eq!(p.propose, q.propose);
         assert_eq!(p.propose_questions, q.propose_questions);
         assert_eq!(p.persist_interval_secs, q.persist_interval_secs);
+        assert_eq!(p.max_capacity_share, q.max_capacity_share);
+        assert_eq!(p.max_backend_share, q.max_backend_share);
     }
 
     #[test]

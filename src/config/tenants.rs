@@ -158,12 +158,67 @@ pub struct TenantPolicy {
     /// a share (and the anonymous tenant) share what the others leave. The shares of all
     /// tenants add up to at most 1.
     pub memory_share: Option<f64>,
-    /// Its share of the prefetch budgets (`prefetch.max_tokens_per_minute`,
-    /// `prefetch.max_backend_share`) and of the prefetch queue, in (0, 1]; tenants without
-    /// one share what the others leave. The shares add up to at most 1.
+    /// Its share of the prefetch budgets (`prefetch.max_tokens_per_minute`, and
+    /// `prefetch.max_backend_share` or, where the backend tells its capacity, the background
+    /// slots of `prefetch.max_capacity_share`, at least one) and of the prefetch queue, in
+    /// (0, 1]; tenants without one share what the others leave. The shares add up to at most 1.
     pub prefetch_share: Option<f64>,
     /// Its bound on the share of wrong semantic hits, in place of `semantic.delta`.
     pub delta: Option<f64>,
+    /// The priority of its requests that send no `x-reprise-priority`: `interactive` or
+    /// `batch` (absent: `max_priority`, so interactive unless capped).
+    pub priority: Option<UserPriority>,
+    /// The highest priority its requests get: `interactive` (no cap) or `batch`. A request
+    /// asking for more (`x-reprise-priority: interactive` from a tenant capped at `batch`) is
+    /// served at the cap, not refused: the header is a wish, the policy decides.
+    pub max_priority: UserPriority,
+}
+
+/// A priority a client may ask for (`x-reprise-priority`) or a tenant's policy may set;
+/// background work (prefetch, refresh, checks of hits) is below both and never chosen by a
+/// client.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UserPriority {
+    /// A user waits for the answer: served first.
+    #[default]
+    Interactive,
+    /// Work that can wait: served after interactive requests (aged into interactive after
+    /// `backend.priority_aging_secs`), before background work.
+    Batch,
+}
+
+impl UserPriority {
+    /// The value of `x-reprise-priority` (ASCII case and surrounding spaces ignored).
+    pub fn parse(value: &str) -> Option<UserPriority> {
+        let v = value.trim();
+        if v.eq_ignore_ascii_case("interactive") {
+            Some(UserPriority::Interactive)
+        } else if v.eq_ignore_ascii_case("batch") {
+            Some(UserPriority::Batch)
+        } else {
+            None
+        }
+    }
+
+    /// The backends' scheduling class.
+    pub fn class(self) -> reprise_backend::Priority {
+        match self {
+            UserPriority::Interactive => reprise_backend::Priority::Interactive,
+            UserPriority::Batch => reprise_backend::Priority::Batch,
+        }
+    }
+}
+
+impl TenantPolicy {
+    /// The priority a request of this tenant is served at: what it asked for (`asked`) or
+    /// else the tenant's default, never above `max_priority`.
+    pub fn priority(&self, asked: Option<UserPriority>) -> UserPriority {
+        asked
+            .or(self.priority)
+            .unwrap_or_default()
+            .max(self.max_priority)
+    }
 }
 
 /// The client controls a tenant may be allowed.
@@ -194,6 +249,8 @@ impl Default for TenantPolicy {
             memory_share: None,
             prefetch_share: None,
             delta: None,
+            priority: None,
+            max_priority: UserPriority::Interactive,
         }
     }
 }
@@ -324,6 +381,15 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
                     ),
                 ));
             }
+        }
+        if t.policy.priority.is_some_and(|p| p < t.policy.max_priority) {
+            return Err(invalid(
+                "tenants.policy.priority",
+                format!(
+                    "tenant `{}`: above its max_priority (interactive is above batch)",
+                    t.name
+                ),
+            ));
         }
         for r in &t.policy.semantic_rules {
             if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {

@@ -65,14 +65,15 @@ impl Forward {
 }
 
 /// Sends a request the cache cannot represent upstream as it came (the request path has
-/// admitted it) and streams the answer back as it arrives. Nothing is looked up, stored or
-/// learned from it.
+/// admitted it) and streams the answer back as it arrives, taking one of the upstream's slots
+/// at `priority` (`backend.max_concurrent`). Nothing is looked up, stored or learned from it.
 pub async fn forward(
     state: &Arc<AppState>,
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Bytes,
     f: Forward,
+    priority: reprise_backend::Priority,
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
     if !state.backend.forwards() {
@@ -108,7 +109,7 @@ pub async fn forward(
             .collect(),
         model: Some(f.model),
         body: body.into(),
-        interactive: true,
+        priority: Some(priority),
     };
     let answer = tokio::time::timeout_at(headers_by, state.backend.forward(req))
         .await
@@ -161,7 +162,7 @@ pub async fn passthrough(
             // Streamed, not buffered: uploads (files, audio) can be large, and the upstream
             // enforces its own limits.
             body: reqwest::Body::wrap_stream(body.into_data_stream()),
-            interactive: false,
+            priority: None,
         };
         let server = &state.config.server;
         let answer = tokio::time::timeout(server.request_timeout(), state.backend.forward(req))

@@ -1,5 +1,6 @@
 //! Background generation: prefetch and refresh-ahead generate requests nobody asked yet;
-//! stale-while-revalidate regenerates, behind a stale answer, the request it answered.
+//! stale-while-revalidate regenerates, behind a stale answer, the request it answered; and
+//! [`room`]: whether the backend has spare slots for such work now.
 
 use std::sync::Arc;
 
@@ -9,6 +10,43 @@ use reprise_cache::{Entry, EntryId, Origin};
 use crate::lookup::{self, Wants, WritePlan};
 use crate::openai::Endpoint;
 use crate::state::AppState;
+
+/// Background work's room on the backend now, from [`reprise_backend::Backend::load`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Room {
+    /// More background generations that may start now: slots free beyond what waiting user
+    /// requests need, within `prefetch.max_capacity_share`.
+    pub spare: usize,
+    /// The slots background work may hold at once (the share of the capacity).
+    pub slots: usize,
+}
+
+/// The backend's spare slots for background work, or `None` when it cannot tell its
+/// capacity (an upstream without `max_concurrent`, the unlimited scripted backend): callers
+/// then run background work only while no user request runs. `starting`: background
+/// generations the caller started that the backend may not see yet (their lookup runs before
+/// the backend is asked); background requests the backend has queued count as holding a
+/// slot.
+pub fn room(state: &AppState, starting: usize) -> Option<Room> {
+    use reprise_policies::prefetch::{background_slots, spare_slots, Slots};
+    let load = state.backend.load();
+    if load.capacity == 0 {
+        return None;
+    }
+    let seen = load.running_background + load.queued_background();
+    let unseen = starting.saturating_sub(seen);
+    let share = state.config.prefetch.max_capacity_share;
+    let slots = Slots {
+        capacity: load.capacity,
+        running: load.running + load.queued_background() + unseen,
+        background: seen + unseen,
+        queued_user: load.queued_user(),
+    };
+    Some(Room {
+        spare: spare_slots(slots, share),
+        slots: background_slots(load.capacity, share),
+    })
+}
 
 /// What a background generation came to.
 #[derive(Debug)]

@@ -5,8 +5,9 @@
 //! - [`spawn`]: start one generation (interactive, led by a request, or background);
 //! - [`write_back`]: store a finished answer in every tier and link it for the next turn;
 //! - [`background`]: generate a request at background priority unless the cache answers it
-//!   (prefetch and refresh-ahead use this, and nothing of the request path); and regenerate
-//!   behind a stale answer (stale-while-revalidate, [`background::revalidate`]).
+//!   (prefetch and refresh-ahead use this, and nothing of the request path); regenerate
+//!   behind a stale answer (stale-while-revalidate, [`background::revalidate`]); and the
+//!   backend's spare slots for such work ([`room`], also read by the checks of hits).
 
 pub mod background;
 mod deadlines;
@@ -23,7 +24,7 @@ use crate::flight::{End, Flight};
 use crate::lookup::WritePlan;
 use crate::state::AppState;
 pub(crate) use background::revalidate;
-pub use background::{generate_in_background, generate_tagged, Background};
+pub use background::{generate_in_background, generate_tagged, room, Background, Room};
 pub(crate) use deadlines::Deadlines;
 pub(crate) use write_back::write_back;
 

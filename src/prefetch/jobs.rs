@@ -1,6 +1,13 @@
 //! Background jobs: what a job is, the queue (bounded, newest first, stale jobs dropped),
-//! dispatch (only while no interactive request runs, within the concurrency, token and
-//! backend-share budgets) and running a prefetch or refresh generation.
+//! dispatch and running a prefetch or refresh generation.
+//!
+//! Dispatch: where the backend tells its capacity ([`crate::generate::room`]), a job starts
+//! when a slot is free beyond what waiting user requests need and background work holds less
+//! than `max_capacity_share` of the slots (a pool with a `prefetch_share` at most its share
+//! of those), within the concurrency and token budgets; the backend preempts it when a user
+//! request needs its slot. Where it cannot tell, a job starts only while no user request
+//! runs (and none ran for a short quiet period), within the concurrency, token and
+//! wall-time (`max_backend_share`) budgets.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -21,7 +28,8 @@ use crate::state::AppState;
 const JOB_QUEUE: usize = 32;
 /// A job that waited this long is dropped: its user has most likely asked already.
 const JOB_TTL: Duration = Duration::from_secs(30);
-/// How long the backend must have had no interactive request before a job starts. Requests
+/// Where the backend's capacity is unknown: how long it must have had no user request before
+/// a job starts. Requests
 /// of one client follow each other with a gap of a few milliseconds (the client reads the
 /// answer, sends the next, the server looks it up); a job started in such a gap would run
 /// beside the next request.
@@ -135,13 +143,27 @@ impl Shared {
                     return;
                 }
             }
-            // Re-checked before every start: never beside an interactive request.
-            if state.backend.interactive_load() > 0 {
-                *quiet_since = None;
-                return;
-            }
-            if quiet_since.get_or_insert(now).elapsed() < QUIET {
-                return;
+            // Re-checked before every start. With a known capacity: a spare slot (jobs started
+            // here that the backend does not see yet count as holding one).
+            let active = self.counts.active.load(Ordering::Relaxed) as usize;
+            let room = crate::generate::room(state, active);
+            match room {
+                Some(room) => {
+                    *quiet_since = None;
+                    if room.spare == 0 {
+                        return;
+                    }
+                }
+                // Unknown capacity: never beside a user request.
+                None => {
+                    if state.backend.interactive_load() > 0 {
+                        *quiet_since = None;
+                        return;
+                    }
+                    if quiet_since.get_or_insert(now).elapsed() < QUIET {
+                        return;
+                    }
+                }
             }
             let Ok(permit) = self.slots.clone().try_acquire_owned() else {
                 return;
@@ -152,9 +174,16 @@ impl Shared {
                 let mut q = self.queue.lock();
                 let mut budgets = self.budget.lock();
                 let (tokens, share) = (self.cfg.max_tokens_per_minute, self.cfg.max_backend_share);
-                let found = q
-                    .iter()
-                    .position(|j| budgets.allows(pool_of(&j.namespace), now, tokens, share));
+                let found = q.iter().position(|j| {
+                    let pool = pool_of(&j.namespace);
+                    match room {
+                        Some(room) => {
+                            budgets.allows_tokens(pool, now, tokens)
+                                && budgets.running_in(pool) < budgets.slot_share(pool, room.slots)
+                        }
+                        None => budgets.allows(pool, now, tokens, share),
+                    }
+                });
                 let job = found.and_then(|i| q.remove(i));
                 if let Some(j) = &job {
                     budgets.start(pool_of(&j.namespace), n, Instant::now());
@@ -284,6 +313,9 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
         }
         Background::Failed(e) => {
             tracing::debug!(error = %e, "prefetch: background generation failed");
+            if matches!(e, reprise_backend::BackendError::Overloaded { .. }) {
+                bump(&shared.counts.preempted, 1);
+            }
             if let JobKind::Refresh(old) = job.kind {
                 if let Some(h) = shared.hot.get(&old) {
                     h.refreshing.store(false, Ordering::Relaxed);

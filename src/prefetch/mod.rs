@@ -24,10 +24,14 @@
 //!    cluster is then aliased (by exact key: same context, same parameters) to the answer,
 //!    so the user's own wording finds it although the semantic tier would not match it. The
 //!    semantic index is left alone: it holds one vector per entry, and a looser match by
-//!    vector would reach unobserved wordings that no cluster check vetted. A job starts only while no interactive
-//!    request is running (and none ran for a short quiet period), within `max_concurrent`,
-//!    `max_tokens_per_minute` and `max_backend_share`; waiting jobs are bounded, newest
-//!    first, the oldest dropped.
+//!    vector would reach unobserved wordings that no cluster check vetted. Where the backend
+//!    tells its capacity (`Backend::load`), a job starts on a spare slot (free beyond what
+//!    waiting user requests need) while background work holds less than
+//!    `max_capacity_share` of the slots, and the backend preempts it when a user request
+//!    needs the slot; where it cannot tell, only while no user request is running (and none
+//!    ran for a short quiet period) within `max_backend_share`. Always within
+//!    `max_concurrent` and `max_tokens_per_minute`; waiting jobs are bounded, newest first,
+//!    the oldest dropped.
 //! 4. **Refresh-ahead**: entries served at least `refresh_min_hits` times are regenerated
 //!    (`Origin::Refresh`) when they come within `refresh_window_secs` of expiry, under the
 //!    same budgets. What was learned about the old entry moves to the new one, and so do
@@ -141,6 +145,9 @@ pub struct PrefetchStats {
     pub skipped: u64,
     /// Jobs that failed, were preempted, or were dropped from the queue.
     pub cancelled: u64,
+    /// Of `cancelled`, generations the backend cut (or refused) because user requests needed
+    /// the slot (`Overloaded`).
+    pub preempted: u64,
     /// Prefetched entries served for the first time.
     pub hits: u64,
     /// Prefetched entries gone (evicted or expired) without ever being served.
@@ -173,6 +180,7 @@ struct Counts {
     completed: AtomicU64,
     skipped: AtomicU64,
     cancelled: AtomicU64,
+    preempted: AtomicU64,
     hits: AtomicU64,
     wasted: AtomicU64,
     refreshed: AtomicU64,
@@ -286,6 +294,7 @@ impl Prefetcher {
             completed: l(&c.completed),
             skipped: l(&c.skipped),
             cancelled: l(&c.cancelled),
+            preempted: l(&c.preempted),
             hits: l(&c.hits),
             wasted: l(&c.wasted),
             refreshed: l(&c.refreshed),

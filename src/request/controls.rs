@@ -1,14 +1,19 @@
 //! Step 2 of the request path: the controls a client sets in headers (namespace, scoped to
-//! the caller's tenant,
-//! `Cache-Control`, threshold, session, tags), and admission (ready, model served).
+//! the caller's tenant, `Cache-Control`, threshold, session, tags, priority within the
+//! tenant's cap), and admission (ready, model served).
 
 use axum::http::HeaderMap;
 use reprise_policies::cache::Directives;
 
+use reprise_backend::Priority;
+
 use crate::auth::Tenant;
 use crate::bookkeeping::Bookkeeping;
+use crate::config::UserPriority;
 use crate::error::ApiError;
-use crate::headers::{NAMESPACE_HEADER, SESSION_HEADER, TAGS_HEADER, THRESHOLD_HEADER};
+use crate::headers::{
+    NAMESPACE_HEADER, PRIORITY_HEADER, SESSION_HEADER, TAGS_HEADER, THRESHOLD_HEADER,
+};
 use crate::state::AppState;
 
 /// Most tags one request may set in `x-reprise-tags`.
@@ -35,6 +40,10 @@ pub struct Controls {
     /// most [`MAX_TAGS`], each at most [`MAX_TAG_BYTES`] (they are stored with the entry, in
     /// memory and in Redis's tag index).
     pub tags: Vec<String>,
+    /// The scheduling class the backend serves it at: `x-reprise-priority` (`interactive`
+    /// or `batch`), else the tenant's `priority`, never above its `max_priority` (a request
+    /// asking for more is served at the cap).
+    pub priority: Priority,
 }
 
 impl Controls {
@@ -80,10 +89,12 @@ impl Controls {
                 Some(t)
             }
         };
+        let asked = headers.get(PRIORITY_HEADER).map(priority).transpose()?;
         Ok(Controls {
             namespace,
             cache,
             threshold,
+            priority: tenant.policy().priority(asked).class(),
             tags: tags(headers)?,
             session: headers
                 .get(SESSION_HEADER)
@@ -92,6 +103,18 @@ impl Controls {
                 .map(str::to_string),
         })
     }
+}
+
+/// The class `x-reprise-priority` asks for: `interactive` or `batch`, else a 400.
+fn priority(value: &axum::http::HeaderValue) -> Result<UserPriority, ApiError> {
+    value
+        .to_str()
+        .ok()
+        .and_then(UserPriority::parse)
+        .ok_or_else(|| ApiError::BadHeader {
+            header: PRIORITY_HEADER,
+            reason: "must be `interactive` or `batch`".into(),
+        })
 }
 
 /// The tags of `x-reprise-tags` (comma-separated; several header lines add up), within the

@@ -3,8 +3,8 @@
 //! 0. **identify**: the API key names the tenant ([`crate::auth`]), within its rate limit;
 //! 1. **parse** ([`parse`]): the body becomes a [`reprise_backend::GenRequest`], or a
 //!    [`Forward`] for the upstream ([`crate::forward`]);
-//! 2. **controls** ([`controls`]): namespace (inside the tenant), `Cache-Control`, threshold, session, tags from
-//!    headers; ready and model checks;
+//! 2. **controls** ([`controls`]): namespace (inside the tenant), `Cache-Control`, threshold, session, tags,
+//!    priority (within the tenant's cap) from headers; ready and model checks;
 //! 3. **policy** ([`policy`]): may this request read, write, call the backend? (the
 //!    configuration, the tenant's policy, `Cache-Control`); the tenant's `max_tokens` cap;
 //! 4. **exact lookup** ([`crate::lookup::exact`]) by the blake3 key of the canonical request;
@@ -105,11 +105,13 @@ async fn serve(
                 return Err(ApiError::NotCached);
             }
             let body = policy::cap_forward(state, &tenant, &mut f, body)?;
-            return crate::forward::forward(state, endpoint, headers, body, f, book).await;
+            return crate::forward::forward(state, endpoint, headers, body, f, ctl.priority, book)
+                .await;
         }
     };
-    // 2. Controls.
+    // 2. Controls (the priority the backend serves it at among them).
     let ctl = admit(state, headers, &tenant, &parsed.req.model, book)?;
+    parsed.req.priority = ctl.priority;
     policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     // 3. Policy.
     let access = policy::access(state, &tenant, &ctl);

@@ -1,8 +1,10 @@
 //! The engine thread: continuous batching of many sequences over one llama.cpp context.
 //!
 //! One dedicated OS thread owns the [`LlamaContext`]. Each loop iteration it
-//! 1. admits waiting requests into free slots (interactive first, background only on spare
-//!    capacity, preempting background work when an interactive request would otherwise wait),
+//! 1. admits waiting requests into free slots (interactive first, then batch, background only
+//!    on spare capacity, preempting background work when a user request would otherwise
+//!    wait; a batch request that waited `aging` joins the interactive line in its arrival
+//!    order, so interactive traffic cannot starve it),
 //! 2. drops sequences whose client went away,
 //! 3. builds one batch holding the next token of every generating sequence plus, with the
 //!    room left under `n_batch`, a chunk of prompt for sequences still prefilling,
@@ -40,14 +42,15 @@ use crate::{BackendError, FinishReason, GenEvent, Priority, Usage};
 pub(crate) type EventTx = mpsc::Sender<Result<GenEvent, BackendError>>;
 
 /// What a preempted or evicted background request receives: the capacity went to
-/// interactive work, and retrying later is the right reaction.
+/// user requests, and retrying later is the right reaction.
 fn preempted() -> BackendError {
     BackendError::Overloaded {
         retry_after_secs: 1,
     }
 }
 
-/// Counts a request towards `interactive_load` for as long as it exists (queued or running).
+/// Counts a user request (interactive or batch) towards `interactive_load` for as long as it
+/// exists (queued or running).
 pub(crate) struct LoadGuard(Arc<AtomicUsize>);
 
 impl LoadGuard {
@@ -79,7 +82,7 @@ pub(crate) struct Job {
     pub tx: EventTx,
     /// When `generate` accepted it.
     pub enqueued: Instant,
-    /// Present for interactive requests.
+    /// Present for user requests (interactive and batch).
     pub load: Option<LoadGuard>,
     /// Smaller requests admitted ahead of this one while it waited at the head of its line
     /// for KV room (at most [`MAX_PASSES`]).
@@ -97,36 +100,72 @@ impl Job {
     }
 }
 
-/// The two waiting lines.
+/// The three waiting lines. The interactive line also holds the batch requests that aged
+/// into it (their `priority` stays `Batch`: once running they are still not preempted).
 #[derive(Default)]
 pub(crate) struct Queues {
     interactive: VecDeque<Job>,
+    batch: VecDeque<Job>,
     background: VecDeque<Job>,
     shutdown: bool,
 }
 
 impl Queues {
+    fn len(&self) -> usize {
+        self.interactive.len() + self.batch.len() + self.background.len()
+    }
+
     fn is_empty(&self) -> bool {
-        self.interactive.is_empty() && self.background.is_empty()
+        self.len() == 0
     }
 
     /// Forgets requests whose client already went away, so they neither use a queue place
     /// nor get a slot.
     fn purge_closed(&mut self) {
         self.interactive.retain(|j| !j.tx.is_closed());
+        self.batch.retain(|j| !j.tx.is_closed());
         self.background.retain(|j| !j.tx.is_closed());
     }
 
+    /// Moves the batch requests that waited `aging` or longer into the interactive line, in
+    /// their arrival order among the interactive requests.
+    fn age(&mut self, aging: Option<Duration>, now: Instant) {
+        let Some(aging) = aging else {
+            return;
+        };
+        while self
+            .batch
+            .front()
+            .is_some_and(|j| now.saturating_duration_since(j.enqueued) >= aging)
+        {
+            let job = self.batch.pop_front().expect("front exists");
+            let at = self
+                .interactive
+                .iter()
+                .position(|j| j.enqueued > job.enqueued)
+                .unwrap_or(self.interactive.len());
+            self.interactive.insert(at, job);
+        }
+    }
+
     fn publish_lengths(&self) {
-        metrics::gauge!(m::QUEUE_LENGTH, "class" => Priority::Interactive.as_str())
-            .set(self.interactive.len() as f64);
-        metrics::gauge!(m::QUEUE_LENGTH, "class" => Priority::Background.as_str())
-            .set(self.background.len() as f64);
+        for (class, line) in [
+            (Priority::Interactive, &self.interactive),
+            (Priority::Batch, &self.batch),
+            (Priority::Background, &self.background),
+        ] {
+            metrics::gauge!(m::QUEUE_LENGTH, "class" => class.as_str()).set(line.len() as f64);
+        }
     }
 
     /// Fails every waiting request with `err`.
     fn fail_all(&mut self, err: &BackendError) {
-        for job in self.interactive.drain(..).chain(self.background.drain(..)) {
+        let lines = self
+            .interactive
+            .drain(..)
+            .chain(self.batch.drain(..))
+            .chain(self.background.drain(..));
+        for job in lines {
             let _ = job.tx.try_send(Err(err.clone()));
         }
         self.publish_lengths();
@@ -152,8 +191,11 @@ pub(crate) struct Shared {
     // holds the lock only for the few microseconds admission takes.
     queues: Mutex<Queues>,
     wake: Condvar,
-    /// Interactive requests queued or running.
+    /// User requests (interactive and batch) queued or running.
     pub interactive_load: Arc<AtomicUsize>,
+    /// Sequences holding a slot, and those of background requests among them (for `load`).
+    pub running: AtomicUsize,
+    pub running_background: AtomicUsize,
     /// False once the engine thread has exited (shutdown or a panic).
     pub alive: AtomicBool,
     /// Statistics.
@@ -166,14 +208,30 @@ impl Shared {
             queues: Mutex::new(Queues::default()),
             wake: Condvar::new(),
             interactive_load: Arc::new(AtomicUsize::new(0)),
+            running: AtomicUsize::new(0),
+            running_background: AtomicUsize::new(0),
             alive: AtomicBool::new(true),
             counters: Counters::default(),
         }
     }
 
-    /// Queues a job, or refuses it when `max_queue` requests already wait. An interactive
-    /// arrival at a full queue evicts the newest waiting background request instead of
-    /// being refused.
+    /// The engine's load: `parallel` slots, the sequences in them, the lines' lengths (a batch
+    /// request aged into the interactive line counts as interactive).
+    pub(crate) fn load(&self, parallel: usize) -> crate::Load {
+        let q = self.queues.lock();
+        crate::Load {
+            capacity: parallel,
+            running: self.running.load(Ordering::Relaxed),
+            running_background: self.running_background.load(Ordering::Relaxed),
+            queued: q.len(),
+            queued_interactive: q.interactive.len(),
+            queued_batch: q.batch.len(),
+        }
+    }
+
+    /// Queues a job, or refuses it when `max_queue` requests already wait. A user arrival
+    /// (interactive or batch) at a full queue evicts the newest waiting background request
+    /// instead of being refused.
     pub(crate) fn enqueue(&self, job: Job, max_queue: usize) -> Result<(), BackendError> {
         let mut q = self.queues.lock();
         if q.shutdown || !self.alive.load(Ordering::Acquire) {
@@ -182,9 +240,9 @@ impl Shared {
             ));
         }
         q.purge_closed();
-        if q.interactive.len() + q.background.len() >= max_queue {
+        if q.len() >= max_queue {
             let evicted = match job.priority {
-                Priority::Interactive => q.background.pop_back(),
+                Priority::Interactive | Priority::Batch => q.background.pop_back(),
                 Priority::Background => None,
             };
             match evicted {
@@ -201,6 +259,7 @@ impl Shared {
         }
         match job.priority {
             Priority::Interactive => q.interactive.push_back(job),
+            Priority::Batch => q.batch.push_back(job),
             Priority::Background => q.background.push_back(job),
         }
         q.publish_lengths();
@@ -240,6 +299,8 @@ pub(crate) struct EngineLimits {
     pub n_batch: usize,
     /// KV cells shared by all sequences.
     pub n_ctx: u32,
+    /// A batch request waiting this long is served as interactive; `None`: never.
+    pub aging: Option<Duration>,
 }
 
 /// One live sequence.
@@ -362,38 +423,18 @@ impl<'a> Engine<'a> {
             }
         }
 
-        // Interactive requests first; when no slot (or KV room) is free, preempt the
-        // background sequence with the least progress, as long as that makes room at all.
-        while let Some(job) = q.interactive.front() {
-            let need = job.reservation();
-            if self.free_slot().is_some() && self.reserved + need <= self.limits.n_ctx {
-                let job = q.interactive.pop_front().expect("front exists");
-                self.admit(job);
-                continue;
-            }
-            let (bg_count, bg_reserved) = self
-                .slots
-                .iter()
-                .flatten()
-                .filter(|s| s.priority == Priority::Background)
-                .fold((0usize, 0u32), |(n, r), s| (n + 1, r + s.reservation));
-            // Preempting every background sequence frees a slot; it must also free enough
-            // KV, or the request waits for interactive work to finish instead.
-            if bg_count == 0 || self.reserved - bg_reserved + need > self.limits.n_ctx {
-                // Meanwhile a smaller request behind it that fits a free slot may pass it (a
-                // bounded number of times, so the head is not starved).
-                if !self.pass_head(&mut q.interactive) {
-                    break;
-                }
-                continue;
-            }
-            self.preempt_youngest_background();
+        // Interactive requests first (with the batch requests that aged), then batch; when
+        // no slot (or KV room) is free for a user request, background work is preempted.
+        q.age(self.limits.aging, Instant::now());
+        self.admit_users(&mut q.interactive);
+        if q.interactive.is_empty() {
+            self.admit_users(&mut q.batch);
         }
 
-        // Background requests only when no interactive one waits, and (with more than one
-        // slot) never in the last free slot, so an interactive arrival usually starts at
-        // once without preempting anything.
-        if q.interactive.is_empty() {
+        // Background requests only when no user request waits, and (with more than one
+        // slot) never in the last free slot, so a user arrival usually starts at once
+        // without preempting anything.
+        if q.interactive.is_empty() && q.batch.is_empty() {
             let cap = self.limits.parallel.saturating_sub(1).max(1);
             while let Some(job) = q.background.front() {
                 let bg_live = self
@@ -414,6 +455,37 @@ impl<'a> Engine<'a> {
         }
         q.publish_lengths();
         true
+    }
+
+    /// Admits user requests from `line` in order while a slot and KV room are free; when the
+    /// head does not fit, preempts the background sequence with the least progress, as long
+    /// as that makes room at all (a running batch or interactive sequence is never preempted).
+    fn admit_users(&mut self, line: &mut VecDeque<Job>) {
+        while let Some(job) = line.front() {
+            let need = job.reservation();
+            if self.free_slot().is_some() && self.reserved + need <= self.limits.n_ctx {
+                let job = line.pop_front().expect("front exists");
+                self.admit(job);
+                continue;
+            }
+            let (bg_count, bg_reserved) = self
+                .slots
+                .iter()
+                .flatten()
+                .filter(|s| s.priority == Priority::Background)
+                .fold((0usize, 0u32), |(n, r), s| (n + 1, r + s.reservation));
+            // Preempting every background sequence frees a slot; it must also free enough
+            // KV, or the request waits for user work to finish instead.
+            if bg_count == 0 || self.reserved - bg_reserved + need > self.limits.n_ctx {
+                // Meanwhile a smaller request behind it that fits a free slot may pass it (a
+                // bounded number of times, so the head is not starved).
+                if !self.pass_head(line) {
+                    break;
+                }
+                continue;
+            }
+            self.preempt_youngest_background();
+        }
     }
 
     /// Admits the first request behind the head of `line` that fits a free slot and the KV
@@ -451,6 +523,12 @@ impl<'a> Engine<'a> {
         metrics::counter!(m::PROMPT_TOKENS).increment(prompt_len);
         let reservation = job.reservation();
         self.reserved += reservation;
+        self.shared.running.fetch_add(1, Ordering::Relaxed);
+        if job.priority == Priority::Background {
+            self.shared
+                .running_background
+                .fetch_add(1, Ordering::Relaxed);
+        }
         self.admissions += 1;
         self.slots[slot] = Some(Seq {
             id: slot as i32,
@@ -481,6 +559,12 @@ impl<'a> Engine<'a> {
         // Removing a whole sequence cannot fail; the error case is only an id overflow.
         let _ = self.ctx.clear_kv_cache_seq(Some(seq.id as u32), None, None);
         self.reserved -= seq.reservation;
+        self.shared.running.fetch_sub(1, Ordering::Relaxed);
+        if seq.priority == Priority::Background {
+            self.shared
+                .running_background
+                .fetch_sub(1, Ordering::Relaxed);
+        }
         seq
     }
 
@@ -497,7 +581,7 @@ impl<'a> Engine<'a> {
             let mut seq = self.release(slot);
             tracing::debug!(
                 generated = seq.completion,
-                "preempting a background sequence for interactive work"
+                "preempting a background sequence for user work"
             );
             self.shared
                 .counters
