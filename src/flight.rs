@@ -33,6 +33,9 @@ pub struct Flight {
     cancel: CancellationToken,
     /// The id its answer is stored under, when it is stored.
     entry: Option<EntryId>,
+    /// The model of the fallback backend that answered instead of the route's own (set
+    /// before the first event; such an answer is not stored).
+    fallback: std::sync::OnceLock<String>,
 }
 
 impl Flight {
@@ -43,7 +46,19 @@ impl Flight {
             subscribers: Mutex::new(0),
             cancel: CancellationToken::new(),
             entry,
+            fallback: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Records that the fallback backend serving `model` answers this flight (before its
+    /// first event).
+    pub fn fell_back(&self, model: String) {
+        let _ = self.fallback.set(model);
+    }
+
+    /// The fallback's model, when the fallback answered.
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.get().map(String::as_str)
     }
 
     /// Records an event and wakes the subscribers.
@@ -113,9 +128,18 @@ pub struct Subscriber {
 }
 
 impl Subscriber {
-    /// The id the flight's answer is stored under, when it is stored.
+    /// The id the flight's answer is stored under, when it is stored (never when a
+    /// fallback answered).
     pub fn entry(&self) -> Option<EntryId> {
-        self.flight.entry
+        self.flight
+            .entry
+            .filter(|_| self.flight.fallback().is_none())
+    }
+
+    /// The model of the fallback backend that answered, when one did (known once the first
+    /// event arrived).
+    pub fn fallback(&self) -> Option<&str> {
+        self.flight.fallback()
     }
 
     /// The next event; `None` after the end. A failure is delivered once as `Err`.

@@ -229,6 +229,18 @@ pub async fn spawn_app(config: Config, backend: Arc<dyn Backend>) -> Server {
         .expect("server starts")
 }
 
+/// A server over several named backends (in `config.backends` order) that `config.routes`
+/// choose between (the real embedder when `config.semantic.enabled`); no Redis tier.
+pub async fn spawn_routed(config: Config, backends: Vec<(&str, Arc<dyn Backend>)>) -> Server {
+    let emb = config.semantic.enabled.then(embedder);
+    let named = backends
+        .into_iter()
+        .map(|(name, b)| (name.to_string(), b))
+        .collect();
+    let state = AppState::with_backends(config, named, emb, None).expect("state builds");
+    try_serve(state).await.expect("server starts")
+}
+
 /// A server over a scripted backend (model name `fake`).
 pub async fn spawn_fake(config: Config, script: ScriptConfig) -> (Server, ScriptedBackend) {
     let backend = ScriptedBackend::new(script);

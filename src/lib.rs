@@ -42,6 +42,7 @@ pub mod prefetch;
 mod replication;
 mod reqlog;
 pub mod request;
+pub mod routes;
 mod share;
 pub mod snapshot;
 pub mod state;

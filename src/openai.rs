@@ -277,6 +277,14 @@ impl Renderer {
         &self.id
     }
 
+    /// The same response (id, time), naming another model: the one that answered.
+    pub fn with_model(self, model: &str) -> Self {
+        Renderer {
+            model: model.to_string(),
+            ..self
+        }
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.endpoint, chunk) {
             (Endpoint::Chat, false) => "chat.completion",

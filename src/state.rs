@@ -25,13 +25,17 @@ use crate::observe::Observer;
 use crate::policy::Policies;
 use crate::prefetch::Prefetcher;
 use crate::reqlog::RequestLog;
+use crate::routes::Router;
 
 /// Everything a request handler needs.
 pub struct AppState {
     /// Validated configuration.
     pub config: Config,
-    /// Where misses go.
+    /// Where misses go: the [`Router`] over every backend, as one backend (a generation
+    /// goes to the backend serving its model).
     pub backend: Arc<dyn Backend>,
+    /// The backends and routes: which backend answers a request, and its fallback.
+    pub router: Arc<Router>,
     /// Model names accepted; empty means any (an upstream decides).
     pub models: Vec<String>,
     /// The cache: memory (L1), Redis (L2, when configured), semantic index (when enabled).
@@ -96,14 +100,21 @@ impl AppState {
         embedder: Option<Arc<dyn Embedder>>,
         redis: Option<RedisTier>,
     ) -> anyhow::Result<Arc<AppState>> {
-        let models = match config.backend.kind {
-            BackendKind::Openai => {
-                let mut m = config.backend.models.clone();
-                m.extend(config.backend.model_name.clone());
-                m
-            }
-            _ => backend.models(),
-        };
+        let name = config.backend.name.clone();
+        Self::with_backends(config, vec![(name, backend)], embedder, redis)
+    }
+
+    /// Like [`AppState::with_redis`], with several named backends (`[[backends]]`, in their
+    /// order) that `config.routes` choose between.
+    pub fn with_backends(
+        config: Config,
+        backends: Vec<(String, Arc<dyn Backend>)>,
+        embedder: Option<Arc<dyn Embedder>>,
+        redis: Option<RedisTier>,
+    ) -> anyhow::Result<Arc<AppState>> {
+        let router = Arc::new(Router::new(backends, &config.routes)?);
+        let backend: Arc<dyn Backend> = router.clone();
+        let models = router.model_names();
         // The `model` label's values: what is served, allowed or priced; the rest is `other`.
         let labelled = models
             .iter()
@@ -175,6 +186,7 @@ impl AppState {
         Ok(Arc::new(AppState {
             config,
             backend,
+            router,
             models,
             store,
             embedder,
@@ -203,10 +215,10 @@ impl AppState {
     /// (blocking work runs on the blocking pool; progress is logged); with Redis, the
     /// policies shared by the other replicas replace the file's when there are some.
     pub async fn build(config: Config) -> anyhow::Result<Arc<AppState>> {
-        let backend = build_backend(&config).await?;
+        let backends = build_backends(&config).await?;
         let embedder = build_embedder(&config).await?;
         let redis = connect_redis(&config).await?;
-        let state = AppState::with_redis(config, backend, embedder, redis)?;
+        let state = AppState::with_backends(config, backends, embedder, redis)?;
         crate::policy::sync(&state).await;
         Ok(state)
     }
@@ -282,11 +294,28 @@ pub async fn build_embedder(config: &Config) -> anyhow::Result<Option<Arc<dyn Em
     Ok(Some(Arc::new(e)))
 }
 
-/// Creates the configured backend.
+/// Creates the backend of `[backend]` (one backend; see [`build_backends`]).
 pub async fn build_backend(config: &Config) -> anyhow::Result<Arc<dyn Backend>> {
+    build_one(&config.backend).await
+}
+
+/// Builds every backend of the configuration, named: `[[backends]]` in order, or the one
+/// `[backend]`.
+pub async fn build_backends(config: &Config) -> anyhow::Result<Vec<(String, Arc<dyn Backend>)>> {
+    let mut built = Vec::new();
+    for b in config.backend_tables() {
+        let backend = build_one(b)
+            .await
+            .with_context(|| format!("backend `{}`", b.name))?;
+        built.push((b.name.clone(), backend));
+    }
+    Ok(built)
+}
+
+/// Builds the backend one table describes.
+async fn build_one(b: &crate::config::BackendConfig) -> anyhow::Result<Arc<dyn Backend>> {
     // The recorder must exist before a backend records what it found at load.
     crate::metrics::prometheus();
-    let b = &config.backend;
     Ok(match b.kind {
         BackendKind::Fake => Arc::new(ScriptedBackend::new(ScriptConfig {
             model: b.model_name.clone().unwrap_or_else(|| "fake".into()),

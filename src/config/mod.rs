@@ -15,12 +15,14 @@ use serde::Deserialize;
 
 mod log;
 mod observe;
+mod routes;
 mod stats;
 mod tenants;
 mod traces;
 
 pub use log::LogConfig;
 pub use observe::{MetricsConfig, Price, SloConfig};
+pub use routes::RouteConfig;
 pub use stats::StatsConfig;
 use tenants::validate_tenants;
 pub use tenants::{
@@ -35,8 +37,16 @@ pub use traces::{traces_url, TracingConfig};
 pub struct Config {
     /// HTTP server.
     pub server: ServerConfig,
-    /// Where misses go.
+    /// Where misses go: the one backend, without `[[backends]]`; with them, only its
+    /// request-wide limits apply (`max_tokens_cap`, and `default_max_tokens` as what a request
+    /// without `max_tokens` is charged against its tenant's token budget).
     pub backend: BackendConfig,
+    /// Several named backends (`[[backends]]`, each a `[backend]` table with a `name`), chosen
+    /// by `[[routes]]`; empty: `[backend]` is the only one.
+    pub backends: Vec<BackendConfig>,
+    /// Which backend answers which requests (`[[routes]]`): by requested model or alias,
+    /// tenant and prompt size, each with an optional fallback.
+    pub routes: Vec<RouteConfig>,
     /// Exact tier and entry lifetime.
     pub cache: CacheConfig,
     /// Near-duplicate tier.
@@ -167,6 +177,9 @@ pub enum BackendKind {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BackendConfig {
+    /// The backend's name in `[[backends]]`, which `[[routes]]` refer to (`default` for
+    /// `[backend]`).
+    pub name: String,
     /// `llama`, `openai` or `fake`.
     pub kind: BackendKind,
     /// llama: path of the GGUF model file.
@@ -232,6 +245,7 @@ pub struct BackendConfig {
 impl Default for BackendConfig {
     fn default() -> Self {
         Self {
+            name: "default".to_string(),
             kind: BackendKind::Llama,
             model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
             model_name: None,
@@ -278,6 +292,83 @@ impl BackendConfig {
     /// `priority_aging_secs` as a duration; `None` when aging is off (0).
     pub fn priority_aging(&self) -> Option<Duration> {
         (self.priority_aging_secs > 0.0).then(|| Duration::from_secs_f64(self.priority_aging_secs))
+    }
+
+    /// Checks one backend's table: `[backend]` (`name` `None`) or one of `[[backends]]`
+    /// (its keys reported as `backends.KEY`, the message naming the backend).
+    pub(crate) fn validate(&self, name: Option<&str>) -> Result<(), ConfigError> {
+        let table = if name.is_some() {
+            "backends"
+        } else {
+            "backend"
+        };
+        let key = |k: &str| format!("{table}.{k}");
+        let why = |reason: &str| match name {
+            Some(n) => format!("backend `{n}`: {reason}"),
+            None => reason.to_string(),
+        };
+        match self.kind {
+            BackendKind::Openai => {
+                let Some(url) = &self.base_url else {
+                    return Err(invalid(
+                        key("base_url"),
+                        why("required when kind = \"openai\""),
+                    ));
+                };
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return Err(invalid(
+                        key("base_url"),
+                        why(&format!("`{url}` is not an http(s) URL")),
+                    ));
+                }
+                if let Some(e) = self
+                    .passthrough
+                    .iter()
+                    .find(|e| !crate::openai::API_ROOTS.contains(&e.as_str()))
+                {
+                    return Err(invalid(
+                        key("passthrough"),
+                        why(&format!(
+                            "`{e}` is not an endpoint that can pass through (one of: {})",
+                            crate::openai::API_ROOTS.join(", ")
+                        )),
+                    ));
+                }
+            }
+            BackendKind::Llama => {
+                if self.parallel == 0 {
+                    return Err(invalid(key("parallel"), why("must be at least 1")));
+                }
+                if self.n_threads <= 0 {
+                    return Err(invalid(key("n_threads"), why("must be at least 1")));
+                }
+                if self.n_ctx < 64 {
+                    return Err(invalid(key("n_ctx"), why("must be at least 64")));
+                }
+            }
+            BackendKind::Fake => {}
+        }
+        if self.default_max_tokens == 0 {
+            return Err(invalid(key("default_max_tokens"), why("must be positive")));
+        }
+        if self.max_queue == 0 {
+            return Err(invalid(key("max_queue"), why("must be at least 1")));
+        }
+        if !(self.priority_aging_secs >= 0.0 && self.priority_aging_secs <= MAX_TIMEOUT_SECS) {
+            return Err(invalid(
+                key("priority_aging_secs"),
+                why(&format!(
+                    "must be 0 (off) or a number of seconds up to {MAX_TIMEOUT_SECS}"
+                )),
+            ));
+        }
+        if self.max_tokens_cap < self.default_max_tokens {
+            return Err(invalid(
+                key("max_tokens_cap"),
+                why("must be at least default_max_tokens"),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -712,16 +803,19 @@ pub enum ConfigError {
     #[error("invalid config value for `{key}`: {reason}")]
     Invalid {
         /// Dotted key, e.g. `cache.memory_bytes`.
-        key: &'static str,
+        key: std::borrow::Cow<'static, str>,
         /// What is wrong.
         reason: String,
     },
 }
 
 /// A validation error about `key`.
-fn invalid(key: &'static str, reason: impl Into<String>) -> ConfigError {
+fn invalid(
+    key: impl Into<std::borrow::Cow<'static, str>>,
+    reason: impl Into<String>,
+) -> ConfigError {
     ConfigError::Invalid {
-        key,
+        key: key.into(),
         reason: reason.into(),
     }
 }
@@ -734,7 +828,7 @@ impl Config {
         if let Some(path) = path {
             if !path.exists() {
                 return Err(ConfigError::Invalid {
-                    key: "--config",
+                    key: "--config".into(),
                     reason: format!("file {} does not exist", path.display()),
                 });
             }
@@ -831,66 +925,8 @@ impl Config {
                 ));
             }
         }
-        let b = &self.backend;
-        match b.kind {
-            BackendKind::Openai => {
-                let Some(url) = &b.base_url else {
-                    return Err(invalid(
-                        "backend.base_url",
-                        "required when backend.kind = \"openai\"",
-                    ));
-                };
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
-                    return Err(invalid(
-                        "backend.base_url",
-                        format!("`{url}` is not an http(s) URL"),
-                    ));
-                }
-                if let Some(e) = b
-                    .passthrough
-                    .iter()
-                    .find(|e| !crate::openai::API_ROOTS.contains(&e.as_str()))
-                {
-                    return Err(invalid(
-                        "backend.passthrough",
-                        format!(
-                            "`{e}` is not an endpoint that can pass through (one of: {})",
-                            crate::openai::API_ROOTS.join(", ")
-                        ),
-                    ));
-                }
-            }
-            BackendKind::Llama => {
-                if b.parallel == 0 {
-                    return Err(invalid("backend.parallel", "must be at least 1"));
-                }
-                if b.n_threads <= 0 {
-                    return Err(invalid("backend.n_threads", "must be at least 1"));
-                }
-                if b.n_ctx < 64 {
-                    return Err(invalid("backend.n_ctx", "must be at least 64"));
-                }
-            }
-            BackendKind::Fake => {}
-        }
-        if b.default_max_tokens == 0 {
-            return Err(invalid("backend.default_max_tokens", "must be positive"));
-        }
-        if b.max_queue == 0 {
-            return Err(invalid("backend.max_queue", "must be at least 1"));
-        }
-        if !(b.priority_aging_secs >= 0.0 && b.priority_aging_secs <= MAX_TIMEOUT_SECS) {
-            return Err(invalid(
-                "backend.priority_aging_secs",
-                format!("must be 0 (off) or a number of seconds up to {MAX_TIMEOUT_SECS}"),
-            ));
-        }
-        if b.max_tokens_cap < b.default_max_tokens {
-            return Err(invalid(
-                "backend.max_tokens_cap",
-                "must be at least backend.default_max_tokens",
-            ));
-        }
+        self.backend.validate(None)?;
+        routes::validate(self)?;
         if self.cache.memory_bytes == 0 {
             return Err(invalid("cache.memory_bytes", "must be positive"));
         }
@@ -924,7 +960,7 @@ impl Config {
             }
         }
         if let Err((key, reason)) = self.prefetch.validate() {
-            return Err(ConfigError::Invalid { key, reason });
+            return Err(invalid(key, reason));
         }
         if self.semantic.max_batch == 0 {
             return Err(invalid("semantic.max_batch", "must be at least 1"));

@@ -64,6 +64,30 @@ impl Forward {
     }
 }
 
+/// The body of `f` naming `model` (the model its route serves it as; unchanged when it
+/// already does).
+pub fn with_model(body: Bytes, f: &mut Forward, model: &str) -> Result<Bytes, ApiError> {
+    if f.model == model {
+        return Ok(body);
+    }
+    f.model = model.to_string();
+    set_field(&body, "model", model.into())
+}
+
+/// `body` (a JSON object, parsed once already) with `key` set to `value`.
+pub(crate) fn set_field(
+    body: &[u8],
+    key: &str,
+    value: serde_json::Value,
+) -> Result<Bytes, ApiError> {
+    let mut doc: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    doc.insert(key.into(), value);
+    Ok(Bytes::from(
+        serde_json::to_vec(&doc).expect("a JSON map serialises"),
+    ))
+}
+
 /// Sends a request the cache cannot represent upstream as it came (the request path has
 /// admitted it) and streams the answer back as it arrives, taking one of the upstream's slots
 /// at `priority` (`backend.max_concurrent`). Nothing is looked up, stored or learned from it.

@@ -18,7 +18,8 @@ fn plain_api_path(path: &str) -> bool {
         .all(|seg| !seg.is_empty() && seg != "." && seg != "..")
 }
 
-/// The endpoint of a `/v1/...` path that `backend.passthrough` opens to the upstream, if any.
+/// The endpoint of a `/v1/...` path that `backend.passthrough` (of the first upstream, with
+/// `[[backends]]`) opens to the upstream, if any.
 pub(super) fn passthrough_endpoint<'a>(state: &'a AppState, path: &str) -> Option<&'a str> {
     if !state.backend.forwards() || !plain_api_path(path) {
         return None;
@@ -28,9 +29,10 @@ pub(super) fn passthrough_endpoint<'a>(state: &'a AppState, path: &str) -> Optio
     if matches!(root, "chat" | "completions") {
         return None;
     }
+    // The first upstream's list (the router forwards a request without a model there).
     state
         .config
-        .backend
+        .forwarding_backend()?
         .passthrough
         .iter()
         .find(|e| e.as_str() == root)

@@ -139,7 +139,7 @@ pub async fn generate_tagged(
     plan.tags = tags;
     let exact = plan.exact;
     let (flight, mut sub) = state.flights.solo(Some(plan.id));
-    super::spawn(state.clone(), flight, None, req, Some(plan));
+    super::spawn(state.clone(), flight, None, req, Some(plan), None);
     let mut usage = None;
     // Past a deadline the subscriber is dropped: the flight, abandoned, stops the backend.
     let mut deadlines = super::Deadlines::new(&state.config.server);
@@ -192,7 +192,7 @@ pub(crate) fn revalidate(
             .register(partition, exact, prompt, embedding);
     }
     let id = plan.id;
-    super::spawn(state.clone(), flight, Some(exact), req, Some(plan));
+    super::spawn(state.clone(), flight, Some(exact), req, Some(plan), None);
     let state = state.clone();
     // The only subscriber: it keeps the flight alive to the end, or drops it (and so stops
     // the backend) past a deadline.

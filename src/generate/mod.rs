@@ -22,6 +22,7 @@ use reprise_cache::Digest;
 
 use crate::flight::{End, Flight};
 use crate::lookup::WritePlan;
+use crate::routes::Target;
 use crate::state::AppState;
 pub(crate) use background::revalidate;
 pub use background::{generate_in_background, generate_tagged, room, Background, Room};
@@ -30,12 +31,15 @@ pub(crate) use write_back::write_back;
 
 /// Starts the task that runs one generation into `flight` and, with a `plan`, writes the
 /// entry back. `key`: the exact key the flight is registered under (removed at the end).
+/// `fallback`: the backend that answers instead when the one serving `req.model` is
+/// saturated or refuses (its answer is not written back: it is not that model's).
 pub(crate) fn spawn(
     state: Arc<AppState>,
     flight: Arc<Flight>,
     key: Option<Digest>,
     req: GenRequest,
     plan: Option<WritePlan>,
+    fallback: Option<Arc<Target>>,
 ) {
     let paraphrase = plan
         .as_ref()
@@ -44,7 +48,7 @@ pub(crate) fn spawn(
         let start = Instant::now();
         state.metrics.backend_calls.increment(1);
         let result = tokio::select! {
-            r = drive(&state, &flight, req) => r,
+            r = drive(&state, &flight, req, fallback.as_deref()) => r,
             _ = flight.cancelled().cancelled() => Err(BackendError::Internal("abandoned by every client".into())),
         };
         let took = start.elapsed();
@@ -53,7 +57,8 @@ pub(crate) fn spawn(
             Ok((text, reason, usage)) => {
                 // Stored before the waiters learn of the end, so a request that arrives right
                 // after a client got its answer finds it (a moka insert is microseconds).
-                if let Some(mut plan) = plan {
+                // A fallback's answer is not the model's the keys are for: not stored.
+                if let Some(mut plan) = plan.filter(|_| flight.fallback().is_none()) {
                     if let Some((tenant, candidate, similarity)) = plan.near_miss.take() {
                         let answer = text.clone();
                         crate::bounds::check_near_miss(
@@ -89,12 +94,16 @@ async fn drive(
     state: &AppState,
     flight: &Flight,
     req: GenRequest,
+    fallback: Option<&Target>,
 ) -> Result<(String, FinishReason, Usage), BackendError> {
     // A stall between tokens cuts a generation off (background ones too: a stalled upstream
     // would hold a prefetch permit forever). The first token may wait in the backend's
     // queue; clients bound that with the first-token timeout.
     let gap = state.config.server.token_timeout();
-    let mut stream = state.backend.generate(req).await?;
+    let (mut stream, fell_back) = state.router.generate_routed(req, fallback).await?;
+    if let Some(model) = fell_back {
+        flight.fell_back(model);
+    }
     let mut text = String::new();
     let mut started = false;
     loop {

@@ -104,6 +104,11 @@ async fn serve(
             if ctl.cache.only_if_cached {
                 return Err(ApiError::NotCached);
             }
+            // Routed like any request: to the upstream of its route, as that model (its
+            // size: the body's characters, tools and all).
+            let chars = String::from_utf8_lossy(&body).chars().count();
+            let choice = route(state, &tenant, &f.model, chars)?;
+            let body = crate::forward::with_model(body, &mut f, &choice.model)?;
             let body = policy::cap_forward(state, &tenant, &mut f, body)?;
             return crate::forward::forward(state, endpoint, headers, body, f, ctl.priority, book)
                 .await;
@@ -112,6 +117,11 @@ async fn serve(
     // 2. Controls (the priority the backend serves it at among them).
     let ctl = admit(state, headers, &tenant, &parsed.req.model, book)?;
     parsed.req.priority = ctl.priority;
+    // Which backend answers, as which model (routes, aliases): the request is looked up,
+    // generated and stored as that model, so answers of different models never mix.
+    let chars = crate::routes::prompt_chars(&parsed.req.input);
+    let choice = route(state, &tenant, &parsed.req.model, chars)?;
+    parsed.req.model = choice.model;
     policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     // 3. Policy.
     let access = policy::access(state, &tenant, &ctl);
@@ -236,7 +246,9 @@ async fn serve(
     } else {
         Outcome::Bypass
     };
-    let joined = single_flight::join(state, &parsed, plan, found.policy, access, book).await;
+    let fallback = choice.fallback;
+    let joined =
+        single_flight::join(state, &parsed, plan, found.policy, access, fallback, book).await;
     // 9. Respond (remembered for feedback under the response's id).
     let outcome = book.outcome;
     let s = served(joined.subscriber.entry(), outcome, joined.similarity, book);
@@ -272,6 +284,20 @@ async fn serve(
         crate::headers::set_similarity(&mut resp, sim);
     }
     Ok(resp)
+}
+
+/// The backend (route) that answers a request of `tenant` for `model`; 404 when none serves
+/// it.
+fn route(
+    state: &AppState,
+    tenant: &Tenant,
+    model: &str,
+    prompt_chars: usize,
+) -> Result<crate::routes::Choice, ApiError> {
+    state
+        .router
+        .choose(model, tenant.name(), prompt_chars)
+        .ok_or_else(|| ApiError::UnknownModel(model.to_string()))
 }
 
 /// Whether a failed generation is one a stale answer may stand in for (stale-if-error): the

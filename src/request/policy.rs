@@ -78,11 +78,5 @@ pub fn cap_forward(
         return Ok(body);
     }
     f.max_tokens = max_tokens;
-    // Parsed once already: the body is a JSON object.
-    let mut doc: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-    doc.insert("max_tokens".into(), max_tokens.into());
-    Ok(Bytes::from(
-        serde_json::to_vec(&doc).expect("a JSON map serialises"),
-    ))
+    crate::forward::set_field(&body, "max_tokens", max_tokens.into())
 }

@@ -10,7 +10,7 @@ use reprise_backend::{BackendError, FinishReason, GenEvent, Usage};
 use reprise_cache::Entry;
 
 use crate::bookkeeping::Bookkeeping;
-use crate::degraded::Degraded;
+use crate::degraded::{set_degraded, Degraded};
 use crate::error::ApiError;
 use crate::flight::Subscriber;
 use crate::headers::{set_cache_status, set_entry, set_similarity, set_stale};
@@ -112,6 +112,16 @@ pub async fn generation(
         None => return Err(ApiError::Internal("generation ended without events".into())),
     };
     book.first_token();
+    // A fallback backend answered: the response names its model and says it is degraded.
+    let fallback = sub.fallback().map(str::to_string);
+    let renderer = match &fallback {
+        Some(model) => {
+            book.degraded(Degraded::Fallback);
+            book.record.model = model.clone();
+            renderer.with_model(model)
+        }
+        None => renderer,
+    };
     let mut resp = if parsed.stream {
         let mut sse = SseState::new(renderer, parsed.include_usage);
         let mut book = book.take();
@@ -149,7 +159,9 @@ pub async fn generation(
         axum::Json(renderer.full(&text, reason, usage)).into_response()
     };
     set_cache_status(&mut resp, outcome, None);
-    if let Some(id) = entry {
+    if fallback.is_some() {
+        set_degraded(&mut resp, Degraded::Fallback);
+    } else if let Some(id) = entry {
         set_entry(&mut resp, id);
     }
     Ok(resp)

@@ -13,6 +13,7 @@ use crate::flight::{Joined, Subscriber};
 use crate::lookup::WritePlan;
 use crate::metrics::Outcome;
 use crate::request::Parsed;
+use crate::routes::Target;
 use crate::state::AppState;
 
 /// The generation a request waits for.
@@ -23,14 +24,16 @@ pub struct Joining {
     pub similarity: Option<f32>,
 }
 
-/// Joins or starts the generation that answers `parsed`. A request that may not write runs
-/// its own generation and stores nothing.
+/// Joins or starts the generation that answers `parsed` (a new one falls back to `fallback`
+/// when its backend is saturated or refuses). A request that may not write runs its own
+/// generation and stores nothing.
 pub async fn join(
     state: &Arc<AppState>,
     parsed: &Parsed,
     plan: WritePlan,
     policy: Option<SemanticPolicy>,
     access: Access,
+    fallback: Option<Arc<Target>>,
     book: &mut Bookkeeping,
 ) -> Joining {
     // A paraphrase of a question being generated right now waits for that answer.
@@ -74,13 +77,15 @@ pub async fn join(
                     Some(exact),
                     parsed.req.clone(),
                     Some(plan),
+                    fallback,
                 );
                 sub
             }
         }
     } else {
         let (flight, sub) = state.flights.solo(None);
-        crate::generate::spawn(state.clone(), flight, None, parsed.req.clone(), None);
+        let req = parsed.req.clone();
+        crate::generate::spawn(state.clone(), flight, None, req, None, fallback);
         sub
     };
     Joining {

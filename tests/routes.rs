@@ -1,0 +1,358 @@
+//! Several backends and routes through the server: a requested model or alias, a tenant and a
+//! prompt size pick the backend; the request is cached as the model that answers (answers of
+//! different models never mix); a saturated or refusing primary sends the request to its
+//! route's fallback, whose answer names its model, is marked degraded and is not stored.
+//! Scripted backends count their calls; the last test routes between two real llama.cpp
+//! engines.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use reprise::config::{BackendConfig, BackendKind, RouteConfig, TenantConfig};
+use reprise::Config;
+use reprise_backend::fake::{Failure, ScriptConfig, ScriptedBackend};
+use reprise_backend::{Backend, BackendError};
+use serde_json::{json, Value};
+
+const SMALL: &str = "small-model";
+const LARGE: &str = "large-model";
+
+fn table(name: &str, kind: BackendKind) -> BackendConfig {
+    BackendConfig {
+        name: name.into(),
+        kind,
+        ..BackendConfig::default()
+    }
+}
+
+fn route(toml: &str) -> RouteConfig {
+    toml::from_str(toml).unwrap()
+}
+
+/// Two scripted backends, `small` and `large`, and `routes` between them.
+fn config(routes: &[&str]) -> Config {
+    let mut c = test_config();
+    c.backends = vec![
+        table("small", BackendKind::Fake),
+        table("large", BackendKind::Fake),
+    ];
+    c.routes = routes.iter().map(|r| route(r)).collect();
+    c.validate().expect("valid");
+    c
+}
+
+fn scripted(model: &str, cfg: ScriptConfig) -> ScriptedBackend {
+    ScriptedBackend::new(ScriptConfig {
+        model: model.into(),
+        reply: format!("{model} says: {{prompt}}"),
+        ..cfg
+    })
+}
+
+async fn spawn(c: Config, small: &ScriptedBackend, large: &ScriptedBackend) -> TestApp {
+    let backends: Vec<(&str, Arc<dyn Backend>)> = vec![
+        ("small", Arc::new(small.clone())),
+        ("large", Arc::new(large.clone())),
+    ];
+    spawn_routed(c, backends).await
+}
+
+fn ask(model: &str, text: &str) -> Value {
+    json!({"model": model, "messages": [{"role": "user", "content": text}]})
+}
+
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+}
+
+/// The model a JSON answer names and its text.
+async fn answer(r: reqwest::Response) -> (String, String) {
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    (
+        v["model"].as_str().unwrap().to_string(),
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+    )
+}
+
+/// An alias routes short prompts to one backend and long ones to another, each answered and
+/// cached as the model that answered: the same prompt asked by that model's own name is an
+/// exact hit, asked of the other model a miss.
+#[tokio::test]
+async fn an_alias_routes_by_prompt_size_and_caches_per_served_model() {
+    let c = config(&[
+        "model = \"auto\"\nmax_prompt_chars = 40\nbackend = \"small\"",
+        "model = \"auto\"\nbackend = \"large\"",
+    ]);
+    let (small, large) = (
+        scripted(SMALL, Default::default()),
+        scripted(LARGE, Default::default()),
+    );
+    let app = spawn(c, &small, &large).await;
+
+    let models: Value = app.get("/v1/models").await.json().await.unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [SMALL, LARGE, "auto"]);
+
+    let short = "What is a route?";
+    let (model, text) = answer(app.chat(&ask("auto", short), &[]).await).await;
+    assert_eq!(model, SMALL);
+    assert!(text.starts_with("small-model says:"), "{text}");
+    let long = "Explain in detail how a request finds the backend that answers it.";
+    assert!(long.chars().count() > 40);
+    let (model, text) = answer(app.chat(&ask("auto", long), &[]).await).await;
+    assert_eq!(model, LARGE);
+    assert!(text.starts_with("large-model says:"), "{text}");
+    assert_eq!((small.calls(), large.calls()), (1, 1));
+
+    // Cached as the served model: the model's own name finds the alias's answer...
+    let r = app.chat(&ask(SMALL, short), &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(answer(r).await.0, SMALL);
+    // ...and another model never does.
+    let r = app.chat(&ask(LARGE, short), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(answer(r).await.0, LARGE);
+    assert_eq!((small.calls(), large.calls()), (1, 2));
+
+    // A model nothing serves and no route names: the OpenAI 404.
+    let r = app.chat(&ask("gpt-unknown", short), &[]).await;
+    assert_openai_error(r, 404, Some("model")).await;
+}
+
+/// A tenant's route sends its requests for a model to another backend; other tenants keep
+/// the backend that serves the model.
+#[tokio::test]
+async fn a_tenant_route_sends_its_requests_elsewhere() {
+    let mut c = config(&[]);
+    c.tenants = vec![
+        TenantConfig::with_key("acme", "acme-key"),
+        TenantConfig::with_key("other", "other-key"),
+    ];
+    c.routes = vec![route(&format!(
+        "tenant = \"acme\"\nmodel = \"{SMALL}\"\nbackend = \"large\""
+    ))];
+    c.validate().unwrap();
+    let (small, large) = (
+        scripted(SMALL, Default::default()),
+        scripted(LARGE, Default::default()),
+    );
+    let app = spawn(c, &small, &large).await;
+    let acme = [("authorization", "Bearer acme-key")];
+    let other = [("authorization", "Bearer other-key")];
+    let (model, _) = answer(app.chat(&ask(SMALL, "hello there"), &acme).await).await;
+    assert_eq!(model, LARGE);
+    let (model, _) = answer(app.chat(&ask(SMALL, "hello there"), &other).await).await;
+    assert_eq!(model, SMALL);
+    assert_eq!((small.calls(), large.calls()), (1, 1));
+}
+
+/// A primary whose only slot a user request holds sends the next request to the fallback:
+/// answered at once, naming the fallback's model, marked degraded, not stored; once the
+/// primary is free, the same question goes to it again (a miss, not the fallback's answer).
+#[tokio::test]
+async fn a_saturated_primary_sends_the_next_request_to_the_fallback() {
+    let c = config(&["model = \"auto\"\nbackend = \"small\"\nfallback = \"large\""]);
+    let small = scripted(
+        SMALL,
+        ScriptConfig {
+            slots: Some(1),
+            max_queue: Some(8),
+            ..Default::default()
+        },
+    );
+    let large = scripted(LARGE, Default::default());
+    let app = spawn(c, &small, &large).await;
+    let before = degraded_fallbacks(&app).await;
+
+    // Hold the primary's slot: a slow answer streaming.
+    small.set_token_delay(Duration::from_millis(200));
+    let mut held = ask("auto", "Tell me a long story about slots.");
+    held["stream"] = json!(true);
+    let holder = {
+        let (client, url) = (app.client.clone(), app.chat_url());
+        tokio::spawn(async move { client.post(url).json(&held).send().await.unwrap() })
+    };
+    assert!(eventually(Duration::from_secs(30), || small.active() == 1).await);
+
+    let r = app
+        .chat(&ask("auto", "Which backend answers me?"), &[])
+        .await;
+    assert_eq!(
+        header(&r, "x-reprise-degraded").as_deref(),
+        Some("fallback")
+    );
+    assert!(header(&r, "x-reprise-entry").is_none(), "not stored");
+    let (model, text) = answer(r).await;
+    assert_eq!(model, LARGE);
+    assert!(text.starts_with("large-model says:"), "{text}");
+    assert_eq!((small.calls(), large.calls()), (1, 1));
+    assert!(degraded_fallbacks(&app).await > before);
+
+    // A streamed answer from the fallback names its model in every chunk.
+    let mut body = ask("auto", "And a streamed one?");
+    body["stream"] = json!(true);
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(
+        header(&r, "x-reprise-degraded").as_deref(),
+        Some("fallback")
+    );
+    let text = r.text().await.unwrap();
+    let chunks = sse_json(&text);
+    assert!(!chunks.is_empty());
+    assert!(chunks.iter().all(|c| c["model"] == LARGE), "{text}");
+
+    // The holder finishes; the question the fallback answered goes to the primary now.
+    small.set_token_delay(Duration::ZERO);
+    assert_eq!(holder.await.unwrap().status(), 200);
+    assert!(eventually(Duration::from_secs(30), || small.active() == 0).await);
+    let r = app
+        .chat(&ask("auto", "Which backend answers me?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    assert!(header(&r, "x-reprise-degraded").is_none());
+    assert_eq!(answer(r).await.0, SMALL);
+    assert_eq!(small.calls(), 2);
+}
+
+/// A primary that refuses at once (unreachable, overloaded) is replaced by the fallback; one
+/// that refuses the request itself (invalid) is not: its error is the answer.
+#[tokio::test]
+async fn a_refusing_primary_falls_back_but_an_invalid_request_does_not() {
+    let c = config(&["model = \"auto\"\nbackend = \"small\"\nfallback = \"large\""]);
+    let (small, large) = (
+        scripted(SMALL, Default::default()),
+        scripted(LARGE, Default::default()),
+    );
+    let app = spawn(c, &small, &large).await;
+    small.set_failure(Failure::AtStart(BackendError::Unavailable(
+        "connection refused".into(),
+    )));
+    let r = app.chat(&ask("auto", "Are you there?"), &[]).await;
+    assert_eq!(
+        header(&r, "x-reprise-degraded").as_deref(),
+        Some("fallback")
+    );
+    assert_eq!(answer(r).await.0, LARGE);
+    small.set_failure(Failure::AtStart(BackendError::Overloaded {
+        retry_after_secs: 1,
+    }));
+    let r = app.chat(&ask("auto", "Still there?"), &[]).await;
+    assert_eq!(answer(r).await.0, LARGE);
+
+    small.set_failure(Failure::AtStart(BackendError::InvalidRequest {
+        message: "prompt too long".into(),
+        param: Some("messages".into()),
+    }));
+    let r = app
+        .chat(&ask("auto", "A prompt the primary refuses"), &[])
+        .await;
+    assert_openai_error(r, 400, Some("messages")).await;
+    assert_eq!(large.calls(), 2);
+
+    // Without a fallback on the route, an unreachable primary is a 502.
+    small.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
+    let r = app.chat(&ask(SMALL, "Direct to the primary"), &[]).await;
+    assert_eq!(r.status(), 502);
+    assert_eq!(large.calls(), 2);
+}
+
+/// `reprise_degraded_total{kind="fallback"}`.
+async fn degraded_fallbacks(app: &TestApp) -> f64 {
+    let text = app.metrics_text().await;
+    text.lines()
+        .find(|l| l.starts_with("reprise_degraded_total{kind=\"fallback\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+/// The JSON chunks of an SSE body.
+fn sse_json(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// Two real llama.cpp engines from `[[backends]]` (the bundled GGUF twice, served under two
+/// names, one slot each), built as `reprise serve` builds them: the alias goes to the first;
+/// while a long generation holds its slot, the next request is answered by the second,
+/// naming it and marked degraded.
+#[tokio::test]
+async fn two_llama_backends_route_by_alias_and_fall_back_when_saturated() {
+    let gguf = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(gguf.is_file(), "run scripts/fetch-models.sh");
+    let llama = |name: &str| BackendConfig {
+        name: name.into(),
+        kind: BackendKind::Llama,
+        model: gguf.clone(),
+        model_name: Some(format!("smol-{name}")),
+        n_ctx: 1024,
+        n_threads: 1,
+        parallel: 1,
+        max_queue: 4,
+        default_max_tokens: 8,
+        ..BackendConfig::default()
+    };
+    let mut c = test_config();
+    c.backends = vec![llama("hot"), llama("cold")];
+    c.routes = vec![route(
+        "model = \"auto\"\nbackend = \"hot\"\nfallback = \"cold\"",
+    )];
+    c.validate().unwrap();
+    let backends = reprise::state::build_backends(&c)
+        .await
+        .expect("models load");
+    let state = reprise::AppState::with_backends(c, backends, None, None).expect("state builds");
+    let app = try_serve(state).await.unwrap();
+
+    let (model, text) = answer(
+        app.chat(&ask("auto", "What is the capital of France?"), &[])
+            .await,
+    )
+    .await;
+    assert_eq!(model, "smol-hot");
+    assert!(!text.trim().is_empty());
+
+    // A long raw-prompt continuation holds the hot engine's only slot.
+    let long = json!({"model": "auto", "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400,
+                      "stream": true, "temperature": 0.0});
+    let mut holder = app
+        .client
+        .post(app.url("/v1/completions"))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(holder.status(), 200);
+    // The first chunk arrived: the sequence runs.
+    let first = tokio::time::timeout(Duration::from_secs(120), holder.chunk())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.is_some());
+
+    let r = app.chat(&ask("auto", "Name a primary colour."), &[]).await;
+    assert_eq!(
+        header(&r, "x-reprise-degraded").as_deref(),
+        Some("fallback")
+    );
+    let (model, text) = answer(r).await;
+    assert_eq!(model, "smol-cold");
+    assert!(!text.trim().is_empty());
+    drop(holder);
+}
