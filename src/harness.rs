@@ -230,15 +230,26 @@ pub async fn spawn_app(config: Config, backend: Arc<dyn Backend>) -> Server {
 }
 
 /// A server over several named backends (in `config.backends` order) that `config.routes`
-/// choose between (the real embedder when `config.semantic.enabled`); no Redis tier.
-pub async fn spawn_routed(config: Config, backends: Vec<(&str, Arc<dyn Backend>)>) -> Server {
-    let emb = config.semantic.enabled.then(embedder);
+/// choose between, and `embedder`; no Redis tier.
+pub async fn start_routed(
+    config: Config,
+    backends: Vec<(&str, Arc<dyn Backend>)>,
+    embedder: Option<Arc<dyn Embedder>>,
+) -> anyhow::Result<Server> {
     let named = backends
         .into_iter()
         .map(|(name, b)| (name.to_string(), b))
         .collect();
-    let state = AppState::with_backends(config, named, emb, None).expect("state builds");
-    try_serve(state).await.expect("server starts")
+    try_serve(AppState::with_backends(config, named, embedder, None)?).await
+}
+
+/// [`start_routed`] with the real embedder when `config.semantic.enabled`, panicking on
+/// failure.
+pub async fn spawn_routed(config: Config, backends: Vec<(&str, Arc<dyn Backend>)>) -> Server {
+    let emb = config.semantic.enabled.then(embedder);
+    start_routed(config, backends, emb)
+        .await
+        .expect("server starts")
 }
 
 /// A server over a scripted backend (model name `fake`).

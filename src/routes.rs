@@ -12,13 +12,19 @@
 //! the fallback answers instead ([`Router::generate_routed`]); such an answer is marked
 //! degraded and never stored (it is not the primary's answer).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
+use parking_lot::Mutex;
 use reprise_backend::{
     Backend, BackendError, ForwardRequest, Forwarded, GenRequest, GenStream, Input, Load,
 };
 
-use crate::config::RouteConfig;
+use crate::config::{RouteConfig, SloConfig};
+
+/// Weight of the newest generation in a backend's recent service times.
+const EWMA_WEIGHT: f64 = 0.2;
 
 /// One named backend.
 pub struct Target {
@@ -28,6 +34,43 @@ pub struct Target {
     pub backend: Arc<dyn Backend>,
     /// The models it serves (empty: any model, an upstream decides).
     models: Vec<String>,
+    /// Its recent service times (user generations that did not wait for a slot).
+    timing: Mutex<Timing>,
+}
+
+/// Moving averages of a backend's service times, in seconds.
+#[derive(Debug, Default, Clone, Copy)]
+struct Timing {
+    ttft: f64,
+    total: f64,
+    samples: u64,
+}
+
+/// What a user request arriving now would see from a backend, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prediction {
+    /// Waiting for a slot.
+    pub wait: f64,
+    /// Until its first token.
+    pub ttft: f64,
+    /// Until its whole answer.
+    pub total: f64,
+}
+
+/// A route's latency targets, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slo {
+    /// First token.
+    pub ttft: f64,
+    /// Whole answer.
+    pub total: f64,
+}
+
+impl Slo {
+    /// Whether `p` breaks either target.
+    pub fn broken_by(&self, p: &Prediction) -> bool {
+        p.ttft > self.ttft || p.total > self.total
+    }
 }
 
 impl Target {
@@ -51,9 +94,57 @@ impl Target {
     /// backend that cannot tell its capacity.
     pub fn saturated(&self) -> bool {
         let load = self.backend.load();
-        let users = load.running - load.running_background.min(load.running);
-        load.capacity > 0 && users + load.queued_user() >= load.capacity
+        load.capacity > 0 && users_ahead(&load) >= load.capacity
     }
+
+    /// Notes the service times of a user generation that did not wait for a slot.
+    pub fn record(&self, ttft: Duration, total: Duration) {
+        let mut t = self.timing.lock();
+        let w = if t.samples == 0 { 1.0 } else { EWMA_WEIGHT };
+        t.ttft += w * (ttft.as_secs_f64() - t.ttft);
+        t.total += w * (total.as_secs_f64() - t.total);
+        t.samples += 1;
+    }
+
+    /// When a user request arriving now would get its first token and its answer: the
+    /// recent service times, after a wait of one service time per `capacity` user requests
+    /// ahead of it beyond the free slots. `None` where the backend cannot tell its capacity
+    /// or has not served anything yet (nothing to predict from).
+    pub fn predict(&self) -> Option<Prediction> {
+        let load = self.backend.load();
+        let t = *self.timing.lock();
+        if load.capacity == 0 || t.samples == 0 {
+            return None;
+        }
+        let ahead = users_ahead(&load);
+        let wait = match (ahead + 1).checked_sub(load.capacity) {
+            Some(n) if n > 0 => n as f64 / load.capacity as f64 * t.total,
+            _ => 0.0,
+        };
+        Some(Prediction {
+            wait,
+            ttft: wait + t.ttft,
+            total: wait + t.total,
+        })
+    }
+}
+
+/// User requests (interactive and batch) holding or waiting for a slot; background holders
+/// do not count (a user request preempts them).
+fn users_ahead(load: &Load) -> usize {
+    load.running - load.running_background.min(load.running) + load.queued_user()
+}
+
+/// A generation started by [`Router::generate_routed`].
+pub struct Routed {
+    /// Its events.
+    pub stream: GenStream,
+    /// The backend that runs it.
+    pub target: Arc<Target>,
+    /// The fallback's model, when the fallback runs it.
+    pub fell_back: Option<String>,
+    /// Whether it found a free slot (its times are service times, not waits).
+    pub unqueued: bool,
 }
 
 /// The backend a request goes to, and where it goes when that one cannot take it.
@@ -65,6 +156,8 @@ pub struct Choice {
     pub model: String,
     /// The backend that answers instead when the primary is saturated or refuses.
     pub fallback: Option<Arc<Target>>,
+    /// The route's latency targets.
+    pub slo: Slo,
 }
 
 struct Route {
@@ -77,6 +170,10 @@ struct Route {
 pub struct Router {
     targets: Vec<Arc<Target>>,
     routes: Vec<Route>,
+    /// Latency targets of requests no route sets them for.
+    slo: Slo,
+    /// Until when (ms since the epoch) background work is shed.
+    shed_until_ms: AtomicU64,
 }
 
 impl Router {
@@ -86,6 +183,7 @@ impl Router {
     pub fn new(
         backends: Vec<(String, Arc<dyn Backend>)>,
         routes: &[RouteConfig],
+        slo: &SloConfig,
     ) -> anyhow::Result<Router> {
         anyhow::ensure!(!backends.is_empty(), "no backend");
         let targets: Vec<Arc<Target>> = backends
@@ -96,6 +194,7 @@ impl Router {
                     name,
                     backend,
                     models,
+                    timing: Mutex::default(),
                 })
             })
             .collect();
@@ -127,12 +226,36 @@ impl Router {
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        Ok(Router { targets, routes })
+        Ok(Router {
+            targets,
+            routes,
+            slo: Slo {
+                ttft: slo.ttft_secs,
+                total: slo.total_secs,
+            },
+            shed_until_ms: AtomicU64::new(0),
+        })
     }
 
     /// One backend, no routes.
     pub fn single(backend: Arc<dyn Backend>) -> Router {
-        Router::new(vec![("default".into(), backend)], &[]).expect("one backend")
+        Router::new(
+            vec![("default".into(), backend)],
+            &[],
+            &SloConfig::default(),
+        )
+        .expect("one backend")
+    }
+
+    /// Sheds background work for `period` (from now; a later end is kept).
+    pub fn shed_background(&self, period: Duration) {
+        let until = reprise_cache::now_ms() + period.as_millis() as u64;
+        self.shed_until_ms.fetch_max(until, Ordering::Relaxed);
+    }
+
+    /// Whether background work is shed now.
+    pub fn shedding(&self) -> bool {
+        reprise_cache::now_ms() < self.shed_until_ms.load(Ordering::Relaxed)
     }
 
     /// The backends, in configuration order.
@@ -170,6 +293,10 @@ impl Router {
                 model: r.primary.served_model(model),
                 primary: r.primary.clone(),
                 fallback: r.fallback.clone(),
+                slo: Slo {
+                    ttft: r.config.slo_ttft_secs.unwrap_or(self.slo.ttft),
+                    total: r.config.slo_total_secs.unwrap_or(self.slo.total),
+                },
             });
         }
         let primary = self.serving(model)?;
@@ -177,6 +304,7 @@ impl Router {
             model: model.to_string(),
             primary,
             fallback: None,
+            slo: self.slo,
         })
     }
 
@@ -189,32 +317,51 @@ impl Router {
             .cloned()
     }
 
-    /// Starts a generation on the backend serving `req.model`, or on `fallback` when that
-    /// one is saturated or refuses at once (overloaded, unreachable). With the fallback, the
-    /// request is sent as the fallback's model, which comes back with the stream.
+    /// Starts a generation on the backend serving `req.model`, or on the fallback when
+    /// that one is saturated or refuses at once (overloaded, unreachable), or always when
+    /// `to.force` (a degraded request). With the fallback, the request is sent as the
+    /// fallback's model, which comes back with the stream.
     pub async fn generate_routed(
         &self,
         req: GenRequest,
-        fallback: Option<&Target>,
-    ) -> Result<(GenStream, Option<String>), BackendError> {
+        to: Option<&Fallback>,
+    ) -> Result<Routed, BackendError> {
         let primary = self
             .serving(&req.model)
             .ok_or_else(|| BackendError::UnknownModel(req.model.clone()))?;
-        let Some(fallback) = fallback else {
-            return Ok((primary.backend.generate(req).await?, None));
+        let start = |target: Arc<Target>, req: GenRequest, fell_back: Option<String>| async move {
+            let unqueued = !target.saturated();
+            let stream = target.backend.generate(req).await?;
+            Ok::<_, BackendError>(Routed {
+                stream,
+                target,
+                fell_back,
+                unqueued,
+            })
         };
-        if !primary.saturated() {
-            match primary.backend.generate(req.clone()).await {
+        let Some(to) = to else {
+            return start(primary, req, None).await;
+        };
+        if !to.force && !primary.saturated() {
+            match start(primary, req.clone(), None).await {
                 Err(BackendError::Overloaded { .. } | BackendError::Unavailable(_)) => {}
-                other => return other.map(|s| (s, None)),
+                other => return other,
             }
         }
         let mut req = req;
-        req.model = fallback.served_model(&req.model);
+        req.model = to.target.served_model(&req.model);
         let model = req.model.clone();
-        let stream = fallback.backend.generate(req).await?;
-        Ok((stream, Some(model)))
+        start(to.target.clone(), req, Some(model)).await
     }
+}
+
+/// Where a generation goes when its backend cannot take it.
+#[derive(Clone)]
+pub struct Fallback {
+    /// The backend.
+    pub target: Arc<Target>,
+    /// Go there without asking the primary (the request was degraded to it).
+    pub force: bool,
 }
 
 /// The size a route's prompt bounds measure: the characters of every message (or of the
@@ -229,7 +376,7 @@ pub fn prompt_chars(input: &Input) -> usize {
 #[async_trait::async_trait]
 impl Backend for Router {
     async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError> {
-        self.generate_routed(req, None).await.map(|(s, _)| s)
+        self.generate_routed(req, None).await.map(|r| r.stream)
     }
 
     fn models(&self) -> Vec<String> {
@@ -317,6 +464,7 @@ mod tests {
                 route("model = \"auto\"\nbackend = \"large\""),
                 route("tenant = \"acme\"\nmodel = \"s\"\nbackend = \"large\""),
             ],
+            &SloConfig::default(),
         )
         .unwrap();
         let c = r.choose("auto", "", 5).unwrap();
@@ -339,6 +487,7 @@ mod tests {
         let err = Router::new(
             vec![("a".into(), scripted("m")), ("b".into(), scripted("m"))],
             &[],
+            &SloConfig::default(),
         )
         .err()
         .unwrap();

@@ -112,7 +112,7 @@ impl AppState {
         embedder: Option<Arc<dyn Embedder>>,
         redis: Option<RedisTier>,
     ) -> anyhow::Result<Arc<AppState>> {
-        let router = Arc::new(Router::new(backends, &config.routes)?);
+        let router = Arc::new(Router::new(backends, &config.routes, &config.slo)?);
         let backend: Arc<dyn Backend> = router.clone();
         let models = router.model_names();
         // The `model` label's values: what is served, allowed or priced; the rest is `other`.

@@ -13,6 +13,7 @@ use figment::providers::{Env, Format, Toml};
 use figment::Figment;
 use serde::Deserialize;
 
+mod degrade;
 mod log;
 mod observe;
 mod routes;
@@ -20,6 +21,7 @@ mod stats;
 mod tenants;
 mod traces;
 
+pub use degrade::{DegradeConfig, DegradeStep};
 pub use log::LogConfig;
 pub use observe::{MetricsConfig, Price, SloConfig};
 pub use routes::RouteConfig;
@@ -53,8 +55,11 @@ pub struct Config {
     pub semantic: SemanticConfig,
     /// Request log.
     pub log: LogConfig,
-    /// Latency targets (the dashboard, the alerts and the traces of slow requests use them).
+    /// Latency targets (the dashboard, the alerts and the traces of slow requests use them,
+    /// and `[degrade]` as the routes' default).
     pub slo: SloConfig,
+    /// What a request does when its backend would answer too late for the SLO.
+    pub degrade: DegradeConfig,
     /// Metric labels and prices.
     pub metrics: MetricsConfig,
     /// Per-interval rollups for `GET /admin/stats`.
@@ -927,6 +932,7 @@ impl Config {
         }
         self.backend.validate(None)?;
         routes::validate(self)?;
+        self.degrade.validate(self)?;
         if self.cache.memory_bytes == 0 {
             return Err(invalid("cache.memory_bytes", "must be positive"));
         }

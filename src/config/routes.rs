@@ -33,6 +33,11 @@ pub struct RouteConfig {
     /// taken by user requests) or refuses at once (overloaded, unreachable). Such answers
     /// are marked degraded (`x-reprise-degraded: fallback`) and not stored.
     pub fallback: Option<String>,
+    /// Its time-to-first-token target in seconds (`[degrade]` compares the predicted wait
+    /// with it); absent: `slo.ttft_secs`.
+    pub slo_ttft_secs: Option<f64>,
+    /// Its whole-answer target in seconds; absent: `slo.total_secs`.
+    pub slo_total_secs: Option<f64>,
 }
 
 impl RouteConfig {
@@ -133,6 +138,14 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
                     "routes.tenant",
                     format!("{at}: no tenant `{t}` in [[tenants]]"),
                 ));
+            }
+        }
+        for (key, secs) in [
+            ("routes.slo_ttft_secs", r.slo_ttft_secs),
+            ("routes.slo_total_secs", r.slo_total_secs),
+        ] {
+            if secs.is_some_and(|s| !(s > 0.0 && s <= 3600.0)) {
+                return Err(invalid(key, format!("{at}: must be in (0, 3600] seconds")));
             }
         }
         if let (Some(lo), Some(hi)) = (r.min_prompt_chars, r.max_prompt_chars) {

@@ -42,8 +42,14 @@ pub fn room(state: &AppState, starting: usize) -> Option<Room> {
         background: seen + unseen,
         queued_user: load.queued_user(),
     };
+    // A user request found its backend too slow for its SLO (`[degrade]`): background work
+    // is shed first, no new generation starts.
+    let spare = match state.router.shedding() {
+        true => 0,
+        false => spare_slots(slots, share),
+    };
     Some(Room {
-        spare: spare_slots(slots, share),
+        spare,
         slots: background_slots(load.capacity, share),
     })
 }

@@ -22,7 +22,7 @@ use reprise_cache::Digest;
 
 use crate::flight::{End, Flight};
 use crate::lookup::WritePlan;
-use crate::routes::Target;
+use crate::routes::{Fallback, Routed};
 use crate::state::AppState;
 pub(crate) use background::revalidate;
 pub use background::{generate_in_background, generate_tagged, room, Background, Room};
@@ -39,7 +39,7 @@ pub(crate) fn spawn(
     key: Option<Digest>,
     req: GenRequest,
     plan: Option<WritePlan>,
-    fallback: Option<Arc<Target>>,
+    fallback: Option<Fallback>,
 ) {
     let paraphrase = plan
         .as_ref()
@@ -48,7 +48,7 @@ pub(crate) fn spawn(
         let start = Instant::now();
         state.metrics.backend_calls.increment(1);
         let result = tokio::select! {
-            r = drive(&state, &flight, req, fallback.as_deref()) => r,
+            r = drive(&state, &flight, req, fallback.as_ref()) => r,
             _ = flight.cancelled().cancelled() => Err(BackendError::Internal("abandoned by every client".into())),
         };
         let took = start.elapsed();
@@ -94,16 +94,24 @@ async fn drive(
     state: &AppState,
     flight: &Flight,
     req: GenRequest,
-    fallback: Option<&Target>,
+    fallback: Option<&Fallback>,
 ) -> Result<(String, FinishReason, Usage), BackendError> {
     // A stall between tokens cuts a generation off (background ones too: a stalled upstream
     // would hold a prefetch permit forever). The first token may wait in the backend's
     // queue; clients bound that with the first-token timeout.
     let gap = state.config.server.token_timeout();
-    let (mut stream, fell_back) = state.router.generate_routed(req, fallback).await?;
+    let user = req.priority != reprise_backend::Priority::Background;
+    let begun = Instant::now();
+    let Routed {
+        mut stream,
+        target,
+        fell_back,
+        unqueued,
+    } = state.router.generate_routed(req, fallback).await?;
     if let Some(model) = fell_back {
         flight.fell_back(model);
     }
+    let mut first_token = None;
     let mut text = String::new();
     let mut started = false;
     loop {
@@ -115,6 +123,7 @@ async fn drive(
             stream.next().await
         };
         started = true;
+        first_token.get_or_insert_with(|| begun.elapsed());
         let Some(ev) = next else { break };
         match ev? {
             GenEvent::Delta(d) => {
@@ -122,6 +131,11 @@ async fn drive(
                 flight.push(GenEvent::Delta(d));
             }
             GenEvent::Finish { reason, usage } => {
+                // Service times of user generations that found a free slot: what the
+                // wait predictions of `[degrade]` start from.
+                if user && unqueued {
+                    target.record(first_token.unwrap_or_default(), begun.elapsed());
+                }
                 flight.push(GenEvent::Finish { reason, usage });
                 return Ok((text, reason, usage));
             }

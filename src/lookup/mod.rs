@@ -37,6 +37,40 @@ pub struct Hit {
     pub similarity: Option<f32>,
 }
 
+/// A cached paraphrase of a missed request at a looser threshold, `floor` (a degraded
+/// answer, `[degrade]`): the semantic search again with the same policy and gate, only the
+/// threshold lowered. Only when the best candidate was below the threshold (a near miss) at
+/// or above `floor`.
+pub(crate) async fn loosely(
+    state: &AppState,
+    found: &Lookup,
+    namespace: &str,
+    floor: f32,
+    wants: Wants,
+) -> Option<Hit> {
+    let (_, nearest) = found.notes.near_miss?;
+    let policy = found.policy.filter(|p| p.enabled && nearest >= floor)?;
+    let embedder = state.embedder.as_ref()?;
+    let (partition, embedding) = (found.plan.partition?, found.plan.embedding.clone()?);
+    let q = semantic::Question {
+        text: found.plan.read(),
+        embedding: &embedding,
+        partition: &partition,
+        scope: crate::auth::scope_of(namespace),
+    };
+    let loose = SemanticPolicy {
+        threshold: floor,
+        ..policy
+    };
+    let mut notes = Notes::default();
+    let (entry, similarity) = semantic::find(state, embedder, &loose, q, wants, &mut notes).await?;
+    Some(Hit {
+        entry,
+        outcome: Outcome::Semantic,
+        similarity: Some(similarity),
+    })
+}
+
 /// What the lookup saw, for the request log.
 #[derive(Debug, Default, Clone)]
 pub struct Notes {

@@ -259,6 +259,10 @@ fn describe() {
         "Rebuilds from Redis that stopped at the memory budget (cache.memory_bytes), leaving the rest in Redis."
     );
     describe_counter!(
+        "reprise_slo_at_risk_total",
+        "Interactive requests whose backend was predicted to answer too late for their route's SLO ([degrade]), by what they did: loose_threshold, stale, fallback, refuse, or wait (nothing else could answer)."
+    );
+    describe_counter!(
         "reprise_lookup_timeouts_total",
         "Requests whose cache lookup ran past server.lookup_timeout_secs and went on as misses."
     );
@@ -434,6 +438,12 @@ impl Metrics {
     /// Counts a rebuild from Redis stopped at the memory budget.
     pub fn rebuild_stopped_at_budget(&self) {
         metrics::counter!("reprise_rebuild_stopped_at_budget_total").increment(1);
+    }
+
+    /// Counts a request predicted to miss its SLO, by what it did (`loose_threshold`,
+    /// `stale`, `fallback`, `refuse`, `wait`).
+    pub fn slo_at_risk(&self, action: &'static str) {
+        metrics::counter!("reprise_slo_at_risk_total", "action" => action).increment(1);
     }
 
     /// Counts a lookup that ran out of time.

@@ -4,7 +4,8 @@
 //! 1. **parse** ([`parse`]): the body becomes a [`reprise_backend::GenRequest`], or a
 //!    [`Forward`] for the upstream ([`crate::forward`]);
 //! 2. **controls** ([`controls`]): namespace (inside the tenant), `Cache-Control`, threshold, session, tags,
-//!    priority (within the tenant's cap) from headers; ready and model checks;
+//!    priority (within the tenant's cap) from headers; ready and model checks; then the
+//!    route ([`crate::routes`]): the backend that answers and the model it is served as;
 //! 3. **policy** ([`policy`]): may this request read, write, call the backend? (the
 //!    configuration, the tenant's policy, `Cache-Control`); the tenant's `max_tokens` cap;
 //! 4. **exact lookup** ([`crate::lookup::exact`]) by the blake3 key of the canonical request;
@@ -13,6 +14,9 @@
 //!    background generation shares them); without a fresh answer, an expired one within the
 //!    stale-while-revalidate window is served at once, marked stale, while one regeneration
 //!    replaces it ([`crate::generate::revalidate`]);
+//!    a miss whose backend is predicted to answer too late for its route's SLO is answered
+//!    another way ([`degrade`]: a paraphrase at a looser threshold, an expired entry, the
+//!    route's fallback backend, or 429), and background work is shed;
 //! 6. **single-flight** ([`single_flight`]): follow an identical generation, or a paraphrase
 //!    being generated, or lead a new one;
 //! 7. **generation** ([`crate::generate`]): a driver task runs the backend into the flight;
@@ -27,6 +31,7 @@
 //! response is done.
 
 mod controls;
+mod degrade;
 pub(crate) mod explain;
 mod parse;
 mod policy;
@@ -46,7 +51,7 @@ use crate::auth::Tenant;
 use crate::bookkeeping::{Bookkeeping, CanarySide};
 use crate::candidate::Arm;
 use crate::config::CandidateMode;
-use crate::degraded::Degraded;
+use crate::degraded::{set_degraded, Degraded};
 use crate::error::ApiError;
 use crate::feedback::{self, Served};
 pub use crate::forward::Forward;
@@ -54,9 +59,11 @@ use crate::headers::set_cache_status;
 use crate::lookup::{self, ObserveLater, Wants};
 use crate::metrics::Outcome;
 use crate::openai::{Endpoint, Renderer};
+use crate::routes::Fallback;
 use crate::state::AppState;
 use controls::admit;
 pub use controls::Controls;
+use degrade::Degradation;
 pub use parse::{parse, Parsed, Request};
 
 /// Entry point of both completion endpoints.
@@ -121,7 +128,7 @@ async fn serve(
     // generated and stored as that model, so answers of different models never mix.
     let chars = crate::routes::prompt_chars(&parsed.req.input);
     let choice = route(state, &tenant, &parsed.req.model, chars)?;
-    parsed.req.model = choice.model;
+    parsed.req.model = choice.model.clone();
     policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     // 3. Policy.
     let access = policy::access(state, &tenant, &ctl);
@@ -232,6 +239,38 @@ async fn serve(
     if !access.generate {
         return Err(ApiError::NotCached);
     }
+    // The backend would answer too late for the route's SLO: answered another way.
+    let mut fallback = choice.fallback.clone().map(|target| Fallback {
+        target,
+        force: false,
+    });
+    let now = reprise_cache::now_ms();
+    let stale_ok = stale
+        .as_ref()
+        .filter(|e| stale_windows.if_error(e.expires_ms, now));
+    let (namespace, priority) = (&ctl.namespace, parsed.req.priority);
+    match degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok).await {
+        Some(Degradation::Loose(hit)) => {
+            let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
+            state.responses.remember(state, renderer.id(), s).await;
+            // Before `hit`, which may move the bookkeeping into a stream.
+            book.degraded(Degraded::LooseThreshold);
+            let mut resp = respond::hit(&parsed, renderer, hit, book);
+            set_degraded(&mut resp, Degraded::LooseThreshold);
+            return Ok(resp);
+        }
+        Some(Degradation::Stale(entry)) => {
+            let s = served(Some(entry.id), Outcome::Exact, None, book);
+            state.responses.remember(state, renderer.id(), s).await;
+            let kind = Degraded::StaleIfError;
+            return Ok(respond::stale(&parsed, renderer, entry, kind, book));
+        }
+        Some(Degradation::Fallback(f)) => fallback = Some(f),
+        Some(Degradation::Refuse(retry_after_secs)) => {
+            return Err(ApiError::Overloaded { retry_after_secs })
+        }
+        None => {}
+    }
     // The backend will be asked: charged against the tenant's token budget.
     let max_tokens = parsed.req.params.max_tokens;
     tenant.take_tokens(max_tokens.unwrap_or(state.config.backend.default_max_tokens))?;
@@ -246,7 +285,6 @@ async fn serve(
     } else {
         Outcome::Bypass
     };
-    let fallback = choice.fallback;
     let joined =
         single_flight::join(state, &parsed, plan, found.policy, access, fallback, book).await;
     // 9. Respond (remembered for feedback under the response's id).

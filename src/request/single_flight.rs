@@ -13,7 +13,7 @@ use crate::flight::{Joined, Subscriber};
 use crate::lookup::WritePlan;
 use crate::metrics::Outcome;
 use crate::request::Parsed;
-use crate::routes::Target;
+use crate::routes::Fallback;
 use crate::state::AppState;
 
 /// The generation a request waits for.
@@ -33,7 +33,7 @@ pub async fn join(
     plan: WritePlan,
     policy: Option<SemanticPolicy>,
     access: Access,
-    fallback: Option<Arc<Target>>,
+    fallback: Option<Fallback>,
     book: &mut Bookkeeping,
 ) -> Joining {
     // A paraphrase of a question being generated right now waits for that answer.
