@@ -16,10 +16,12 @@ use reprise_cache::redis::RedisTier;
 use reprise_cache::semantic::SemanticIndex;
 use reprise_cache::{Digest, Store};
 
-pub use reprise::config::{BackendKind, Config, TenantConfig};
+pub use reprise::config::{
+    BackendConfig, BackendKind, Config, DegradeStep, RouteConfig, TenantConfig,
+};
 pub use reprise::harness::{
     build_replica, load_embedder, sse_data, sse_text, start_app, start_configured, start_redis,
-    start_replica, Server,
+    start_replica, start_routed, Server,
 };
 pub use reprise::headers::{CACHE_HEADER, DEFAULT_NAMESPACE, NAMESPACE_HEADER, SIMILARITY_HEADER};
 pub use reprise::prefetch::{PrefetchConfig, PrefetchStats, Prefetcher};

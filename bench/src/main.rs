@@ -8,6 +8,7 @@ mod common;
 mod index;
 mod latency;
 mod llama;
+mod overload;
 mod proxy;
 mod quality;
 mod redis;
@@ -50,6 +51,10 @@ enum Mode {
     /// Predictive prefetch on recorded sessions: the same conversations through reprise with
     /// prefetch off and on, side by side; hit rates, latency, compute spent and wasted.
     Replay(replay::ReplayArgs),
+    /// Open-loop arrivals at multiples of the backend's measured capacity, `[degrade]` off and
+    /// on side by side: interactive latency percentiles, answers degraded by kind, 429s and
+    /// wrong hits.
+    Overload(overload::OverloadArgs),
     /// Many distinct prompts through one server with a fixed memory budget: entries held,
     /// weighted bytes and resident memory as it fills and evicts; RSS against the budget.
     Soak(soak::SoakArgs),
@@ -67,6 +72,7 @@ fn main() -> std::process::ExitCode {
             Mode::Index(a) => index::run(a).await,
             Mode::Replay(a) => replay::run(a).await,
             Mode::Soak(a) => soak::run(a).await,
+            Mode::Overload(a) => overload::run(a).await,
         }
     })
 }
