@@ -53,10 +53,6 @@ struct Rig {
 }
 
 async fn rig(c: Config) -> Rig {
-    rig_with_slots(c, 1).await
-}
-
-async fn rig_with_slots(c: Config, slots: usize) -> Rig {
     c.validate().expect("valid");
     let script = |model: &str, slots| {
         ScriptedBackend::new(ScriptConfig {
@@ -68,7 +64,7 @@ async fn rig_with_slots(c: Config, slots: usize) -> Rig {
             ..ScriptConfig::default()
         })
     };
-    let (small, large) = (script(SMALL, Some(slots)), script(LARGE, None));
+    let (small, large) = (script(SMALL, Some(1)), script(LARGE, None));
     let backends: Vec<(&str, Arc<dyn Backend>)> = vec![
         ("small", Arc::new(small.clone())),
         ("large", Arc::new(large.clone())),
@@ -87,7 +83,7 @@ impl Rig {
     async fn teach(&self) {
         let r = self
             .app
-            .chat(&ask("auto", "A question to learn from"), &[])
+            .chat(&chat_for("auto", "A question to learn from"), &[])
             .await;
         assert_eq!(r.status(), 200);
         assert!(header(&r, "x-reprise-degraded").is_none());
@@ -95,21 +91,14 @@ impl Rig {
 
     /// A slow streamed request holds the primary's only slot.
     async fn hold(&mut self) {
-        self.hold_slots(1).await;
-    }
-
-    /// Slow streamed requests hold `n` of the primary's slots.
-    async fn hold_slots(&mut self, n: usize) {
         self.small.set_token_delay(Duration::from_millis(400));
-        for i in 0..n {
-            let mut body = ask("auto", &format!("Tell me long story number {i}."));
-            body["stream"] = json!(true);
-            let (client, url) = (self.app.client.clone(), self.app.chat_url());
-            self.holders.push(tokio::spawn(async move {
-                client.post(url).json(&body).send().await.unwrap()
-            }));
-        }
-        assert!(eventually(Duration::from_secs(30), || self.small.active() == n).await);
+        let mut body = chat_for("auto", "Tell me a long story that holds the slot.");
+        body["stream"] = json!(true);
+        let (client, url) = (self.app.client.clone(), self.app.chat_url());
+        self.holders.push(tokio::spawn(async move {
+            client.post(url).json(&body).send().await.unwrap()
+        }));
+        assert!(eventually(Duration::from_secs(30), || self.small.active() == 1).await);
     }
 
     /// The holders finish.
@@ -122,16 +111,6 @@ impl Rig {
         }
         assert!(eventually(Duration::from_secs(30), || self.small.active() == 0).await);
     }
-}
-
-fn ask(model: &str, text: &str) -> Value {
-    json!({"model": model, "messages": [{"role": "user", "content": text}]})
-}
-
-fn header(r: &reqwest::Response, name: &str) -> Option<String> {
-    r.headers()
-        .get(name)
-        .map(|v| v.to_str().unwrap().to_string())
 }
 
 async fn model_of(r: reqwest::Response) -> String {
@@ -157,7 +136,10 @@ async fn at_risk(app: &TestApp, action: &str) -> f64 {
 async fn a_wait_past_the_slo_degrades_to_the_fallback_then_refuses() {
     let mut rig = rig(config(&[DegradeStep::Fallback, DegradeStep::Refuse])).await;
     rig.teach().await;
-    let r = rig.app.chat(&ask("auto", "Asked while idle"), &[]).await;
+    let r = rig
+        .app
+        .chat(&chat_for("auto", "Asked while idle"), &[])
+        .await;
     assert!(
         header(&r, "x-reprise-degraded").is_none(),
         "idle: not degraded"
@@ -167,7 +149,10 @@ async fn a_wait_past_the_slo_degrades_to_the_fallback_then_refuses() {
 
     rig.hold().await;
     let fallbacks = at_risk(&rig.app, "fallback").await;
-    let r = rig.app.chat(&ask("auto", "Asked while busy"), &[]).await;
+    let r = rig
+        .app
+        .chat(&chat_for("auto", "Asked while busy"), &[])
+        .await;
     assert_eq!(
         header(&r, "x-reprise-degraded").as_deref(),
         Some("fallback")
@@ -179,7 +164,7 @@ async fn a_wait_past_the_slo_degrades_to_the_fallback_then_refuses() {
     // No route, no fallback: refused rather than queued behind the holder.
     let r = rig
         .app
-        .chat(&ask(SMALL, "Straight to the busy model"), &[])
+        .chat(&chat_for(SMALL, "Straight to the busy model"), &[])
         .await;
     assert_eq!(r.status(), 429);
     let retry: u64 = header(&r, "retry-after").unwrap().parse().unwrap();
@@ -191,7 +176,7 @@ async fn a_wait_past_the_slo_degrades_to_the_fallback_then_refuses() {
     // Idle again: the refused question is an ordinary miss.
     let r = rig
         .app
-        .chat(&ask(SMALL, "Straight to the busy model"), &[])
+        .chat(&chat_for(SMALL, "Straight to the busy model"), &[])
         .await;
     assert!(header(&r, "x-reprise-degraded").is_none());
     assert_eq!(model_of(r).await, SMALL);
@@ -208,7 +193,7 @@ async fn without_degradation_a_busy_backend_is_waited_for() {
     rig.hold().await;
     let waiting = {
         let (client, url) = (rig.app.client.clone(), rig.app.chat_url());
-        let body = ask(SMALL, "Straight to the busy model");
+        let body = chat_for(SMALL, "Straight to the busy model");
         tokio::spawn(async move { client.post(url).json(&body).send().await.unwrap() })
     };
     // It waits in the primary's line.
@@ -237,7 +222,7 @@ async fn a_kept_expired_entry_answers_before_the_fallback() {
     c.cache.stale_if_error_secs = 600;
     let mut rig = rig(c).await;
     rig.teach().await;
-    let q = ask("auto", "What did we say before?");
+    let q = chat_for("auto", "What did we say before?");
     let r = rig.app.chat(&q, &[]).await;
     let entry = header(&r, "x-reprise-entry").unwrap();
     assert_eq!(model_of(r).await, SMALL);
@@ -272,7 +257,7 @@ async fn a_kept_expired_entry_answers_before_the_fallback() {
     );
     assert_eq!(rig.large.calls(), 0, "the stale entry came first");
     // A new question has nothing stale: the fallback.
-    let r = rig.app.chat(&ask("auto", "Something new"), &[]).await;
+    let r = rig.app.chat(&chat_for("auto", "Something new"), &[]).await;
     assert_eq!(
         header(&r, "x-reprise-degraded").as_deref(),
         Some("fallback")
@@ -293,11 +278,11 @@ async fn a_paraphrase_above_the_floor_answers_only_when_busy_and_never_past_the_
     rig.teach().await;
     let r = rig
         .app
-        .chat(&ask("auto", "How do I reset my password?"), &[])
+        .chat(&chat_for("auto", "How do I reset my password?"), &[])
         .await;
     assert_eq!(cache_status(&r), "miss");
     model_of(r).await;
-    let paraphrase = ask("auto", "I forgot my password, how can I change it?");
+    let paraphrase = chat_for("auto", "I forgot my password, how can I change it?");
 
     rig.hold().await;
     let r = rig.app.chat(&paraphrase, &[]).await;
@@ -311,7 +296,7 @@ async fn a_paraphrase_above_the_floor_answers_only_when_busy_and_never_past_the_
     // The gate still decides: a negation is refused even loosely (then 429 by the order).
     let r = rig
         .app
-        .chat(&ask("auto", "How do I not reset my password?"), &[])
+        .chat(&chat_for("auto", "How do I not reset my password?"), &[])
         .await;
     assert_eq!(r.status(), 429);
     rig.release().await;
@@ -349,21 +334,23 @@ async fn background_work_is_shed_once_a_request_is_at_risk() {
             .expect("capacity known")
             .spare
     };
-    let r = app.chat(&ask(SMALL, "A question to learn from"), &[]).await;
+    let r = app
+        .chat(&chat_for(SMALL, "A question to learn from"), &[])
+        .await;
     assert_eq!(r.status(), 200);
     assert_eq!(room(), 2, "idle: both slots spare");
 
     small.set_token_delay(Duration::from_millis(400));
     let holders: Vec<_> = (0..2)
         .map(|i| {
-            let mut body = ask(SMALL, &format!("Long story {i}"));
+            let mut body = chat_for(SMALL, &format!("Long story {i}"));
             body["stream"] = json!(true);
             let (client, url) = (app.client.clone(), app.chat_url());
             tokio::spawn(async move { client.post(url).json(&body).send().await.unwrap() })
         })
         .collect();
     assert!(eventually(Duration::from_secs(30), || small.active() == 2).await);
-    let r = app.chat(&ask(SMALL, "One more while busy"), &[]).await;
+    let r = app.chat(&chat_for(SMALL, "One more while busy"), &[]).await;
     assert_eq!(r.status(), 429);
     small.set_token_delay(Duration::ZERO);
     for h in holders {
@@ -371,4 +358,63 @@ async fn background_work_is_shed_once_a_request_is_at_risk() {
     }
     assert!(eventually(Duration::from_secs(30), || small.active() == 0).await);
     assert_eq!(room(), 0, "shed: no spare slot for background work");
+}
+
+/// The real llama.cpp engine (one slot): its service time learned from one answer, an idle
+/// engine answers as usual; while a long generation holds the slot, the next request is
+/// refused with `Retry-After` instead of queueing past the SLO.
+#[tokio::test]
+async fn a_busy_llama_engine_degrades_while_an_idle_one_answers() {
+    let gguf = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(gguf.is_file(), "run scripts/fetch-models.sh");
+    let mut c = test_config();
+    c.backend = BackendConfig {
+        kind: BackendKind::Llama,
+        model: gguf,
+        model_name: Some("smol".into()),
+        n_ctx: 1024,
+        n_threads: 1,
+        parallel: 1,
+        max_queue: 4,
+        default_max_tokens: 8,
+        ..BackendConfig::default()
+    };
+    // Any wait breaks it; a request that starts at once is never degraded.
+    c.slo.ttft_secs = 0.05;
+    c.slo.total_secs = 0.05;
+    c.degrade.enabled = true;
+    c.degrade.order = vec![DegradeStep::Refuse];
+    c.validate().unwrap();
+    let backends = reprise::state::build_backends(&c)
+        .await
+        .expect("model loads");
+    let state = reprise::AppState::with_backends(c, backends, None, None).unwrap();
+    let app = try_serve(state).await.unwrap();
+
+    for q in ["What is the capital of France?", "Name a primary colour."] {
+        let r = app.chat(&chat_for("smol", q), &[]).await;
+        assert_eq!(r.status(), 200, "idle: answered");
+        assert!(header(&r, "x-reprise-degraded").is_none());
+    }
+    let long = json!({"model": "smol", "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400,
+                      "stream": true, "temperature": 0.0});
+    let mut holder = app
+        .client
+        .post(app.url("/v1/completions"))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(holder.status(), 200);
+    let first = tokio::time::timeout(Duration::from_secs(120), holder.chunk())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.is_some(), "the long generation runs");
+    let r = app
+        .chat(&chat_for("smol", "Is the engine busy?"), &[])
+        .await;
+    assert_eq!(r.status(), 429);
+    assert!(header(&r, "retry-after").is_some());
+    drop(holder);
 }

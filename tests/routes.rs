@@ -60,16 +60,6 @@ async fn spawn(c: Config, small: &ScriptedBackend, large: &ScriptedBackend) -> T
     spawn_routed(c, backends).await
 }
 
-fn ask(model: &str, text: &str) -> Value {
-    json!({"model": model, "messages": [{"role": "user", "content": text}]})
-}
-
-fn header(r: &reqwest::Response, name: &str) -> Option<String> {
-    r.headers()
-        .get(name)
-        .map(|v| v.to_str().unwrap().to_string())
-}
-
 /// The model a JSON answer names and its text.
 async fn answer(r: reqwest::Response) -> (String, String) {
     assert_eq!(r.status(), 200);
@@ -108,28 +98,28 @@ async fn an_alias_routes_by_prompt_size_and_caches_per_served_model() {
     assert_eq!(ids, [SMALL, LARGE, "auto"]);
 
     let short = "What is a route?";
-    let (model, text) = answer(app.chat(&ask("auto", short), &[]).await).await;
+    let (model, text) = answer(app.chat(&chat_for("auto", short), &[]).await).await;
     assert_eq!(model, SMALL);
     assert!(text.starts_with("small-model says:"), "{text}");
     let long = "Explain in detail how a request finds the backend that answers it.";
     assert!(long.chars().count() > 40);
-    let (model, text) = answer(app.chat(&ask("auto", long), &[]).await).await;
+    let (model, text) = answer(app.chat(&chat_for("auto", long), &[]).await).await;
     assert_eq!(model, LARGE);
     assert!(text.starts_with("large-model says:"), "{text}");
     assert_eq!((small.calls(), large.calls()), (1, 1));
 
     // Cached as the served model: the model's own name finds the alias's answer...
-    let r = app.chat(&ask(SMALL, short), &[]).await;
+    let r = app.chat(&chat_for(SMALL, short), &[]).await;
     assert_eq!(cache_status(&r), "exact");
     assert_eq!(answer(r).await.0, SMALL);
     // ...and another model never does.
-    let r = app.chat(&ask(LARGE, short), &[]).await;
+    let r = app.chat(&chat_for(LARGE, short), &[]).await;
     assert_eq!(cache_status(&r), "miss");
     assert_eq!(answer(r).await.0, LARGE);
     assert_eq!((small.calls(), large.calls()), (1, 2));
 
     // A model nothing serves and no route names: the OpenAI 404.
-    let r = app.chat(&ask("gpt-unknown", short), &[]).await;
+    let r = app.chat(&chat_for("gpt-unknown", short), &[]).await;
     assert_openai_error(r, 404, Some("model")).await;
 }
 
@@ -153,9 +143,9 @@ async fn a_tenant_route_sends_its_requests_elsewhere() {
     let app = spawn(c, &small, &large).await;
     let acme = [("authorization", "Bearer acme-key")];
     let other = [("authorization", "Bearer other-key")];
-    let (model, _) = answer(app.chat(&ask(SMALL, "hello there"), &acme).await).await;
+    let (model, _) = answer(app.chat(&chat_for(SMALL, "hello there"), &acme).await).await;
     assert_eq!(model, LARGE);
-    let (model, _) = answer(app.chat(&ask(SMALL, "hello there"), &other).await).await;
+    let (model, _) = answer(app.chat(&chat_for(SMALL, "hello there"), &other).await).await;
     assert_eq!(model, SMALL);
     assert_eq!((small.calls(), large.calls()), (1, 1));
 }
@@ -180,7 +170,7 @@ async fn a_saturated_primary_sends_the_next_request_to_the_fallback() {
 
     // Hold the primary's slot: a slow answer streaming.
     small.set_token_delay(Duration::from_millis(200));
-    let mut held = ask("auto", "Tell me a long story about slots.");
+    let mut held = chat_for("auto", "Tell me a long story about slots.");
     held["stream"] = json!(true);
     let holder = {
         let (client, url) = (app.client.clone(), app.chat_url());
@@ -189,7 +179,7 @@ async fn a_saturated_primary_sends_the_next_request_to_the_fallback() {
     assert!(eventually(Duration::from_secs(30), || small.active() == 1).await);
 
     let r = app
-        .chat(&ask("auto", "Which backend answers me?"), &[])
+        .chat(&chat_for("auto", "Which backend answers me?"), &[])
         .await;
     assert_eq!(
         header(&r, "x-reprise-degraded").as_deref(),
@@ -203,7 +193,7 @@ async fn a_saturated_primary_sends_the_next_request_to_the_fallback() {
     assert!(degraded_fallbacks(&app).await > before);
 
     // A streamed answer from the fallback names its model in every chunk.
-    let mut body = ask("auto", "And a streamed one?");
+    let mut body = chat_for("auto", "And a streamed one?");
     body["stream"] = json!(true);
     let r = app.chat(&body, &[]).await;
     assert_eq!(
@@ -220,7 +210,7 @@ async fn a_saturated_primary_sends_the_next_request_to_the_fallback() {
     assert_eq!(holder.await.unwrap().status(), 200);
     assert!(eventually(Duration::from_secs(30), || small.active() == 0).await);
     let r = app
-        .chat(&ask("auto", "Which backend answers me?"), &[])
+        .chat(&chat_for("auto", "Which backend answers me?"), &[])
         .await;
     assert_eq!(cache_status(&r), "miss");
     assert!(header(&r, "x-reprise-degraded").is_none());
@@ -241,7 +231,7 @@ async fn a_refusing_primary_falls_back_but_an_invalid_request_does_not() {
     small.set_failure(Failure::AtStart(BackendError::Unavailable(
         "connection refused".into(),
     )));
-    let r = app.chat(&ask("auto", "Are you there?"), &[]).await;
+    let r = app.chat(&chat_for("auto", "Are you there?"), &[]).await;
     assert_eq!(
         header(&r, "x-reprise-degraded").as_deref(),
         Some("fallback")
@@ -250,7 +240,7 @@ async fn a_refusing_primary_falls_back_but_an_invalid_request_does_not() {
     small.set_failure(Failure::AtStart(BackendError::Overloaded {
         retry_after_secs: 1,
     }));
-    let r = app.chat(&ask("auto", "Still there?"), &[]).await;
+    let r = app.chat(&chat_for("auto", "Still there?"), &[]).await;
     assert_eq!(answer(r).await.0, LARGE);
 
     small.set_failure(Failure::AtStart(BackendError::InvalidRequest {
@@ -258,14 +248,16 @@ async fn a_refusing_primary_falls_back_but_an_invalid_request_does_not() {
         param: Some("messages".into()),
     }));
     let r = app
-        .chat(&ask("auto", "A prompt the primary refuses"), &[])
+        .chat(&chat_for("auto", "A prompt the primary refuses"), &[])
         .await;
     assert_openai_error(r, 400, Some("messages")).await;
     assert_eq!(large.calls(), 2);
 
     // Without a fallback on the route, an unreachable primary is a 502.
     small.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
-    let r = app.chat(&ask(SMALL, "Direct to the primary"), &[]).await;
+    let r = app
+        .chat(&chat_for(SMALL, "Direct to the primary"), &[])
+        .await;
     assert_eq!(r.status(), 502);
     assert_eq!(large.calls(), 2);
 }
@@ -321,7 +313,7 @@ async fn two_llama_backends_route_by_alias_and_fall_back_when_saturated() {
     let app = try_serve(state).await.unwrap();
 
     let (model, text) = answer(
-        app.chat(&ask("auto", "What is the capital of France?"), &[])
+        app.chat(&chat_for("auto", "What is the capital of France?"), &[])
             .await,
     )
     .await;
@@ -346,7 +338,9 @@ async fn two_llama_backends_route_by_alias_and_fall_back_when_saturated() {
         .unwrap();
     assert!(first.is_some());
 
-    let r = app.chat(&ask("auto", "Name a primary colour."), &[]).await;
+    let r = app
+        .chat(&chat_for("auto", "Name a primary colour."), &[])
+        .await;
     assert_eq!(
         header(&r, "x-reprise-degraded").as_deref(),
         Some("fallback")

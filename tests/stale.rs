@@ -33,12 +33,6 @@ fn script(reply: &str) -> ScriptConfig {
     }
 }
 
-fn header(r: &reqwest::Response, name: &str) -> Option<String> {
-    r.headers()
-        .get(name)
-        .map(|v| v.to_str().unwrap().to_string())
-}
-
 /// The entry an answer names.
 fn entry_of(r: &reqwest::Response) -> EntryId {
     header(r, "x-reprise-entry").unwrap().parse().unwrap()

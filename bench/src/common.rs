@@ -244,6 +244,17 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     s[idx.min(s.len() - 1)]
 }
 
+/// The scripted backend's answer for question benchmarks: `You asked: <question>` (so an
+/// answer names the question it was generated for) and `words` words of padding.
+pub fn naming_reply(words: usize) -> String {
+    let padding: Vec<&str> = "Open the editor and follow these steps to get it done quickly"
+        .split(' ')
+        .cycle()
+        .take(words)
+        .collect();
+    format!("You asked: {{prompt}}\n{}", padding.join(" "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

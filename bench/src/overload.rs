@@ -29,8 +29,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::common::{
-    load_embedder, percentile, sse_data, sse_text, start_routed, BackendConfig, BackendKind,
-    Config, DegradeStep, RouteConfig, Server,
+    load_embedder, naming_reply, percentile, sse_data, sse_text, start_routed, BackendConfig,
+    BackendKind, Config, DegradeStep, RouteConfig, Server,
 };
 
 /// Options of `reprise-bench overload`.
@@ -282,14 +282,9 @@ pub async fn run(a: OverloadArgs) -> anyhow::Result<()> {
         intent_of.insert(t.clone(), i.clone());
     }
     let intent_of = Arc::new(intent_of);
-    let padding: Vec<&str> = "Open the editor and follow these steps to get it done quickly"
-        .split(' ')
-        .cycle()
-        .take(a.reply_words)
-        .collect();
     let script = ScriptConfig {
         model: "fake".into(),
-        reply: format!("You asked: {{prompt}}\n{}", padding.join(" ")),
+        reply: naming_reply(a.reply_words),
         first_token_delay: Duration::from_millis(a.token_delay_ms * 5),
         token_delay: Duration::from_millis(a.token_delay_ms),
         slots: Some(a.slots.max(1)),
@@ -340,23 +335,25 @@ pub async fn run(a: OverloadArgs) -> anyhow::Result<()> {
         let mut sides = Vec::new();
         for degrade in [false, true] {
             let server = side(&a, &script, degrade, slo).await?;
-            // Warm-up: every seeded wording cached, the service time learned.
-            let warm: Vec<_> = q
-                .seeded
-                .iter()
-                .map(|(i, t)| {
-                    let (client, url, io, i, t) = (
-                        client.clone(),
-                        server.chat_url(),
-                        intent_of.clone(),
-                        i.clone(),
-                        t.clone(),
-                    );
-                    tokio::spawn(async move { ask(&client, &url, &t, &io, &i).await })
-                })
-                .collect();
-            for w in warm {
-                w.await?;
+            // Warm-up: every seeded wording cached, the service time learned; at most
+            // `slots` at a time, so none is answered by a fallback (which is not stored).
+            for chunk in q.seeded.chunks(a.slots.max(1)) {
+                let warm: Vec<_> = chunk
+                    .iter()
+                    .map(|(i, t)| {
+                        let (client, url, io, i, t) = (
+                            client.clone(),
+                            server.chat_url(),
+                            intent_of.clone(),
+                            i.clone(),
+                            t.clone(),
+                        );
+                        tokio::spawn(async move { ask(&client, &url, &t, &io, &i).await })
+                    })
+                    .collect();
+                for w in warm {
+                    w.await?;
+                }
             }
             sides.push(server);
         }

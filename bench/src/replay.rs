@@ -39,8 +39,8 @@ use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
 use crate::common::{
-    load_embedder, percentile, prefetcher, sse_data, sse_text, start_app, BackendKind, Config,
-    PrefetchConfig, PrefetchStats, Server, DEFAULT_NAMESPACE,
+    load_embedder, naming_reply, percentile, prefetcher, sse_data, sse_text, start_app,
+    BackendKind, Config, PrefetchConfig, PrefetchStats, Server, DEFAULT_NAMESPACE,
 };
 
 /// Options of `reprise-bench replay`.
@@ -236,13 +236,8 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
     if let Some(t) = a.threshold {
         base.semantic.threshold = t;
     }
-    let padding: Vec<&str> = "Open the editor and follow these steps to get it done quickly"
-        .split(' ')
-        .cycle()
-        .take(a.reply_words)
-        .collect();
     let script = ScriptConfig {
-        reply: format!("You asked: {{prompt}}\n{}", padding.join(" ")),
+        reply: naming_reply(a.reply_words),
         // Prompt processing before the first token: a few tokens' worth.
         first_token_delay: Duration::from_millis(a.token_delay_ms * 5),
         token_delay: Duration::from_millis(a.token_delay_ms),

@@ -10,6 +10,18 @@ use serde_json::Value;
 
 pub use reprise::harness::*;
 
+/// A response header as text, when present.
+pub fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+}
+
+/// A chat body for `model` with one user message.
+pub fn chat_for(model: &str, text: &str) -> Value {
+    serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})
+}
+
 /// A chat body with one user message.
 pub fn chat_body(text: &str) -> Value {
     serde_json::json!({"model": "fake", "messages": [{"role": "user", "content": text}]})
