@@ -32,9 +32,14 @@ fn route(toml: &str) -> RouteConfig {
     toml::from_str(toml).unwrap()
 }
 
+/// The admin token's variable, unique to this test binary.
+const TOKEN_VAR: &str = "REPRISE_TEST_ROUTES_ADMIN_TOKEN";
+
 /// Two scripted backends, `small` and `large`, and `routes` between them.
 fn config(routes: &[&str]) -> Config {
+    std::env::set_var(TOKEN_VAR, "r0utes");
     let mut c = test_config();
+    c.server.admin_token_env = Some(TOKEN_VAR.into());
     c.backends = vec![
         table("small", BackendKind::Fake),
         table("large", BackendKind::Fake),
@@ -117,6 +122,22 @@ async fn an_alias_routes_by_prompt_size_and_caches_per_served_model() {
     assert_eq!(cache_status(&r), "miss");
     assert_eq!(answer(r).await.0, LARGE);
     assert_eq!((small.calls(), large.calls()), (1, 2));
+
+    // `POST /admin/explain` looks the alias up as the model it is served as.
+    let e: Value = app
+        .client
+        .post(app.url("/admin/explain"))
+        .bearer_auth("r0utes")
+        .json(&chat_for("auto", short))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(e["backend"], "small");
+    assert_eq!(e["model"], SMALL);
+    assert_eq!(e["would_serve"]["outcome"], "exact", "{e}");
 
     // A model nothing serves and no route names: the OpenAI 404.
     let r = app.chat(&chat_for("gpt-unknown", short), &[]).await;

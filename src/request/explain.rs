@@ -40,6 +40,15 @@ pub async fn explain(
         }
     };
     let ctl = Controls::from_headers(headers, &tenant)?;
+    // Looked up as the model its route serves it as, as the request path does.
+    let chars = crate::routes::prompt_chars(&parsed.req.input);
+    let backend = match state.router.choose(&parsed.req.model, tenant.name(), chars) {
+        Some(choice) => {
+            parsed.req.model = choice.model;
+            Some(choice.primary.name.clone())
+        }
+        None => None,
+    };
     policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     let access = policy::access(state, &tenant, &ctl);
     let stale = policy::stale_windows(state, &tenant, &ctl);
@@ -123,6 +132,8 @@ pub async fn explain(
             "enabled": p.enabled, "threshold": p.threshold, "top_k": p.top_k, "gate": p.gate,
         })),
         "candidates": candidates,
+        "backend": backend,
+        "model": parsed.req.model,
         "would_serve": would_serve,
         "policy_version": policies.version,
     }))
