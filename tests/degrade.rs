@@ -396,21 +396,7 @@ async fn a_busy_llama_engine_degrades_while_an_idle_one_answers() {
         assert_eq!(r.status(), 200, "idle: answered");
         assert!(header(&r, "x-reprise-degraded").is_none());
     }
-    let long = json!({"model": "smol", "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400,
-                      "stream": true, "temperature": 0.0});
-    let mut holder = app
-        .client
-        .post(app.url("/v1/completions"))
-        .json(&long)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(holder.status(), 200);
-    let first = tokio::time::timeout(Duration::from_secs(120), holder.chunk())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(first.is_some(), "the long generation runs");
+    let holder = hold_llama_slot(&app, "smol").await;
     let r = app
         .chat(&chat_for("smol", "Is the engine busy?"), &[])
         .await;

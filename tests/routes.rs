@@ -342,22 +342,7 @@ async fn two_llama_backends_route_by_alias_and_fall_back_when_saturated() {
     assert!(!text.trim().is_empty());
 
     // A long raw-prompt continuation holds the hot engine's only slot.
-    let long = json!({"model": "auto", "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400,
-                      "stream": true, "temperature": 0.0});
-    let mut holder = app
-        .client
-        .post(app.url("/v1/completions"))
-        .json(&long)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(holder.status(), 200);
-    // The first chunk arrived: the sequence runs.
-    let first = tokio::time::timeout(Duration::from_secs(120), holder.chunk())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(first.is_some());
+    let holder = hold_llama_slot(&app, "auto").await;
 
     let r = app
         .chat(&chat_for("auto", "Name a primary colour."), &[])

@@ -22,6 +22,28 @@ pub fn chat_for(model: &str, text: &str) -> Value {
     serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})
 }
 
+/// Starts a long streamed raw-prompt continuation of `model` on a llama server and waits
+/// for its first chunk: the sequence then holds an engine slot until the response is
+/// dropped.
+pub async fn hold_llama_slot(app: &TestApp, model: &str) -> reqwest::Response {
+    let long = serde_json::json!({"model": model, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,",
+        "max_tokens": 400, "stream": true, "temperature": 0.0});
+    let mut holder = app
+        .client
+        .post(app.url("/v1/completions"))
+        .json(&long)
+        .send()
+        .await
+        .expect("request sent");
+    assert_eq!(holder.status(), 200);
+    let first = tokio::time::timeout(Duration::from_secs(120), holder.chunk())
+        .await
+        .expect("a first chunk within the hang guard")
+        .expect("a readable body");
+    assert!(first.is_some(), "the long generation runs");
+    holder
+}
+
 /// A chat body with one user message.
 pub fn chat_body(text: &str) -> Value {
     serde_json::json!({"model": "fake", "messages": [{"role": "user", "content": text}]})
