@@ -170,6 +170,8 @@ struct Route {
 pub struct Router {
     targets: Vec<Arc<Target>>,
     routes: Vec<Route>,
+    /// Whether a route bounds the prompt size (else requests are not measured).
+    sized: bool,
     /// Latency targets of requests no route sets them for.
     slo: Slo,
     /// Until when (ms since the epoch) background work is shed.
@@ -226,9 +228,13 @@ impl Router {
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let sized = routes
+            .iter()
+            .any(|r| r.config.min_prompt_chars.is_some() || r.config.max_prompt_chars.is_some());
         Ok(Router {
             targets,
             routes,
+            sized,
             slo: Slo {
                 ttft: slo.ttft_secs,
                 total: slo.total_secs,
@@ -283,11 +289,18 @@ impl Router {
     /// Which backend answers a request for `model` from `tenant` with a prompt of
     /// `prompt_chars` characters: the first route that matches, else the backend serving
     /// the model by name, else the first that serves any model. `None`: nothing serves it.
-    pub fn choose(&self, model: &str, tenant: &str, prompt_chars: usize) -> Option<Choice> {
+    /// `prompt_chars` is only counted when a route bounds the prompt size.
+    pub fn choose(
+        &self,
+        model: &str,
+        tenant: &str,
+        prompt_chars: impl FnOnce() -> usize,
+    ) -> Option<Choice> {
+        let chars = if self.sized { prompt_chars() } else { 0 };
         if let Some(r) = self
             .routes
             .iter()
-            .find(|r| r.config.matches(model, tenant, prompt_chars))
+            .find(|r| r.config.matches(model, tenant, chars))
         {
             return Some(Choice {
                 model: r.primary.served_model(model),
@@ -467,18 +480,18 @@ mod tests {
             &SloConfig::default(),
         )
         .unwrap();
-        let c = r.choose("auto", "", 5).unwrap();
+        let c = r.choose("auto", "", || 5).unwrap();
         assert_eq!((c.primary.name.as_str(), c.model.as_str()), ("small", "s"));
         assert_eq!(c.fallback.unwrap().name, "large");
-        let c = r.choose("auto", "", 11).unwrap();
+        let c = r.choose("auto", "", || 11).unwrap();
         assert_eq!((c.primary.name.as_str(), c.model.as_str()), ("large", "l"));
         assert!(c.fallback.is_none());
         // A tenant's route sends a model another way, served as that backend's model.
-        let c = r.choose("s", "acme", 1).unwrap();
+        let c = r.choose("s", "acme", || 1).unwrap();
         assert_eq!((c.primary.name.as_str(), c.model.as_str()), ("large", "l"));
         // No route: the backend serving the model by name; nothing serving it: none.
-        assert_eq!(r.choose("s", "other", 1).unwrap().primary.name, "small");
-        assert!(r.choose("unknown", "", 1).is_none());
+        assert_eq!(r.choose("s", "other", || 1).unwrap().primary.name, "small");
+        assert!(r.choose("unknown", "", || 1).is_none());
         assert_eq!(r.model_names(), ["s", "l", "auto"]);
     }
 

@@ -365,20 +365,8 @@ async fn background_work_is_shed_once_a_request_is_at_risk() {
 /// refused with `Retry-After` instead of queueing past the SLO.
 #[tokio::test]
 async fn a_busy_llama_engine_degrades_while_an_idle_one_answers() {
-    let gguf = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(gguf.is_file(), "run scripts/fetch-models.sh");
     let mut c = test_config();
-    c.backend = BackendConfig {
-        kind: BackendKind::Llama,
-        model: gguf,
-        model_name: Some("smol".into()),
-        n_ctx: 1024,
-        n_threads: 1,
-        parallel: 1,
-        max_queue: 4,
-        default_max_tokens: 8,
-        ..BackendConfig::default()
-    };
+    c.backend = small_llama("smol");
     // Any wait breaks it; a request that starts at once is never degraded.
     c.slo.ttft_secs = 0.05;
     c.slo.total_secs = 0.05;

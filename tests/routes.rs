@@ -307,19 +307,9 @@ fn sse_json(text: &str) -> Vec<Value> {
 /// naming it and marked degraded.
 #[tokio::test]
 async fn two_llama_backends_route_by_alias_and_fall_back_when_saturated() {
-    let gguf = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(gguf.is_file(), "run scripts/fetch-models.sh");
     let llama = |name: &str| BackendConfig {
         name: name.into(),
-        kind: BackendKind::Llama,
-        model: gguf.clone(),
-        model_name: Some(format!("smol-{name}")),
-        n_ctx: 1024,
-        n_threads: 1,
-        parallel: 1,
-        max_queue: 4,
-        default_max_tokens: 8,
-        ..BackendConfig::default()
+        ..small_llama(&format!("smol-{name}"))
     };
     let mut c = test_config();
     c.backends = vec![llama("hot"), llama("cold")];

@@ -41,7 +41,8 @@ pub async fn explain(
     };
     let ctl = Controls::from_headers(headers, &tenant)?;
     // Looked up as the model its route serves it as, as the request path does.
-    let chars = crate::routes::prompt_chars(&parsed.req.input);
+    let input = &parsed.req.input;
+    let chars = || crate::routes::prompt_chars(input);
     let backend = match state.router.choose(&parsed.req.model, tenant.name(), chars) {
         Some(choice) => {
             parsed.req.model = choice.model;

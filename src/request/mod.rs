@@ -113,7 +113,7 @@ async fn serve(
             }
             // Routed like any request: to the upstream of its route, as that model (its
             // size: the body's characters, tools and all).
-            let chars = String::from_utf8_lossy(&body).chars().count();
+            let chars = || String::from_utf8_lossy(&body).chars().count();
             let choice = route(state, &tenant, &f.model, chars)?;
             let body = crate::forward::with_model(body, &mut f, &choice.model)?;
             let body = policy::cap_forward(state, &tenant, &mut f, body)?;
@@ -126,8 +126,10 @@ async fn serve(
     parsed.req.priority = ctl.priority;
     // Which backend answers, as which model (routes, aliases): the request is looked up,
     // generated and stored as that model, so answers of different models never mix.
-    let chars = crate::routes::prompt_chars(&parsed.req.input);
-    let choice = route(state, &tenant, &parsed.req.model, chars)?;
+    let input = &parsed.req.input;
+    let choice = route(state, &tenant, &parsed.req.model, || {
+        crate::routes::prompt_chars(input)
+    })?;
     parsed.req.model = choice.model.clone();
     policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     // 3. Policy.
@@ -330,7 +332,7 @@ fn route(
     state: &AppState,
     tenant: &Tenant,
     model: &str,
-    prompt_chars: usize,
+    prompt_chars: impl FnOnce() -> usize,
 ) -> Result<crate::routes::Choice, ApiError> {
     state
         .router

@@ -44,6 +44,24 @@ pub async fn hold_llama_slot(app: &TestApp, model: &str) -> reqwest::Response {
     holder
 }
 
+/// A `[backend]` table for the bundled GGUF served as `model_name`: one thread, one slot,
+/// a small context and short answers.
+pub fn small_llama(model_name: &str) -> reprise::config::BackendConfig {
+    let gguf = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(gguf.is_file(), "run scripts/fetch-models.sh");
+    reprise::config::BackendConfig {
+        kind: reprise::config::BackendKind::Llama,
+        model: gguf,
+        model_name: Some(model_name.into()),
+        n_ctx: 1024,
+        n_threads: 1,
+        parallel: 1,
+        max_queue: 4,
+        default_max_tokens: 8,
+        ..Default::default()
+    }
+}
+
 /// A chat body with one user message.
 pub fn chat_body(text: &str) -> Value {
     serde_json::json!({"model": "fake", "messages": [{"role": "user", "content": text}]})
