@@ -228,9 +228,8 @@ async fn serve(
             crate::generate::revalidate(state, parsed.req.clone(), plan, entry.id, admit);
         }
         let s = served(Some(entry.id), Outcome::Exact, None, book);
-        state.responses.remember(state, renderer.id(), s).await;
         let kind = Degraded::StaleWhileRevalidate;
-        return Ok(respond::stale(&parsed, renderer, entry, kind, book));
+        return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book).await);
     }
     // The embedder's queue is full: the semantic lookup this request needed did not run.
     // Answering it from the backend would hand the backend every request while the embedder
@@ -263,9 +262,8 @@ async fn serve(
         }
         Some(Degradation::Stale(entry)) => {
             let s = served(Some(entry.id), Outcome::Exact, None, book);
-            state.responses.remember(state, renderer.id(), s).await;
             let kind = Degraded::StaleIfError;
-            return Ok(respond::stale(&parsed, renderer, entry, kind, book));
+            return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book).await);
         }
         Some(Degradation::Fallback(f)) => fallback = Some(f),
         Some(Degradation::Refuse(retry_after_secs)) => {
@@ -311,9 +309,9 @@ async fn serve(
                 Some(entry) => {
                     tracing::debug!(error = %e, "generation failed; answered stale");
                     let s = served(Some(entry.id), Outcome::Exact, None, book);
-                    state.responses.remember(state, renderer.id(), s).await;
                     let kind = Degraded::StaleIfError;
-                    return Ok(respond::stale(&parsed, renderer, entry, kind, book));
+                    let resp = answer_stale(state, &parsed, renderer, entry, kind, s, book);
+                    return Ok(resp.await);
                 }
                 None => return Err(e),
             }
@@ -324,6 +322,20 @@ async fn serve(
         crate::headers::set_similarity(&mut resp, sim);
     }
     Ok(resp)
+}
+
+/// Answers from an expired entry (`kind` says why), remembered for feedback as `served`.
+async fn answer_stale(
+    state: &Arc<AppState>,
+    parsed: &Parsed,
+    renderer: Renderer,
+    entry: Arc<reprise_cache::Entry>,
+    kind: Degraded,
+    served: Served,
+    book: &mut Bookkeeping,
+) -> Response {
+    state.responses.remember(state, renderer.id(), served).await;
+    respond::stale(parsed, renderer, entry, kind, book)
 }
 
 /// The backend (route) that answers a request of `tenant` for `model`; 404 when none serves
