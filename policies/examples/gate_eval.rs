@@ -10,8 +10,10 @@
 //! ```
 //!
 //! Data: `DIR/fow-cache-pairs.jsonl` from the models folder (fields a, b, same_answer,
-//! category), and `qqp_dev_4000.jsonl` ({text_a, text_b, label}) and `hf_docs_pairs.json`
-//! ([{origin, similar}], all paraphrases) from the paraphrase data folder.
+//! category), and `qqp_dev_4000.jsonl` ({text_a, text_b, label}), `hf_docs_pairs.json`
+//! ([{origin, similar}], all paraphrases) and `traps_dev.jsonl` (a, b, same_answer,
+//! category; nothing was tuned on it before the order and scope rules) from the paraphrase
+//! data folder.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -116,7 +118,21 @@ fn datasets(a: &Args) -> Vec<(&'static str, Vec<Pair>)> {
             category: "hf_docs".into(),
         })
         .collect();
-    vec![("fow-cache", fow), ("qqp", qqp), ("hf_docs", hf)]
+    let traps = read_lines(&a.data.join("traps_dev.jsonl"))
+        .iter()
+        .map(|v| Pair {
+            a: s(v, "a"),
+            b: s(v, "b"),
+            same: v["same_answer"].as_bool().unwrap_or(false),
+            category: s(v, "category"),
+        })
+        .collect();
+    vec![
+        ("fow-cache", fow),
+        ("qqp", qqp),
+        ("hf_docs", hf),
+        ("traps_dev", traps),
+    ]
 }
 
 /// Cosine of every pair, from the cache file when it has them.
@@ -222,7 +238,7 @@ async fn main() {
         let mut reasons: Vec<_> = reasons.into_iter().collect();
         reasons.sort();
         println!("gate rejections (true pair?, reason) → count: {reasons:?}");
-        if name == "fow-cache" {
+        if matches!(name, "fow-cache" | "traps_dev") {
             let mut cats: Vec<&str> = pairs.iter().map(|p| p.category.as_str()).collect();
             cats.sort();
             cats.dedup();

@@ -15,6 +15,11 @@
 //! - `entity`: a capitalised word (not at the start of a sentence) or a quoted string on one
 //!   side is missing from the other.
 //! - `direction`: words before "to" on one side come after it on the other, and vice versa.
+//! - `order`: two spans exchanged around the same connective, the rest word for word equal
+//!   ("Is Python faster than Java?" / "Is Java faster than Python?"; see `order`).
+//! - `scope`: both sides fill a closed class (quantifier, period, people, position,
+//!   statistic, format, length, register, price) with different values ("adults" /
+//!   "children", "per month" / "per year", "all" / "any"; see `scope`).
 //!
 //! Its cost is linear in the text it reads (word sets and single passes, no rescans), and it
 //! reads at most [`MAX_TEXT_BYTES`] of each prompt: a few dozen tokens take microseconds, and
@@ -29,6 +34,8 @@
 
 mod features;
 mod lexicon;
+mod order;
+mod scope;
 mod substitution;
 
 pub use self::substitution::substitution;
@@ -107,6 +114,15 @@ fn judge(query: &str, candidate: &str) -> GateVerdict {
     }
     if reversed(&a, &b) {
         return GateVerdict::Reject("direction");
+    }
+    if let (Some(x), Some(y)) = (order::folded(&a.tokens), order::folded(&b.tokens)) {
+        if order::swapped(&x, &y) {
+            return GateVerdict::Reject("order");
+        }
+    }
+    let short = a.tokens.len() <= scope::MAX_TOKENS && b.tokens.len() <= scope::MAX_TOKENS;
+    if short && scope::differs(&scope::values(&a.words), &scope::values(&b.words)).is_some() {
+        return GateVerdict::Reject("scope");
     }
     GateVerdict::Pass
 }
@@ -313,6 +329,8 @@ mod tests {
             "antonym",
             "entity",
             "direction",
+            "order",
+            "scope",
         ]
         .into_iter()
         .find(|x| *x == r)
@@ -600,6 +618,160 @@ mod tests {
             "translate english to french",
             "translate french to english",
             "direction",
+        );
+    }
+    #[test]
+    fn arguments_swapped_around_any_connective_are_caught() {
+        // Comparisons, arithmetic, who-did-what-to-whom, possessives, conversions without
+        // "from", names side by side: one rule, whatever joins the two.
+        for (a, b) in [
+            ("Is gold heavier than lead?", "Is lead heavier than gold?"),
+            ("What is 7 minus 3?", "What is 3 minus 7?"),
+            ("Did Rome conquer Carthage?", "Did Carthage conquer Rome?"),
+            (
+                "Who is my sister's husband to me?",
+                "Who is my husband's sister to me?",
+            ),
+            (
+                "How many ounces are in a pound?",
+                "How many pounds are in an ounce?",
+            ),
+            ("Is a violin a fiddle?", "Is a fiddle a violin?"),
+            (
+                "What does a GBP/JPY rate of 190 mean?",
+                "What does a JPY/GBP rate of 190 mean?",
+            ),
+            (
+                "Does a tenant owe notice to the landlord?",
+                "Does the landlord owe notice to a tenant?",
+            ),
+            (
+                "Should I stretch before I run?",
+                "Should I run before I stretch?",
+            ),
+        ] {
+            let verdict = gate(a, b);
+            assert!(
+                matches!(verdict, GateVerdict::Reject("order" | "direction")),
+                "{a} | {b}: {verdict:?}"
+            );
+            assert_eq!(gate(b, a), verdict, "symmetric");
+        }
+        rejects(
+            "Can I plug a 12V lamp into a 24V socket?",
+            "Can I plug a 24V lamp into a 12V socket?",
+            "order",
+        );
+        // Names that fold like plurals keep their letters.
+        rejects(
+            "Should I proxy HTTP to HTTPS in Caddy?",
+            "Should I proxy HTTPS to HTTP in Caddy?",
+            "order",
+        );
+    }
+
+    #[test]
+    fn reorders_that_keep_the_meaning_pass() {
+        passes(
+            "What are the differences between cats and dogs?",
+            "What are the differences between dogs and cats?",
+        );
+        passes(
+            "Should I use tabs or spaces?",
+            "Should I use spaces or tabs?",
+        );
+        passes(
+            "In Rust, how do I read a file?",
+            "How do I read a file in Rust?",
+        );
+        passes(
+            "What is the best laptop for students?",
+            "What laptop is best for students?",
+        );
+        passes(
+            "What are the best budget laptops for students?",
+            "What are the budget best laptops for students?",
+        );
+        passes(
+            "How can I quickly learn Spanish?",
+            "How can I learn Spanish quickly?",
+        );
+    }
+
+    #[test]
+    fn scope_changes_are_caught() {
+        for (a, b) in [
+            (
+                "How much vitamin D do seniors need?",
+                "How much vitamin D do teenagers need?",
+            ),
+            (
+                "How much does a gym cost per week?",
+                "How much does a gym cost per month?",
+            ),
+            ("Is every prime number odd?", "Is any prime number odd?"),
+            ("Do most birds migrate?", "Do all birds migrate?"),
+            (
+                "What is the average height of a giraffe?",
+                "What is the maximum height of a giraffe?",
+            ),
+            (
+                "How many calories are in a cup of rice?",
+                "How many calories are in a pound of rice?",
+            ),
+            (
+                "Show the release history as a table.",
+                "Show the release history as a numbered list.",
+            ),
+            (
+                "Describe photosynthesis in one sentence.",
+                "Describe photosynthesis in one paragraph.",
+            ),
+            (
+                "Write a formal apology to a client.",
+                "Write a casual apology to a client.",
+            ),
+            (
+                "Plan a cheap weekend in Lisbon.",
+                "Plan a luxury weekend in Lisbon.",
+            ),
+        ] {
+            rejects(a, b, "scope");
+        }
+        // "first" is also a number; either rule may name it.
+        assert!(!gate("What was the first iPhone?", "What was the latest iPhone?").is_pass());
+    }
+
+    #[test]
+    fn the_same_scope_in_other_words_passes() {
+        passes(
+            "What is the annual fee for the card?",
+            "What is the yearly fee for the card?",
+        );
+        passes(
+            "Do I need any tools to fix a tap?",
+            "Do I need tools to fix a tap?",
+        );
+        passes(
+            "What are some great sci-fi novels?",
+            "What are the most great sci-fi novels?",
+        );
+        passes(
+            "What do most people forget when moving house?",
+            "What are some things most people forget when moving house?",
+        );
+        passes(
+            "What's the best album of all time?",
+            "What's the greatest album ever?",
+        );
+        passes(
+            "How much water should kids drink?",
+            "How much water should children drink?",
+        );
+        // A class filled on one side only is the embedding's call, not the gate's.
+        passes(
+            "How much is a gym membership?",
+            "How much is a gym membership per month?",
         );
     }
 }
