@@ -152,6 +152,7 @@ impl Bookkeeping {
         self.record.similarity = notes.similarity;
         self.record.threshold = notes.threshold;
         self.record.gate = notes.gate;
+        self.record.standalone = notes.standalone;
     }
 
     /// Records the request as failed with `e`.

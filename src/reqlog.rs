@@ -69,6 +69,10 @@ pub struct LogRecord {
     /// `pass`, or the reason the false-hit gate rejected the best candidate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gate: Option<&'static str>,
+    /// The conversation's last question was matched as standing on its own (as if asked
+    /// with the system prompt alone).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub standalone: bool,
     /// Exact lookup time (memory, then Redis) in milliseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exact_ms: Option<f64>,

@@ -234,6 +234,96 @@ async fn same_history_through_a_paraphrased_first_turn_hits() {
     assert_eq!(backend.calls(), 2);
 }
 
+/// A question that refers to nothing before it (and follows plain questions it is unrelated
+/// to) is matched as if asked alone: across unrelated histories, in both directions. One that
+/// refers back, follows a statement, or falls under a rule that turns this off keeps its
+/// context.
+#[tokio::test]
+async fn a_standalone_question_hits_across_unrelated_histories() {
+    let mut config = semantic_config();
+    config.semantic.rules = vec![reprise_policies::semantic::Rule {
+        namespace: Some("exact-contexts".into()),
+        standalone: Some(false),
+        ..Default::default()
+    }];
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let boiling = "What is the boiling point of water at sea level?";
+    let asked = "What's the boiling point of water at sea level?";
+    let after = |history: &[(&'static str, &'static str)], q: &'static str| {
+        let mut m = history.to_vec();
+        m.push(("user", q));
+        convo(&m)
+    };
+    let dracula = [
+        ("user", "Who wrote the novel Dracula?"),
+        (
+            "assistant",
+            "Bram Stoker wrote Dracula; it was published in 1897.",
+        ),
+    ];
+    // Asked alone, then after an unrelated conversation: a hit on the lone entry.
+    app.chat(&convo(&[("user", boiling)]), &[]).await;
+    let r = app.chat(&after(&dracula, asked), &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(content(r).await, format!("You asked: {boiling}"));
+    assert_eq!(backend.calls(), 1);
+
+    // The other way: first asked after a conversation, then alone.
+    let moon = [
+        ("user", "What is a good name for a golden retriever puppy?"),
+        ("assistant", "Maple, Biscuit and Sunny are popular choices."),
+    ];
+    let r = app
+        .chat(&after(&moon, "How far away is the Moon from Earth?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app
+        .chat(
+            &convo(&[("user", "How far is the Moon from the Earth?")]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert_eq!(backend.calls(), 2);
+
+    // A follow-up that refers back keeps its context: no hit across different subjects.
+    let frankenstein = [
+        ("user", "Who wrote the novel Frankenstein?"),
+        (
+            "assistant",
+            "Mary Shelley wrote Frankenstein; it was published in 1818.",
+        ),
+    ];
+    let r = app
+        .chat(&after(&dracula, "When was the author of it born?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app
+        .chat(
+            &after(&frankenstein, "When was the author of it born?"),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 4);
+
+    // After a statement (which may shape the answer) the context is kept.
+    let statement = [
+        ("user", "I live in Denver, a mile above sea level."),
+        ("assistant", "Denver is about 1,609 metres up."),
+    ];
+    let r = app.chat(&after(&statement, asked), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 5);
+
+    // A rule can keep every context exact.
+    let ns = [("x-reprise-namespace", "exact-contexts")];
+    app.chat(&convo(&[("user", boiling)]), &ns).await;
+    let r = app.chat(&after(&dracula, asked), &ns).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.calls(), 7);
+}
+
 #[tokio::test]
 async fn different_system_prompt_is_a_miss() {
     let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;

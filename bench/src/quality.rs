@@ -17,10 +17,14 @@
 //! namespace `pair-i`, so B can only hit its own A and every hit is judged by the pair's own
 //! label (other pairs' unlabelled texts play no part).
 //!
+//! Files of multi-turn cases (`{history_a, history_b, same_answer, category}`) are measured
+//! by [`multiturn`]: decisions right by category, in the same cache view.
+//!
 //! `--online` ([`online`]) measures the learned thresholds (`semantic.delta`) instead: the
 //! pairs as a stream of traffic, verdicts from the labels, each bound side by side with the
 //! static policy.
 
+mod multiturn;
 mod online;
 
 use std::collections::BTreeMap;
@@ -42,7 +46,8 @@ use crate::common::{
 #[derive(Debug, Args)]
 pub struct QualityArgs {
     /// Labelled pairs: a JSON list of {origin, similar} (all true), or JSON lines of
-    /// {text_a, text_b, label} or {a, b, same_answer, category}.
+    /// {text_a, text_b, label} or {a, b, same_answer, category}; or multi-turn cases, JSON
+    /// lines of {history_a, history_b, same_answer, category} (decisions by category).
     #[arg(long, required = true)]
     pairs: Vec<PathBuf>,
     /// Configuration whose `[semantic]` policy is measured (threshold, gate, top_k, model).
@@ -294,6 +299,10 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
     config.cache.enabled = true;
     config.backend.kind = BackendKind::Fake;
     for path in &a.pairs {
+        if multiturn::is_multiturn(path) {
+            multiturn::run(&config, path, a.concurrency).await?;
+            continue;
+        }
         let mut pairs = load_pairs(path)?;
         if a.limit > 0 {
             pairs.truncate(a.limit);

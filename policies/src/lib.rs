@@ -11,6 +11,7 @@
 //! - [`gate`](mod@gate): the false-hit gate run on a semantic candidate before it is served.
 //! - [`prefetch`]: the budgets of background generation.
 //! - [`bound`]: similarity thresholds learned from verdicts under an error bound.
+//! - [`standalone`]: whether a conversation's last message stands on its own.
 
 pub mod bound;
 pub mod cache;
@@ -18,5 +19,6 @@ pub mod cacheable;
 pub mod gate;
 pub mod prefetch;
 pub mod semantic;
+pub mod standalone;
 
 pub use gate::{gate, GateVerdict};

@@ -15,6 +15,9 @@ pub struct SemanticPolicy {
     pub top_k: usize,
     /// Run the false-hit gate.
     pub gate: bool,
+    /// Match a standalone last question (see [`crate::standalone`]) across unrelated
+    /// earlier conversations; off: only within its own context.
+    pub standalone: bool,
 }
 
 /// One override rule (`[[semantic.rules]]`): applies when every given selector matches.
@@ -33,6 +36,8 @@ pub struct Rule {
     pub top_k: Option<usize>,
     /// Overrides `gate`.
     pub gate: Option<bool>,
+    /// Overrides `standalone`.
+    pub standalone: Option<bool>,
 }
 
 impl Rule {
@@ -58,6 +63,7 @@ pub fn resolve<'a>(
         p.threshold = r.threshold.unwrap_or(p.threshold);
         p.top_k = r.top_k.unwrap_or(p.top_k);
         p.gate = r.gate.unwrap_or(p.gate);
+        p.standalone = r.standalone.unwrap_or(p.standalone);
     }
     if let Some(t) = requested_threshold {
         p.threshold = p.threshold.max(t);
@@ -74,6 +80,7 @@ mod tests {
         threshold: 0.86,
         top_k: 4,
         gate: true,
+        standalone: true,
     };
 
     #[test]

@@ -482,8 +482,20 @@ pub struct SemanticConfig {
     /// 0.5 it cut fow-cache scope traps served from 13 % to 8 % but true hits from 52 % to 45 %
     /// (hf_docs 78 % to 51 %), since synonyms ("cancel"/"stop") are rejected too.
     pub substitution_threshold: f32,
+    /// Match a conversation's last question across unrelated earlier conversations when it
+    /// stands on its own: no word refers back (pronouns, "that", "the above", "again", a
+    /// bare "the ..."), every earlier user message was a plain question (no statement or
+    /// standing instruction), and it is unrelated in meaning to the last two exchanges
+    /// (cosine below `standalone_max_related`). Such a question is stored and looked up as if
+    /// asked with the system prompt alone. Off: only within its own context. Per rule:
+    /// `standalone`.
+    pub standalone: bool,
+    /// The highest cosine similarity between a standalone-looking question and any message
+    /// of the last two exchanges for it to count as unrelated to them.
+    pub standalone_max_related: f32,
     /// Overrides per namespace and/or model (`[[semantic.rules]]`, first match wins):
-    /// `namespace`, `model` select; `enabled`, `threshold`, `top_k`, `gate` override.
+    /// `namespace`, `model` select; `enabled`, `threshold`, `top_k`, `gate`, `standalone`
+    /// override.
     pub rules: Vec<reprise_policies::semantic::Rule>,
     /// Longest the embedder waits to fill a batch, in microseconds. 0 (the default) batches
     /// naturally: prompts that arrive while the model runs form the next batch, and a lone
@@ -559,6 +571,8 @@ impl Default for SemanticConfig {
             onnx_runtime: PathBuf::from("models/libonnxruntime.so"),
             rules: Vec::new(),
             substitution_threshold: 0.0,
+            standalone: true,
+            standalone_max_related: 0.25,
             batch_wait_us: 0,
             max_batch: 32,
             embedder_batch_tokens: 4096,
@@ -884,6 +898,12 @@ impl Config {
         }
         if !(sem.answer_threshold > 0.0 && sem.answer_threshold <= 1.0) {
             return Err(invalid("semantic.answer_threshold", "must be in (0, 1]"));
+        }
+        if !(-1.0..=1.0).contains(&sem.standalone_max_related) {
+            return Err(invalid(
+                "semantic.standalone_max_related",
+                "must be in [-1, 1]",
+            ));
         }
         if self
             .tenants

@@ -12,6 +12,7 @@ use reprise_cache::{Digest, EntryId};
 use crate::key::{self, Conversation, KeyHasher};
 use crate::lookup::plan::turn_key;
 use crate::state::AppState;
+use reprise_backend::ChatMessage;
 
 /// A conversation's resolved context.
 pub struct Context {
@@ -172,16 +173,49 @@ pub async fn resolve(
     let mut query_msgs = conv.pending.clone();
     query_msgs.push(conv.last);
     let query = key::messages_digest("query", &query_msgs);
-    let mut h = KeyHasher::new("ctx-pending");
-    h.digest(&ctx);
-    for m in &conv.pending {
-        h.message(m);
-    }
     Context {
         turn: ctx,
         raw: raws[n],
-        partition: h.finish(),
+        partition: with_pending(&ctx, &conv.pending),
         query,
         prev_entry,
     }
+}
+
+/// A turn's context with the messages pending before its query.
+fn with_pending(ctx: &Digest, pending: &[&ChatMessage]) -> Digest {
+    let mut h = KeyHasher::new("ctx-pending");
+    h.digest(ctx);
+    for m in pending {
+        h.message(m);
+    }
+    h.finish()
+}
+
+/// What a standalone last question is matched in, when `conv` may be read as one (see
+/// [`reprise_policies::standalone`]): the context of the same question asked with the
+/// system prompt alone, and the texts of the last two exchanges, which the question must be
+/// unrelated to in meaning. `None` when a word of the question refers back, a message is
+/// pending before it, or an earlier user message was not a plain question.
+pub fn standalone(conv: &Conversation<'_>) -> Option<(Digest, Vec<String>)> {
+    use reprise_policies::standalone::{conversation_is_plain, refers_back};
+    if conv.turns.is_empty() || !conv.pending.is_empty() || refers_back(&conv.last.content) {
+        return None;
+    }
+    let users = || {
+        conv.turns
+            .iter()
+            .flat_map(|(msgs, _)| msgs.iter().filter(|m| m.role == "user"))
+    };
+    if !conversation_is_plain(users().map(|m| m.content.as_str())) {
+        return None;
+    }
+    let recent = conv.turns[conv.turns.len().saturating_sub(2)..]
+        .iter()
+        .flat_map(|(msgs, answer)| msgs.iter().chain([answer]))
+        .filter(|m| !m.content.is_empty())
+        .map(|m| m.content.clone())
+        .collect();
+    let alone = key::messages_digest("preamble", &conv.preamble);
+    Some((with_pending(&alone, &[]), recent))
 }

@@ -91,6 +91,9 @@ pub struct Notes {
     /// Nothing was served and the best candidate was under the threshold: it, and its
     /// similarity (a near miss, which a learned threshold may check).
     pub near_miss: Option<(EntryId, f32)>,
+    /// The last question of a conversation was read as standing on its own and matched as if
+    /// asked with the system prompt alone.
+    pub standalone: bool,
 }
 
 /// What the cache knows about one request.
@@ -199,9 +202,10 @@ pub async fn lookup(
         shadow_exact_hit(state, namespace, wants, counted);
         return found;
     }
-    // The conversation: what is matched by meaning, and the context it must match in.
-    let (query, context) = match &req.input {
-        Input::Prompt(p) => (Some(p.clone()), key::messages_digest("preamble", &[])),
+    // The conversation: what is matched by meaning, the context it must match in, and the
+    // context of the same question asked alone when it may stand on its own.
+    let (query, context, alone) = match &req.input {
+        Input::Prompt(p) => (Some(p.clone()), key::messages_digest("preamble", &[]), None),
         Input::Chat(msgs) => match key::split_conversation(msgs) {
             Some(conv) => {
                 let turns = state.config.cache.context_turns;
@@ -209,9 +213,10 @@ pub async fn lookup(
                 found.plan.turn = Some((ctx.turn, ctx.query));
                 found.plan.raw_turn = Some(ctx.raw);
                 found.prev_entry = ctx.prev_entry;
-                (Some(conv.last.content.clone()), ctx.partition)
+                let alone = context::standalone(&conv);
+                (Some(conv.last.content.clone()), ctx.partition, alone)
             }
-            None => (None, [0; 32]),
+            None => (None, [0; 32], None),
         },
     };
     if let Some(entry) = exact_hit {
@@ -287,7 +292,7 @@ pub async fn lookup(
     };
     let (matched, unread) = query.split_at(query.floor_char_boundary(window));
     // Indexed also when only a shadow candidate matches by meaning: it needs the entries.
-    let partition = key::partition_key(namespace, endpoint, req, &context, unread);
+    let mut partition = key::partition_key(namespace, endpoint, req, &context, unread);
     found.plan.partition = Some(partition);
     found.plan.prompt = query.clone();
     found.plan.window = window;
@@ -310,6 +315,21 @@ pub async fn lookup(
             return found;
         }
     };
+    if let Some((alone, recent)) = alone.filter(|_| policy.standalone) {
+        // A question that stands on its own and is unrelated to the last exchanges is
+        // stored and matched as if asked with the system prompt alone.
+        let scope = crate::auth::scope_of(namespace);
+        let limit = state.config.semantic.standalone_max_related;
+        if let Ok(v) = embedder.embed_many_in(scope, &recent).await {
+            if v.iter()
+                .all(|r| reprise_embedder::cosine(r, &embedding) < limit)
+            {
+                partition = key::partition_key(namespace, endpoint, req, &alone, unread);
+                found.plan.partition = Some(partition);
+                found.notes.standalone = true;
+            }
+        }
+    }
     found.notes.embed_ms = Some(ms(t));
     found.plan.embedding = Some(embedding.clone());
     if !read {

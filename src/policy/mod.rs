@@ -60,6 +60,7 @@ impl Policies {
                 threshold: s.threshold,
                 top_k: s.top_k,
                 gate: s.gate,
+                standalone: s.standalone,
             },
             rules: s.rules.clone(),
             tenants: Tenants::load(config, before)?,

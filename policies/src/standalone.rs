@@ -1,0 +1,264 @@
+//! Whether the last message of a conversation stands on its own.
+//!
+//! A question that does not refer back ("What is the boiling point of water at sea level?")
+//! has the same answer whatever was said before it in an unrelated conversation, so it may
+//! match entries asked as standalone questions in any context of the same namespace, system
+//! prompt and model. One that refers back ("How tall is it?", "Translate that to French",
+//! "What are the early warning signs?") is matched only within its own context.
+//!
+//! The text rules here are the cheap half of the decision; the server adds the other half,
+//! by meaning: the question must also be unrelated to the last exchanges (see
+//! `semantic.standalone_max_related`), which catches implicit follow-ups no word marks ("How
+//! many nations competed?" after a question about the Olympics). Every rule errs towards
+//! "refers back": a wrong "standalone" could serve an answer written for another
+//! conversation, a wrong "refers back" only costs a hit.
+//!
+//! [`refers_back`] says a message refers back when any of these holds:
+//! - it has fewer than [`MIN_WORDS`] words ("Why?", "And in French?");
+//! - it opens with a connective that continues a thought ("and", "but", "so", "also",
+//!   "what about", "how about", "what if", "why not");
+//! - it has a pronoun, demonstrative or anaphoric word ([`REFERENCES`]: it, they, he, she,
+//!   this, that, these, those, such, above, again, also, too, else, another, same, ...);
+//! - "how many" + a verb with no noun between ("How many are in the set?");
+//! - a definite noun phrase that does not name what it means by itself: "the" + words with
+//!   no name or number, not opening with a superlative and not followed by "of" ("What are
+//!   the early warning signs?", "Translate the list into Italian", "How do I get from the
+//!   airport to the city centre?" refer back; "What is the boiling point of water?", "Who
+//!   won the 2018 World Cup?", "What is the best way to learn Rust?" do not).
+//!
+//! [`conversation_is_plain`] says whether the earlier user messages leave nothing behind that
+//! could shape a later answer: each is a question (ends with "?") and none gives a standing
+//! instruction ("from now on", "always answer in ..."). A statement such as "I'm learning
+//! Python." makes "Write a function that ..." depend on it, so it keeps the context.
+
+/// The fewest words a standalone question has.
+pub const MIN_WORDS: usize = 4;
+
+/// Words that point back into the conversation.
+pub const REFERENCES: &[&str] = &[
+    "it",
+    "its",
+    "it's",
+    "itself",
+    "they",
+    "them",
+    "their",
+    "theirs",
+    "they're",
+    "themselves",
+    "he",
+    "him",
+    "his",
+    "himself",
+    "he's",
+    "she",
+    "her",
+    "hers",
+    "herself",
+    "she's",
+    "this",
+    "that",
+    "that's",
+    "these",
+    "those",
+    "such",
+    "former",
+    "latter",
+    "above",
+    "aforementioned",
+    "again",
+    "also",
+    "too",
+    "else",
+    "another",
+    "same",
+    "previous",
+    "earlier",
+    "instead",
+];
+
+/// Connectives that open a continuation.
+const OPENERS: &[&[&str]] = &[
+    &["and"],
+    &["but"],
+    &["so"],
+    &["or"],
+    &["also"],
+    &["then"],
+    &["plus"],
+    &["what", "about"],
+    &["how", "about"],
+    &["what", "if"],
+    &["why", "not"],
+];
+
+/// Prepositions whose complement anchors a question ("the capital *of France*").
+const PREPOSITIONS: &[&str] = &[
+    "of", "for", "in", "on", "about", "with", "at", "from", "between", "to", "into", "during",
+    "after", "before", "by", "under", "over", "without", "against", "per",
+];
+
+/// Verbs right after "how many" that leave out the noun.
+const AUXILIARIES: &[&str] = &[
+    "are", "is", "were", "was", "do", "does", "did", "can", "should", "will", "would", "have",
+    "has",
+];
+
+/// Phrases of a standing instruction in a user message.
+const INSTRUCTIONS: &[&str] = &[
+    "from now on",
+    "going forward",
+    "for the rest",
+    "in future",
+    "in the future",
+    "always ",
+    "never ",
+    "answer in",
+    "reply in",
+    "respond in",
+    "remember",
+    "pretend",
+    "act as",
+    "you are",
+    "you're",
+];
+
+/// The most bytes of a message the rules read; a longer message is taken as referring back
+/// (questions that stand on their own are short, and the rules stay bounded).
+pub const MAX_BYTES: usize = 4096;
+
+/// One word of a message: lower-cased, and whether it was capitalised.
+struct Word {
+    lower: String,
+    cased: bool,
+    digit: bool,
+}
+
+fn words(text: &str) -> Vec<Word> {
+    text.split(|c: char| !(c.is_alphanumeric() || c == '\'' || c == '\u{2019}'))
+        .map(|w| w.trim_matches(|c| c == '\'' || c == '\u{2019}'))
+        .filter(|w| !w.is_empty())
+        .map(|w| Word {
+            lower: w.replace('\u{2019}', "'").to_lowercase(),
+            cased: w.chars().any(char::is_uppercase),
+            digit: w.chars().any(|c| c.is_ascii_digit()),
+        })
+        .collect()
+}
+
+/// Whether `text` (the last user message) refers back to the conversation (see the module).
+pub fn refers_back(text: &str) -> bool {
+    if text.len() > MAX_BYTES {
+        return true;
+    }
+    let w = words(text);
+    if w.len() < MIN_WORDS {
+        return true;
+    }
+    let lower: Vec<&str> = w.iter().map(|x| x.lower.as_str()).collect();
+    if OPENERS.iter().any(|o| lower.starts_with(o)) {
+        return true;
+    }
+    if lower.iter().any(|x| REFERENCES.contains(x)) {
+        return true;
+    }
+    if lower
+        .windows(3)
+        .any(|t| t[0] == "how" && t[1] == "many" && AUXILIARIES.contains(&t[2]))
+    {
+        return true;
+    }
+    if (0..w.len()).any(|i| w[i].lower == "the" && !anchored(&w[i + 1..])) {
+        return true;
+    }
+    false
+}
+
+/// Whether the noun phrase after a "the" (the words up to a preposition, a reference or the
+/// end) names what it means by itself: it holds a name or a number ("the 2018 World Cup",
+/// "the Moon"), opens with a superlative ("the best way", "the largest"), or is followed by
+/// "of" ("the capital of France"). "the list", "the airport", "the maximum daily dose for an
+/// adult" are not: they point at something the conversation set up.
+fn anchored(after: &[Word]) -> bool {
+    let end = after
+        .iter()
+        .position(|x| {
+            PREPOSITIONS.contains(&x.lower.as_str()) || REFERENCES.contains(&x.lower.as_str())
+        })
+        .unwrap_or(after.len());
+    let np = &after[..end];
+    np.iter().any(|x| (x.cased && x.lower != "i") || x.digit)
+        || np.first().is_some_and(|x| {
+            matches!(x.lower.as_str(), "best" | "worst" | "most" | "least")
+                || (x.lower.ends_with("est") && x.lower.len() > 4)
+        })
+        || after.get(end).is_some_and(|x| x.lower == "of")
+}
+
+/// Whether the earlier user messages leave nothing behind that could shape a later answer:
+/// each is a question and none gives a standing instruction (see the module).
+pub fn conversation_is_plain<'a>(user_messages: impl IntoIterator<Item = &'a str>) -> bool {
+    user_messages.into_iter().all(|m| {
+        let t = m.trim();
+        let lower = t.to_lowercase();
+        t.len() <= MAX_BYTES && t.ends_with('?') && !INSTRUCTIONS.iter().any(|i| lower.contains(i))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn questions_that_name_their_topic_stand_alone() {
+        for q in [
+            "What is the boiling point of water at sea level?",
+            "Who won the 2018 World Cup?",
+            "How do I reset a forgotten Wi-Fi password?",
+            "What is the capital of Australia?",
+            "How many legs does a spider have?",
+            "What is the best way to learn Rust?",
+            "How far is the Moon from the Earth?",
+        ] {
+            assert!(!refers_back(q), "{q}");
+        }
+    }
+
+    #[test]
+    fn follow_ups_refer_back() {
+        for q in [
+            "How tall is it?",
+            "Translate that to German.",
+            "Why?",
+            "And in Spanish?",
+            "What about the second one?",
+            "Make them shorter please.",
+            "Summarise the above in a sentence.",
+            "How many are in the box?",
+            "What are the main risks?",
+            "How long should I let the dough rest?",
+            "Can you explain that again?",
+            "Where was he born?",
+            "Translate the list into Italian.",
+            "How do I get from the airport to the city centre?",
+            "What is the maximum dose for an adult?",
+        ] {
+            assert!(refers_back(q), "{q}");
+        }
+        assert!(refers_back(&"word ".repeat(2000)), "too long to read");
+    }
+
+    #[test]
+    fn a_conversation_of_plain_questions_leaves_nothing_behind() {
+        assert!(conversation_is_plain([
+            "Who wrote Dracula?",
+            "When was it published?"
+        ]));
+        assert!(!conversation_is_plain(["I'm learning Rust."]));
+        assert!(!conversation_is_plain([
+            "From now on, answer in French. OK?"
+        ]));
+        assert!(!conversation_is_plain(["Always use metric units, okay?"]));
+        assert!(conversation_is_plain(std::iter::empty()));
+    }
+}
