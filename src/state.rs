@@ -74,6 +74,9 @@ pub struct AppState {
     pub(crate) verifier: crate::verify::Verifier,
     /// Verdicts on answers matched by meaning, per tenant: the learned thresholds.
     pub bounds: crate::bounds::Bounds,
+    /// Canonical forms of context messages, for context equivalence
+    /// (`lookup::equivalence`).
+    pub context_forms: crate::lookup::equivalence::Forms,
     /// Responses that can still be given a verdict (`POST /v1/feedback`).
     pub responses: crate::feedback::Responses,
     /// Canary candidates this replica rolled back (the latest
@@ -183,6 +186,8 @@ impl AppState {
             }
             None => None,
         };
+        let context_forms =
+            crate::lookup::equivalence::Forms::new(config.semantic.context_forms_bytes);
         Ok(Arc::new(AppState {
             config,
             backend,
@@ -204,6 +209,7 @@ impl AppState {
             rollbacks: Default::default(),
             responses,
             bounds: Default::default(),
+            context_forms,
             verifier,
             policy_key,
             rebuilds: Default::default(),

@@ -324,6 +324,87 @@ async fn a_standalone_question_hits_across_unrelated_histories() {
     assert_eq!(backend.calls(), 7);
 }
 
+/// System prompts and earlier messages that differ only by a paraphrase are one context; a
+/// constraint that differs (another language), another answer before a "translate that", or
+/// a rule asking for exact contexts keeps them apart. Follow-ups get their own threshold
+/// where a rule sets one, and the gate still rejects a changed follow-up.
+#[tokio::test]
+async fn paraphrased_contexts_are_one_context() {
+    use reprise_policies::semantic::Rule;
+    let mut config = semantic_config();
+    config.semantic.rules = vec![
+        Rule {
+            namespace: Some("exact".into()),
+            context_equivalence: Some(false),
+            ..Default::default()
+        },
+        Rule {
+            namespace: Some("loose-follow-ups".into()),
+            followup_threshold: Some(0.6),
+            ..Default::default()
+        },
+    ];
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let french = "You are a helpful assistant that always answers in French.";
+    let french_b = "You are a helpful assistant who always replies in French.";
+    let german = "You are a helpful assistant that always answers in German.";
+    let ask = |system: &'static str, q: &'static str| convo(&[("system", system), ("user", q)]);
+    let (q, q_b) = (
+        "What are the main causes of inflation?",
+        "What is inflation mainly caused by?",
+    );
+    for ns in ["default", "exact"] {
+        let h = [("x-reprise-namespace", ns)];
+        assert_eq!(cache_status(&app.chat(&ask(french, q), &h).await), "miss");
+        let r = app.chat(&ask(french_b, q_b), &h).await;
+        let expected = if ns == "exact" { "miss" } else { "semantic" };
+        assert_eq!(cache_status(&r), expected, "{ns}");
+        assert_eq!(cache_status(&app.chat(&ask(german, q_b), &h).await), "miss");
+    }
+    assert_eq!(backend.calls(), 5);
+
+    // The same poem asked for in other words, then the same transform: one context.
+    let poem = "Crisp leaves drift and fall,\ngold whispers on the cold wall.";
+    let other = "Rain taps on the glass,\nslow clocks let the evening pass.";
+    let chat = |q1: &'static str, a1: &'static str, q2: &'static str| {
+        convo(&[("user", q1), ("assistant", a1), ("user", q2)])
+    };
+    let ask_poem = "Write a two-line poem about autumn leaves.";
+    let ask_poem_b = "Write me a short two-line poem about the leaves in autumn.";
+    let translate = "Translate that into French.";
+    for ns in ["default", "loose-follow-ups"] {
+        let h = [("x-reprise-namespace", ns)];
+        let first = app.chat(&chat(ask_poem, poem, translate), &h).await;
+        assert_eq!(cache_status(&first), "miss");
+        let stored = content(first).await;
+        let r = app.chat(&chat(ask_poem_b, poem, translate), &h).await;
+        assert_eq!(cache_status(&r), "semantic", "{ns}");
+        assert_eq!(content(r).await, stored);
+        // Another poem before it: another context.
+        let r = app.chat(&chat(ask_poem_b, other, translate), &h).await;
+        assert_eq!(cache_status(&r), "miss", "{ns}");
+        // A changed follow-up in the same context: the gate.
+        let r = app
+            .chat(&chat(ask_poem_b, poem, "Translate that into German."), &h)
+            .await;
+        assert_eq!(cache_status(&r), "miss", "{ns}");
+    }
+    // A differently worded follow-up (cosine about 0.71): served only where follow-ups have
+    // a threshold of their own.
+    for (ns, expected) in [("default", "miss"), ("loose-follow-ups", "semantic")] {
+        let h = [("x-reprise-namespace", ns)];
+        app.chat(&chat(ask_poem, poem, "Summarize that in one line."), &h)
+            .await;
+        let r = app
+            .chat(
+                &chat(ask_poem_b, poem, "Give me a one-line summary of that."),
+                &h,
+            )
+            .await;
+        assert_eq!(cache_status(&r), expected, "{ns}");
+    }
+}
+
 #[tokio::test]
 async fn different_system_prompt_is_a_miss() {
     let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;

@@ -18,6 +18,23 @@ pub struct SemanticPolicy {
     /// Match a standalone last question (see [`crate::standalone`]) across unrelated
     /// earlier conversations; off: only within its own context.
     pub standalone: bool,
+    /// Treat conversations whose system prompts and earlier messages differ only by a
+    /// paraphrase as one context; off: contexts match exactly.
+    pub context_equivalence: bool,
+    /// Lowest cosine similarity served for a follow-up: a last message that refers back into
+    /// its conversation (see [`crate::standalone`]), matched only within its (equivalent)
+    /// context, where the same content is already established. `None`: `threshold`. See
+    /// [`SemanticPolicy::followup`].
+    pub followup_threshold: Option<f32>,
+}
+
+impl SemanticPolicy {
+    /// The threshold a follow-up is served at: `followup_threshold`, never above
+    /// `threshold` (which a client's own threshold has already raised).
+    pub fn followup(&self) -> f32 {
+        self.followup_threshold
+            .map_or(self.threshold, |f| f.min(self.threshold))
+    }
 }
 
 /// One override rule (`[[semantic.rules]]`): applies when every given selector matches.
@@ -38,6 +55,10 @@ pub struct Rule {
     pub gate: Option<bool>,
     /// Overrides `standalone`.
     pub standalone: Option<bool>,
+    /// Overrides `context_equivalence`.
+    pub context_equivalence: Option<bool>,
+    /// Overrides `followup_threshold`.
+    pub followup_threshold: Option<f32>,
 }
 
 impl Rule {
@@ -64,9 +85,12 @@ pub fn resolve<'a>(
         p.top_k = r.top_k.unwrap_or(p.top_k);
         p.gate = r.gate.unwrap_or(p.gate);
         p.standalone = r.standalone.unwrap_or(p.standalone);
+        p.context_equivalence = r.context_equivalence.unwrap_or(p.context_equivalence);
+        p.followup_threshold = r.followup_threshold.or(p.followup_threshold);
     }
     if let Some(t) = requested_threshold {
         p.threshold = p.threshold.max(t);
+        p.followup_threshold = p.followup_threshold.map(|f| f.max(t));
     }
     p
 }
@@ -81,6 +105,8 @@ mod tests {
         top_k: 4,
         gate: true,
         standalone: true,
+        context_equivalence: true,
+        followup_threshold: None,
     };
 
     #[test]

@@ -151,7 +151,8 @@ pub struct TenantPolicy {
     pub tokens_per_minute: u32,
     /// Semantic overrides for this tenant, before the global `[[semantic.rules]]`: the first
     /// rule whose `namespace` (inside the tenant) and `model` match sets `enabled`,
-    /// `threshold`, `top_k`, `gate`, `standalone`.
+    /// `threshold`, `top_k`, `gate`, `standalone`, `context_equivalence`,
+    /// `followup_threshold`.
     pub semantic_rules: Vec<reprise_policies::semantic::Rule>,
     /// Its share of the memory tier (`cache.memory_bytes`), in (0, 1]: its entries and keys
     /// are held within that share, so its flood evicts only its own entries. Tenants without

@@ -4,10 +4,12 @@
 //!
 //! - [`exact`]: by the exact key, memory then Redis;
 //! - [`context`]: a conversation's context, resolved turn by turn;
+//! - [`equivalence`]: paraphrased context messages replaced by their canonical forms;
 //! - [`semantic`]: by meaning within the partition, through the false-hit gate;
 //! - [`plan`]: what a write-back of the answer would store (keys, partition, embedding).
 
 pub mod context;
+pub mod equivalence;
 pub mod exact;
 pub mod plan;
 pub mod semantic;
@@ -15,7 +17,7 @@ pub mod semantic;
 use std::sync::Arc;
 use std::time::Instant;
 
-use reprise_backend::{GenRequest, Input};
+use reprise_backend::{ChatMessage, GenRequest, Input};
 use reprise_cache::{now_ms, ByKey, Entry, EntryId, Origin};
 use reprise_policies::cache::{Freshness, StaleWindows};
 use reprise_policies::semantic::SemanticPolicy;
@@ -204,20 +206,26 @@ pub async fn lookup(
     }
     // The conversation: what is matched by meaning, the context it must match in, and the
     // context of the same question asked alone when it may stand on its own.
+    let mut canon = None;
+    let mut followup = false;
     let (query, context, alone) = match &req.input {
         Input::Prompt(p) => (Some(p.clone()), key::messages_digest("preamble", &[]), None),
-        Input::Chat(msgs) => match key::split_conversation(msgs) {
-            Some(conv) => {
-                let turns = state.config.cache.context_turns;
-                let ctx = context::resolve(state, namespace, &req.model, &conv, turns).await;
-                found.plan.turn = Some((ctx.turn, ctx.query));
-                found.plan.raw_turn = Some(ctx.raw);
-                found.prev_entry = ctx.prev_entry;
-                let alone = context::standalone(&conv);
-                (Some(conv.last.content.clone()), ctx.partition, alone)
+        Input::Chat(msgs) => {
+            match canonical_chat(state, namespace, req, msgs, wants, &mut canon).await {
+                Some(conv) => {
+                    let turns = state.config.cache.context_turns;
+                    let ctx = context::resolve(state, namespace, &req.model, &conv, turns).await;
+                    found.plan.turn = Some((ctx.turn, ctx.query));
+                    found.plan.raw_turn = Some(ctx.raw);
+                    found.prev_entry = ctx.prev_entry;
+                    let alone = context::standalone(&conv);
+                    followup = !conv.turns.is_empty()
+                        && reprise_policies::standalone::refers_back(&conv.last.content);
+                    (Some(conv.last.content.clone()), ctx.partition, alone)
+                }
+                None => (None, [0; 32], None),
             }
-            None => (None, [0; 32], None),
-        },
+        }
     };
     if let Some(entry) = exact_hit {
         if entry.origin == Origin::Prefetch {
@@ -252,6 +260,11 @@ pub async fn lookup(
     };
     let mut policy = resolve(tenant.semantic_rules(wants.arm));
     let delta = crate::bounds::delta_of(state, tenant);
+    if followup && delta == 0.0 {
+        // A follow-up is matched within its context only, where the content it acts on is
+        // already the same: its own threshold (a learned one is kept as learned).
+        policy.threshold = policy.followup();
+    }
     if delta > 0.0 {
         let floor = state.config.semantic.min_threshold;
         let learned = state
@@ -367,6 +380,51 @@ pub async fn lookup(
     found
 }
 
+/// The conversation of `msgs` split for semantic matching, its context messages replaced by
+/// their canonical forms when the request's policy treats paraphrased contexts as one
+/// (`equivalence`); `canon` holds the rewritten messages the split borrows.
+async fn canonical_chat<'m>(
+    state: &AppState,
+    namespace: &str,
+    req: &GenRequest,
+    msgs: &'m [ChatMessage],
+    wants: Wants,
+    canon: &'m mut Option<Vec<ChatMessage>>,
+) -> Option<key::Conversation<'m>> {
+    let conv = key::split_conversation(msgs)?;
+    let (Some(embedder), true) = (&state.embedder, conv.turns.len() + conv.preamble.len() > 0)
+    else {
+        return Some(conv);
+    };
+    let on = {
+        let policies = state.policies.load();
+        let tenant = policies.tenants.for_namespace(namespace);
+        let p = reprise_policies::semantic::resolve(
+            policies.semantic,
+            tenant
+                .semantic_rules(wants.arm)
+                .iter()
+                .chain(&policies.rules),
+            crate::auth::sub_namespace(namespace),
+            &req.model,
+            None,
+        );
+        p.enabled && p.context_equivalence
+    };
+    if !on {
+        return Some(conv);
+    }
+    let context_len = msgs.len() - 1 - conv.pending.len();
+    let scope = crate::auth::scope_of(namespace);
+    let model = &req.model;
+    *canon =
+        equivalence::canonical(state, embedder, scope, namespace, model, msgs, context_len).await;
+    match canon {
+        Some(m) => key::split_conversation(m),
+        None => Some(conv),
+    }
+}
+
 /// A shadow candidate's lookup beside the served one.
 struct Shadow {
     policy: SemanticPolicy,
@@ -473,6 +531,32 @@ mod tests {
 
     fn ask(q: &str) -> GenRequest {
         chat(&[("user", q)])
+    }
+
+    #[tokio::test]
+    async fn canonical_context_forms_keep_within_their_byte_budget() {
+        let mut config = Config::default();
+        config.semantic.enabled = true;
+        config.semantic.context_forms_bytes = 64 << 10;
+        let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+        let s = AppState::new(config, backend, Some(Arc::new(FakeEmbedder::new(64)))).unwrap();
+        for i in 0..400 {
+            let system = format!(
+                "persona{i} speaks with accent{i} about topic{i} {}",
+                "x".repeat(200)
+            );
+            let req = chat(&[
+                ("system", &system),
+                ("user", "What is the capital of France?"),
+            ]);
+            find(&s, "ns", &req, Wants::default()).await;
+        }
+        let held = s.context_forms.weighted_size();
+        assert!(held > 0, "forms are kept");
+        assert!(
+            held <= 64 << 10,
+            "{held} bytes held over a budget of 64 KiB"
+        );
     }
 
     #[tokio::test]

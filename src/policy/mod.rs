@@ -61,6 +61,8 @@ impl Policies {
                 top_k: s.top_k,
                 gate: s.gate,
                 standalone: s.standalone,
+                context_equivalence: s.context_equivalence,
+                followup_threshold: s.followup_threshold,
             },
             rules: s.rules.clone(),
             tenants: Tenants::load(config, before)?,

@@ -203,6 +203,13 @@ pub(super) const CLASSES: &[Class] = &[
             ("tweet", "tweet"),
             ("email", "email"),
             ("letter", "letter"),
+            ("formula", "formula"),
+            ("example", "example"),
+            ("definition", "definition"),
+            ("summary", "summary"),
+            ("outline", "outline"),
+            ("proof", "proof"),
+            ("diagram", "diagram"),
         ],
     ),
     (
