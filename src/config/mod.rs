@@ -17,6 +17,7 @@ mod degrade;
 mod log;
 mod observe;
 mod routes;
+mod semantic;
 mod stats;
 mod tenants;
 mod traces;
@@ -25,6 +26,7 @@ pub use degrade::{DegradeConfig, DegradeStep};
 pub use log::LogConfig;
 pub use observe::{MetricsConfig, Price, SloConfig};
 pub use routes::RouteConfig;
+pub use semantic::{SemanticConfig, VerifyJudge};
 pub use stats::StatsConfig;
 use tenants::validate_tenants;
 pub use tenants::{
@@ -459,161 +461,6 @@ impl CacheConfig {
     }
 }
 
-/// `[semantic]`
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SemanticConfig {
-    /// Serve near-duplicates of earlier prompts.
-    pub enabled: bool,
-    /// Lowest cosine similarity a candidate needs to be served.
-    pub threshold: f32,
-    /// Candidates fetched from the index per lookup; the best one passing the gate is served.
-    pub top_k: usize,
-    /// Run the false-hit gate (negation, numbers, entities, direction, antonyms) before
-    /// serving a candidate.
-    pub gate: bool,
-    /// Directory with the ONNX sentence-embedding model and its tokenizer files.
-    pub model_dir: PathBuf,
-    /// Path of the ONNX Runtime shared library.
-    pub onnx_runtime: PathBuf,
-    /// With the gate on: when a candidate differs from the prompt by a few substituted content
-    /// words, the embedder compares those words, and a similarity below this rejects the
-    /// candidate ("home" vs "car" insurance). 0 (the default) turns the check off: measured at
-    /// 0.5 it cut fow-cache scope traps served from 13 % to 8 % but true hits from 52 % to 45 %
-    /// (hf_docs 78 % to 51 %), since synonyms ("cancel"/"stop") are rejected too.
-    pub substitution_threshold: f32,
-    /// Match a conversation's last question across unrelated earlier conversations when it
-    /// stands on its own: no word refers back (pronouns, "that", "the above", "again", a
-    /// bare "the ..."), every earlier user message was a plain question (no statement or
-    /// standing instruction), and it is unrelated in meaning to the last two exchanges
-    /// (cosine below `standalone_max_related`). Such a question is stored and looked up as if
-    /// asked with the system prompt alone. Off: only within its own context. Per rule:
-    /// `standalone`.
-    pub standalone: bool,
-    /// The highest cosine similarity between a standalone-looking question and any message
-    /// of the last two exchanges for it to count as unrelated to them.
-    pub standalone_max_related: f32,
-    /// Treat conversations whose system prompts and earlier messages (user and assistant)
-    /// differ only by a paraphrase as one context: each such message (at most 2 KiB, read
-    /// whole by the embedder) stands for the first one seen in its namespace and model that
-    /// it paraphrases at `context_threshold` or more and passes the false-hit gate with.
-    /// Off: contexts match exactly. Per rule: `context_equivalence`.
-    pub context_equivalence: bool,
-    /// Lowest cosine similarity served for a follow-up (a last message that refers back,
-    /// matched only within its own or an equivalent context); at most `threshold`, which it
-    /// is when absent (the default). Per rule: `followup_threshold`. Measured on the
-    /// development cases: 0.80 serves twice the differently worded transforms of the same
-    /// content, but the traps (as pairs) it would let through rise from 2.8 % to 6.9 %.
-    pub followup_threshold: Option<f32>,
-    /// The lowest cosine similarity at which two context messages are the same.
-    pub context_threshold: f32,
-    /// Bytes of canonical context messages kept per replica (text and embedding of each; 0
-    /// keeps none, so nothing is found equivalent).
-    pub context_forms_bytes: u64,
-    /// Overrides per namespace and/or model (`[[semantic.rules]]`, first match wins):
-    /// `namespace`, `model` select; `enabled`, `threshold`, `top_k`, `gate`, `standalone`,
-    /// `context_equivalence`, `followup_threshold` override.
-    pub rules: Vec<reprise_policies::semantic::Rule>,
-    /// Longest the embedder waits to fill a batch, in microseconds. 0 (the default) batches
-    /// naturally: prompts that arrive while the model runs form the next batch, and a lone
-    /// prompt never waits.
-    pub batch_wait_us: u64,
-    /// Most prompts embedded in one batch.
-    pub max_batch: usize,
-    /// Most tokens one embedding batch computes, padding included (prompts × the longest):
-    /// queued prompts are sorted by length and cut into batches within it, so a short prompt
-    /// is not padded to a long one.
-    pub embedder_batch_tokens: usize,
-    /// Bytes of prompt embeddings kept in the embedder's LRU (each entry weighed as its text,
-    /// its vector and a fixed overhead; 0 turns it off).
-    pub embedding_cache_bytes: u64,
-    /// Most prompts waiting for the embedder.
-    pub embedder_queue_texts: usize,
-    /// Most bytes of prompts waiting for the embedder.
-    pub embedder_queue_bytes: usize,
-    /// How long a request waits for room in a full embedder queue, in milliseconds; then it
-    /// is answered 429 with `Retry-After` (when the semantic tier had to be read to answer).
-    pub embedder_queue_wait_ms: u64,
-    /// ONNX Runtime threads per embedding batch. 2 measured best on 2 cores (semantic-hit
-    /// p50 3.6 ms vs 5.8 ms with 1, and higher throughput at every concurrency).
-    pub embedder_threads: usize,
-    /// Seconds between index maintenance passes (rebuilding partitions full of tombstones).
-    pub maintain_interval_secs: u64,
-    /// The largest share of semantic hits that may be wrong (0: off). With it, the threshold
-    /// is learned from verdicts (feedback, and near misses checked against the answer the
-    /// backend then gave): the lowest one at which the wrong share is at most `delta` with
-    /// 95 % confidence; with little evidence the configured threshold (raised where verdicts
-    /// show it too loose). A tenant's `policy.delta` overrides it.
-    pub delta: f64,
-    /// The lowest threshold `delta` may learn.
-    pub min_threshold: f32,
-    /// The share of misses whose best candidate was under the threshold (but above
-    /// `min_threshold`) that are checked: once the backend answered, the candidate's answer
-    /// is judged against the new one by embedding similarity (no extra backend call).
-    pub verify_near_misses: f64,
-    /// Answers at least this similar are judged the same answer.
-    pub answer_threshold: f32,
-    /// The share of semantic hits checked in the background: the backend answers the
-    /// question afresh (at background priority, only while no client request is running,
-    /// one at a time, within `verify_tokens_per_minute`; a check that does not fit is
-    /// skipped, never queued) and a judge decides whether the cached answer serves it.
-    pub verify_hits: f64,
-    /// The judge: `similarity` (the two answers' embeddings, `answer_threshold`) or `prompt`
-    /// (the backend is asked whether the cached answer serves the question as well as its
-    /// fresh one; meant for capable upstream models).
-    pub verify_judge: VerifyJudge,
-    /// Tokens per minute the checks of hits may ask the backend for.
-    pub verify_tokens_per_minute: u32,
-}
-
-/// How a checked hit is judged (`semantic.verify_judge`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum VerifyJudge {
-    /// The embedding similarity of the cached and the fresh answer.
-    #[default]
-    Similarity,
-    /// A judge prompt to the backend.
-    Prompt,
-}
-
-impl Default for SemanticConfig {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            threshold: 0.86,
-            top_k: 4,
-            gate: true,
-            model_dir: PathBuf::from("models/all-MiniLM-L6-v2"),
-            onnx_runtime: PathBuf::from("models/libonnxruntime.so"),
-            rules: Vec::new(),
-            substitution_threshold: 0.0,
-            standalone: true,
-            standalone_max_related: 0.25,
-            context_equivalence: true,
-            followup_threshold: None,
-            context_threshold: 0.80,
-            context_forms_bytes: 8 << 20,
-            batch_wait_us: 0,
-            max_batch: 32,
-            embedder_batch_tokens: 4096,
-            embedding_cache_bytes: 16 * 1024 * 1024,
-            embedder_queue_texts: 256,
-            embedder_queue_bytes: 4 * 1024 * 1024,
-            embedder_queue_wait_ms: 500,
-            embedder_threads: 2,
-            maintain_interval_secs: 60,
-            delta: 0.0,
-            min_threshold: 0.7,
-            verify_near_misses: 0.25,
-            answer_threshold: 0.9,
-            verify_hits: 0.0,
-            verify_judge: VerifyJudge::Similarity,
-            verify_tokens_per_minute: 20_000,
-        }
-    }
-}
-
 /// `[feedback]`: verdicts on served answers. Every response reprise answers from the cache or
 /// generates is remembered for `window_secs` (in memory within `memory_bytes`, and in Redis
 /// when configured) so `POST /v1/feedback` can name it by its `id`.
@@ -898,43 +745,7 @@ impl Config {
         self.log.validate()?;
         stats::validate(self)?;
         traces::validate(self)?;
-        let sem = &self.semantic;
-        if !(0.0..0.5).contains(&sem.delta) {
-            return Err(invalid("semantic.delta", "must be in [0, 0.5)"));
-        }
-        if !(sem.min_threshold > 0.0 && sem.min_threshold <= 1.0) {
-            return Err(invalid("semantic.min_threshold", "must be in (0, 1]"));
-        }
-        if !(0.0..=1.0).contains(&sem.verify_near_misses) {
-            return Err(invalid("semantic.verify_near_misses", "must be in [0, 1]"));
-        }
-        if !(0.0..=1.0).contains(&sem.verify_hits) {
-            return Err(invalid("semantic.verify_hits", "must be in [0, 1]"));
-        }
-        if sem.verify_hits > 0.0 && sem.verify_tokens_per_minute == 0 {
-            return Err(invalid(
-                "semantic.verify_tokens_per_minute",
-                "must be positive when semantic.verify_hits is",
-            ));
-        }
-        if !(sem.answer_threshold > 0.0 && sem.answer_threshold <= 1.0) {
-            return Err(invalid("semantic.answer_threshold", "must be in (0, 1]"));
-        }
-        if sem
-            .followup_threshold
-            .is_some_and(|f| !(f > 0.0 && f <= 1.0))
-        {
-            return Err(invalid("semantic.followup_threshold", "must be in (0, 1]"));
-        }
-        if !(sem.context_threshold > 0.0 && sem.context_threshold <= 1.0) {
-            return Err(invalid("semantic.context_threshold", "must be in (0, 1]"));
-        }
-        if !(-1.0..=1.0).contains(&sem.standalone_max_related) {
-            return Err(invalid(
-                "semantic.standalone_max_related",
-                "must be in [-1, 1]",
-            ));
-        }
+        self.semantic.validate()?;
         if self
             .tenants
             .iter()
@@ -1003,44 +814,8 @@ impl Config {
                 ));
             }
         }
-        let t = self.semantic.threshold;
-        if t.is_nan() || t <= 0.0 || t > 1.0 {
-            return Err(invalid("semantic.threshold", "must be in (0, 1]"));
-        }
-        for r in &self.semantic.rules {
-            if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
-                return Err(invalid("semantic.rules.threshold", "must be in (0, 1]"));
-            }
-            if r.top_k == Some(0) {
-                return Err(invalid("semantic.rules.top_k", "must be at least 1"));
-            }
-        }
         if let Err((key, reason)) = self.prefetch.validate() {
             return Err(invalid(key, reason));
-        }
-        if self.semantic.max_batch == 0 {
-            return Err(invalid("semantic.max_batch", "must be at least 1"));
-        }
-        if self.semantic.embedder_batch_tokens == 0 {
-            return Err(invalid(
-                "semantic.embedder_batch_tokens",
-                "must be at least 1",
-            ));
-        }
-        if self.semantic.embedder_queue_texts == 0 {
-            return Err(invalid(
-                "semantic.embedder_queue_texts",
-                "must be at least 1",
-            ));
-        }
-        if self.semantic.embedder_queue_bytes == 0 {
-            return Err(invalid(
-                "semantic.embedder_queue_bytes",
-                "must be at least 1",
-            ));
-        }
-        if self.semantic.top_k == 0 {
-            return Err(invalid("semantic.top_k", "must be at least 1"));
         }
         Ok(())
     }
