@@ -195,11 +195,12 @@ fn with_pending(ctx: &Digest, pending: &[&ChatMessage]) -> Digest {
 /// What a standalone last question is matched in, when `conv` may be read as one (see
 /// [`reprise_policies::standalone`]): the context of the same question asked with the
 /// system prompt alone, and the texts of the last two exchanges, which the question must be
-/// unrelated to in meaning. `None` when a word of the question refers back, a message is
-/// pending before it, or an earlier user message was not a plain question.
-pub fn standalone(conv: &Conversation<'_>) -> Option<(Digest, Vec<String>)> {
-    use reprise_policies::standalone::{conversation_is_plain, refers_back};
-    if conv.turns.is_empty() || !conv.pending.is_empty() || refers_back(&conv.last.content) {
+/// unrelated to in meaning. `None` when the question refers back (`refers_back`, from
+/// [`reprise_policies::standalone::refers_back`]), a message is pending before it, or an
+/// earlier user message was not a plain question.
+pub fn standalone(conv: &Conversation<'_>, refers_back: bool) -> Option<(Digest, Vec<String>)> {
+    use reprise_policies::standalone::conversation_is_plain;
+    if conv.turns.is_empty() || !conv.pending.is_empty() || refers_back {
         return None;
     }
     let users = || {

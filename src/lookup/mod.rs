@@ -218,9 +218,9 @@ pub async fn lookup(
                     found.plan.turn = Some((ctx.turn, ctx.query));
                     found.plan.raw_turn = Some(ctx.raw);
                     found.prev_entry = ctx.prev_entry;
-                    let alone = context::standalone(&conv);
-                    followup = !conv.turns.is_empty()
-                        && reprise_policies::standalone::refers_back(&conv.last.content);
+                    let refers = reprise_policies::standalone::refers_back(&conv.last.content);
+                    let alone = context::standalone(&conv, refers);
+                    followup = !conv.turns.is_empty() && refers;
                     (Some(conv.last.content.clone()), ctx.partition, alone)
                 }
                 None => (None, [0; 32], None),
@@ -250,13 +250,7 @@ pub async fn lookup(
     let policies = state.policies.load();
     let tenant = policies.tenants.for_namespace(namespace);
     let resolve = |rules: &[reprise_policies::semantic::Rule]| {
-        reprise_policies::semantic::resolve(
-            policies.semantic,
-            rules.iter().chain(&policies.rules),
-            crate::auth::sub_namespace(namespace),
-            &req.model,
-            wants.threshold,
-        )
+        semantic_policy(&policies, rules, namespace, &req.model, wants.threshold)
     };
     let mut policy = resolve(tenant.semantic_rules(wants.arm));
     let delta = crate::bounds::delta_of(state, tenant);
@@ -380,6 +374,24 @@ pub async fn lookup(
     found
 }
 
+/// The semantic policy of a request in `namespace` for `model`: `rules` (a tenant's own, or
+/// its candidate's) first, then the global ones; rules name namespaces inside the tenant.
+fn semantic_policy(
+    policies: &crate::policy::Policies,
+    rules: &[reprise_policies::semantic::Rule],
+    namespace: &str,
+    model: &str,
+    threshold: Option<f32>,
+) -> SemanticPolicy {
+    reprise_policies::semantic::resolve(
+        policies.semantic,
+        rules.iter().chain(&policies.rules),
+        crate::auth::sub_namespace(namespace),
+        model,
+        threshold,
+    )
+}
+
 /// The conversation of `msgs` split for semantic matching, its context messages replaced by
 /// their canonical forms when the request's policy treats paraphrased contexts as one
 /// (`equivalence`); `canon` holds the rewritten messages the split borrows.
@@ -398,17 +410,11 @@ async fn canonical_chat<'m>(
     };
     let on = {
         let policies = state.policies.load();
-        let tenant = policies.tenants.for_namespace(namespace);
-        let p = reprise_policies::semantic::resolve(
-            policies.semantic,
-            tenant
-                .semantic_rules(wants.arm)
-                .iter()
-                .chain(&policies.rules),
-            crate::auth::sub_namespace(namespace),
-            &req.model,
-            None,
-        );
+        let rules = policies
+            .tenants
+            .for_namespace(namespace)
+            .semantic_rules(wants.arm);
+        let p = semantic_policy(&policies, rules, namespace, &req.model, None);
         p.enabled && p.context_equivalence
     };
     if !on {
