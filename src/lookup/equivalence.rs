@@ -138,19 +138,26 @@ pub async fn canonical(
         .iter()
         .map(|&i| msgs[i].content.clone())
         .collect();
-    let whole = {
-        let (e, t) = (embedder.clone(), texts.clone());
+    // Only those the embedder reads whole are embedded (finding that tokenizes: CPU pool).
+    let (candidates, texts): (Vec<usize>, Vec<String>) = {
+        let e = embedder.clone();
         state
             .cpu
-            .run(move || t.iter().map(|x| e.window(x) >= x.len()).collect::<Vec<_>>())
+            .run(move || {
+                candidates
+                    .into_iter()
+                    .zip(texts)
+                    .filter(|(_, x)| e.window(x) >= x.len())
+                    .unzip()
+            })
             .await
     };
+    if candidates.is_empty() {
+        return None;
+    }
     let vectors = embedder.embed_many_in(scope, &texts).await.ok()?;
     let mut out: Option<Vec<ChatMessage>> = None;
-    for ((&i, v), whole) in candidates.iter().zip(vectors).zip(whole) {
-        if !whole {
-            continue;
-        }
+    for (&i, v) in candidates.iter().zip(vectors) {
         let m = &msgs[i];
         let key = group_key(scope, namespace, model, &m.role);
         let group = state.context_forms.groups.get_with(key, Default::default);
