@@ -139,18 +139,28 @@ fn start_reload_on_hangup(
 ) {
 }
 
-/// Periodically rebuilds index partitions that collected many tombstones (off the async
-/// workers: a rebuild of a large partition takes a while).
+/// Rebuilds index partitions that collected many tombstones (off the async workers: a
+/// rebuild of a large partition takes a while): periodically, and as soon as a removal leaves
+/// a partition worn past the rebuild ratio (the memory budget charges entries for at most
+/// that share of tombstones).
 fn start_maintenance(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationToken) {
     let weak = Arc::downgrade(state);
     let every = Duration::from_secs(state.config.semantic.maintain_interval_secs.max(1));
+    let index = state.store.index().cloned();
     tracker.spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.tick().await;
+        let worn = || async {
+            match &index {
+                Some(i) => i.worn().await,
+                None => std::future::pending().await,
+            }
+        };
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = tick.tick() => {}
+                _ = worn() => {}
             }
             let Some(state) = weak.upgrade() else { break };
             let store = state.store.clone();

@@ -122,26 +122,27 @@ pub struct Entry {
 impl Entry {
     /// Approximate heap size in bytes, used to bound the memory tier.
     pub fn weight(&self) -> u32 {
-        let emb = self.embedding.as_ref().map_or(0, |e| e.len() * 4);
+        // An `Arc<[f32]>` allocates its two counts beside the floats.
+        let arc = |v: &Arc<[f32]>| 2 * std::mem::size_of::<usize>() + v.len() * 4;
+        let emb = self.embedding.as_ref().map_or(0, arc);
         let refusals: usize = self
             .refusals
             .iter()
-            .map(|r| {
-                std::mem::size_of::<Refusal>() + r.around.as_ref().map_or(0, |(_, e)| e.len() * 4)
-            })
+            .map(|r| std::mem::size_of::<Refusal>() + r.around.as_ref().map_or(0, |(_, e)| arc(e)))
             .sum();
         let tags: usize = self
             .tags
             .iter()
-            .map(|t| std::mem::size_of::<String>() + t.len())
+            .map(|t| std::mem::size_of::<String>() + t.capacity())
             .sum();
+        // What the strings allocated, not only what they use.
         let bytes = std::mem::size_of::<Entry>()
             + refusals
-            + self.namespace.len()
-            + self.model.len()
-            + self.text.len()
-            + self.finish_reason.len()
-            + self.prompt.len()
+            + self.namespace.capacity()
+            + self.model.capacity()
+            + self.text.capacity()
+            + self.finish_reason.capacity()
+            + self.prompt.capacity()
             + emb
             + tags;
         u32::try_from(bytes).unwrap_or(u32::MAX)
@@ -263,7 +264,8 @@ mod tests {
         let mut e = entry();
         let bare = e.weight();
         e.embedding = Some(Arc::from(vec![0.0; 384]));
-        assert_eq!(e.weight(), bare + 384 * 4);
+        let arc = 2 * std::mem::size_of::<usize>();
+        assert_eq!(e.weight() as usize, bare as usize + arc + 384 * 4);
         let with_embedding = e.weight();
         e.tags = vec!["x".repeat(128); 32];
         let per_tag = std::mem::size_of::<String>() + 128;
@@ -273,7 +275,7 @@ mod tests {
             key: [1; 32],
             around: Some(([2; 32], Arc::from(vec![0.0; 384]))),
         });
-        let per_refusal = std::mem::size_of::<Refusal>() + 384 * 4;
+        let per_refusal = std::mem::size_of::<Refusal>() + arc + 384 * 4;
         assert_eq!(e.weight() as usize, with_tags as usize + per_refusal);
     }
 

@@ -22,6 +22,6 @@ pub mod store;
 pub mod testing;
 
 pub use entry::{now_ms, Digest, Entry, EntryId, Origin};
-pub use memory::{EvictionHook, MemoryTier};
+pub use memory::{EvictionHook, IndexCharge, MemoryTier, ITEM_OVERHEAD};
 pub use shares::MemoryShares;
 pub use store::{ByKey, Probe, Store};

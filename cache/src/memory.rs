@@ -46,17 +46,46 @@ impl moka::Expiry<EntryId, Arc<Entry>> for EntryExpiry {
     }
 }
 
+/// What `entry` weighs while held: see [`MemoryTier::weight_of`].
+fn held_weight(entry: &Entry, index_charge: Option<IndexCharge>) -> u32 {
+    let indexed = index_charge
+        .filter(|c| entry.embedding.as_ref().is_some_and(|v| v.len() == c.dim))
+        .map_or(0, |c| c.bytes);
+    entry
+        .weight()
+        .saturating_add(ITEM_OVERHEAD)
+        .saturating_add(indexed)
+}
+
 /// Called when an entry leaves the memory tier for any reason but replacement.
 pub type EvictionHook = Arc<dyn Fn(EntryId, Arc<Entry>, RemovalCause) + Send + Sync>;
 
-/// Approximate cost of one key → id mapping, charged against the key cache's budget.
-const KEY_WEIGHT: u32 = 96;
+/// What moka holds for each cached item besides the item itself (its node, the hash table's
+/// slot, the access and expiry bookkeeping) plus the `Arc`'s header: about 280–340 bytes,
+/// measured with a counting allocator (`tests/store_memory.rs` holds the tier to its budget).
+pub const ITEM_OVERHEAD: u32 = 320;
+
+/// Cost of one key → id mapping (the 32-byte key and 16-byte id inside moka's bookkeeping),
+/// charged against the key cache's budget.
+const KEY_WEIGHT: u32 = ITEM_OVERHEAD;
+
+/// What an entry whose vector the semantic index holds costs there, charged to the entry in
+/// the memory budget (see [`crate::semantic::SemanticIndex::charge`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexCharge {
+    /// The index's dimension: an entry whose embedding has it is charged.
+    pub dim: usize,
+    /// Bytes charged per such entry.
+    pub bytes: u32,
+}
 
 /// The in-process tier.
 #[derive(Clone)]
 pub struct MemoryTier {
     entries: Cache<EntryId, Arc<Entry>>,
     keys: Cache<Digest, EntryId>,
+    /// What an indexed entry costs the index, charged to it here.
+    index_charge: Option<IndexCharge>,
     /// The pools' ledgers when the budget is shared out ([`MemoryTier::set_shares`]).
     ledgers: Arc<ArcSwapOption<Ledgers>>,
     /// What the ledgers evicted, to drop from the tier.
@@ -80,6 +109,18 @@ impl MemoryTier {
         retain: Duration,
         on_evict: Option<EvictionHook>,
     ) -> Self {
+        Self::with_index_charge(max_bytes, key_ttl, retain, on_evict, None)
+    }
+
+    /// [`MemoryTier::new`], charging each entry with an embedding of the index's dimension
+    /// what the index holds for it: one budget bounds entries and their vectors' index.
+    pub fn with_index_charge(
+        max_bytes: u64,
+        key_ttl: Duration,
+        retain: Duration,
+        on_evict: Option<EvictionHook>,
+        index_charge: Option<IndexCharge>,
+    ) -> Self {
         let retain_ms = u64::try_from(retain.as_millis()).unwrap_or(u64::MAX);
         // A key outlives its entry's expiry by the retention, so it still leads to the entry
         // while that may be served stale.
@@ -88,7 +129,7 @@ impl MemoryTier {
         let forget = ledgers.clone();
         let entries = Cache::builder()
             .max_capacity(max_bytes)
-            .weigher(|_k: &EntryId, v: &Arc<Entry>| v.weight())
+            .weigher(move |_k: &EntryId, v: &Arc<Entry>| held_weight(v, index_charge))
             .expire_after(EntryExpiry(retain_ms))
             .eviction_listener(move |k: Arc<EntryId>, v: Arc<Entry>, cause| {
                 if cause == RemovalCause::Replaced {
@@ -110,6 +151,7 @@ impl MemoryTier {
         MemoryTier {
             entries,
             keys,
+            index_charge,
             ledgers,
             evicted: EvictedQueue::default(),
             shares: Arc::default(),
@@ -155,6 +197,12 @@ impl MemoryTier {
         self.record_all(&ledgers);
     }
 
+    /// What `entry` weighs in this tier's budget: its own bytes, moka's bookkeeping and, when
+    /// its vector is indexed, the index's share.
+    pub fn weight_of(&self, entry: &Entry) -> u32 {
+        held_weight(entry, self.index_charge)
+    }
+
     /// Records every held entry and its keys not yet recorded in `ledgers`, oldest entry
     /// first: where a pool holds more than its share, its newest entries and keys stay.
     fn record_all(&self, ledgers: &Ledgers) {
@@ -166,7 +214,7 @@ impl MemoryTier {
         held.sort_unstable_by_key(|e| e.created_ms);
         for e in held {
             let ledger = ledgers.of(&e.namespace);
-            if ledger.holds(e.id) || ledger.record_entry(&e) {
+            if ledger.holds(e.id) || ledger.record_entry(&e, self.weight_of(&e)) {
                 for k in keys.remove(&e.id).unwrap_or_default() {
                     ledger.record_key(k);
                 }
@@ -197,7 +245,7 @@ impl MemoryTier {
             return true;
         };
         let ledger = ledgers.of(&entry.namespace);
-        let kept = ledger.record_entry(entry);
+        let kept = ledger.record_entry(entry, self.weight_of(entry));
         if let (true, Some(k)) = (kept, key) {
             ledger.record_key(k);
         }
@@ -435,7 +483,11 @@ mod tests {
         assert_eq!(t.get_kept_by_key(&[1; 32]).await.map(|k| k.id), Some(e.id));
         assert_eq!(t.get_kept(e.id).await.map(|k| k.id), Some(e.id));
         t.run_pending_tasks().await;
-        assert_eq!(t.weighted_size(), u64::from(e.weight()), "it still weighs");
+        assert_eq!(
+            t.weighted_size(),
+            u64::from(t.weight_of(&e)),
+            "it still weighs"
+        );
         // Past the retention: gone.
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(t.get_kept_by_key(&[1; 32]).await.is_none());
@@ -444,7 +496,7 @@ mod tests {
 
     #[tokio::test]
     async fn kept_entries_count_in_their_pool() {
-        let one = entry_in("a/x", &"x".repeat(1000), 50).weight() as u64;
+        let one = (entry_in("a/x", &"x".repeat(1000), 50).weight() + ITEM_OVERHEAD) as u64;
         let t = MemoryTier::new(
             one * 40,
             Duration::from_secs(60),
@@ -466,7 +518,7 @@ mod tests {
         let hook: EvictionHook = Arc::new(move |_, _, _| {
             ev.fetch_add(1, Ordering::SeqCst);
         });
-        let one = entry(&"x".repeat(1000), 60_000).weight() as u64;
+        let one = (entry(&"x".repeat(1000), 60_000).weight() + ITEM_OVERHEAD) as u64;
         let t = MemoryTier::new(
             one * 10,
             Duration::from_secs(60),
@@ -495,26 +547,27 @@ mod tests {
         }
     }
 
+    // Entries of 4 KB: a pool's keys get an eighth of its share, room for a few keys per entry.
     #[tokio::test]
     async fn a_pool_flooding_the_tier_evicts_only_its_own_entries() {
-        let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
+        let one = (entry_in("a/x", &"x".repeat(4000), 60_000).weight() + ITEM_OVERHEAD) as u64;
         let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         t.set_shares(
             Some(shares(&[("a", one * 10), ("b", one * 10)], one * 20)),
             1,
         );
         let b: Vec<_> = (0..8u8)
-            .map(|_| entry_in("b/x", &"y".repeat(1000), 60_000))
+            .map(|_| entry_in("b/x", &"y".repeat(4000), 60_000))
             .collect();
         for (i, e) in b.iter().enumerate() {
             t.insert([100 + i as u8; 32], e.clone()).await;
         }
-        let c = entry_in("c/x", &"z".repeat(1000), 60_000);
+        let c = entry_in("c/x", &"z".repeat(4000), 60_000);
         t.insert([200; 32], c.clone()).await;
         // Pool a floods: 50 entries, five times its share, and aliases for each.
         let mut a = Vec::new();
         for i in 0..50u8 {
-            let e = entry_in("a/x", &"x".repeat(1000), 60_000);
+            let e = entry_in("a/x", &"x".repeat(4000), 60_000);
             t.insert([i; 32], e.clone()).await;
             t.alias(
                 [
@@ -544,7 +597,7 @@ mod tests {
 
     #[tokio::test]
     async fn shares_apply_to_what_is_held_and_can_be_lifted() {
-        let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
+        let one = (entry_in("a/x", &"x".repeat(1000), 60_000).weight() + ITEM_OVERHEAD) as u64;
         let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         for i in 0..20u8 {
             t.insert([i; 32], entry_in("a/x", &"x".repeat(1000), 60_000))
@@ -573,7 +626,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_removed_entry_leaves_its_pool() {
-        let one = entry_in("a/x", &"x".repeat(1000), 60_000).weight() as u64;
+        let one = (entry_in("a/x", &"x".repeat(1000), 60_000).weight() + ITEM_OVERHEAD) as u64;
         let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         t.set_shares(Some(shares(&[("a", one * 10)], one * 30)), 1);
         let e = entry_in("a/x", &"x".repeat(1000), 60_000);

@@ -127,11 +127,11 @@ impl Ledger {
         }
     }
 
-    /// Records an entry and settles the ledger; whether it was kept (an entry larger than
-    /// the whole share is not).
-    pub(crate) fn record_entry(&self, entry: &Entry) -> bool {
+    /// Records an entry weighing `weight` in the tier and settles the ledger; whether it was
+    /// kept (an entry larger than the whole share is not).
+    pub(crate) fn record_entry(&self, entry: &Entry, weight: u32) -> bool {
         let record = Record {
-            weight: entry.weight(),
+            weight,
             expires_ms: entry.expires_ms.saturating_add(self.retain_ms),
         };
         self.entries.insert(entry.id, record);

@@ -27,7 +27,7 @@ use std::time::Duration;
 use moka::notification::RemovalCause;
 
 use crate::entry::{Digest, Entry, EntryId};
-use crate::memory::{EvictionHook, MemoryTier};
+use crate::memory::{EvictionHook, IndexCharge, MemoryTier};
 use crate::redis::{RedisError, RedisTier};
 use crate::semantic::{Candidate, IndexItem, MaintainReport, SemanticIndex};
 use crate::shares::MemoryShares;
@@ -126,6 +126,10 @@ impl Store {
         index: Option<Arc<SemanticIndex>>,
         on_evict: Option<Arc<dyn Fn(RemovalCause) + Send + Sync>>,
     ) -> Store {
+        let charge = index.as_ref().map(|i| IndexCharge {
+            dim: i.dim(),
+            bytes: i.charge(),
+        });
         let tombstone = index.clone();
         // Keep the index in step with memory: an entry that leaves memory can no longer be
         // served, so its vector is tombstoned.
@@ -141,7 +145,13 @@ impl Store {
             r.retain_expired(retain);
         }
         Store {
-            memory: MemoryTier::new(memory_bytes, key_ttl, retain, Some(hook)),
+            memory: MemoryTier::with_index_charge(
+                memory_bytes,
+                key_ttl,
+                retain,
+                Some(hook),
+                charge,
+            ),
             redis,
             index,
             deleted: moka::sync::Cache::builder()
@@ -507,7 +517,7 @@ impl Store {
             // Expired entries kept in Redis to be served stale are not loaded (nor counted
             // against the budget): found there on demand.
             for entry in page.into_iter().filter(|e| !e.is_expired()) {
-                bytes += u64::from(entry.weight());
+                bytes += u64::from(self.memory.weight_of(&entry));
                 if bytes > budget {
                     loaded.stopped_at_budget = true;
                     break 'pages;

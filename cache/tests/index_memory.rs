@@ -107,4 +107,20 @@ fn the_index_holds_no_copy_of_the_vectors() {
         large < (2 * 384 * std::mem::size_of::<f32>()) as f64,
         "{large:.0} bytes/entry"
     );
+    // What the memory budget charges an indexed entry for its slot (without tombstones, at
+    // a rebuild ratio of 0) covers what the index holds, and not by more than twice.
+    let charge = f64::from(
+        SemanticIndex::new(
+            384,
+            IndexConfig {
+                rebuild_tombstone_ratio: 0.0,
+                ..IndexConfig::default()
+            },
+        )
+        .charge(),
+    );
+    assert!(
+        large <= charge && charge <= 2.0 * large,
+        "charged {charge:.0} bytes per indexed entry, held {large:.0}"
+    );
 }

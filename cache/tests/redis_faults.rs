@@ -14,7 +14,7 @@ use common::*;
 use reprise_cache::redis::{RedisConfig, ReplicationEvent};
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::testing::RedisServer;
-use reprise_cache::{ByKey, Store};
+use reprise_cache::{ByKey, Store, ITEM_OVERHEAD};
 
 /// A store over a tier of `cfg` with a 3-dimensional index, as one replica.
 async fn store(cfg: RedisConfig, replica: &str) -> Store {
@@ -362,11 +362,14 @@ async fn a_rebuild_streams_and_stops_at_the_memory_budget() {
         assert!(writer.put(&entry("ns", &format!("answer {i}"), 600_000), &[]));
     }
     writer.flush().await.unwrap();
-    // A replica whose memory holds about a sixth of them.
-    let one = u64::from(entry("ns", "answer 1000", 600_000).weight());
+    // A replica whose memory holds about a sixth of them (each weighs its bytes, moka's
+    // bookkeeping and the index's charge for its vector).
+    let index = Arc::new(SemanticIndex::new(3, IndexConfig::default()));
+    let one = u64::from(entry("ns", "answer 1000", 600_000).weight())
+        + u64::from(ITEM_OVERHEAD)
+        + u64::from(index.charge());
     let capacity = one * 500;
     let redis = tier(config(server.url()), "b").await;
-    let index = Arc::new(SemanticIndex::new(3, IndexConfig::default()));
     let store = Store::new(
         capacity,
         Duration::from_secs(60),

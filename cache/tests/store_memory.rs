@@ -1,0 +1,165 @@
+//! Whether `cache.memory_bytes` bounds what the store really holds: the heap a store of
+//! entries, exact keys and the semantic index takes, counted exactly by a counting allocator
+//! (this test binary's global allocator; one test, so nothing else allocates meanwhile),
+//! against the budget it was given.
+//!
+//! The store is filled with several times its budget of distinct answers, each with its key
+//! and its embedding in the index, so that it evicts all along (and the index carries
+//! tombstones of what was evicted, up to its rebuild ratio); the heap it then holds must stay
+//! within the entries' budget plus the keys' (an eighth of it), within a small slack for the
+//! caches' fixed tables.
+
+// `GlobalAlloc` is an unsafe trait: the counting allocator forwards to the system's.
+#![allow(unsafe_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+
+use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+use reprise_cache::{now_ms, Entry, EntryId, Origin, Store};
+
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        System.alloc(layout)
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        System.dealloc(ptr, layout)
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        System.realloc(ptr, layout, new_size)
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// The embedder's dimension (all-MiniLM-L6-v2).
+const DIM: usize = 384;
+
+/// A unit vector with 8 pseudo-random components (from `seed`), zero elsewhere.
+fn unit_vector(seed: u64) -> Arc<[f32]> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v: Vec<f32> = (0..8)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 1000) as f32 / 1000.0 - 0.5
+        })
+        .collect();
+    v.resize(DIM, 0.0);
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+    v.iter().map(|x| x / norm).collect()
+}
+
+/// The `i`-th answer: `bytes` of text, a prompt of a quarter of that, an embedding, in one
+/// of four partitions (so every partition passes the exact-scan limit and gets a graph).
+fn entry(i: u64, bytes: usize) -> Entry {
+    let mut partition = [0u8; 32];
+    partition[0] = 1 + (i % 4) as u8;
+    Entry {
+        id: EntryId(u128::from(i) + 1),
+        namespace: "ns".into(),
+        model: "m".into(),
+        text: format!("{i:08} {}", "a".repeat(bytes)),
+        finish_reason: "stop".into(),
+        prompt_tokens: 30,
+        completion_tokens: 200,
+        prompt: format!("{i:08} {}", "q".repeat(bytes / 4)),
+        partition,
+        embedding: Some(unit_vector(i)),
+        origin: Origin::Live,
+        tags: Vec::new(),
+        refusals: Vec::new(),
+        created_ms: now_ms(),
+        expires_ms: now_ms() + 3_600_000,
+        gen_ms: 100,
+    }
+}
+
+fn key(i: u64) -> [u8; 32] {
+    *blake3::hash(&i.to_le_bytes()).as_bytes()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_memory_budget_bounds_entries_keys_and_index_together() {
+    const BUDGET: u64 = 8 * 1024 * 1024;
+    const TEXT: usize = 700;
+    let cfg = IndexConfig {
+        // Small, so the partitions build graphs (and rebuild them after evictions) within a
+        // test's time, as big ones do in service.
+        exact_scan_max: 256,
+        ef_construction: 32,
+        ..IndexConfig::default()
+    };
+    let before = LIVE.load(Ordering::SeqCst);
+    let index = Arc::new(SemanticIndex::new(DIM, cfg));
+    let store = Store::new(
+        BUDGET,
+        Duration::from_secs(3600),
+        Duration::ZERO,
+        None,
+        Some(index.clone()),
+        None,
+    );
+    // What one entry weighs, to know how many fill the budget.
+    let one = u64::from(entry(0, TEXT).weight()).max(1);
+    let total = 4 * BUDGET / one;
+    let mut peak = 0isize;
+    let mut rebuilds = 0;
+    for i in 0..total {
+        store.insert(Arc::new(entry(i, TEXT)), &[key(i)]).await;
+        if i % 64 == 63 {
+            store.run_pending_tasks().await;
+            // As the service's maintenance task does: a rebuild as soon as a removal leaves
+            // a partition worn past the ratio the budget charges for.
+            if index.worn().now_or_never().is_some() {
+                rebuilds += store.maintain().map_or(0, |r| r.rebuilt);
+            }
+            peak = peak.max(LIVE.load(Ordering::SeqCst) - before);
+        }
+    }
+    store.run_pending_tasks().await;
+    let held = LIVE.load(Ordering::SeqCst) - before;
+    peak = peak.max(held);
+    let allowed = BUDGET + BUDGET / 8;
+    let entries = store.entry_count().max(1);
+    eprintln!(
+        "{total} inserted, {entries} held, {rebuilds} rebuilds; weighted {} B ({} B/entry); heap held {held} B ({} B/entry), peak {peak} B; allowed {allowed} B; index {} vectors",
+        store.weighted_size(),
+        store.weighted_size() / entries,
+        held as u64 / entries,
+        index.len(),
+    );
+    assert!(
+        store.entry_count() < total / 2,
+        "the store evicted (it was given four times its budget)"
+    );
+    assert!(
+        index.graphs() > 0 && rebuilds > 0,
+        "the partitions built graphs and rebuilt them without tombstones, as big ones do in \
+         service ({rebuilds} rebuilds)"
+    );
+    // 2 % slack: the caches' fixed tables (moka's frequency sketch, hash table buckets).
+    let slack = allowed / 50;
+    assert!(
+        peak as u64 <= allowed + slack,
+        "heap held by the store at peak ({peak} B) within its budget ({allowed} B + {slack} B slack)"
+    );
+}
