@@ -67,6 +67,8 @@ impl Served {
         let text = self.question.as_ref().map_or(0, |(_, t)| t.len());
         u32::try_from(std::mem::size_of::<Served>() + 64 + self.tenant.len() + text)
             .unwrap_or(u32::MAX)
+            // moka's bookkeeping for the item.
+            .saturating_add(reprise_cache::ITEM_OVERHEAD)
     }
 }
 

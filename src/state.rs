@@ -333,6 +333,8 @@ async fn build_one(b: &crate::config::BackendConfig) -> anyhow::Result<Arc<dyn B
             slots: None,
             max_queue: None,
             priority_aging: b.priority_aging(),
+            // A served scripted backend keeps no request log: nothing reads it.
+            log_len: 0,
         })),
         BackendKind::Openai => {
             let api_key = match &b.api_key_env {

@@ -66,6 +66,10 @@ pub struct ScriptConfig {
     /// With `slots`: a batch request waiting this long is served as interactive; `None`:
     /// never.
     pub priority_aging: Option<Duration>,
+    /// Requests remembered for [`ScriptedBackend::requests`] (the latest; [`LOG_LEN`] by
+    /// default, 0: none): a soak sending millions of long prompts sets it low, so its memory
+    /// figures are the server's.
+    pub log_len: usize,
 }
 
 impl Default for ScriptConfig {
@@ -80,6 +84,7 @@ impl Default for ScriptConfig {
             slots: None,
             max_queue: None,
             priority_aging: Some(Duration::from_secs(5)),
+            log_len: LOG_LEN,
         }
     }
 }
@@ -213,11 +218,14 @@ impl Drop for ActiveGuard {
 impl Backend for ScriptedBackend {
     async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError> {
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
+        let keep = self.inner.cfg.lock().log_len;
         let mut log = self.inner.log.lock();
-        if log.len() == LOG_LEN {
+        while log.len() >= keep.max(1) {
             log.pop_front();
         }
-        log.push_back(req.clone());
+        if keep > 0 {
+            log.push_back(req.clone());
+        }
         drop(log);
         let cfg = self.inner.cfg.lock().clone();
         if req.model != cfg.model {

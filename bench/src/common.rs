@@ -228,6 +228,25 @@ pub fn rss() -> (u64, u64) {
     )
 }
 
+/// Bytes the allocator has handed out and not taken back (glibc's `mallinfo2`, over every
+/// arena, mapped chunks included): the live heap. RSS minus this is what malloc keeps for
+/// reuse (free chunks, fragmentation) plus code and stacks. 0 where the C library is not
+/// glibc.
+pub fn heap_in_use() -> u64 {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes no arguments and only reads malloc's own statistics
+        // (under its arenas' locks).
+        #[allow(unsafe_code)]
+        let m = unsafe { libc::mallinfo2() };
+        (m.uordblks + m.hblkhd) as u64
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        0
+    }
+}
+
 /// Bytes as MiB.
 pub fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)

@@ -10,8 +10,10 @@
 //! Progress (prompts sent, entries held, weighted bytes, RSS) goes to stderr every
 //! `--progress-secs`; the report goes to stdout: RSS at start (server up, embedder loaded,
 //! nothing stored), peak RSS, the memory tier's weighted size and entries held, RSS minus the
-//! budget, bytes per entry held, and whether the peak stayed within the budget plus the
-//! overhead measured at start (or `--overhead-mb`). The clients run in the same process, so
+//! budget, bytes per entry held, and whether the peak stayed within the budget, its keys'
+//! eighth, the budgets of the other stores distinct prompts fill (feedback's remembered
+//! responses, the stats ring, the prefetch model, and with `--semantic` the embedder's text
+//! cache and the context forms) and the overhead measured at start (or `--overhead-mb`). The clients run in the same process, so
 //! their memory is part of every RSS figure (it does not grow with the prompts sent: prompts
 //! are generated as they are sent).
 
@@ -25,8 +27,8 @@ use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use serde_json::json;
 
 use crate::common::{
-    load_embedder, mib, read_answer, rss, start_app, store, BackendKind, Config, Failures,
-    CACHE_HEADER,
+    heap_in_use, load_embedder, mib, read_answer, rss, start_app, store, BackendKind, Config,
+    Failures, CACHE_HEADER,
 };
 
 /// Options of `reprise-bench soak`.
@@ -92,6 +94,32 @@ pub fn prompt(i: u64, bytes: usize) -> String {
     s
 }
 
+/// The other stores that distinct prompts fill, each up to its own byte budget, as
+/// configured: (what, bytes).
+fn other_budgets(config: &Config) -> Vec<(&'static str, u64)> {
+    let mut out = Vec::new();
+    if config.feedback.enabled {
+        out.push(("feedback.memory_bytes", config.feedback.memory_bytes));
+    }
+    if config.stats.enabled {
+        out.push(("stats.memory_bytes", config.stats.memory_bytes));
+    }
+    if config.prefetch.enabled {
+        out.push(("prefetch.model_bytes", config.prefetch.model_bytes));
+    }
+    if config.semantic.enabled {
+        out.push((
+            "semantic.embedding_cache_bytes",
+            config.semantic.embedding_cache_bytes,
+        ));
+        out.push((
+            "semantic.context_forms_bytes",
+            config.semantic.context_forms_bytes,
+        ));
+    }
+    out
+}
+
 /// What the clients saw, all of them together.
 #[derive(Debug, Default)]
 struct Tally {
@@ -117,6 +145,8 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
     // The memory tier holds entries within `memory_bytes` and exact keys within an eighth of
     // it on top (see `MemoryTier::new`).
     let key_budget = budget / 8;
+    let others = other_budgets(&config);
+    let others_total: u64 = others.iter().map(|(_, b)| b).sum();
 
     let embedder = if a.semantic {
         Some(
@@ -127,7 +157,11 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+    // The backend remembers no requests: the RSS figures are the server's.
+    let backend = Arc::new(ScriptedBackend::new(ScriptConfig {
+        log_len: 0,
+        ..ScriptConfig::default()
+    }));
     let server = start_app(config, backend, embedder).await?;
     let url = server.chat_url();
     let client = reqwest::Client::builder()
@@ -147,6 +181,7 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
         .await;
     anyhow::ensure!(read_answer(warm).await.is_ok(), "the server did not answer");
     let (rss_start, _) = rss();
+    let heap_start = heap_in_use();
     let mode = if a.semantic {
         "semantic tier on (real embedder)"
     } else {
@@ -190,14 +225,15 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
                     let s = store(&state);
                     let sent = answered.load(Ordering::SeqCst) + failed.load(Ordering::SeqCst);
                     eprintln!(
-                        "  {:>6.0} s  sent {sent}/{total} ({:.0}/s), failed {}, entries held {}, weighted {:.1} MiB, indexed {}, RSS {:.1} MiB",
+                        "  {:>6.0} s  sent {sent}/{total} ({:.0}/s), failed {}, entries held {}, weighted {:.1} MiB, indexed {}, RSS {:.1} MiB, heap in use {:.1} MiB",
                         t0.elapsed().as_secs_f64(),
                         sent as f64 / t0.elapsed().as_secs_f64(),
                         failed.load(Ordering::SeqCst),
                         s.entry_count(),
                         mib(s.weighted_size()),
                         s.indexed(),
-                        mib(now_rss)
+                        mib(now_rss),
+                        mib(heap_in_use())
                     );
                 }
             }
@@ -263,6 +299,7 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
     done.store(true, Ordering::SeqCst);
     monitor.await?;
     let (rss_end, hwm) = rss();
+    let heap_end = heap_in_use();
     let peak = peak_sampled.load(Ordering::SeqCst).max(rss_end);
     let held = s.entry_count();
     let weighted = s.weighted_size();
@@ -276,7 +313,7 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
     } else {
         "the RSS measured at start"
     };
-    let allowed = budget + key_budget + overhead;
+    let allowed = budget + key_budget + others_total + overhead;
     let per = |bytes: u64| bytes as f64 / held.max(1) as f64;
     let outcomes: Vec<String> = tally
         .outcomes
@@ -318,6 +355,12 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
         mib(hwm)
     );
     println!(
+        "    heap in use (malloc's live bytes): at start {:.1} MiB, at end {:.1} MiB; RSS at end beyond it {:.1} MiB (free memory malloc keeps, code, stacks)",
+        mib(heap_start),
+        mib(heap_end),
+        mib(rss_end.saturating_sub(heap_end))
+    );
+    println!(
         "    RSS minus budget (fixed overhead): at end {:.1} MiB, at peak {:.1} MiB",
         (rss_end as f64 - budget as f64) / (1024.0 * 1024.0),
         (peak as f64 - budget as f64) / (1024.0 * 1024.0)
@@ -333,11 +376,24 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
     } else {
         format!("OVER by {:.1} MiB", mib(peak - allowed))
     };
+    let listed: Vec<String> = others
+        .iter()
+        .map(|(what, b)| format!("{what} {:.0}", mib(*b)))
+        .collect();
     println!(
-        "    peak RSS {:.1} MiB against budget {} MiB + keys {:.0} MiB + fixed overhead {:.1} MiB ({overhead_label}) = {:.1} MiB: {verdict}",
+        "    other stores' budgets (MiB): {}",
+        if listed.is_empty() {
+            "none".to_string()
+        } else {
+            listed.join(", ")
+        }
+    );
+    println!(
+        "    peak RSS {:.1} MiB against budget {} MiB + keys {:.0} MiB + other stores {:.0} MiB + fixed overhead {:.1} MiB ({overhead_label}) = {:.1} MiB: {verdict}",
         mib(peak),
         a.memory_mb,
         mib(key_budget),
+        mib(others_total),
         mib(overhead),
         mib(allowed)
     );

@@ -60,6 +60,10 @@ impl Origin {
     }
 }
 
+/// What malloc adds to an allocation on average (its header and the rounding up to 16
+/// bytes), counted in [`Entry::weight`].
+const MALLOC_CHUNK: usize = 16;
+
 /// Refusals kept per entry.
 pub const MAX_REFUSALS: usize = 32;
 
@@ -135,8 +139,12 @@ impl Entry {
             .iter()
             .map(|t| std::mem::size_of::<String>() + t.capacity())
             .sum();
+        // malloc's header and rounding, per allocation: the entry's `Arc`, five strings, the
+        // embedding, each tag and refusal.
+        let allocations = 7 + self.tags.len() + 2 * self.refusals.len();
         // What the strings allocated, not only what they use.
-        let bytes = std::mem::size_of::<Entry>()
+        let bytes = allocations * MALLOC_CHUNK
+            + std::mem::size_of::<Entry>()
             + refusals
             + self.namespace.capacity()
             + self.model.capacity()
@@ -268,14 +276,14 @@ mod tests {
         assert_eq!(e.weight() as usize, bare as usize + arc + 384 * 4);
         let with_embedding = e.weight();
         e.tags = vec!["x".repeat(128); 32];
-        let per_tag = std::mem::size_of::<String>() + 128;
+        let per_tag = MALLOC_CHUNK + std::mem::size_of::<String>() + 128;
         assert_eq!(e.weight() as usize, with_embedding as usize + 32 * per_tag);
         let with_tags = e.weight();
         e.refuse(Refusal {
             key: [1; 32],
             around: Some(([2; 32], Arc::from(vec![0.0; 384]))),
         });
-        let per_refusal = std::mem::size_of::<Refusal>() + arc + 384 * 4;
+        let per_refusal = 2 * MALLOC_CHUNK + std::mem::size_of::<Refusal>() + arc + 384 * 4;
         assert_eq!(e.weight() as usize, with_tags as usize + per_refusal);
     }
 

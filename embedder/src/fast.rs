@@ -56,8 +56,9 @@ type Pending = oneshot::Receiver<Result<Arc<[f32]>, EmbedError>>;
 type TextCache = moka::sync::Cache<(String, String), Arc<[f32]>>;
 
 /// What one cache entry weighs besides its texts and vector: the key's two `String` headers,
-/// the `Arc` and its counts, and moka's own bookkeeping per entry (an estimate).
-const ENTRY_OVERHEAD_BYTES: usize = 160;
+/// the `Arc` and its counts, and moka's own bookkeeping per item (280–340 bytes measured
+/// with a counting allocator for the memory tier's caches, plus malloc's headers: `reprise_cache::ITEM_OVERHEAD`).
+const ENTRY_OVERHEAD_BYTES: usize = 400 + 2 * std::mem::size_of::<String>() + 16;
 
 /// The weight of one cache entry, in bytes.
 fn entry_bytes(key: &(String, String), vector: &Arc<[f32]>) -> u32 {

@@ -65,7 +65,8 @@ impl Group {
             .iter()
             .map(|f| f.text.len() + f.vector.len() * 4 + 64)
             .sum();
-        (b + 128).min(u32::MAX as usize) as u32
+        // The group's own header, and moka's bookkeeping for it.
+        (b + 128 + reprise_cache::ITEM_OVERHEAD as usize).min(u32::MAX as usize) as u32
     }
 }
 
