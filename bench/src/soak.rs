@@ -168,18 +168,33 @@ pub async fn run(a: SoakArgs) -> anyhow::Result<()> {
         .pool_max_idle_per_host(a.concurrency * 2)
         .tcp_nodelay(true)
         .build()?;
-    // One request before the start figure, so the client's pool and the server's first
-    // allocations are part of it.
-    let warm = client
-        .post(&url)
-        .header("content-type", "application/json")
-        .body(
-            json!({"model": "fake", "messages": [{"role": "user", "content": "warm up"}]})
-                .to_string(),
-        )
-        .send()
-        .await;
-    anyhow::ensure!(read_answer(warm).await.is_ok(), "the server did not answer");
+    // A warm-up before the start figure: every client sends a few requests at once (prompts
+    // outside the soak's), so the client's pool, the server's first allocations and, with the
+    // semantic tier, the embedder's working memory for full batches are part of it, not of
+    // what the soak counts as growth. The entries they store are evicted like the rest.
+    let warm: Vec<_> = (0..a.concurrency * 4)
+        .map(|i| {
+            let (client, url) = (client.clone(), url.clone());
+            let content = format!(
+                "warm-up {i}: {}",
+                prompt(u64::MAX - i as u64, a.prompt_bytes)
+            );
+            tokio::spawn(async move {
+                let body =
+                    json!({"model": "fake", "messages": [{"role": "user", "content": content}]});
+                let sent = client
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body.to_string())
+                    .send()
+                    .await;
+                read_answer(sent).await.is_ok()
+            })
+        })
+        .collect();
+    for w in warm {
+        anyhow::ensure!(w.await?, "the server did not answer the warm-up");
+    }
     let (rss_start, _) = rss();
     let heap_start = heap_in_use();
     let mode = if a.semantic {
