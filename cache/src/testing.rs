@@ -271,3 +271,55 @@ fn reply_complete(buf: &[u8]) -> bool {
         _ => true,
     }
 }
+
+/// A global allocator that counts the bytes live, for tests that measure what a structure
+/// really holds: a test binary declares it as its `#[global_allocator]` and reads
+/// [`CountingAllocator::live`] before and after (one test per binary, so nothing else
+/// allocates meanwhile). Forwards to the system allocator; counts requested sizes.
+pub struct CountingAllocator {
+    live: std::sync::atomic::AtomicIsize,
+}
+
+impl CountingAllocator {
+    /// A counter at zero.
+    pub const fn new() -> Self {
+        CountingAllocator {
+            live: std::sync::atomic::AtomicIsize::new(0),
+        }
+    }
+
+    /// Bytes allocated and not yet freed since the program started.
+    pub fn live(&self) -> isize {
+        self.live.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn add(&self, bytes: isize) {
+        self.live
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Default for CountingAllocator {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+// `GlobalAlloc` is an unsafe trait; every call forwards to the system allocator unchanged.
+#[allow(unsafe_code)]
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        self.add(layout.size() as isize);
+        std::alloc::System.alloc(layout)
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        self.add(-(layout.size() as isize));
+        std::alloc::System.dealloc(ptr, layout)
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        self.add(new_size as isize - layout.size() as isize);
+        std::alloc::System.realloc(ptr, layout, new_size)
+    }
+}

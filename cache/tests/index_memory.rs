@@ -7,42 +7,14 @@
 //! similarities, so the same graph) cost the index the same, within a fraction of one
 //! vector's floats.
 
-// `GlobalAlloc` is an unsafe trait: the counting allocator forwards to the system's.
-#![allow(unsafe_code)]
-
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+use reprise_cache::testing::CountingAllocator;
 use reprise_cache::EntryId;
 
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        System.alloc(layout)
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        System.dealloc(ptr, layout)
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
-        System.realloc(ptr, layout, new_size)
-    }
-}
-
 #[global_allocator]
-static COUNTING: Counting = Counting;
+static HEAP: CountingAllocator = CountingAllocator::new();
 
 const ENTRIES: usize = 3000;
 
@@ -70,7 +42,7 @@ fn unit_vectors(dim: usize, n: usize) -> Vec<Arc<[f32]>> {
 /// one partition (past the exact-scan limit) and its graph is built.
 fn index_bytes_per_entry(dim: usize) -> f64 {
     let vectors = unit_vectors(dim, ENTRIES);
-    let before = LIVE.load(Ordering::SeqCst);
+    let before = HEAP.live();
     let index = SemanticIndex::new(dim, IndexConfig::default());
     index.insert_many(
         vectors
@@ -81,7 +53,7 @@ fn index_bytes_per_entry(dim: usize) -> f64 {
     );
     assert_eq!(index.build_graphs(), 1);
     assert_eq!(index.graphs(), 1, "the partition is past exact_scan_max");
-    let after = LIVE.load(Ordering::SeqCst);
+    let after = HEAP.live();
     drop(index);
     (after - before) as f64 / ENTRIES as f64
 }

@@ -9,45 +9,16 @@
 //! within the entries' budget plus the keys' (an eighth of it), within a small slack for the
 //! caches' fixed tables.
 
-// `GlobalAlloc` is an unsafe trait: the counting allocator forwards to the system's.
-#![allow(unsafe_code)]
-
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
-
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+use reprise_cache::testing::CountingAllocator;
 use reprise_cache::{now_ms, Entry, EntryId, Origin, Store};
 
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        System.alloc(layout)
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        System.dealloc(ptr, layout)
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
-        System.realloc(ptr, layout, new_size)
-    }
-}
-
 #[global_allocator]
-static COUNTING: Counting = Counting;
+static HEAP: CountingAllocator = CountingAllocator::new();
 
 /// The embedder's dimension (all-MiniLM-L6-v2).
 const DIM: usize = 384;
@@ -108,7 +79,7 @@ async fn the_memory_budget_bounds_entries_keys_and_index_together() {
         ef_construction: 32,
         ..IndexConfig::default()
     };
-    let before = LIVE.load(Ordering::SeqCst);
+    let before = HEAP.live();
     let index = Arc::new(SemanticIndex::new(DIM, cfg));
     let store = Store::new(
         BUDGET,
@@ -132,11 +103,11 @@ async fn the_memory_budget_bounds_entries_keys_and_index_together() {
             if index.worn().now_or_never().is_some() {
                 rebuilds += store.maintain().map_or(0, |r| r.rebuilt);
             }
-            peak = peak.max(LIVE.load(Ordering::SeqCst) - before);
+            peak = peak.max(HEAP.live() - before);
         }
     }
     store.run_pending_tasks().await;
-    let held = LIVE.load(Ordering::SeqCst) - before;
+    let held = HEAP.live() - before;
     peak = peak.max(held);
     let allowed = BUDGET + BUDGET / 8;
     let entries = store.entry_count().max(1);
