@@ -123,6 +123,10 @@ pub struct ReplayArgs {
     /// with unlimited background compute (the table is never shown to reprise).
     #[arg(long)]
     domain: Option<PathBuf>,
+    /// With `--domain`: print the reference ceiling for these sessions (`--warmup`,
+    /// `--limit`, `--min-probability` apply) and stop, without running either side.
+    #[arg(long)]
+    ceiling_only: bool,
     /// Seed of the think-time draws.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -226,6 +230,11 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         for t in &s.turns {
             intent_of.insert(t.text.clone(), t.intent.clone());
         }
+    }
+    if a.ceiling_only {
+        anyhow::ensure!(a.domain.is_some(), "--ceiling-only needs --domain");
+        print_ceiling(&a, &sessions)?;
+        return Ok(());
     }
     let intent_of = Arc::new(intent_of);
     let sessions = Arc::new(sessions);
@@ -740,26 +749,7 @@ fn report(
         "prefetch unused (measured part: generated less served, over generated) {}  (goal <= 50 %)",
         pct(on.unused_share())
     );
-    let ceiling = match &a.domain {
-        Some(path) => {
-            let domain: Domain = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-            let cfg = PrefetchConfig::default();
-            let min_p = a.min_probability.unwrap_or(cfg.min_probability);
-            let c = ceiling(sessions, a.warmup, &domain, min_p, cfg.max_predictions);
-            println!(
-                "reference ceiling (true transition table, perfect wording groups for questions and \
-                 histories, unlimited compute; min_probability {min_p}): hit rate {} -> {} = {:.2}x, \
-                 unused {} (counted as the run counts), never used {}",
-                pct(c.off),
-                pct(c.on),
-                c.on / c.off.max(1e-9),
-                pct(c.unused),
-                pct(c.never_used)
-            );
-            Some(c)
-        }
-        None => None,
-    };
+    let ceiling = print_ceiling(a, sessions)?;
     if let Some(path) = &a.json {
         let side = |s: &Summary| {
             json!({"turns": s.turns, "hit_rate": s.hit_rate(), "correct_hit_rate": s.correct_rate(),
@@ -777,11 +767,63 @@ fn report(
                          "token_delay_ms": a.token_delay_ms,
                          "off": side(off), "on": side(on), "hit_ratio": hit_ratio,
                          "p95_ratio": p95_ratio, "ttft_p95_ratio": ttft_ratio,
-                         "ceiling": ceiling.map(|c| json!({"off": c.off, "on": c.on, "unused": c.unused,
+                         "ceiling": ceiling.map(|c| json!({"histories": "as_worded", "off": c.off, "on": c.on, "unused": c.unused,
                                                           "never_used": c.never_used}))});
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
     }
     Ok(())
+}
+
+/// Computes and prints the reference ceiling when `--domain` is given.
+fn print_ceiling(a: &ReplayArgs, sessions: &[Session]) -> anyhow::Result<Option<Ceiling>> {
+    let Some(path) = &a.domain else {
+        return Ok(None);
+    };
+    let domain: Domain = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    let cfg = PrefetchConfig::default();
+    let min_p = a.min_probability.unwrap_or(cfg.min_probability);
+    let mut first = None;
+    for (histories, label) in [
+        (
+            Histories::AsWorded,
+            "histories matched as worded, as reprise's partitions",
+        ),
+        (
+            Histories::ByIntent,
+            "histories matched by intent, perfect context equivalence",
+        ),
+    ] {
+        let c = ceiling(
+            sessions,
+            a.warmup,
+            &domain,
+            min_p,
+            cfg.max_predictions,
+            histories,
+        );
+        println!(
+            "reference ceiling (true transition table, every wording of a question matched, {label}, \
+             unlimited compute; min_probability {min_p}): hit rate {} -> {} = {:.2}x, \
+             unused {} (counted as the run counts), never used {}",
+            pct(c.off),
+            pct(c.on),
+            c.on / c.off.max(1e-9),
+            pct(c.unused),
+            pct(c.never_used)
+        );
+        first.get_or_insert(c);
+    }
+    let c = first.expect("two ceilings");
+    Ok(Some(c))
+}
+
+/// How the reference ceiling matches two conversations' histories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Histories {
+    /// The same questions in the same words.
+    AsWorded,
+    /// The same questions in any words.
+    ByIntent,
 }
 
 /// The sessions' domain, as far as the reference ceiling needs it.
@@ -811,9 +853,11 @@ struct Ceiling {
 /// Replays the sessions on paper with a perfect semantic cache and the true transition
 /// table, counted as the run counts:
 ///
-/// - A turn's context is the path of intents before it (empty for a first turn), so sessions
-///   whose histories ask the same questions share answers, as reprise's partitions do for
-///   matching histories (perfect wording groups for contexts too, so an upper bound).
+/// - A turn's context is its history (empty for a first turn), so sessions whose histories
+///   match share answers, as reprise's partitions do. [`Histories::AsWorded`] matches
+///   histories by their wordings (reprise's partitions without context equivalence);
+///   [`Histories::ByIntent`] by the questions they asked, whatever the wording (perfect
+///   context equivalence: an upper bound).
 /// - The cache alone answers a turn whose intent was asked before in its context, whatever
 ///   the wording (the run's "off" side counts semantic hits too).
 /// - After every turn of intent `X`, the (at most `max_predictions`) intents with a true
@@ -828,6 +872,7 @@ fn ceiling(
     domain: &Domain,
     min_p: f64,
     max_predictions: usize,
+    histories: Histories,
 ) -> Ceiling {
     use std::collections::HashSet;
     let predict = |intent: &str, first: bool| -> Vec<&str> {
@@ -876,7 +921,10 @@ fn ceiling(
                 used_of_measured += usize::from(of_measured);
             }
             asked.insert(key);
-            path.push(turn.intent.as_str());
+            path.push(match histories {
+                Histories::AsWorded => turn.text.as_str(),
+                Histories::ByIntent => turn.intent.as_str(),
+            });
             for y in predict(&turn.intent, t == 0) {
                 let k = (path.clone(), y);
                 if !asked.contains(&k) && !pending.contains_key(&k) {
@@ -930,7 +978,7 @@ mod tests {
             // A new first question: a miss; B is generated after it and never asked.
             session(&[("C", "c2")]),
         ];
-        let c = ceiling(&sessions, 1, &domain, 0.2, 3);
+        let c = ceiling(&sessions, 1, &domain, 0.2, 3, Histories::ByIntent);
         // Five measured turns: A, A cached; B served by the warm-up's prefetch; C, C missed.
         assert!((c.off - 0.4).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.6).abs() < 1e-9, "{c:?}");
@@ -941,11 +989,29 @@ mod tests {
         assert!((c.never_used - 1.0).abs() < 1e-9, "{c:?}");
         // At the lower bar the warm-up also prefetched C, which serves the second C: the
         // run's counting then shows no waste at all while both generations were wasted.
-        let c = ceiling(&sessions, 1, &domain, 0.1, 3);
+        let c = ceiling(&sessions, 1, &domain, 0.1, 3, Histories::ByIntent);
         assert!((c.off - 0.4).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.8).abs() < 1e-9, "{c:?}");
         assert!(c.unused.abs() < 1e-9, "{c:?}");
         assert!((c.never_used - 1.0).abs() < 1e-9, "{c:?}");
+    }
+
+    #[test]
+    fn histories_as_worded_share_only_the_same_words() {
+        let domain: Domain =
+            serde_json::from_str(r#"{"transitions": {"A": {"B": 1.0}, "B": {"END": 1.0}}}"#)
+                .unwrap();
+        let sessions = [
+            session(&[("A", "a1"), ("B", "b1")]),
+            session(&[("A", "a2"), ("B", "b2")]),
+        ];
+        // The second B follows A in other words: by intent the history matches and the
+        // cache answers it; as worded it does not, and the prefetch made after a2 does.
+        let by_intent = ceiling(&sessions, 1, &domain, 0.2, 3, Histories::ByIntent);
+        let as_worded = ceiling(&sessions, 1, &domain, 0.2, 3, Histories::AsWorded);
+        assert!((by_intent.off - 1.0).abs() < 1e-9, "{by_intent:?}");
+        assert!((as_worded.off - 0.5).abs() < 1e-9, "{as_worded:?}");
+        assert!((as_worded.on - 1.0).abs() < 1e-9, "{as_worded:?}");
     }
 
     #[test]
@@ -959,7 +1025,7 @@ mod tests {
             session(&[("A", "a1"), ("B", "b1")]),
             session(&[("A", "a1"), ("B", "b2")]),
         ];
-        let c = ceiling(&sessions, 0, &domain, 0.2, 3);
+        let c = ceiling(&sessions, 0, &domain, 0.2, 3, Histories::ByIntent);
         // Turns: A miss, B prefetched, A cached, B cached.
         assert!((c.off - 0.5).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.75).abs() < 1e-9, "{c:?}");
