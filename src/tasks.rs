@@ -165,7 +165,14 @@ fn start_maintenance(state: &Arc<AppState>, tracker: &TaskTracker, stop: Cancell
             let Some(state) = weak.upgrade() else { break };
             let store = state.store.clone();
             drop(state);
-            let report = tokio::task::spawn_blocking(move || store.maintain()).await;
+            let report = tokio::task::spawn_blocking(move || {
+                let report = store.maintain();
+                if report.is_some_and(|r| r.rebuilt > 0) {
+                    release_free_memory();
+                }
+                report
+            })
+            .await;
             if let Ok(Some(r)) = report {
                 if r.rebuilt > 0 {
                     tracing::info!(
@@ -177,6 +184,20 @@ fn start_maintenance(state: &Arc<AppState>, tracker: &TaskTracker, stop: Cancell
             }
         }
     });
+}
+
+/// Hands the memory malloc holds free back to the system (glibc's `malloc_trim`). A rebuild
+/// frees a whole graph at once (the new one was built beside it), and glibc keeps freed
+/// memory for reuse: under churn RSS grew 27 MiB above the live heap in `reprise-bench soak
+/// --semantic`, past every budget.
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes no pointer; it walks malloc's own arenas under their locks and
+    // returns whole free pages to the system.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Saves the memory tier to `path` every `every` (the first save one interval after the
