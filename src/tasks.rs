@@ -46,8 +46,8 @@ pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
     if state.store.redis().is_some() {
         crate::replication::start(state, &tracker, stop.clone());
     }
-    if state.store.index().is_some() {
-        start_maintenance(state, &tracker, stop.clone());
+    if let Some(index) = state.store.index() {
+        start_maintenance(state, index.clone(), &tracker, stop.clone());
     }
     let cache = &state.config.cache;
     if let (Some(path), 1..) = (cache.snapshot_path.clone(), cache.snapshot_interval_secs) {
@@ -143,24 +143,22 @@ fn start_reload_on_hangup(
 /// rebuild of a large partition takes a while): periodically, and as soon as a removal leaves
 /// a partition worn past the rebuild ratio (the memory budget charges entries for at most
 /// that share of tombstones).
-fn start_maintenance(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationToken) {
+fn start_maintenance(
+    state: &Arc<AppState>,
+    index: Arc<reprise_cache::semantic::SemanticIndex>,
+    tracker: &TaskTracker,
+    stop: CancellationToken,
+) {
     let weak = Arc::downgrade(state);
     let every = Duration::from_secs(state.config.semantic.maintain_interval_secs.max(1));
-    let index = state.store.index().cloned();
     tracker.spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.tick().await;
-        let worn = || async {
-            match &index {
-                Some(i) => i.worn().await,
-                None => std::future::pending().await,
-            }
-        };
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = tick.tick() => {}
-                _ = worn() => {}
+                _ = index.worn() => {}
             }
             let Some(state) = weak.upgrade() else { break };
             let store = state.store.clone();
