@@ -61,6 +61,21 @@ pub fn prefetcher(state: &AppState) -> Option<&Prefetcher> {
     state.prefetch.as_deref()
 }
 
+/// Which half of a tuning / held-out split an item falls in (`true`: the tuning half), by a
+/// hash of `seed` and the item's `parts`: fixed for a seed, independent of file order, about
+/// half each.
+pub fn in_tuning_half(seed: u64, parts: &[&str]) -> bool {
+    let mut h = blake3::Hasher::new();
+    h.update(&seed.to_le_bytes());
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            h.update(&[0]);
+        }
+        h.update(part.as_bytes());
+    }
+    h.finalize().as_bytes()[0] & 1 == 0
+}
+
 /// The exact key the server files a chat completion `body` under in the default namespace.
 pub fn chat_exact_key(body: &[u8]) -> anyhow::Result<Digest> {
     let Request::Cacheable(probe) =

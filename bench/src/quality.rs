@@ -39,7 +39,8 @@ use serde_json::{json, Value};
 pub use reprise::tune::pairs::{load_pairs, Pair};
 
 use crate::common::{
-    load_embedder, start_app, BackendKind, Config, Failure, Failures, Server, NAMESPACE_HEADER,
+    in_tuning_half, load_embedder, start_app, BackendKind, Config, Failure, Failures, Server,
+    NAMESPACE_HEADER,
 };
 
 /// Options of `reprise-bench quality`.
@@ -373,16 +374,6 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Which half of a `--holdout` split a pair falls in: `true` for the tuning half.
-fn in_tuning_half(seed: u64, p: &Pair) -> bool {
-    let mut h = blake3::Hasher::new();
-    h.update(&seed.to_le_bytes());
-    h.update(p.a.as_bytes());
-    h.update(&[0]);
-    h.update(p.b.as_bytes());
-    h.finalize().as_bytes()[0] & 1 == 0
-}
-
 /// The best candidate of every question of `pairs` (threshold near 0, gate off, top-1) and
 /// whether the gate passes it: the curve's raw material.
 async fn best_candidates(
@@ -429,7 +420,7 @@ async fn holdout(a: &QualityArgs, config: &Config, pairs: &[Pair]) -> anyhow::Re
     let (tune, held): (Vec<Pair>, Vec<Pair>) = pairs
         .iter()
         .cloned()
-        .partition(|p| in_tuning_half(a.seed, p));
+        .partition(|p| in_tuning_half(a.seed, &[&p.a, &p.b]));
     println!(
         "split (seed {}): {} tuning pairs, {} held-out pairs",
         a.seed,

@@ -22,6 +22,10 @@
 //! A real model's answers do not name their question, so with `--backend llama` false hits
 //! are not judged.
 //! The session file's format is described next to it (`README.md`).
+//!
+//! `--half` plays one half of the sessions (split by session id), so a default can be tuned on
+//! one half and reported on the other; `--regroup-curve` is that tuning for
+//! `prefetch.regroup_score` (see [`regroup_report`]).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -39,8 +43,8 @@ use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
 use crate::common::{
-    load_embedder, naming_reply, percentile, prefetcher, sse_data, sse_text, start_app,
-    BackendKind, Config, PrefetchConfig, PrefetchStats, Server, DEFAULT_NAMESPACE,
+    in_tuning_half, load_embedder, naming_reply, percentile, prefetcher, sse_data, sse_text,
+    start_app, BackendKind, Config, PrefetchConfig, PrefetchStats, Server, DEFAULT_NAMESPACE,
 };
 
 /// Options of `reprise-bench replay`.
@@ -117,6 +121,27 @@ pub struct ReplayArgs {
     /// Prefetch side: `prefetch.min_probability` (default: the configured default).
     #[arg(long)]
     min_probability: Option<f64>,
+    /// Prefetch side: `prefetch.regroup_score` (default: the configured default).
+    #[arg(long)]
+    regroup_score: Option<f32>,
+    /// Play only one half of the sessions, split by a hash of each session id and
+    /// `--split-seed` (about half each, fixed for a seed): tune on one, report the other.
+    /// `--limit` and `--warmup` then count within the half.
+    #[arg(long, value_enum)]
+    half: Option<Half>,
+    /// Seed of the `--half` split.
+    #[arg(long, default_value_t = 1)]
+    split_seed: u64,
+    /// Tuning `prefetch.regroup_score`: play only the prefetch side, with regrouping off,
+    /// then regroup its question clusters (on a copy) at scores 1.50 to 3.00 and print, for
+    /// each, the clusters left and how many wordings sit in a cluster of another intent (per
+    /// the session file's labels), and the lowest score meeting each `--target-misplaced`.
+    #[arg(long)]
+    regroup_curve: bool,
+    /// With `--regroup-curve`: largest share of clustered wordings a chosen score may leave
+    /// in a cluster of another intent (repeatable).
+    #[arg(long, default_values_t = [0.02, 0.05])]
+    target_misplaced: Vec<f64>,
     /// The sessions' domain file (`domain_dev.json`: its `transitions`). When given, the
     /// report adds a reference ceiling: what a predictor that knew the true transition table
     /// and grouped every wording of a question perfectly would reach under the same counting,
@@ -135,6 +160,15 @@ pub struct ReplayArgs {
     json: Option<PathBuf>,
 }
 
+/// A half of the `--half` split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Half {
+    /// The sessions a default is tuned on.
+    Tune,
+    /// The sessions it is then reported on.
+    HeldOut,
+}
+
 /// The backend `reprise-bench replay` runs on each side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ReplayBackend {
@@ -146,7 +180,6 @@ enum ReplayBackend {
 
 #[derive(Debug, Deserialize)]
 struct Session {
-    #[allow(dead_code)]
     session_id: String,
     turns: Vec<Turn>,
 }
@@ -215,6 +248,15 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         .filter(|l| !l.trim().is_empty())
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()?;
+    if let Some(half) = a.half {
+        let before = sessions.len();
+        sessions.retain(|s| in_tuning_half(a.split_seed, &[&s.session_id]) == (half == Half::Tune));
+        eprintln!(
+            "split (seed {}): {} of {before} sessions in the {half:?} half",
+            a.split_seed,
+            sessions.len()
+        );
+    }
     if let Some(n) = a.limit {
         sessions.truncate(n);
     }
@@ -261,7 +303,12 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         );
     }
     let mut sides = Vec::new();
-    for (name, prefetch) in [("prefetch off", false), ("prefetch on", true)] {
+    let plays: &[(&'static str, bool)] = if a.regroup_curve {
+        &[("prefetch on, regrouping off", true)]
+    } else {
+        &[("prefetch off", false), ("prefetch on", true)]
+    };
+    for &(name, prefetch) in plays {
         let mut config = base.clone();
         config.prefetch.enabled = prefetch;
         config.prefetch.max_concurrent = a.max_concurrent.max(1);
@@ -276,6 +323,12 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         }
         if let Some(v) = a.regroup {
             config.prefetch.regroup = v;
+        }
+        if let Some(v) = a.regroup_score {
+            config.prefetch.regroup_score = v;
+        }
+        if a.regroup_curve {
+            config.prefetch.regroup = false;
         }
         if let Some(n) = a.max_wordings {
             config.prefetch.max_wordings = n;
@@ -372,6 +425,9 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         }
     }
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
+    if a.regroup_curve {
+        return regroup_report(&a, &sides[0], &intent_of);
+    }
     report(&a, &sides, &intent_of, &sessions)
 }
 
@@ -657,6 +713,162 @@ fn cluster_purity(
         })
         .count();
     Some((clusters.len(), wordings, mixed))
+}
+
+/// The question clusters regrouping leaves at one score, judged by the turns' intents.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Grouping {
+    score: f32,
+    clusters: usize,
+    /// Clusters holding wordings of more than one intent.
+    mixed: usize,
+    /// Wordings clustered (of a known intent).
+    wordings: usize,
+    /// Wordings not of their cluster's most common intent: each can be served another
+    /// intent's prefetched answer.
+    misplaced: usize,
+    /// Intents (with a clustered wording).
+    intents: usize,
+}
+
+impl Grouping {
+    fn misplaced_share(&self) -> f64 {
+        self.misplaced as f64 / self.wordings.max(1) as f64
+    }
+
+    /// Clusters per intent: 1.0 is every intent in one cluster (mixed ones count for each
+    /// intent they hold).
+    fn spread(&self) -> f64 {
+        (self.clusters + self.mixed) as f64 / self.intents.max(1) as f64
+    }
+}
+
+/// Judges `clusters` (each a list of wordings) by `intent_of`; wordings of unknown intent are
+/// left out.
+fn judge_grouping(
+    score: f32,
+    clusters: &[Vec<String>],
+    intent_of: &HashMap<String, String>,
+) -> Grouping {
+    let mut g = Grouping {
+        score,
+        clusters: clusters.len(),
+        mixed: 0,
+        wordings: 0,
+        misplaced: 0,
+        intents: 0,
+    };
+    let mut intents = std::collections::HashSet::new();
+    for c in clusters {
+        let mut count: HashMap<&str, usize> = HashMap::new();
+        for w in c {
+            if let Some(i) = intent_of.get(w) {
+                *count.entry(i.as_str()).or_default() += 1;
+                intents.insert(i.as_str());
+            }
+        }
+        let total: usize = count.values().sum();
+        let most = count.values().copied().max().unwrap_or(0);
+        g.wordings += total;
+        g.misplaced += total - most;
+        g.mixed += usize::from(count.len() > 1);
+    }
+    g.intents = intents.len();
+    g
+}
+
+/// The lowest score of `curve` (ascending scores) whose misplaced wordings are at most
+/// `target` of those clustered.
+fn choose_score(curve: &[Grouping], target: f64) -> Option<Grouping> {
+    curve
+        .iter()
+        .find(|g| g.wordings > 0 && g.misplaced as f64 <= target * g.wordings as f64)
+        .copied()
+}
+
+/// `--regroup-curve`: the prefetch side's question clusters (learned with regrouping off)
+/// regrouped at each score, judged by intent; the chosen score for each `--target-mixed` and
+/// the configured score's point.
+fn regroup_report(
+    a: &ReplayArgs,
+    side: &Side,
+    intent_of: &HashMap<String, String>,
+) -> anyhow::Result<()> {
+    let p = prefetcher(&side.server.state)
+        .ok_or_else(|| anyhow::anyhow!("the prefetch side has no prefetcher"))?;
+    let configured = side.server.state.config.prefetch.regroup_score;
+    let at = |score: f32| {
+        judge_grouping(
+            score,
+            &p.regrouped_clusters(DEFAULT_NAMESPACE, score),
+            intent_of,
+        )
+    };
+    eprintln!("regrouping at 31 scores");
+    let curve: Vec<Grouping> = (30..=60).map(|i| at(i as f32 * 0.05)).collect();
+    let alone = judge_grouping(f32::INFINITY, &p.clusters(DEFAULT_NAMESPACE), intent_of);
+    println!("== reprise bench replay --regroup-curve ==");
+    println!(
+        "sessions played {}{}; intents {}, wordings clustered {}",
+        side.done.load(Ordering::Relaxed),
+        a.half
+            .map(|h| format!(" ({h:?} half, split seed {})", a.split_seed))
+            .unwrap_or_default(),
+        alone.intents,
+        alone.wordings
+    );
+    println!(
+        "score | clusters | clusters per intent | clusters mixing intents | wordings misplaced"
+    );
+    let line = |g: &Grouping| {
+        format!(
+            "{} | {} | {:.2} | {} | {} ({})",
+            if g.score.is_finite() {
+                format!("{:.2}", g.score)
+            } else {
+                "none (embedding alone)".into()
+            },
+            g.clusters,
+            g.spread(),
+            g.mixed,
+            g.misplaced,
+            pct(g.misplaced_share()).trim()
+        )
+    };
+    println!("{}", line(&alone));
+    for g in &curve {
+        println!("{}", line(g));
+    }
+    let conf = at(configured);
+    println!("configured regroup_score: {}", line(&conf));
+    let mut chosen = Vec::new();
+    for &target in &a.target_misplaced {
+        match choose_score(&curve, target) {
+            Some(g) => {
+                println!("target misplaced <= {:.1} %: {}", target * 100.0, line(&g));
+                chosen.push(json!({"target_misplaced": target, "score": g.score}));
+            }
+            None => println!(
+                "target misplaced <= {:.1} %: no score up to 3.00 meets it",
+                target * 100.0
+            ),
+        }
+    }
+    if let Some(path) = &a.json {
+        let point = |g: &Grouping| {
+            json!({"score": g.score, "clusters": g.clusters, "mixed": g.mixed,
+                "wordings": g.wordings, "misplaced": g.misplaced, "intents": g.intents})
+        };
+        let out = json!({
+            "half": a.half.map(|h| format!("{h:?}")), "split_seed": a.split_seed,
+            "embedding_alone": point(&alone),
+            "configured": point(&conf),
+            "curve": curve.iter().map(point).collect::<Vec<_>>(),
+            "chosen": chosen,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&out)?)?;
+    }
+    Ok(())
 }
 
 fn report(
@@ -946,6 +1158,64 @@ fn ceiling(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grouping_is_judged_by_intent_and_the_lowest_safe_score_chosen() {
+        let intent_of: HashMap<String, String> = [
+            ("a1", "A"),
+            ("a2", "A"),
+            ("a3", "A"),
+            ("b1", "B"),
+            ("b2", "B"),
+        ]
+        .into_iter()
+        .map(|(w, i)| (w.to_string(), i.to_string()))
+        .collect();
+        let c = |ws: &[&str]| ws.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+        // A split in two, B whole: nothing misplaced, 3 clusters for 2 intents.
+        let split = judge_grouping(
+            2.8,
+            &[c(&["a1", "a2"]), c(&["a3"]), c(&["b1", "b2"])],
+            &intent_of,
+        );
+        assert_eq!(
+            (split.clusters, split.mixed, split.misplaced, split.wordings),
+            (3, 0, 0, 5)
+        );
+        assert!((split.spread() - 1.5).abs() < 1e-9);
+        // a3 joins B's cluster: one wording misplaced (the minority), one mixed cluster; an
+        // unknown wording counts nowhere.
+        let mixed = judge_grouping(
+            2.2,
+            &[c(&["a1", "a2"]), c(&["b1", "b2", "a3", "stray"])],
+            &intent_of,
+        );
+        assert_eq!(
+            (mixed.clusters, mixed.mixed, mixed.misplaced, mixed.wordings),
+            (2, 1, 1, 5)
+        );
+        let whole = judge_grouping(2.5, &[c(&["a1", "a2", "a3"]), c(&["b1", "b2"])], &intent_of);
+        assert!((whole.spread() - 1.0).abs() < 1e-9);
+        let curve = [mixed, whole, split];
+        assert_eq!(choose_score(&curve, 0.25).map(|g| g.score), Some(2.2));
+        assert_eq!(choose_score(&curve, 0.1).map(|g| g.score), Some(2.5));
+        assert_eq!(choose_score(&curve[..1], 0.1), None);
+    }
+
+    #[test]
+    fn the_split_is_fixed_by_its_seed_and_halves_the_sessions() {
+        let ids: Vec<String> = (0..2000).map(|i| format!("s{i:05}")).collect();
+        let tune = |seed| {
+            ids.iter()
+                .filter(|id| in_tuning_half(seed, &[id.as_str()]))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(tune(1), tune(1));
+        assert_ne!(tune(1), tune(2));
+        let n = tune(1).len();
+        assert!((900..=1100).contains(&n), "{n} of 2000 in the tuning half");
+    }
 
     fn session(turns: &[(&str, &str)]) -> Session {
         Session {

@@ -537,7 +537,10 @@ pub struct PrefetchConfig {
     /// Lowest score of such a merge: cosine of the two questions plus cosine of what
     /// follows each plus cosine of what precedes each (each a count-weighted mean of the
     /// neighbouring questions' embeddings with the share of conversations that end or
-    /// start there), at most 3; a side without links is left out and the rest scaled.
+    /// start there), at most 3; a side without links is left out and the rest scaled. The
+    /// default is the lowest score leaving at most 2 % of wordings in another intent's
+    /// cluster on the tuning half of the dev sessions (`reprise-bench replay --half tune
+    /// --regroup-curve`; docs/BENCHMARKS.md reports it on the held-out half).
     pub regroup_score: f32,
     /// Lowest cosine of two questions merged by `regroup` (questions that share nothing are
     /// never merged, however alike their neighbours).
@@ -591,7 +594,7 @@ impl Default for PrefetchConfig {
             propose_questions: 2,
             max_wordings: 15,
             regroup: true,
-            regroup_score: 2.35,
+            regroup_score: 2.4,
             regroup_min_cosine: 0.4,
             regroup_min_seen: 3.0,
             half_life_secs: 3600.0,

@@ -21,6 +21,12 @@ const REGROUP_BUDGET: Duration = Duration::from_millis(200);
 /// An observation of a live entry this young is the miss that created it, not a hit.
 const CREATION_GRACE_MS: u64 = 1000;
 
+/// Whether two clusters' representatives may be merged: the gate vets every merge, as it
+/// vets every join (a cluster's wordings may be served one another's prefetched answer).
+pub(super) fn may_merge(a: &str, b: &str) -> bool {
+    reprise_policies::gate(a, b).is_pass()
+}
+
 /// The last answer of a session, to link its next single-turn prompt.
 #[derive(Clone)]
 pub(super) struct SessionLast {
@@ -44,21 +50,22 @@ impl Shared {
         }
     }
 
-    /// Merges the clusters that are one question by use (`regroup`); returns the merges.
-    pub(super) fn regroup(&self) -> usize {
-        let p = RegroupParams {
+    /// When two clusters are one question by use, as configured.
+    pub(super) fn regroup_params(&self) -> RegroupParams {
+        RegroupParams {
             min_score: self.cfg.regroup_score,
             min_cosine: self.cfg.regroup_min_cosine,
             min_seen: self.cfg.regroup_min_seen,
-        };
-        // The gate vets every merge, as it vets every join: a cluster's wordings may be
-        // served one another's prefetched answer.
+        }
+    }
+
+    /// Merges the clusters that are one question by use (`regroup`); returns the merges.
+    pub(super) fn regroup(&self) -> usize {
+        let p = self.regroup_params();
         let merged = self
             .model
             .lock()
-            .regroup(&p, now_ms(), REGROUP_BUDGET, |a, b| {
-                reprise_policies::gate(a, b).is_pass()
-            });
+            .regroup(&p, now_ms(), REGROUP_BUDGET, may_merge);
         if merged > 0 {
             bump(&self.counts.merges, merged as u64);
             self.handles.merges.increment(merged as u64);

@@ -97,7 +97,7 @@ use crate::observe::{Event, Observer};
 use crate::state::AppState;
 use jobs::Job;
 use learn::SessionLast;
-use model::Model;
+use model::{Model, RegroupParams};
 use refresh::Hot;
 use reprise_policies::prefetch::{Budgets, BUDGET_WINDOW};
 
@@ -310,6 +310,22 @@ impl Prefetcher {
     /// representative first): for diagnostics and benchmarks.
     pub fn clusters(&self, ns: &str) -> Vec<Vec<String>> {
         self.shared.model.lock().clusters(ns)
+    }
+
+    /// The question clusters of namespace `ns` (as [`Prefetcher::clusters`]) as they would be
+    /// after regrouping at `score` (the configured `regroup_min_cosine`, `regroup_min_seen`
+    /// and the gate apply) until nothing more merges; merges nothing itself. For tuning
+    /// `regroup_score` on labelled sessions learned with `regroup` off (`reprise-bench replay
+    /// --regroup-curve`).
+    pub fn regrouped_clusters(&self, ns: &str, score: f32) -> Vec<Vec<String>> {
+        let p = RegroupParams {
+            min_score: score,
+            ..self.shared.regroup_params()
+        };
+        self.shared
+            .model
+            .lock()
+            .regrouped_clusters(ns, &p, now_ms(), learn::may_merge)
     }
 
     /// The learned counts.

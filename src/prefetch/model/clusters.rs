@@ -83,13 +83,19 @@ impl Model {
     /// The clusters of `ns`, each as its wordings (the representative first), for
     /// diagnostics: a cluster mixing two questions is a false hit waiting to happen.
     pub fn clusters(&self, ns: &str) -> Vec<Vec<String>> {
-        self.namespaces.get(ns).map_or_else(Vec::new, |space| {
-            space
-                .clusters
-                .values()
-                .map(|c| c.wordings.iter().map(|w| w.text.clone()).collect())
-                .collect()
-        })
+        self.namespaces
+            .get(ns)
+            .map_or_else(Vec::new, Namespace::cluster_wordings)
+    }
+}
+
+impl Namespace {
+    /// Every cluster as its wordings, the representative first.
+    pub(super) fn cluster_wordings(&self) -> Vec<Vec<String>> {
+        self.clusters
+            .values()
+            .map(|c| c.wordings.iter().map(|w| w.text.clone()).collect())
+            .collect()
     }
 }
 

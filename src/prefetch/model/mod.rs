@@ -124,7 +124,7 @@ type JoinRule<'a> = dyn Fn(&str, Option<&[f32]>, &str, Option<&[f32]>) -> bool +
 
 /// One namespace's nodes and clusters, and how its follow-ups arrive (multi-turn history or
 /// single-turn prompts linked by a session id).
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 struct Namespace {
     nodes: HashMap<EntryId, Node>,
     clusters: HashMap<u64, Cluster>,

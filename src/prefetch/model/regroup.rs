@@ -272,6 +272,32 @@ pub struct RegroupParams {
 }
 
 impl Model {
+    /// The clusters of namespace `ns` (as [`Model::clusters`] gives them) as they would be
+    /// after regrouping with `p` until nothing more merges; the model itself is left as it
+    /// is. For tuning `regroup_score` on labelled sessions learned with regrouping off.
+    pub fn regrouped_clusters(
+        &self,
+        ns: &str,
+        p: &RegroupParams,
+        now_ms: u64,
+        allow: impl Fn(&str, &str) -> bool,
+    ) -> Vec<Vec<String>> {
+        let Some(space) = self.namespaces.get(ns) else {
+            return Vec::new();
+        };
+        let mut trial = space.clone();
+        let far = Instant::now() + std::time::Duration::from_secs(3600);
+        // Each call makes at most MAX_REGROUP_PASSES passes; a namespace has at most
+        // MAX_CLUSTERS clusters, so merges end.
+        loop {
+            let (merged, finished) = trial.regroup(p, now_ms, self.half_life_ms, far, true, &allow);
+            if finished || merged == 0 {
+                break;
+            }
+        }
+        trial.cluster_wordings()
+    }
+
     /// Merges the clusters that are one question by how they are used (see
     /// [`RegroupParams`]) in the namespaces that learned links since their last regrouping,
     /// the longest waiting first, until `budget` is spent (a namespace cut short and the
@@ -405,6 +431,48 @@ mod tests {
         assert_eq!(all, ["a one?", "a two?"]);
         // Nothing more to merge.
         assert_eq!(m.regroup(&regroup_params(), 0, BUDGET, |_, _| true), 0);
+    }
+
+    #[test]
+    fn regrouped_clusters_show_the_merge_without_making_it() {
+        let mut m = Model::new(3600.0);
+        regroup_fixture(&mut m);
+        let sorted = |mut c: Vec<Vec<String>>| {
+            c.iter_mut().for_each(|w| w.sort());
+            c.sort();
+            c
+        };
+        let before = sorted(m.clusters("ns"));
+        let trial = sorted(m.regrouped_clusters("ns", &regroup_params(), 0, |_, _| true));
+        assert_eq!(sorted(m.clusters("ns")), before, "nothing merged");
+        assert_eq!(before.len(), 6);
+        assert_eq!(trial.len(), 5, "{trial:?}");
+        assert!(trial.contains(&vec!["a one?".to_string(), "a two?".to_string()]));
+        // What `regroup` then does is what the trial showed.
+        m.regroup(&regroup_params(), 0, BUDGET, |_, _| true);
+        assert_eq!(sorted(m.clusters("ns")), trial);
+        // A higher score merges less; a gate refusing all merges nothing.
+        let mut fresh = Model::new(3600.0);
+        regroup_fixture(&mut fresh);
+        let strict = RegroupParams {
+            min_score: 2.9,
+            ..regroup_params()
+        };
+        assert_eq!(
+            fresh
+                .regrouped_clusters("ns", &strict, 0, |_, _| true)
+                .len(),
+            6
+        );
+        assert_eq!(
+            fresh
+                .regrouped_clusters("ns", &regroup_params(), 0, |_, _| false)
+                .len(),
+            6
+        );
+        assert!(fresh
+            .regrouped_clusters("other", &regroup_params(), 0, |_, _| true)
+            .is_empty());
     }
 
     #[test]
