@@ -321,8 +321,9 @@ impl Router {
         })
     }
 
-    /// The backend that serves `model`: by name, else the first that serves any model.
-    fn serving(&self, model: &str) -> Option<Arc<Target>> {
+    /// The backend a generation for `model` goes to (user and background alike): the one
+    /// serving it by name, else the first that serves any model.
+    pub fn serving(&self, model: &str) -> Option<Arc<Target>> {
         self.targets
             .iter()
             .find(|t| t.serves(model))
@@ -407,8 +408,9 @@ impl Backend for Router {
             .sum()
     }
 
-    /// The sum over the backends; capacity 0 (unknown) when one cannot tell its own, so
-    /// background work keeps to the rules for an unknown capacity.
+    /// The sum over the backends; capacity 0 (unknown) when one cannot tell its own.
+    /// Background work asks the backend its own generation goes to instead
+    /// ([`crate::generate::room`]).
     fn load(&self) -> Load {
         let mut sum = Load::default();
         let mut unknown = false;

@@ -346,3 +346,84 @@ async fn two_llama_backends_route_by_alias_and_fall_back_when_saturated() {
     assert!(!text.trim().is_empty());
     drop(holder);
 }
+
+/// Background work asks the backend its own generation goes to: a user request streaming on
+/// an upstream-like backend of unknown capacity does not hold back prefetching for a model
+/// whose backend has free slots (summed together, the unknown capacity made every backend
+/// wait for the busy one to be idle).
+#[tokio::test]
+async fn background_work_uses_the_spare_slots_of_its_own_backend() {
+    let mut c = config(&[]);
+    c.prefetch.enabled = true;
+    c.prefetch.max_capacity_share = 1.0;
+    c.validate().unwrap();
+    let small = scripted(
+        SMALL,
+        ScriptConfig {
+            slots: Some(2),
+            max_queue: Some(8),
+            ..Default::default()
+        },
+    );
+    // Unlimited: it cannot tell its capacity.
+    let large = scripted(LARGE, Default::default());
+    let app = spawn(c, &small, &large).await;
+    let state = &app.state;
+    let prefetch = state.prefetch.as_ref().expect("prefetch on");
+    let ask = |session: String, text: &'static str| {
+        let app = &app;
+        async move {
+            let r = app
+                .chat(&chat_for(SMALL, text), &[("x-reprise-session", &session)])
+                .await;
+            assert_eq!(r.status(), 200);
+        }
+    };
+    // Learn "X then Y" on the small model's backend.
+    for i in 0..3 {
+        ask(format!("learn-{i}"), "Where do I start?").await;
+        ask(format!("learn-{i}"), "And what comes next?").await;
+    }
+    assert!(eventually(Duration::from_secs(30), || prefetch.stats().links >= 3).await);
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            let s = prefetch.stats();
+            s.active == 0 && s.waiting == 0
+        })
+        .await
+    );
+
+    // A user request streams on the large backend for a while.
+    large.set_token_delay(Duration::from_millis(500));
+    let mut held = chat_for(LARGE, "Tell me a long story about upstreams.");
+    held["stream"] = json!(true);
+    let holder = {
+        let (client, url) = (app.client.clone(), app.chat_url());
+        tokio::spawn(async move { client.post(url).json(&held).send().await.unwrap() })
+    };
+    assert!(eventually(Duration::from_secs(30), || large.active() == 1).await);
+    let room = reprise::generate::room(state, SMALL, 0).expect("the small backend has slots");
+    assert_eq!(room.spare, 2, "{room:?}");
+    assert_eq!(reprise::generate::room(state, LARGE, 0), None, "unknown");
+    assert_eq!(reprise::generate::users_on(state, LARGE), 1);
+    assert_eq!(reprise::generate::users_on(state, SMALL), 0);
+
+    // X again in a new session: its follow-up is dispatched on the small backend's spare
+    // slot while the large one is still busy with its user.
+    let started = prefetch.stats().started;
+    ask("new".into(), "Where do I start?").await;
+    assert!(
+        eventually(Duration::from_secs(10), || prefetch.stats().started
+            > started)
+        .await,
+        "{:?}",
+        prefetch.stats()
+    );
+    assert_eq!(
+        large.active(),
+        1,
+        "the large backend's user was still streaming"
+    );
+    large.set_token_delay(Duration::ZERO);
+    assert_eq!(holder.await.unwrap().status(), 200);
+}

@@ -21,15 +21,17 @@ pub struct Room {
     pub slots: usize,
 }
 
-/// The backend's spare slots for background work, or `None` when it cannot tell its
-/// capacity (an upstream without `max_concurrent`, the unlimited scripted backend): callers
-/// then run background work only while no user request runs. `starting`: background
-/// generations the caller started that the backend may not see yet (their lookup runs before
-/// the backend is asked); background requests the backend has queued count as holding a
-/// slot.
-pub fn room(state: &AppState, starting: usize) -> Option<Room> {
+/// Spare slots for background work on the backend a generation for `model` goes to, or
+/// `None` when that backend cannot tell its capacity (an upstream without `max_concurrent`,
+/// the unlimited scripted backend): callers then run background work only while it runs no
+/// user request ([`users_on`]). `starting`: background generations the caller started that
+/// no backend may see yet (their lookup runs before the backend is asked), counted as
+/// holding a slot here whichever backend they go to; background requests the backend has
+/// queued count as holding a slot. Another backend's load never counts: with a busy
+/// upstream beside it, an idle llama still has room.
+pub fn room(state: &AppState, model: &str, starting: usize) -> Option<Room> {
     use reprise_policies::prefetch::{background_slots, spare_slots, Slots};
-    let load = state.backend.load();
+    let load = state.router.serving(model)?.backend.load();
     if load.capacity == 0 {
         return None;
     }
@@ -52,6 +54,15 @@ pub fn room(state: &AppState, starting: usize) -> Option<Room> {
         spare,
         slots: background_slots(load.capacity, share),
     })
+}
+
+/// User requests running or waiting on the backend a generation for `model` goes to: where
+/// [`room`] is `None`, background work for `model` starts only when this is 0.
+pub fn users_on(state: &AppState, model: &str) -> usize {
+    state
+        .router
+        .serving(model)
+        .map_or(0, |t| t.backend.interactive_load())
 }
 
 /// What a background generation came to.

@@ -25,7 +25,7 @@ use crate::lookup::WritePlan;
 use crate::routes::{Fallback, Routed};
 use crate::state::AppState;
 pub(crate) use background::revalidate;
-pub use background::{generate_in_background, generate_tagged, room, Background, Room};
+pub use background::{generate_in_background, generate_tagged, room, users_on, Background, Room};
 pub(crate) use deadlines::Deadlines;
 pub(crate) use write_back::write_back;
 

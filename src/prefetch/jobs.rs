@@ -1,7 +1,8 @@
 //! Background jobs: what a job is, the queue (bounded, newest first, stale jobs dropped),
 //! dispatch and running a prefetch or refresh generation.
 //!
-//! Dispatch: where the backend tells its capacity ([`crate::generate::room`]), a job starts
+//! Dispatch, on the backend the job's generation goes to (`[[backends]]`: each its own): where
+//! it tells its capacity ([`crate::generate::room`]), a job starts
 //! when a slot is free beyond what waiting user requests need and background work holds less
 //! than `max_capacity_share` of the slots (a pool with a `prefetch_share` at most its share
 //! of those), within the concurrency and token budgets; the backend preempts it when a user
@@ -9,6 +10,7 @@
 //! runs (and none ran for a short quiet period), within the concurrency, token and
 //! wall-time (`max_backend_share`) budgets.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +22,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::propose::Proposal;
 use super::{bump, Shared};
 use crate::auth::scope_of as pool_of;
-use crate::generate::{generate_tagged, Background};
+use crate::generate::{generate_tagged, room, users_on, Background, Room};
 use crate::openai::Endpoint;
 use crate::state::AppState;
 
@@ -123,7 +125,7 @@ impl Shared {
     pub(super) fn dispatch(
         self: &Arc<Self>,
         state: &Arc<AppState>,
-        quiet_since: &mut Option<Instant>,
+        quiet_since: &mut HashMap<String, Instant>,
     ) {
         loop {
             let now = Instant::now();
@@ -143,45 +145,33 @@ impl Shared {
                     return;
                 }
             }
-            // Re-checked before every start. With a known capacity: a spare slot (jobs started
-            // here that the backend does not see yet count as holding one).
-            let active = self.counts.active.load(Ordering::Relaxed) as usize;
-            let room = crate::generate::room(state, active);
-            match room {
-                Some(room) => {
-                    *quiet_since = None;
-                    if room.spare == 0 {
-                        return;
-                    }
-                }
-                // Unknown capacity: never beside a user request.
-                None => {
-                    if state.backend.interactive_load() > 0 {
-                        *quiet_since = None;
-                        return;
-                    }
-                    if quiet_since.get_or_insert(now).elapsed() < QUIET {
-                        return;
-                    }
-                }
-            }
             let Ok(permit) = self.slots.clone().try_acquire_owned() else {
                 return;
             };
-            // The newest job whose pool's budgets (and the whole budgets) allow it.
+            // Re-checked before every start, on the backend each job's generation goes to
+            // (one backend's users never hold back another's spare slots). The newest job
+            // whose backend has an opening and whose pool's budgets (and the whole budgets)
+            // allow it.
+            let active = self.counts.active.load(Ordering::Relaxed) as usize;
             let n = self.next_job.fetch_add(1, Ordering::Relaxed);
             let job = {
                 let mut q = self.queue.lock();
                 let mut budgets = self.budget.lock();
                 let (tokens, share) = (self.cfg.max_tokens_per_minute, self.cfg.max_backend_share);
+                let mut openings: HashMap<String, Opening> = HashMap::new();
                 let found = q.iter().position(|j| {
+                    let model = j.request.model.as_str();
+                    let opening = *openings
+                        .entry(model.to_string())
+                        .or_insert_with(|| opening(state, model, active, quiet_since, now));
                     let pool = pool_of(&j.namespace);
-                    match room {
-                        Some(room) => {
+                    match opening {
+                        Opening::Closed => false,
+                        Opening::Slots(room) => {
                             budgets.allows_tokens(pool, now, tokens)
                                 && budgets.running_in(pool) < budgets.slot_share(pool, room.slots)
                         }
-                        None => budgets.allows(pool, now, tokens, share),
+                        Opening::Idle => budgets.allows(pool, now, tokens, share),
                     }
                 });
                 let job = found.and_then(|i| q.remove(i));
@@ -198,6 +188,51 @@ impl Shared {
             let active = self.counts.active.fetch_add(1, Ordering::Relaxed) + 1;
             self.counts.peak_active.fetch_max(active, Ordering::Relaxed);
             tokio::spawn(run_job(self.clone(), state.clone(), job, n, permit));
+        }
+    }
+}
+
+/// Whether a background generation for one model may start now on its backend.
+#[derive(Debug, Clone, Copy)]
+enum Opening {
+    /// No: no spare slot, or (capacity unknown) a user request runs there or ran lately.
+    Closed,
+    /// A spare slot (the backend tells its capacity): within the capacity share.
+    Slots(Room),
+    /// Capacity unknown and no user request for a quiet period: within the wall-time share.
+    Idle,
+}
+
+/// The [`Opening`] for a generation of `model`; `active`: background generations started
+/// here; `quiet_since`: per model, since when its backend (of unknown capacity) has run no
+/// user request.
+fn opening(
+    state: &AppState,
+    model: &str,
+    active: usize,
+    quiet_since: &mut HashMap<String, Instant>,
+    now: Instant,
+) -> Opening {
+    match room(state, model, active) {
+        Some(room) => {
+            quiet_since.remove(model);
+            if room.spare == 0 {
+                Opening::Closed
+            } else {
+                Opening::Slots(room)
+            }
+        }
+        None if users_on(state, model) > 0 => {
+            quiet_since.remove(model);
+            Opening::Closed
+        }
+        None => {
+            let since = *quiet_since.entry(model.to_string()).or_insert(now);
+            if now.duration_since(since) < QUIET {
+                Opening::Closed
+            } else {
+                Opening::Idle
+            }
         }
     }
 }

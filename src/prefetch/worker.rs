@@ -39,7 +39,7 @@ pub(super) async fn worker(
     state: Weak<AppState>,
     stop: CancellationToken,
 ) {
-    let mut quiet_since: Option<Instant> = None;
+    let mut quiet_since = std::collections::HashMap::new();
     let mut last_scan = Instant::now();
     let mut last_persist = Instant::now();
     let mut last_regroup = Instant::now();
