@@ -16,9 +16,10 @@ use std::any::Any;
 
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderName};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use tower::util::MapRequestLayer;
+use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
@@ -48,18 +49,15 @@ fn sane(id: &[u8]) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(b))
 }
 
-/// Drops a client's request id that is not sane, so a fresh one replaces it.
-async fn drop_insane(mut req: Request, next: Next) -> Response {
-    let ok = req
-        .headers()
-        .get_all(&REQUEST_ID)
-        .iter()
-        .map(|v| sane(v.as_bytes()))
-        .collect::<Vec<_>>();
-    if ok != [true] {
+/// Drops a client's request id that is not sane (or comes more than once), so a fresh one
+/// replaces it.
+fn drop_insane(mut req: Request) -> Request {
+    let mut ids = req.headers().get_all(&REQUEST_ID).iter();
+    let keep = matches!((ids.next(), ids.next()), (Some(id), None) if sane(id.as_bytes()));
+    if !keep {
         req.headers_mut().remove(&REQUEST_ID);
     }
-    next.run(req).await
+    req
 }
 
 /// Request headers that carry credentials: API keys (`Authorization`, and the key headers
@@ -97,21 +95,25 @@ fn panicked(panic: Box<dyn Any + Send + 'static>) -> Response {
 
 /// `router` with the layers every request goes through (the module header lists them).
 pub fn with_layers<S: Clone + Send + Sync + 'static>(router: Router<S>) -> Router<S> {
-    // The last layer added is the outermost: the id is set before the span is made and
-    // propagated onto the 500 of a panic; the span sees headers already marked.
-    router
-        .layer(CatchPanicLayer::custom(panicked))
-        .layer(PropagateRequestIdLayer::new(REQUEST_ID.clone()))
-        .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(http_span)
-                .on_request(())
-                // 5xx answers are logged where they are made (`ApiError`), not twice.
-                .on_failure(()),
-        )
-        .layer(SetRequestIdLayer::new(REQUEST_ID.clone(), MakeRequestUuid))
-        .layer(SetSensitiveRequestHeadersLayer::new(SENSITIVE.clone()))
-        .layer(axum::middleware::from_fn(drop_insane))
+    // One `Router::layer` call for the whole stack (each call wraps every route in a boxed
+    // service of its own, cloned per request), outermost first: the id is set before the
+    // span is made and propagated onto the 500 of a panic; the span sees headers already
+    // marked.
+    router.layer(
+        ServiceBuilder::new()
+            .layer(MapRequestLayer::new(drop_insane))
+            .layer(SetSensitiveRequestHeadersLayer::new(SENSITIVE.clone()))
+            .layer(SetRequestIdLayer::new(REQUEST_ID.clone(), MakeRequestUuid))
+            .layer(
+                TraceLayer::new_for_http()
+                    .make_span_with(http_span)
+                    .on_request(())
+                    // 5xx answers are logged where they are made (`ApiError`), not twice.
+                    .on_failure(()),
+            )
+            .layer(PropagateRequestIdLayer::new(REQUEST_ID.clone()))
+            .layer(CatchPanicLayer::custom(panicked)),
+    )
 }
 
 #[cfg(test)]
@@ -172,6 +174,33 @@ mod tests {
             layered().oneshot(req).await.unwrap().status(),
             StatusCode::OK
         );
+    }
+
+    #[tokio::test]
+    async fn a_sane_id_is_kept_and_an_insane_or_repeated_one_replaced() {
+        let id_of = |ids: &[&str]| {
+            let mut req = Request::get("/fine");
+            for id in ids {
+                req = req.header("x-request-id", *id);
+            }
+            let req = req.body(Body::empty()).unwrap();
+            async move {
+                let resp = layered().oneshot(req).await.unwrap();
+                let all: Vec<String> = resp
+                    .headers()
+                    .get_all("x-request-id")
+                    .iter()
+                    .map(|v| v.to_str().unwrap().to_string())
+                    .collect();
+                assert_eq!(all.len(), 1, "{all:?}");
+                all[0].clone()
+            }
+        };
+        assert_eq!(id_of(&["client-1"]).await, "client-1");
+        for ids in [&["has space"][..], &["a", "b"], &["a", "a"], &[]] {
+            let made = id_of(ids).await;
+            assert!(uuid::Uuid::parse_str(&made).is_ok(), "{ids:?} -> {made}");
+        }
     }
 
     /// The log's bytes, shared with the writer the subscriber makes.
