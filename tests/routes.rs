@@ -57,6 +57,18 @@ fn scripted(model: &str, cfg: ScriptConfig) -> ScriptedBackend {
     })
 }
 
+/// A scripted backend with `slots` decode slots and a waiting line of 8.
+fn slotted(model: &str, slots: usize) -> ScriptedBackend {
+    scripted(
+        model,
+        ScriptConfig {
+            slots: Some(slots),
+            max_queue: Some(8),
+            ..Default::default()
+        },
+    )
+}
+
 async fn spawn(c: Config, small: &ScriptedBackend, large: &ScriptedBackend) -> TestApp {
     let backends: Vec<(&str, Arc<dyn Backend>)> = vec![
         ("small", Arc::new(small.clone())),
@@ -177,14 +189,7 @@ async fn a_tenant_route_sends_its_requests_elsewhere() {
 #[tokio::test]
 async fn a_saturated_primary_sends_the_next_request_to_the_fallback() {
     let c = config(&["model = \"auto\"\nbackend = \"small\"\nfallback = \"large\""]);
-    let small = scripted(
-        SMALL,
-        ScriptConfig {
-            slots: Some(1),
-            max_queue: Some(8),
-            ..Default::default()
-        },
-    );
+    let small = slotted(SMALL, 1);
     let large = scripted(LARGE, Default::default());
     let app = spawn(c, &small, &large).await;
     let before = degraded_fallbacks(&app).await;
@@ -357,14 +362,7 @@ async fn background_work_uses_the_spare_slots_of_its_own_backend() {
     c.prefetch.enabled = true;
     c.prefetch.max_capacity_share = 1.0;
     c.validate().unwrap();
-    let small = scripted(
-        SMALL,
-        ScriptConfig {
-            slots: Some(2),
-            max_queue: Some(8),
-            ..Default::default()
-        },
-    );
+    let small = slotted(SMALL, 2);
     // Unlimited: it cannot tell its capacity.
     let large = scripted(LARGE, Default::default());
     let app = spawn(c, &small, &large).await;

@@ -316,7 +316,8 @@ impl Prefetcher {
     /// after regrouping at `score` (the configured `regroup_min_cosine`, `regroup_min_seen`
     /// and the gate apply) until nothing more merges; merges nothing itself. For tuning
     /// `regroup_score` on labelled sessions learned with `regroup` off (`reprise-bench replay
-    /// --regroup-curve`).
+    /// --regroup-curve`). Learning waits while it works on a copy of the namespace (a
+    /// diagnostic, never on the request path).
     pub fn regrouped_clusters(&self, ns: &str, score: f32) -> Vec<Vec<String>> {
         let p = RegroupParams {
             min_score: score,
