@@ -192,6 +192,7 @@ impl Router {
             .into_iter()
             .map(|(name, backend)| {
                 let models = backend.models();
+                crate::metrics::register_backend(&name);
                 Arc::new(Target {
                     name,
                     backend,
@@ -340,12 +341,18 @@ impl Router {
         req: GenRequest,
         to: Option<&Fallback>,
     ) -> Result<Routed, BackendError> {
-        let primary = self
-            .serving(&req.model)
-            .ok_or_else(|| BackendError::UnknownModel(req.model.clone()))?;
+        let Some(primary) = self.serving(&req.model) else {
+            crate::metrics::backend_error("none", "unknown_model");
+            return Err(BackendError::UnknownModel(req.model.clone()));
+        };
+        // Calls and refusals are counted here, by the backend asked; errors of a stream
+        // once started are counted by its driver (`generate::spawn`).
         let start = |target: Arc<Target>, req: GenRequest, fell_back: Option<String>| async move {
             let unqueued = !target.saturated();
-            let stream = target.backend.generate(req).await?;
+            crate::metrics::backend_call(&target.name);
+            let stream = target.backend.generate(req).await.inspect_err(|e| {
+                crate::metrics::backend_error(&target.name, e.kind());
+            })?;
             Ok::<_, BackendError>(Routed {
                 stream,
                 target,

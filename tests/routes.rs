@@ -290,11 +290,81 @@ async fn a_refusing_primary_falls_back_but_an_invalid_request_does_not() {
 
 /// `reprise_degraded_total{kind="fallback"}`.
 async fn degraded_fallbacks(app: &TestApp) -> f64 {
+    series(app, "reprise_degraded_total{kind=\"fallback\"}").await
+}
+
+/// The value of one series of the exposition (0 when absent).
+async fn series(app: &TestApp, name: &str) -> f64 {
     let text = app.metrics_text().await;
     text.lines()
-        .find(|l| l.starts_with("reprise_degraded_total{kind=\"fallback\"}"))
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
         .and_then(|l| l.rsplit(' ').next())
         .map_or(0.0, |v| v.parse().unwrap())
+}
+
+/// Backend series are labelled by backend: calls and refusals count under the backend asked
+/// (a refusal the fallback answered included), a stream's failure under the backend streaming.
+#[tokio::test]
+async fn backend_calls_and_errors_are_counted_per_backend() {
+    // Names of their own: the exposition is shared by every test of this binary.
+    let (p, f) = ("primary-counted", "fallback-counted");
+    let mut c = config(&[]);
+    c.backends = vec![table(p, BackendKind::Fake), table(f, BackendKind::Fake)];
+    c.routes = vec![route(&format!(
+        "model = \"auto\"\nbackend = \"{p}\"\nfallback = \"{f}\""
+    ))];
+    c.validate().unwrap();
+    let (primary, fallback) = (
+        scripted(SMALL, Default::default()),
+        scripted(LARGE, Default::default()),
+    );
+    let app = spawn_routed(
+        c,
+        vec![
+            (p, Arc::new(primary.clone())),
+            (f, Arc::new(fallback.clone())),
+        ],
+    )
+    .await;
+    let calls = |b: &str| format!("reprise_backend_calls_total{{backend=\"{b}\"}}");
+    let errors =
+        |b: &str, k: &str| format!("reprise_backend_errors_total{{backend=\"{b}\",kind=\"{k}\"}}");
+    // Exposed at 0 before anything ran.
+    let text = app.metrics_text().await;
+    for name in [
+        calls(p),
+        calls(f),
+        errors(p, "timeout"),
+        errors(f, "internal"),
+    ] {
+        assert!(text.contains(&format!("{name} 0")), "{name} in\n{text}");
+    }
+
+    // The primary refuses; the fallback answers.
+    primary.set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
+    let r = app.chat(&chat_for("auto", "Who answers?"), &[]).await;
+    assert_eq!(answer(r).await.0, LARGE);
+    // The fallback's stream breaks off after its first words.
+    primary.set_failure(Failure::AtStart(BackendError::Overloaded {
+        retry_after_secs: 1,
+    }));
+    fallback.set_failure(Failure::AfterChunks(1));
+    let r = app.chat(&chat_for("auto", "And now?"), &[]).await;
+    assert!(r.status().is_server_error(), "{}", r.status());
+
+    assert_eq!(series(&app, &calls(p)).await, 2.0);
+    assert_eq!(series(&app, &calls(f)).await, 2.0);
+    assert_eq!(series(&app, &errors(p, "unavailable")).await, 1.0);
+    assert_eq!(series(&app, &errors(p, "overloaded")).await, 1.0);
+    assert_eq!(series(&app, &errors(f, "unavailable")).await, 1.0);
+    assert_eq!(series(&app, &errors(f, "overloaded")).await, 0.0);
+    let text = app.metrics_text().await;
+    assert!(
+        text.contains(&format!(
+            "reprise_backend_duration_seconds_count{{backend=\"{f}\"}} 2"
+        )),
+        "{text}"
+    );
 }
 
 /// The JSON chunks of an SSE body.

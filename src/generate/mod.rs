@@ -22,7 +22,7 @@ use reprise_cache::Digest;
 
 use crate::flight::{End, Flight};
 use crate::lookup::WritePlan;
-use crate::routes::{Fallback, Routed};
+use crate::routes::{Fallback, Routed, Target};
 use crate::state::AppState;
 pub(crate) use background::revalidate;
 pub use background::{generate_in_background, generate_tagged, room, users_on, Background, Room};
@@ -46,13 +46,17 @@ pub(crate) fn spawn(
         .and_then(|p| p.partition.map(|partition| (partition, p.exact)));
     tokio::spawn(async move {
         let start = Instant::now();
-        state.metrics.backend_calls.increment(1);
+        // The backend whose stream this is, once one started (calls and refusals before
+        // that are counted by the router).
+        let mut streaming: Option<Arc<Target>> = None;
         let result = tokio::select! {
-            r = drive(&state, &flight, req, fallback.as_ref()) => r,
+            r = drive(&state, &flight, req, fallback.as_ref(), &mut streaming) => r,
             _ = flight.cancelled().cancelled() => Err(BackendError::Internal("abandoned by every client".into())),
         };
         let took = start.elapsed();
-        state.metrics.backend_duration.record(took.as_secs_f64());
+        if let Some(t) = &streaming {
+            crate::metrics::backend_duration(&t.name, took.as_secs_f64());
+        }
         match result {
             Ok((text, reason, usage)) => {
                 // Stored before the waiters learn of the end, so a request that arrives right
@@ -73,8 +77,8 @@ pub(crate) fn spawn(
             Err(e) => {
                 state.metrics.incomplete_generations.increment(1);
                 // A generation every client left is not the backend's failure.
-                if !flight.cancelled().is_cancelled() {
-                    state.metrics.backend_error(e.kind());
+                if let Some(t) = streaming.filter(|_| !flight.cancelled().is_cancelled()) {
+                    crate::metrics::backend_error(&t.name, e.kind());
                 }
                 flight.end(End::Failed(e));
             }
@@ -95,6 +99,7 @@ async fn drive(
     flight: &Flight,
     req: GenRequest,
     fallback: Option<&Fallback>,
+    streaming: &mut Option<Arc<Target>>,
 ) -> Result<(String, FinishReason, Usage), BackendError> {
     // A stall between tokens cuts a generation off (background ones too: a stalled upstream
     // would hold a prefetch permit forever). The first token may wait in the backend's
@@ -108,6 +113,7 @@ async fn drive(
         fell_back,
         unqueued,
     } = state.router.generate_routed(req, fallback).await?;
+    *streaming = Some(target.clone());
     if let Some(model) = fell_back {
         flight.fell_back(model);
     }

@@ -105,10 +105,6 @@ pub struct Metrics {
     pub requests: Arc<RequestMetrics>,
     stages: [Histogram; 4],
     lookups: [[Counter; 2]; 3],
-    /// Time the backend took for a whole generation.
-    pub backend_duration: Histogram,
-    /// Backend generations started.
-    pub backend_calls: Counter,
     /// Requests that joined an identical in-flight generation.
     pub singleflight_joins: Counter,
     /// Entries written.
@@ -128,6 +124,44 @@ pub struct Metrics {
     pub policy_sync_failures: Counter,
     /// Answers served degraded, by kind (in the order of [`Degraded::ALL`]).
     degraded: [Counter; 4],
+}
+
+/// The error kinds of [`reprise_backend::BackendError::kind`], exposed at 0 for every backend.
+const BACKEND_ERROR_KINDS: [&str; 6] = [
+    "unavailable",
+    "timeout",
+    "overloaded",
+    "invalid_request",
+    "unknown_model",
+    "internal",
+];
+
+/// Exposes a backend's call and error series at 0 (so an error ratio has a series before the
+/// first error). `backend` is a configured backend's name: the label stays bounded.
+pub fn register_backend(backend: &str) {
+    let _ = metrics::counter!("reprise_backend_calls_total", "backend" => backend.to_string());
+    for kind in BACKEND_ERROR_KINDS {
+        let _ = metrics::counter!("reprise_backend_errors_total",
+            "backend" => backend.to_string(), "kind" => kind);
+    }
+}
+
+/// Counts a generation asked of `backend`.
+pub fn backend_call(backend: &str) {
+    metrics::counter!("reprise_backend_calls_total", "backend" => backend.to_string()).increment(1);
+}
+
+/// Counts a generation of `backend` that failed with an error of `kind`.
+pub fn backend_error(backend: &str, kind: &'static str) {
+    metrics::counter!("reprise_backend_errors_total",
+        "backend" => backend.to_string(), "kind" => kind)
+    .increment(1);
+}
+
+/// Records how long `backend` took for a whole generation.
+pub fn backend_duration(backend: &str, seconds: f64) {
+    metrics::histogram!("reprise_backend_duration_seconds", "backend" => backend.to_string())
+        .record(seconds);
 }
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -242,7 +276,7 @@ fn describe() {
     );
     describe_counter!(
         "reprise_backend_errors_total",
-        "Generations that failed, by error kind."
+        "Generations that failed, by backend (its [[backends]] name) and error kind; a refusal a route's fallback then answered counts under the backend that refused."
     );
     describe_gauge!(
         "reprise_slo_seconds",
@@ -256,11 +290,11 @@ fn describe() {
     describe_histogram!(
         "reprise_backend_duration_seconds",
         Unit::Seconds,
-        "Time the backend took for a whole generation."
+        "Time a backend took for a whole generation (failed ones included), by backend."
     );
     describe_counter!(
         "reprise_backend_calls_total",
-        "Backend generations started."
+        "Generations asked of a backend, by backend (a request a route's fallback answered counts for both)."
     );
     describe_counter!(
         "reprise_singleflight_joins_total",
@@ -495,17 +529,6 @@ impl Metrics {
     /// Registers (once) and returns the handles (no `model` label values but `other`).
     pub fn new() -> Self {
         let _ = prometheus();
-        // Exposed at 0 from the start, so an error ratio has a series before the first error.
-        for kind in [
-            "unavailable",
-            "timeout",
-            "overloaded",
-            "invalid_request",
-            "unknown_model",
-            "internal",
-        ] {
-            let _ = metrics::counter!("reprise_backend_errors_total", "kind" => kind);
-        }
         let lookup = |tier: &'static str| {
             ["hit", "miss"].map(
                 |r| metrics::counter!("reprise_cache_lookups_total", "tier" => tier, "result" => r),
@@ -517,8 +540,6 @@ impl Metrics {
                 |s| metrics::histogram!("reprise_stage_duration_seconds", "stage" => s.as_str()),
             ),
             lookups: [lookup("exact"), lookup("semantic"), lookup("redis")],
-            backend_duration: metrics::histogram!("reprise_backend_duration_seconds"),
-            backend_calls: metrics::counter!("reprise_backend_calls_total"),
             singleflight_joins: metrics::counter!("reprise_singleflight_joins_total"),
             cache_writes: metrics::counter!("reprise_cache_writes_total"),
             cache_entries: metrics::gauge!("reprise_cache_entries"),
@@ -564,11 +585,6 @@ impl Metrics {
         let tenant = RequestMetrics::tenant_label(tenant).to_string();
         metrics::histogram!("reprise_miss_similarity", "tenant" => tenant)
             .record(f64::from(similarity));
-    }
-
-    /// Counts a failed generation; `kind` is one of the error kinds.
-    pub fn backend_error(&self, kind: &'static str) {
-        metrics::counter!("reprise_backend_errors_total", "kind" => kind).increment(1);
     }
 
     /// Publishes the latency targets.
