@@ -601,7 +601,8 @@ async fn a_tenants_flood_leaves_the_others_entries_in_memory() {
     };
     let mut c = test_config();
     c.auth.required = true;
-    c.cache.memory_bytes = 64 * 1024;
+    // Room in the keeping tenant's eighth for keys: each costs its tier item and its record.
+    c.cache.memory_bytes = 128 * 1024;
     c.tenants = vec![
         with_policy("keep", "sk-keep", share(0.5)),
         with_policy("flood", "sk-flood", share(0.25)),
@@ -616,7 +617,7 @@ async fn a_tenants_flood_leaves_the_others_entries_in_memory() {
     }
     let free = chat_body("a question of the tenants without a share");
     assert_eq!(cache_status(&ask(&app, "free", &free, &[]).await), "miss");
-    // Many times what a quarter of 64 KiB holds.
+    // Many times what a quarter of 128 KiB holds.
     for i in 0..200 {
         let b = chat_body(&format!(
             "flood question number {i} with some padding words"
@@ -625,7 +626,7 @@ async fn a_tenants_flood_leaves_the_others_entries_in_memory() {
     }
     app.state.store.run_pending_tasks().await;
     let flood = app.state.store.pool_size("flood\u{1f}x").unwrap();
-    assert!(flood > 0 && flood <= 16 * 1024, "{flood}");
+    assert!(flood > 0 && flood <= 32 * 1024, "{flood}");
     let calls = backend.calls();
     for b in &kept {
         assert_eq!(cache_status(&ask(&app, "keep", b, &[]).await), "exact");

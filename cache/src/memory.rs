@@ -415,6 +415,7 @@ impl MemoryTier {
 mod tests {
     use super::*;
     use crate::entry::{now_ms, Origin};
+    use crate::shares::RECORD_BYTES;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn entry(text: &str, ttl_ms: u64) -> Arc<Entry> {
@@ -498,7 +499,8 @@ mod tests {
 
     #[tokio::test]
     async fn kept_entries_count_in_their_pool() {
-        let one = (entry_in("a/x", &"x".repeat(1000), 50).weight() + ITEM_OVERHEAD) as u64;
+        let one =
+            (entry_in("a/x", &"x".repeat(1000), 50).weight() + ITEM_OVERHEAD + RECORD_BYTES) as u64;
         let t = MemoryTier::new(
             one * 40,
             Duration::from_secs(60),
@@ -552,7 +554,9 @@ mod tests {
     // Entries of 4 KB: a pool's keys get an eighth of its share, room for a few keys per entry.
     #[tokio::test]
     async fn a_pool_flooding_the_tier_evicts_only_its_own_entries() {
-        let one = (entry_in("a/x", &"x".repeat(4000), 60_000).weight() + ITEM_OVERHEAD) as u64;
+        let one = (entry_in("a/x", &"x".repeat(4000), 60_000).weight()
+            + ITEM_OVERHEAD
+            + RECORD_BYTES) as u64;
         let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         t.set_shares(
             Some(shares(&[("a", one * 10), ("b", one * 10)], one * 20)),
@@ -599,7 +603,9 @@ mod tests {
 
     #[tokio::test]
     async fn shares_apply_to_what_is_held_and_can_be_lifted() {
-        let one = (entry_in("a/x", &"x".repeat(1000), 60_000).weight() + ITEM_OVERHEAD) as u64;
+        let one = (entry_in("a/x", &"x".repeat(1000), 60_000).weight()
+            + ITEM_OVERHEAD
+            + RECORD_BYTES) as u64;
         let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         for i in 0..20u8 {
             t.insert([i; 32], entry_in("a/x", &"x".repeat(1000), 60_000))
@@ -628,7 +634,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_removed_entry_leaves_its_pool() {
-        let one = (entry_in("a/x", &"x".repeat(1000), 60_000).weight() + ITEM_OVERHEAD) as u64;
+        let one = (entry_in("a/x", &"x".repeat(1000), 60_000).weight()
+            + ITEM_OVERHEAD
+            + RECORD_BYTES) as u64;
         let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
         t.set_shares(Some(shares(&[("a", one * 10)], one * 30)), 1);
         let e = entry_in("a/x", &"x".repeat(1000), 60_000);
@@ -638,7 +646,7 @@ mod tests {
         t.run_pending_tasks().await;
         assert_eq!(t.pool_size("a/x"), Some(0));
         // Nothing bigger than the share itself enters.
-        let huge = entry_in("a/x", &"x".repeat(20_000), 60_000);
+        let huge = entry_in("a/x", &"x".repeat(40_000), 60_000);
         t.insert([2; 32], huge).await;
         assert!(t.get_by_key(&[2; 32]).await.is_none());
     }

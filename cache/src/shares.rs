@@ -10,7 +10,8 @@
 //! add up to at most its budget.
 //!
 //! Ledgers hold ids and weights, never the entries, so a stale record costs bytes of
-//! accounting only until it is evicted or expires.
+//! accounting only until it is evicted or expires. A record weighs its entry (or key) plus
+//! itself, so a pool's share bounds its entries and their accounting together.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,6 +23,10 @@ use moka::sync::Cache;
 use parking_lot::Mutex;
 
 use crate::entry::{now_ms, Digest, Entry, EntryId};
+
+/// What a ledger's record of an entry or a key costs: an item of the ledger's moka cache (its
+/// bookkeeping, as [`crate::ITEM_OVERHEAD`] counts a tier's item), the id or key and the record.
+pub const RECORD_BYTES: u32 = crate::memory::ITEM_OVERHEAD;
 
 /// The pools of a tier and their budgets.
 #[derive(Clone)]
@@ -109,6 +114,8 @@ impl Ledger {
             })
             .build();
         let q = evicted.clone();
+        // A key weighs what it costs the tier plus its record here.
+        let key_weight = key_weight.saturating_add(RECORD_BYTES);
         let keys = Cache::builder()
             .max_capacity((bytes / 8).max(u64::from(key_weight)))
             .eviction_policy(EvictionPolicy::lru())
@@ -128,10 +135,11 @@ impl Ledger {
     }
 
     /// Records an entry weighing `weight` in the tier and settles the ledger; whether it was
-    /// kept (an entry larger than the whole share is not).
+    /// kept (an entry larger than the whole share is not). The record weighs the entry plus
+    /// itself ([`RECORD_BYTES`]): the share bounds what the pool holds, its accounting included.
     pub(crate) fn record_entry(&self, entry: &Entry, weight: u32) -> bool {
         let record = Record {
-            weight,
+            weight: weight.saturating_add(RECORD_BYTES),
             expires_ms: entry.expires_ms.saturating_add(self.retain_ms),
         };
         self.entries.insert(entry.id, record);
