@@ -272,6 +272,24 @@ fn reply_complete(buf: &[u8]) -> bool {
     }
 }
 
+/// What the heap a store given `budget` bytes may hold: the entries' budget plus the keys'
+/// eighth. [`assert_heap_within`] adds a 2 % slack for the caches' fixed tables.
+pub fn heap_allowed(budget: u64) -> u64 {
+    budget + budget / 8
+}
+
+/// Asserts that `peak` bytes of heap are within what a store given `budget` bytes may hold
+/// ([`heap_allowed`]), with 2 % slack for the caches' fixed tables (moka's frequency
+/// sketches, hash table buckets).
+pub fn assert_heap_within(peak: isize, budget: u64) {
+    let allowed = heap_allowed(budget);
+    let slack = allowed / 50;
+    assert!(
+        peak as u64 <= allowed + slack,
+        "heap held by the store at peak ({peak} B) within its budget ({allowed} B + {slack} B slack)"
+    );
+}
+
 /// A global allocator that counts the bytes live, for tests that measure what a structure
 /// really holds: a test binary declares it as its `#[global_allocator]` and reads
 /// [`CountingAllocator::live`] before and after (one test per binary, so nothing else

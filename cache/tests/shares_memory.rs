@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reprise_cache::testing::CountingAllocator;
+use reprise_cache::testing::{assert_heap_within, heap_allowed, CountingAllocator};
 use reprise_cache::{now_ms, Entry, EntryId, MemoryShares, Origin, Store};
 
 #[global_allocator]
@@ -78,7 +78,7 @@ async fn memory_shares_keep_entries_keys_and_their_ledgers_within_the_budget() {
     store.run_pending_tasks().await;
     let held = HEAP.live() - before;
     peak = peak.max(held);
-    let allowed = BUDGET + BUDGET / 8;
+    let allowed = heap_allowed(BUDGET);
     let entries = store.entry_count().max(1);
     eprintln!(
         "{total} inserted, {entries} held; heap held {held} B ({} B/entry), peak {peak} B; allowed {allowed} B",
@@ -96,10 +96,5 @@ async fn memory_shares_keep_entries_keys_and_their_ledgers_within_the_budget() {
             BUDGET / 2
         );
     }
-    // 2 % slack: the caches' fixed tables (moka's frequency sketches, hash table buckets).
-    let slack = allowed / 50;
-    assert!(
-        peak as u64 <= allowed + slack,
-        "heap held by the store at peak ({peak} B) within its budget ({allowed} B + {slack} B slack)"
-    );
+    assert_heap_within(peak, BUDGET);
 }
