@@ -538,9 +538,9 @@ pub struct PrefetchConfig {
     /// follows each plus cosine of what precedes each (each a count-weighted mean of the
     /// neighbouring questions' embeddings with the share of conversations that end or
     /// start there), at most 3; a side without links is left out and the rest scaled. The
-    /// default is the lowest score leaving at most 2 % of wordings in another intent's
-    /// cluster on the tuning half of the dev sessions (`reprise-bench replay --half tune
-    /// --regroup-curve`; docs/BENCHMARKS.md reports it on the held-out half).
+    /// default was the lowest score leaving at most 2 % of wordings in another intent's
+    /// cluster in one run on the tuning half of the dev sessions (`reprise-bench replay
+    /// --half tune --regroup-curve`); that pass varies run to run (docs/BENCHMARKS.md).
     pub regroup_score: f32,
     /// Lowest cosine of two questions merged by `regroup` (questions that share nothing are
     /// never merged, however alike their neighbours).
