@@ -50,7 +50,7 @@ enum Mode {
     Index(index::IndexArgs),
     /// Predictive prefetch on recorded sessions: the same conversations through reprise with
     /// prefetch off and on, side by side; hit rates, latency, compute spent and wasted.
-    Replay(replay::ReplayArgs),
+    Replay(Box<replay::ReplayArgs>),
     /// Open-loop arrivals at multiples of the backend's measured capacity, `[degrade]` off and
     /// on side by side: interactive latency percentiles, answers degraded by kind, 429s and
     /// wrong hits.
@@ -70,7 +70,7 @@ fn main() -> std::process::ExitCode {
             Mode::Latency(a) => latency::run(a).await,
             Mode::Redis(a) => redis::run(a).await,
             Mode::Index(a) => index::run(a).await,
-            Mode::Replay(a) => replay::run(a).await,
+            Mode::Replay(a) => replay::run(*a).await,
             Mode::Soak(a) => soak::run(a).await,
             Mode::Overload(a) => overload::run(a).await,
         }

@@ -538,9 +538,9 @@ pub struct PrefetchConfig {
     /// follows each plus cosine of what precedes each (each a count-weighted mean of the
     /// neighbouring questions' embeddings with the share of conversations that end or
     /// start there), at most 3; a side without links is left out and the rest scaled. The
-    /// default was the lowest score leaving at most 2 % of wordings in another intent's
-    /// cluster in one run on the tuning half of the dev sessions (`reprise-bench replay
-    /// --half tune --regroup-curve`); that pass varies run to run (docs/BENCHMARKS.md).
+    /// default is the median over five split seeds of the lowest score leaving at most 2 %
+    /// of wordings in another intent's cluster on the tuning half of the dev sessions
+    /// (`reprise-bench replay --regroup-curve`, a repeatable pass; docs/BENCHMARKS.md).
     pub regroup_score: f32,
     /// Lowest cosine of two questions merged by `regroup` (questions that share nothing are
     /// never merged, however alike their neighbours).
@@ -594,7 +594,7 @@ impl Default for PrefetchConfig {
             propose_questions: 2,
             max_wordings: 15,
             regroup: true,
-            regroup_score: 2.4,
+            regroup_score: 2.55,
             regroup_min_cosine: 0.4,
             regroup_min_seen: 3.0,
             half_life_secs: 3600.0,

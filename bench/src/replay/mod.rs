@@ -53,7 +53,6 @@ mod regroup;
 mod report;
 
 use ceiling::print_ceiling;
-use regroup::regroup_report;
 use report::report;
 
 /// Options of `reprise-bench replay`.
@@ -141,12 +140,21 @@ pub struct ReplayArgs {
     /// Seed of the `--half` split.
     #[arg(long, default_value_t = 1)]
     split_seed: u64,
-    /// Tuning `prefetch.regroup_score`: play only the prefetch side, with regrouping off,
-    /// then regroup its question clusters (on a copy) at scores 1.50 to 3.00 and print, for
-    /// each, the clusters left and how many wordings sit in a cluster of another intent (per
-    /// the session file's labels), and the lowest score meeting each `--target-misplaced`.
+    /// Tuning `prefetch.regroup_score` (repeatable: the same clusters every run). For each
+    /// `--split-seeds` seed, learns the clusters of each half of the sessions (prefetch
+    /// side only, regrouping off, nothing generated in the background, sessions one at a
+    /// time in file order, each turn sent once the previous one was learned), regroups a
+    /// copy at scores 1.50 to 3.00, and judges each score by the session file's labels:
+    /// clusters left, and wordings sitting in a cluster of another intent. Each seed's
+    /// choice (the lowest score meeting a `--target-misplaced` on its tuning half) is
+    /// reported on its held-out half; the default to configure is the median choice.
+    /// `--concurrency`, the think times and `--token-delay-ms` do not apply (`--half` is
+    /// refused).
     #[arg(long)]
     regroup_curve: bool,
+    /// With `--regroup-curve`: the split seeds (one tuning and one held-out half each).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3, 4, 5])]
+    split_seeds: Vec<u64>,
     /// With `--regroup-curve`: largest share of clustered wordings a chosen score may leave
     /// in a cluster of another intent (repeatable).
     #[arg(long, default_values_t = [0.02, 0.05])]
@@ -187,13 +195,13 @@ enum ReplayBackend {
     Llama,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct Session {
     session_id: String,
     turns: Vec<Turn>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct Turn {
     intent: String,
     text: String,
@@ -247,25 +255,26 @@ struct Side {
     /// Prefetch counters when the first measured session started.
     at_measure: parking_lot::Mutex<Option<PrefetchStats>>,
     done: AtomicUsize,
+    /// Turns answered (`--regroup-curve` waits for each to be learned).
+    answered: AtomicUsize,
+    /// Turns whose learning was not seen within the wait (`--regroup-curve`).
+    unsynced: AtomicUsize,
 }
 
 /// Runs the benchmark.
 pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&a.sessions)?;
-    let mut sessions: Vec<Session> = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
-    if let Some(half) = a.half {
-        let before = sessions.len();
-        sessions.retain(|s| in_tuning_half(a.split_seed, &[&s.session_id]) == (half == Half::Tune));
-        eprintln!(
-            "split (seed {}): {} of {before} sessions in the {half:?} half",
-            a.split_seed,
-            sessions.len()
+    let all = read_sessions(&a.sessions)?;
+    if a.regroup_curve {
+        anyhow::ensure!(
+            a.half.is_none(),
+            "--regroup-curve plays both halves of each --split-seeds seed; leave out --half"
         );
+        return regroup::tune(&a, all).await;
     }
+    let mut sessions = match a.half {
+        Some(half) => split(all, a.split_seed, half),
+        None => all,
+    };
     if let Some(n) = a.limit {
         sessions.truncate(n);
     }
@@ -275,144 +284,28 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         sessions.len(),
         a.warmup
     );
-    // Question text → intent, to tell which intent an answer was generated for.
-    let mut intent_of: HashMap<String, String> = HashMap::new();
-    for s in &sessions {
-        for t in &s.turns {
-            intent_of.insert(t.text.clone(), t.intent.clone());
-        }
-    }
     if a.ceiling_only {
         anyhow::ensure!(a.domain.is_some(), "--ceiling-only needs --domain");
         print_ceiling(&a, &sessions)?;
         return Ok(());
     }
-    let intent_of = Arc::new(intent_of);
+    let intent_of = Arc::new(intents(&sessions));
     let sessions = Arc::new(sessions);
-
-    let mut base = Config::default();
-    base.backend.kind = BackendKind::Fake;
-    base.semantic.enabled = true;
-    if let Some(t) = a.threshold {
-        base.semantic.threshold = t;
-    }
-    let script = ScriptConfig {
-        reply: naming_reply(a.reply_words),
-        // Prompt processing before the first token: a few tokens' worth.
-        first_token_delay: Duration::from_millis(a.token_delay_ms * 5),
-        token_delay: Duration::from_millis(a.token_delay_ms),
-        slots: a.backend_slots,
-        ..ScriptConfig::default()
-    };
-    if a.backend == ReplayBackend::Llama {
-        anyhow::ensure!(
-            a.model.is_file(),
-            "model file {} not found (run scripts/fetch-models.sh or pass --model)",
-            a.model.display()
-        );
-    }
     let mut sides = Vec::new();
-    let plays: &[(&'static str, bool)] = if a.regroup_curve {
-        &[("prefetch on, regrouping off", true)]
-    } else {
-        &[("prefetch off", false), ("prefetch on", true)]
-    };
-    for &(name, prefetch) in plays {
-        let mut config = base.clone();
-        config.prefetch.enabled = prefetch;
-        config.prefetch.max_concurrent = a.max_concurrent.max(1);
-        if let Some(t) = a.cluster_threshold {
-            config.prefetch.cluster_threshold = t;
-        }
-        if let Some(v) = a.max_backend_share {
-            config.prefetch.max_backend_share = v;
-        }
-        if let Some(v) = a.max_capacity_share {
-            config.prefetch.max_capacity_share = v;
-        }
-        if let Some(v) = a.regroup {
-            config.prefetch.regroup = v;
-        }
-        if let Some(v) = a.regroup_score {
-            config.prefetch.regroup_score = v;
-        }
-        if a.regroup_curve {
-            config.prefetch.regroup = false;
-        }
-        if let Some(n) = a.max_wordings {
-            config.prefetch.max_wordings = n;
-        }
-        if let Some(p) = a.min_probability {
-            config.prefetch.min_probability = p;
-        }
-        // Its own embedder instance: the other side's embeddings never queue ahead of its own.
-        eprintln!(
-            "{name}: loading the embedder from {}",
-            base.semantic.model_dir.display()
-        );
-        let embedder = load_embedder(&base)
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("semantic tier is off"))?;
-        let (backend, model): (Arc<dyn Backend>, String) = match a.backend {
-            ReplayBackend::Scripted => (
-                Arc::new(ScriptedBackend::new(script.clone())),
-                script.model.clone(),
-            ),
-            ReplayBackend::Llama => {
-                config.backend.kind = BackendKind::Llama;
-                config.backend.model = a.model.clone();
-                config.backend.n_threads = a.threads;
-                config.backend.n_gpu_layers = a.n_gpu_layers;
-                if let Some(n) = a.backend_slots {
-                    config.backend.parallel = n.max(1);
-                }
-                // Room for every slot's conversation (a few turns of short answers).
-                config.backend.n_ctx = (config.backend.parallel as u32 * 1024).max(4096);
-                config.backend.max_queue = 4096;
-                config.validate()?;
-                let cfg = config.backend.llama_config();
-                let model = cfg.served_name();
-                eprintln!("{name}: loading {}", a.model.display());
-                let engine = tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
-                    .await
-                    .map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
-                (Arc::new(engine), model)
-            }
-        };
-        let server = start_app(config, backend, Some(embedder)).await?;
-        sides.push(Arc::new(Side {
-            name,
-            url: server.chat_url(),
-            model,
-            server,
-            results: parking_lot::Mutex::new(Vec::new()),
-            at_measure: parking_lot::Mutex::new(None),
-            done: AtomicUsize::new(0),
-        }));
+    for (name, prefetch) in [("prefetch off", false), ("prefetch on", true)] {
+        sides.push(Arc::new(start_side(&a, name, prefetch, |_| {}).await?));
     }
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(a.concurrency * 4)
-        .tcp_nodelay(true)
-        .build()?;
-    let backend = match a.backend {
-        ReplayBackend::Scripted => format!(
-            "scripted backend at {} ms/token, {} reply words, slots {}",
-            a.token_delay_ms,
-            a.reply_words + 3,
-            a.backend_slots
-                .map_or_else(|| "unlimited".to_string(), |n| n.to_string())
-        ),
-        ReplayBackend::Llama => format!("llama backend {}", a.model.display()),
-    };
     eprintln!(
-        "replaying {} sessions ({} warm-up, think {} ms), {} at a time per side, think {} ms, {backend}, sides {}",
+        "replaying {} sessions ({} warm-up, think {} ms), {} at a time per side, think {} ms, {}, sides {}",
         sessions.len(),
         a.warmup,
         a.warmup_think_ms.unwrap_or(a.think_ms),
         a.concurrency,
         a.think_ms,
+        describe_backend(&a),
         if a.sequential { "one after the other" } else { "at once" }
     );
+    let client = client(&a)?;
     let started = Instant::now();
     let play = |side: &Arc<Side>| {
         tokio::spawn(play_side(
@@ -434,10 +327,165 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         }
     }
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
-    if a.regroup_curve {
-        return regroup_report(&a, &sides[0], &intent_of);
-    }
     report(&a, &sides, &intent_of, &sessions)
+}
+
+/// The sessions of a session file, in file order.
+fn read_sessions(path: &std::path::Path) -> anyhow::Result<Vec<Session>> {
+    let text = std::fs::read_to_string(path)?;
+    Ok(text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?)
+}
+
+/// One half of `sessions` by the split of `seed`, in file order.
+fn split(mut sessions: Vec<Session>, seed: u64, half: Half) -> Vec<Session> {
+    let before = sessions.len();
+    sessions.retain(|s| in_tuning_half(seed, &[&s.session_id]) == (half == Half::Tune));
+    eprintln!(
+        "split (seed {seed}): {} of {before} sessions in the {half:?} half",
+        sessions.len()
+    );
+    sessions
+}
+
+/// Question text → intent, to tell which intent an answer was generated for.
+fn intents(sessions: &[Session]) -> HashMap<String, String> {
+    let mut intent_of = HashMap::new();
+    for s in sessions {
+        for t in &s.turns {
+            intent_of.insert(t.text.clone(), t.intent.clone());
+        }
+    }
+    intent_of
+}
+
+/// The scripted backend's script.
+fn script(a: &ReplayArgs) -> ScriptConfig {
+    ScriptConfig {
+        reply: naming_reply(a.reply_words),
+        // Prompt processing before the first token: a few tokens' worth.
+        first_token_delay: Duration::from_millis(a.token_delay_ms * 5),
+        token_delay: Duration::from_millis(a.token_delay_ms),
+        slots: a.backend_slots,
+        ..ScriptConfig::default()
+    }
+}
+
+/// The backend of each side, in words.
+fn describe_backend(a: &ReplayArgs) -> String {
+    match a.backend {
+        ReplayBackend::Scripted => format!(
+            "scripted backend at {} ms/token, {} reply words, slots {}",
+            a.token_delay_ms,
+            a.reply_words + 3,
+            a.backend_slots
+                .map_or_else(|| "unlimited".to_string(), |n| n.to_string())
+        ),
+        ReplayBackend::Llama => format!("llama backend {}", a.model.display()),
+    }
+}
+
+/// The HTTP client of the sessions.
+fn client(a: &ReplayArgs) -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .pool_max_idle_per_host(a.concurrency * 4)
+        .tcp_nodelay(true)
+        .build()?)
+}
+
+/// Starts one side: its own server state, backend and embedder, prefetch on or off, the
+/// prefetch options of `a`, then `adjust`.
+async fn start_side(
+    a: &ReplayArgs,
+    name: &'static str,
+    prefetch: bool,
+    adjust: impl FnOnce(&mut Config),
+) -> anyhow::Result<Side> {
+    let mut config = Config::default();
+    config.backend.kind = BackendKind::Fake;
+    config.semantic.enabled = true;
+    if let Some(t) = a.threshold {
+        config.semantic.threshold = t;
+    }
+    config.prefetch.enabled = prefetch;
+    config.prefetch.max_concurrent = a.max_concurrent.max(1);
+    if let Some(t) = a.cluster_threshold {
+        config.prefetch.cluster_threshold = t;
+    }
+    if let Some(v) = a.max_backend_share {
+        config.prefetch.max_backend_share = v;
+    }
+    if let Some(v) = a.max_capacity_share {
+        config.prefetch.max_capacity_share = v;
+    }
+    if let Some(v) = a.regroup {
+        config.prefetch.regroup = v;
+    }
+    if let Some(v) = a.regroup_score {
+        config.prefetch.regroup_score = v;
+    }
+    if let Some(n) = a.max_wordings {
+        config.prefetch.max_wordings = n;
+    }
+    if let Some(p) = a.min_probability {
+        config.prefetch.min_probability = p;
+    }
+    adjust(&mut config);
+    // Its own embedder instance: the other side's embeddings never queue ahead of its own.
+    eprintln!(
+        "{name}: loading the embedder from {}",
+        config.semantic.model_dir.display()
+    );
+    let embedder = load_embedder(&config)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("semantic tier is off"))?;
+    let (backend, model): (Arc<dyn Backend>, String) = match a.backend {
+        ReplayBackend::Scripted => {
+            let script = script(a);
+            let model = script.model.clone();
+            (Arc::new(ScriptedBackend::new(script)), model)
+        }
+        ReplayBackend::Llama => {
+            anyhow::ensure!(
+                a.model.is_file(),
+                "model file {} not found (run scripts/fetch-models.sh or pass --model)",
+                a.model.display()
+            );
+            config.backend.kind = BackendKind::Llama;
+            config.backend.model = a.model.clone();
+            config.backend.n_threads = a.threads;
+            config.backend.n_gpu_layers = a.n_gpu_layers;
+            if let Some(n) = a.backend_slots {
+                config.backend.parallel = n.max(1);
+            }
+            // Room for every slot's conversation (a few turns of short answers).
+            config.backend.n_ctx = (config.backend.parallel as u32 * 1024).max(4096);
+            config.backend.max_queue = 4096;
+            config.validate()?;
+            let cfg = config.backend.llama_config();
+            let model = cfg.served_name();
+            eprintln!("{name}: loading {}", a.model.display());
+            let engine = tokio::task::spawn_blocking(move || LlamaBackend::load(cfg))
+                .await
+                .map_err(|e| anyhow::anyhow!("model loader panicked: {e}"))??;
+            (Arc::new(engine), model)
+        }
+    };
+    let server = start_app(config, backend, Some(embedder)).await?;
+    Ok(Side {
+        name,
+        url: server.chat_url(),
+        model,
+        server,
+        results: parking_lot::Mutex::new(Vec::new()),
+        at_measure: parking_lot::Mutex::new(None),
+        done: AtomicUsize::new(0),
+        answered: AtomicUsize::new(0),
+        unsynced: AtomicUsize::new(0),
+    })
 }
 
 /// Plays every session on one side, `concurrency` at a time, in file order.
@@ -477,6 +525,28 @@ async fn play_side(
         t.await??;
     }
     Ok(())
+}
+
+/// Waits until the prefetcher of `side` took in `turns` answered turns (so the next turn's
+/// request finds the previous answer stored and its learning comes after): the order of
+/// learning is then the order of the session file. Gives up after a while and counts the
+/// turn as unsynced.
+async fn learned(side: &Side, turns: usize) {
+    let Some(p) = prefetcher(&side.server.state) else {
+        return;
+    };
+    let give_up = Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = p.stats();
+        if s.observations + s.observations_dropped >= turns as u64 {
+            return;
+        }
+        if Instant::now() >= give_up {
+            side.unsynced.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 /// A deterministic draw in [0, 1) for (seed, session, turn): both sides pause alike.
@@ -579,6 +649,9 @@ async fn play_session(
         if served == Served::Error {
             // The conversation cannot go on without an answer.
             break;
+        }
+        if a.regroup_curve {
+            learned(side, side.answered.fetch_add(1, Ordering::Relaxed) + 1).await;
         }
         messages.push(json!({"role": "assistant", "content": answer}));
     }

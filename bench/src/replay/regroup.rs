@@ -1,5 +1,7 @@
-//! `--regroup-curve`: tuning `prefetch.regroup_score` on labelled sessions (the prefetch side's
-//! clusters regrouped at each score, judged by the turns' intents).
+//! `--regroup-curve`: tuning `prefetch.regroup_score` on labelled sessions. For each split
+//! seed, the prefetch side's clusters of each half are learned in a repeatable play and
+//! regrouped (on a copy) at each score, judged by the turns' intents; each seed chooses on its
+//! tuning half and is reported on its held-out half.
 
 use super::report::pct;
 use super::*;
@@ -75,17 +77,213 @@ fn choose_score(curve: &[Grouping], target: f64) -> Option<Grouping> {
         .copied()
 }
 
-/// `--regroup-curve`: the prefetch side's question clusters (learned with regrouping off)
-/// regrouped at each score, judged by intent; the chosen score for each `--target-mixed` and
-/// the configured score's point.
-pub(super) fn regroup_report(
+/// The curve of one half of one split.
+struct Curve {
+    sessions: usize,
+    /// Turns whose learning the play did not see in time (0 for a repeatable curve).
+    unsynced: usize,
+    /// The clusters as learned (the embedding alone).
+    alone: Grouping,
+    /// Regrouped at each of [`scores`].
+    points: Vec<Grouping>,
+    /// Regrouped at the configured `regroup_score`.
+    configured: Grouping,
+}
+
+/// The scores of the curve: 1.50 to 3.00 by 0.05.
+fn scores() -> Vec<f32> {
+    (30..=60).map(|i| i as f32 * 0.05).collect()
+}
+
+/// `--regroup-curve`: for each split seed, the curve of its tuning half and of its held-out
+/// half; each seed's choice on the first, reported on the second; the median choice.
+pub(super) async fn tune(a: &ReplayArgs, all: Vec<Session>) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !a.split_seeds.is_empty(),
+        "--split-seeds needs at least one seed"
+    );
+    let intent_of = Arc::new(intents(&all));
+    let mut runs = Vec::new();
+    for &seed in &a.split_seeds {
+        let tune = learn_half(a, &all, seed, Half::Tune, &intent_of).await?;
+        let held = learn_half(a, &all, seed, Half::HeldOut, &intent_of).await?;
+        runs.push((seed, tune, held));
+    }
+    println!("== reprise bench replay --regroup-curve ==");
+    println!(
+        "{} split seeds; per half: sessions played in file order, one at a time, each turn learned before the next; regrouping off, nothing generated in the background",
+        runs.len()
+    );
+    for (seed, tune, held) in &runs {
+        println!(
+            "seed {seed}: tuning half {} sessions, {} intents, {} wordings clustered; held-out half {} sessions, {} intents, {} wordings{}",
+            tune.sessions,
+            tune.alone.intents,
+            tune.alone.wordings,
+            held.sessions,
+            held.alone.intents,
+            held.alone.wordings,
+            match tune.unsynced + held.unsynced {
+                0 => String::new(),
+                n => format!(" ({n} turns not seen learned in time: this curve may vary)"),
+            }
+        );
+    }
+    let mean = |f: &dyn Fn(&(u64, Curve, Curve)) -> f64| {
+        runs.iter().map(f).sum::<f64>() / runs.len() as f64
+    };
+    println!("score | tuning halves: clusters per intent, misplaced (mean over seeds) | held-out halves: the same");
+    let row = |label: String, t: &dyn Fn(&Curve) -> Grouping| {
+        println!(
+            "{label} | {:.2}, {} | {:.2}, {}",
+            mean(&|r| t(&r.1).spread()),
+            pct(mean(&|r| t(&r.1).misplaced_share())).trim(),
+            mean(&|r| t(&r.2).spread()),
+            pct(mean(&|r| t(&r.2).misplaced_share())).trim(),
+        );
+    };
+    row("none (embedding alone)".into(), &|c| c.alone);
+    for (i, score) in scores().into_iter().enumerate() {
+        row(format!("{score:.2}"), &|c| c.points[i]);
+    }
+    let configured = a
+        .regroup_score
+        .unwrap_or(PrefetchConfig::default().regroup_score);
+    row(format!("configured {configured:.2}"), &|c| c.configured);
+    let mut chosen = Vec::new();
+    for &target in &a.target_misplaced {
+        let mut picks = Vec::new();
+        for (seed, tune, held) in &runs {
+            match choose_score(&tune.points, target) {
+                Some(g) => {
+                    let i = tune
+                        .points
+                        .iter()
+                        .position(|p| p.score == g.score)
+                        .unwrap_or(0);
+                    let h = held.points[i];
+                    println!(
+                        "target misplaced <= {:.1} %, seed {seed}: chose {:.2} (tuning half {}); held-out half at {:.2}: {} misplaced, {:.2} clusters per intent",
+                        target * 100.0,
+                        g.score,
+                        pct(g.misplaced_share()).trim(),
+                        g.score,
+                        pct(h.misplaced_share()).trim(),
+                        h.spread()
+                    );
+                    picks.push((g.score, h.misplaced_share()));
+                }
+                None => println!(
+                    "target misplaced <= {:.1} %, seed {seed}: no score up to 3.00 meets it",
+                    target * 100.0
+                ),
+            }
+        }
+        if picks.len() < runs.len() {
+            println!(
+                "target misplaced <= {:.1} %: not met on every seed; no default",
+                target * 100.0
+            );
+            chosen.push(json!({"target_misplaced": target, "score": null}));
+            continue;
+        }
+        let median = median_score(picks.iter().map(|p| p.0).collect());
+        let held_at_choice = picks.iter().map(|p| p.1).sum::<f64>() / picks.len() as f64;
+        println!(
+            "target misplaced <= {:.1} %: median choice {median:.2} (choices {}); held-out misplaced at each seed's own choice, mean {}",
+            target * 100.0,
+            picks
+                .iter()
+                .map(|p| format!("{:.2}", p.0))
+                .collect::<Vec<_>>()
+                .join(", "),
+            pct(held_at_choice).trim()
+        );
+        chosen.push(json!({"target_misplaced": target, "score": median,
+            "choices": picks.iter().map(|p| p.0).collect::<Vec<_>>(),
+            "held_out_misplaced_at_choice": held_at_choice}));
+    }
+    if let Some(path) = &a.json {
+        let point = |g: &Grouping| {
+            json!({"score": g.score, "clusters": g.clusters, "mixed": g.mixed,
+                "wordings": g.wordings, "misplaced": g.misplaced, "intents": g.intents})
+        };
+        let curve = |c: &Curve| {
+            json!({"sessions": c.sessions, "unsynced": c.unsynced,
+                "embedding_alone": point(&c.alone), "configured": point(&c.configured),
+                "curve": c.points.iter().map(point).collect::<Vec<_>>()})
+        };
+        let out = json!({
+            "seeds": runs.iter().map(|(seed, t, h)| json!({"split_seed": seed,
+                "tune": curve(t), "held_out": curve(h)})).collect::<Vec<_>>(),
+            "chosen": chosen,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&out)?)?;
+    }
+    Ok(())
+}
+
+/// The median of `scores` (the lower middle one of an even count: the less strict).
+fn median_score(mut scores: Vec<f32>) -> f32 {
+    scores.sort_by(f32::total_cmp);
+    scores[(scores.len() - 1) / 2]
+}
+
+/// Learns the clusters of one half of `all` (see `--regroup-curve`) and judges them
+/// regrouped at each score.
+async fn learn_half(
     a: &ReplayArgs,
-    side: &Side,
-    intent_of: &HashMap<String, String>,
-) -> anyhow::Result<()> {
+    all: &[Session],
+    seed: u64,
+    half: Half,
+    intent_of: &Arc<HashMap<String, String>>,
+) -> anyhow::Result<Curve> {
+    let mut sessions = split(all.to_vec(), seed, half);
+    if let Some(n) = a.limit {
+        sessions.truncate(n);
+    }
+    let n = sessions.len();
+    // One at a time, no pauses (nothing runs in the background to pause for), answers
+    // without delay (their timing plays no part), all learned.
+    let lockstep = ReplayArgs {
+        concurrency: 1,
+        think_ms: 0,
+        warmup_think_ms: None,
+        warmup: 0,
+        token_delay_ms: 0,
+        ..a.clone()
+    };
+    let name = match half {
+        Half::Tune => "tuning half",
+        Half::HeldOut => "held-out half",
+    };
+    let side = Arc::new(
+        start_side(&lockstep, name, true, |c| {
+            c.prefetch.regroup = false;
+            // Nothing generated in the background: which entry answers a turn then depends
+            // on the sessions alone, not on when a prefetch finished.
+            c.prefetch.max_tokens_per_minute = 0;
+            // Counts do not decay during the pass: how long it takes plays no part.
+            c.prefetch.half_life_secs = 1e9;
+        })
+        .await?,
+    );
+    let started = Instant::now();
+    play_side(
+        side.clone(),
+        client(&lockstep)?,
+        Arc::new(sessions),
+        intent_of.clone(),
+        lockstep,
+    )
+    .await?;
+    let played = started.elapsed().as_secs_f64();
     let p = prefetcher(&side.server.state)
         .ok_or_else(|| anyhow::anyhow!("the prefetch side has no prefetcher"))?;
-    let configured = side.server.state.config.prefetch.regroup_score;
+    anyhow::ensure!(
+        p.stats().started == 0,
+        "a background generation ran during a --regroup-curve play"
+    );
     let at = |score: f32| {
         judge_grouping(
             score,
@@ -93,71 +291,19 @@ pub(super) fn regroup_report(
             intent_of,
         )
     };
-    eprintln!("regrouping at 31 scores");
-    let curve: Vec<Grouping> = (30..=60).map(|i| at(i as f32 * 0.05)).collect();
-    let alone = judge_grouping(f32::INFINITY, &p.clusters(DEFAULT_NAMESPACE), intent_of);
-    println!("== reprise bench replay --regroup-curve ==");
-    println!(
-        "sessions played {}{}; intents {}, wordings clustered {}",
-        side.done.load(Ordering::Relaxed),
-        a.half
-            .map(|h| format!(" ({h:?} half, split seed {})", a.split_seed))
-            .unwrap_or_default(),
-        alone.intents,
-        alone.wordings
-    );
-    println!(
-        "score | clusters | clusters per intent | clusters mixing intents | wordings misplaced"
-    );
-    let line = |g: &Grouping| {
-        format!(
-            "{} | {} | {:.2} | {} | {} ({})",
-            if g.score.is_finite() {
-                format!("{:.2}", g.score)
-            } else {
-                "none (embedding alone)".into()
-            },
-            g.clusters,
-            g.spread(),
-            g.mixed,
-            g.misplaced,
-            pct(g.misplaced_share()).trim()
-        )
+    let curve = Curve {
+        sessions: n,
+        unsynced: side.unsynced.load(Ordering::Relaxed),
+        alone: judge_grouping(f32::INFINITY, &p.clusters(DEFAULT_NAMESPACE), intent_of),
+        points: scores().into_iter().map(at).collect(),
+        configured: at(side.server.state.config.prefetch.regroup_score),
     };
-    println!("{}", line(&alone));
-    for g in &curve {
-        println!("{}", line(g));
-    }
-    let conf = at(configured);
-    println!("configured regroup_score: {}", line(&conf));
-    let mut chosen = Vec::new();
-    for &target in &a.target_misplaced {
-        match choose_score(&curve, target) {
-            Some(g) => {
-                println!("target misplaced <= {:.1} %: {}", target * 100.0, line(&g));
-                chosen.push(json!({"target_misplaced": target, "score": g.score}));
-            }
-            None => println!(
-                "target misplaced <= {:.1} %: no score up to 3.00 meets it",
-                target * 100.0
-            ),
-        }
-    }
-    if let Some(path) = &a.json {
-        let point = |g: &Grouping| {
-            json!({"score": g.score, "clusters": g.clusters, "mixed": g.mixed,
-                "wordings": g.wordings, "misplaced": g.misplaced, "intents": g.intents})
-        };
-        let out = json!({
-            "half": a.half.map(|h| format!("{h:?}")), "split_seed": a.split_seed,
-            "embedding_alone": point(&alone),
-            "configured": point(&conf),
-            "curve": curve.iter().map(point).collect::<Vec<_>>(),
-            "chosen": chosen,
-        });
-        std::fs::write(path, serde_json::to_vec_pretty(&out)?)?;
-    }
-    Ok(())
+    eprintln!(
+        "  {name} of seed {seed}: played in {played:.0} s, regrouped at {} scores in {:.0} s",
+        curve.points.len(),
+        started.elapsed().as_secs_f64() - played
+    );
+    Ok(curve)
 }
 
 #[cfg(test)]
@@ -205,5 +351,12 @@ mod tests {
         assert_eq!(choose_score(&curve, 0.25).map(|g| g.score), Some(2.2));
         assert_eq!(choose_score(&curve, 0.1).map(|g| g.score), Some(2.5));
         assert_eq!(choose_score(&curve[..1], 0.1), None);
+    }
+
+    #[test]
+    fn the_median_choice_is_the_middle_one_or_the_lower_middle() {
+        assert_eq!(median_score(vec![2.6, 2.4, 2.45]), 2.45);
+        assert_eq!(median_score(vec![2.6, 2.4, 2.45, 2.5]), 2.45);
+        assert_eq!(median_score(vec![2.5]), 2.5);
     }
 }

@@ -33,7 +33,8 @@ impl Namespace {
             } else {
                 continue;
             };
-            if best.is_none_or(|(s, _)| score > s) {
+            // Ties go to the oldest cluster, whatever the map's order.
+            if best.is_none_or(|(s, b)| score > s || (score == s && *id < b)) {
                 best = Some((score, *id));
             }
         }

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::{cosine, trim_next, Cluster, Model, Namespace, MAX_WORDINGS};
+use super::{cosine, trim_next, Cluster, Decayed, Model, Namespace, MAX_WORDINGS};
 
 /// Clusters compared by [`Model::regroup`] per namespace (the most seen); bounds its cost
 /// (pairs grow with the square).
@@ -114,10 +114,17 @@ impl Namespace {
         let mut pred = vec![vec![0.0f32; dim + 1]; cands.len()];
         let mut out = vec![0.0f64; cands.len()];
         let mut inc = vec![0.0f64; cands.len()];
-        for (from_id, from) in &self.clusters {
+        // In cluster order, so the sums (and the scores compared below) are the same for
+        // the same clusters whatever the map's order.
+        let mut order: Vec<u64> = self.clusters.keys().copied().collect();
+        order.sort_unstable();
+        for from_id in &order {
+            let from = &self.clusters[from_id];
             let from_idx = index.get(from_id).copied();
             let from_emb = emb(from, dim);
-            for (to_id, count) in &from.next {
+            let mut next: Vec<(&u64, &Decayed)> = from.next.iter().collect();
+            next.sort_unstable_by_key(|(id, _)| **id);
+            for (to_id, count) in next {
                 let v = count.value(now_ms, hl);
                 let Some(to) = self.clusters.get(to_id) else {
                     continue;
@@ -176,7 +183,7 @@ impl Namespace {
                 }
             }
         }
-        pairs.sort_by(|a, b| b.0.total_cmp(&a.0));
+        pairs.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
         Some(pairs.into_iter().map(|(_, a, b)| (a, b)).collect())
     }
 
