@@ -8,13 +8,26 @@
 //! embedding similarity (`[semantic] answer_threshold`), the share `verify_near_misses` of
 //! them, off the request path and without another backend call. Near misses are what let a
 //! threshold fall: verdicts on served hits only ever speak of similarities already served.
+//!
+//! With Redis the replicas pool their evidence: every `[semantic] evidence_sync_secs` each
+//! publishes its own verdicts (all tenants, by similarity bin) as its field of one shared
+//! hash, and reads the other replicas' fields; a tenant's threshold is learned from its own
+//! verdicts plus the others' last published ones. Each replica writes only its own field,
+//! so nothing is counted twice; a restarted replica has a new id, and what it had learned
+//! before keeps counting under the old one until that field is a week old. What another
+//! replica wrote is checked (bins, counts, known tenants) before it is used.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
-use reprise_cache::EntryId;
+use reprise_cache::{now_ms, EntryId};
 use reprise_policies::bound::{Evidence, Learned};
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::share::ExactShare;
 use crate::state::AppState;
@@ -23,6 +36,24 @@ use crate::state::AppState;
 const ALPHA: f64 = 0.05;
 /// Verdicts kept per tenant before old ones weigh half.
 const DECAY_AT: f64 = 100_000.0;
+/// The shared hash (under the Redis prefix) whose fields are the replicas' evidence.
+const SHARED: &str = "bounds:evidence";
+/// Replicas whose evidence is read.
+const MAX_REPLICAS: usize = 256;
+/// A replica's published evidence counts this long after it was written; a live replica
+/// publishes again at least every [`REPUBLISH`], verdicts or not.
+const SHARED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+/// See [`SHARED_TTL`].
+const REPUBLISH: Duration = Duration::from_secs(24 * 3600);
+
+/// One replica's evidence as published.
+#[derive(Debug, Serialize, Deserialize)]
+struct Published {
+    /// When it was written (milliseconds since the Unix epoch).
+    at_ms: u64,
+    /// Each tenant's verdicts ("" for the anonymous one) as (bin, right, wrong).
+    tenants: HashMap<String, Vec<(u8, f64, f64)>>,
+}
 
 /// Where a verdict came from (metric label).
 #[derive(Debug, Clone, Copy)]
@@ -48,7 +79,14 @@ impl Source {
 /// The evidence of every tenant ("" for the anonymous one).
 #[derive(Default)]
 pub struct Bounds {
+    /// This replica's own verdicts.
     evidence: Mutex<HashMap<String, Evidence>>,
+    /// The other replicas' verdicts, as last read from Redis (locked after `evidence`).
+    peers: Mutex<HashMap<String, Evidence>>,
+    /// Verdicts recorded since the last publication.
+    unpublished: AtomicBool,
+    /// When the evidence was last published (ms since the epoch; 0: never).
+    published_ms: AtomicU64,
     /// Near misses seen, for sampling.
     near_misses: ExactShare,
 }
@@ -77,6 +115,7 @@ impl Bounds {
                 e.decay();
             }
         }
+        self.unpublished.store(true, Ordering::Relaxed);
         let verdict = if wrong { "wrong" } else { "right" };
         state.metrics.verdict(tenant, source.as_str(), verdict);
     }
@@ -84,12 +123,122 @@ impl Bounds {
     /// The threshold `tenant` serves at under `delta`, from `configured` (`floor`: the lowest
     /// it may learn).
     pub fn threshold(&self, tenant: &str, delta: f64, configured: f32, floor: f32) -> Learned {
-        let all = self.evidence.lock();
-        match all.get(tenant) {
-            Some(e) => e.threshold(delta, ALPHA, configured, floor.min(configured)),
-            None => Evidence::default().threshold(delta, ALPHA, configured, floor),
+        let floor = floor.min(configured);
+        let own = self.evidence.lock();
+        let peers = self.peers.lock();
+        match (own.get(tenant), peers.get(tenant)) {
+            (Some(e), None) | (None, Some(e)) => e.threshold(delta, ALPHA, configured, floor),
+            (Some(e), Some(p)) => {
+                let mut all = e.clone();
+                all.merge(p);
+                all.threshold(delta, ALPHA, configured, floor)
+            }
+            (None, None) => Evidence::default().threshold(delta, ALPHA, configured, floor),
         }
     }
+
+    /// Publishes this replica's evidence to Redis when verdicts came since the last time, or
+    /// the last publication is [`REPUBLISH`] old (a queued write; dropped writes are tried
+    /// again next time). Nothing without Redis.
+    pub fn publish(&self, state: &AppState) {
+        let Some(redis) = state.store.redis() else {
+            return;
+        };
+        let now = now_ms();
+        let due = now.saturating_sub(self.published_ms.load(Ordering::Relaxed))
+            >= REPUBLISH.as_millis() as u64;
+        if !self.unpublished.swap(false, Ordering::Relaxed) && !due {
+            return;
+        }
+        let tenants = self
+            .evidence
+            .lock()
+            .iter()
+            .map(|(t, e)| (t.clone(), e.bins()))
+            .collect();
+        let published = Published {
+            at_ms: now,
+            tenants,
+        };
+        let written = serde_json::to_vec(&published)
+            .is_ok_and(|bytes| redis.put_field(SHARED, redis.replica_id(), bytes, SHARED_TTL));
+        if written {
+            self.published_ms.store(now, Ordering::Relaxed);
+        } else {
+            self.unpublished.store(true, Ordering::Relaxed);
+            tracing::debug!("bounds: evidence not published (write dropped)");
+        }
+    }
+
+    /// Reads the other replicas' evidence from Redis and makes it the peers' evidence (of
+    /// tenants configured here, at most [`SHARED_TTL`] old, checked bin by bin). When Redis
+    /// cannot be read, the last peers' evidence stays.
+    pub async fn pull(&self, state: &AppState) {
+        let Some(redis) = state.store.redis() else {
+            return;
+        };
+        let fields = match redis.get_fields(&[SHARED.to_string()], MAX_REPLICAS).await {
+            Ok(mut got) => got.pop().unwrap_or_default(),
+            Err(e) => {
+                tracing::warn!(error = %e, "bounds: other replicas' evidence not read");
+                return;
+            }
+        };
+        let now = now_ms();
+        let policies = state.policies.load_full();
+        let mut peers: HashMap<String, Evidence> = HashMap::new();
+        for (replica, bytes) in fields {
+            if replica == redis.replica_id() {
+                continue;
+            }
+            let Ok(p) = serde_json::from_slice::<Published>(&bytes) else {
+                tracing::debug!(replica, "bounds: undecodable evidence skipped");
+                continue;
+            };
+            if now.saturating_sub(p.at_ms) > SHARED_TTL.as_millis() as u64 {
+                continue;
+            }
+            for (tenant, bins) in p.tenants {
+                if !(tenant.is_empty() || policies.tenants.named(&tenant).is_some()) {
+                    continue;
+                }
+                // A replica's own evidence decays past DECAY_AT, so more is not its own.
+                let Some(e) = Evidence::from_bins(&bins, 2.0 * DECAY_AT) else {
+                    tracing::debug!(replica, tenant, "bounds: invalid evidence skipped");
+                    continue;
+                };
+                peers.entry(tenant).or_default().merge(&e);
+            }
+        }
+        *self.peers.lock() = peers;
+    }
+}
+
+/// Starts the task that shares evidence with the other replicas every
+/// `semantic.evidence_sync_secs` (with Redis, when that is not 0); it publishes once more
+/// when stopped (the shutdown then flushes the Redis writes).
+pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationToken) {
+    let every = state.config.semantic.evidence_sync_secs;
+    if state.store.redis().is_none() || every == 0 {
+        return;
+    }
+    let weak = Arc::downgrade(state);
+    tracker.spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(every));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            let Some(state) = weak.upgrade() else { return };
+            state.bounds.publish(&state);
+            state.bounds.pull(&state).await;
+        }
+        if let Some(state) = weak.upgrade() {
+            state.bounds.publish(&state);
+        }
+    });
 }
 
 /// The bound of the tenant of `namespace` (0: none).

@@ -12,6 +12,8 @@
 //! - **stats**: just after each `stats.interval_secs`, the prefetcher's counters sampled into
 //!   the interval that ended and, with Redis, the closed intervals published for the other
 //!   replicas ([`crate::stats`]);
+//! - **evidence**: with Redis, the verdicts behind learned thresholds shared with the other
+//!   replicas every `semantic.evidence_sync_secs` ([`crate::bounds`]);
 //! - **policy reload**: on `SIGHUP`, the configuration file's policy sections
 //!   ([`crate::policy`]; with Redis, shared with the other replicas).
 //!
@@ -55,6 +57,7 @@ pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
         start_snapshots(state, path, every, &tracker, stop.clone());
     }
     crate::stats::start(state, &tracker, stop.clone());
+    crate::bounds::start(state, &tracker, stop.clone());
     if let Some(path) = state.config.source.clone() {
         start_reload_on_hangup(state, path, &tracker, stop.clone());
     }

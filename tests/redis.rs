@@ -414,6 +414,62 @@ async fn a_refusal_reaches_every_replica() {
     }
 }
 
+/// Verdicts taken on one replica tighten the learned threshold of the others, and of a
+/// replica started after the first one stopped (its evidence outlives it in Redis).
+#[tokio::test]
+async fn verdicts_reach_the_thresholds_of_every_replica() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let mut config = redis_config(redis.url());
+    config.semantic.delta = 0.05;
+    config.semantic.evidence_sync_secs = 1;
+    let a = spawn_replica(config.clone(), Arc::new(backend.clone())).await;
+    let b = spawn_replica(config.clone(), Arc::new(backend.clone())).await;
+    let threshold = |app: &TestApp| app.state.bounds.threshold("", 0.05, 0.86, 0.7).threshold;
+    assert_eq!(threshold(&b), 0.86, "no verdicts yet");
+    assert_eq!(
+        cache_status(&a.chat(&chat_body("How do I reset my password?"), &[]).await),
+        "miss"
+    );
+    let asked = chat_body("I forgot my password, how can I change it?");
+    expect_status(&a, &asked, &[], "semantic").await;
+    let r = a.chat(&asked, &[]).await;
+    let sim: f32 = r.headers()["x-reprise-similarity"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let id = r.json::<Value>().await.unwrap()["id"].clone();
+    let r = a
+        .client
+        .post(a.url("/v1/feedback"))
+        .json(&json!({"id": id, "verdict": "wrong"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(threshold(&a) > sim, "A learned from its own verdict");
+    // B never saw the verdict; it learns it from A's published evidence.
+    let state = b.state.clone();
+    let shared = eventually(Duration::from_secs(10), || {
+        state.bounds.threshold("", 0.05, 0.86, 0.7).threshold > sim
+    })
+    .await;
+    assert!(shared, "B's threshold stayed {}", threshold(&b));
+    // A stops (publishing once more); a replica started afterwards learns it too, and so
+    // does B still (A's evidence is not dropped with A).
+    a.shutdown().await;
+    let c = spawn_replica(config, Arc::new(backend.clone())).await;
+    let state = c.state.clone();
+    let restarted = eventually(Duration::from_secs(10), || {
+        state.bounds.threshold("", 0.05, 0.86, 0.7).threshold > sim
+    })
+    .await;
+    assert!(restarted, "C's threshold stayed {}", threshold(&c));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(threshold(&b) > sim);
+}
+
 /// Retries `send` until it answers 200 (a queued Redis write may not have landed yet).
 async fn eventually_ok<F, Fut>(send: F) -> serde_json::Value
 where

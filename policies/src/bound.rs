@@ -141,6 +141,41 @@ impl Evidence {
         }
     }
 
+    /// Adds `other`'s verdicts (another replica's) to these.
+    pub fn merge(&mut self, other: &Evidence) {
+        for (a, b) in self.right.iter_mut().zip(other.right.iter()) {
+            *a += b;
+        }
+        for (a, b) in self.wrong.iter_mut().zip(other.wrong.iter()) {
+            *a += b;
+        }
+    }
+
+    /// The bins holding verdicts, as (bin, right, wrong): the form replicas share.
+    pub fn bins(&self) -> Vec<(u8, f64, f64)> {
+        (0..=BINS)
+            .filter(|&b| self.right[b] > 0.0 || self.wrong[b] > 0.0)
+            .map(|b| (b as u8, self.right[b], self.wrong[b]))
+            .collect()
+    }
+
+    /// Evidence from [`Evidence::bins`]; `None` when a bin is out of range or a count is not
+    /// a finite number from 0 to `max_count` (what another replica sent is checked, never
+    /// trusted).
+    pub fn from_bins(bins: &[(u8, f64, f64)], max_count: f64) -> Option<Evidence> {
+        let mut e = Evidence::default();
+        let ok = |c: f64| c.is_finite() && (0.0..=max_count).contains(&c);
+        for &(b, right, wrong) in bins {
+            let b = usize::from(b);
+            if b > BINS || !ok(right) || !ok(wrong) {
+                return None;
+            }
+            e.right[b] += right;
+            e.wrong[b] += wrong;
+        }
+        (e.total() <= max_count).then_some(e)
+    }
+
     fn at_least(&self, from: usize) -> (f64, f64) {
         let n = (from..=BINS).map(|b| self.right[b] + self.wrong[b]).sum();
         let w = (from..=BINS).map(|b| self.wrong[b]).sum();
@@ -249,6 +284,39 @@ mod tests {
         let l = e.threshold(0.02, 0.05, 0.86, 0.7);
         assert_eq!(l.threshold, 0.86, "{l:?}");
         assert!(!l.learned);
+    }
+
+    #[test]
+    fn shared_bins_round_trip_merge_and_are_checked() {
+        let mut a = Evidence::default();
+        a.record(0.80, false);
+        a.record(0.80, true);
+        a.record(0.95, false);
+        let bins = a.bins();
+        assert_eq!(bins, vec![(80, 1.0, 1.0), (95, 1.0, 0.0)]);
+        let back = Evidence::from_bins(&bins, 1e6).unwrap();
+        assert_eq!(back.bins(), bins);
+        // Merged evidence decides as if one replica had seen it all.
+        let mut b = Evidence::default();
+        for _ in 0..20 {
+            b.record(0.88, true);
+        }
+        let mut one = a.clone();
+        for _ in 0..20 {
+            one.record(0.88, true);
+        }
+        a.merge(&b);
+        assert_eq!(a.bins(), one.bins());
+        assert_eq!(
+            a.threshold(0.05, 0.05, 0.86, 0.7),
+            one.threshold(0.05, 0.05, 0.86, 0.7)
+        );
+        assert!(a.threshold(0.05, 0.05, 0.86, 0.7).threshold > 0.88);
+        // Out of range, negative, not finite, too many: refused whole.
+        assert!(Evidence::from_bins(&[(101, 1.0, 0.0)], 1e6).is_none());
+        assert!(Evidence::from_bins(&[(50, -1.0, 0.0)], 1e6).is_none());
+        assert!(Evidence::from_bins(&[(50, f64::NAN, 0.0)], 1e6).is_none());
+        assert!(Evidence::from_bins(&[(50, 6.0, 0.0), (51, 6.0, 0.0)], 10.0).is_none());
     }
 
     #[test]

@@ -113,6 +113,10 @@ pub struct SemanticConfig {
     pub verify_judge: VerifyJudge,
     /// Tokens per minute the checks of hits may ask the backend for.
     pub verify_tokens_per_minute: u32,
+    /// With Redis: seconds between publishing this replica's verdicts and reading the other
+    /// replicas' (a threshold under `delta` is learned from all of them); 0: each replica
+    /// learns from its own verdicts alone.
+    pub evidence_sync_secs: u64,
 }
 
 /// How a checked hit is judged (`semantic.verify_judge`).
@@ -159,6 +163,7 @@ impl Default for SemanticConfig {
             verify_hits: 0.0,
             verify_judge: VerifyJudge::Similarity,
             verify_tokens_per_minute: 20_000,
+            evidence_sync_secs: 10,
         }
     }
 }
