@@ -434,19 +434,9 @@ async fn verdicts_reach_the_thresholds_of_every_replica() {
     let asked = chat_body("I forgot my password, how can I change it?");
     expect_status(&a, &asked, &[], "semantic").await;
     let r = a.chat(&asked, &[]).await;
-    let sim: f32 = r.headers()["x-reprise-similarity"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let sim = similarity(&r);
     let id = r.json::<Value>().await.unwrap()["id"].clone();
-    let r = a
-        .client
-        .post(a.url("/v1/feedback"))
-        .json(&json!({"id": id, "verdict": "wrong"}))
-        .send()
-        .await
-        .unwrap();
+    let r = feedback(&a, json!({"id": id, "verdict": "wrong"}), None).await;
     assert_eq!(r.status(), 200);
     assert!(threshold(&a) > sim, "A learned from its own verdict");
     // B never saw the verdict; it learns it from A's published evidence.

@@ -75,6 +75,24 @@ pub fn cache_status(resp: &reqwest::Response) -> String {
         .unwrap_or_default()
 }
 
+/// The `x-reprise-similarity` header of a hit matched by meaning.
+pub fn similarity(resp: &reqwest::Response) -> f32 {
+    resp.headers()["x-reprise-similarity"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Sends a verdict (`{"id", "verdict"}`) to `POST /v1/feedback`, with `key` as the bearer.
+pub async fn feedback(app: &TestApp, body: Value, key: Option<&str>) -> reqwest::Response {
+    let mut req = app.client.post(app.url("/v1/feedback")).json(&body);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    req.send().await.unwrap()
+}
+
 /// Polls `f` until it holds or `timeout` passes.
 pub async fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + timeout;
