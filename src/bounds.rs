@@ -1,6 +1,9 @@
 //! Learned thresholds under an error bound (`[semantic] delta`, a tenant's `policy.delta`):
-//! the verdicts on answers matched by meaning, kept per tenant, and the threshold they allow
-//! ([`reprise_policies::bound`] decides; this module keeps the evidence and reports it).
+//! the verdicts on answers matched by meaning, kept per tenant and scope, and the threshold
+//! they allow ([`reprise_policies::bound`] decides; this module keeps the evidence and
+//! reports it). A scope is the semantic rule a request was looked up under (its own
+//! threshold), on the canary's candidate side or not: evidence gathered under one threshold
+//! never moves another rule's, and a candidate's verdicts never move the running policy's.
 //!
 //! Verdicts come from `POST /v1/feedback` on semantic and prefetch hits (at the similarity the
 //! hit was served at) and from checked near misses: a miss whose best candidate was under the
@@ -10,12 +13,12 @@
 //! threshold fall: verdicts on served hits only ever speak of similarities already served.
 //!
 //! With Redis the replicas pool their evidence: every `[semantic] evidence_sync_secs` each
-//! publishes its own verdicts (all tenants, by similarity bin) as its field of one shared
-//! hash, and reads the other replicas' fields; a tenant's threshold is learned from its own
+//! publishes its own verdicts (all tenants and scopes, by similarity bin) as its field of one
+//! shared hash, and reads the other replicas' fields; a threshold is learned from its own
 //! verdicts plus the others' last published ones. Each replica writes only its own field,
 //! so nothing is counted twice; a restarted replica has a new id, and what it had learned
 //! before keeps counting under the old one until that field is a week old. What another
-//! replica wrote is checked (bins, counts, known tenants) before it is used.
+//! replica wrote is checked (bins, counts, known tenants, bounded scopes) before it is used.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -45,14 +48,52 @@ const MAX_REPLICAS: usize = 256;
 const SHARED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// See [`SHARED_TTL`].
 const REPUBLISH: Duration = Duration::from_secs(24 * 3600);
+/// Scopes read per tenant from another replica, and the longest scope name: a replica's
+/// rules are configured, so more is not a real configuration.
+const MAX_SCOPES: usize = 256;
+/// See [`MAX_SCOPES`].
+const MAX_SCOPE_BYTES: usize = 512;
+
+/// Verdicts by tenant, then scope.
+type Scoped = HashMap<String, HashMap<String, Evidence>>;
+/// One scope's verdicts as shared: (bin, right, wrong) of the bins holding any.
+type Bins = Vec<(u8, f64, f64)>;
+
+/// The scope of a request's learned threshold: its semantic rule's (see
+/// [`reprise_policies::semantic::scope`]), marked when it was looked up under the canary's
+/// candidate.
+pub fn scope(
+    rule: Option<&reprise_policies::semantic::Rule>,
+    arm: crate::candidate::Arm,
+) -> String {
+    let s = reprise_policies::semantic::scope(rule);
+    match arm {
+        crate::candidate::Arm::Candidate => format!("candidate:{s}"),
+        _ => s,
+    }
+}
+
+/// A miss whose best candidate was under the threshold, to be judged once the backend
+/// answered it ([`check_near_miss`]).
+#[derive(Debug, Clone)]
+pub struct NearMiss {
+    /// The tenant's name.
+    pub tenant: String,
+    /// The scope of its threshold.
+    pub scope: String,
+    /// The best candidate.
+    pub candidate: EntryId,
+    /// The candidate's similarity.
+    pub similarity: f32,
+}
 
 /// One replica's evidence as published.
 #[derive(Debug, Serialize, Deserialize)]
 struct Published {
     /// When it was written (milliseconds since the Unix epoch).
     at_ms: u64,
-    /// Each tenant's verdicts ("" for the anonymous one) as (bin, right, wrong).
-    tenants: HashMap<String, Vec<(u8, f64, f64)>>,
+    /// Each tenant's verdicts ("" for the anonymous one) by scope, as (bin, right, wrong).
+    tenants: HashMap<String, HashMap<String, Bins>>,
 }
 
 /// Where a verdict came from (metric label).
@@ -76,13 +117,13 @@ impl Source {
     }
 }
 
-/// The evidence of every tenant ("" for the anonymous one).
+/// The evidence of every tenant ("" for the anonymous one) and scope.
 #[derive(Default)]
 pub struct Bounds {
     /// This replica's own verdicts.
-    evidence: Mutex<HashMap<String, Evidence>>,
+    evidence: Mutex<Scoped>,
     /// The other replicas' verdicts, as last read from Redis (locked after `evidence`).
-    peers: Mutex<HashMap<String, Evidence>>,
+    peers: Mutex<Scoped>,
     /// Verdicts recorded since the last publication.
     unpublished: AtomicBool,
     /// When the evidence was last published (ms since the epoch; 0: never).
@@ -98,18 +139,24 @@ impl Bounds {
         self.near_misses.take(share)
     }
 
-    /// Records a verdict on a candidate of `tenant` found at `similarity`.
+    /// Records a verdict on a candidate of `tenant` found at `similarity` under the
+    /// threshold of `scope`.
     pub fn record(
         &self,
         state: &AppState,
         tenant: &str,
+        scope: &str,
         similarity: f32,
         wrong: bool,
         source: Source,
     ) {
         {
             let mut all = self.evidence.lock();
-            let e = all.entry(tenant.to_string()).or_default();
+            let e = all
+                .entry(tenant.to_string())
+                .or_default()
+                .entry(scope.to_string())
+                .or_default();
             e.record(similarity, wrong);
             if e.total() > DECAY_AT {
                 e.decay();
@@ -120,18 +167,25 @@ impl Bounds {
         state.metrics.verdict(tenant, source.as_str(), verdict);
     }
 
-    /// The threshold `tenant` serves at under `delta`, from `configured` (`floor`: the lowest
-    /// it may learn).
-    pub fn threshold(&self, tenant: &str, delta: f64, configured: f32, floor: f32) -> Learned {
+    /// The threshold `tenant` serves at in `scope` under `delta`, from `configured`
+    /// (`floor`: the lowest it may learn).
+    pub fn threshold(
+        &self,
+        tenant: &str,
+        scope: &str,
+        delta: f64,
+        configured: f32,
+        floor: f32,
+    ) -> Learned {
         let floor = floor.min(configured);
         let own = self.evidence.lock();
         let peers = self.peers.lock();
-        match (own.get(tenant), peers.get(tenant)) {
+        let of = |m: &Scoped| m.get(tenant).and_then(|s| s.get(scope)).cloned();
+        match (of(&own), of(&peers)) {
             (Some(e), None) | (None, Some(e)) => e.threshold(delta, ALPHA, configured, floor),
-            (Some(e), Some(p)) => {
-                let mut all = e.clone();
-                all.merge(p);
-                all.threshold(delta, ALPHA, configured, floor)
+            (Some(mut e), Some(p)) => {
+                e.merge(&p);
+                e.threshold(delta, ALPHA, configured, floor)
             }
             (None, None) => Evidence::default().threshold(delta, ALPHA, configured, floor),
         }
@@ -154,7 +208,10 @@ impl Bounds {
             .evidence
             .lock()
             .iter()
-            .map(|(t, e)| (t.clone(), e.bins()))
+            .map(|(t, scopes)| {
+                let bins = scopes.iter().map(|(s, e)| (s.clone(), e.bins())).collect();
+                (t.clone(), bins)
+            })
             .collect();
         let published = Published {
             at_ms: now,
@@ -171,8 +228,8 @@ impl Bounds {
     }
 
     /// Reads the other replicas' evidence from Redis and makes it the peers' evidence (of
-    /// tenants configured here, at most [`SHARED_TTL`] old, checked bin by bin). When Redis
-    /// cannot be read, the last peers' evidence stays.
+    /// tenants configured here, at most [`MAX_SCOPES`] scopes each, at most [`SHARED_TTL`]
+    /// old, checked bin by bin). When Redis cannot be read, the last peers' evidence stays.
     pub async fn pull(&self, state: &AppState) {
         let Some(redis) = state.store.redis() else {
             return;
@@ -186,7 +243,7 @@ impl Bounds {
         };
         let now = now_ms();
         let policies = state.policies.load_full();
-        let mut peers: HashMap<String, Evidence> = HashMap::new();
+        let mut peers: Scoped = HashMap::new();
         for (replica, bytes) in fields {
             if replica == redis.replica_id() {
                 continue;
@@ -198,16 +255,22 @@ impl Bounds {
             if now.saturating_sub(p.at_ms) > SHARED_TTL.as_millis() as u64 {
                 continue;
             }
-            for (tenant, bins) in p.tenants {
+            for (tenant, scopes) in p.tenants {
                 if !(tenant.is_empty() || policies.tenants.named(&tenant).is_some()) {
                     continue;
                 }
-                // A replica's own evidence decays past DECAY_AT, so more is not its own.
-                let Some(e) = Evidence::from_bins(&bins, 2.0 * DECAY_AT) else {
-                    tracing::debug!(replica, tenant, "bounds: invalid evidence skipped");
-                    continue;
-                };
-                peers.entry(tenant).or_default().merge(&e);
+                let mine = peers.entry(tenant.clone()).or_default();
+                for (scope, bins) in scopes.into_iter().take(MAX_SCOPES) {
+                    // A replica's own evidence decays past DECAY_AT: more is not its own.
+                    let e = Evidence::from_bins(&bins, 2.0 * DECAY_AT);
+                    let Some(e) = e.filter(|_| scope.len() <= MAX_SCOPE_BYTES) else {
+                        tracing::debug!(replica, tenant, "bounds: invalid evidence skipped");
+                        continue;
+                    };
+                    if mine.len() < MAX_SCOPES || mine.contains_key(&scope) {
+                        mine.entry(scope).or_default().merge(&e);
+                    }
+                }
             }
         }
         *self.peers.lock() = peers;
@@ -246,29 +309,29 @@ pub fn delta_of(state: &AppState, tenant: &crate::auth::Tenant) -> f64 {
     tenant.policy().delta.unwrap_or(state.config.semantic.delta)
 }
 
-/// Checks a near miss once the backend answered its question: the candidate `candidate`
-/// (found at `similarity`) is judged against `answer`. Runs on its own task.
-pub fn check_near_miss(
-    state: &Arc<AppState>,
-    tenant: String,
-    candidate: EntryId,
-    similarity: f32,
-    answer: String,
-) {
+/// Checks a near miss once the backend answered its question: its candidate is judged
+/// against `answer`. Runs on its own task.
+pub fn check_near_miss(state: &Arc<AppState>, near: NearMiss, answer: String) {
     let (Some(embedder), state) = (state.embedder.clone(), state.clone()) else {
         return;
     };
     tokio::spawn(async move {
-        let Some(entry) = state.store.get(candidate).await else {
+        let Some(entry) = state.store.get(near.candidate).await else {
             return;
         };
         let texts = [answer, entry.text.clone()];
-        let Ok(v) = embedder.embed_many_in(&tenant, &texts).await else {
+        let Ok(v) = embedder.embed_many_in(&near.tenant, &texts).await else {
             return;
         };
         let same = reprise_embedder::cosine(&v[0], &v[1]) >= state.config.semantic.answer_threshold;
-        state
-            .bounds
-            .record(&state, &tenant, similarity, !same, Source::NearMiss);
+        let (tenant, scope) = (&near.tenant, &near.scope);
+        state.bounds.record(
+            &state,
+            tenant,
+            scope,
+            near.similarity,
+            !same,
+            Source::NearMiss,
+        );
     });
 }

@@ -60,12 +60,16 @@ pub struct Served {
     /// The similarity a semantic hit was served at.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub similarity: Option<f32>,
+    /// The scope of the threshold it was served under (see [`crate::bounds::scope`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub scope: String,
 }
 
 impl Served {
     fn weight(&self) -> u32 {
         let text = self.question.as_ref().map_or(0, |(_, t)| t.len());
-        u32::try_from(std::mem::size_of::<Served>() + 64 + self.tenant.len() + text)
+        let strings = self.tenant.len() + self.scope.len() + text;
+        u32::try_from(std::mem::size_of::<Served>() + 64 + strings)
             .unwrap_or(u32::MAX)
             // moka's bookkeeping for the item.
             .saturating_add(reprise_cache::ITEM_OVERHEAD)
@@ -202,7 +206,7 @@ pub async fn handle(
         let source = crate::bounds::Source::Feedback;
         state
             .bounds
-            .record(state, tenant.name(), sim, wrong, source);
+            .record(state, tenant.name(), &served.scope, sim, wrong, source);
     }
     let mut refused = false;
     if v.verdict == Kind::Wrong {

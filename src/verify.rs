@@ -123,9 +123,14 @@ fn start(
         let Some(wrong) = judge(&state, &served, &fresh, &entry, &answer).await else {
             return;
         };
-        state
-            .bounds
-            .record(&state, &served.tenant, similarity, wrong, Source::Verified);
+        state.bounds.record(
+            &state,
+            &served.tenant,
+            &served.scope,
+            similarity,
+            wrong,
+            Source::Verified,
+        );
         if wrong {
             crate::feedback::refuse(&state, &served).await;
         }

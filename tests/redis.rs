@@ -425,7 +425,12 @@ async fn verdicts_reach_the_thresholds_of_every_replica() {
     config.semantic.evidence_sync_secs = 1;
     let a = spawn_replica(config.clone(), Arc::new(backend.clone())).await;
     let b = spawn_replica(config.clone(), Arc::new(backend.clone())).await;
-    let threshold = |app: &TestApp| app.state.bounds.threshold("", 0.05, 0.86, 0.7).threshold;
+    let threshold = |app: &TestApp| {
+        app.state
+            .bounds
+            .threshold("", "*/*", 0.05, 0.86, 0.7)
+            .threshold
+    };
     assert_eq!(threshold(&b), 0.86, "no verdicts yet");
     assert_eq!(
         cache_status(&a.chat(&chat_body("How do I reset my password?"), &[]).await),
@@ -442,7 +447,7 @@ async fn verdicts_reach_the_thresholds_of_every_replica() {
     // B never saw the verdict; it learns it from A's published evidence.
     let state = b.state.clone();
     let shared = eventually(Duration::from_secs(10), || {
-        state.bounds.threshold("", 0.05, 0.86, 0.7).threshold > sim
+        state.bounds.threshold("", "*/*", 0.05, 0.86, 0.7).threshold > sim
     })
     .await;
     assert!(shared, "B's threshold stayed {}", threshold(&b));
@@ -452,7 +457,7 @@ async fn verdicts_reach_the_thresholds_of_every_replica() {
     let c = spawn_replica(config, Arc::new(backend.clone())).await;
     let state = c.state.clone();
     let restarted = eventually(Duration::from_secs(10), || {
-        state.bounds.threshold("", 0.05, 0.86, 0.7).threshold > sim
+        state.bounds.threshold("", "*/*", 0.05, 0.86, 0.7).threshold > sim
     })
     .await;
     assert!(restarted, "C's threshold stayed {}", threshold(&c));

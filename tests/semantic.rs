@@ -862,7 +862,9 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
     config.semantic.verify_near_misses = 1.0;
     let (app, _backend) = spawn_fake(config.clone(), script.clone()).await;
     let learned = |app: &TestApp, delta: f64, configured: f32| {
-        app.state.bounds.threshold("", delta, configured, 0.5)
+        app.state
+            .bounds
+            .threshold("", "*/*", delta, configured, 0.5)
     };
     assert_eq!(learned(&app, 0.05, 0.86).threshold, 0.86, "no verdicts yet");
     assert_eq!(
@@ -893,9 +895,15 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
         "{after:?} vs {sim}"
     );
 
-    // Another server, strict (0.97) under a looser bound: near misses teach it.
+    // Another server, strict (0.97) under a looser bound: near misses teach it. Its rule
+    // for namespace `legal` (0.99) is a scope of its own.
     config.semantic.threshold = 0.97;
     config.semantic.delta = 0.3;
+    config.semantic.rules = vec![reprise_policies::semantic::Rule {
+        namespace: Some("legal".into()),
+        threshold: Some(0.99),
+        ..Default::default()
+    }];
     let (app, _backend) = spawn_fake(config, script).await;
     assert_eq!(
         cache_status(
@@ -934,7 +942,7 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
     }
     let state = app.state.clone();
     let loosened = eventually(std::time::Duration::from_secs(10), || {
-        let l = state.bounds.threshold("", 0.3, 0.97, 0.5);
+        let l = state.bounds.threshold("", "*/*", 0.3, 0.97, 0.5);
         l.learned && l.threshold < 0.97
     })
     .await;
@@ -947,6 +955,22 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
             .iter()
             .any(|(s, sim)| s == "semantic" && sim.is_some_and(|x| x < 0.97)),
         "{served:?}"
+    );
+    // Those verdicts were taken under the default threshold: the `legal` rule keeps its own
+    // (no verdicts there yet), so a wording served loosely above is not served in `legal`
+    // below 0.99. (Its own near misses then teach `legal` in turn.)
+    let legal = state.bounds.threshold("", "legal/*", 0.3, 0.99, 0.5);
+    assert_eq!((legal.threshold, legal.learned), (0.99, false), "{legal:?}");
+    let ns = [("x-reprise-namespace", "legal")];
+    let original = chat_body("How do I reset my password?");
+    assert_eq!(cache_status(&app.chat(&original, &ns).await), "miss");
+    expect_status(&app, &original, &ns, "exact").await;
+    let first = chat_body("How can I change my password?");
+    let r = app.chat(&first, &ns).await;
+    assert_ne!(
+        cache_status(&r),
+        "semantic",
+        "served in legal below its threshold"
     );
 }
 

@@ -42,13 +42,14 @@ pub fn redis_tier(state: &AppState) -> Option<&RedisTier> {
     state.store.redis()
 }
 
-/// The threshold the anonymous tenant of a server is served at under `delta` (the learned
-/// one, from the verdicts the server holds now).
+/// The threshold the anonymous tenant of a server is served at under `delta` with no rule
+/// (the learned one, from the verdicts the server holds now).
 pub fn learned_threshold(state: &AppState, delta: f64) -> Learned {
     let s = &state.config.semantic;
+    let scope = reprise_policies::semantic::scope(None);
     state
         .bounds
-        .threshold("", delta, s.threshold, s.min_threshold)
+        .threshold("", &scope, delta, s.threshold, s.min_threshold)
 }
 
 /// How many index rebuilds from Redis a replica has finished.

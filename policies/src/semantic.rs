@@ -66,6 +66,32 @@ impl Rule {
         self.namespace.as_deref().is_none_or(|n| n == namespace)
             && self.model.as_deref().is_none_or(|m| m == model)
     }
+
+    /// What the rule applies to, `namespace/model` (`*`: any): the scope whose verdicts
+    /// learn its threshold ([`scope`]).
+    pub fn scope(&self) -> String {
+        format!(
+            "{}/{}",
+            self.namespace.as_deref().unwrap_or("*"),
+            self.model.as_deref().unwrap_or("*")
+        )
+    }
+}
+
+/// The first of `rules` that applies to `namespace` and `model`.
+pub fn matching<'a>(
+    rules: impl IntoIterator<Item = &'a Rule>,
+    namespace: &str,
+    model: &str,
+) -> Option<&'a Rule> {
+    rules.into_iter().find(|r| r.matches(namespace, model))
+}
+
+/// The scope of a request's policy: the matching rule's (see [`Rule::scope`]), or `*/*`
+/// for the defaults. Verdicts are kept per scope, so evidence gathered under one threshold
+/// never moves another rule's.
+pub fn scope(rule: Option<&Rule>) -> String {
+    rule.map_or_else(|| "*/*".to_string(), Rule::scope)
 }
 
 /// The policy for a request: defaults, then the first matching rule (in the order given:
@@ -79,7 +105,7 @@ pub fn resolve<'a>(
     requested_threshold: Option<f32>,
 ) -> SemanticPolicy {
     let mut p = defaults;
-    if let Some(r) = rules.into_iter().find(|r| r.matches(namespace, model)) {
+    if let Some(r) = matching(rules, namespace, model) {
         p.enabled = r.enabled.unwrap_or(p.enabled);
         p.threshold = r.threshold.unwrap_or(p.threshold);
         p.top_k = r.top_k.unwrap_or(p.top_k);
@@ -129,5 +155,9 @@ mod tests {
         assert!(!resolve(D, &rules, "other", "big", None).enabled);
         assert_eq!(resolve(D, &rules, "legal", "x", Some(0.5)).threshold, 0.95);
         assert_eq!(resolve(D, &rules, "x", "x", Some(0.97)).threshold, 0.97);
+        // Each rule is its own scope; the defaults are one more.
+        assert_eq!(scope(matching(&rules, "legal", "big")), "legal/*");
+        assert_eq!(scope(matching(&rules, "other", "big")), "*/big");
+        assert_eq!(scope(matching(&rules, "other", "small")), "*/*");
     }
 }

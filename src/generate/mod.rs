@@ -63,11 +63,8 @@ pub(crate) fn spawn(
                 // after a client got its answer finds it (a moka insert is microseconds).
                 // A fallback's answer is not the model's the keys are for: not stored.
                 if let Some(mut plan) = plan.filter(|_| flight.fallback().is_none()) {
-                    if let Some((tenant, candidate, similarity)) = plan.near_miss.take() {
-                        let answer = text.clone();
-                        crate::bounds::check_near_miss(
-                            &state, tenant, candidate, similarity, answer,
-                        );
+                    if let Some(near) = plan.near_miss.take() {
+                        crate::bounds::check_near_miss(&state, near, text.clone());
                     }
                     let gen_ms = u32::try_from(took.as_millis()).unwrap_or(u32::MAX);
                     write_back(&state, plan, text, reason, usage, gen_ms).await;

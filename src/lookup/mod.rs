@@ -108,6 +108,9 @@ pub struct Lookup {
     pub prev_entry: Option<EntryId>,
     /// The semantic policy applied, when the request could be matched semantically.
     pub policy: Option<SemanticPolicy>,
+    /// The scope of that policy's learned threshold (see [`crate::bounds::scope`]; empty
+    /// when no semantic policy applied).
+    pub scope: String,
     /// The exact key leads to an entry, only one too old for this request: a paraphrase's
     /// answer served instead must not take the key from it.
     pub exact_taken: bool,
@@ -132,6 +135,7 @@ impl Lookup {
             hit: None,
             prev_entry: None,
             policy: None,
+            scope: String::new(),
             exact_taken: false,
             stale: None,
             embed_overloaded: None,
@@ -252,7 +256,16 @@ pub async fn lookup(
     let resolve = |rules: &[reprise_policies::semantic::Rule]| {
         semantic_policy(&policies, rules, namespace, &req.model, wants.threshold)
     };
-    let mut policy = resolve(tenant.semantic_rules(wants.arm));
+    let rules = tenant.semantic_rules(wants.arm);
+    let mut policy = resolve(rules);
+    let scope = crate::bounds::scope(
+        reprise_policies::semantic::matching(
+            rules.iter().chain(&policies.rules),
+            crate::auth::sub_namespace(namespace),
+            &req.model,
+        ),
+        wants.arm,
+    );
     let delta = crate::bounds::delta_of(state, tenant);
     if followup && delta == 0.0 {
         // A follow-up is matched within its context only, where the content it acts on is
@@ -263,7 +276,7 @@ pub async fn lookup(
         let floor = state.config.semantic.min_threshold;
         let learned = state
             .bounds
-            .threshold(tenant.name(), delta, policy.threshold, floor);
+            .threshold(tenant.name(), &scope, delta, policy.threshold, floor);
         // A client's `x-reprise-threshold` only ever raises it.
         policy.threshold = learned.threshold.max(wants.threshold.unwrap_or(0.0));
         if counted {
@@ -289,6 +302,7 @@ pub async fn lookup(
     }
     if policy.enabled {
         found.policy = Some(policy);
+        found.scope = scope;
         found.notes.threshold = Some(policy.threshold);
     }
     // The embedder reads a bounded start of the question; the rest must match exactly, so

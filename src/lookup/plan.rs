@@ -39,9 +39,8 @@ pub struct WritePlan {
     pub observe: Option<ObserveLater>,
     /// Invalidation tags from `x-reprise-tags`.
     pub tags: Vec<String>,
-    /// A near miss to check against the answer once generated (tenant, candidate,
-    /// similarity): see [`crate::bounds`].
-    pub near_miss: Option<(String, EntryId, f32)>,
+    /// A near miss to check against the answer once generated: see [`crate::bounds`].
+    pub near_miss: Option<crate::bounds::NearMiss>,
 }
 
 /// What the prefetcher is told about a miss once its answer is stored.

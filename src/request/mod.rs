@@ -183,6 +183,7 @@ async fn serve(
         .then(|| feedback::question(found.plan.partition, found.plan.read()))
         .flatten();
     let key = found.plan.exact;
+    let scope = found.scope.clone();
     let served =
         |entry: Option<_>, outcome: Outcome, sim: Option<f32>, book: &Bookkeeping| Served {
             tenant: tenant.name().to_string(),
@@ -192,6 +193,7 @@ async fn serve(
             question: question.clone(),
             canary: book.canary.as_ref().map(|c| c.on_candidate),
             similarity: sim,
+            scope: scope.clone(),
         };
     if let Some(hit) = found.hit.take() {
         // 8. Write-back of a hit: this phrasing's keys now lead to the entry.
@@ -276,7 +278,7 @@ async fn serve(
     tenant.take_tokens(max_tokens.unwrap_or(state.config.backend.default_max_tokens))?;
     let mut plan = found.plan;
     plan.tags = ctl.tags.clone();
-    plan.near_miss = near_miss_to_check(state, &tenant, &found.notes);
+    plan.near_miss = near_miss_to_check(state, &tenant, &found.notes, scope.clone());
     plan.observe = observe;
 
     // 6. Single-flight, 7. generation (8. write-back in the driver task).
@@ -409,16 +411,21 @@ fn candidate_arm(tenant: &Tenant, book: &mut Bookkeeping) -> Arm {
     arm
 }
 
-/// The near miss of a miss to check once answered, when the tenant's threshold is learned
-/// under a bound and this one is sampled (`semantic.verify_near_misses`).
+/// The near miss of a miss to check once answered, when the tenant's threshold (that of
+/// `scope`) is learned under a bound and this one is sampled (`semantic.verify_near_misses`).
 fn near_miss_to_check(
     state: &AppState,
     tenant: &Tenant,
     notes: &lookup::Notes,
-) -> Option<(String, reprise_cache::EntryId, f32)> {
-    let (id, similarity) = notes.near_miss?;
+    scope: String,
+) -> Option<crate::bounds::NearMiss> {
+    let (candidate, similarity) = notes.near_miss?;
     let s = &state.config.semantic;
     let wanted = crate::bounds::delta_of(state, tenant) > 0.0 && similarity >= s.min_threshold;
-    (wanted && state.bounds.sample(s.verify_near_misses))
-        .then(|| (tenant.name().to_string(), id, similarity))
+    (wanted && state.bounds.sample(s.verify_near_misses)).then(|| crate::bounds::NearMiss {
+        tenant: tenant.name().to_string(),
+        scope,
+        candidate,
+        similarity,
+    })
 }
