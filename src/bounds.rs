@@ -180,12 +180,15 @@ impl Bounds {
         let floor = floor.min(configured);
         let own = self.evidence.lock();
         let peers = self.peers.lock();
-        let of = |m: &Scoped| m.get(tenant).and_then(|s| s.get(scope)).cloned();
-        match (of(&own), of(&peers)) {
+        fn of<'a>(m: &'a Scoped, tenant: &str, scope: &str) -> Option<&'a Evidence> {
+            m.get(tenant).and_then(|s| s.get(scope))
+        }
+        match (of(&own, tenant, scope), of(&peers, tenant, scope)) {
             (Some(e), None) | (None, Some(e)) => e.threshold(delta, ALPHA, configured, floor),
-            (Some(mut e), Some(p)) => {
-                e.merge(&p);
-                e.threshold(delta, ALPHA, configured, floor)
+            (Some(e), Some(p)) => {
+                let mut all = e.clone();
+                all.merge(p);
+                all.threshold(delta, ALPHA, configured, floor)
             }
             (None, None) => Evidence::default().threshold(delta, ALPHA, configured, floor),
         }
