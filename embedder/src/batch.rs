@@ -33,7 +33,7 @@ pub(crate) type Reply = oneshot::Sender<Result<Arc<[f32]>, EmbedError>>;
 pub(crate) struct Job {
     pub(crate) text: String,
     pub(crate) reply: Reply,
-    /// The queue room this text takes (texts and bytes), given back once it is answered.
+    /// The queue room this text takes (texts and bytes), given back once it is embedded.
     pub(crate) room: (OwnedSemaphorePermit, OwnedSemaphorePermit),
 }
 
@@ -157,10 +157,13 @@ impl Worker {
                 Some(Err(e)) => Err(EmbedError::Inference(e.clone())),
                 None => Err(EmbedError::Inference("text left out of every batch".into())),
             };
+            // Embedded: its room in the queue is free for the next text, before the caller
+            // hears of it (a caller that asks again at once must find the room; freed after
+            // the answer, a descheduled worker thread held it while the request finished).
+            let Job { reply, room, .. } = job;
+            drop(room);
             // The caller may have given up waiting; nothing to do then.
-            let _ = job.reply.send(answer);
-            // Answered: its room in the queue is free for the next text.
-            drop(job.room);
+            let _ = reply.send(answer);
         }
     }
 
