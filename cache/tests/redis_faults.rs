@@ -208,8 +208,9 @@ async fn index_sets_outlive_their_entries() {
         assert!(t.put_with_tags(e, &[], &tags));
         t.flush().await.unwrap();
         for set in ["reprise:ns:{ns}", "reprise:tag:{doc-1}"] {
-            let entry_ttl = pttl(&mut c, &format!("reprise:e:{{{}}}", long.id)).await;
+            // The set first: read later, an entry's time to live can only be smaller.
             let set_ttl = pttl(&mut c, set).await;
+            let entry_ttl = pttl(&mut c, &format!("reprise:e:{{{}}}", long.id)).await;
             assert!(set_ttl > 0, "{set} expires");
             let longest = if e.id == short.id {
                 pttl(&mut c, &format!("reprise:e:{{{}}}", short.id)).await
