@@ -177,8 +177,11 @@ async fn a_memory_share_given_live_applies_to_what_is_held() {
         "exact",
         "the others' entries are kept"
     );
-    assert_eq!(ask("sk-big", 39).await, "exact", "the newest of big's stay");
-    assert_eq!(ask("sk-big", 0).await, "miss", "the oldest went");
+    // Which of big's entries its share keeps is the eviction policy's choice (moka's, not
+    // strict recency): some stay, within the share.
+    store.run_pending_tasks().await;
+    let big = store.pool_size("big\u{1f}x");
+    assert!(big.is_some_and(|b| b > 0 && b <= 6554), "big holds {big:?}");
     let view = policies(&app).await;
     assert_eq!(view["tenants"][0]["policy"]["memory_share"], 0.1);
 }
