@@ -32,21 +32,6 @@ fn config(tenant_name: &str, key: &str, log: &Path) -> Config {
     c
 }
 
-/// The value of the sample of `name` whose labels include all of `labels`.
-fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
-        let (series, value) = l.rsplit_once(' ')?;
-        let (n, rest) = series.split_once('{').unwrap_or((series, "}"));
-        if n != name {
-            return None;
-        }
-        let has_all = labels
-            .iter()
-            .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
-        has_all.then(|| value.parse().ok()).flatten()
-    })
-}
-
 fn log_lines(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap_or_default()

@@ -894,6 +894,33 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
         after.threshold > sim && after.threshold > 0.86,
         "{after:?} vs {sim}"
     );
+    // What the next lookup uses is what the metrics show, for the tenant and the scope: no
+    // verdict at or above the raised threshold, so the upper bound is 1.
+    app.chat(&chat_body("Where can I change my password?"), &[])
+        .await;
+    let m = app.metrics_text().await;
+    let series = [("tenant", "anonymous"), ("scope", "*/*")];
+    let gauge = sample(&m, "reprise_semantic_threshold", &series);
+    assert_eq!(gauge, Some(f64::from(after.threshold)), "{m}");
+    let share = |estimate| {
+        let mut labels = series.to_vec();
+        labels.push(("estimate", estimate));
+        sample(&m, "reprise_semantic_wrong_share", &labels)
+    };
+    assert_eq!(
+        (share("observed"), share("lower"), share("upper")),
+        (Some(0.0), Some(0.0), Some(1.0)),
+        "{m}"
+    );
+    let used = |m: &str| {
+        sample(
+            m,
+            "reprise_semantic_threshold_used_count",
+            &[("tenant", "anonymous")],
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(used(&m) >= 3.0, "{m}");
 
     // Another server, strict (0.97) under a looser bound: near misses teach it. Its rule
     // for namespace `legal` (0.99) is a scope of its own.
@@ -949,6 +976,15 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
     assert!(loosened, "{:?} after {served:?}", learned(&app, 0.3, 0.97));
     let l = learned(&app, 0.3, 0.97);
     assert!(l.threshold >= 0.5 && l.wrong_upper <= 0.3, "{l:?}");
+    app.chat(&chat_body("Could you reset my password?"), &[])
+        .await;
+    let m = app.metrics_text().await;
+    let gauge = sample(&m, "reprise_semantic_threshold", &series).unwrap();
+    assert!(gauge < 0.97, "{m}");
+    let mut upper = series.to_vec();
+    upper.push(("estimate", "upper"));
+    let upper = sample(&m, "reprise_semantic_wrong_share", &upper).unwrap();
+    assert!(upper <= 0.3, "{m}");
     // The looser threshold is the one served at: later wordings were hits below 0.97.
     assert!(
         served

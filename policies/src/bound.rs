@@ -66,7 +66,12 @@ pub struct Learned {
     pub threshold: f32,
     /// The verdicts at or above it.
     pub verdicts: f64,
-    /// The upper confidence bound of the wrong share at or above it (1 without verdicts).
+    /// The share of wrong verdicts at or above it (0 without verdicts).
+    pub wrong_observed: f64,
+    /// The lower confidence bound of that share, at the level of `wrong_upper` (0 without
+    /// verdicts).
+    pub wrong_lower: f64,
+    /// The upper confidence bound of that share (1 without verdicts).
     pub wrong_upper: f64,
     /// Whether the verdicts lowered it below the configured threshold.
     pub learned: bool,
@@ -152,7 +157,9 @@ impl Evidence {
         Learned {
             threshold,
             verdicts: n,
-            wrong_upper: if n > 0.0 { wilson_upper(w, n, z) } else { 1.0 },
+            wrong_observed: if n > 0.0 { w / n } else { 0.0 },
+            wrong_lower: wilson_lower(w, n, z),
+            wrong_upper: wilson_upper(w, n, z),
             learned: chosen < configured_bin,
         }
     }

@@ -281,7 +281,7 @@ pub async fn lookup(
         policy.threshold = learned.threshold.max(wants.threshold.unwrap_or(0.0));
         if counted {
             let m = &state.metrics;
-            m.learned(tenant.name(), learned.threshold, learned.wrong_upper);
+            m.learned(tenant.name(), &scope, &learned);
         }
     }
     let shadow = match (wants.arm, tenant.candidate()) {

@@ -215,6 +215,12 @@ pub fn prometheus() -> PrometheusHandle {
                         SIMILARITY_BUCKETS,
                     )
                 })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("reprise_semantic_threshold_used".into()),
+                        SIMILARITY_BUCKETS,
+                    )
+                })
                 .expect("static buckets are valid")
                 .build_recorder();
             let handle = recorder.handle();
@@ -360,11 +366,15 @@ fn describe() {
     );
     describe_gauge!(
         "reprise_semantic_threshold",
-        "The semantic threshold last served at under a learned bound (semantic.delta), by tenant."
+        "The semantic threshold last served at under a learned bound (semantic.delta), by tenant and scope (semantic rule namespace/model, candidate: for a canary's candidate); over 1: nothing is served by meaning."
     );
     describe_gauge!(
-        "reprise_semantic_wrong_share_upper",
-        "Upper confidence bound (its level split over the similarity bins) of the share of wrong semantic hits at the threshold in use, by tenant (1: no verdicts yet)."
+        "reprise_semantic_wrong_share",
+        "Share of wrong verdicts at or above the learned threshold in use, by tenant, scope and estimate (observed; lower and upper: its confidence interval, the level split over the similarity bins; upper is 1 with no verdicts yet)."
+    );
+    describe_histogram!(
+        "reprise_semantic_threshold_used",
+        "The threshold each lookup under a learned bound used, by tenant."
     );
     describe_counter!(
         "reprise_verify_checks_total",
@@ -461,12 +471,24 @@ impl Metrics {
         .increment(1);
     }
 
-    /// The learned threshold of a tenant and the upper bound of its wrong share there.
-    pub fn learned(&self, tenant: &str, threshold: f32, wrong_upper: f64) {
-        metrics::gauge!("reprise_semantic_threshold", "tenant" => tenant.to_string())
-            .set(f64::from(threshold));
-        metrics::gauge!("reprise_semantic_wrong_share_upper", "tenant" => tenant.to_string())
-            .set(wrong_upper);
+    /// The learned threshold a lookup of `tenant` used in `scope`, and the wrong share
+    /// there with its confidence interval.
+    pub fn learned(&self, tenant: &str, scope: &str, learned: &reprise_policies::bound::Learned) {
+        let tenant = RequestMetrics::tenant_label(tenant).to_string();
+        let threshold = f64::from(learned.threshold);
+        metrics::histogram!("reprise_semantic_threshold_used", "tenant" => tenant.clone())
+            .record(threshold);
+        let labels = [("tenant", tenant), ("scope", scope.to_string())];
+        metrics::gauge!("reprise_semantic_threshold", &labels).set(threshold);
+        for (estimate, share) in [
+            ("observed", learned.wrong_observed),
+            ("lower", learned.wrong_lower),
+            ("upper", learned.wrong_upper),
+        ] {
+            let mut labels = labels.to_vec();
+            labels.push(("estimate", estimate.to_string()));
+            metrics::gauge!("reprise_semantic_wrong_share", &labels).set(share);
+        }
     }
 
     /// Counts a sampled hit offered for a background check.

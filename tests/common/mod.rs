@@ -184,3 +184,19 @@ pub async fn assert_openai_error(r: reqwest::Response, status: u16, param: Optio
     }
     j
 }
+
+/// The value of the sample of `name` in a Prometheus exposition whose labels include all of
+/// `labels`.
+pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (n, rest) = series.split_once('{').unwrap_or((series, "}"));
+        if n != name {
+            return None;
+        }
+        let has_all = labels
+            .iter()
+            .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
+        has_all.then(|| value.parse().ok()).flatten()
+    })
+}
