@@ -307,6 +307,8 @@ async fn the_exposition_the_alerts_and_the_grafana_dashboard_agree_and_pass_prom
     let redis = RedisServer::start();
     let mut c = config("lint", "sk-lint", &log);
     c.semantic.enabled = true;
+    // Learned thresholds, so their series are exposed (an alert and two panels read them).
+    c.semantic.delta = 0.05;
     c.prefetch.enabled = true;
     c.redis.url = Some(redis.url());
     let app = spawn_replica(c, std::sync::Arc::new(scripted())).await;
