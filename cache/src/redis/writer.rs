@@ -17,9 +17,17 @@ use super::shared::Shared;
 use super::RedisTier;
 use crate::entry::{now_ms, Digest, EntryId};
 
+/// How much longer than its longest-lived entry an index set lives. Redis computes each
+/// expiry from its clock when the command runs, and the clock moves between the set's
+/// `PEXPIRE` and the entry's `SET` (within one script too, before Redis 7.2; and on a cluster
+/// they are different servers' clocks): without a margin a set can expire a millisecond
+/// before its entry, which a namespace or tag delete would then not find.
+const INDEX_MARGIN_MS: u64 = 60_000;
+
 /// Adds an id to an index sorted set (score = its expiry plus the retention of expired
 /// entries: until when it is kept), prunes ids no longer kept and makes the
-/// set outlive its longest-lived member. One script so the three steps see one state; it
+/// set outlive its longest-lived member (`ARGV[4]`: that member's ttl plus
+/// [`INDEX_MARGIN_MS`]). One script so the three steps see one state; it
 /// touches a single key, so it runs on a cluster too. `PTTL` is -1 for a set without expiry,
 /// which is below any TTL, so a fresh set always gets one.
 const INDEX_SCRIPT: &str = "\
@@ -35,15 +43,17 @@ return 1";
 /// index key) aborts the script before the entry is written, so no entry is ever stored
 /// without its index entries, where a namespace or tag delete could not find it; and nothing
 /// else runs between the steps. `KEYS`: entry, events, `ARGV[6]` index sets, exact keys.
-/// `ARGV`: value, ttl, expiry, id, now, index count, events maxlen, namespace, origin.
+/// `ARGV`: value, ttl, expiry, id, now, index count, events maxlen, namespace, origin, the
+/// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]).
 const PUT_SCRIPT: &str = "\
 local ttl = tonumber(ARGV[2])
+local set_ttl = tonumber(ARGV[10])
 local nidx = tonumber(ARGV[6])
 for i = 3, 2 + nidx do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[5])
-  if redis.call('PTTL', KEYS[i]) < ttl then
-    redis.call('PEXPIRE', KEYS[i], ttl)
+  if redis.call('PTTL', KEYS[i]) < set_ttl then
+    redis.call('PEXPIRE', KEYS[i], set_ttl)
   end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
@@ -322,7 +332,8 @@ impl Shared {
                 .arg(indexes.len())
                 .arg(self.events_maxlen)
                 .arg(namespace)
-                .arg(&self.replica_id);
+                .arg(&self.replica_id)
+                .arg(ttl + INDEX_MARGIN_MS);
             return self
                 .run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
                 .await
@@ -338,7 +349,7 @@ impl Shared {
                     .arg(kept_until)
                     .arg(&id_str)
                     .arg(now)
-                    .arg(ttl)
+                    .arg(ttl + INDEX_MARGIN_MS)
                     .clone()
             })
             .collect();
