@@ -902,25 +902,26 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
     let series = [("tenant", "anonymous"), ("scope", "*/*")];
     let gauge = sample(&m, "reprise_semantic_threshold", &series);
     assert_eq!(gauge, Some(f64::from(after.threshold)), "{m}");
-    let share = |estimate| {
+    let share = |m: &str, estimate| {
         let mut labels = series.to_vec();
         labels.push(("estimate", estimate));
-        sample(&m, "reprise_semantic_wrong_share", &labels)
+        sample(m, "reprise_semantic_wrong_share", &labels)
     };
     assert_eq!(
-        (share("observed"), share("lower"), share("upper")),
+        (
+            share(&m, "observed"),
+            share(&m, "lower"),
+            share(&m, "upper")
+        ),
         (Some(0.0), Some(0.0), Some(1.0)),
         "{m}"
     );
-    let used = |m: &str| {
-        sample(
-            m,
-            "reprise_semantic_threshold_used_count",
-            &[("tenant", "anonymous")],
-        )
-        .unwrap_or(0.0)
-    };
-    assert!(used(&m) >= 3.0, "{m}");
+    let used = sample(
+        &m,
+        "reprise_semantic_threshold_used_count",
+        &[("tenant", "anonymous")],
+    );
+    assert!(used.is_some_and(|n| n >= 3.0), "{m}");
 
     // Another server, strict (0.97) under a looser bound: near misses teach it. Its rule
     // for namespace `legal` (0.99) is a scope of its own.
@@ -981,9 +982,7 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
     let m = app.metrics_text().await;
     let gauge = sample(&m, "reprise_semantic_threshold", &series).unwrap();
     assert!(gauge < 0.97, "{m}");
-    let mut upper = series.to_vec();
-    upper.push(("estimate", "upper"));
-    let upper = sample(&m, "reprise_semantic_wrong_share", &upper).unwrap();
+    let upper = share(&m, "upper").unwrap();
     assert!(upper <= 0.3, "{m}");
     // The looser threshold is the one served at: later wordings were hits below 0.97.
     assert!(
