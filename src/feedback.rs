@@ -22,7 +22,7 @@ use axum::body::Bytes;
 use axum::http::HeaderMap;
 use moka::future::Cache;
 use reprise_cache::entry::Refusal;
-use reprise_cache::{Digest, EntryId};
+use reprise_cache::{Digest, EntryId, Vector};
 use serde::{Deserialize, Serialize};
 
 use crate::config::FeedbackConfig;
@@ -241,7 +241,7 @@ pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
     let mut around = None;
     if let (Some((partition, text)), Some(embedder)) = (&served.question, &state.embedder) {
         if let Ok(embedding) = embedder.embed_in(&served.tenant, text).await {
-            around = Some((*partition, embedding));
+            around = Some((*partition, Vector::from(&embedding)));
         }
     }
     let mut refusing = (*entry).clone();

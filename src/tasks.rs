@@ -191,7 +191,7 @@ fn start_maintenance(
 /// frees a whole graph at once (the new one was built beside it), and glibc keeps freed
 /// memory for reuse: under churn RSS grew 27 MiB above the live heap in `reprise-bench soak
 /// --semantic`, past every budget.
-fn release_free_memory() {
+pub fn release_free_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim takes no pointer; it walks malloc's own arenas under their locks and
     // returns whole free pages to the system.

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use reprise_cache::semantic::{IndexConfig, IndexItem, PartitionKey, SemanticIndex};
-use reprise_cache::EntryId;
+use reprise_cache::{EntryId, Vector};
 
-use crate::common::{mib, rss};
+use crate::common::{heap_in_use, mib, rss};
 use crate::redis::SplitMix;
 
 /// Options of `reprise-bench index`.
@@ -40,6 +40,9 @@ pub struct IndexArgs {
     /// Neighbours per query in the recall check.
     #[arg(long, default_value_t = 10)]
     k: usize,
+    /// The graphs' links per point (`IndexConfig::hnsw_m`; the index's default when not given).
+    #[arg(long)]
+    hnsw_m: Option<usize>,
 }
 
 /// Runs the index benchmark (CPU work, off the async workers).
@@ -83,12 +86,16 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
         .map(|p| *blake3::hash(format!("bench partition {p}").as_bytes()).as_bytes())
         .collect();
     println!("== reprise bench index ==");
-    println!("{n} entries, {dim}-dim vectors, {parts} partitions");
+    println!(
+        "{n} entries, {dim}-dim vectors, {parts} partitions, hnsw_m {}",
+        a.hnsw_m.unwrap_or(IndexConfig::default().hnsw_m)
+    );
 
     let (rss0, _) = rss();
+    let heap0 = heap_in_use();
     eprintln!("making {n} vectors");
     let mut rng = SplitMix(0x1DE5);
-    let mut vectors: Vec<Arc<[f32]>> = Vec::with_capacity(n);
+    let mut vectors: Vec<Vector> = Vec::with_capacity(n);
     for i in 0..n {
         vectors.push(rng.vector(dim));
         if (i + 1) % 100_000 == 0 {
@@ -102,7 +109,12 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
         .map(|(i, v)| (partitions[i % parts], EntryId(i as u128), v.clone()))
         .collect();
 
-    let index = Arc::new(SemanticIndex::new(dim, IndexConfig::default()));
+    let defaults = IndexConfig::default();
+    let cfg = IndexConfig {
+        hnsw_m: a.hnsw_m.unwrap_or(defaults.hnsw_m),
+        ..defaults
+    };
+    let index = Arc::new(SemanticIndex::new(dim, cfg));
     eprintln!("bulk load (insert_many)");
     let t = Instant::now();
     {
@@ -118,6 +130,10 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
     };
     let graphs_s = t.elapsed().as_secs_f64();
     let (rss3, hwm) = rss();
+    // What the server's maintenance does after building graphs: hand malloc's free pages back.
+    reprise::tasks::release_free_memory();
+    let (rss4, _) = rss();
+    let heap = heap_in_use();
     anyhow::ensure!(index.len() == n, "{} of {n} indexed", index.len());
 
     // Recall against an exact scan of the same partition, on vectors near stored ones.
@@ -127,17 +143,16 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
     for _ in 0..a.queries {
         let i = (rng.next() % n as u64) as usize;
         let p = i % parts;
-        let mut q: Vec<f32> = vectors[i].iter().map(|x| x + 0.05 * rng.unit()).collect();
+        let mut q: Vec<f32> = vectors[i]
+            .to_f32()
+            .iter()
+            .map(|x| x + 0.05 * rng.unit())
+            .collect();
         let norm = q.iter().map(|x| x * x).sum::<f32>().sqrt();
         q.iter_mut().for_each(|x| *x /= norm);
         let mut exact: Vec<(f32, usize)> = (p..n)
             .step_by(parts)
-            .map(|j| {
-                (
-                    vectors[j].iter().zip(&q).map(|(a, b)| a * b).sum::<f32>(),
-                    j,
-                )
-            })
+            .map(|j| (vectors[j].dot(&q), j))
             .collect();
         exact.sort_by(|a, b| b.0.total_cmp(&a.0));
         let got = index.search(&partitions[p], &q, a.k);
@@ -151,10 +166,10 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
 
     let per = |bytes: u64| bytes as f64 / n as f64;
     println!(
-        "vectors held by the entries: {:.1} MiB ({:.0} bytes/entry; {} bytes of floats)",
+        "vectors held by the entries: {:.1} MiB ({:.0} bytes/entry; {} bytes of half floats)",
         mib(rss1.saturating_sub(rss0)),
         per(rss1.saturating_sub(rss0)),
-        dim * 4
+        dim * 2
     );
     println!(
         "bulk load: searchable after {searchable_s:.2} s; every graph built after {graphs_s:.2} s \
@@ -169,6 +184,15 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
         per(rss3.saturating_sub(rss1)),
         per(rss3.saturating_sub(rss1) + rss1.saturating_sub(rss0)),
         mib(hwm)
+    );
+    println!(
+        "after handing free pages back (malloc_trim, as maintenance does): index {:.0} \
+         bytes/entry on top of the vectors, {:.0} bytes/entry with them; malloc's live heap \
+         {:.1} MiB ({:.0} bytes/entry, vectors and index)",
+        per(rss4.saturating_sub(rss1)),
+        per(rss4.saturating_sub(rss0)),
+        mib(heap),
+        per(heap.saturating_sub(heap0)),
     );
     println!(
         "recall@{} against an exact scan: {:.3} ({found} of {wanted})",

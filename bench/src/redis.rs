@@ -29,7 +29,7 @@ use clap::Args;
 use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use reprise_cache::redis::{RedisConfig, RedisTier};
-use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
+use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin, Vector};
 use reprise_embedder::Embedder;
 use serde_json::json;
 
@@ -95,7 +95,7 @@ impl SplitMix {
     }
 
     /// A random unit vector of `dim` components.
-    pub(crate) fn vector(&mut self, dim: usize) -> Arc<[f32]> {
+    pub(crate) fn vector(&mut self, dim: usize) -> Vector {
         let mut v: Vec<f32> = (0..dim).map(|_| self.unit()).collect();
         let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
         v.iter_mut().for_each(|x| *x /= norm);

@@ -4,10 +4,11 @@
 //! needed to serve it again (the partition it may be matched in, the prompt text that was
 //! embedded) plus bookkeeping (origin, created and expiry times).
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
+
+use crate::vector::Vector;
 
 /// A 32-byte digest: exact keys, aliases and semantic partitions are all of this shape.
 pub type Digest = [u8; 32];
@@ -76,7 +77,7 @@ pub struct Refusal {
     pub key: Digest,
     /// The partition the question was asked in and its embedding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub around: Option<(Digest, Arc<[f32]>)>,
+    pub around: Option<(Digest, Vector)>,
 }
 
 /// One finished answer.
@@ -103,7 +104,7 @@ pub struct Entry {
     pub partition: Digest,
     /// The prompt's embedding, when the semantic tier computed one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub embedding: Option<Arc<[f32]>>,
+    pub embedding: Option<Vector>,
     /// Where the entry came from.
     pub origin: Origin,
     /// Labels for invalidation by tag (`x-reprise-tags` on the request that created it).
@@ -126,13 +127,14 @@ pub struct Entry {
 impl Entry {
     /// Approximate heap size in bytes, used to bound the memory tier.
     pub fn weight(&self) -> u32 {
-        // An `Arc<[f32]>` allocates its two counts beside the floats.
-        let arc = |v: &Arc<[f32]>| 2 * std::mem::size_of::<usize>() + v.len() * 4;
-        let emb = self.embedding.as_ref().map_or(0, arc);
+        let emb = self.embedding.as_ref().map_or(0, Vector::heap_bytes);
         let refusals: usize = self
             .refusals
             .iter()
-            .map(|r| std::mem::size_of::<Refusal>() + r.around.as_ref().map_or(0, |(_, e)| arc(e)))
+            .map(|r| {
+                std::mem::size_of::<Refusal>()
+                    + r.around.as_ref().map_or(0, |(_, e)| e.heap_bytes())
+            })
             .sum();
         let tags: usize = self
             .tags
@@ -223,14 +225,12 @@ impl Entry {
 }
 
 /// Cosine similarity (0 when either vector is zero).
-fn cosine(a: &[f32], b: &[f32]) -> f32 {
-    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
-    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
-    let n = norm(a) * norm(b);
+fn cosine(a: &Vector, b: &[f32]) -> f32 {
+    let n = a.norm() * b.iter().map(|x| x * x).sum::<f32>().sqrt();
     if n == 0.0 {
         0.0
     } else {
-        dot / n
+        a.dot(b) / n
     }
 }
 
@@ -271,9 +271,9 @@ mod tests {
     fn weight_counts_text_embedding_and_tags() {
         let mut e = entry();
         let bare = e.weight();
-        e.embedding = Some(Arc::from(vec![0.0; 384]));
+        e.embedding = Some(Vector::from(vec![0.0; 384]));
         let arc = 2 * std::mem::size_of::<usize>();
-        assert_eq!(e.weight() as usize, bare as usize + arc + 384 * 4);
+        assert_eq!(e.weight() as usize, bare as usize + arc + 384 * 2);
         let with_embedding = e.weight();
         e.tags = vec!["x".repeat(128); 32];
         let per_tag = MALLOC_CHUNK + std::mem::size_of::<String>() + 128;
@@ -281,19 +281,19 @@ mod tests {
         let with_tags = e.weight();
         e.refuse(Refusal {
             key: [1; 32],
-            around: Some(([2; 32], Arc::from(vec![0.0; 384]))),
+            around: Some(([2; 32], Vector::from(vec![0.0; 384]))),
         });
-        let per_refusal = 2 * MALLOC_CHUNK + std::mem::size_of::<Refusal>() + arc + 384 * 4;
+        let per_refusal = 2 * MALLOC_CHUNK + std::mem::size_of::<Refusal>() + arc + 384 * 2;
         assert_eq!(e.weight() as usize, with_tags as usize + per_refusal);
     }
 
     #[test]
     fn refusals_cover_the_key_and_the_neighbourhood_in_one_partition() {
         let mut e = entry();
-        let q: Arc<[f32]> = Arc::from(vec![1.0, 0.0]);
+        let q = [1.0, 0.0];
         e.refuse(Refusal {
             key: [1; 32],
-            around: Some(([2; 32], q.clone())),
+            around: Some(([2; 32], Vector::new(&q))),
         });
         assert!(e.refuses_key(&[1; 32]) && !e.refuses_key(&[3; 32]));
         assert!(e.refuses(&[2; 32], &[0.95, 0.1], 0.9));

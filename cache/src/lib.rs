@@ -6,6 +6,7 @@
 //! - [`redis`]: the shared tier (L2) in Redis, with replication events between replicas.
 //! - [`semantic`]: the near-duplicate index (hnsw_rs), partitioned by everything that must
 //!   match exactly.
+//! - [`vector`]: a stored embedding (half floats, shared by the entry and the index).
 //! - [`store`]: the one door to all three: lookups with promotion from L2, writes, aliases,
 //!   installs of replicated entries, removal.
 //!
@@ -20,8 +21,10 @@ pub mod shares;
 pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod vector;
 
 pub use entry::{now_ms, Digest, Entry, EntryId, Origin};
 pub use memory::{EvictionHook, IndexCharge, MemoryTier, ITEM_OVERHEAD};
 pub use shares::MemoryShares;
 pub use store::{ByKey, Probe, Store};
+pub use vector::Vector;

@@ -6,9 +6,11 @@
 //! once a partition grows past [`IndexConfig::exact_scan_max`] it also gets an HNSW graph
 //! (hnsw_rs) and is searched approximately.
 //!
-//! Each vector is held once: the index keeps the caller's `Arc<[f32]>` (the entry's own
-//! embedding), and the graph's points hold that same `Arc`, not a copy of the floats, so what
-//! the index adds per entry is its slot and the graph's links.
+//! Each vector is held once: the index keeps the caller's [`Vector`] (the entry's own
+//! embedding, in half floats), and the graph's points hold that same handle, not a copy of
+//! the components, so what the index adds per entry is its slot and the graph's links.
+//! Queries are full-precision `f32`; the graph walks with a half-float copy of the query, and
+//! candidates are scored with the full-precision one.
 //!
 //! A bulk load ([`SemanticIndex::insert_many`]) places the vectors and returns: big partitions
 //! are searched by exact scans until [`SemanticIndex::maintain`] (or
@@ -30,16 +32,17 @@ use hnsw_rs::hnsw::Hnsw;
 use parking_lot::{Mutex, RwLock};
 use serde::Deserialize;
 
+use crate::vector::Vector;
 use crate::EntryId;
 
 /// A digest of everything that must match exactly for two prompts to share an answer.
 pub type PartitionKey = [u8; 32];
 
 /// An entry id and its vector.
-type IdVector = (EntryId, Arc<[f32]>);
+type IdVector = (EntryId, Vector);
 
 /// One vector to index: its partition, entry id and vector.
-pub type IndexItem = (PartitionKey, EntryId, Arc<[f32]>);
+pub type IndexItem = (PartitionKey, EntryId, Vector);
 
 /// Tuning of the semantic index.
 #[derive(Debug, Clone, Deserialize)]
@@ -195,7 +198,7 @@ impl SemanticIndex {
         let r = f64::from(self.cfg.rebuild_tombstone_ratio.clamp(0.0, 0.9));
         let links = u32::try_from(self.cfg.hnsw_m.min(256)).unwrap_or(256);
         let slot = f64::from(SLOT_BASE_BYTES + SLOT_BYTES_PER_LINK * links);
-        let vector = (self.dim * std::mem::size_of::<f32>()) as f64;
+        let vector = Vector::new(&vec![0.0; self.dim]).heap_bytes() as f64;
         let bytes = slot / (1.0 - r) + vector * r / (1.0 - r);
         bytes.ceil().min(f64::from(u32::MAX)) as u32
     }
@@ -215,7 +218,7 @@ impl SemanticIndex {
     ///
     /// Panics if `vector` does not have [`SemanticIndex::dim`] components: that is a bug in
     /// the caller, not a runtime condition.
-    pub fn insert(&self, partition: PartitionKey, id: EntryId, vector: Arc<[f32]>) {
+    pub fn insert(&self, partition: PartitionKey, id: EntryId, vector: Vector) {
         assert_eq!(vector.len(), self.dim, "vector dimension mismatch");
         let previous = self.location.write().insert(id, partition);
         if let Some(old) = previous {
@@ -241,7 +244,7 @@ impl SemanticIndex {
     }
 
     /// One vector into a partition, counted.
-    fn push_one(&self, inner: &mut PartitionInner, id: EntryId, vector: Arc<[f32]>) {
+    fn push_one(&self, inner: &mut PartitionInner, id: EntryId, vector: Vector) {
         let had = inner.graph.is_some();
         inner.push(id, vector, &self.cfg);
         self.graph.pushed(had, inner.graph.is_some(), 1);
@@ -314,9 +317,9 @@ impl SemanticIndex {
         self.location.read().contains_key(&id)
     }
 
-    /// The vector indexed for `id`: the very `Arc` it was inserted with (the index shares it,
-    /// never copies it).
-    pub fn vector(&self, id: EntryId) -> Option<Arc<[f32]>> {
+    /// The vector indexed for `id`: the very handle it was inserted with (the index shares
+    /// it, never copies it).
+    pub fn vector(&self, id: EntryId) -> Option<Vector> {
         let key = *self.location.read().get(&id)?;
         let p = self.partition(&key)?;
         let inner = p.inner.read();
@@ -508,15 +511,15 @@ struct Partition {
 }
 
 /// The graph of a big partition: its points are the partition's slot numbers (hnsw_rs ids are
-/// `usize`), and each point's data is the slot's shared vector (one `Arc`, not the floats).
-type Graph = Hnsw<'static, Arc<[f32]>, DotDistance>;
+/// `usize`), and each point's data is the slot's shared vector (one handle, not the floats).
+type Graph = Hnsw<'static, Vector, DotDistance>;
 
 /// Slots are append-only until a rebuild: slot `s` holds `ids[s]`, its vector `vectors[s]`
 /// (shared with the entry) and `dead[s]`.
 #[derive(Default)]
 struct PartitionInner {
     ids: Vec<EntryId>,
-    vectors: Vec<Arc<[f32]>>,
+    vectors: Vec<Vector>,
     dead: Vec<bool>,
     dead_count: usize,
     slot_of: HashMap<EntryId, usize>,
@@ -528,7 +531,7 @@ struct PartitionInner {
 
 impl PartitionInner {
     /// Appends without touching the graph.
-    fn push_flat(&mut self, id: EntryId, vector: Arc<[f32]>) -> usize {
+    fn push_flat(&mut self, id: EntryId, vector: Vector) -> usize {
         let slot = self.ids.len();
         self.ids.push(id);
         self.vectors.push(vector);
@@ -543,7 +546,7 @@ impl PartitionInner {
         slot
     }
 
-    fn push(&mut self, id: EntryId, vector: Arc<[f32]>, cfg: &IndexConfig) {
+    fn push(&mut self, id: EntryId, vector: Vector, cfg: &IndexConfig) {
         let slot = self.push_flat(id, vector);
         match &self.graph {
             Some(graph) => graph.insert_slice((&self.vectors[slot..=slot], slot)),
@@ -569,7 +572,7 @@ impl PartitionInner {
         }
         match &self.graph {
             Some(graph) => {
-                let data: Vec<(&[Arc<[f32]>], usize)> = (first..self.ids.len())
+                let data: Vec<(&[Vector], usize)> = (first..self.ids.len())
                     .map(|s| (&self.vectors[s..=s], s))
                     .collect();
                 graph.parallel_insert_slice(&data);
@@ -611,7 +614,7 @@ impl PartitionInner {
             cfg.ef_construction.max(1),
             DotDistance,
         );
-        let data: Vec<(&[Arc<[f32]>], usize)> = (0..n).map(|s| (&self.vectors[s..=s], s)).collect();
+        let data: Vec<(&[Vector], usize)> = (0..n).map(|s| (&self.vectors[s..=s], s)).collect();
         graph.parallel_insert_slice(&data);
         self.graph = Some(graph);
         self.graph_pending = false;
@@ -627,7 +630,7 @@ impl PartitionInner {
                 let dead = &self.dead;
                 let keep = |slot: &usize| !dead[*slot];
                 let ef = cfg.ef_search.max(k);
-                let q: [Arc<[f32]>; 1] = [Arc::from(query)];
+                let q = [Vector::new(query)];
                 graph
                     .search_filter(&q, k, ef, Some(&keep))
                     .into_iter()
@@ -635,7 +638,7 @@ impl PartitionInner {
                     // Rescore exactly: the graph's distance is clamped.
                     .map(|n| Candidate {
                         id: self.ids[n.d_id],
-                        similarity: dot(query, &self.vectors[n.d_id]),
+                        similarity: self.vectors[n.d_id].dot(query),
                     })
                     .collect::<Vec<_>>()
             }
@@ -654,7 +657,7 @@ impl PartitionInner {
             if self.dead[slot] {
                 continue;
             }
-            let similarity = dot(query, v);
+            let similarity = v.dot(query);
             if best.len() == k && similarity <= best[k - 1].similarity {
                 continue;
             }
@@ -672,10 +675,6 @@ impl PartitionInner {
     }
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
 /// `1 - dot` for normalised vectors, clamped at 0.
 ///
 /// hnsw_rs's own `DistDot` asserts `1 - dot >= 0`, which rounding breaks for a vector and
@@ -683,10 +682,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[derive(Debug, Clone, Copy, Default)]
 struct DotDistance;
 
-/// A graph point's data is one shared vector (a slice of one `Arc`).
-impl Distance<Arc<[f32]>> for DotDistance {
-    fn eval(&self, va: &[Arc<[f32]>], vb: &[Arc<[f32]>]) -> f32 {
-        (1.0 - dot(&va[0], &vb[0])).max(0.0)
+/// A graph point's data is one shared vector (a slice of one handle).
+impl Distance<Vector> for DotDistance {
+    fn eval(&self, va: &[Vector], vb: &[Vector]) -> f32 {
+        (1.0 - va[0].dot_vector(&vb[0])).max(0.0)
     }
 }
 
@@ -694,9 +693,9 @@ impl Distance<Arc<[f32]>> for DotDistance {
 mod tests {
     use super::*;
 
-    fn unit(v: &[f32]) -> Arc<[f32]> {
+    fn unit(v: &[f32]) -> Vector {
         let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
-        v.iter().map(|x| x / n).collect()
+        v.iter().map(|x| x / n).collect::<Vec<_>>().into()
     }
 
     #[test]
@@ -748,8 +747,9 @@ mod tests {
         };
         let slot = at(0.0);
         assert!(slot >= SLOT_BASE_BYTES);
-        // At a ratio of 1/2, each live entry carries one dead slot and one dead vector.
-        assert_eq!(at(0.5), 2 * slot + 384 * 4);
+        // At a ratio of 1/2, each live entry carries one dead slot and one dead vector (its
+        // handle's two counts and two bytes a component).
+        assert_eq!(at(0.5), 2 * slot + 16 + 384 * 2);
     }
 
     #[test]

@@ -31,6 +31,7 @@ use crate::memory::{EvictionHook, IndexCharge, MemoryTier};
 use crate::redis::{RedisError, RedisTier};
 use crate::semantic::{Candidate, IndexItem, MaintainReport, SemanticIndex};
 use crate::shares::MemoryShares;
+use crate::vector::Vector;
 
 /// How long a deletion is remembered, so that a read of Redis that started before it cannot
 /// put the entry back into memory. Far longer than a Redis command may take.
@@ -717,7 +718,7 @@ impl Store {
 
     /// The entry's vector when it belongs in the index: an index exists, the vector has its
     /// size, the entry has a real partition, and it is not indexed yet.
-    fn indexable(&self, entry: &Entry) -> Option<Arc<[f32]>> {
+    fn indexable(&self, entry: &Entry) -> Option<Vector> {
         let index = self.index.as_ref()?;
         let v = entry.embedding.as_ref()?;
         (v.len() == index.dim() && entry.partition != [0; 32] && !index.contains(entry.id))

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use reprise_cache::semantic::{GraphStats, IndexConfig, PartitionKey, SemanticIndex};
-use reprise_cache::EntryId;
+use reprise_cache::{EntryId, Vector};
 
 const DIM: usize = 32;
 
@@ -35,8 +35,9 @@ fn key(b: u8) -> PartitionKey {
     [b; 32]
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+/// The similarity of `q` to `v` as the index holds `v` (in half floats).
+fn stored(v: &[f32], q: &[f32]) -> f32 {
+    Vector::new(v).dot(q)
 }
 
 /// Brute-force best id among `items` (skipping `removed`).
@@ -44,7 +45,7 @@ fn brute_best(items: &[(EntryId, Arc<[f32]>)], q: &[f32], removed: &[EntryId]) -
     items
         .iter()
         .filter(|(id, _)| !removed.contains(id))
-        .max_by(|a, b| dot(&a.1, q).total_cmp(&dot(&b.1, q)))
+        .max_by(|a, b| stored(&a.1, q).total_cmp(&stored(&b.1, q)))
         .unwrap()
         .0
 }
@@ -66,7 +67,7 @@ fn fill(
         .map(|_| {
             let id = EntryId::random();
             let v = rng.unit();
-            idx.insert(p, id, Arc::clone(&v));
+            idx.insert(p, id, Vector::from(&v));
             (id, v)
         })
         .collect()
@@ -290,7 +291,7 @@ fn a_bulk_load_is_searchable_at_once_and_its_graph_built_after_finds_what_exact_
     idx.insert_many(
         vs.iter()
             .enumerate()
-            .map(|(i, v)| (part, EntryId(i as u128), v.clone()))
+            .map(|(i, v)| (part, EntryId(i as u128), Vector::from(v)))
             .collect(),
     );
     assert_eq!(idx.len(), 2000);
@@ -341,7 +342,7 @@ fn inserts_into_a_partition_awaiting_its_graph_do_not_build_it() {
     idx.insert_many(
         vs.iter()
             .enumerate()
-            .map(|(i, v)| (part, EntryId(i as u128), v.clone()))
+            .map(|(i, v)| (part, EntryId(i as u128), Vector::from(v)))
             .collect(),
     );
     let mut rng = Rng(5);
@@ -360,7 +361,7 @@ fn inserts_into_a_partition_awaiting_its_graph_do_not_build_it() {
 fn the_index_and_its_graph_share_the_callers_vectors() {
     let idx = SemanticIndex::new(DIM, small_cfg(64));
     let part = key(11);
-    let vs = vectors(DIM, 200, 99);
+    let vs: Vec<Vector> = vectors(DIM, 200, 99).iter().map(Vector::from).collect();
     idx.insert_many(
         vs.iter()
             .enumerate()
@@ -369,26 +370,26 @@ fn the_index_and_its_graph_share_the_callers_vectors() {
     );
     // Held by the caller and by the partition's slot: no copy.
     for (i, v) in vs.iter().enumerate() {
-        assert!(Arc::ptr_eq(&idx.vector(EntryId(i as u128)).unwrap(), v));
-        assert_eq!(Arc::strong_count(v), 2);
+        assert!(Vector::ptr_eq(&idx.vector(EntryId(i as u128)).unwrap(), v));
+        assert_eq!(v.handles(), 2);
     }
     assert_eq!(idx.build_graphs(), 1);
     // The graph's points hold the same vectors (a third reference, not a third copy).
     for (i, v) in vs.iter().enumerate() {
-        assert!(Arc::ptr_eq(&idx.vector(EntryId(i as u128)).unwrap(), v));
-        assert_eq!(Arc::strong_count(v), 3);
+        assert!(Vector::ptr_eq(&idx.vector(EntryId(i as u128)).unwrap(), v));
+        assert_eq!(v.handles(), 3);
     }
     // So does a point inserted into the graph afterwards.
-    let late = vectors(DIM, 1, 1234).remove(0);
+    let late = Vector::from(&vectors(DIM, 1, 1234)[0]);
     idx.insert(part, EntryId(9999), late.clone());
-    assert!(Arc::ptr_eq(&idx.vector(EntryId(9999)).unwrap(), &late));
-    assert_eq!(Arc::strong_count(&late), 3);
+    assert!(Vector::ptr_eq(&idx.vector(EntryId(9999)).unwrap(), &late));
+    assert_eq!(late.handles(), 3);
     // Removing the entries releases them.
     for i in 0..200u128 {
         idx.remove(EntryId(i));
     }
     idx.maintain();
-    assert!(vs.iter().all(|v| Arc::strong_count(v) == 1));
+    assert!(vs.iter().all(|v| v.handles() == 1));
 }
 
 #[test]

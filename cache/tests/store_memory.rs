@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::testing::{assert_heap_within, heap_allowed, CountingAllocator};
-use reprise_cache::{now_ms, Entry, EntryId, Origin, Store};
+use reprise_cache::{now_ms, Entry, EntryId, Origin, Store, Vector};
 
 #[global_allocator]
 static HEAP: CountingAllocator = CountingAllocator::new();
@@ -24,7 +24,7 @@ static HEAP: CountingAllocator = CountingAllocator::new();
 const DIM: usize = 384;
 
 /// A unit vector with 8 pseudo-random components (from `seed`), zero elsewhere.
-fn unit_vector(seed: u64) -> Arc<[f32]> {
+fn unit_vector(seed: u64) -> Vector {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut v: Vec<f32> = (0..8)
         .map(|_| {
@@ -36,7 +36,7 @@ fn unit_vector(seed: u64) -> Arc<[f32]> {
         .collect();
     v.resize(DIM, 0.0);
     let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
-    v.iter().map(|x| x / norm).collect()
+    v.iter().map(|x| x / norm).collect::<Vec<_>>().into()
 }
 
 /// The `i`-th answer: `bytes` of text, a prompt of a quarter of that, an embedding, in one

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use reprise_backend::{FinishReason, Usage};
-use reprise_cache::{now_ms, Entry, EntryId};
+use reprise_cache::{now_ms, Entry, EntryId, Vector};
 
 use crate::lookup::WritePlan;
 use crate::observe::Observation;
@@ -41,7 +41,7 @@ pub(crate) async fn write_back(
         completion_tokens: usage.completion_tokens,
         prompt: plan.prompt,
         partition: plan.partition.unwrap_or([0; 32]),
-        embedding: plan.embedding,
+        embedding: plan.embedding.as_ref().map(Vector::from),
         origin: plan.origin,
         tags: plan.tags,
         refusals: Vec::new(),

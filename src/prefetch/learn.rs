@@ -97,6 +97,12 @@ impl Shared {
         // A question too long to be worth predicting is not learned (it would only take the
         // model's memory); the session still moves on to it.
         let learnable = prompt.len() <= model::MAX_PROMPT_BYTES;
+        // The model keeps its own full-precision copy (its clusters' centroids move).
+        let embedding: Option<Arc<[f32]>> = entry
+            .embedding
+            .as_ref()
+            .filter(|_| learnable)
+            .map(|v| v.to_f32().into());
         let predictions = learnable.then(|| {
             let mut model = self.model.lock();
             // One question for counting: close enough to the cluster's representative, and
@@ -117,7 +123,7 @@ impl Shared {
                 &obs.namespace,
                 entry.id,
                 &prompt,
-                entry.embedding.as_ref(),
+                embedding.as_ref(),
                 now,
                 join,
             );

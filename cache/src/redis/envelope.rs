@@ -41,7 +41,7 @@ impl Shared {
                     .entry
                     .embedding
                     .as_ref()
-                    .is_some_and(|v| v.is_empty() || v.iter().any(|x| !x.is_finite())) =>
+                    .is_some_and(|v| v.is_empty() || !v.is_finite()) =>
             {
                 self.skip(name, "embedding empty or not finite");
                 None

@@ -14,7 +14,7 @@ use metrics::{
 };
 use parking_lot::Mutex;
 use reprise_cache::redis::{RedisConfig, RedisTier, ReplicationEvent, ReplicationStream};
-use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin};
+use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin, Vector};
 
 /// A recorder that only keeps counters, so tests can read `reprise_redis_skipped_total`.
 #[derive(Default)]
@@ -95,7 +95,7 @@ pub fn entry(namespace: &str, text: &str, ttl_ms: u64) -> Entry {
         completion_tokens: 5,
         prompt: format!("prompt for {text}"),
         partition: [7; 32],
-        embedding: Some(Arc::from(vec![0.25f32, -1.5, 3.0e-7])),
+        embedding: Some(Vector::from(vec![0.25f32, -1.5, 3.0e-7])),
         origin: Origin::Live,
         tags: Vec::new(),
         refusals: Vec::new(),
