@@ -11,7 +11,9 @@
 //! vector, converted in chunks (`half` uses the CPU's F16C conversions where the CPU has
 //! them, checked at run time).
 //!
-//! On the wire (Redis, snapshots) a vector is a JSON array of numbers, as before.
+//! On the wire (Redis, snapshots) a vector is a JSON array of numbers, as before, each written
+//! in the fewest digits that read back as the same half float; an `f32` array stored before
+//! reads as well.
 
 use std::fmt;
 use std::sync::Arc;
@@ -137,8 +139,34 @@ impl fmt::Debug for Vector {
 
 impl Serialize for Vector {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.0.iter().map(|x| x.to_f32()))
+        let table = shortest_table();
+        s.collect_seq(self.0.iter().map(|x| table[usize::from(x.to_bits())]))
     }
+}
+
+/// For each half float (by its bits), the `f32` with the fewest significant digits that rounds
+/// back to it: JSON writes each component in as few characters as the half float needs
+/// (`0.01233` where its exact value prints as `0.012329102`): a fifth or more fewer bytes per
+/// stored vector (the tests below check it). Built once (65,536 values, 256 KiB) on the first
+/// write.
+fn shortest_table() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Box<[f32]>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| {
+                let h = f16::from_bits(bits);
+                let x = h.to_f32();
+                if !x.is_finite() || x == 0.0 {
+                    return x;
+                }
+                // Five significant digits always tell two half floats apart.
+                (1..=5)
+                    .filter_map(|digits| format!("{x:.*e}", digits - 1).parse::<f32>().ok())
+                    .find(|y| f16::from_f32(*y).to_bits() == bits)
+                    .unwrap_or(x)
+            })
+            .collect()
+    })
 }
 
 impl<'de> Deserialize<'de> for Vector {
@@ -198,9 +226,33 @@ mod tests {
         assert_eq!(back, v, "a stored vector survives its wire form exactly");
         let plain: Vec<f32> = serde_json::from_str(&json).unwrap();
         assert_eq!(plain.len(), 384);
+        // Each component in as few digits as tell it apart: shorter than its exact value's.
+        let exact = serde_json::to_string(&v.to_f32()).unwrap();
+        assert!(
+            json.len() * 5 < exact.len() * 4,
+            "{} bytes, {} written exactly",
+            json.len(),
+            exact.len()
+        );
         // Too large for a half float: not finite, so readers can refuse it.
         assert!(!Vector::new(&[1.0e6, 0.0]).is_finite());
         assert!(Vector::new(&[0.5, -0.25]).is_finite());
+    }
+
+    #[test]
+    fn every_half_float_survives_its_shortest_form() {
+        let table = shortest_table();
+        for bits in 0..=u16::MAX {
+            let h = f16::from_bits(bits);
+            if h.is_nan() {
+                continue;
+            }
+            let y = table[usize::from(bits)];
+            // Through JSON text, as a reader sees it.
+            let back: f32 =
+                serde_json::from_str(&serde_json::to_string(&y).unwrap_or_default()).unwrap_or(y);
+            assert_eq!(f16::from_f32(back), h, "bits {bits:#06x}: {y}");
+        }
     }
 
     #[test]
