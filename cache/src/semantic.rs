@@ -198,7 +198,7 @@ impl SemanticIndex {
         let r = f64::from(self.cfg.rebuild_tombstone_ratio.clamp(0.0, 0.9));
         let links = u32::try_from(self.cfg.hnsw_m.min(256)).unwrap_or(256);
         let slot = f64::from(SLOT_BASE_BYTES + SLOT_BYTES_PER_LINK * links);
-        let vector = Vector::new(&vec![0.0; self.dim]).heap_bytes() as f64;
+        let vector = Vector::bytes_for(self.dim) as f64;
         let bytes = slot / (1.0 - r) + vector * r / (1.0 - r);
         bytes.ceil().min(f64::from(u32::MAX)) as u32
     }

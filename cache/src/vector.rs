@@ -93,7 +93,12 @@ impl Vector {
 
     /// Bytes its one allocation takes: the `Arc`'s two counts and the components.
     pub fn heap_bytes(&self) -> usize {
-        2 * std::mem::size_of::<usize>() + std::mem::size_of_val::<[f16]>(&self.0)
+        Self::bytes_for(self.len())
+    }
+
+    /// Bytes one vector of `dim` components allocates.
+    pub const fn bytes_for(dim: usize) -> usize {
+        2 * std::mem::size_of::<usize>() + dim * std::mem::size_of::<f16>()
     }
 
     /// How many handles share this one's allocation.
