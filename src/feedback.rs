@@ -241,7 +241,7 @@ pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
     let mut around = None;
     if let (Some((partition, text)), Some(embedder)) = (&served.question, &state.embedder) {
         if let Ok(embedding) = embedder.embed_in(&served.tenant, text).await {
-            around = Some((*partition, Vector::from(&embedding)));
+            around = Vector::finite(&embedding).map(|v| (*partition, v));
         }
     }
     let mut refusing = (*entry).clone();

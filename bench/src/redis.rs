@@ -282,12 +282,11 @@ async fn rebuild(
     // scans). The graphs of partitions past the exact-scan limit are built after, in the
     // background.
     let mut searchable_s = None;
-    let per_partition = n / a.partitions.max(1);
-    let graphs_expected = if per_partition > IndexConfig::default().exact_scan_max {
-        a.partitions.max(1)
-    } else {
-        0
-    };
+    // Entries go round robin: the first `n % parts` partitions hold one more.
+    let parts = a.partitions.max(1);
+    let graphs_expected = (0..parts)
+        .filter(|p| n / parts + usize::from(*p < n % parts) > IndexConfig::default().exact_scan_max)
+        .count();
     let mut next_report = Instant::now() + Duration::from_secs(5);
     let deadline = Instant::now() + Duration::from_secs(3600);
     loop {

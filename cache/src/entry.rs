@@ -162,7 +162,7 @@ impl Entry {
     /// at least `radius`) in `partition`.
     pub fn refuses(&self, partition: &Digest, query: &[f32], radius: f32) -> bool {
         self.refusals.iter().any(|r| match &r.around {
-            Some((p, e)) => p == partition && e.len() == query.len() && cosine(e, query) >= radius,
+            Some((p, e)) => p == partition && e.len() == query.len() && e.cosine(query) >= radius,
             None => false,
         })
     }
@@ -221,16 +221,6 @@ impl Entry {
     pub fn kept_left(&self, retain_ms: u64) -> Duration {
         let until = self.expires_ms.saturating_add(retain_ms);
         Duration::from_millis(until.saturating_sub(now_ms()))
-    }
-}
-
-/// Cosine similarity (0 when either vector is zero).
-fn cosine(a: &Vector, b: &[f32]) -> f32 {
-    let n = a.norm() * b.iter().map(|x| x * x).sum::<f32>().sqrt();
-    if n == 0.0 {
-        0.0
-    } else {
-        a.dot(b) / n
     }
 }
 

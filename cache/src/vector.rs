@@ -37,6 +37,12 @@ impl Vector {
         Self(h.into())
     }
 
+    /// [`Vector::new`], or `None` when a component is not finite as a half float (NaN, or
+    /// beyond ±65,504): such a vector is never stored, since JSON has no number for it.
+    pub fn finite(v: &[f32]) -> Option<Self> {
+        Some(Self::new(v)).filter(Self::is_finite)
+    }
+
     /// Components.
     pub fn len(&self) -> usize {
         self.0.len()
@@ -86,9 +92,26 @@ impl Vector {
             .sum()
     }
 
-    /// Euclidean norm.
-    pub fn norm(&self) -> f32 {
-        self.dot_vector(self).sqrt()
+    /// Cosine similarity with a full-precision vector (over the shorter of the two; 0 when
+    /// either is zero), in one pass.
+    pub fn cosine(&self, query: &[f32]) -> f32 {
+        let mut buf = [0f32; CHUNK];
+        let (mut ab, mut aa, mut bb) = (0f32, 0f32, 0f32);
+        for (h, q) in self.0.chunks(CHUNK).zip(query.chunks(CHUNK)) {
+            let n = h.len().min(q.len());
+            h[..n].convert_to_f32_slice(&mut buf[..n]);
+            for (x, y) in buf[..n].iter().zip(&q[..n]) {
+                ab += x * y;
+                aa += x * x;
+                bb += y * y;
+            }
+        }
+        let n = (aa * bb).sqrt();
+        if n == 0.0 {
+            0.0
+        } else {
+            ab / n
+        }
     }
 
     /// Bytes its one allocation takes: the `Arc`'s two counts and the components.
@@ -219,7 +242,9 @@ mod tests {
         assert!(worst < 1e-4, "off by {worst}");
         let a = unit(384, 7);
         assert!((Vector::new(&a).dot(&a) - 1.0).abs() < 1e-4);
-        assert!((Vector::new(&a).norm() - 1.0).abs() < 1e-4);
+        let twice: Vec<f32> = a.iter().map(|x| 2.0 * x).collect();
+        assert!((Vector::new(&a).cosine(&twice) - 1.0).abs() < 1e-4);
+        assert_eq!(Vector::new(&a).cosine(&vec![0.0; 384]), 0.0);
     }
 
     #[test]
@@ -239,9 +264,11 @@ mod tests {
             json.len(),
             exact.len()
         );
-        // Too large for a half float: not finite, so readers can refuse it.
+        // Too large for a half float: not finite, so it is not stored, and readers refuse it.
         assert!(!Vector::new(&[1.0e6, 0.0]).is_finite());
-        assert!(Vector::new(&[0.5, -0.25]).is_finite());
+        assert!(Vector::finite(&[1.0e6, 0.0]).is_none());
+        assert!(Vector::finite(&[f32::NAN, 0.0]).is_none());
+        assert!(Vector::finite(&[0.5, -0.25]).is_some());
     }
 
     #[test]
@@ -249,13 +276,13 @@ mod tests {
         let table = shortest_table();
         for bits in 0..=u16::MAX {
             let h = f16::from_bits(bits);
-            if h.is_nan() {
+            // Not finite: never stored (`Vector::finite`).
+            if !h.is_finite() {
                 continue;
             }
             let y = table[usize::from(bits)];
             // Through JSON text, as a reader sees it.
-            let back: f32 =
-                serde_json::from_str(&serde_json::to_string(&y).unwrap_or_default()).unwrap_or(y);
+            let back: f32 = serde_json::from_str(&serde_json::to_string(&y).unwrap()).unwrap();
             assert_eq!(f16::from_f32(back), h, "bits {bits:#06x}: {y}");
         }
     }

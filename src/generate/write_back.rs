@@ -41,7 +41,7 @@ pub(crate) async fn write_back(
         completion_tokens: usage.completion_tokens,
         prompt: plan.prompt,
         partition: plan.partition.unwrap_or([0; 32]),
-        embedding: plan.embedding.as_ref().map(Vector::from),
+        embedding: plan.embedding.as_deref().and_then(Vector::finite),
         origin: plan.origin,
         tags: plan.tags,
         refusals: Vec::new(),

@@ -97,7 +97,8 @@ impl Shared {
         // A question too long to be worth predicting is not learned (it would only take the
         // model's memory); the session still moves on to it.
         let learnable = prompt.len() <= model::MAX_PROMPT_BYTES;
-        // The model keeps its own full-precision copy (its clusters' centroids move).
+        // The model compares in f32 and keeps its own copy for a new question (counted in its
+        // byte budget at four bytes a component).
         let embedding: Option<Arc<[f32]>> = entry
             .embedding
             .as_ref()
