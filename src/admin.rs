@@ -43,12 +43,7 @@ pub fn same_digest(a: &blake3::Hash, b: &blake3::Hash) -> bool {
 
 /// The admin the request's bearer token names, or 401.
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Admin, ApiError> {
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .filter(|t| !t.is_empty())
-        .ok_or(ApiError::Unauthorized)?;
+    let given = bearer(headers).ok_or(ApiError::Unauthorized)?;
     let global = state
         .config
         .server
@@ -67,6 +62,48 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Admin, ApiError> {
         .by_admin_token(&given)
         .map(Admin::Tenant)
         .ok_or(ApiError::Unauthorized)
+}
+
+/// Whether the request may read `/metrics`: with a metrics token configured, its bearer
+/// token is that one or the global admin's; without one, anybody where no tenants are
+/// configured, and the global admin only where they are (a tenant's series are not for
+/// another tenant's key). Fails closed: a token named but unset opens nothing.
+pub fn may_scrape(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let secret = |var: &Option<String>| {
+        var.as_ref()
+            .and_then(|v| std::env::var(v).ok())
+            .filter(|t| !t.is_empty())
+    };
+    let server = &state.config.server;
+    let open = server.metrics_token_env.is_none()
+        && state.config.tenants.is_empty()
+        && state.policies.load().tenants.is_empty();
+    if open {
+        return Ok(());
+    }
+    let given = bearer(headers).ok_or(ApiError::Unauthorized)?;
+    let given = secret_digest(given);
+    let allowed = [
+        secret(&server.metrics_token_env),
+        secret(&server.admin_token_env),
+    ];
+    match allowed
+        .iter()
+        .flatten()
+        .any(|t| same_digest(&given, &secret_digest(t)))
+    {
+        true => Ok(()),
+        false => Err(ApiError::Unauthorized),
+    }
+}
+
+/// The request's bearer token, when it has a non-empty one.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .filter(|t| !t.is_empty())
 }
 
 /// Only the global admin.
@@ -117,7 +154,16 @@ pub async fn delete_entry(
         }
     }
     let deleted = state.store.delete(id).await.map_err(redis_error)?;
-    Ok(Json(json!({"deleted": u64::from(deleted)})))
+    Ok(deleted_json(&state, u64::from(deleted)))
+}
+
+/// The answer to a delete of `n` entries. Deletions ask for a snapshot at once: without
+/// Redis, a crash before the next periodic one would bring them back at the restart.
+fn deleted_json(state: &AppState, n: u64) -> Json<serde_json::Value> {
+    if n > 0 {
+        state.snapshot_wanted.notify_one();
+    }
+    Json(json!({"deleted": n}))
 }
 
 /// The filters of `DELETE /admin/entries`.
@@ -133,8 +179,7 @@ pub struct EntryFilter {
 
 /// `DELETE /admin/entries?tenant=&model=&older_than_secs=`: every entry matching all the
 /// filters given (at least one), each deleted everywhere; entries are found among those
-/// this replica holds (every replica holds every live entry once replicated). A tenant's
-/// admin deletes only its own.
+/// this replica holds and those Redis keeps. A tenant's admin deletes only its own.
 pub async fn delete_entries(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -164,7 +209,7 @@ pub async fn delete_entries(
         })
         .await
         .map_err(redis_error)?;
-    Ok(Json(json!({"deleted": deleted})))
+    Ok(deleted_json(&state, deleted))
 }
 
 /// `?tenant=NAME` of `DELETE /admin/namespaces/{namespace}`.
@@ -203,11 +248,11 @@ pub async fn delete_namespace(
         .delete_namespace(&namespace)
         .await
         .map_err(redis_error)?;
-    Ok(Json(json!({"deleted": deleted})))
+    Ok(deleted_json(&state, deleted))
 }
 
 /// `DELETE /admin/tags/{tag}`: every entry stored with the tag; a tenant's admin deletes
-/// only its own tenant's (those this replica holds, each everywhere).
+/// only its own tenant's (those this replica holds and those Redis keeps, each everywhere).
 pub async fn delete_tag(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -223,7 +268,7 @@ pub async fn delete_tag(
             .await
             .map_err(redis_error)?,
     };
-    Ok(Json(json!({"deleted": deleted})))
+    Ok(deleted_json(&state, deleted))
 }
 
 /// `?tenant=NAME&endpoint=completions` of `POST /admin/explain`.

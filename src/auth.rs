@@ -243,6 +243,19 @@ impl Tenants {
     pub fn load(config: &Config, before: Option<&Tenants>) -> anyhow::Result<Tenants> {
         let mut by_key = HashMap::new();
         let mut by_name = HashMap::new();
+        // Admin tokens must each name one admin: a tenant's equal to another's, or to the
+        // global admin's or the metrics token, would widen what it reaches.
+        let server_tokens: Vec<blake3::Hash> = [
+            &config.server.admin_token_env,
+            &config.server.metrics_token_env,
+        ]
+        .into_iter()
+        .flatten()
+        .filter_map(|var| std::env::var(var).ok())
+        .filter(|t| !t.is_empty())
+        .map(|t| crate::admin::secret_digest(&t))
+        .collect();
+        let mut admin_tokens: Vec<blake3::Hash> = Vec::new();
         for t in &config.tenants {
             let was = before.and_then(|b| b.by_name.get(&t.name));
             let mut tenant = Tenant::new(
@@ -259,7 +272,19 @@ impl Tenants {
                     )
                 })?;
                 anyhow::ensure!(!token.is_empty(), "tenant `{}`: empty admin token", t.name);
-                tenant.admin_token = Some(crate::admin::secret_digest(&token));
+                let digest = crate::admin::secret_digest(&token);
+                anyhow::ensure!(
+                    !admin_tokens.contains(&digest),
+                    "tenant `{}`: its admin token is another tenant's",
+                    t.name
+                );
+                anyhow::ensure!(
+                    !server_tokens.contains(&digest),
+                    "tenant `{}`: its admin token is the server's admin or metrics token",
+                    t.name
+                );
+                admin_tokens.push(digest);
+                tenant.admin_token = Some(digest);
             }
             tenant.candidate = crate::candidate::carry(
                 t.candidate.as_ref(),
@@ -427,6 +452,45 @@ mod tests {
             tenant("beta", &[&format!("sha256:{digest}")], false),
         ];
         Tenants::load(&c, None).unwrap()
+    }
+
+    /// An admin token names one admin: a tenant's equal to another's, or to the server's
+    /// admin or metrics token, is refused at load (it would reach more than its tenant).
+    #[test]
+    fn an_admin_token_shared_with_another_admin_is_refused() {
+        std::env::set_var("REPRISE_UNIT_TENANT_ADMIN_A", "t0ken-a");
+        std::env::set_var("REPRISE_UNIT_TENANT_ADMIN_B", "t0ken-b");
+        std::env::set_var("REPRISE_UNIT_TENANT_ADMIN_SAME", "t0ken-a");
+        let with_admin = |name: &str, key: &str, var: &str| TenantConfig {
+            admin_token_env: Some(var.into()),
+            ..tenant(name, &[key], true)
+        };
+        let mut c = Config {
+            tenants: vec![
+                with_admin("acme", "sk-acme", "REPRISE_UNIT_TENANT_ADMIN_A"),
+                with_admin("beta", "sk-beta", "REPRISE_UNIT_TENANT_ADMIN_B"),
+            ],
+            ..Config::default()
+        };
+        let t = Tenants::load(&c, None).expect("distinct tokens");
+        let given = crate::admin::secret_digest("t0ken-b");
+        assert_eq!(t.by_admin_token(&given).unwrap().name(), "beta");
+
+        c.tenants[1].admin_token_env = Some("REPRISE_UNIT_TENANT_ADMIN_SAME".into());
+        let e = Tenants::load(&c, None).err().expect("a shared token");
+        assert!(e.to_string().contains("another tenant's"), "{e}");
+
+        c.tenants[1].admin_token_env = Some("REPRISE_UNIT_TENANT_ADMIN_B".into());
+        for server in ["admin", "metrics"] {
+            let mut c = c.clone();
+            let var = Some("REPRISE_UNIT_TENANT_ADMIN_B".to_string());
+            match server {
+                "admin" => c.server.admin_token_env = var,
+                _ => c.server.metrics_token_env = var,
+            }
+            let e = Tenants::load(&c, None).err().expect("the server's token");
+            assert!(e.to_string().contains("server's admin or metrics"), "{e}");
+        }
     }
 
     #[test]

@@ -104,7 +104,16 @@ impl Server {
 
     /// The Prometheus text of `/metrics` (panics when the request fails).
     pub async fn metrics_text(&self) -> String {
-        let r = self.client.get(self.url("/metrics")).send().await;
+        let token = self.state.config.server.metrics_token_env.as_ref();
+        let token = token
+            .and_then(|v| std::env::var(v).ok())
+            .unwrap_or_default();
+        let r = self
+            .client
+            .get(self.url("/metrics"))
+            .bearer_auth(token)
+            .send()
+            .await;
         r.expect("request sent").text().await.expect("a body")
     }
 }
@@ -145,8 +154,14 @@ pub fn test_config() -> Config {
     // Tests on a busy machine must not see a lookup go on as a miss for being slow; the
     // lookup deadline has tests of its own.
     c.server.lookup_timeout_secs = 60.0;
+    // `/metrics` asks for a token where tenants are configured: the tests' scrapes give it.
+    std::env::set_var(TEST_METRICS_TOKEN_VAR, "test-scrape");
+    c.server.metrics_token_env = Some(TEST_METRICS_TOKEN_VAR.into());
     c
 }
+
+/// The environment variable [`test_config`] keeps its `/metrics` token in.
+pub const TEST_METRICS_TOKEN_VAR: &str = "REPRISE_TEST_METRICS_TOKEN";
 
 /// Serves `state` on a free loopback port.
 pub async fn try_serve(state: Arc<AppState>) -> anyhow::Result<Server> {

@@ -120,17 +120,26 @@ async fn models(
     uri: axum::http::Uri,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(e) = state.policies.load().tenants.admit(&headers) {
-        return e.into_response();
-    }
-    if state.models.is_empty() {
+    let tenant = match state.policies.load().tenants.admit(&headers) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    // A tenant kept to some models sees those it may use (of those served, when listed).
+    let allowed = &tenant.policy().models;
+    let listed: Vec<&String> = match allowed.is_empty() {
+        true => state.models.iter().collect(),
+        false => allowed
+            .iter()
+            .filter(|m| state.models.is_empty() || state.models.contains(m))
+            .collect(),
+    };
+    if listed.is_empty() && allowed.is_empty() {
         let (get, empty) = (axum::http::Method::GET, axum::body::Body::empty());
         if let Some(resp) = forward::passthrough(&state, get, &uri, &headers, empty).await {
             return resp;
         }
     }
-    let data: Vec<_> = state
-        .models
+    let data: Vec<_> = listed
         .iter()
         .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "reprise"}))
         .collect();
@@ -156,7 +165,10 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     Json(json!({"status": "ready", "redis": redis, "index_rebuilds": rebuilds})).into_response()
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = crate::admin::may_scrape(&state, &headers) {
+        return e.into_response();
+    }
     state.update_gauges();
     let body = crate::metrics::prometheus().render();
     (

@@ -1,5 +1,5 @@
 //! What the request path and generation tell the learning side (prefetch) about served
-//! requests, over a bounded channel that never blocks the sender.
+//! requests, over a channel bounded in events and in bytes that never blocks the sender.
 //!
 //! This module is the neutral ground between the two: the request path and [`crate::generate`]
 //! send, [`crate::prefetch`] receives, and neither imports the other.
@@ -30,6 +30,15 @@ pub struct Observation {
     pub entry: Arc<Entry>,
 }
 
+impl Observation {
+    /// About the bytes it holds of its own (the request's texts; the entry is shared).
+    pub fn bytes(&self) -> u64 {
+        let session = self.session.as_ref().map_or(0, String::len);
+        let texts = self.request.input.heap_bytes();
+        (std::mem::size_of::<Observation>() + self.namespace.len() + session + texts) as u64
+    }
+}
+
 /// What travels on the channel.
 #[derive(Debug)]
 pub enum Event {
@@ -39,22 +48,60 @@ pub enum Event {
     PrefetchUsed(EntryId),
 }
 
+impl Event {
+    fn bytes(&self) -> u64 {
+        match self {
+            Event::Served(obs) => obs.bytes(),
+            Event::PrefetchUsed(_) => 0,
+        }
+    }
+}
+
 /// The sending side: cheap to clone, never blocks.
 #[derive(Clone)]
 pub struct Observer {
     tx: mpsc::Sender<Event>,
     dropped: Arc<AtomicU64>,
+    /// Bytes of the events sent and not yet received.
+    queued: Arc<AtomicU64>,
+    max_bytes: u64,
+}
+
+/// The receiving side: takes events off the channel, and their bytes off its count.
+pub struct Observations {
+    rx: mpsc::Receiver<Event>,
+    queued: Arc<AtomicU64>,
+}
+
+impl Observations {
+    /// The next event; `None` once every sender is gone.
+    pub async fn recv(&mut self) -> Option<Event> {
+        let ev = self.rx.recv().await?;
+        self.queued.fetch_sub(ev.bytes(), Ordering::Relaxed);
+        Some(ev)
+    }
+
+    /// The next event if one is waiting.
+    pub fn try_recv(&mut self) -> Option<Event> {
+        let ev = self.rx.try_recv().ok()?;
+        self.queued.fetch_sub(ev.bytes(), Ordering::Relaxed);
+        Some(ev)
+    }
 }
 
 impl Observer {
-    /// A channel holding up to `capacity` events: the sender and the receiver.
-    pub fn channel(capacity: usize) -> (Observer, mpsc::Receiver<Event>) {
+    /// A channel holding up to `capacity` events and `max_bytes` of them: the sender and the
+    /// receiver.
+    pub fn channel(capacity: usize, max_bytes: u64) -> (Observer, Observations) {
         let (tx, rx) = mpsc::channel(capacity.max(1));
+        let queued = Arc::<AtomicU64>::default();
         let observer = Observer {
             tx,
             dropped: Arc::default(),
+            queued: queued.clone(),
+            max_bytes,
         };
-        (observer, rx)
+        (observer, Observations { rx, queued })
     }
 
     /// Reports a served request; dropped (and counted) when the receiver is far behind.
@@ -73,7 +120,10 @@ impl Observer {
     }
 
     fn send(&self, ev: Event) {
-        if self.tx.try_send(ev).is_err() {
+        let bytes = ev.bytes();
+        let queued = self.queued.fetch_add(bytes, Ordering::Relaxed);
+        if queued.saturating_add(bytes) > self.max_bytes || self.tx.try_send(ev).is_err() {
+            self.queued.fetch_sub(bytes, Ordering::Relaxed);
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }

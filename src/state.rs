@@ -59,6 +59,9 @@ pub struct AppState {
     pub traces: Option<crate::otel::Traces>,
     /// Completed rebuilds of this replica's memory and index from Redis.
     pub rebuilds: std::sync::atomic::AtomicU64,
+    /// Asks the periodic snapshot ([`crate::config::CacheConfig::snapshot_interval_secs`])
+    /// to save now: after an admin delete, so that a crash cannot bring deleted answers back.
+    pub snapshot_wanted: Arc<tokio::sync::Notify>,
     /// Follow-up prediction and background generation, when enabled.
     pub prefetch: Option<Arc<Prefetcher>>,
     /// Where served requests are reported (to the prefetcher), when prefetch is on.
@@ -213,6 +216,7 @@ impl AppState {
             verifier,
             policy_key,
             rebuilds: Default::default(),
+            snapshot_wanted: Default::default(),
             ready: AtomicBool::new(true),
         }))
     }

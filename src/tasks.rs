@@ -202,8 +202,8 @@ pub fn release_free_memory() {
 }
 
 /// Saves the memory tier to `path` every `every` (the first save one interval after the
-/// start), off the async workers; one save at a time, and the shutdown's own save comes after
-/// this task ended.
+/// start), and as soon as [`AppState::snapshot_wanted`] asks (after a delete), off the async
+/// workers; one save at a time, and the shutdown's own save comes after this task ended.
 fn start_snapshots(
     state: &Arc<AppState>,
     path: std::path::PathBuf,
@@ -212,6 +212,7 @@ fn start_snapshots(
     stop: CancellationToken,
 ) {
     let weak = Arc::downgrade(state);
+    let wanted = state.snapshot_wanted.clone();
     tracker.spawn(async move {
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -219,6 +220,7 @@ fn start_snapshots(
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = tick.tick() => {}
+                _ = wanted.notified() => tick.reset(),
             }
             let Some(state) = weak.upgrade() else { break };
             let p = path.clone();

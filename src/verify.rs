@@ -17,9 +17,8 @@
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
-use futures::StreamExt;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use reprise_backend::{ChatMessage, GenEvent, GenRequest, Input, Priority};
+use reprise_backend::{ChatMessage, GenRequest, Input, Priority};
 use reprise_cache::Entry;
 use tokio::sync::Semaphore;
 
@@ -140,16 +139,10 @@ fn start(
 
 /// The backend's answer to `req` (none when it fails or stalls).
 async fn generate(state: &AppState, req: GenRequest) -> Option<String> {
-    let mut stream = state.backend.generate(req).await.ok()?;
-    let mut text = String::new();
-    let mut deadlines = crate::generate::Deadlines::new(&state.config.server);
-    loop {
-        match deadlines.next(stream.next()).await.ok()?? {
-            Ok(GenEvent::Delta(d)) => text.push_str(&d),
-            Ok(GenEvent::Finish { .. }) => return Some(text),
-            Err(_) => return None,
-        }
-    }
+    crate::generate::answer(state, req)
+        .await
+        .ok()
+        .map(|(text, _)| text)
 }
 
 /// Whether the cached answer is wrong for the question (none: no verdict).

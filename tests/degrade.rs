@@ -265,16 +265,18 @@ async fn a_kept_expired_entry_answers_before_the_fallback() {
     rig.release().await;
 }
 
-/// A paraphrase under the threshold but above the floor answers while the primary is busy
-/// (marked loose-threshold, a semantic hit with its similarity); on an idle primary the
-/// same paraphrase is a miss; a near question the gate refuses is never served loosely.
-#[tokio::test]
-async fn a_paraphrase_above_the_floor_answers_only_when_busy_and_never_past_the_gate() {
+/// A rig degrading to a loose threshold (0.97, floor 0.8), then a refusal, whose primary
+/// was taught its service time and answered "How do I reset my password?"; `delta`: the
+/// error bound, if any.
+async fn paraphrase_rig(delta: Option<f64>) -> Rig {
     let mut c = config(&[DegradeStep::LooseThreshold, DegradeStep::Refuse]);
     c.semantic.enabled = true;
     c.semantic.threshold = 0.97;
     c.degrade.loose_floor = 0.8;
-    let mut rig = rig(c).await;
+    if let Some(delta) = delta {
+        c.semantic.delta = delta;
+    }
+    let rig = rig(c).await;
     rig.teach().await;
     let r = rig
         .app
@@ -282,6 +284,15 @@ async fn a_paraphrase_above_the_floor_answers_only_when_busy_and_never_past_the_
         .await;
     assert_eq!(cache_status(&r), "miss");
     model_of(r).await;
+    rig
+}
+
+/// A paraphrase under the threshold but above the floor answers while the primary is busy
+/// (marked loose-threshold, a semantic hit with its similarity); on an idle primary the
+/// same paraphrase is a miss; a near question the gate refuses is never served loosely.
+#[tokio::test]
+async fn a_paraphrase_above_the_floor_answers_only_when_busy_and_never_past_the_gate() {
+    let mut rig = paraphrase_rig(None).await;
     let paraphrase = chat_for("auto", "I forgot my password, how can I change it?");
 
     rig.hold().await;
@@ -304,6 +315,28 @@ async fn a_paraphrase_above_the_floor_answers_only_when_busy_and_never_past_the_
     let r = rig.app.chat(&paraphrase, &[]).await;
     assert_eq!(cache_status(&r), "miss", "idle: the configured threshold");
     assert!(header(&r, "x-reprise-degraded").is_none());
+}
+
+/// Under an error bound (`delta`) the learned threshold is the bound's: a busy backend
+/// never serves a paraphrase below it, whatever the floor. The same paraphrase that the
+/// floor admits without a bound is refused (the next step) here.
+#[tokio::test]
+async fn under_an_error_bound_degrading_never_goes_below_the_learned_threshold() {
+    let mut rig = paraphrase_rig(Some(0.02)).await;
+
+    rig.hold().await;
+    let loose = at_risk(&rig.app, "loose_threshold").await;
+    let r = rig
+        .app
+        .chat(
+            &chat_for("auto", "I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status(), 429, "refused, not served under the bound");
+    assert!(header(&r, "x-reprise-similarity").is_none());
+    assert_eq!(at_risk(&rig.app, "loose_threshold").await, loose);
+    rig.release().await;
 }
 
 /// Background work is shed first: once a request found the backend at risk, no spare slot

@@ -367,3 +367,51 @@ async fn the_exposition_the_alerts_and_the_grafana_dashboard_agree_and_pass_prom
         assert!(missing.is_empty(), "{what} reads {missing:?}, not exposed");
     }
 }
+
+/// `/metrics` names tenants and what they ask: once tenants are configured it answers only
+/// the metrics token or the admin token, never a tenant's API key or an anonymous scrape,
+/// and with neither token set it is closed to all. A server without tenants or a metrics
+/// token stays open, as scrapers expect.
+#[tokio::test]
+async fn metrics_need_the_scrape_or_admin_token_once_tenants_exist() {
+    const ADMIN_VAR: &str = "REPRISE_TEST_SCRAPE_ADMIN_TOKEN";
+    std::env::set_var(ADMIN_VAR, "scrape-admin");
+    let dir = tempfile::tempdir().unwrap();
+    let status = |app: &TestApp, token: Option<&'static str>| {
+        let mut req = app.client.get(app.url("/metrics"));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    let mut c = config("scrape", "sk-scrape", &dir.path().join("a.jsonl"));
+    c.server.admin_token_env = Some(ADMIN_VAR.into());
+    let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
+    assert_eq!(status(&app, None).await, 401);
+    assert_eq!(status(&app, Some("sk-scrape")).await, 401, "a tenant's key");
+    assert_eq!(
+        status(&app, Some("test-scrape")).await,
+        200,
+        "the metrics token"
+    );
+    assert_eq!(
+        status(&app, Some("scrape-admin")).await,
+        200,
+        "the admin token"
+    );
+    let r = app.client.get(app.url("/metrics")).send().await.unwrap();
+    assert_openai_error(r, 401, None).await;
+
+    // Tenants and no token set: nobody.
+    let mut c = config("scrape-closed", "sk-closed", &dir.path().join("b.jsonl"));
+    c.server.metrics_token_env = None;
+    let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
+    assert_eq!(status(&app, None).await, 401);
+    assert_eq!(status(&app, Some("sk-closed")).await, 401);
+
+    // No tenants, no metrics token: open.
+    let mut c = test_config();
+    c.server.metrics_token_env = None;
+    let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
+    assert_eq!(status(&app, None).await, 200);
+}

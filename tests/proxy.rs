@@ -193,6 +193,27 @@ async fn no_cache_and_no_store() {
         j["choices"][0]["message"]["content"], "fresh: controls",
         "no-cache replaced the entry"
     );
+
+    // A value with bytes that are not visible ASCII is refused, not skipped: the no-store
+    // beside them must not be lost (the answer would be stored and shared).
+    let body = chat_body("controls with an odd header");
+    let raw = reqwest::header::HeaderValue::from_bytes(b"no-store, x=\"caf\xc3\xa9\"").unwrap();
+    let r = app
+        .client
+        .post(app.chat_url())
+        .header("cache-control", raw)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let j = assert_openai_error(r, 400, Some("cache-control")).await;
+    assert!(j["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("visible ASCII"));
+    assert_eq!(backend.calls(), 4, "refused before the backend");
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "miss", "nothing was stored");
 }
 
 #[tokio::test]
@@ -231,6 +252,12 @@ async fn bad_input_gets_openai_errors_and_changes_nothing() {
         assert_openai_error(post(body).await.unwrap(), 400, Some("max_tokens")).await;
     }
     assert_openai_error(post(r#"{"model":"fake"}"#.into()).await.unwrap(), 400, None).await;
+    // A stop string longer than 1 KiB (checked against the held-back text on every token).
+    let body = format!(
+        r#"{{"model":"fake","messages":[{{"role":"user","content":"x"}}],"stop":["{}"]}}"#,
+        "s".repeat(1025)
+    );
+    assert_openai_error(post(body).await.unwrap(), 400, Some("stop")).await;
     assert_openai_error(
         post(r#"{"model":"fake","messages":"hi"}"#.into())
             .await

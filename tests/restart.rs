@@ -128,6 +128,55 @@ async fn a_killed_server_keeps_what_its_last_snapshot_saved() {
     }
 }
 
+/// An admin delete is saved at once, not at the next periodic snapshot (an hour away here):
+/// killed right after, the restarted server has the answers kept and not the one deleted.
+#[tokio::test]
+async fn a_delete_is_saved_at_once_so_a_crash_cannot_bring_it_back() {
+    const TOKEN_VAR: &str = "REPRISE_TEST_RESTART_ADMIN_TOKEN";
+    std::env::set_var(TOKEN_VAR, "r3start");
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = dir.path().join("cache.snapshot");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            "[cache]\nsnapshot_path = {:?}\nsnapshot_interval_secs = 3600\n\n\
+             [server]\nadmin_token_env = {TOKEN_VAR:?}\n",
+            snapshot.display().to_string()
+        ),
+    );
+    let p = Process::start(&config).await;
+    let client = reqwest::Client::new();
+    let r = client
+        .post(format!("{}/v1/chat/completions", p.base))
+        .json(&chat_body(QUESTIONS[0]))
+        .send()
+        .await
+        .unwrap();
+    let doomed = header(&r, "x-reprise-entry").unwrap();
+    assert_eq!(p.ask(QUESTIONS[1]).await, "miss");
+    let r = client
+        .delete(format!("{}/admin/entries/{doomed}", p.base))
+        .bearer_auth("r3start")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let saved = eventually(Duration::from_secs(30), || {
+        std::fs::read_to_string(&snapshot)
+            .is_ok_and(|s| s.lines().filter(|l| l.starts_with("{\"entry\"")).count() == 1)
+    })
+    .await;
+    assert!(saved, "the delete asked for no snapshot");
+    p.kill();
+    let p = Process::start(&config).await;
+    assert_eq!(p.ask(QUESTIONS[1]).await, "exact");
+    assert_eq!(
+        p.ask(QUESTIONS[0]).await,
+        "miss",
+        "the deleted answer came back"
+    );
+}
+
 #[tokio::test]
 async fn a_killed_replica_loses_nothing_redis_was_written() {
     let redis = RedisServer::start();

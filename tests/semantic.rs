@@ -720,7 +720,12 @@ async fn substituted_words_far_apart_in_meaning_are_not_served() {
     let mut config = semantic_config();
     config.semantic.substitution_threshold = 0.6;
     config.semantic.threshold = 0.8;
-    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let script = ScriptConfig {
+        token_delay: std::time::Duration::from_millis(40),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(config, script).await;
+    let app = std::sync::Arc::new(app);
     app.chat(&chat_body("What does my home insurance cover?"), &[])
         .await;
     let r = app
@@ -734,6 +739,28 @@ async fn substituted_words_far_apart_in_meaning_are_not_served() {
         "semantic",
         "shop vs store is the same question"
     );
+    assert_eq!(backend.calls(), 3);
+
+    // Nor does a question wait for such a look-alike being generated.
+    let ns = [("x-reprise-namespace", "in-flight")];
+    let home = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            app.chat(&chat_body("What does my home insurance cover?"), &ns)
+                .await
+        })
+    };
+    assert!(eventually(std::time::Duration::from_secs(5), || backend.calls() == 4).await);
+    let r = app
+        .chat(&chat_body("What does my car insurance cover?"), &ns)
+        .await;
+    assert_eq!(cache_status(&r), "miss", "home vs car insurance in flight");
+    assert_eq!(
+        content(r).await,
+        "You asked: What does my car insurance cover?"
+    );
+    assert_eq!(cache_status(&home.await.unwrap()), "miss");
+    assert_eq!(backend.calls(), 5);
 }
 
 async fn feedback(app: &TestApp, body: Value, key: Option<&str>) -> reqwest::Response {

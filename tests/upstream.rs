@@ -414,6 +414,74 @@ async fn forwarded_requests_keep_to_the_tenants_cap_and_budget() {
     assert_eq!(up.seen().len(), 2);
 }
 
+/// A tenant kept to some models is kept to them on the passthrough endpoints too: an
+/// embedding with one of its models goes up, one with another model (or none) is refused
+/// before the upstream sees it, and `/v1/models` lists only its own. With tenants, endpoints
+/// whose objects live in the upstream account cannot be opened at all.
+#[tokio::test]
+async fn passthrough_keeps_a_tenant_to_its_models() {
+    let up = ToolUpstream::spawn().await;
+    let mut config = openai_config(up.base_url.clone());
+    config.auth.required = true;
+    let doc = "[[tenants]]\nname = \"narrow\"\napi_keys = [\"sk-narrow\"]\n\
+               [tenants.policy]\nmodels = [\"up-model\", \"text-embedding-3-small\"]\n\
+               [[tenants]]\nname = \"wide\"\napi_keys = [\"sk-wide\"]\n";
+    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
+        .unwrap()
+        .tenants
+        .unwrap();
+    let mut stateful = config.clone();
+    stateful.backend.passthrough.push("files".into());
+    let err = stateful.validate().unwrap_err().to_string();
+    assert!(err.contains("backend.passthrough"), "{err}");
+
+    let app = proxy_to(config).await;
+    let embed = |key: &'static str, body: Value| {
+        let req = app.client.post(app.url("/v1/embeddings")).bearer_auth(key);
+        async move { req.json(&body).send().await.unwrap() }
+    };
+    let ok = json!({"model": "text-embedding-3-small", "input": "hello"});
+    assert_eq!(embed("sk-narrow", ok.clone()).await.status(), 200);
+    assert_eq!(up.seen().pop().unwrap(), ("/v1/embeddings".into(), ok));
+    let other = json!({"model": "text-embedding-3-large", "input": "hello"});
+    assert_openai_error(embed("sk-narrow", other.clone()).await, 404, Some("model")).await;
+    let none = json!({"input": "hello"});
+    assert_openai_error(embed("sk-narrow", none).await, 403, None).await;
+    assert_eq!(up.seen().len(), 1, "neither went up");
+    // Another tenant, without a list, is not held back.
+    assert_eq!(embed("sk-wide", other).await.status(), 200);
+
+    let models = |key: &'static str| {
+        let req = app.client.get(app.url("/v1/models")).bearer_auth(key);
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let ids = |j: Value| -> Vec<String> {
+        j["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(
+        ids(models("sk-narrow").await),
+        ["up-model", "text-embedding-3-small"]
+    );
+    assert_eq!(
+        ids(models("sk-wide").await),
+        ["up-model"],
+        "the upstream's list"
+    );
+    let r = app
+        .client
+        .get(app.url("/v1/models/other-model"))
+        .bearer_auth("sk-narrow")
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 404, Some("model")).await;
+}
+
 #[tokio::test]
 async fn requests_beyond_text_are_refused_by_a_text_only_backend() {
     let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;

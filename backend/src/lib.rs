@@ -31,6 +31,22 @@ pub enum Input {
     Prompt(String),
 }
 
+impl Input {
+    /// About the heap bytes it holds: its texts, and each message's role and name.
+    pub fn heap_bytes(&self) -> usize {
+        match self {
+            Input::Prompt(p) => p.len(),
+            Input::Chat(msgs) => msgs
+                .iter()
+                .map(|m| {
+                    let name = m.name.as_ref().map_or(0, String::len);
+                    std::mem::size_of::<ChatMessage>() + m.role.len() + m.content.len() + name
+                })
+                .sum(),
+        }
+    }
+}
+
 /// One chat message, reduced to the parts a text model consumes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ChatMessage {

@@ -34,6 +34,13 @@ use crate::{
     GenStream, Input, Load, Priority, Usage,
 };
 
+/// Most bytes of one generation's upstream stream (its SSE framing included): an upstream
+/// that ignores `max_tokens`, or sends a line without end, is cut off there (an error, never
+/// cached). A 16k-token answer streams about 4 MB.
+pub const MAX_STREAM_BYTES: usize = 32 * 1024 * 1024;
+/// Most bytes of an upstream's failure body read for its message.
+const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
+
 /// Settings of an [`OpenAiBackend`].
 #[derive(Clone)]
 pub struct OpenAiConfig {
@@ -165,7 +172,7 @@ impl OpenAiBackend {
                 .get("retry-after")
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok());
-            let text = resp.text().await.unwrap_or_default();
+            let text = read_capped(resp, MAX_ERROR_BODY_BYTES).await;
             return Err(status_error(status, retry, &text));
         }
         Ok(resp)
@@ -303,9 +310,17 @@ impl ChunkState {
         };
         if let Some(reason) = choice.get("finish_reason").and_then(Value::as_str) {
             self.finish = Some(match reason {
-                "length" => FinishReason::Length,
+                "stop" | "eos" | "eos_token" | "stop_sequence" | "end_turn" => FinishReason::Stop,
+                "length" | "max_tokens" => FinishReason::Length,
                 "content_filter" => FinishReason::ContentFilter,
-                _ => FinishReason::Stop,
+                // An aborted, cancelled or failed answer (vLLM's `abort`, a gateway's
+                // `error`), or one that is not text: never a finished answer to cache.
+                other => {
+                    return Err(BackendError::Unavailable(format!(
+                        "upstream answer ended with `{}`",
+                        other.chars().take(64).collect::<String>()
+                    )))
+                }
             });
         }
         let text = choice
@@ -347,6 +362,46 @@ impl Drop for LoadGuard {
 }
 
 /// The next upstream event, unless `preemption` fires first (then `Overloaded`).
+/// `body` up to `limit` bytes in all; past it, an error item ends it.
+fn capped<S, B, E>(body: S, limit: usize) -> impl futures::Stream<Item = Result<B, String>>
+where
+    S: futures::Stream<Item = Result<B, E>>,
+    B: AsRef<[u8]>,
+    E: std::fmt::Display,
+{
+    let mut seen = 0usize;
+    body.map(move |chunk| {
+        let chunk = chunk.map_err(|e| e.to_string())?;
+        seen = seen.saturating_add(chunk.as_ref().len());
+        if seen > limit {
+            return Err(format!("answer over {limit} bytes"));
+        }
+        Ok(chunk)
+    })
+    .take_while({
+        let mut over = false;
+        move |item| {
+            let go = !over;
+            over |= item.is_err();
+            futures::future::ready(go)
+        }
+    })
+}
+
+/// At most `limit` bytes of a response's body, as text (lossy); what comes after is not read.
+async fn read_capped(resp: reqwest::Response, limit: usize) -> String {
+    let mut body = resp.bytes_stream();
+    let mut bytes = Vec::new();
+    while let Some(Ok(chunk)) = body.next().await {
+        let room = limit - bytes.len();
+        bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if bytes.len() >= limit {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
 async fn next_event<S>(
     events: &mut S,
     preemption: Option<&CancellationToken>,
@@ -387,9 +442,18 @@ impl Backend for OpenAiBackend {
             .post(self.url(&req.input))
             .header("accept", "text/event-stream")
             .json(&body(&req));
-        let resp = self.send(http).await?;
-        let mut events = resp
-            .bytes_stream()
+        // Preempted while the request is sent or its headers awaited: the slot goes to the
+        // user at once, so the upstream request must stop too (it would run past the limit).
+        let sending = self.send(http);
+        let resp = match &preemption {
+            None => sending.await?,
+            Some(token) => tokio::select! {
+                biased;
+                () = token.cancelled() => return Err(crate::slots::preempted()),
+                resp = sending => resp?,
+            },
+        };
+        let mut events = capped(resp.bytes_stream(), MAX_STREAM_BYTES)
             .eventsource()
             .map(|ev| ev.map_err(|e| e.to_string()));
         let stream = async_stream::try_stream! {
@@ -511,6 +575,62 @@ mod tests {
                     completion_tokens: 2
                 }
             }
+        );
+    }
+
+    /// An answer that ends in anything but a known finish (an abort, a gateway's error) is
+    /// an error, so it is never cached as a finished answer.
+    #[test]
+    fn only_known_finish_reasons_finish_an_answer() {
+        let chunk = |reason: &str| {
+            format!(r#"{{"choices":[{{"index":0,"delta":{{}},"finish_reason":"{reason}"}}]}}"#)
+        };
+        for (reason, finish) in [
+            ("stop", FinishReason::Stop),
+            ("end_turn", FinishReason::Stop),
+            ("length", FinishReason::Length),
+            ("content_filter", FinishReason::ContentFilter),
+        ] {
+            let mut s = ChunkState::default();
+            s.push(&chunk(reason)).unwrap();
+            assert!(matches!(s.finish(), Ok(GenEvent::Finish { reason, .. }) if reason == finish));
+        }
+        for reason in ["abort", "error", "cancelled", "tool_calls"] {
+            assert!(
+                ChunkState::default().push(&chunk(reason)).is_err(),
+                "{reason}"
+            );
+        }
+    }
+
+    /// A stream past its byte cap ends with an error, and nothing after it is read.
+    #[tokio::test]
+    async fn a_stream_past_its_cap_ends_with_an_error() {
+        let chunks = (0..100).map(|_| Ok::<_, String>(vec![b'x'; 1000]));
+        let items: Vec<_> = capped(futures::stream::iter(chunks), 10_500)
+            .collect()
+            .await;
+        assert_eq!(items.len(), 11, "ten chunks, then the error");
+        assert!(items[..10].iter().all(Result::is_ok));
+        assert!(items[10].as_ref().unwrap_err().contains("10500 bytes"));
+        let within: Vec<_> = capped(futures::stream::iter([Ok::<_, String>(b"ok")]), 10)
+            .collect()
+            .await;
+        assert_eq!(within.len(), 1);
+    }
+
+    /// A failure body is read only up to its cap.
+    #[tokio::test]
+    async fn a_failure_body_is_read_up_to_its_cap() {
+        let huge = reqwest::Response::from(http::Response::new(vec![b'e'; 1 << 20]));
+        assert_eq!(
+            read_capped(huge, MAX_ERROR_BODY_BYTES).await.len(),
+            MAX_ERROR_BODY_BYTES
+        );
+        let small = reqwest::Response::from(http::Response::new("bad temperature"));
+        assert_eq!(
+            read_capped(small, MAX_ERROR_BODY_BYTES).await,
+            "bad temperature"
         );
     }
 

@@ -309,25 +309,30 @@ impl MemoryTier {
         }
     }
 
-    /// Stores an entry and points `key` at it.
-    pub async fn insert(&self, key: Digest, entry: Arc<Entry>) {
+    /// Stores an entry and points `key` at it; `false` when its pool's share refused it
+    /// (nothing stored).
+    pub async fn insert(&self, key: Digest, entry: Arc<Entry>) -> bool {
         if !self.admit(&entry, Some(key)).await {
-            return;
+            return false;
         }
         let id = entry.id;
         let namespace = entry.namespace.clone();
         self.entries.insert(id, entry).await;
         self.keys.insert(key, id).await;
         self.recheck(id, &namespace).await;
+        true
     }
 
-    /// Stores an entry without a key (it is reached by id, e.g. through the semantic index).
-    pub async fn insert_entry(&self, entry: Arc<Entry>) {
-        if self.admit(&entry, None).await {
+    /// Stores an entry without a key (it is reached by id, e.g. through the semantic index);
+    /// `false` when its pool's share refused it (nothing stored).
+    pub async fn insert_entry(&self, entry: Arc<Entry>) -> bool {
+        let admitted = self.admit(&entry, None).await;
+        if admitted {
             let (id, namespace) = (entry.id, entry.namespace.clone());
             self.entries.insert(id, entry).await;
             self.recheck(id, &namespace).await;
         }
+        admitted
     }
 
     /// After an insert: an entry its pool evicted between being recorded and entering the

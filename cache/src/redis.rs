@@ -282,6 +282,18 @@ impl RedisTier {
     /// Like [`RedisTier::put`], also adding the entry to the given tags' indexes so that
     /// [`RedisTier::delete_tag`] can invalidate it.
     pub fn put_with_tags(&self, entry: &Entry, keys: &[Digest], tags: &[String]) -> bool {
+        self.put_entry(entry, keys, tags, false)
+    }
+
+    /// Queues a changed copy of an entry Redis holds (same id; a refusal added, say), with
+    /// its tags: written only if Redis still holds the entry when the write runs, so an
+    /// entry deleted meanwhile (by another replica, say) is not brought back. Returns
+    /// `false` when dropped.
+    pub fn update(&self, entry: &Entry) -> bool {
+        self.put_entry(entry, &[], &entry.tags, true)
+    }
+
+    fn put_entry(&self, entry: &Entry, keys: &[Digest], tags: &[String], existing: bool) -> bool {
         if entry.is_expired() {
             return false;
         }
@@ -303,6 +315,7 @@ impl RedisTier {
             bytes,
             keys: keys.to_vec(),
             tags: tags.to_vec(),
+            existing,
         })
     }
 

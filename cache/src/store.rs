@@ -348,21 +348,31 @@ impl Store {
     /// Stores a new entry under `keys` (the first is its exact key): queued to Redis with
     /// its tags, then memory, then the index (when it has a partition and an embedding).
     pub async fn insert(&self, entry: Arc<Entry>, keys: &[Digest]) {
+        if self.was_deleted(entry.id) {
+            // Deleted by its id while it was being generated (the id is announced with the
+            // answer): storing it now would bring it back everywhere.
+            return;
+        }
         if let Some(redis) = &self.redis {
             // Queued: Redis being slow or down never delays or fails the answer.
             redis.put_with_tags(&entry, keys, &entry.tags);
         }
         let id = entry.id;
-        match keys.split_first() {
+        // Indexed only when memory holds it: a vector whose entry its pool's share refused
+        // would sit in the index outside every budget.
+        let held = match keys.split_first() {
             Some((first, rest)) => {
-                self.memory.insert(*first, entry.clone()).await;
-                for k in rest {
+                let held = self.memory.insert(*first, entry.clone()).await;
+                for k in rest.iter().filter(|_| held) {
                     self.memory.alias(*k, id).await;
                 }
+                held
             }
             None => self.memory.insert_entry(entry.clone()).await,
+        };
+        if held {
+            self.index_entry(&entry);
         }
-        self.index_entry(&entry);
     }
 
     /// Replaces the memory copy of an entry with one whose metadata changed (same id, same
@@ -385,7 +395,9 @@ impl Store {
             None => entry,
         };
         if let Some(redis) = &self.redis {
-            redis.put_with_tags(&entry, &[], &entry.tags);
+            // Only over the entry Redis still holds: one another replica deleted meanwhile
+            // (its event not read here yet) stays deleted.
+            redis.update(&entry);
         }
         self.memory.insert_entry(entry).await;
     }
@@ -434,8 +446,9 @@ impl Store {
         if entry.is_expired() || self.was_deleted(entry.id) {
             return entry;
         }
-        self.memory.insert_entry(entry.clone()).await;
-        self.index_entry(&entry);
+        if self.memory.insert_entry(entry.clone()).await {
+            self.index_entry(&entry);
+        }
         entry
     }
 
@@ -545,10 +558,13 @@ impl Store {
             return;
         }
         let entry = Arc::new(entry);
-        if let Some(v) = self.indexable(&entry) {
+        let vector = self.indexable(&entry);
+        if !self.memory.insert_entry(entry.clone()).await {
+            return;
+        }
+        if let Some(v) = vector {
             vectors.push((entry.partition, entry.id, v));
         }
-        self.memory.insert_entry(entry).await;
         loaded.entries += 1;
     }
 
@@ -639,15 +655,37 @@ impl Store {
         Ok(local || shared)
     }
 
-    /// Deletes every entry of this replica that `pred` selects, each everywhere (Redis and
-    /// through it every replica); returns how many were deleted. Meant for rare operator
-    /// requests: it scans every entry held.
+    /// Deletes every entry that `pred` selects, each everywhere (Redis and through it every
+    /// replica); returns how many were deleted. Meant for rare operator requests: it scans
+    /// every entry held here, then every entry Redis keeps (page by page), since this
+    /// replica may not hold them all (evicted, left in Redis by a rebuild that stopped at
+    /// the budget, an event missed).
     pub async fn delete_where(&self, pred: impl Fn(&Entry) -> bool) -> Result<u64, RedisError> {
         let mut n = 0;
+        let mut done = std::collections::HashSet::new();
         for e in self.memory.iter_entries() {
             if pred(&e) {
                 n += u64::from(self.delete(e.id).await?);
+                done.insert(e.id);
             }
+        }
+        let Some(redis) = &self.redis else {
+            return Ok(n);
+        };
+        let (pages, mut rx) = tokio::sync::mpsc::channel(4);
+        let matching = async {
+            let mut ids = Vec::new();
+            while let Some(page) = rx.recv().await {
+                let page: Vec<Entry> = page;
+                let new = page.iter().filter(|e| !done.contains(&e.id) && pred(e));
+                ids.extend(new.map(|e| e.id));
+            }
+            ids
+        };
+        let (scanned, ids) = tokio::join!(redis.scan_pages(pages, |_| {}), matching);
+        scanned?;
+        for id in ids {
+            n += u64::from(self.delete(id).await?);
         }
         Ok(n)
     }

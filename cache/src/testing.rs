@@ -341,3 +341,20 @@ unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
         std::alloc::System.realloc(ptr, layout, new_size)
     }
 }
+
+/// A unit vector of `dim` components whose first `random` are pseudo-random (xorshift,
+/// advancing `seed`, which must not be 0) and the rest zero: index test data whose effective
+/// dimension the test chooses.
+pub fn unit_vector(dim: usize, random: usize, seed: &mut u64) -> Vec<f32> {
+    let mut v: Vec<f32> = (0..random.min(dim))
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            (*seed % 1000) as f32 / 1000.0 - 0.5
+        })
+        .collect();
+    v.resize(dim, 0.0);
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+    v.iter().map(|x| x / norm).collect()
+}

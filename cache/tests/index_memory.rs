@@ -8,7 +8,7 @@
 //! vector's floats.
 
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
-use reprise_cache::testing::CountingAllocator;
+use reprise_cache::testing::{unit_vector, CountingAllocator};
 use reprise_cache::{EntryId, Vector};
 
 #[global_allocator]
@@ -20,19 +20,7 @@ const ENTRIES: usize = 3000;
 fn unit_vectors(dim: usize, n: usize) -> Vec<Vector> {
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
     (0..n)
-        .map(|_| {
-            let mut v: Vec<f32> = (0..8)
-                .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    (seed % 1000) as f32 / 1000.0 - 0.5
-                })
-                .collect();
-            v.resize(dim, 0.0);
-            let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
-            v.iter().map(|x| x / norm).collect::<Vec<_>>().into()
-        })
+        .map(|_| unit_vector(dim, 8, &mut seed).into())
         .collect()
 }
 

@@ -607,8 +607,20 @@ async fn cluster_round_trip() {
         next_event(&mut b_events).await,
         ReplicationEvent::Put { .. }
     ));
+    // An update writes over a held entry only (`SET XX` first on a cluster).
+    assert!(t.delete(entries[1].id).await.unwrap());
+    let mut changed = entries[2].clone();
+    changed.tags = vec!["reviewed".into()];
+    assert!(t.update(&entries[1]) && t.update(&changed));
+    t.flush().await.unwrap();
+    assert_eq!(t.get(entries[1].id).await.unwrap(), None, "stays deleted");
+    assert_eq!(
+        t.get(entries[2].id).await.unwrap().unwrap().tags,
+        ["reviewed"]
+    );
     assert_eq!(t.delete_namespace("ns0").await.unwrap(), 20);
-    assert_eq!(b.scan_entries(|_| {}).await.unwrap().len(), 40);
+    // ns0's 20 and the one deleted above are gone.
+    assert_eq!(b.scan_entries(|_| {}).await.unwrap().len(), 39);
 
     // The policies' script touches one key, so it runs on a cluster.
     assert_eq!(
@@ -694,6 +706,34 @@ async fn a_store_promotes_what_another_replica_wrote() {
     assert!(b.delete(f.id).await.unwrap());
     assert!(b.get(f.id).await.is_none());
     assert_eq!(a.redis().unwrap().get(f.id).await.unwrap(), None);
+
+    // A changed copy A writes of the entry B deleted (a refusal, before B's event reached
+    // A) does not bring it back; one of an entry still held replaces it.
+    a.update(f.clone()).await;
+    let mut changed = (*e).clone();
+    changed.tags = vec!["reviewed".into()];
+    a.update(Arc::new(changed)).await;
+    a.redis().unwrap().flush().await.unwrap();
+    assert_eq!(
+        a.redis().unwrap().get(f.id).await.unwrap(),
+        None,
+        "stays deleted"
+    );
+    let held = a.redis().unwrap().get(e.id).await.unwrap().expect("held");
+    assert_eq!(held.tags, ["reviewed"]);
+
+    // An answer deleted by its id while it was generated (the id is announced first) is
+    // not stored when its generation ends.
+    let g = Arc::new(entry("ns", "late", 60_000));
+    b.delete(g.id).await.unwrap();
+    b.insert(g.clone(), &[digest(4)]).await;
+    b.redis().unwrap().flush().await.unwrap();
+    assert!(b.get(g.id).await.is_none());
+    assert_eq!(b.redis().unwrap().get(g.id).await.unwrap(), None);
+    assert!(matches!(
+        b.find(&digest(4), |_| true).await.0,
+        ByKey::Absent
+    ));
 }
 
 /// With a retention, an expired entry stays in Redis (entry, key, index entries) for it: a
@@ -765,4 +805,52 @@ async fn expired_entries_are_kept_for_the_retention_and_never_fresh() {
         ByKey::Absent
     ));
     assert_eq!(b.redis().unwrap().get(e.id).await.unwrap(), None);
+}
+
+/// A filtered delete (the admin API's by tenant, model, age or a tenant's tag) reaches the
+/// entries only Redis keeps, not just those the deleting replica holds: B never held A's
+/// entries, and deletes those of one namespace among them, in Redis and its memory alike.
+#[tokio::test]
+async fn a_filtered_delete_reaches_entries_only_redis_keeps() {
+    use reprise_cache::{ByKey, Store};
+
+    let server = RedisServer::start();
+    let store = |replica: &'static str| {
+        let url = server.url();
+        async move {
+            let redis = tier(config(url), replica).await;
+            Store::new(
+                1 << 20,
+                Duration::from_secs(60),
+                Duration::ZERO,
+                Some(redis),
+                None,
+                None,
+            )
+        }
+    };
+    let (a, b) = (store("a").await, store("b").await);
+    let mut ids = Vec::new();
+    for i in 0..30u32 {
+        let e = Arc::new(entry(&format!("ns{}", i % 3), &format!("text {i}"), 60_000));
+        ids.push((e.id, e.namespace.clone()));
+        a.insert(e, &[digest(i)]).await;
+    }
+    a.redis().unwrap().flush().await.unwrap();
+    // B holds one of ns0's itself (found by key), the rest only Redis has.
+    assert!(matches!(
+        b.find(&digest(0), |_| true).await.0,
+        ByKey::Fresh(_)
+    ));
+    b.run_pending_tasks().await;
+    assert_eq!(b.entry_count(), 1);
+
+    let deleted = b.delete_where(|e| e.namespace == "ns0").await.unwrap();
+    assert_eq!(deleted, 10);
+    let redis = b.redis().unwrap();
+    for (id, ns) in &ids {
+        let kept = redis.get(*id).await.unwrap().is_some();
+        assert_eq!(kept, ns != "ns0", "{ns}");
+    }
+    assert!(b.get(ids[0].0).await.is_none());
 }

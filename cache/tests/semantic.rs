@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use reprise_cache::semantic::{GraphStats, IndexConfig, PartitionKey, SemanticIndex};
+use reprise_cache::testing::unit_vector;
 use reprise_cache::{EntryId, Vector};
 
 const DIM: usize = 32;
@@ -268,17 +269,7 @@ fn concurrent_inserts_and_searches() {
 /// `n` distinct unit vectors of `dim` components (xorshift), for bulk loads.
 fn vectors(dim: usize, n: usize, mut seed: u64) -> Vec<Arc<[f32]>> {
     (0..n)
-        .map(|_| {
-            let v: Vec<f32> = (0..dim)
-                .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    (seed % 1000) as f32 / 1000.0 - 0.5
-                })
-                .collect();
-            normalise(&v)
-        })
+        .map(|_| unit_vector(dim, dim, &mut seed).into())
         .collect()
 }
 
@@ -408,4 +399,63 @@ fn maintenance_builds_the_graph_of_a_partition_that_outgrew_exact_scans() {
     let (id, v) = &items[17];
     assert_eq!(idx.search(&key(42), v, 1)[0].id, *id);
     assert_eq!(idx.graph_stats().searches, 1, "the graph answered");
+}
+
+/// A vector is indexed only when memory holds its entry: an answer its pool's share refuses
+/// (larger than the whole share) leaves nothing in the index, where it would sit outside
+/// every budget; one the share takes is indexed.
+#[tokio::test]
+async fn an_entry_its_share_refuses_leaves_no_vector_behind() {
+    use reprise_cache::{now_ms, Entry, MemoryShares, Origin, Store};
+    use std::collections::HashMap;
+    use std::time::Duration;
+    fn whole(namespace: &str) -> &str {
+        namespace
+    }
+
+    let index = Arc::new(SemanticIndex::new(DIM, IndexConfig::default()));
+    let store = Store::new(
+        1 << 20,
+        Duration::from_secs(3600),
+        Duration::ZERO,
+        None,
+        Some(index),
+        None,
+    );
+    store.set_memory_shares(
+        Some(MemoryShares {
+            pool_of: whole,
+            pools: HashMap::from([("small".to_string(), 4096)]),
+            rest: 1 << 19,
+        }),
+        1,
+    );
+    let mut rng = Rng(7);
+    let answer = |namespace: &str, bytes: usize, v: Arc<[f32]>| Entry {
+        id: EntryId::random(),
+        namespace: namespace.into(),
+        model: "m".into(),
+        text: "a".repeat(bytes),
+        finish_reason: "stop".into(),
+        prompt_tokens: 1,
+        completion_tokens: 1,
+        prompt: "question".into(),
+        partition: key(1),
+        embedding: Some(Vector::from(&v)),
+        origin: Origin::Live,
+        tags: Vec::new(),
+        refusals: Vec::new(),
+        created_ms: now_ms(),
+        expires_ms: now_ms() + 3_600_000,
+        gen_ms: 1,
+    };
+    let big = Arc::new(answer("small", 16 * 1024, rng.unit()));
+    store.insert(big.clone(), &[[1; 32]]).await;
+    store.run_pending_tasks().await;
+    assert!(store.get(big.id).await.is_none(), "refused by its share");
+    assert_eq!(store.indexed(), 0, "and not indexed");
+    let fits = Arc::new(answer("other", 100, rng.unit()));
+    store.insert(fits.clone(), &[[2; 32]]).await;
+    assert!(store.get(fits.id).await.is_some());
+    assert_eq!(store.indexed(), 1);
 }

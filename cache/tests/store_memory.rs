@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
-use reprise_cache::testing::{assert_heap_within, heap_allowed, CountingAllocator};
+use reprise_cache::testing::{assert_heap_within, heap_allowed, unit_vector, CountingAllocator};
 use reprise_cache::{now_ms, Entry, EntryId, Origin, Store, Vector};
 
 #[global_allocator]
@@ -24,19 +24,9 @@ static HEAP: CountingAllocator = CountingAllocator::new();
 const DIM: usize = 384;
 
 /// A unit vector with 8 pseudo-random components (from `seed`), zero elsewhere.
-fn unit_vector(seed: u64) -> Vector {
+fn embedding(seed: u64) -> Vector {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v: Vec<f32> = (0..8)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 1000) as f32 / 1000.0 - 0.5
-        })
-        .collect();
-    v.resize(DIM, 0.0);
-    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
-    v.iter().map(|x| x / norm).collect::<Vec<_>>().into()
+    unit_vector(DIM, 8, &mut s).into()
 }
 
 /// The `i`-th answer: `bytes` of text, a prompt of a quarter of that, an embedding, in one
@@ -54,7 +44,7 @@ fn entry(i: u64, bytes: usize) -> Entry {
         completion_tokens: 200,
         prompt: format!("{i:08} {}", "q".repeat(bytes / 4)),
         partition,
-        embedding: Some(unit_vector(i)),
+        embedding: Some(embedding(i)),
         origin: Origin::Live,
         tags: Vec::new(),
         refusals: Vec::new(),

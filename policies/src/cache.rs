@@ -42,6 +42,9 @@ pub enum CacheControlError {
     BadStaleWhileRevalidate,
     /// A `stale-if-error` whose value is empty or not all digits.
     BadStaleIfError,
+    /// A value with bytes other than visible ASCII, space and tab: unreadable, and a
+    /// `no-store` in it must not be lost.
+    NotVisibleAscii,
 }
 
 impl std::fmt::Display for CacheControlError {
@@ -54,6 +57,7 @@ impl std::fmt::Display for CacheControlError {
             CacheControlError::BadStaleIfError => {
                 "stale-if-error must be a whole number of seconds"
             }
+            CacheControlError::NotVisibleAscii => "must be visible ASCII",
         })
     }
 }
@@ -67,15 +71,15 @@ impl Directives {
     /// ignored. A `max-age`, `stale-while-revalidate` or `stale-if-error` value may be quoted;
     /// one that is empty or not all digits is an error; one too large counts as
     /// [`MAX_AGE_CAP_SECS`]; of several of one name, the smallest wins.
-    /// A value that is not visible ASCII (what `http::HeaderValue::to_str` refuses) counts as
-    /// empty, so callers may pass `to_str().unwrap_or("")`.
+    /// A value that is not visible ASCII (what `http::HeaderValue::to_str` refuses) is an
+    /// error: skipping it could drop a `no-store` next to the bad bytes.
     pub fn parse<'a>(
         values: impl IntoIterator<Item = &'a str>,
     ) -> Result<Directives, CacheControlError> {
         let mut d = Directives::default();
         for value in values {
             if !value.bytes().all(visible_ascii) {
-                continue;
+                return Err(CacheControlError::NotVisibleAscii);
             }
             for directive in value.split(',') {
                 let directive = directive.trim().to_ascii_lowercase();
@@ -390,10 +394,11 @@ mod tests {
     }
 
     #[test]
-    fn a_value_that_is_not_visible_ascii_counts_as_empty() {
-        assert_eq!(parse(&["no-store, café"]), Ok(Directives::default()));
-        assert_eq!(parse(&["max-age=x\u{7f}"]), Ok(Directives::default()));
-        assert!(parse(&["café", "no-cache"]).unwrap().no_cache);
+    fn a_value_that_is_not_visible_ascii_is_refused() {
+        let bad = Err(CacheControlError::NotVisibleAscii);
+        assert_eq!(parse(&["no-store, café"]), bad);
+        assert_eq!(parse(&["max-age=x\u{7f}"]), bad);
+        assert_eq!(parse(&["no-cache", "café"]), bad);
         // Tabs are allowed.
         assert!(parse(&["\tno-cache"]).unwrap().no_cache);
     }

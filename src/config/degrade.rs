@@ -10,7 +10,8 @@ use super::{invalid, Config, ConfigError};
 #[serde(rename_all = "snake_case")]
 pub enum DegradeStep {
     /// Serve the best cached paraphrase at a looser similarity threshold (never below
-    /// `loose_floor`; the false-hit gate, freshness and refusals still apply).
+    /// `loose_floor`; the false-hit gate, freshness and refusals still apply). A tenant
+    /// under an error bound (`delta`) is never served below its learned threshold.
     LooseThreshold,
     /// Serve an expired entry of the exact key still kept for the stale windows.
     Stale,

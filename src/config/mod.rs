@@ -115,6 +115,11 @@ pub struct ServerConfig {
     /// Name of the environment variable holding the admin token for `/admin/*` endpoints
     /// (unset: those endpoints answer 401 to everyone).
     pub admin_token_env: Option<String>,
+    /// Name of the environment variable holding the token `/metrics` asks for
+    /// (`Authorization: Bearer`; the admin token is taken too). Without it, `/metrics` is
+    /// open where no `[[tenants]]` are configured, and asks for the admin token where they
+    /// are (its series name tenants and what they asked for: never shown to a tenant's key).
+    pub metrics_token_env: Option<String>,
     /// Serve `/admin/*` only on this address (e.g. a private interface), not on `listen`
     /// (absent: on `listen`, behind the admin token).
     pub admin_listen: Option<SocketAddr>,
@@ -138,6 +143,7 @@ impl Default for ServerConfig {
             token_timeout_secs: 60.0,
             shutdown_timeout_secs: 30.0,
             admin_token_env: None,
+            metrics_token_env: None,
             admin_listen: None,
             policy_key_env: None,
         }
@@ -769,6 +775,15 @@ impl Config {
         if !(f.radius > 0.0 && f.radius <= 1.0) {
             return Err(invalid("feedback.radius", "must be in (0, 1]"));
         }
+        if self
+            .cache
+            .snapshot_path
+            .as_ref()
+            .is_some_and(|p| p.extension().is_some_and(|e| e == "tmp"))
+        {
+            // Saves write `<path>.tmp` and rename it over the path: they would be one file.
+            return Err(invalid("cache.snapshot_path", "must not end in `.tmp`"));
+        }
         if self.cache.context_turns > 1024 {
             return Err(invalid("cache.context_turns", "must be at most 1024"));
         }
@@ -942,6 +957,9 @@ mod tests {
         for (text, key) in [
             ("[auth]\nrequired = true\n", "auth.required"),
             ("[[tenants]]\nname = \"a b\"\napi_keys = [\"k\"]\n", "tenants.name"),
+            ("[[tenants]]\nname = \"-\"\napi_keys = [\"k\"]\n", "tenants.name"),
+            ("[cache]\nsnapshot_path = \"/var/lib/reprise/cache.tmp\"\n", "cache.snapshot_path"),
+            ("[[tenants]]\nname = \"anonymous\"\napi_keys = [\"k\"]\n", "tenants.name"),
             (
                 "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n[[tenants]]\nname = \"a\"\napi_keys = [\"j\"]\n",
                 "tenants.name",

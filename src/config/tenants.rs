@@ -310,6 +310,25 @@ impl std::fmt::Debug for TenantConfig {
     }
 }
 
+/// Endpoints whose objects (files, threads, batches, ...) live in the upstream account: not
+/// open to the upstream once tenants share it.
+pub const STATEFUL_ROOTS: &[&str] = &[
+    "assistants",
+    "batches",
+    "containers",
+    "conversations",
+    "evals",
+    "files",
+    "fine_tuning",
+    "responses",
+    "threads",
+    "uploads",
+    "vector_stores",
+];
+
+/// Names no tenant may take: how the admin API and the metrics name the anonymous tenant.
+pub const RESERVED_TENANT_NAMES: [&str; 2] = ["-", "anonymous"];
+
 /// Validates `[auth]` and `[[tenants]]` (names, controls, lifetimes, rules, keys, candidates,
 /// shares) against the rest of `config`.
 pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
@@ -318,6 +337,26 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
             "auth.required",
             "needs at least one [[tenants]] entry with API keys",
         ));
+    }
+    if !config.tenants.is_empty() {
+        // One upstream account holds every tenant's objects: a tenant listing or reading
+        // them would see the others'.
+        let open = config
+            .forwarding_backend()
+            .map(|b| b.passthrough.as_slice());
+        if let Some(e) = open
+            .unwrap_or_default()
+            .iter()
+            .find(|e| STATEFUL_ROOTS.contains(&e.as_str()))
+        {
+            return Err(invalid(
+                "backend.passthrough",
+                format!(
+                    "`{e}` keeps objects in the upstream account, which [[tenants]] would share \
+                     (stateless endpoints only: embeddings, moderations, models, audio, images)"
+                ),
+            ));
+        }
     }
     let mut names = std::collections::HashSet::new();
     for t in &config.tenants {
@@ -332,6 +371,14 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
                     "`{}`: 1 to 64 letters, digits, `-`, `_` or `.`",
                     t.name.escape_debug()
                 ),
+            ));
+        }
+        if RESERVED_TENANT_NAMES.contains(&t.name.as_str()) {
+            // `-` names the anonymous tenant in the admin API, `anonymous` is its label in
+            // the metrics and statistics: a tenant by either name would share its views.
+            return Err(invalid(
+                "tenants.name",
+                format!("`{}` is reserved for the anonymous tenant", t.name),
             ));
         }
         if !names.insert(t.name.as_str()) {

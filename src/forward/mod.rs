@@ -150,6 +150,15 @@ pub async fn forward(
     Ok(upstream_response(answer, limits, book))
 }
 
+/// The `model` a JSON body names, if it is one that names one.
+fn model_named(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        model: String,
+    }
+    serde_json::from_slice::<Named>(body).ok().map(|n| n.model)
+}
+
 /// A `/v1/...` request to another endpoint of the API that `backend.passthrough` lists: sent
 /// to the OpenAI-compatible upstream as it came (method, path, query, body) and its answer
 /// passed back unchanged, so that an app can point its whole OpenAI base URL at reprise.
@@ -165,10 +174,35 @@ pub async fn passthrough(
     let endpoint = paths::passthrough_endpoint(state, path)?;
     let result = async {
         // The operator's upstream key pays for it: only callers /v1 admits.
-        state.policies.load().tenants.admit(headers)?;
+        let tenant = state.policies.load().tenants.admit(headers)?;
         if !state.is_ready() {
             return Err(ApiError::NotReady);
         }
+        // A tenant kept to some models is kept to them here too: the body is read (within
+        // `server.max_body_bytes`) for the model it names.
+        let body = match tenant.policy().models.as_slice() {
+            [] => reqwest::Body::wrap_stream(body.into_data_stream()),
+            allowed => {
+                let limit = state.config.server.max_body_bytes;
+                let bytes = axum::body::to_bytes(body, limit)
+                    .await
+                    .map_err(|_| ApiError::BodyTooLarge { limit })?;
+                let named = match path.strip_prefix("models/") {
+                    Some(id) => Some(id.to_string()),
+                    None => model_named(&bytes),
+                };
+                match named {
+                    Some(m) if allowed.contains(&m) => {}
+                    Some(m) => return Err(ApiError::UnknownModel(m)),
+                    None => {
+                        return Err(ApiError::Forbidden(
+                            "this API key may use only its models; the request names none".into(),
+                        ))
+                    }
+                }
+                reqwest::Body::from(bytes)
+            }
+        };
         let label = crate::openai::API_ROOTS
             .iter()
             .find(|r| **r == endpoint)
@@ -183,9 +217,9 @@ pub async fn passthrough(
             },
             headers: upstream_headers(headers, ""),
             model: None,
-            // Streamed, not buffered: uploads (files, audio) can be large, and the upstream
-            // enforces its own limits.
-            body: reqwest::Body::wrap_stream(body.into_data_stream()),
+            // Streamed, not buffered (but for a tenant kept to some models): uploads (files,
+            // audio) can be large, and the upstream enforces its own limits.
+            body,
             priority: None,
         };
         let server = &state.config.server;

@@ -4,15 +4,18 @@
 
 use std::future::Future;
 
-use reprise_backend::BackendError;
+use futures::StreamExt;
+use reprise_backend::{BackendError, GenEvent, GenRequest, Usage};
 use tokio::time::{Duration, Instant};
 
 use crate::config::ServerConfig;
+use crate::state::AppState;
 
-/// The first event within `server.first_token_timeout_secs`, each later one within
-/// `server.token_timeout_secs`, all within `server.request_timeout_secs` of the start.
+/// The first event within `server.first_token_timeout_secs` of the start (the backend's
+/// opening of the stream included), each later one within `server.token_timeout_secs`, all
+/// within `server.request_timeout_secs` of the start.
 pub(crate) struct Deadlines {
-    first: Duration,
+    first_by: Instant,
     gap: Duration,
     end: Instant,
     started: bool,
@@ -21,12 +24,25 @@ pub(crate) struct Deadlines {
 impl Deadlines {
     /// Deadlines counted from now.
     pub(crate) fn new(server: &ServerConfig) -> Self {
+        let now = Instant::now();
+        let end = now + server.request_timeout();
         Deadlines {
-            first: server.first_token_timeout(),
+            first_by: end.min(now + server.first_token_timeout()),
             gap: server.token_timeout(),
-            end: Instant::now() + server.request_timeout(),
+            end,
             started: false,
         }
+    }
+
+    /// Awaits the backend's opening of a stream (`open`: a slot, an upstream's headers)
+    /// within the first event's deadline, or [`BackendError::Timeout`].
+    pub(crate) async fn open<T>(
+        &self,
+        open: impl Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        tokio::time::timeout_at(self.first_by, open)
+            .await
+            .map_err(|_| BackendError::Timeout)?
     }
 
     /// Awaits the next event (`next`), or [`BackendError::Timeout`] past its deadline.
@@ -34,11 +50,34 @@ impl Deadlines {
         &mut self,
         next: impl Future<Output = Option<T>>,
     ) -> Result<Option<T>, BackendError> {
-        let wait = if self.started { self.gap } else { self.first };
+        let by = match self.started {
+            true => self.end.min(Instant::now() + self.gap),
+            false => self.first_by,
+        };
         self.started = true;
-        let by = self.end.min(Instant::now() + wait);
         tokio::time::timeout_at(by, next)
             .await
             .map_err(|_| BackendError::Timeout)
     }
+}
+
+/// The whole answer of `req` from the backend, not stored (proposals, checks of hits): its
+/// text and usage, within [`Deadlines`] from the call (opening the stream included). An
+/// incomplete stream is an error.
+pub(crate) async fn answer(
+    state: &AppState,
+    req: GenRequest,
+) -> Result<(String, Usage), BackendError> {
+    let mut deadlines = Deadlines::new(&state.config.server);
+    let mut stream = deadlines.open(state.backend.generate(req)).await?;
+    let mut text = String::new();
+    while let Some(ev) = deadlines.next(stream.next()).await? {
+        match ev? {
+            GenEvent::Delta(t) => text.push_str(&t),
+            GenEvent::Finish { usage, .. } => return Ok((text, usage)),
+        }
+    }
+    Err(BackendError::Internal(
+        "the stream ended without finishing".into(),
+    ))
 }

@@ -26,7 +26,7 @@ use crate::routes::{Fallback, Routed, Target};
 use crate::state::AppState;
 pub(crate) use background::revalidate;
 pub use background::{generate_in_background, generate_tagged, room, users_on, Background, Room};
-pub(crate) use deadlines::Deadlines;
+pub(crate) use deadlines::{answer, Deadlines};
 pub(crate) use write_back::write_back;
 
 /// Starts the task that runs one generation into `flight` and, with a `plan`, writes the

@@ -14,6 +14,13 @@ use crate::lookup::plan::turn_key;
 use crate::state::AppState;
 use reprise_backend::ChatMessage;
 
+/// Messages (the answer included) an exchange may have for its question to be judged
+/// standalone against it.
+const MAX_EXCHANGE_MESSAGES: usize = 4;
+/// Bytes of each recent message compared with a standalone question (the embedder reads
+/// about this much: 256 tokens).
+const MAX_RECENT_BYTES: usize = super::equivalence::MAX_FORM_BYTES;
+
 /// A conversation's resolved context.
 pub struct Context {
     /// The context of this turn (to link this turn's answer for the next turn).
@@ -196,8 +203,9 @@ fn with_pending(ctx: &Digest, pending: &[&ChatMessage]) -> Digest {
 /// [`reprise_policies::standalone`]): the context of the same question asked with the
 /// system prompt alone, and the texts of the last two exchanges, which the question must be
 /// unrelated to in meaning. `None` when the question refers back (`refers_back`, from
-/// [`reprise_policies::standalone::refers_back`]), a message is pending before it, or an
-/// earlier user message was not a plain question.
+/// [`reprise_policies::standalone::refers_back`]), a message is pending before it, an
+/// earlier user message was not a plain question, or one of the last two exchanges has
+/// [`MAX_EXCHANGE_MESSAGES`] messages or more.
 pub fn standalone(conv: &Conversation<'_>, refers_back: bool) -> Option<(Digest, Vec<String>)> {
     use reprise_policies::standalone::conversation_is_plain;
     if conv.turns.is_empty() || !conv.pending.is_empty() || refers_back {
@@ -211,12 +219,76 @@ pub fn standalone(conv: &Conversation<'_>, refers_back: bool) -> Option<(Digest,
     if !conversation_is_plain(users().map(|m| m.content.as_str())) {
         return None;
     }
-    let recent = conv.turns[conv.turns.len().saturating_sub(2)..]
+    let last = &conv.turns[conv.turns.len().saturating_sub(2)..];
+    // Each is embedded: a bounded few, each cut where the embedder stops reading anyway. An
+    // exchange of many messages is not judged (read as referring back: no match across
+    // contexts, never a wrong one).
+    if last
+        .iter()
+        .any(|(msgs, _)| msgs.len() >= MAX_EXCHANGE_MESSAGES)
+    {
+        return None;
+    }
+    let recent = last
         .iter()
         .flat_map(|(msgs, answer)| msgs.iter().chain([answer]))
         .filter(|m| !m.content.is_empty())
-        .map(|m| m.content.clone())
+        .map(|m| {
+            let text = &m.content;
+            text[..text.floor_char_boundary(MAX_RECENT_BYTES)].to_string()
+        })
         .collect();
     let alone = key::messages_digest("preamble", &conv.preamble);
     Some((with_pending(&alone, &[]), recent))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::split_conversation;
+
+    fn messages(turns: &[(&[&str], &str)], last: &str) -> Vec<ChatMessage> {
+        let mut msgs = Vec::new();
+        for (asked, answer) in turns {
+            msgs.extend(asked.iter().map(|q| ChatMessage::new("user", *q)));
+            msgs.push(ChatMessage::new("assistant", *answer));
+        }
+        msgs.push(ChatMessage::new("user", last));
+        msgs
+    }
+
+    /// What a standalone question is compared with stays bounded: texts are cut where the
+    /// embedder stops reading, and an exchange of many messages is not judged at all.
+    #[test]
+    fn recent_texts_compared_with_a_standalone_question_are_bounded() {
+        let long = "Tell me about the tides and the moon. ".repeat(1000);
+        let msgs = messages(
+            &[(&["What is the capital of France?"], &long)],
+            "How do volcanoes form?",
+        );
+        let conv = split_conversation(&msgs).unwrap();
+        let (_, recent) = standalone(&conv, false).expect("standalone");
+        assert_eq!(recent.len(), 2);
+        assert!(recent.iter().all(|t| t.len() <= MAX_RECENT_BYTES));
+        assert!(recent[1].len() > MAX_RECENT_BYTES - 64, "cut, not dropped");
+
+        let flood: Vec<String> = (0..5000).map(|i| format!("Why is {i} odd?")).collect();
+        let asked: Vec<&str> = flood.iter().map(String::as_str).collect();
+        let msgs = messages(&[(&asked, "Because.")], "How do volcanoes form?");
+        let conv = split_conversation(&msgs).unwrap();
+        assert!(standalone(&conv, false).is_none());
+        // A few messages in an exchange are still judged.
+        let msgs = messages(
+            &[(
+                &[
+                    "Which city is the largest in France?",
+                    "What is the capital of France?",
+                ],
+                "Paris.",
+            )],
+            "How do volcanoes form?",
+        );
+        let conv = split_conversation(&msgs).unwrap();
+        assert_eq!(standalone(&conv, false).map(|(_, r)| r.len()), Some(3));
+    }
 }

@@ -51,6 +51,12 @@ pub(crate) async fn loosely(
     wants: Wants,
 ) -> Option<Hit> {
     let (_, nearest) = found.notes.near_miss?;
+    // Under an error bound the learned threshold is the bound's own: degrading never goes
+    // below it (a tenant whose threshold rose past 1 is served nothing by meaning).
+    let floor = match found.policy {
+        Some(p) if found.bounded => floor.max(p.threshold),
+        _ => floor,
+    };
     let policy = found.policy.filter(|p| p.enabled && nearest >= floor)?;
     let embedder = state.embedder.as_ref()?;
     let (partition, embedding) = (found.plan.partition?, found.plan.embedding.clone()?);
@@ -111,6 +117,9 @@ pub struct Lookup {
     /// The scope of that policy's learned threshold (see [`crate::bounds::scope`]; empty
     /// when no semantic policy applied).
     pub scope: String,
+    /// The policy's threshold was learned under the tenant's error bound (`delta`): nothing
+    /// is served by meaning below it, not even when the SLO is at risk ([`loosely`]).
+    pub bounded: bool,
     /// The exact key leads to an entry, only one too old for this request: a paraphrase's
     /// answer served instead must not take the key from it.
     pub exact_taken: bool,
@@ -136,6 +145,7 @@ impl Lookup {
             prev_entry: None,
             policy: None,
             scope: String::new(),
+            bounded: false,
             exact_taken: false,
             stale: None,
             embed_overloaded: None,
@@ -303,6 +313,7 @@ pub async fn lookup(
     if policy.enabled {
         found.policy = Some(policy);
         found.scope = scope;
+        found.bounded = delta > 0.0;
         found.notes.threshold = Some(policy.threshold);
     }
     // The embedder reads a bounded start of the question; the rest must match exactly, so

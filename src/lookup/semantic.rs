@@ -157,7 +157,8 @@ pub async fn find(
 }
 
 /// Whether the words two prompts swap (`words`, "home" vs "car" insurance) are far apart in
-/// meaning, judged by the embedder; `threshold` 0 turns the check off.
+/// meaning, judged by the embedder (apart when it cannot tell); `threshold` 0 turns the check
+/// off.
 pub(crate) async fn meanings_apart(
     embedder: &dyn Embedder,
     scope: &str,
@@ -170,7 +171,46 @@ pub(crate) async fn meanings_apart(
     let (a, b) = words;
     match embedder.embed_many_in(scope, &[a, b]).await {
         Ok(v) => reprise_embedder::cosine(&v[0], &v[1]) < threshold,
-        // Cannot tell: the candidate already passed the threshold and the gate.
-        Err(_) => false,
+        // Cannot tell (an overloaded embedder, say): refused, a lost hit rather than a
+        // possibly wrong answer.
+        Err(_) => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reprise_embedder::EmbedError;
+
+    /// An embedder whose queue is always full.
+    struct Overloaded;
+
+    #[async_trait::async_trait]
+    impl Embedder for Overloaded {
+        async fn embed(&self, _: &str) -> Result<Arc<[f32]>, EmbedError> {
+            Err(EmbedError::Overloaded {
+                retry_after_secs: 1,
+            })
+        }
+        async fn embed_many(&self, _: &[String]) -> Result<Vec<Arc<[f32]>>, EmbedError> {
+            Err(EmbedError::Overloaded {
+                retry_after_secs: 1,
+            })
+        }
+        fn dim(&self) -> usize {
+            4
+        }
+        fn window(&self, text: &str) -> usize {
+            text.len()
+        }
+    }
+
+    /// When the embedder cannot tell whether swapped words mean the same, they count as
+    /// apart: the candidate is refused rather than served on a guess.
+    #[tokio::test]
+    async fn swapped_words_the_embedder_cannot_judge_count_as_apart() {
+        let words = || ("home".to_string(), "car".to_string());
+        assert!(meanings_apart(&Overloaded, "", 0.6, words()).await);
+        assert!(!meanings_apart(&Overloaded, "", 0.0, words()).await, "off");
     }
 }

@@ -88,12 +88,12 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use reprise_cache::redis::{RedisError, RedisTier};
 use reprise_cache::{now_ms, Digest, EntryId};
-use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::metrics::PrefetchMetrics;
-use crate::observe::{Event, Observer};
+use crate::observe::Observer;
 use crate::state::AppState;
 use jobs::Job;
 use learn::SessionLast;
@@ -109,12 +109,18 @@ pub use model::{ClusterSnapshot, NamespaceSnapshot, NodeSnapshot, Snapshot, SNAP
 /// Observations waiting for the worker; beyond this they are dropped (learning is best
 /// effort, the request path never waits).
 const OBSERVATION_QUEUE: usize = 4096;
-/// Sessions remembered for linking single-turn prompts.
-const MAX_SESSIONS: u64 = 100_000;
+/// Bytes of observations waiting (each holds its request's texts): beyond this they are
+/// dropped too.
+const OBSERVATION_BYTES: u64 = 64 * 1024 * 1024;
+/// Bytes of hot entries' records for refresh-ahead (each holds the request that reaches it).
+const HOT_BYTES: u64 = 32 * 1024 * 1024;
+/// Bytes of sessions remembered for linking single-turn prompts (namespace and session id of
+/// each, with the cache's bookkeeping): about 40,000 sessions of the longest ids.
+const SESSIONS_BYTES: u64 = 16 * 1024 * 1024;
 /// A session idle this long is forgotten.
 const SESSION_IDLE: Duration = Duration::from_secs(3600);
-/// Hot-entry records kept for refresh-ahead.
-const MAX_HOT: u64 = 10_000;
+/// Entries remembered as already asked for follow-up proposals.
+const MAX_PROPOSED: u64 = 10_000;
 /// Name of the saved counts under the Redis tier's prefix.
 pub const BLOB_NAME: &str = "prefetch-transitions";
 
@@ -220,21 +226,37 @@ struct Shared {
 pub struct Prefetcher {
     shared: Arc<Shared>,
     observer: Observer,
-    rx: Mutex<Option<mpsc::Receiver<Event>>>,
+    rx: Mutex<Option<crate::observe::Observations>>,
 }
 
 impl Prefetcher {
     /// A prefetcher (not yet running).
     pub fn new(cfg: PrefetchConfig) -> Arc<Prefetcher> {
-        let (observer, rx) = Observer::channel(OBSERVATION_QUEUE);
+        let (observer, rx) = Observer::channel(OBSERVATION_QUEUE, OBSERVATION_BYTES);
         let shared = Arc::new(Shared {
             model: Mutex::new(Model::with_budget(cfg.half_life_secs, cfg.model_bytes)),
             sessions: moka::sync::Cache::builder()
-                .max_capacity(MAX_SESSIONS)
+                .max_capacity(SESSIONS_BYTES)
+                .weigher(|(namespace, session): &(String, String), _: &SessionLast| {
+                    let bytes =
+                        namespace.len() + session.len() + std::mem::size_of::<SessionLast>();
+                    u32::try_from(bytes)
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(reprise_cache::ITEM_OVERHEAD)
+                })
                 .time_to_idle(SESSION_IDLE)
                 .build(),
-            hot: moka::sync::Cache::builder().max_capacity(MAX_HOT).build(),
-            proposed_for: moka::sync::Cache::builder().max_capacity(MAX_HOT).build(),
+            hot: moka::sync::Cache::builder()
+                .max_capacity(HOT_BYTES)
+                .weigher(|_: &EntryId, hot: &Arc<Hot>| {
+                    u32::try_from(hot.bytes())
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(reprise_cache::ITEM_OVERHEAD)
+                })
+                .build(),
+            proposed_for: moka::sync::Cache::builder()
+                .max_capacity(MAX_PROPOSED)
+                .build(),
             queue: Mutex::new(VecDeque::new()),
             pending: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashMap::new()),
@@ -381,5 +403,36 @@ impl Shared {
                 Ok(0)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sessions are bounded by bytes, not by count: ids at the longest a request may give
+    /// fill the budget with fewer sessions than short ones would.
+    #[test]
+    fn remembered_sessions_keep_within_their_byte_budget() {
+        let p = Prefetcher::new(PrefetchConfig::default());
+        let sessions = &p.shared.sessions;
+        let long = "s".repeat(crate::request::MAX_SESSION_BYTES - 8);
+        for i in 0..100_000u64 {
+            let key = ("namespace".to_string(), format!("{long}{i:08}"));
+            sessions.insert(
+                key,
+                SessionLast {
+                    entry: EntryId(u128::from(i)),
+                },
+            );
+        }
+        sessions.run_pending_tasks();
+        assert!(sessions.weighted_size() <= SESSIONS_BYTES);
+        let each = (9 + crate::request::MAX_SESSION_BYTES) as u64;
+        assert!(
+            sessions.entry_count() <= SESSIONS_BYTES / each,
+            "{} sessions of {each} bytes each",
+            sessions.entry_count()
+        );
     }
 }

@@ -5,9 +5,8 @@
 
 use std::time::Instant;
 
-use futures::StreamExt;
 use reprise_backend::{
-    BackendError, ChatMessage, GenEvent, GenRequest, Input, Priority, SamplingParams, Usage,
+    BackendError, ChatMessage, GenRequest, Input, Priority, SamplingParams, Usage,
 };
 use reprise_cache::EntryId;
 
@@ -100,21 +99,9 @@ impl Shared {
     }
 }
 
-/// Generates `req` on the backend without storing it; returns the text and the usage. An
-/// incomplete stream is an error.
+/// Generates `req` on the backend without storing it; returns the text and the usage.
 async fn ask_backend(state: &AppState, req: GenRequest) -> Result<(String, Usage), BackendError> {
-    let mut stream = state.backend.generate(req).await?;
-    let mut text = String::new();
-    let mut deadlines = crate::generate::Deadlines::new(&state.config.server);
-    while let Some(ev) = deadlines.next(stream.next()).await? {
-        match ev? {
-            GenEvent::Delta(t) => text.push_str(&t),
-            GenEvent::Finish { usage, .. } => return Ok((text, usage)),
-        }
-    }
-    Err(BackendError::Internal(
-        "the stream ended without finishing".into(),
-    ))
+    crate::generate::answer(state, req).await
 }
 
 /// Instructions of a proposal request.

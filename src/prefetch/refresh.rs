@@ -22,6 +22,13 @@ pub(super) struct Hot {
     pub(super) refreshing: std::sync::atomic::AtomicBool,
 }
 
+impl Hot {
+    /// About the bytes it holds (its request's texts; the budget of the hot records).
+    pub(super) fn bytes(&self) -> usize {
+        std::mem::size_of::<Hot>() + self.namespace.len() + self.request.input.heap_bytes()
+    }
+}
+
 impl Shared {
     /// Queues refresh jobs for hot entries close to expiry.
     pub(super) async fn scan_hot(&self, state: &AppState) {

@@ -5,7 +5,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
@@ -35,7 +34,7 @@ impl Shared {
 /// the counts.
 pub(super) async fn worker(
     shared: Arc<Shared>,
-    mut rx: mpsc::Receiver<Event>,
+    mut rx: crate::observe::Observations,
     state: Weak<AppState>,
     stop: CancellationToken,
 ) {
@@ -63,7 +62,7 @@ pub(super) async fn worker(
             _ = stop.cancelled() => {
                 // What was observed before the stop is learned, so the counts saved at
                 // shutdown include it.
-                while let Ok(ev) = rx.try_recv() {
+                while let Some(ev) = rx.try_recv() {
                     shared.apply(ev);
                 }
                 return;
@@ -74,7 +73,7 @@ pub(super) async fn worker(
         };
         for ev in first
             .into_iter()
-            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            .chain(std::iter::from_fn(|| rx.try_recv()))
         {
             shared.apply(ev);
         }

@@ -3,7 +3,7 @@
 //! tenant's cap), and admission (ready, model served).
 
 use axum::http::HeaderMap;
-use reprise_policies::cache::Directives;
+use reprise_policies::cache::{CacheControlError, Directives};
 
 use reprise_backend::Priority;
 
@@ -66,14 +66,20 @@ impl Controls {
             }
         };
         let namespace = tenant.namespace(namespace)?;
+        let bad = |e: CacheControlError| ApiError::BadHeader {
+            header: "cache-control",
+            reason: e.to_string(),
+        };
+        // A value `to_str` cannot read is refused, not skipped: it may hold a `no-store`.
         let values = headers.get_all(axum::http::header::CACHE_CONTROL);
-        let cache =
-            Directives::parse(values.iter().map(|v| v.to_str().unwrap_or(""))).map_err(|e| {
-                ApiError::BadHeader {
-                    header: "cache-control",
-                    reason: e.to_string(),
-                }
-            })?;
+        let values = values
+            .iter()
+            .map(|v| {
+                v.to_str()
+                    .map_err(|_| bad(CacheControlError::NotVisibleAscii))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let cache = Directives::parse(values).map_err(bad)?;
         let threshold = match headers.get(THRESHOLD_HEADER) {
             None => None,
             Some(v) => {
@@ -99,10 +105,18 @@ impl Controls {
             session: headers
                 .get(SESSION_HEADER)
                 .and_then(|v| v.to_str().ok())
-                .filter(|s| !s.is_empty() && s.len() <= 256)
-                .map(str::to_string),
+                .and_then(session_id),
         })
     }
+}
+
+/// Longest session id taken (`x-reprise-session`, or the body's `user`): a longer one is
+/// ignored, as if none was given (it only links prompts for prefetch).
+pub const MAX_SESSION_BYTES: usize = 256;
+
+/// `id` as a session id, when it is one: not empty, at most [`MAX_SESSION_BYTES`].
+pub fn session_id(id: &str) -> Option<String> {
+    (!id.is_empty() && id.len() <= MAX_SESSION_BYTES).then(|| id.to_string())
 }
 
 /// The class `x-reprise-priority` asks for: `interactive` or `batch`, else a 400.
@@ -198,4 +212,18 @@ pub fn admit(
         )));
     }
     Ok(ctl)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_id_is_short_and_not_empty() {
+        assert_eq!(session_id("chat-42").as_deref(), Some("chat-42"));
+        assert_eq!(session_id(""), None);
+        let longest = "u".repeat(MAX_SESSION_BYTES);
+        assert_eq!(session_id(&longest), Some(longest.clone()));
+        assert_eq!(session_id(&format!("{longest}u")), None);
+    }
 }

@@ -62,7 +62,7 @@ use crate::openai::{Endpoint, Renderer};
 use crate::routes::Fallback;
 use crate::state::AppState;
 use controls::admit;
-pub use controls::Controls;
+pub use controls::{session_id, Controls, MAX_SESSION_BYTES};
 use degrade::Degradation;
 pub use parse::{parse, Parsed, Request};
 
@@ -170,7 +170,10 @@ async fn serve(
         }
     };
     book.note(&found.notes);
-    let session = ctl.session.clone().or_else(|| parsed.user.clone());
+    let session = ctl
+        .session
+        .clone()
+        .or_else(|| parsed.user.as_deref().and_then(controls::session_id));
     let observe = state.observer.is_some().then(|| ObserveLater {
         endpoint,
         request: parsed.req.clone(),

@@ -91,6 +91,10 @@ macro_rules! shared_fields {
     }};
 }
 
+/// Longest stop string accepted: the generation checks each against the text it holds back
+/// on every token.
+pub const MAX_STOP_BYTES: usize = 1024;
+
 /// Parses and validates a request body. A request that asks for more than a text answer
 /// (tools, several choices, images, log-probabilities) is only checked for the fields reprise
 /// itself reads; the upstream validates the rest.
@@ -214,9 +218,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
             Some("max_tokens"),
         ));
     }
-    if p.stop.len() > 4 || p.stop.iter().any(String::is_empty) {
+    if p.stop.len() > 4
+        || p.stop
+            .iter()
+            .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
         return Err(ApiError::invalid(
-            "`stop` takes up to 4 non-empty strings",
+            format!("`stop` takes up to 4 non-empty strings of at most {MAX_STOP_BYTES} bytes"),
             Some("stop"),
         ));
     }

@@ -10,6 +10,7 @@ use reprise_policies::semantic::SemanticPolicy;
 
 use crate::bookkeeping::Bookkeeping;
 use crate::flight::{Joined, Subscriber};
+use crate::lookup::semantic::{meanings_apart, vet};
 use crate::lookup::WritePlan;
 use crate::metrics::Outcome;
 use crate::request::Parsed;
@@ -95,9 +96,10 @@ pub async fn join(
 }
 
 /// The most similar question in flight in `partition` (at or above the threshold) whose
-/// prompt passes the gate against this one: its exact key and the similarity. The registry
-/// is locked only to copy the candidates out; the gate runs after, off the async workers,
-/// on what the embedder reads of each prompt (the rest is in the partition).
+/// prompt passes the gate against this one, as a cached candidate must (the substitution
+/// check included): its exact key and the similarity. The registry is locked only to copy
+/// the candidates out; the gate runs after, off the async workers, on what the embedder
+/// reads of each prompt (the rest is in the partition).
 async fn paraphrase_in_flight(
     state: &AppState,
     plan: &WritePlan,
@@ -112,13 +114,35 @@ async fn paraphrase_in_flight(
         return similar.first().map(|(key, sim, _)| (*key, *sim));
     }
     let query = reprise_policies::gate::capped(plan.read()).to_owned();
-    state
+    let threshold = state.config.semantic.substitution_threshold;
+    // Those through the gate, best first, up to the first that swaps no words (taken as is).
+    let passing = state
         .cpu
         .run(move || {
-            similar
-                .into_iter()
-                .find(|(_, _, prompt)| reprise_policies::gate(&query, prompt).is_pass())
-                .map(|(key, sim, _)| (key, sim))
+            let mut passing = Vec::new();
+            for (key, sim, prompt) in similar {
+                let (verdict, swapped) = vet(&query, &prompt, threshold > 0.0);
+                if verdict.is_pass() {
+                    let last = swapped.is_none();
+                    passing.push((key, sim, swapped));
+                    if last {
+                        break;
+                    }
+                }
+            }
+            passing
         })
-        .await
+        .await;
+    let embedder = state.embedder.as_ref()?;
+    let scope = crate::auth::scope_of(&plan.namespace);
+    for (key, sim, swapped) in passing {
+        let apart = match swapped {
+            Some(words) => meanings_apart(embedder.as_ref(), scope, threshold, words).await,
+            None => false,
+        };
+        if !apart {
+            return Some((key, sim));
+        }
+    }
+    None
 }

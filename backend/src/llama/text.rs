@@ -114,7 +114,8 @@ impl TextStream {
         self.stops
             .iter()
             .filter_map(|stop| {
-                (1..stop.len())
+                // Only suffixes as long as what is held can match.
+                (1..stop.len().min(self.held.len() + 1))
                     .rev()
                     .find(|&k| stop.is_char_boundary(k) && self.held.ends_with(&stop[..k]))
             })

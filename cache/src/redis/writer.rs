@@ -44,8 +44,12 @@ return 1";
 /// without its index entries, where a namespace or tag delete could not find it; and nothing
 /// else runs between the steps. `KEYS`: entry, events, `ARGV[6]` index sets, exact keys.
 /// `ARGV`: value, ttl, expiry, id, now, index count, events maxlen, namespace, origin, the
-/// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]).
+/// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]), `1` to write only over an entry still held
+/// (nothing is written, and 0 returned, when it is gone).
 const PUT_SCRIPT: &str = "\
+if ARGV[11] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
 local ttl = tonumber(ARGV[2])
 local set_ttl = tonumber(ARGV[10])
 local nidx = tonumber(ARGV[6])
@@ -71,6 +75,21 @@ const DELETE_BATCH: usize = 500;
 /// back what was just deleted); this many command timeouts bound the caller's wait.
 const ADMIN_WAIT_FACTOR: u32 = 50;
 
+/// One put's place and lifetime (see [`Shared::put`]).
+struct Put<'a> {
+    id: EntryId,
+    namespace: &'a str,
+    /// Until when Redis keeps it (expiry plus the stale windows), in ms since the epoch.
+    kept_until: u64,
+    now: u64,
+    /// Milliseconds from `now` to `kept_until`.
+    ttl: u64,
+    keys: &'a [Digest],
+    tags: &'a [String],
+    /// Only over an entry still held.
+    existing: bool,
+}
+
 /// What the write queue carries.
 pub(super) enum Queued {
     /// A put or alias; consecutive ones are applied concurrently.
@@ -88,6 +107,9 @@ pub(super) enum Write {
         bytes: Vec<u8>,
         keys: Vec<Digest>,
         tags: Vec<String>,
+        /// Written only over an entry Redis still holds (a changed copy, see
+        /// [`RedisTier::update`]): one deleted meanwhile stays deleted.
+        existing: bool,
     },
     Alias {
         key: Digest,
@@ -227,6 +249,7 @@ impl Shared {
                 bytes,
                 keys,
                 tags,
+                existing,
             } => {
                 // Kept past its expiry for the stale windows: the entry, its keys and its
                 // index entries alike (a namespace or tag delete must reach a kept entry).
@@ -236,8 +259,17 @@ impl Shared {
                 if ttl == 0 {
                     return Ok(());
                 }
-                self.put(id, &namespace, until, now, ttl, bytes, &keys, &tags)
-                    .await
+                let put = Put {
+                    id,
+                    namespace: &namespace,
+                    kept_until: until,
+                    now,
+                    ttl,
+                    keys: &keys,
+                    tags: &tags,
+                    existing,
+                };
+                self.put(put, bytes).await
             }
             Write::Alias {
                 key,
@@ -296,19 +328,20 @@ impl Shared {
     /// Stores an entry with its keys and index entries, never the entry without its index
     /// entries: on a single server in one script ([`PUT_SCRIPT`]); on a cluster, where they
     /// live in different slots, index sets first, then (only when they were written) the
-    /// entry and its keys, then the event.
-    #[allow(clippy::too_many_arguments)]
-    async fn put(
-        &self,
-        id: EntryId,
-        namespace: &str,
-        kept_until: u64,
-        now: u64,
-        ttl: u64,
-        bytes: Vec<u8>,
-        keys: &[Digest],
-        tags: &[String],
-    ) -> Result<(), RedisError> {
+    /// entry and its keys, then the event. An update of an existing entry
+    /// ([`Put::existing`]) writes nothing when the entry is gone; on a cluster the entry is
+    /// replaced first (`SET XX`, its index sets already hold it), then the rest.
+    async fn put(&self, put: Put<'_>, bytes: Vec<u8>) -> Result<(), RedisError> {
+        let Put {
+            id,
+            namespace,
+            kept_until,
+            now,
+            ttl,
+            keys,
+            tags,
+            existing,
+        } = put;
         let id_str = id.to_string();
         let indexes: Vec<String> = std::iter::once(self.keys.namespace(namespace))
             .chain(tags.iter().map(|t| self.keys.tag(t)))
@@ -333,7 +366,8 @@ impl Shared {
                 .arg(self.events_maxlen)
                 .arg(namespace)
                 .arg(&self.replica_id)
-                .arg(ttl + INDEX_MARGIN_MS);
+                .arg(ttl + INDEX_MARGIN_MS)
+                .arg(if existing { "1" } else { "0" });
             return self
                 .run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
                 .await
@@ -353,15 +387,25 @@ impl Shared {
                     .clone()
             })
             .collect();
+        let mut entry = ::redis::cmd("SET");
+        entry.arg(self.keys.entry(id)).arg(bytes).arg("PX").arg(ttl);
+        if existing {
+            entry.arg("XX");
+            let event = self.event(events::OP_PUT, Some(id), namespace);
+            return self
+                .run(Op::Put, |c| async move {
+                    // Nil: not held any more (deleted meanwhile), and nothing else is written.
+                    if c.query::<Value>(&entry).await? == Value::Nil {
+                        return Ok(Value::Nil);
+                    }
+                    run_all(c.clone(), index).await?;
+                    c.query::<Value>(&event).await
+                })
+                .await
+                .map(drop);
+        }
         let mut sets = Vec::with_capacity(keys.len() + 1);
-        sets.push(
-            ::redis::cmd("SET")
-                .arg(self.keys.entry(id))
-                .arg(bytes)
-                .arg("PX")
-                .arg(ttl)
-                .clone(),
-        );
+        sets.push(entry);
         for key in keys {
             sets.push(
                 ::redis::cmd("SET")
