@@ -155,7 +155,9 @@ pub fn test_config() -> Config {
     // lookup deadline has tests of its own.
     c.server.lookup_timeout_secs = 60.0;
     // `/metrics` asks for a token where tenants are configured: the tests' scrapes give it.
-    std::env::set_var(TEST_METRICS_TOKEN_VAR, "test-scrape");
+    // Set once: tests run on many threads, and the environment is process-wide.
+    static TOKEN: std::sync::Once = std::sync::Once::new();
+    TOKEN.call_once(|| std::env::set_var(TEST_METRICS_TOKEN_VAR, "test-scrape"));
     c.server.metrics_token_env = Some(TEST_METRICS_TOKEN_VAR.into());
     c
 }

@@ -55,8 +55,10 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                 }
                 ReplicationEvent::Delete { id } => store.remove_local(id).await,
                 ReplicationEvent::DeleteNamespace { namespace } => {
-                    store.remove_local_where(|e| e.namespace == namespace).await;
+                    store.remove_local_namespace(&namespace).await;
                 }
+                // Each entry has its own delete event; the fence is what this one adds.
+                ReplicationEvent::DeleteTag { tag } => store.fence_tag(&tag),
                 ReplicationEvent::Policies { .. } => {
                     drop(state);
                     tokio::select! {

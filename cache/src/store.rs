@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use moka::notification::RemovalCause;
 
-use crate::entry::{Digest, Entry, EntryId};
+use crate::entry::{now_ms, Digest, Entry, EntryId};
 use crate::memory::{EvictionHook, IndexCharge, MemoryTier};
 use crate::redis::{RedisError, RedisTier};
 use crate::semantic::{Candidate, IndexItem, MaintainReport, SemanticIndex};
@@ -36,6 +36,34 @@ use crate::vector::Vector;
 /// How long a deletion is remembered, so that a read of Redis that started before it cannot
 /// put the entry back into memory. Far longer than a Redis command may take.
 pub const DELETED_TTL: Duration = Duration::from_secs(120);
+/// How long a namespace or tag delete fences out answers that were being generated when it
+/// happened ([`Store::fence_namespace`]): longer than any generation runs by default
+/// (`server.request_timeout_secs`, 300 s).
+pub const FENCE_TTL: Duration = Duration::from_secs(900);
+/// Namespaces, and tags, fenced at once at most.
+const FENCES_MAX: u64 = 10_000;
+
+/// The namespaces and tags deleted within [`FENCE_TTL`], with when.
+#[derive(Clone)]
+struct Fences {
+    namespaces: moka::sync::Cache<String, u64>,
+    tags: moka::sync::Cache<String, u64>,
+}
+
+impl Default for Fences {
+    fn default() -> Self {
+        let cache = || {
+            moka::sync::Cache::builder()
+                .max_capacity(FENCES_MAX)
+                .time_to_live(FENCE_TTL)
+                .build()
+        };
+        Fences {
+            namespaces: cache(),
+            tags: cache(),
+        }
+    }
+}
 /// Entries asked about per round by [`Store::drop_absent`].
 const RECONCILE_BATCH: usize = 500;
 /// Deletions remembered at most (the oldest are forgotten first).
@@ -109,6 +137,8 @@ pub struct Store {
     index: Option<Arc<SemanticIndex>>,
     /// Ids removed from this replica lately (see [`DELETED_TTL`]).
     deleted: moka::sync::Cache<EntryId, ()>,
+    /// Namespaces and tags deleted lately, with when (ms; see [`FENCE_TTL`]).
+    fences: Fences,
     /// How long expired entries are kept past their expiry, to be served stale.
     retain: Duration,
 }
@@ -159,8 +189,37 @@ impl Store {
                 .max_capacity(DELETED_MAX)
                 .time_to_live(DELETED_TTL)
                 .build(),
+            fences: Fences::default(),
             retain,
         }
+    }
+
+    /// Fences namespace `namespace` from now: answers whose generation started before are
+    /// not stored or installed (see [`FENCE_TTL`]). Deleting a namespace does it; a replica
+    /// does it on another's delete event.
+    pub fn fence_namespace(&self, namespace: &str) {
+        self.fences
+            .namespaces
+            .insert(namespace.to_string(), now_ms());
+    }
+
+    /// [`Store::fence_namespace`] for a tag.
+    pub fn fence_tag(&self, tag: &str) {
+        self.fences.tags.insert(tag.to_string(), now_ms());
+    }
+
+    /// Whether `entry`'s generation started before a delete of its namespace or of one of its
+    /// tags: the delete must win over an answer that was on its way.
+    fn fenced(&self, entry: &Entry) -> bool {
+        let started = entry.created_ms.saturating_sub(u64::from(entry.gen_ms));
+        // Strictly after: at millisecond resolution, a question asked right after a delete
+        // may start in the delete's own millisecond, and its answer is a new one.
+        let after = |at: Option<u64>| at.is_some_and(|at| at > started);
+        after(self.fences.namespaces.get(entry.namespace.as_str()))
+            || entry
+                .tags
+                .iter()
+                .any(|t| after(self.fences.tags.get(t.as_str())))
     }
 
     /// How long expired entries are kept past their expiry, to be served stale.
@@ -348,9 +407,9 @@ impl Store {
     /// Stores a new entry under `keys` (the first is its exact key): queued to Redis with
     /// its tags, then memory, then the index (when it has a partition and an embedding).
     pub async fn insert(&self, entry: Arc<Entry>, keys: &[Digest]) {
-        if self.was_deleted(entry.id) {
-            // Deleted by its id while it was being generated (the id is announced with the
-            // answer): storing it now would bring it back everywhere.
+        if self.was_deleted(entry.id) || self.fenced(&entry) {
+            // Deleted by its id, namespace or tag while it was being generated (the id is
+            // announced with the answer): storing it now would bring it back everywhere.
             return;
         }
         if let Some(redis) = &self.redis {
@@ -443,7 +502,7 @@ impl Store {
             return self.merge_refusals(held, &entry).await;
         }
         let entry = Arc::new(entry);
-        if entry.is_expired() || self.was_deleted(entry.id) {
+        if entry.is_expired() || self.was_deleted(entry.id) || self.fenced(&entry) {
             return entry;
         }
         if self.memory.insert_entry(entry.clone()).await {
@@ -455,7 +514,7 @@ impl Store {
     /// An entry read from Redis for a lookup, installed here; `None` when this replica
     /// deleted it meanwhile (the read started before the deletion reached it).
     async fn promote(&self, entry: Entry) -> Option<Arc<Entry>> {
-        if self.was_deleted(entry.id) {
+        if self.was_deleted(entry.id) || self.fenced(&entry) {
             return None;
         }
         let entry = self.install(entry).await;
@@ -549,7 +608,7 @@ impl Store {
 
     /// One entry of a bulk load into memory; its vector is indexed by [`Store::finish_load`].
     async fn load_one(&self, entry: Entry, loaded: &mut Loaded, vectors: &mut Vec<IndexItem>) {
-        if entry.is_expired() || self.was_deleted(entry.id) {
+        if entry.is_expired() || self.was_deleted(entry.id) || self.fenced(&entry) {
             return;
         }
         if let Some(held) = self.memory.get(entry.id).await {
@@ -690,9 +749,17 @@ impl Store {
         Ok(n)
     }
 
-    /// Deletes every entry of `namespace` everywhere; returns how many the fuller tier held.
+    /// Drops every entry of `namespace` from this replica and fences the namespace (another
+    /// replica deleted it); returns how many were dropped.
+    pub async fn remove_local_namespace(&self, namespace: &str) -> u64 {
+        self.fence_namespace(namespace);
+        self.remove_local_where(|e| e.namespace == namespace).await
+    }
+
+    /// Deletes every entry of `namespace` everywhere, and fences it against answers being
+    /// generated meanwhile; returns how many the fuller tier held.
     pub async fn delete_namespace(&self, namespace: &str) -> Result<u64, RedisError> {
-        let local = self.remove_local_where(|e| e.namespace == namespace).await;
+        let local = self.remove_local_namespace(namespace).await;
         let shared = match &self.redis {
             Some(r) => r.delete_namespace(namespace).await?,
             None => 0,
@@ -700,9 +767,10 @@ impl Store {
         Ok(local.max(shared))
     }
 
-    /// Deletes every entry stored with `tag` everywhere; returns how many the fuller tier
-    /// held.
+    /// Deletes every entry stored with `tag` everywhere, and fences it against answers being
+    /// generated meanwhile; returns how many the fuller tier held.
     pub async fn delete_tag(&self, tag: &str) -> Result<u64, RedisError> {
+        self.fence_tag(tag);
         let local = self
             .remove_local_where(|e| e.tags.iter().any(|t| t == tag))
             .await;

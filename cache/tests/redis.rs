@@ -97,8 +97,9 @@ async fn events_reach_other_replicas_but_not_their_writer() {
     a.flush().await.unwrap();
     assert!(a.delete(from_a.id).await.unwrap());
     assert_eq!(a.delete_namespace("ns-a").await.unwrap(), 0);
+    assert_eq!(a.delete_tag("release-1").await.unwrap(), 0);
 
-    // B sees A's three events in order, never its own put.
+    // B sees A's four events in order, never its own put.
     assert_eq!(
         next_event(&mut b_events).await,
         ReplicationEvent::Put {
@@ -114,6 +115,12 @@ async fn events_reach_other_replicas_but_not_their_writer() {
         next_event(&mut b_events).await,
         ReplicationEvent::DeleteNamespace {
             namespace: "ns-a".into()
+        }
+    );
+    assert_eq!(
+        next_event(&mut b_events).await,
+        ReplicationEvent::DeleteTag {
+            tag: "release-1".into()
         }
     );
     // A sees only B's put.
@@ -853,4 +860,66 @@ async fn a_filtered_delete_reaches_entries_only_redis_keeps() {
         assert_eq!(kept, ns != "ns0", "{ns}");
     }
     assert!(b.get(ids[0].0).await.is_none());
+}
+
+/// A namespace or tag delete wins over answers that were being generated when it happened:
+/// one whose generation started before it is neither stored nor installed from Redis (where
+/// another replica, not yet told of the delete, wrote it); one started after is.
+#[tokio::test]
+async fn deletes_win_over_answers_generated_across_them() {
+    use reprise_cache::{ByKey, Store};
+
+    let server = RedisServer::start();
+    let store = |replica: &'static str| {
+        let url = server.url();
+        async move {
+            let redis = tier(config(url), replica).await;
+            Store::new(
+                1 << 20,
+                Duration::from_secs(60),
+                Duration::ZERO,
+                Some(redis),
+                None,
+                None,
+            )
+        }
+    };
+    let (a, b) = (store("a").await, store("b").await);
+    // Answers that took 5 s to generate, stored now: they started before the deletes below.
+    let slow = |ns: &str, text: &str, tags: &[&str]| {
+        let mut e = entry(ns, text, 60_000);
+        e.gen_ms = 5_000;
+        e.tags = tags.iter().map(|t| t.to_string()).collect();
+        Arc::new(e)
+    };
+    a.delete_namespace("docs").await.unwrap();
+    a.delete_tag("release-1").await.unwrap();
+    let in_ns = slow("docs", "old manual", &[]);
+    let tagged = slow("other", "old notes", &["release-1"]);
+    a.insert(in_ns.clone(), &[digest(1)]).await;
+    a.insert(tagged.clone(), &[digest(2)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    assert!(a.get(in_ns.id).await.is_none() && a.get(tagged.id).await.is_none());
+    assert_eq!(a.redis().unwrap().get(in_ns.id).await.unwrap(), None);
+
+    // B generated one across A's namespace delete and wrote it before the delete's event
+    // reached it; once fenced (the event), B drops it and A never installs it from Redis.
+    let across = slow("docs", "old faq", &[]);
+    b.insert(across.clone(), &[digest(3)]).await;
+    b.redis().unwrap().flush().await.unwrap();
+    assert!(matches!(
+        a.find(&digest(3), |_| true).await.0,
+        ByKey::Absent
+    ));
+    b.remove_local_namespace("docs").await;
+    assert!(matches!(
+        b.find(&digest(3), |_| true).await.0,
+        ByKey::Absent
+    ));
+
+    // An answer generated after the deletes (a later millisecond) is stored as ever.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let fresh = Arc::new(entry("docs", "new manual", 60_000));
+    a.insert(fresh.clone(), &[digest(4)]).await;
+    assert_eq!(a.get(fresh.id).await.map(|e| e.id), Some(fresh.id));
 }

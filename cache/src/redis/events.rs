@@ -49,6 +49,11 @@ pub enum ReplicationEvent {
         /// The namespace.
         namespace: String,
     },
+    /// Every entry with a tag was deleted (each also has its own [`ReplicationEvent::Delete`]).
+    DeleteTag {
+        /// The tag.
+        tag: String,
+    },
     /// A new version of the shared policies was stored; read it with
     /// [`super::RedisTier::get_policies`] (a later one may have replaced it meanwhile).
     Policies {
@@ -64,6 +69,7 @@ pub enum ReplicationEvent {
 pub(crate) const OP_PUT: &str = "put";
 pub(crate) const OP_DEL: &str = "del";
 pub(crate) const OP_DEL_NS: &str = "del_ns";
+pub(crate) const OP_DEL_TAG: &str = "del_tag";
 pub(crate) const OP_POLICIES: &str = "policies";
 
 /// One read: the stream's state and the events after position `ARGV[2]` (at most `ARGV[1]`),
@@ -395,6 +401,9 @@ impl Subscriber {
             OP_DEL => ReplicationEvent::Delete { id: id()? },
             OP_DEL_NS => ReplicationEvent::DeleteNamespace {
                 namespace: namespace()?,
+            },
+            OP_DEL_TAG => ReplicationEvent::DeleteTag {
+                tag: item.get::<String>("tag")?,
             },
             OP_POLICIES => ReplicationEvent::Policies {
                 version: item.get::<String>("version")?.parse().ok()?,

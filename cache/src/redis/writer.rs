@@ -461,7 +461,26 @@ impl Shared {
             }
             Admin::DeleteTag { tag, reply } => {
                 let index = self.keys.tag(&tag);
-                let _ = reply.send(self.delete_indexed(Op::DeleteTag, &index, true).await);
+                let mut result = self.delete_indexed(Op::DeleteTag, &index, true).await;
+                if result.is_ok() {
+                    // Besides each entry's delete: replicas fence the tag against answers
+                    // being generated when it was deleted.
+                    let event = self
+                        .event(events::OP_DEL_TAG, None, "")
+                        .arg("tag")
+                        .arg(&tag)
+                        .clone();
+                    let sent = self
+                        .run(
+                            Op::DeleteTag,
+                            |c| async move { c.query::<Value>(&event).await },
+                        )
+                        .await;
+                    if let Err(e) = sent {
+                        result = Err(e);
+                    }
+                }
+                let _ = reply.send(result);
             }
             Admin::Flush { reply } => {
                 let _ = reply.send(Ok(()));
