@@ -282,18 +282,6 @@ impl RedisTier {
     /// Like [`RedisTier::put`], also adding the entry to the given tags' indexes so that
     /// [`RedisTier::delete_tag`] can invalidate it.
     pub fn put_with_tags(&self, entry: &Entry, keys: &[Digest], tags: &[String]) -> bool {
-        self.put_entry(entry, keys, tags, false)
-    }
-
-    /// Queues a changed copy of an entry Redis holds (same id; a refusal added, say), with
-    /// its tags: written only if Redis still holds the entry when the write runs, so an
-    /// entry deleted meanwhile (by another replica, say) is not brought back. Returns
-    /// `false` when dropped.
-    pub fn update(&self, entry: &Entry) -> bool {
-        self.put_entry(entry, &[], &entry.tags, true)
-    }
-
-    fn put_entry(&self, entry: &Entry, keys: &[Digest], tags: &[String], existing: bool) -> bool {
         if entry.is_expired() {
             return false;
         }
@@ -315,8 +303,18 @@ impl RedisTier {
             bytes,
             keys: keys.to_vec(),
             tags: tags.to_vec(),
-            existing,
         })
+    }
+
+    /// Writes a changed copy of an entry Redis holds (same id; a refusal added), after the
+    /// writes queued before it: merged with the refusals of the copy Redis holds (another
+    /// replica may have added one meanwhile: neither is lost) and swapped in only if that
+    /// copy did not change meanwhile (read again if it did), keeping its lifetime; then a put
+    /// event. Nothing is written when Redis does not hold the entry (deleted meanwhile: it
+    /// stays so). Returns whether it was written.
+    pub async fn update(&self, entry: &Entry) -> Result<bool, RedisError> {
+        let entry = Box::new(entry.clone());
+        self.admin(|reply| Admin::Update { entry, reply }).await
     }
 
     /// Queues another exact key pointing at an existing entry, for `ttl`. Returns `false`

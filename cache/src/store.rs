@@ -454,9 +454,12 @@ impl Store {
             None => entry,
         };
         if let Some(redis) = &self.redis {
-            // Only over the entry Redis still holds: one another replica deleted meanwhile
-            // (its event not read here yet) stays deleted.
-            redis.update(&entry);
+            // Only over the entry Redis still holds (one another replica deleted meanwhile,
+            // its event not read here yet, stays deleted), merged with the refusals it has.
+            match redis.update(&entry).await {
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, id = %entry.id, "redis: update not written"),
+            }
         }
         self.memory.insert_entry(entry).await;
     }

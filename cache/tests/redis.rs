@@ -614,17 +614,17 @@ async fn cluster_round_trip() {
         next_event(&mut b_events).await,
         ReplicationEvent::Put { .. }
     ));
-    // An update writes over a held entry only (`SET XX` first on a cluster).
+    // An update writes over a held entry only, merged with the refusals it holds (its
+    // script touches one key, so it runs on a cluster).
     assert!(t.delete(entries[1].id).await.unwrap());
-    let mut changed = entries[2].clone();
-    changed.tags = vec!["reviewed".into()];
-    assert!(t.update(&entries[1]) && t.update(&changed));
-    t.flush().await.unwrap();
-    assert_eq!(t.get(entries[1].id).await.unwrap(), None, "stays deleted");
-    assert_eq!(
-        t.get(entries[2].id).await.unwrap().unwrap().tags,
-        ["reviewed"]
-    );
+    assert!(!t.update(&entries[1]).await.unwrap(), "stays deleted");
+    assert_eq!(t.get(entries[1].id).await.unwrap(), None);
+    let (mut first, mut second) = (entries[2].clone(), entries[2].clone());
+    first.refuse(refusal(9001));
+    second.refuse(refusal(9002));
+    assert!(t.update(&first).await.unwrap() && t.update(&second).await.unwrap());
+    let held = t.get(entries[2].id).await.unwrap().unwrap();
+    assert_eq!(held.refusals.len(), 2, "neither refusal lost");
     assert_eq!(t.delete_namespace("ns0").await.unwrap(), 20);
     // ns0's 20 and the one deleted above are gone.
     assert_eq!(b.scan_entries(|_| {}).await.unwrap().len(), 39);
@@ -715,19 +715,26 @@ async fn a_store_promotes_what_another_replica_wrote() {
     assert_eq!(a.redis().unwrap().get(f.id).await.unwrap(), None);
 
     // A changed copy A writes of the entry B deleted (a refusal, before B's event reached
-    // A) does not bring it back; one of an entry still held replaces it.
-    a.update(f.clone()).await;
-    let mut changed = (*e).clone();
-    changed.tags = vec!["reviewed".into()];
-    a.update(Arc::new(changed)).await;
-    a.redis().unwrap().flush().await.unwrap();
+    // A) does not bring it back.
+    let mut refused = (*f).clone();
+    refused.refuse(refusal(7000));
+    a.update(Arc::new(refused)).await;
     assert_eq!(
         a.redis().unwrap().get(f.id).await.unwrap(),
         None,
         "stays deleted"
     );
+    // A and B each refuse a question to an entry both hold, neither having heard of the
+    // other's (replication is not running): Redis keeps both refusals.
+    let (mut on_a, mut on_b) = ((*e).clone(), (*e).clone());
+    on_a.refuse(refusal(7001));
+    on_b.refuse(refusal(7002));
+    a.update(Arc::new(on_a)).await;
+    b.update(Arc::new(on_b)).await;
     let held = a.redis().unwrap().get(e.id).await.unwrap().expect("held");
-    assert_eq!(held.tags, ["reviewed"]);
+    let keys: Vec<_> = held.refusals.iter().map(|r| r.key).collect();
+    assert_eq!(keys.len(), 2, "neither refusal lost");
+    assert!(keys.contains(&digest(7001)) && keys.contains(&digest(7002)));
 
     // An answer deleted by its id while it was generated (the id is announced first) is
     // not stored when its generation ends.
@@ -922,4 +929,12 @@ async fn deletes_win_over_answers_generated_across_them() {
     let fresh = Arc::new(entry("docs", "new manual", 60_000));
     a.insert(fresh.clone(), &[digest(4)]).await;
     assert_eq!(a.get(fresh.id).await.map(|e| e.id), Some(fresh.id));
+}
+
+/// A refusal of question `n` (its exact key only).
+fn refusal(n: u32) -> reprise_cache::entry::Refusal {
+    reprise_cache::entry::Refusal {
+        key: digest(n),
+        around: None,
+    }
 }

@@ -25,7 +25,7 @@ if n > tonumber(ARGV[1]) then return n end
 return redis.call('GET', KEYS[1])";
 
 /// What [`CAPPED_GET`] answered.
-enum Capped {
+pub(super) enum Capped {
     Value(Vec<u8>),
     Absent,
     TooLarge(i64),
@@ -152,7 +152,7 @@ impl Shared {
     }
 
     /// The `GET` of an entry key, unless the value is over the size cap.
-    fn capped_get(&self, name: &str) -> ::redis::Cmd {
+    pub(super) fn capped_get(&self, name: &str) -> ::redis::Cmd {
         ::redis::cmd("EVAL")
             .arg(CAPPED_GET)
             .arg(1)
@@ -162,7 +162,7 @@ impl Shared {
     }
 
     /// A capped read's value; one over the cap is absent (skipped and counted).
-    fn uncap(&self, name: &str, got: Capped) -> Option<Vec<u8>> {
+    pub(super) fn uncap(&self, name: &str, got: Capped) -> Option<Vec<u8>> {
         match got {
             Capped::Value(v) => Some(v),
             Capped::Absent => None,

@@ -10,12 +10,14 @@ use futures::future::{join_all, try_join_all};
 use tokio::sync::{mpsc, oneshot};
 
 use super::conn::Conn;
+use super::envelope::{EnvelopeOut, ENVELOPE_VERSION};
 use super::error::RedisError;
 use super::events;
 use super::metrics::Op;
+use super::shared::Capped;
 use super::shared::Shared;
 use super::RedisTier;
-use crate::entry::{now_ms, Digest, EntryId};
+use crate::entry::{now_ms, Digest, Entry, EntryId};
 
 /// How much longer than its longest-lived entry an index set lives. Redis computes each
 /// expiry from its clock when the command runs, and the clock moves between the set's
@@ -44,12 +46,8 @@ return 1";
 /// without its index entries, where a namespace or tag delete could not find it; and nothing
 /// else runs between the steps. `KEYS`: entry, events, `ARGV[6]` index sets, exact keys.
 /// `ARGV`: value, ttl, expiry, id, now, index count, events maxlen, namespace, origin, the
-/// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]), `1` to write only over an entry still held
-/// (nothing is written, and 0 returned, when it is gone).
+/// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]).
 const PUT_SCRIPT: &str = "\
-if ARGV[11] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then
-  return 0
-end
 local ttl = tonumber(ARGV[2])
 local set_ttl = tonumber(ARGV[10])
 local nidx = tonumber(ARGV[6])
@@ -86,8 +84,6 @@ struct Put<'a> {
     ttl: u64,
     keys: &'a [Digest],
     tags: &'a [String],
-    /// Only over an entry still held.
-    existing: bool,
 }
 
 /// What the write queue carries.
@@ -107,9 +103,6 @@ pub(super) enum Write {
         bytes: Vec<u8>,
         keys: Vec<Digest>,
         tags: Vec<String>,
-        /// Written only over an entry Redis still holds (a changed copy, see
-        /// [`RedisTier::update`]): one deleted meanwhile stays deleted.
-        existing: bool,
     },
     Alias {
         key: Digest,
@@ -155,7 +148,22 @@ pub(super) enum Admin {
     Flush {
         reply: oneshot::Sender<Result<(), RedisError>>,
     },
+    /// A changed copy of an entry (see [`RedisTier::update`]).
+    Update {
+        entry: Box<Entry>,
+        reply: oneshot::Sender<Result<bool, RedisError>>,
+    },
 }
+
+/// Replaces an entry's value only if it is still the one read (`ARGV[1]`), keeping its
+/// lifetime: `1` when written, `0` when it changed meanwhile or is gone. One key.
+const SWAP_SCRIPT: &str = "\
+local held = redis.call('GET', KEYS[1])
+if not held or held ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+return 1";
+/// Rounds of read, merge and swap an update tries before giving up.
+const UPDATE_ROUNDS: usize = 8;
 
 impl RedisTier {
     /// Puts a write on the queue, or drops it.
@@ -249,7 +257,6 @@ impl Shared {
                 bytes,
                 keys,
                 tags,
-                existing,
             } => {
                 // Kept past its expiry for the stale windows: the entry, its keys and its
                 // index entries alike (a namespace or tag delete must reach a kept entry).
@@ -267,7 +274,6 @@ impl Shared {
                     ttl,
                     keys: &keys,
                     tags: &tags,
-                    existing,
                 };
                 self.put(put, bytes).await
             }
@@ -328,9 +334,7 @@ impl Shared {
     /// Stores an entry with its keys and index entries, never the entry without its index
     /// entries: on a single server in one script ([`PUT_SCRIPT`]); on a cluster, where they
     /// live in different slots, index sets first, then (only when they were written) the
-    /// entry and its keys, then the event. An update of an existing entry
-    /// ([`Put::existing`]) writes nothing when the entry is gone; on a cluster the entry is
-    /// replaced first (`SET XX`, its index sets already hold it), then the rest.
+    /// entry and its keys, then the event.
     async fn put(&self, put: Put<'_>, bytes: Vec<u8>) -> Result<(), RedisError> {
         let Put {
             id,
@@ -340,7 +344,6 @@ impl Shared {
             ttl,
             keys,
             tags,
-            existing,
         } = put;
         let id_str = id.to_string();
         let indexes: Vec<String> = std::iter::once(self.keys.namespace(namespace))
@@ -366,13 +369,20 @@ impl Shared {
                 .arg(self.events_maxlen)
                 .arg(namespace)
                 .arg(&self.replica_id)
-                .arg(ttl + INDEX_MARGIN_MS)
-                .arg(if existing { "1" } else { "0" });
+                .arg(ttl + INDEX_MARGIN_MS);
             return self
                 .run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
                 .await
                 .map(drop);
         }
+        // After the entry is written, each index set must still hold it: a namespace or tag
+        // delete that ran between the two (it read the set, deleted an entry not yet there,
+        // took the id out of the set) would otherwise leave it stored outside its index.
+        let still_indexed: Vec<::redis::Cmd> = indexes
+            .iter()
+            .map(|name| ::redis::cmd("ZSCORE").arg(name).arg(&id_str).clone())
+            .collect();
+        let unstore = ::redis::cmd("DEL").arg(self.keys.entry(id)).clone();
         let index: Vec<::redis::Cmd> = indexes
             .into_iter()
             .map(|name| {
@@ -387,25 +397,15 @@ impl Shared {
                     .clone()
             })
             .collect();
-        let mut entry = ::redis::cmd("SET");
-        entry.arg(self.keys.entry(id)).arg(bytes).arg("PX").arg(ttl);
-        if existing {
-            entry.arg("XX");
-            let event = self.event(events::OP_PUT, Some(id), namespace);
-            return self
-                .run(Op::Put, |c| async move {
-                    // Nil: not held any more (deleted meanwhile), and nothing else is written.
-                    if c.query::<Value>(&entry).await? == Value::Nil {
-                        return Ok(Value::Nil);
-                    }
-                    run_all(c.clone(), index).await?;
-                    c.query::<Value>(&event).await
-                })
-                .await
-                .map(drop);
-        }
         let mut sets = Vec::with_capacity(keys.len() + 1);
-        sets.push(entry);
+        sets.push(
+            ::redis::cmd("SET")
+                .arg(self.keys.entry(id))
+                .arg(bytes)
+                .arg("PX")
+                .arg(ttl)
+                .clone(),
+        );
         for key in keys {
             sets.push(
                 ::redis::cmd("SET")
@@ -420,10 +420,62 @@ impl Shared {
         self.run(Op::Put, |c| async move {
             run_all(c.clone(), index).await?;
             run_all(c.clone(), sets).await?;
+            for check in &still_indexed {
+                if c.query::<Option<f64>>(check).await?.is_none() {
+                    // Deleted meanwhile: the delete wins (its keys lead nowhere now).
+                    return c.query::<Value>(&unstore).await;
+                }
+            }
             c.query::<Value>(&event).await
         })
         .await
         .map(drop)
+    }
+
+    /// Writes a changed copy of an entry over the one Redis holds, with the refusals the
+    /// held one has and this copy lacks (another replica's, written meanwhile): read, merge,
+    /// then swap only if the value is still the one read, again on a change. `false` when
+    /// Redis does not hold the entry (deleted: it stays so) or kept changing.
+    async fn update(&self, mut entry: Entry) -> Result<bool, RedisError> {
+        let name = self.keys.entry(entry.id);
+        for _ in 0..UPDATE_ROUNDS {
+            let read = self.capped_get(&name);
+            let got = self
+                .run(Op::Put, |c| async move { c.query::<Capped>(&read).await })
+                .await?;
+            let Some(raw) = self.uncap(&name, got) else {
+                return Ok(false);
+            };
+            if let Some(held) = self.decode(&name, entry.id, &raw) {
+                entry.merge_refusals(&held);
+            }
+            let bytes = serde_json::to_vec(&EnvelopeOut {
+                v: ENVELOPE_VERSION,
+                entry: &entry,
+            })
+            .ok();
+            let Some(bytes) = bytes else {
+                tracing::warn!(id = %entry.id, "redis: entry not serialisable; not updated");
+                return Ok(false);
+            };
+            let swap = ::redis::cmd("EVAL")
+                .arg(SWAP_SCRIPT)
+                .arg(1)
+                .arg(&name)
+                .arg(raw)
+                .arg(bytes)
+                .clone();
+            let swapped = self
+                .run(Op::Put, |c| async move { c.query::<i64>(&swap).await })
+                .await?;
+            if swapped == 1 {
+                let event = self.event(events::OP_PUT, Some(entry.id), &entry.namespace);
+                self.run(Op::Put, |c| async move { c.query::<Value>(&event).await })
+                    .await?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Applies a delete or flush and answers its caller.
@@ -484,6 +536,9 @@ impl Shared {
             }
             Admin::Flush { reply } => {
                 let _ = reply.send(Ok(()));
+            }
+            Admin::Update { entry, reply } => {
+                let _ = reply.send(self.update(*entry).await);
             }
         }
     }
