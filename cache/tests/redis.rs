@@ -642,25 +642,10 @@ async fn cluster_round_trip() {
 /// deletion reaches every tier.
 #[tokio::test]
 async fn a_store_promotes_what_another_replica_wrote() {
-    use reprise_cache::semantic::{IndexConfig, SemanticIndex};
-    use reprise_cache::{ByKey, Probe, Store};
+    use reprise_cache::{ByKey, Probe};
 
     let server = RedisServer::start();
-    let store = |replica: &'static str| {
-        let url = server.url();
-        async move {
-            let redis = tier(config(url), replica).await;
-            let index = Arc::new(SemanticIndex::new(3, IndexConfig::default()));
-            Store::new(
-                1 << 20,
-                Duration::from_secs(60),
-                Duration::ZERO,
-                Some(redis),
-                Some(index),
-                None,
-            )
-        }
-    };
+    let store = |name| replica(&server, name, Some(3), Duration::ZERO);
     let (a, b) = (store("a").await, store("b").await);
     let e = Arc::new(entry("ns", "hello", 60_000));
     a.insert(e.clone(), &[digest(1)]).await;
@@ -756,25 +741,10 @@ async fn a_store_promotes_what_another_replica_wrote() {
 /// namespace delete still reaches it. Past the retention it is gone.
 #[tokio::test]
 async fn expired_entries_are_kept_for_the_retention_and_never_fresh() {
-    use reprise_cache::semantic::{IndexConfig, SemanticIndex};
-    use reprise_cache::{ByKey, Store};
+    use reprise_cache::ByKey;
 
     let server = RedisServer::start();
-    let store = |replica: &'static str| {
-        let url = server.url();
-        async move {
-            let redis = tier(config(url), replica).await;
-            let index = Arc::new(SemanticIndex::new(3, IndexConfig::default()));
-            Store::new(
-                1 << 20,
-                Duration::from_secs(60),
-                Duration::from_millis(1500),
-                Some(redis),
-                Some(index),
-                None,
-            )
-        }
-    };
+    let store = |name| replica(&server, name, Some(3), Duration::from_millis(1500));
     let a = store("a").await;
     let e = Arc::new(entry("ns", "soon stale", 300));
     let f = Arc::new(entry("other", "also stale", 300));
@@ -826,23 +796,10 @@ async fn expired_entries_are_kept_for_the_retention_and_never_fresh() {
 /// entries, and deletes those of one namespace among them, in Redis and its memory alike.
 #[tokio::test]
 async fn a_filtered_delete_reaches_entries_only_redis_keeps() {
-    use reprise_cache::{ByKey, Store};
+    use reprise_cache::ByKey;
 
     let server = RedisServer::start();
-    let store = |replica: &'static str| {
-        let url = server.url();
-        async move {
-            let redis = tier(config(url), replica).await;
-            Store::new(
-                1 << 20,
-                Duration::from_secs(60),
-                Duration::ZERO,
-                Some(redis),
-                None,
-                None,
-            )
-        }
-    };
+    let store = |name| replica(&server, name, None, Duration::ZERO);
     let (a, b) = (store("a").await, store("b").await);
     let mut ids = Vec::new();
     for i in 0..30u32 {
@@ -874,23 +831,10 @@ async fn a_filtered_delete_reaches_entries_only_redis_keeps() {
 /// another replica, not yet told of the delete, wrote it); one started after is.
 #[tokio::test]
 async fn deletes_win_over_answers_generated_across_them() {
-    use reprise_cache::{ByKey, Store};
+    use reprise_cache::ByKey;
 
     let server = RedisServer::start();
-    let store = |replica: &'static str| {
-        let url = server.url();
-        async move {
-            let redis = tier(config(url), replica).await;
-            Store::new(
-                1 << 20,
-                Duration::from_secs(60),
-                Duration::ZERO,
-                Some(redis),
-                None,
-                None,
-            )
-        }
-    };
+    let store = |name| replica(&server, name, None, Duration::ZERO);
     let (a, b) = (store("a").await, store("b").await);
     // Answers that took 5 s to generate, stored now: they started before the deletes below.
     let slow = |ns: &str, text: &str, tags: &[&str]| {
@@ -937,4 +881,25 @@ fn refusal(n: u32) -> reprise_cache::entry::Refusal {
         key: digest(n),
         around: None,
     }
+}
+
+/// A store over `server` as replica `name`: 1 MiB of memory, an index of `dim` dimensions if
+/// any, expired entries kept `retain`.
+async fn replica(
+    server: &RedisServer,
+    name: &'static str,
+    dim: Option<usize>,
+    retain: Duration,
+) -> reprise_cache::Store {
+    use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+    let redis = tier(config(server.url()), name).await;
+    let index = dim.map(|d| Arc::new(SemanticIndex::new(d, IndexConfig::default())));
+    reprise_cache::Store::new(
+        1 << 20,
+        Duration::from_secs(60),
+        retain,
+        Some(redis),
+        index,
+        None,
+    )
 }
