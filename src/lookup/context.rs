@@ -204,8 +204,8 @@ fn with_pending(ctx: &Digest, pending: &[&ChatMessage]) -> Digest {
 /// system prompt alone, and the texts of the last two exchanges, which the question must be
 /// unrelated to in meaning. `None` when the question refers back (`refers_back`, from
 /// [`reprise_policies::standalone::refers_back`]), a message is pending before it, an
-/// earlier user message was not a plain question, or one of the last two exchanges has
-/// [`MAX_EXCHANGE_MESSAGES`] messages or more.
+/// earlier user message was not a plain question, or one of the last two exchanges has more
+/// than [`MAX_EXCHANGE_MESSAGES`] messages (its answer included).
 pub fn standalone(conv: &Conversation<'_>, refers_back: bool) -> Option<(Digest, Vec<String>)> {
     use reprise_policies::standalone::conversation_is_plain;
     if conv.turns.is_empty() || !conv.pending.is_empty() || refers_back {
@@ -225,7 +225,7 @@ pub fn standalone(conv: &Conversation<'_>, refers_back: bool) -> Option<(Digest,
     // contexts, never a wrong one).
     if last
         .iter()
-        .any(|(msgs, _)| msgs.len() >= MAX_EXCHANGE_MESSAGES)
+        .any(|(msgs, _)| msgs.len() + 1 > MAX_EXCHANGE_MESSAGES)
     {
         return None;
     }
@@ -290,5 +290,13 @@ mod tests {
         );
         let conv = split_conversation(&msgs).unwrap();
         assert_eq!(standalone(&conv, false).map(|(_, r)| r.len()), Some(3));
+        // At the bound: four messages with the answer are judged, five are not.
+        let asked = ["Is it far?", "Is it cold?", "Is it big?", "Is it old?"];
+        let msgs = messages(&[(&asked[..3], "Yes.")], "How do volcanoes form?");
+        let conv = split_conversation(&msgs).unwrap();
+        assert_eq!(standalone(&conv, false).map(|(_, r)| r.len()), Some(4));
+        let msgs = messages(&[(&asked, "Yes.")], "How do volcanoes form?");
+        let conv = split_conversation(&msgs).unwrap();
+        assert!(standalone(&conv, false).is_none());
     }
 }
