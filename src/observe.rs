@@ -128,3 +128,58 @@ impl Observer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reprise_cache::Entry;
+
+    fn observation(text_bytes: usize) -> Observation {
+        let entry = Entry {
+            id: EntryId(1),
+            namespace: "n".into(),
+            model: "m".into(),
+            text: "t".into(),
+            finish_reason: "stop".into(),
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            prompt: "p".into(),
+            partition: [0; 32],
+            embedding: None,
+            origin: Default::default(),
+            tags: Vec::new(),
+            refusals: Vec::new(),
+            created_ms: 1,
+            expires_ms: u64::MAX,
+            gen_ms: 0,
+        };
+        Observation {
+            namespace: "n".into(),
+            endpoint: Endpoint::Chat,
+            request: crate::test_support::chat(&[("user", &"q".repeat(text_bytes))]),
+            session: None,
+            prev_entry: None,
+            entry: Arc::new(entry),
+        }
+    }
+
+    /// Observations wait within a byte budget as well as a count: big requests are dropped
+    /// (and counted) once the bytes are used, and their bytes come back as they are taken.
+    #[test]
+    fn observations_wait_within_their_bytes() {
+        let (observer, mut rx) = Observer::channel(100, 1 << 20);
+        for _ in 0..4 {
+            observer.served(observation(300 * 1024));
+        }
+        assert_eq!(observer.dropped(), 1, "the fourth would pass 1 MiB");
+        assert!(rx.try_recv().is_some());
+        observer.served(observation(300 * 1024));
+        assert_eq!(observer.dropped(), 1, "room again once one was taken");
+        // Small ones are bounded by the count.
+        let (observer, _rx) = Observer::channel(2, 1 << 20);
+        for _ in 0..3 {
+            observer.served(observation(10));
+        }
+        assert_eq!(observer.dropped(), 1);
+    }
+}
