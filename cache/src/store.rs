@@ -406,6 +406,8 @@ impl Store {
 
     /// Stores a new entry under `keys` (the first is its exact key): queued to Redis with
     /// its tags, then memory, then the index (when it has a partition and an embedding).
+    /// Nothing is stored when its id was deleted, or its namespace or a tag fenced, since its
+    /// generation started.
     pub async fn insert(&self, entry: Arc<Entry>, keys: &[Digest]) {
         if self.was_deleted(entry.id) || self.fenced(&entry) {
             // Deleted by its id, namespace or tag while it was being generated (the id is
@@ -431,6 +433,11 @@ impl Store {
         };
         if held {
             self.index_entry(&entry);
+        }
+        // A delete that ran between the check above and the memory insert found nothing
+        // to remove: look again, as a promotion does.
+        if self.was_deleted(id) || self.fenced(&entry) {
+            self.remove_local(id).await;
         }
     }
 
