@@ -361,7 +361,6 @@ impl Drop for LoadGuard {
     }
 }
 
-/// The next upstream event, unless `preemption` fires first (then `Overloaded`).
 /// `body` up to `limit` bytes in all; past it, an error item ends it.
 fn capped<S, B, E>(body: S, limit: usize) -> impl futures::Stream<Item = Result<B, String>>
 where
@@ -402,6 +401,7 @@ async fn read_capped(resp: reqwest::Response, limit: usize) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// The next upstream event, unless `preemption` fires first (then `Overloaded`).
 async fn next_event<S>(
     events: &mut S,
     preemption: Option<&CancellationToken>,
