@@ -435,4 +435,32 @@ mod tests {
             sessions.entry_count()
         );
     }
+
+    /// Refresh-ahead's hot records hold the request that reaches each entry: they are
+    /// bounded by those requests' bytes, not by a count of records.
+    #[test]
+    fn hot_records_keep_within_their_byte_budget() {
+        let p = Prefetcher::new(PrefetchConfig::default());
+        let hot = &p.shared.hot;
+        let question = "q".repeat(256 * 1024);
+        for i in 0..400u64 {
+            let record = Hot {
+                namespace: "namespace".into(),
+                endpoint: crate::openai::Endpoint::Chat,
+                request: crate::test_support::chat(&[("user", &question)]),
+                expires_ms: u64::MAX,
+                hits: AtomicU64::new(0),
+                refreshing: std::sync::atomic::AtomicBool::new(false),
+            };
+            hot.insert(EntryId(u128::from(i)), Arc::new(record));
+        }
+        hot.run_pending_tasks();
+        assert!(hot.weighted_size() <= HOT_BYTES);
+        let each = question.len() as u64;
+        assert!(
+            hot.entry_count() <= HOT_BYTES / each,
+            "{}",
+            hot.entry_count()
+        );
+    }
 }
