@@ -33,9 +33,11 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
     tracker.spawn(async move {
         // Subscribe before the rebuild so nothing written during the scan is missed.
         let mut events = redis.subscribe(true);
+        // Redis's epoch as last seen: a different one at a resync means it lost its data.
+        let mut epoch = None;
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = catch_up(&weak, &redis) => {}
+            _ = catch_up(&weak, &redis, &mut epoch) => {}
         }
         loop {
             let ev = tokio::select! {
@@ -70,7 +72,7 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                     drop(state);
                     tokio::select! {
                         _ = stop.cancelled() => break,
-                        _ = catch_up(&weak, &redis) => {}
+                        _ = catch_up(&weak, &redis, &mut epoch) => {}
                     }
                 }
             }
@@ -80,9 +82,9 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
 
 /// Applies the shared policies if they are newer (a version published before the
 /// subscription, or while events were missed), then rebuilds.
-async fn catch_up(weak: &Weak<AppState>, redis: &RedisTier) {
+async fn catch_up(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<String>) {
     sync_policies(weak).await;
-    rebuild(weak, redis).await;
+    rebuild(weak, redis, epoch).await;
 }
 
 /// [`crate::policy::sync`], tried again a few times while Redis does not answer.
@@ -100,15 +102,32 @@ async fn sync_policies(weak: &Weak<AppState>) {
 }
 
 /// Drops what Redis no longer holds (deletes this replica may have missed), then loads every
-/// live entry from Redis into memory and the index.
-async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier) {
+/// live entry from Redis into memory and the index. When Redis lost its data since the last
+/// look (its epoch changed: a restart without persistence), nothing it lacks was deleted:
+/// this replica writes what it holds back instead of dropping it.
+async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<String>) {
     let started = std::time::Instant::now();
     tracing::info!("rebuilding the index from redis");
+    let now = redis.epoch().await.ok();
+    let wiped = matches!((&*epoch, &now), (Some(before), Some(now)) if before != now);
+    if now.is_some() {
+        *epoch = now;
+    }
     if let Some(state) = weak.upgrade() {
-        match state.store.drop_absent().await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(entries = n, "dropped entries deleted in redis meanwhile"),
-            Err(e) => tracing::warn!(error = %e, "could not check held entries against redis"),
+        if wiped {
+            match state.store.reseed().await {
+                Ok(n) => tracing::warn!(
+                    entries = n,
+                    "redis lost its data; wrote back what this replica holds"
+                ),
+                Err(e) => tracing::warn!(error = %e, "could not write entries back to redis"),
+            }
+        } else {
+            match state.store.drop_absent().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(entries = n, "dropped entries deleted in redis meanwhile"),
+                Err(e) => tracing::warn!(error = %e, "could not check held entries against redis"),
+            }
         }
     }
     let Some(state) = weak.upgrade() else { return };

@@ -187,3 +187,42 @@ async fn redis_killed_and_restarted_under_load_fails_no_request() {
     }
     assert!(resumed, "writes to Redis resumed");
 }
+
+/// Redis restarted without persistence comes back empty. Nothing was deleted, so the replica
+/// writes what it holds back (Redis's epoch changed) instead of dropping it as if deleted:
+/// its answers stay hits and reach Redis again.
+#[tokio::test]
+async fn a_replica_writes_back_what_a_wiped_redis_lost() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut redis = RedisServer::start();
+    let backend = scripted();
+    let mut config = redis_config(redis.url());
+    config.semantic.enabled = false;
+    let app = spawn_replica(config, Arc::new(backend.clone())).await;
+    let rebuilt = |n: u64| {
+        let app = &app;
+        async move {
+            eventually(Duration::from_secs(60), || {
+                app.state.rebuilds.load(SeqCst) > n
+            })
+            .await
+        }
+    };
+    assert!(rebuilt(0).await, "the start's rebuild");
+    let q = "What survives a restart?";
+    assert_eq!(cache_status(&app.chat(&chat_body(q), &[]).await), "miss");
+    let tier = app.state.store.redis().unwrap();
+    tier.flush().await.unwrap();
+    let id = held(&app, q).unwrap();
+    assert!(tier.get(id).await.unwrap().is_some());
+
+    let before = app.state.rebuilds.load(SeqCst);
+    redis.restart();
+    assert!(rebuilt(before).await, "a resync after the restart");
+    assert_eq!(cache_status(&app.chat(&chat_body(q), &[]).await), "exact");
+    assert!(
+        tier.get(id).await.unwrap().is_some(),
+        "written back to redis"
+    );
+    assert_eq!(backend.calls(), 1);
+}

@@ -306,6 +306,26 @@ impl RedisTier {
         })
     }
 
+    /// Redis's epoch: a random value set once (`SET NX`) under a key that never expires, and
+    /// read back. A different epoch than before means Redis lost its data meanwhile
+    /// (restarted without persistence, flushed): what it does not hold was not deleted.
+    pub async fn epoch(&self) -> Result<String, RedisError> {
+        const EPOCH_SCRIPT: &str = "\
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+return redis.call('GET', KEYS[1])";
+        let shared = &self.shared;
+        let fresh = EntryId::random().to_string();
+        let cmd = ::redis::cmd("EVAL")
+            .arg(EPOCH_SCRIPT)
+            .arg(1)
+            .arg(shared.keys.epoch())
+            .arg(fresh)
+            .clone();
+        shared
+            .run(Op::Get, |c| async move { c.query::<String>(&cmd).await })
+            .await
+    }
+
     /// Writes a changed copy of an entry Redis holds (same id; a refusal added), after the
     /// writes queued before it: merged with the refusals of the copy Redis holds (another
     /// replica may have added one meanwhile: neither is lost) and swapped in only if that

@@ -712,6 +712,34 @@ impl Store {
         Ok(dropped)
     }
 
+    /// Writes every unexpired entry this replica holds, with its keys and tags, back to
+    /// Redis (after Redis lost its data), a batch at a time, waiting for each so the write
+    /// queue's budget is not overrun; returns how many. A Redis error ends it (`Err`).
+    pub async fn reseed(&self) -> Result<u64, RedisError> {
+        const BATCH: usize = 256;
+        let Some(redis) = &self.redis else {
+            return Ok(0);
+        };
+        let mut keys: std::collections::HashMap<EntryId, Vec<Digest>> = Default::default();
+        for (k, id) in self.memory.iter_keys() {
+            keys.entry(id).or_default().push(k);
+        }
+        let entries: Vec<Arc<Entry>> = self
+            .memory
+            .iter_entries()
+            .into_iter()
+            .filter(|e| !e.is_expired())
+            .collect();
+        for batch in entries.chunks(BATCH) {
+            for e in batch {
+                let keys = keys.get(&e.id).map_or(&[][..], Vec::as_slice);
+                redis.put_with_tags(e, keys, &e.tags);
+            }
+            redis.flush().await?;
+        }
+        Ok(entries.len() as u64)
+    }
+
     /// Deletes an entry everywhere (this replica, Redis and through it every replica).
     /// Returns whether any tier held it.
     pub async fn delete(&self, id: EntryId) -> Result<bool, RedisError> {

@@ -43,6 +43,10 @@ impl Keys {
         format!("{}:policies", self.prefix)
     }
 
+    pub(super) fn epoch(&self) -> String {
+        format!("{}:epoch", self.prefix)
+    }
+
     pub(super) fn blob(&self, name: &str) -> String {
         format!("{}:blob:{{{name}}}", self.prefix)
     }
