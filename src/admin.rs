@@ -44,13 +44,7 @@ pub fn same_digest(a: &blake3::Hash, b: &blake3::Hash) -> bool {
 /// The admin the request's bearer token names, or 401.
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Admin, ApiError> {
     let given = bearer(headers).ok_or(ApiError::Unauthorized)?;
-    let global = state
-        .config
-        .server
-        .admin_token_env
-        .as_ref()
-        .and_then(|var| std::env::var(var).ok())
-        .filter(|t| !t.is_empty());
+    let global = configured_secret(&state.config.server.admin_token_env);
     let given = secret_digest(given);
     if global.is_some_and(|expected| same_digest(&given, &secret_digest(&expected))) {
         return Ok(Admin::Global);
@@ -69,11 +63,6 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Admin, ApiError> {
 /// configured, and the global admin only where they are (a tenant's series are not for
 /// another tenant's key). Fails closed: a token named but unset opens nothing.
 pub fn may_scrape(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let secret = |var: &Option<String>| {
-        var.as_ref()
-            .and_then(|v| std::env::var(v).ok())
-            .filter(|t| !t.is_empty())
-    };
     let server = &state.config.server;
     let open = server.metrics_token_env.is_none()
         && state.config.tenants.is_empty()
@@ -84,8 +73,8 @@ pub fn may_scrape(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError>
     let given = bearer(headers).ok_or(ApiError::Unauthorized)?;
     let given = secret_digest(given);
     let allowed = [
-        secret(&server.metrics_token_env),
-        secret(&server.admin_token_env),
+        configured_secret(&server.metrics_token_env),
+        configured_secret(&server.admin_token_env),
     ];
     match allowed
         .iter()
@@ -95,6 +84,14 @@ pub fn may_scrape(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError>
         true => Ok(()),
         false => Err(ApiError::Unauthorized),
     }
+}
+
+/// The secret held by the environment variable a setting names, when it names one that is
+/// set and not empty (none otherwise: nothing is opened by an unset secret).
+pub fn configured_secret(var: &Option<String>) -> Option<String> {
+    var.as_ref()
+        .and_then(|v| std::env::var(v).ok())
+        .filter(|t| !t.is_empty())
 }
 
 /// The request's bearer token, when it has a non-empty one.

@@ -250,9 +250,7 @@ impl Tenants {
             &config.server.metrics_token_env,
         ]
         .into_iter()
-        .flatten()
-        .filter_map(|var| std::env::var(var).ok())
-        .filter(|t| !t.is_empty())
+        .filter_map(crate::admin::configured_secret)
         .map(|t| crate::admin::secret_digest(&t))
         .collect();
         let mut admin_tokens: Vec<blake3::Hash> = Vec::new();
