@@ -30,6 +30,9 @@ pub struct Bookkeeping {
     pub canary: Option<CanarySide>,
     /// How its answer was degraded, if it was.
     degraded: Option<Degraded>,
+    /// Whether something reads the whole line (the request log, traces): otherwise the
+    /// strings only those read are not made.
+    detailed: bool,
 }
 
 /// A request on one side of a tenant's canary: its outcome and latency are recorded there.
@@ -46,6 +49,7 @@ impl Bookkeeping {
     /// Bookkeeping for a request to `endpoint`, started now.
     pub fn new(state: &Arc<AppState>, endpoint: Endpoint) -> Self {
         Bookkeeping {
+            detailed: state.request_log.is_some() || state.traces.is_some(),
             state: Some(state.clone()),
             start: Instant::now(),
             outcome: Outcome::Error,
@@ -76,6 +80,7 @@ impl Bookkeeping {
             record: LogRecord::default(),
             canary: None,
             degraded: None,
+            detailed: false,
         }
     }
 
@@ -87,6 +92,12 @@ impl Bookkeeping {
     /// Whether this records a client request (metrics, log).
     pub fn is_counted(&self) -> bool {
         self.state.is_some()
+    }
+
+    /// Whether the whole line is read (the request log, traces): ids and the question of an
+    /// exact hit are kept only then (the metrics and the stats ring do not read them).
+    pub fn is_detailed(&self) -> bool {
+        self.detailed
     }
 
     /// Whether the first token was recorded.
@@ -109,10 +120,13 @@ impl Bookkeeping {
     /// Notes the entry a hit is answered from: what it saves (its tokens, its backend
     /// time, their price) and, for a hit by meaning, the question it was generated for.
     pub fn served_from(&mut self, entry: &Entry, outcome: Outcome) {
-        self.record.entry_id = Some(entry.id.to_string());
         let Some(state) = &self.state else {
             return;
         };
+        let by_meaning = matches!(outcome, Outcome::Semantic | Outcome::Prefetch);
+        if self.detailed || by_meaning {
+            self.record.entry_id = Some(entry.id.to_string());
+        }
         self.record.saved_prompt_tokens = entry.prompt_tokens;
         self.record.saved_completion_tokens = entry.completion_tokens;
         self.record.saved_backend_ms = entry.gen_ms;
@@ -124,7 +138,7 @@ impl Bookkeeping {
             .map_or(0.0, |p| {
                 p.cost(entry.prompt_tokens, entry.completion_tokens)
             });
-        if matches!(outcome, Outcome::Semantic | Outcome::Prefetch) {
+        if by_meaning {
             self.record.matched = cut(&entry.prompt, state.config.log.question_chars);
         }
     }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::http::HeaderMap;
-use moka::future::Cache;
+use moka::sync::Cache;
 use reprise_cache::entry::Refusal;
 use reprise_cache::{Digest, EntryId, Vector};
 use serde::{Deserialize, Serialize};
@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::FeedbackConfig;
 use crate::error::ApiError;
 use crate::metrics::Outcome;
+use crate::reqlog::LogRecord;
 use crate::state::AppState;
 
 /// Longest response id accepted.
@@ -66,6 +67,14 @@ pub struct Served {
 }
 
 impl Served {
+    /// Whether the record is shared with the other replicas (through Redis, when
+    /// configured): only where a verdict acts beyond counting, hits matched by meaning
+    /// (refusals) and canary requests; the rest stay on their replica, so every response
+    /// does not cost a Redis write.
+    fn is_shared(&self) -> bool {
+        ["semantic", "prefetch"].contains(&self.outcome.as_str()) || self.canary.is_some()
+    }
+
     fn weight(&self) -> u32 {
         let text = self.question.as_ref().map_or(0, |(_, t)| t.len());
         let strings = self.tenant.len() + self.scope.len() + text;
@@ -96,40 +105,52 @@ impl Responses {
     }
 
     /// Remembers what response `id` served (in Redis too, queued, when configured).
-    pub async fn remember(&self, state: &AppState, id: &str, served: Served) {
+    pub fn remember(&self, state: &AppState, id: &str, served: Served) {
         if !self.config.enabled {
             return;
         }
-        // Shared with the other replicas only where a verdict acts beyond counting: hits
-        // matched by meaning (refusals) and canary requests; the rest stay here, so every
-        // response does not cost a Redis write.
-        let by_meaning = ["semantic", "prefetch"].contains(&served.outcome.as_str());
-        if let Some(redis) = state
-            .store
-            .redis()
-            .filter(|_| by_meaning || served.canary.is_some())
-        {
+        if let Some(redis) = state.store.redis().filter(|_| served.is_shared()) {
             if let Ok(bytes) = serde_json::to_vec(&served) {
                 redis.put_blob_for(&blob_name(id), bytes, self.config.window());
             }
         }
-        self.memory.insert(id.to_string(), Arc::new(served)).await;
+        self.memory.insert(id.to_string(), Arc::new(served));
     }
 
-    /// Takes what response `id` served: one verdict a response (the record is spent here and
-    /// in Redis, so repeating a verdict cannot weigh twice).
+    /// Takes what response `id` served: one verdict a response, however many arrive at once
+    /// on however many replicas. A record shared through Redis is taken there (swapped for
+    /// "spent" in one step, after the queued write that stored it); one kept here only, by
+    /// removing it from memory.
     async fn take(&self, state: &AppState, id: &str) -> Option<Arc<Served>> {
-        let served = self.find(state, id).await?;
-        self.memory.invalidate(id).await;
-        if let Some(redis) = state.store.redis() {
-            redis.put_blob_for(&blob_name(id), b"spent".to_vec(), self.config.window());
+        let here = self.memory.remove(id);
+        let Some(redis) = state
+            .store
+            .redis()
+            .filter(|_| here.as_ref().is_none_or(|s| s.is_shared()))
+        else {
+            return here;
+        };
+        match redis.take_blob(&blob_name(id), SPENT.to_vec()).await {
+            Ok(Some(bytes)) if bytes.as_slice() != SPENT && bytes.len() <= MAX_RECORD_BYTES => {
+                here.or_else(|| serde_json::from_slice(&bytes).ok().map(Arc::new))
+            }
+            // Spent already (on another replica), gone, or not a record.
+            Ok(_) => None,
+            // Redis unreachable: the copy held here counts (the other replicas cannot read
+            // the record meanwhile either); it is marked spent when Redis is back.
+            Err(e) => {
+                tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
+                if here.is_some() {
+                    redis.put_blob_for(&blob_name(id), SPENT.to_vec(), self.config.window());
+                }
+                here
+            }
         }
-        Some(served)
     }
 
     /// What response `id` served, if it is remembered here or in Redis.
     async fn find(&self, state: &AppState, id: &str) -> Option<Arc<Served>> {
-        if let Some(s) = self.memory.get(id).await {
+        if let Some(s) = self.memory.get(id) {
             return Some(s);
         }
         let redis = state.store.redis()?;
@@ -140,6 +161,9 @@ impl Responses {
         serde_json::from_slice(&bytes).ok().map(Arc::new)
     }
 }
+
+/// What a record taken in Redis is replaced with.
+const SPENT: &[u8] = b"spent";
 
 fn blob_name(id: &str) -> String {
     format!("response:{id}")
@@ -207,6 +231,20 @@ pub async fn handle(
         state
             .bounds
             .record(state, tenant.name(), &served.scope, sim, wrong, source);
+    }
+    // The verdict line of the request log (what `reprise tune --log` joins by id).
+    if let Some(log) = &state.request_log {
+        log.write(LogRecord {
+            time_ms: reprise_cache::now_ms(),
+            request_id: crate::trace::request_id(headers).to_string(),
+            id: v.id.clone(),
+            tenant: tenant.name().to_string(),
+            outcome: "feedback",
+            verdict: Some(verdict),
+            similarity: served.similarity,
+            entry_id: served.entry.map(|e| e.to_string()),
+            ..LogRecord::default()
+        });
     }
     let mut refused = false;
     if v.verdict == Kind::Wrong {

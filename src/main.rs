@@ -45,7 +45,7 @@ enum Command {
         /// Also read the rotated files beside it: LOG.1, LOG.2, ... (up to the first missing).
         #[arg(long)]
         rotated: bool,
-        /// Length of one interval of the series, seconds.
+        /// Length of one interval of the series, seconds (at most a year).
         #[arg(long, default_value_t = 3600)]
         interval_secs: u64,
         /// Only requests that ended at or after this time (RFC 3339 or epoch milliseconds).
@@ -67,6 +67,9 @@ enum Command {
     },
 }
 
+/// Longest interval `reprise report` groups by (a year; the series counts milliseconds).
+const MAX_REPORT_INTERVAL_SECS: u64 = 365 * 24 * 3600;
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     reprise::main_with(async move {
@@ -83,7 +86,10 @@ fn main() -> std::process::ExitCode {
                 config,
                 html,
             } => {
-                anyhow::ensure!(interval_secs > 0, "--interval-secs must be positive");
+                anyhow::ensure!(
+                    (1..=MAX_REPORT_INTERVAL_SECS).contains(&interval_secs),
+                    "--interval-secs must be 1 to {MAX_REPORT_INTERVAL_SECS} (a year)"
+                );
                 let config = match config {
                     Some(path) => Config::load(Some(&path))?,
                     None => Config::default(),

@@ -239,6 +239,36 @@ pub struct Renderer {
     model: String,
 }
 
+/// A whole (non-streaming) response body ([`Renderer::full`]).
+#[derive(Debug, Serialize)]
+pub struct Full<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [FullChoice<'a>; 1],
+    usage: UsageOut,
+}
+
+/// The one choice of a [`Full`] body: a chat message, or a completion's text.
+#[derive(Debug, Serialize)]
+struct FullChoice<'a> {
+    index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<Message<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    /// Always `null`.
+    logprobs: (),
+    finish_reason: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
 /// `usage` object.
 #[derive(Debug, Serialize)]
 struct UsageOut {
@@ -293,30 +323,33 @@ impl Renderer {
         }
     }
 
-    /// The whole (non-streaming) response body.
-    pub fn full(&self, text: &str, finish: FinishReason, usage: Usage) -> Value {
-        let choice = match self.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish.as_str(),
-            }),
-            Endpoint::Completion => json!({
-                "index": 0,
-                "text": text,
-                "logprobs": null,
-                "finish_reason": finish.as_str(),
-            }),
+    /// The whole (non-streaming) response body: typed, serialised as it is written (no
+    /// JSON tree is built on the way, which the exact-hit path would pay for).
+    pub fn full<'a>(&'a self, text: &'a str, finish: FinishReason, usage: Usage) -> Full<'a> {
+        let (message, text) = match self.endpoint {
+            Endpoint::Chat => (
+                Some(Message {
+                    role: "assistant",
+                    content: text,
+                }),
+                None,
+            ),
+            Endpoint::Completion => (None, Some(text)),
         };
-        json!({
-            "id": self.id,
-            "object": self.object(false),
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": UsageOut::from(usage),
-        })
+        Full {
+            id: &self.id,
+            object: self.object(false),
+            created: self.created,
+            model: &self.model,
+            choices: [FullChoice {
+                index: 0,
+                message,
+                text,
+                logprobs: (),
+                finish_reason: finish.as_str(),
+            }],
+            usage: UsageOut::from(usage),
+        }
     }
 
     fn chunk(&self, choice: Value) -> Value {
@@ -427,9 +460,24 @@ mod tests {
                 completion_tokens: 1,
             },
         );
+        let full = serde_json::to_value(full).unwrap();
+        assert_eq!(
+            full["choices"][0],
+            json!({"index": 0, "message": {"role": "assistant", "content": "hello"},
+                   "logprobs": null, "finish_reason": "stop"})
+        );
         assert_eq!(full["object"], "chat.completion");
         assert_eq!(full["choices"][0]["message"]["content"], "hello");
         assert_eq!(full["usage"]["total_tokens"], 4);
+        let c = Renderer::new(Endpoint::Completion, "m");
+        let full =
+            serde_json::to_value(c.full("hi", FinishReason::Length, Usage::default())).unwrap();
+        assert_eq!(
+            full["choices"][0],
+            json!({"index": 0, "text": "hi", "logprobs": null, "finish_reason": "length"})
+        );
+        assert_eq!(full["object"], "text_completion");
+        assert_eq!(full["model"], "m");
         assert_eq!(r.delta_chunk("he")["choices"][0]["delta"]["content"], "he");
         assert!(r.usage_chunk(Usage::default())["choices"]
             .as_array()

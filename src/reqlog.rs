@@ -5,6 +5,7 @@
 //! request_log_max_bytes`, `request_log_files`) so it never fills one.
 
 use std::io::Write;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 
 use file_rotate::compression::Compression;
@@ -130,6 +131,14 @@ pub fn cut(text: &str, chars: usize) -> Option<String> {
     })
 }
 
+/// Writes one line; whether it was written (false also when the writer panicked).
+fn write_line(w: &mut FileRotate<AppendCount>, line: &[u8]) -> bool {
+    matches!(
+        catch_unwind(AssertUnwindSafe(|| w.write_all(line))),
+        Ok(Ok(()))
+    )
+}
+
 /// Handle to the log writer.
 #[derive(Clone)]
 pub struct RequestLog {
@@ -166,21 +175,46 @@ impl RequestLog {
             ContentLimit::None
         };
         drop(file);
-        let mut w = FileRotate::new(path, AppendCount::new(keep), limit, Compression::None, None);
+        let path = path.to_path_buf();
+        let open = move || {
+            FileRotate::new(
+                &path,
+                AppendCount::new(keep),
+                limit.clone(),
+                Compression::None,
+                None,
+            )
+        };
         let (tx, mut rx) = mpsc::channel::<LogRecord>(LOG_BUFFER);
         tokio::task::spawn_blocking(move || {
             // One write per line, unbuffered: the rotation is decided per write, so a
             // buffered batch would let a file run past its size by a whole buffer (and
             // lines appear at once without a flush). The writer is this thread's only work.
+            let mut w = open();
             let mut line = Vec::with_capacity(1024);
+            let mut failing = false;
             while let Some(rec) = rx.blocking_recv() {
                 line.clear();
-                if serde_json::to_writer(&mut line, &rec).is_ok() {
-                    line.push(b'\n');
-                    let _ = w.write_all(&line);
+                if serde_json::to_writer(&mut line, &rec).is_err() {
+                    continue;
+                }
+                line.push(b'\n');
+                if !write_line(&mut w, &line) {
+                    // The rotated files changed under the writer (one deleted by hand,
+                    // another process rotating the same path): the writer panics on a rename
+                    // it expected, or is left without a file. It starts over from the files
+                    // there now (said once while it keeps failing, as on a full disk).
+                    w = open();
+                    let wrote = write_line(&mut w, &line);
+                    if !wrote && !failing {
+                        tracing::warn!("request log: a line could not be written");
+                    }
+                    failing = !wrote;
+                } else {
+                    failing = false;
                 }
             }
-            let _ = w.flush();
+            let _ = catch_unwind(AssertUnwindSafe(|| w.flush()));
         });
         Ok(RequestLog { tx })
     }
@@ -276,6 +310,46 @@ mod tests {
         for f in &files[..3] {
             let size = std::fs::metadata(f).unwrap().len() as usize;
             assert!(size > max_bytes, "a rotated file passed the size");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_rotated_file_deleted_by_hand_does_not_stop_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("requests.jsonl");
+        let log = RequestLog::open(&path, 1024, 5).unwrap();
+        let line = |i| LogRecord {
+            time_ms: i,
+            namespace: "n".repeat(200),
+            outcome: "miss",
+            ..LogRecord::default()
+        };
+        let rotated = |k: usize| dir.path().join(format!("requests.jsonl.{k}"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut i = 0;
+        // Until every rotated file exists.
+        while !rotated(5).exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never rotated five times"
+            );
+            log.write(line(i));
+            i += 1;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // Someone tidies up: the writer's list of rotated files is now wrong.
+        std::fs::remove_file(rotated(3)).unwrap();
+        let last = i + 100;
+        for j in i..=last {
+            log.write(line(j));
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        while times(&path).last() != Some(&last) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the log stopped after the file was deleted"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 }

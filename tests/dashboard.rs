@@ -580,6 +580,33 @@ async fn live_server() -> (TestApp, reprise_backend::fake::ScriptedBackend) {
     spawn_fake(config, Default::default()).await
 }
 
+/// A server that keeps less than the page's default window (an hour) still draws: the
+/// window is all it keeps, and the page says so.
+#[tokio::test]
+async fn a_ring_shorter_than_the_default_window_still_draws() {
+    std::env::set_var(LIVE_TOKEN_VAR, LIVE_TOKEN);
+    let mut config = test_config();
+    config.server.admin_token_env = Some(LIVE_TOKEN_VAR.into());
+    config.stats.interval_secs = 10;
+    config.stats.intervals = 180;
+    let (app, _backend) = spawn_fake(config, Default::default()).await;
+    let r = app
+        .chat(&chat_body("What is the capital of France?"), &[])
+        .await;
+    r.text().await.unwrap();
+    let browser = Browser::launch().await;
+    let page = browser
+        .open(&app.url(&format!("/dashboard#token={LIVE_TOKEN}")))
+        .await;
+    let d = page.settled().await;
+    assert_eq!(d["state"], "drawn", "status: {}", d["status"]);
+    assert_eq!(d["requests"], 1);
+    let status = d["status"].as_str().unwrap_or_default();
+    assert!(status.contains("all that is kept (30 min)"), "{status}");
+    page.assert_clean(&[]).await;
+    browser.close().await;
+}
+
 /// The page and its assets: their types, the CSP on each, no token needed.
 #[tokio::test]
 async fn the_dashboard_is_served_with_its_types_and_a_strict_csp() {

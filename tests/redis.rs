@@ -414,6 +414,47 @@ async fn a_refusal_reaches_every_replica() {
     }
 }
 
+/// Verdicts on one response sent at once, to the replica that served it and to another,
+/// are taken once: one answer 200, every other 404.
+#[tokio::test]
+async fn a_response_takes_one_verdict_across_replicas_even_at_once() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let a = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    let b = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    assert_eq!(
+        cache_status(&a.chat(&chat_body("How do I reset my password?"), &[]).await),
+        "miss"
+    );
+    let asked = chat_body("I forgot my password, how can I change it?");
+    expect_status(&b, &asked, &[], "semantic").await;
+    let r = b.chat(&asked, &[]).await;
+    let id = r.json::<serde_json::Value>().await.unwrap()["id"].clone();
+    // The record is in Redis for A to find.
+    b.state.store.redis().unwrap().flush().await.unwrap();
+    let verdicts = (0..8).map(|i| {
+        let app = if i % 2 == 0 { &a } else { &b };
+        app.client
+            .post(app.url("/v1/feedback"))
+            .json(&serde_json::json!({"id": id, "verdict": "right"}))
+            .send()
+    });
+    let statuses: Vec<u16> = futures::future::join_all(verdicts)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().status().as_u16())
+        .collect();
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        1,
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.iter().all(|s| [200, 404].contains(s)),
+        "{statuses:?}"
+    );
+}
+
 /// Verdicts taken on one replica tighten the learned threshold of the others, and of a
 /// replica started after the first one stopped (its evidence outlives it in Redis).
 #[tokio::test]

@@ -771,6 +771,49 @@ async fn feedback(app: &TestApp, body: Value, key: Option<&str>) -> reqwest::Res
     req.send().await.unwrap()
 }
 
+/// A verdict given over HTTP is a line of the request log, which `reprise tune --log` joins
+/// to the hit it judges.
+#[tokio::test]
+async fn verdicts_reach_the_request_log_that_tune_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("requests.jsonl");
+    let mut config = semantic_config();
+    config.log.request_log = Some(path.clone());
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    app.chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    let r = app
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    let id = r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let said = feedback(&app, json!({"id": id, "verdict": "wrong"}), None).await;
+    assert_eq!(said.status(), 200);
+    let lines = || std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        eventually(std::time::Duration::from_secs(5), || lines()
+            .lines()
+            .count()
+            == 3)
+        .await
+    );
+    let verdict: Value = serde_json::from_str(lines().lines().nth(2).unwrap()).unwrap();
+    assert_eq!(verdict["outcome"], "feedback", "{verdict}");
+    assert_eq!(verdict["verdict"], "wrong", "{verdict}");
+    assert_eq!(verdict["id"], id.as_str(), "{verdict}");
+    let filter = reprise::tune::log::Filter::default();
+    let d = reprise::tune::log::read(&path, None, &filter).unwrap();
+    assert_eq!((d.verdicts, d.served, d.judged), (1, 1, 1));
+    let judged: Vec<_> = d.samples.iter().filter_map(|s| s.wrong).collect();
+    assert_eq!(judged, [true]);
+}
+
 /// A semantic hit reported wrong is never served again to that question or to questions
 /// around it, while its entry still answers its own question; verdicts name responses of the
 /// caller's tenant only, and bad ones are refused in the OpenAI error shape.

@@ -177,8 +177,14 @@ async fn stats_add_up_what_was_served_and_tenants_see_their_own() {
     // The global admin picks any tenant.
     let anon = stats(&app, "?tenant=anonymous", "stats-admin").await;
     assert_eq!(n(&anon, "/totals/requests"), 2);
-    // A window beyond the ring's span, or not a number: 400 in the OpenAI shape.
-    for bad in ["0", "1441", "ten"] {
+    // A window beyond the ring's span is the whole span, and says so.
+    let whole = stats(&app, "?minutes=100000", "stats-admin").await;
+    assert_eq!(
+        (whole["minutes"].as_u64(), whole["span_minutes"].as_u64()),
+        (Some(1440), Some(1440))
+    );
+    // Not a number of minutes: 400 in the OpenAI shape.
+    for bad in ["0", "-5", "ten"] {
         let r = get(
             &app,
             &format!("/admin/stats?minutes={bad}"),

@@ -438,6 +438,24 @@ return redis.call('GET', KEYS[1])";
         Ok(out)
     }
 
+    /// Takes the value stored under `name`: replaces it with `replacement` (keeping its
+    /// lifetime) and returns what it was; nothing is written when there is none. Applied
+    /// after the writes queued before it, so of callers racing for one value exactly one gets
+    /// it as it was stored.
+    pub async fn take_blob(
+        &self,
+        name: &str,
+        replacement: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>, RedisError> {
+        let name = name.to_string();
+        self.admin(|reply| Admin::TakeBlob {
+            name,
+            replacement,
+            reply,
+        })
+        .await
+    }
+
     /// The value stored by [`RedisTier::put_blob`] under `name`, if any.
     pub async fn get_blob(&self, name: &str) -> Result<Option<Vec<u8>>, RedisError> {
         let key = self.shared.keys.blob(name);
@@ -599,5 +617,11 @@ return redis.call('GET', KEYS[1])";
     /// This replica's id, as written in its events.
     pub fn replica_id(&self) -> &str {
         &self.shared.replica_id
+    }
+
+    /// The largest value read back (`RedisConfig::max_value_bytes`): a larger one written is
+    /// skipped by every reader.
+    pub fn max_value_bytes(&self) -> usize {
+        self.shared.max_value_bytes
     }
 }

@@ -652,7 +652,7 @@ impl PartitionInner {
     /// Exact top-k by a linear scan.
     fn scan(&self, query: &[f32], k: usize) -> Vec<Candidate> {
         // Keep the k best in a small sorted vec: k is tiny (a handful) in practice.
-        let mut best: Vec<Candidate> = Vec::with_capacity(k + 1);
+        let mut best: Vec<Candidate> = Vec::with_capacity(k.min(self.vectors.len()) + 1);
         for (slot, v) in self.vectors.iter().enumerate() {
             if self.dead[slot] {
                 continue;

@@ -285,6 +285,27 @@ impl Store {
         let Some(redis) = &self.redis else {
             return (miss(stale, expired), probe);
         };
+        // Boxed: reading Redis (and promoting) is a large future that a memory hit (the hot
+        // path) should not carry.
+        Box::pin(self.find_in_redis(redis, key, fresh, stale, expired, probe)).await
+    }
+
+    /// The Redis half of [`Store::find`], after memory had nothing fresh (`stale`: it had one
+    /// too old; `expired`: the expired one it kept).
+    async fn find_in_redis(
+        &self,
+        redis: &RedisTier,
+        key: &Digest,
+        fresh: impl Fn(&Entry) -> bool,
+        stale: bool,
+        mut expired: Expired,
+        mut probe: Probe,
+    ) -> (ByKey, Probe) {
+        let miss = |stale: bool, expired: Expired| match (stale, expired.0) {
+            (true, _) => ByKey::Stale,
+            (false, Some(e)) => ByKey::Expired(e),
+            (false, None) => ByKey::Absent,
+        };
         let l2 = redis.get_by_key(key).await.ok().flatten();
         let l2 = match l2.filter(|e| !e.refuses_key(key)) {
             Some(e) if e.is_expired() => {

@@ -413,31 +413,35 @@ async fn policy_versions_only_grow_and_stale_publications_are_refused() {
     let mut b_events = b.subscribe(false);
     assert_eq!(b.get_policies().await.unwrap(), None);
 
-    // Nothing stored yet: the first version is above the publisher's own (1).
+    // Nothing stored yet: stored as the version asked for.
     assert_eq!(
-        a.publish_policies(Some(0), 1, b"one").await.unwrap(),
+        a.publish_policies(Some(0), 2, b"one").await.unwrap(),
         PolicyPublish::Stored(2)
     );
     // B still builds on nothing: refused, told the newer version; nothing changes.
     assert_eq!(
-        b.publish_policies(Some(0), 1, b"stale").await.unwrap(),
+        b.publish_policies(Some(0), 2, b"stale").await.unwrap(),
         PolicyPublish::Behind(2)
     );
     let stored = b.get_policies().await.unwrap().unwrap();
     assert_eq!((stored.version, stored.doc.as_slice()), (2, &b"one"[..]));
     // Built on version 2: stored as 3.
     assert_eq!(
-        b.publish_policies(Some(2), 2, b"two").await.unwrap(),
+        b.publish_policies(Some(2), 3, b"two").await.unwrap(),
         PolicyPublish::Stored(3)
     );
-    // A replica whose own version ran ahead (changes it could not share) gets one above it.
+    // A replica whose own version ran ahead (changes it could not share) stores above it.
     assert_eq!(
-        a.publish_policies(Some(3), 9, b"three").await.unwrap(),
+        a.publish_policies(Some(3), 10, b"three").await.unwrap(),
         PolicyPublish::Stored(10)
     );
-    // Without a base: stored whatever is there, still above it.
+    // Without a base: stored whatever is there, if above it; never at or below it.
     assert_eq!(
-        b.publish_policies(None, 1, b"four").await.unwrap(),
+        b.publish_policies(None, 10, b"same").await.unwrap(),
+        PolicyPublish::Behind(10)
+    );
+    assert_eq!(
+        b.publish_policies(None, 11, b"four").await.unwrap(),
         PolicyPublish::Stored(11)
     );
     let stored = a.get_policies().await.unwrap().unwrap();
@@ -631,10 +635,26 @@ async fn cluster_round_trip() {
 
     // The policies' script touches one key, so it runs on a cluster.
     assert_eq!(
-        t.publish_policies(Some(0), 1, b"doc").await.unwrap(),
+        t.publish_policies(Some(0), 2, b"doc").await.unwrap(),
         PolicyPublish::Stored(2)
     );
     assert_eq!(b.get_policies().await.unwrap().unwrap().doc, b"doc");
+    // So does the script that takes a value.
+    t.put_blob_for("response:x", b"record".to_vec(), Duration::from_secs(60));
+    assert_eq!(
+        t.take_blob("response:x", b"spent".to_vec()).await.unwrap(),
+        Some(b"record".to_vec())
+    );
+    assert_eq!(
+        t.take_blob("response:x", b"spent".to_vec()).await.unwrap(),
+        Some(b"spent".to_vec())
+    );
+    assert_eq!(
+        t.take_blob("response:none", b"spent".to_vec())
+            .await
+            .unwrap(),
+        None
+    );
 }
 
 /// Two stores over one Redis, as two replicas: what one writes, the other finds by key and by

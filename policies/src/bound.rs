@@ -151,7 +151,8 @@ impl Evidence {
         let threshold = if chosen == configured_bin {
             configured
         } else {
-            edge(chosen)
+            // Bins start on the hundredths: a floor between them keeps its own value.
+            edge(chosen).max(floor)
         };
         let (n, w) = self.at_least(bin(threshold));
         Learned {
@@ -307,6 +308,18 @@ mod tests {
         let l = e.threshold(0.02, 0.05, 0.86, 0.7);
         assert_eq!(l.threshold, 0.86, "{l:?}");
         assert!(!l.learned);
+    }
+
+    #[test]
+    fn a_floor_between_bins_is_never_undercut() {
+        let mut e = Evidence::default();
+        for _ in 0..2000 {
+            e.record(0.751, false);
+        }
+        // Every verdict is right: it loosens as far as it may, to the floor itself.
+        let l = e.threshold(0.02, 0.05, 0.86, 0.755);
+        assert!(l.learned, "{l:?}");
+        assert_eq!(l.threshold, 0.755, "{l:?}");
     }
 
     #[test]

@@ -61,7 +61,47 @@ pub struct Rule {
     pub followup_threshold: Option<f32>,
 }
 
+/// The most candidates a policy may examine per lookup: each one is vetted by the gate, and
+/// a partition small enough to scan keeps a list of that many.
+pub const MAX_TOP_K: usize = 64;
+
+/// Why a setting of a policy or rule is out of range: `(key, reason)`, the key relative to
+/// the policy (`threshold`, `top_k`, ...).
+pub type Invalid = (&'static str, &'static str);
+
+/// Checks a threshold-like setting: within (0, 1] (NaN is not).
+pub fn check_threshold(key: &'static str, t: f32) -> Result<(), Invalid> {
+    if t > 0.0 && t <= 1.0 {
+        Ok(())
+    } else {
+        Err((key, "must be in (0, 1]"))
+    }
+}
+
+/// Checks a `top_k` setting: within 1..=[`MAX_TOP_K`].
+pub fn check_top_k(k: usize) -> Result<(), Invalid> {
+    if (1..=MAX_TOP_K).contains(&k) {
+        Ok(())
+    } else {
+        Err(("top_k", "must be in 1..=64"))
+    }
+}
+
 impl Rule {
+    /// Checks what the rule overrides, as [`check_threshold`] and [`check_top_k`] do.
+    pub fn check(&self) -> Result<(), Invalid> {
+        if let Some(t) = self.threshold {
+            check_threshold("threshold", t)?;
+        }
+        if let Some(t) = self.followup_threshold {
+            check_threshold("followup_threshold", t)?;
+        }
+        if let Some(k) = self.top_k {
+            check_top_k(k)?;
+        }
+        Ok(())
+    }
+
     fn matches(&self, namespace: &str, model: &str) -> bool {
         self.namespace.as_deref().is_none_or(|n| n == namespace)
             && self.model.as_deref().is_none_or(|m| m == model)
@@ -159,5 +199,62 @@ mod tests {
         assert_eq!(scope(matching(&rules, "legal", "big")), "legal/*");
         assert_eq!(scope(matching(&rules, "other", "big")), "*/big");
         assert_eq!(scope(matching(&rules, "other", "small")), "*/*");
+    }
+
+    #[test]
+    fn rules_are_checked_for_range() {
+        let ok = Rule {
+            threshold: Some(0.9),
+            followup_threshold: Some(0.8),
+            top_k: Some(MAX_TOP_K),
+            ..Default::default()
+        };
+        assert_eq!(ok.check(), Ok(()));
+        for (bad, key) in [
+            (
+                Rule {
+                    top_k: Some(0),
+                    ..ok.clone()
+                },
+                "top_k",
+            ),
+            (
+                Rule {
+                    top_k: Some(MAX_TOP_K + 1),
+                    ..ok.clone()
+                },
+                "top_k",
+            ),
+            (
+                Rule {
+                    threshold: Some(f32::NAN),
+                    ..ok.clone()
+                },
+                "threshold",
+            ),
+            (
+                Rule {
+                    threshold: Some(1.5),
+                    ..ok.clone()
+                },
+                "threshold",
+            ),
+            (
+                Rule {
+                    followup_threshold: Some(0.0),
+                    ..ok.clone()
+                },
+                "followup_threshold",
+            ),
+            (
+                Rule {
+                    followup_threshold: Some(-1.0),
+                    ..ok.clone()
+                },
+                "followup_threshold",
+            ),
+        ] {
+            assert_eq!(bad.check().map_err(|e| e.0), Err(key), "{bad:?}");
+        }
     }
 }

@@ -132,6 +132,9 @@ pub struct ServerConfig {
 /// Upper bound of the server timeouts (one year).
 const MAX_TIMEOUT_SECS: f64 = 365.0 * 24.0 * 3600.0;
 
+/// Longest lifetime of an answer (the memory tier refuses lifetimes of 1,000 years).
+const MAX_TTL_SECS: u64 = 10 * 365 * 24 * 3600;
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
@@ -372,6 +375,14 @@ impl BackendConfig {
                 key("priority_aging_secs"),
                 why(&format!(
                     "must be 0 (off) or a number of seconds up to {MAX_TIMEOUT_SECS}"
+                )),
+            ));
+        }
+        if !(self.connect_timeout_secs > 0.0 && self.connect_timeout_secs <= MAX_TIMEOUT_SECS) {
+            return Err(invalid(
+                key("connect_timeout_secs"),
+                why(&format!(
+                    "must be more than 0 and at most {MAX_TIMEOUT_SECS} seconds"
                 )),
             ));
         }
@@ -664,8 +675,11 @@ impl PrefetchConfig {
         if !(self.min_observations.is_finite() && self.min_observations >= 0.0) {
             return Err(("prefetch.min_observations", "must not be negative".into()));
         }
-        if !(self.half_life_secs.is_finite() && self.half_life_secs > 0.0) {
-            return Err(("prefetch.half_life_secs", "must be positive".into()));
+        if !(self.half_life_secs > 0.0 && self.half_life_secs <= MAX_TIMEOUT_SECS) {
+            return Err((
+                "prefetch.half_life_secs",
+                format!("must be positive and at most {MAX_TIMEOUT_SECS} seconds"),
+            ));
         }
         if self.propose && self.propose_questions == 0 {
             return Err((
@@ -676,14 +690,17 @@ impl PrefetchConfig {
         if self.max_concurrent == 0 {
             return Err(("prefetch.max_concurrent", "must be at least 1".into()));
         }
-        if !(self.refresh_window_secs.is_finite() && self.refresh_window_secs >= 0.0) {
+        if !(self.refresh_window_secs >= 0.0 && self.refresh_window_secs <= MAX_TIMEOUT_SECS) {
             return Err((
                 "prefetch.refresh_window_secs",
-                "must not be negative".into(),
+                format!("must be 0 or more, at most {MAX_TIMEOUT_SECS} seconds"),
             ));
         }
-        if !(self.persist_interval_secs.is_finite() && self.persist_interval_secs > 0.0) {
-            return Err(("prefetch.persist_interval_secs", "must be positive".into()));
+        if !(self.persist_interval_secs > 0.0 && self.persist_interval_secs <= MAX_TIMEOUT_SECS) {
+            return Err((
+                "prefetch.persist_interval_secs",
+                format!("must be positive and at most {MAX_TIMEOUT_SECS} seconds"),
+            ));
         }
         Ok(())
     }
@@ -714,6 +731,25 @@ fn invalid(
         key: key.into(),
         reason: reason.into(),
     }
+}
+
+/// Checks semantic override rules ([`reprise_policies::semantic::Rule::check`]); `at` is
+/// where they are (`semantic.rules`), `owner` names their tenant in the reason.
+fn check_rules(
+    rules: &[reprise_policies::semantic::Rule],
+    at: &str,
+    owner: Option<&str>,
+) -> Result<(), ConfigError> {
+    for r in rules {
+        if let Err((key, reason)) = r.check() {
+            let reason = match owner {
+                Some(t) => format!("tenant `{t}`: {reason}"),
+                None => reason.to_string(),
+            };
+            return Err(invalid(format!("{at}.{key}"), reason));
+        }
+    }
+    Ok(())
 }
 
 impl Config {
@@ -815,8 +851,11 @@ impl Config {
         if self.cache.memory_bytes == 0 {
             return Err(invalid("cache.memory_bytes", "must be positive"));
         }
-        if self.cache.ttl_secs == 0 {
-            return Err(invalid("cache.ttl_secs", "must be positive"));
+        if self.cache.ttl_secs == 0 || self.cache.ttl_secs > MAX_TTL_SECS {
+            return Err(invalid(
+                "cache.ttl_secs",
+                format!("must be positive and at most {MAX_TTL_SECS} (10 years)"),
+            ));
         }
         for (key, secs) in [
             (

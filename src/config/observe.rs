@@ -66,6 +66,11 @@ impl Price {
 /// Most question characters kept: the log and the stats stay small whatever is configured.
 pub const MAX_QUESTION_CHARS: usize = 4096;
 
+/// Longest latency target: the top finite bucket of the latency histograms
+/// (`crate::metrics::LATENCY_BUCKETS`), so a P95 over the target can still be seen (and
+/// alerted on) in them.
+pub const MAX_SLO_SECS: f64 = 60.0;
+
 pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
     if config.log.question_chars > MAX_QUESTION_CHARS {
         return Err(invalid(
@@ -77,8 +82,11 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
         ("slo.total_secs", config.slo.total_secs),
         ("slo.ttft_secs", config.slo.ttft_secs),
     ] {
-        if !(secs > 0.0 && secs <= 3600.0) {
-            return Err(invalid(key, "must be more than 0 and at most 3600 seconds"));
+        if !(secs > 0.0 && secs <= MAX_SLO_SECS) {
+            return Err(invalid(
+                key,
+                format!("must be more than 0 and at most {MAX_SLO_SECS} seconds"),
+            ));
         }
     }
     for (model, p) in &config.metrics.prices {

@@ -144,8 +144,12 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
             ("routes.slo_ttft_secs", r.slo_ttft_secs),
             ("routes.slo_total_secs", r.slo_total_secs),
         ] {
-            if secs.is_some_and(|s| !(s > 0.0 && s <= 3600.0)) {
-                return Err(invalid(key, format!("{at}: must be in (0, 3600] seconds")));
+            if secs.is_some_and(|s| !(s > 0.0 && s <= super::observe::MAX_SLO_SECS)) {
+                let most = super::observe::MAX_SLO_SECS;
+                return Err(invalid(
+                    key,
+                    format!("{at}: must be in (0, {most}] seconds"),
+                ));
             }
         }
         if let (Some(lo), Some(hi)) = (r.min_prompt_chars, r.max_prompt_chars) {

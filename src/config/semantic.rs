@@ -190,6 +190,12 @@ impl SemanticConfig {
                 "must be positive when semantic.verify_hits is",
             ));
         }
+        if !(0.0..=1.0).contains(&sem.substitution_threshold) {
+            return Err(invalid(
+                "semantic.substitution_threshold",
+                "must be in [0, 1] (0: off)",
+            ));
+        }
         if !(sem.answer_threshold > 0.0 && sem.answer_threshold <= 1.0) {
             return Err(invalid("semantic.answer_threshold", "must be in (0, 1]"));
         }
@@ -212,20 +218,7 @@ impl SemanticConfig {
         if t.is_nan() || t <= 0.0 || t > 1.0 {
             return Err(invalid("semantic.threshold", "must be in (0, 1]"));
         }
-        for r in &self.rules {
-            if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
-                return Err(invalid("semantic.rules.threshold", "must be in (0, 1]"));
-            }
-            if r.followup_threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
-                return Err(invalid(
-                    "semantic.rules.followup_threshold",
-                    "must be in (0, 1]",
-                ));
-            }
-            if r.top_k == Some(0) {
-                return Err(invalid("semantic.rules.top_k", "must be at least 1"));
-            }
-        }
+        super::check_rules(&self.rules, "semantic.rules", None)?;
         if self.max_batch == 0 {
             return Err(invalid("semantic.max_batch", "must be at least 1"));
         }
@@ -247,8 +240,8 @@ impl SemanticConfig {
                 "must be at least 1",
             ));
         }
-        if self.top_k == 0 {
-            return Err(invalid("semantic.top_k", "must be at least 1"));
+        if let Err((_, reason)) = reprise_policies::semantic::check_top_k(self.top_k) {
+            return Err(invalid("semantic.top_k", reason));
         }
         Ok(())
     }

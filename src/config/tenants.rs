@@ -439,14 +439,12 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
                 ),
             ));
         }
-        for r in &t.policy.semantic_rules {
-            if r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)) {
-                return Err(invalid(
-                    "tenants.policy.semantic_rules.threshold",
-                    "must be in (0, 1]",
-                ));
-            }
-        }
+        let name = Some(t.name.as_str());
+        super::check_rules(
+            &t.policy.semantic_rules,
+            "tenants.policy.semantic_rules",
+            name,
+        )?;
         if let Some(c) = &t.candidate {
             let bad = |key, reason: &str| invalid(key, format!("tenant `{}`: {reason}", t.name));
             if c.mode == CandidateMode::Canary && !(c.percent > 0.0 && c.percent < 100.0) {
@@ -479,15 +477,7 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
                     "must be in [0, 1]",
                 ));
             }
-            if c.semantic_rules
-                .iter()
-                .any(|r| r.threshold.is_some_and(|t| !(t > 0.0 && t <= 1.0)))
-            {
-                return Err(bad(
-                    "tenants.candidate.semantic_rules.threshold",
-                    "must be in (0, 1]",
-                ));
-            }
+            super::check_rules(&c.semantic_rules, "tenants.candidate.semantic_rules", name)?;
         }
         for (key, share) in [
             ("tenants.policy.memory_share", t.policy.memory_share),

@@ -158,7 +158,10 @@ async function errorMessage(response) {
 
 function showStats(stats) {
   draw(stats);
-  setStatus('ok', `updated ${clock(stats.now_ms)}; next in ${POLL_MS / 1000} s`);
+  // A window longer than the server keeps comes back as all it keeps.
+  const cut = stats.minutes < Number(byId('minutes').value)
+    ? `; the window is all that is kept (${stats.minutes} min)` : '';
+  setStatus('ok', `updated ${clock(stats.now_ms)}${cut}; next in ${POLL_MS / 1000} s`);
   document.body.dataset.state = 'drawn';
 }
 

@@ -218,6 +218,29 @@ pub async fn lookup(
         shadow_exact_hit(state, namespace, wants, counted);
         return found;
     }
+    // Boxed: the rest is a large future, which the exact hit above (the hot path) should not
+    // carry (and copy) along.
+    let rest = beyond_exact(
+        state, namespace, endpoint, req, read, write, wants, counted, found, exact_hit,
+    );
+    Box::pin(rest).await
+}
+
+/// The rest of [`lookup`] after the exact tier: the conversation, then the semantic lookup
+/// (or, for an exact hit the prefetcher follows, the turn it continued).
+#[allow(clippy::too_many_arguments)]
+async fn beyond_exact(
+    state: &Arc<AppState>,
+    namespace: &str,
+    endpoint: Endpoint,
+    req: &GenRequest,
+    read: bool,
+    write: bool,
+    wants: Wants,
+    counted: bool,
+    mut found: Lookup,
+    exact_hit: Option<Arc<Entry>>,
+) -> Lookup {
     // The conversation: what is matched by meaning, the context it must match in, and the
     // context of the same question asked alone when it may stand on its own.
     let mut canon = None;

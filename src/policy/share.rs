@@ -47,9 +47,12 @@ pub(super) async fn publish(
         let current = state.policies.load_full();
         let mut next = current.next(change(&current)?, semantic_loaded)?;
         known = known.max(current.shared);
-        let published = match encode(&next, state.policy_key.as_ref()) {
+        // Above every version this replica ran or knows of (a stored one above `known`
+        // refuses it): the number is signed with the document.
+        let version = current.version.max(known) + 1;
+        let published = match encode(&next, version, state.policy_key.as_ref()) {
             Ok(bytes) => redis
-                .publish_policies(Some(known), current.version, &bytes)
+                .publish_policies(Some(known), version, &bytes)
                 .await
                 .map_err(anyhow::Error::from),
             Err(e) => Err(e.into()),
@@ -150,7 +153,8 @@ fn next_shared(
     if stored.version <= current.shared {
         return None;
     }
-    let next = decode(&stored.doc, key).and_then(|doc| current.next(doc, semantic_loaded));
+    let next =
+        decode(&stored.doc, stored.version, key).and_then(|doc| current.next(doc, semantic_loaded));
     Some(next.map(|mut next| {
         next.version = stored.version;
         next.shared = stored.version;
@@ -165,13 +169,18 @@ impl PolicyKey {
     /// The key derived from a shared secret.
     pub fn new(secret: &str) -> PolicyKey {
         PolicyKey(blake3::derive_key(
-            "reprise shared policies v1",
+            "reprise shared policies v2",
             secret.as_bytes(),
         ))
     }
 
-    fn sign(&self, doc: &[u8]) -> blake3::Hash {
-        blake3::keyed_hash(&self.0, doc)
+    /// The MAC of `doc` stored as `version`: an older signed document written back under a
+    /// newer number does not verify.
+    fn sign(&self, version: u64, doc: &[u8]) -> blake3::Hash {
+        let mut h = blake3::Hasher::new_keyed(&self.0);
+        h.update(&version.to_le_bytes());
+        h.update(doc);
+        h.finalize()
     }
 }
 
@@ -180,14 +189,18 @@ const MAC_PREFIX: &[u8] = b"mac:";
 const MAC_LEN: usize = 4 + 64 + 1;
 
 /// The document every replica applies to run `policies`: its policy sections, keys as
-/// digests; signed when a key is configured.
-fn encode(policies: &Policies, key: Option<&PolicyKey>) -> serde_json::Result<Vec<u8>> {
+/// digests; signed (with the `version` it is stored as) when a key is configured.
+fn encode(
+    policies: &Policies,
+    version: u64,
+    key: Option<&PolicyKey>,
+) -> serde_json::Result<Vec<u8>> {
     let doc = serde_json::to_vec(&without_plain_keys(PolicyDocument::of_config(
         &policies.config,
     )))?;
     Ok(match key {
         Some(k) => {
-            let mut out = format!("mac:{}\n", k.sign(&doc).to_hex()).into_bytes();
+            let mut out = format!("mac:{}\n", k.sign(version, &doc).to_hex()).into_bytes();
             out.extend_from_slice(&doc);
             out
         }
@@ -195,8 +208,9 @@ fn encode(policies: &Policies, key: Option<&PolicyKey>) -> serde_json::Result<Ve
     })
 }
 
-/// A document read from Redis; with a key, only one signed with it.
-fn decode(bytes: &[u8], key: Option<&PolicyKey>) -> anyhow::Result<PolicyDocument> {
+/// A document read from Redis, stored as `version`; with a key, only one signed with it for
+/// that version.
+fn decode(bytes: &[u8], version: u64, key: Option<&PolicyKey>) -> anyhow::Result<PolicyDocument> {
     let signed = bytes.starts_with(MAC_PREFIX) && bytes.len() >= MAC_LEN;
     let doc = if signed { &bytes[MAC_LEN..] } else { bytes };
     if let Some(k) = key {
@@ -206,7 +220,7 @@ fn decode(bytes: &[u8], key: Option<&PolicyKey>) -> anyhow::Result<PolicyDocumen
             .and_then(|hex| blake3::Hash::from_hex(hex).ok());
         // blake3's Hash compares in constant time.
         anyhow::ensure!(
-            mac == Some(k.sign(doc)),
+            mac == Some(k.sign(version, doc)),
             "the shared policy document is not signed with this replica's policy key"
         );
     }
@@ -267,7 +281,7 @@ mod tests {
         let mut c = config();
         c.tenants = vec![t];
         let running = Policies::from_config(&c, 1).unwrap();
-        let bytes = encode(&running, None).unwrap();
+        let bytes = encode(&running, 2, None).unwrap();
         let text = String::from_utf8(bytes.clone()).unwrap();
         assert!(
             !text.contains("sk-one") && !text.contains("sk-two"),
@@ -296,7 +310,7 @@ mod tests {
         c.semantic.threshold = 0.5;
         let stored = |version| SharedPolicies {
             version,
-            doc: encode(&Policies::from_config(&c, 1).unwrap(), None).unwrap(),
+            doc: encode(&Policies::from_config(&c, 1).unwrap(), version, None).unwrap(),
         };
         // A replica at start (version 1, nothing shared yet) takes any shared version, and
         // then runs under its number.
@@ -344,19 +358,21 @@ mod tests {
     fn with_a_policy_key_only_documents_signed_with_it_are_taken() {
         let running = Policies::from_config(&config(), 1).unwrap();
         let key = PolicyKey::new("shared secret");
-        let signed = encode(&running, Some(&key)).unwrap();
+        let signed = encode(&running, 7, Some(&key)).unwrap();
         assert!(signed.starts_with(b"mac:"));
-        assert!(decode(&signed, Some(&key)).is_ok());
-        // Unsigned, signed with another key, or altered: refused.
-        let plain = encode(&running, None).unwrap();
-        assert!(decode(&plain, Some(&key)).is_err());
-        let other = encode(&running, Some(&PolicyKey::new("another"))).unwrap();
-        assert!(decode(&other, Some(&key)).is_err());
+        assert!(decode(&signed, 7, Some(&key)).is_ok());
+        // Unsigned, signed with another key, altered, or stored under another version (an
+        // old signed document written back as a newer one): refused.
+        let plain = encode(&running, 7, None).unwrap();
+        assert!(decode(&plain, 7, Some(&key)).is_err());
+        let other = encode(&running, 7, Some(&PolicyKey::new("another"))).unwrap();
+        assert!(decode(&other, 7, Some(&key)).is_err());
         let mut altered = signed.clone();
         let last = altered.len() - 2;
         altered[last] ^= 1;
-        assert!(decode(&altered, Some(&key)).is_err());
+        assert!(decode(&altered, 7, Some(&key)).is_err());
+        assert!(decode(&signed, 8, Some(&key)).is_err());
         // Without a key of its own a replica reads either.
-        assert!(decode(&signed, None).is_ok() && decode(&plain, None).is_ok());
+        assert!(decode(&signed, 7, None).is_ok() && decode(&plain, 7, None).is_ok());
     }
 }

@@ -74,8 +74,10 @@ pub async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let mut book = Bookkeeping::new(&state, endpoint);
-    book.record.request_id = crate::trace::request_id(&headers).to_string();
-    book.record.trace_parent = crate::otel::parent(&headers);
+    if book.is_detailed() {
+        book.record.request_id = crate::trace::request_id(&headers).to_string();
+        book.record.trace_parent = crate::otel::parent(&headers);
+    }
     match serve(&state, endpoint, &headers, body, &mut book).await {
         Ok(resp) => resp,
         Err(e) => {
@@ -117,8 +119,9 @@ async fn serve(
             let choice = route(state, &tenant, &f.model, chars)?;
             let body = crate::forward::with_model(body, &mut f, &choice.model)?;
             let body = policy::cap_forward(state, &tenant, &mut f, body)?;
-            return crate::forward::forward(state, endpoint, headers, body, f, ctl.priority, book)
-                .await;
+            let forwarding =
+                crate::forward::forward(state, endpoint, headers, body, f, ctl.priority, book);
+            return Box::pin(forwarding).await;
         }
     };
     // 2. Controls (the priority the backend serves it at among them).
@@ -135,9 +138,10 @@ async fn serve(
     // 3. Policy.
     let access = policy::access(state, &tenant, &ctl);
     let renderer = Renderer::new(endpoint, &parsed.req.model);
-    book.record.id = renderer.id().to_string();
+    if book.is_detailed() {
+        book.record.id = renderer.id().to_string();
+    }
     book.record.model = parsed.req.model.clone();
-    book.question(question_of(&parsed.req));
 
     // 4. Exact and 5. semantic lookup.
     let arm = candidate_arm(&tenant, book);
@@ -170,6 +174,14 @@ async fn serve(
         }
     };
     book.note(&found.notes);
+    // The question, for the log and (of misses and hits by meaning) the stats.
+    let exact = found
+        .hit
+        .as_ref()
+        .is_some_and(|h| h.outcome == Outcome::Exact);
+    if book.is_detailed() || !exact {
+        book.question(question_of(&parsed.req));
+    }
     let session = ctl
         .session
         .clone()
@@ -199,8 +211,18 @@ async fn serve(
             scope: scope.clone(),
         };
     if let Some(hit) = found.hit.take() {
-        // 8. Write-back of a hit: this phrasing's keys now lead to the entry.
-        write_back::link_hit(state, &found, &hit, access.write, observe).await;
+        // 8. Write-back of a hit: this phrasing's keys now lead to the entry (boxed: an exact
+        // hit, the hot path, rarely has anything to write).
+        if write_back::has_work(state, &hit, access.write) {
+            Box::pin(write_back::link_hit(
+                state,
+                &found,
+                &hit,
+                access.write,
+                observe,
+            ))
+            .await;
+        }
         // 9. Respond (remembered for feedback under the response's id).
         let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
         if let (Outcome::Semantic, Some(sim)) = (hit.outcome, hit.similarity) {
@@ -208,7 +230,7 @@ async fn serve(
                 crate::verify::offer(state, s.clone(), &parsed.req, &hit.entry, sim);
             }
         }
-        state.responses.remember(state, renderer.id(), s).await;
+        state.responses.remember(state, renderer.id(), s);
         return Ok(respond::hit(&parsed, renderer, hit, book));
     }
     // Nothing fresh; an expired entry within the stale-while-revalidate window is served at
@@ -234,7 +256,7 @@ async fn serve(
         }
         let s = served(Some(entry.id), Outcome::Exact, None, book);
         let kind = Degraded::StaleWhileRevalidate;
-        return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book).await);
+        return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book));
     }
     // The embedder's queue is full: the semantic lookup this request needed did not run.
     // Answering it from the backend would hand the backend every request while the embedder
@@ -255,10 +277,11 @@ async fn serve(
         .as_ref()
         .filter(|e| stale_windows.if_error(e.expires_ms, now));
     let (namespace, priority) = (&ctl.namespace, parsed.req.priority);
-    match degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok).await {
+    let degrading = degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok);
+    match Box::pin(degrading).await {
         Some(Degradation::Loose(hit)) => {
             let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
-            state.responses.remember(state, renderer.id(), s).await;
+            state.responses.remember(state, renderer.id(), s);
             // Before `hit`, which may move the bookkeeping into a stream.
             book.degraded(Degraded::LooseThreshold);
             let mut resp = respond::hit(&parsed, renderer, hit, book);
@@ -268,7 +291,7 @@ async fn serve(
         Some(Degradation::Stale(entry)) => {
             let s = served(Some(entry.id), Outcome::Exact, None, book);
             let kind = Degraded::StaleIfError;
-            return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book).await);
+            return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book));
         }
         Some(Degradation::Fallback(f)) => fallback = Some(f),
         Some(Degradation::Refuse(retry_after_secs)) => {
@@ -290,13 +313,13 @@ async fn serve(
     } else {
         Outcome::Bypass
     };
-    let joined =
-        single_flight::join(state, &parsed, plan, found.policy, access, fallback, book).await;
+    let joining = single_flight::join(state, &parsed, plan, found.policy, access, fallback, book);
+    let joined = Box::pin(joining).await;
     // 9. Respond (remembered for feedback under the response's id).
     let outcome = book.outcome;
     let s = served(joined.subscriber.entry(), outcome, joined.similarity, book);
-    state.responses.remember(state, renderer.id(), s).await;
-    let generated = respond::generation(
+    state.responses.remember(state, renderer.id(), s);
+    let generated = Box::pin(respond::generation(
         state,
         &parsed,
         renderer.clone(),
@@ -304,7 +327,7 @@ async fn serve(
         outcome,
         book,
         deadline,
-    )
+    ))
     .await;
     let mut resp = match generated {
         // The backend failed before answering: an expired entry within the stale-if-error
@@ -316,7 +339,7 @@ async fn serve(
                     let s = served(Some(entry.id), Outcome::Exact, None, book);
                     let kind = Degraded::StaleIfError;
                     let resp = answer_stale(state, &parsed, renderer, entry, kind, s, book);
-                    return Ok(resp.await);
+                    return Ok(resp);
                 }
                 None => return Err(e),
             }
@@ -330,7 +353,7 @@ async fn serve(
 }
 
 /// Answers from an expired entry (`kind` says why), remembered for feedback as `served`.
-async fn answer_stale(
+fn answer_stale(
     state: &Arc<AppState>,
     parsed: &Parsed,
     renderer: Renderer,
@@ -339,7 +362,7 @@ async fn answer_stale(
     served: Served,
     book: &mut Bookkeeping,
 ) -> Response {
-    state.responses.remember(state, renderer.id(), served).await;
+    state.responses.remember(state, renderer.id(), served);
     respond::stale(parsed, renderer, entry, kind, book)
 }
 

@@ -10,6 +10,14 @@ use crate::metrics::Outcome;
 use crate::observe::Observation;
 use crate::state::AppState;
 
+/// Whether [`link_hit`] has anything to do after `hit`: links to write, a prefetched entry's
+/// first use, or an observer to tell.
+pub fn has_work(state: &AppState, hit: &Hit, write: bool) -> bool {
+    (write && hit.outcome != Outcome::Exact)
+        || hit.entry.origin == Origin::Prefetch
+        || state.observer.is_some()
+}
+
 /// After a hit: an exact repeat of this phrasing, and the next turn of this conversation,
 /// find the entry directly next time (an exact hit found it by these keys already); a
 /// prefetched entry becomes a normal one on its first use; the prefetcher learns of the hit.

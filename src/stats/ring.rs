@@ -4,8 +4,9 @@
 //! A request counts in the interval it ended in (`time_ms + total_ms`, as `reprise report`
 //! counts it). A new interval is opened by the first request (or prefetch sample) that ends
 //! in it; intervals without traffic are not held (views fill them with zeros). Past
-//! `memory_bytes`, the oldest intervals' question lists go first (their counts stay), and
-//! only if that is not enough the oldest intervals themselves.
+//! `memory_bytes`, the oldest intervals' question lists go first (their counts stay; the open
+//! interval's last), and only if that is not enough the oldest intervals themselves. The
+//! budget is checked when an interval opens and every [`FIT_EVERY`] requests.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -54,7 +55,8 @@ impl Interval {
                 .sum::<u64>()
     }
 
-    fn drop_detail(&mut self) -> bool {
+    /// Drops every rollup's question lists (their counts stay); whether there were any.
+    pub fn drop_detail(&mut self) -> bool {
         let had = self.all.has_detail() || self.tenants.values().any(Rollup::has_detail);
         self.all.drop_detail();
         for r in self.tenants.values_mut() {
@@ -95,7 +97,13 @@ pub struct Ring {
     slots: VecDeque<Slot>,
     /// The prefetcher's totals at the last sample (none before the first).
     prefetch_base: Option<PrefetchCounts>,
+    /// Requests added since the budget was last checked.
+    adds: u32,
 }
+
+/// Requests added between checks of the budget (a check measures the open interval: every
+/// tenant's rollup).
+const FIT_EVERY: u32 = 256;
 
 impl Ring {
     /// An empty ring.
@@ -108,6 +116,7 @@ impl Ring {
             },
             slots: VecDeque::new(),
             prefetch_base: None,
+            adds: 0,
         }
     }
 
@@ -142,6 +151,13 @@ impl Ring {
             r.add(rec);
         } else if tenants.len() < max_tenants {
             tenants.entry(label.to_string()).or_default().add(rec);
+        }
+        // The open interval grows with every new tenant and question: the budget is
+        // checked every so many requests, not only when the next interval opens.
+        self.adds += 1;
+        if self.adds >= FIT_EVERY {
+            self.adds = 0;
+            self.fit();
         }
     }
 
@@ -205,7 +221,7 @@ impl Ring {
     }
 
     /// Drops intervals past the ring's span, then keeps the budget: question lists of the
-    /// oldest intervals first, then the oldest intervals.
+    /// oldest intervals first (the open one's last), then the oldest intervals.
     fn fit(&mut self) {
         let newest = self.slots.back().map_or(0, |s| s.start_ms);
         let span = self.span_ms();
@@ -231,7 +247,7 @@ impl Ring {
             })
             .sum();
         let mut oldest = 0;
-        while total > self.bounds.memory_bytes && oldest + 1 < self.slots.len() {
+        while total > self.bounds.memory_bytes && oldest < self.slots.len() {
             let s = &mut self.slots[oldest];
             if s.data.drop_detail() {
                 let before = s.bytes;
@@ -404,6 +420,36 @@ mod tests {
         assert!(w.iter().all(|(_, r)| r.requests > 0), "counts stay");
         assert!(!w[0].1.has_detail(), "oldest questions went first");
         assert!(w[8].1.has_detail(), "the newest kept theirs");
+    }
+
+    #[test]
+    fn the_open_interval_keeps_to_the_budget_too() {
+        // Many tenants and long distinct questions, all in one interval: without a check
+        // before the next interval opens, some 30 MB of question lists.
+        let mut ring = Ring::new(Bounds {
+            tenants: 300,
+            ..bounds(1 << 20)
+        });
+        ring.add(&rec(0, "", "an earlier interval"));
+        let long = "y".repeat(2000);
+        for i in 0..20_000u64 {
+            ring.add(&rec(
+                1000 + i % 1000,
+                &format!("t{}", i % 300),
+                &format!("{i}{long}"),
+            ));
+        }
+        // The open interval gave up its question lists (its counts, about 2.5 KB a tenant,
+        // fit), so the earlier interval stayed; questions since the last check are over.
+        let held = ring.approx_bytes();
+        let since_check = 2 * u64::from(FIT_EVERY) * 2100;
+        assert!(held <= (1 << 20) + since_check, "{held}");
+        assert_eq!(
+            ring.window(0, 0, None)[0].1.requests,
+            1,
+            "the earlier interval stays"
+        );
+        assert_eq!(ring.window(1000, 1000, None)[0].1.requests, 20_000);
     }
 
     #[test]

@@ -4,6 +4,9 @@
 //! the ring spans. A view reads the hashes of its window and merges every other replica's
 //! field into its own rollups (its own field is skipped: its ring is fresher).
 //!
+//! An interval larger than readers take (`redis.max_value_bytes`) is published without its
+//! question lists, or as its all-tenant rollup alone, so its counts still reach the others.
+//!
 //! Publishing is a queued write like every Redis write (dropped, and counted, when Redis is
 //! slow or down), so a replica's intervals may be missing from the others' views, never
 //! counted twice. A restarted replica has a new id: its earlier intervals are still read,
@@ -34,7 +37,8 @@ pub fn publish(state: &AppState, now_ms: u64, all: bool) {
     let ttl = Duration::from_secs(cfg.span_secs());
     let changed = state.stats.ring().unpublished(now_ms, all);
     for (start, interval) in changed {
-        let Ok(bytes) = serde_json::to_vec(&interval) else {
+        let Some(bytes) = fitted(interval, redis.max_value_bytes()) else {
+            tracing::warn!(interval = start, "stats: an interval too large to publish");
             continue;
         };
         let name = name(cfg.interval_secs, start);
@@ -42,6 +46,22 @@ pub fn publish(state: &AppState, now_ms: u64, all: bool) {
             tracing::debug!(interval = start, "stats: publication dropped");
         }
     }
+}
+
+/// `interval` as published: whole when it fits in `limit` bytes (what readers take), else
+/// without its question lists, else its all-tenant rollup alone (the counts of every request
+/// stay; what is cut is the detail). `None` when not even that fits.
+fn fitted(mut interval: Interval, limit: usize) -> Option<Vec<u8>> {
+    let fits = |i: &Interval| serde_json::to_vec(i).ok().filter(|b| b.len() <= limit);
+    if let Some(bytes) = fits(&interval) {
+        return Some(bytes);
+    }
+    interval.drop_detail();
+    if let Some(bytes) = fits(&interval) {
+        return Some(bytes);
+    }
+    interval.tenants.clear();
+    fits(&interval)
 }
 
 /// Merges the other replicas' rollups of `tenant` (`None`: all requests) into `series`
@@ -92,4 +112,51 @@ pub async fn merge_remote(
         mine.merge(theirs);
     }
     others
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reqlog::LogRecord;
+
+    #[test]
+    fn an_interval_too_large_is_published_without_its_detail() {
+        let mut interval = Interval::default();
+        let long = "q".repeat(1000);
+        for i in 0..200 {
+            let rec = LogRecord {
+                time_ms: 0,
+                outcome: "miss",
+                tenant: format!("t{}", i % 20),
+                question: Some(format!("{i}{long}")),
+                ..LogRecord::default()
+            };
+            interval.all.add(&rec);
+            interval
+                .tenants
+                .entry(rec.tenant.clone())
+                .or_default()
+                .add(&rec);
+        }
+        let whole = serde_json::to_vec(&interval).unwrap();
+        assert_eq!(fitted(interval.clone(), whole.len()), Some(whole.clone()));
+        // Smaller than the whole: the counts of every tenant, without the questions.
+        let slim: Interval =
+            serde_json::from_slice(&fitted(interval.clone(), whole.len() / 4).unwrap()).unwrap();
+        assert_eq!(slim.tenants.len(), 20);
+        assert_eq!(slim.all.requests, 200);
+        assert!(!slim.all.has_detail());
+        // Smaller still: every request's counts, in the all-tenant rollup.
+        let bare_len = {
+            let mut bare = interval.clone();
+            bare.drop_detail();
+            bare.tenants.clear();
+            serde_json::to_vec(&bare).unwrap().len()
+        };
+        let bare: Interval =
+            serde_json::from_slice(&fitted(interval.clone(), bare_len).unwrap()).unwrap();
+        assert!(bare.tenants.is_empty());
+        assert_eq!(bare.all.requests, 200);
+        assert_eq!(fitted(interval, 10), None);
+    }
 }

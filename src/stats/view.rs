@@ -10,7 +10,8 @@ use super::rollup::{HitMiss, Rollup};
 use crate::error::ApiError;
 use crate::state::AppState;
 
-/// Minutes a view covers when `minutes` is not given (or the ring's span, when shorter).
+/// Minutes a view covers when `minutes` is not given (or the ring's span, when shorter:
+/// so does a longer `minutes`).
 const DEFAULT_MINUTES: u64 = 60;
 
 /// The stats of the last `minutes` (a number of minutes, at most the ring's span), of one
@@ -28,18 +29,20 @@ pub async fn view(
         });
     }
     let span_minutes = (cfg.span_secs() / 60).max(1);
+    // A window longer than the ring holds is the whole ring (the answer says which).
     let minutes = match minutes {
-        None => DEFAULT_MINUTES.min(span_minutes),
+        None => DEFAULT_MINUTES,
         Some(m) => match m.parse::<u64>() {
-            Ok(m) if (1..=span_minutes).contains(&m) => m,
+            Ok(m) if m >= 1 => m,
             _ => {
                 return Err(ApiError::invalid(
-                    format!("`minutes` must be a whole number from 1 to {span_minutes} (the span of [stats] intervals)"),
+                    "`minutes` must be a whole number of minutes, at least 1",
                     Some("minutes"),
                 ))
             }
         },
-    };
+    }
+    .min(span_minutes);
     let now = reprise_cache::now_ms();
     let interval_ms = cfg.interval_secs * 1000;
     let current = now - now % interval_ms;
@@ -69,6 +72,8 @@ pub async fn view(
     }
     Ok(json!({
         "now_ms": now,
+        "minutes": minutes,
+        "span_minutes": span_minutes,
         "interval_secs": cfg.interval_secs,
         "replicas": 1 + others.len(),
         "tenant": tenant,

@@ -144,18 +144,25 @@ pub fn read(log: &Path, verdicts: Option<&Path>, filter: &Filter) -> anyhow::Res
 fn read_lines(path: &Path, data: &mut LogData, mut each: impl FnMut(Line)) -> anyhow::Result<()> {
     let cannot = |e: std::io::Error| anyhow::anyhow!("cannot read {}: {e}", path.display());
     let file = std::fs::File::open(path).map_err(cannot)?;
-    for line in std::io::BufReader::new(file).lines() {
-        let line = line.map_err(cannot)?;
+    let mut reader = std::io::BufReader::new(file);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        if reader.read_until(b'\n', &mut buf).map_err(cannot)? == 0 {
+            return Ok(());
+        }
+        // A line that is not UTF-8 (cut by a full disk, say) is unreadable, like one that
+        // is not JSON: counted and skipped.
+        let line = std::str::from_utf8(&buf).unwrap_or("\u{fffd}");
         if line.trim().is_empty() {
             continue;
         }
         data.lines += 1;
-        match serde_json::from_str::<Line>(&line) {
+        match serde_json::from_str::<Line>(line) {
             Ok(l) => each(l),
             Err(_) => data.unreadable += 1,
         }
     }
-    Ok(())
 }
 
 /// A time on the command line: milliseconds since the Unix epoch, or an RFC 3339 timestamp
@@ -209,7 +216,10 @@ mod tests {
             "not json".into(),
         ];
         lines.push(String::new());
-        std::fs::write(&log, lines.join("\n")).unwrap();
+        let mut bytes = lines.join("\n").into_bytes();
+        // A line cut mid-character (a full disk): unreadable, not the end of the run.
+        bytes.extend_from_slice(b"{\"time_ms\":3000,\"outcome\":\"mi\xc3\n");
+        std::fs::write(&log, bytes).unwrap();
         let verdicts = dir.join("verdicts.jsonl");
         std::fs::write(
             &verdicts,
@@ -228,7 +238,7 @@ mod tests {
             ..Filter::default()
         };
         let d = read(&log, Some(&verdicts), &acme).unwrap();
-        assert_eq!((d.lines, d.unreadable), (17, 1));
+        assert_eq!((d.lines, d.unreadable), (18, 2));
         assert_eq!((d.requests, d.samples.len()), (9, 7));
         assert_eq!((d.served, d.judged, d.verdicts), (4, 3, 5));
         assert_eq!(d.served_at, Some((0.9, 0.9)));

@@ -17,15 +17,15 @@ use super::{RedisError, RedisTier};
 /// Stores a new version of the document unless a newer one than the caller's base is there.
 /// One script over one hash (`version`, `doc`, `origin`), so the check and the write see one
 /// state and the script runs on a cluster too. `HGET` of a missing field is `false` in Lua.
-/// ARGV: the base (the newest version the caller knows), the caller's own version (the new
-/// one must exceed it too), the document, the caller's replica id. Returns `{1, version}`
+/// ARGV: the base (the newest version the caller knows), the version to store it as (it must
+/// be above the stored one), the document, the caller's replica id. Returns `{1, version}`
 /// when stored, `{0, newer}` when refused.
 const PUBLISH_SCRIPT: &str = "\
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0') or 0
-if cur > tonumber(ARGV[1]) then
+local v = tonumber(ARGV[2])
+if cur > tonumber(ARGV[1]) or cur >= v then
   return {0, cur}
 end
-local v = math.max(cur, tonumber(ARGV[2])) + 1
 redis.call('HSET', KEYS[1], 'version', v, 'doc', ARGV[3], 'origin', ARGV[4])
 return {1, v}";
 
@@ -48,10 +48,11 @@ pub struct SharedPolicies {
 }
 
 impl RedisTier {
-    /// Stores `doc` as the next version of the shared policies and announces it on the event
+    /// Stores `doc` as `version` of the shared policies and announces it on the event
     /// stream. `base`: the newest stored version the caller's document builds on (a newer
-    /// one stored meanwhile refuses the publication; `None` publishes regardless). The new
-    /// version is above both the stored one and `own`, the caller's current version.
+    /// one stored meanwhile refuses the publication; `None`: any). A stored version at or
+    /// above `version` refuses it too: versions only grow, and the caller knows the number
+    /// before storing (a signed document covers it).
     ///
     /// The announcement is a second command (the stream lives in another cluster slot): if
     /// it fails, the version is stored all the same and is returned; the other replicas find
@@ -59,7 +60,7 @@ impl RedisTier {
     pub async fn publish_policies(
         &self,
         base: Option<u64>,
-        own: u64,
+        version: u64,
         doc: &[u8],
     ) -> Result<PolicyPublish, RedisError> {
         let shared = &self.shared;
@@ -68,7 +69,7 @@ impl RedisTier {
             .arg(1)
             .arg(shared.keys.policies())
             .arg(base.unwrap_or(u64::MAX))
-            .arg(own)
+            .arg(version)
             .arg(doc)
             .arg(&shared.replica_id)
             .clone();

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::conn::Conn;
 use super::envelope::{EnvelopeOut, ENVELOPE_VERSION};
-use super::error::RedisError;
+use super::error::{is_wrong_type, RedisError};
 use super::events;
 use super::metrics::Op;
 use super::shared::Capped;
@@ -153,7 +153,20 @@ pub(super) enum Admin {
         entry: Box<Entry>,
         reply: oneshot::Sender<Result<bool, RedisError>>,
     },
+    /// A named value taken (see [`RedisTier::take_blob`]).
+    TakeBlob {
+        name: String,
+        replacement: Vec<u8>,
+        reply: oneshot::Sender<Result<Option<Vec<u8>>, RedisError>>,
+    },
 }
+
+/// Replaces a value that is there with `ARGV[1]`, keeping its lifetime, and returns what it
+/// was (`false`: nothing there, nothing written). One key.
+const TAKE_SCRIPT: &str = "\
+local held = redis.call('GET', KEYS[1])
+if held then redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL') end
+return held";
 
 /// Replaces an entry's value only if it is still the one read (`ARGV[1]`), keeping its
 /// lifetime: `1` when written, `0` when it changed meanwhile or is gone. One key.
@@ -539,6 +552,30 @@ impl Shared {
             }
             Admin::Update { entry, reply } => {
                 let _ = reply.send(self.update(*entry).await);
+            }
+            Admin::TakeBlob {
+                name,
+                replacement,
+                reply,
+            } => {
+                let key = self.keys.blob(&name);
+                let cmd = ::redis::cmd("EVAL")
+                    .arg(TAKE_SCRIPT)
+                    .arg(1)
+                    .arg(&key)
+                    .arg(replacement)
+                    .clone();
+                let result = match self
+                    .run(Op::Put, |c| async move { c.query(&cmd).await })
+                    .await
+                {
+                    Err(e) if is_wrong_type(&e) => {
+                        self.skip(&key, "not a string");
+                        Ok(None)
+                    }
+                    other => other,
+                };
+                let _ = reply.send(result);
             }
         }
     }

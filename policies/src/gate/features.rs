@@ -265,18 +265,19 @@ fn number_words(tokens: &[Token]) -> Option<(String, usize)> {
             if used > 0 && (!current.is_multiple_of(10) || current == 0) {
                 break;
             }
-            current += v;
+            current = current.saturating_add(v);
         } else if w == "hundred" && used > 0 {
-            current = current.max(1) * 100;
+            // Saturating: the words come from the client ("hundred hundred ...").
+            current = current.max(1).saturating_mul(100);
         } else if let Some(m) = scale_word(w).filter(|_| used > 0) {
-            total += current.max(1) * m;
+            total = total.saturating_add(current.max(1).saturating_mul(m));
             current = 0;
         } else {
             break;
         }
         used += 1;
     }
-    (used > 0).then(|| ((total + current).to_string(), used))
+    (used > 0).then(|| (total.saturating_add(current).to_string(), used))
 }
 
 /// Weekdays, months, relative days. "may" and "march" count only when capitalised mid-
@@ -305,6 +306,9 @@ mod tests {
         assert_eq!(sorted(&f.numbers), vec!["2", "2700", "3th", "50", "7"]);
         let f = Features::of("twenty five or one hundred");
         assert_eq!(sorted(&f.numbers), vec!["100", "25"]);
+        // Number words past what a u64 holds saturate instead of overflowing.
+        let huge = format!("one{} billion", " hundred".repeat(12));
+        assert_eq!(Features::of(&huge).numbers, [u64::MAX.to_string()]);
     }
 
     #[test]
