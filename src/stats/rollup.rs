@@ -334,7 +334,11 @@ impl Rollup {
             } else {
                 OTHER
             };
-        let t = self.by_tenant.entry(key.to_string()).or_default();
+        // Looked up by the borrowed label first: a request does not allocate one.
+        let t = match self.by_tenant.get_mut(key) {
+            Some(t) => t,
+            None => self.by_tenant.entry(key.to_string()).or_default(),
+        };
         t.requests += 1;
         t.hits += u64::from(hit);
         if hit || backend {
