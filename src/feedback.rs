@@ -134,8 +134,11 @@ impl Responses {
             Ok(Some(bytes)) if bytes.as_slice() != SPENT && bytes.len() <= MAX_RECORD_BYTES => {
                 here.or_else(|| serde_json::from_slice(&bytes).ok().map(Arc::new))
             }
-            // Spent already (on another replica), gone, or not a record.
-            Ok(_) => None,
+            // Never reached Redis (a dropped queued write, an eviction): the copy held here
+            // counts; without one, the id is unknown.
+            Ok(None) => here,
+            // Spent already (on another replica), or not a record.
+            Ok(Some(_)) => None,
             // Redis unreachable: the copy held here counts (the other replicas cannot read
             // the record meanwhile either); it is marked spent when Redis is back.
             Err(e) => {

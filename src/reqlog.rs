@@ -176,14 +176,19 @@ impl RequestLog {
         };
         drop(file);
         let path = path.to_path_buf();
+        // Opening scans the directory for rotated files and panics where it cannot (a
+        // directory gone, no file descriptors left): `None` then, and tried again next line.
         let open = move || {
-            FileRotate::new(
-                &path,
-                AppendCount::new(keep),
-                limit.clone(),
-                Compression::None,
-                None,
-            )
+            catch_unwind(AssertUnwindSafe(|| {
+                FileRotate::new(
+                    &path,
+                    AppendCount::new(keep),
+                    limit.clone(),
+                    Compression::None,
+                    None,
+                )
+            }))
+            .ok()
         };
         let (tx, mut rx) = mpsc::channel::<LogRecord>(LOG_BUFFER);
         tokio::task::spawn_blocking(move || {
@@ -199,13 +204,13 @@ impl RequestLog {
                     continue;
                 }
                 line.push(b'\n');
-                if !write_line(&mut w, &line) {
+                if !w.as_mut().is_some_and(|w| write_line(w, &line)) {
                     // The rotated files changed under the writer (one deleted by hand,
                     // another process rotating the same path): the writer panics on a rename
-                    // it expected, or is left without a file. It starts over from the files
-                    // there now (said once while it keeps failing, as on a full disk).
+                    // it expected. It starts over from the files there now (said once while
+                    // it keeps failing, as on a full disk).
                     w = open();
-                    let wrote = write_line(&mut w, &line);
+                    let wrote = w.as_mut().is_some_and(|w| write_line(w, &line));
                     if !wrote && !failing {
                         tracing::warn!("request log: a line could not be written");
                     }
@@ -214,7 +219,9 @@ impl RequestLog {
                     failing = false;
                 }
             }
-            let _ = catch_unwind(AssertUnwindSafe(|| w.flush()));
+            if let Some(mut w) = w {
+                let _ = catch_unwind(AssertUnwindSafe(|| w.flush()));
+            }
         });
         Ok(RequestLog { tx })
     }

@@ -492,6 +492,43 @@ async fn a_version_invalid_on_a_replica_leaves_it_running() {
     assert!(reached.await, "{}", policies(&b).await);
 }
 
+/// With a policy key, a stored version not signed with it (a forgery, or a document from
+/// before the key or its format) is not applied, and does not block changes: one made on a
+/// replica is published over it and reaches the others.
+#[tokio::test]
+async fn a_version_not_signed_with_the_key_is_written_over() {
+    const KEY_VAR: &str = "REPRISE_TEST_POLICIES_UNSIGNED_KEY";
+    std::env::set_var(KEY_VAR, "a secret every replica shares");
+    let server = RedisServer::start();
+    let mut c = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg("reprise:policies")
+        .arg("version")
+        .arg(7)
+        .arg("doc")
+        .arg("{\"semantic\": {\"threshold\": 0.5}}")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let mut config = replica_config(server.url(), true);
+    config.server.policy_key_env = Some(KEY_VAR.into());
+    let backend = std::sync::Arc::new(scripted());
+    let a = spawn_replica(config.clone(), backend.clone()).await;
+    let b = spawn_replica(config, backend).await;
+    assert!(runs(&a, 1, 0.86).await, "{}", policies(&a).await);
+    let r = put(&a, "[semantic]\nthreshold = 0.95\n").await;
+    let j: Value = r.json().await.unwrap();
+    assert_eq!(j["shared"], true, "{j}");
+    let version = j["version"].as_u64().unwrap();
+    assert!(version > 7, "{j}");
+    let reached = eventually_async(Duration::from_secs(20), || runs(&b, version, 0.95));
+    assert!(reached.await, "{}", policies(&b).await);
+}
+
 /// Two replicas changing different sections at the same time: both changes hold, and both
 /// replicas end on the same version.
 #[tokio::test]

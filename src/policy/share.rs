@@ -74,9 +74,13 @@ pub(super) async fn publish(
                     "policies: another replica shared a newer version; applying it first"
                 );
                 // Only a version applied here may be built on; otherwise the next attempt is
-                // refused again rather than overwriting what it could not read.
-                if adopt(state, redis).await {
-                    known = known.max(state.policies.load().shared);
+                // refused again rather than overwriting what it could not read. A version not
+                // signed with this replica's key is no one's change (a forgery, or a document
+                // from before the key or its format): it is written over.
+                match adopt(state, redis).await {
+                    Adopt::Answered => known = known.max(state.policies.load().shared),
+                    Adopt::Unsigned(version) => known = known.max(version),
+                    Adopt::Unreachable => {}
                 }
             }
             Err(e) => return Ok(keep_here(state, next, &e)),
@@ -108,21 +112,40 @@ pub async fn sync(state: &AppState) -> bool {
         return true;
     };
     let _guard = state.policy_change.lock().await;
-    adopt(state, redis).await
+    !matches!(adopt(state, redis).await, Adopt::Unreachable)
+}
+
+/// What [`adopt`] found in Redis.
+enum Adopt {
+    /// Redis answered: nothing shared, nothing newer, applied, or not valid here (logged).
+    Answered,
+    /// The stored version (this number) is not signed with this replica's policy key.
+    Unsigned(u64),
+    /// Redis could not be read.
+    Unreachable,
 }
 
 /// [`sync`] with the change lock held.
-async fn adopt(state: &AppState, redis: &RedisTier) -> bool {
+async fn adopt(state: &AppState, redis: &RedisTier) -> Adopt {
     let stored = match redis.get_policies().await {
         Ok(Some(stored)) => stored,
-        Ok(None) => return true,
+        Ok(None) => return Adopt::Answered,
         Err(e) => {
             tracing::warn!(error = %e, "policies: cannot read the shared version from redis");
-            return false;
+            return Adopt::Unreachable;
         }
     };
     let current = state.policies.load_full();
     let key = state.policy_key.as_ref();
+    let unsigned = key.is_some_and(|k| !verifies(&stored.doc, stored.version, k));
+    if unsigned && stored.version > current.shared {
+        state.metrics.policy_sync_failures.increment(1);
+        tracing::error!(
+            version = stored.version,
+            "policies: the shared version is not signed with this replica's policy key; ignored (a change made here writes over it)"
+        );
+        return Adopt::Unsigned(stored.version);
+    }
     match next_shared(&current, &stored, state.embedder.is_some(), key) {
         None => {}
         Some(Ok(next)) => {
@@ -139,7 +162,7 @@ async fn adopt(state: &AppState, redis: &RedisTier) -> bool {
             );
         }
     }
-    true
+    Adopt::Answered
 }
 
 /// The policies `stored` makes of `current`, under the stored version; `None` when it is not
@@ -208,19 +231,26 @@ fn encode(
     })
 }
 
+/// Whether `bytes` (as stored) carries `key`'s MAC of its document and `version`.
+fn verifies(bytes: &[u8], version: u64, key: &PolicyKey) -> bool {
+    if !(bytes.starts_with(MAC_PREFIX) && bytes.len() >= MAC_LEN) {
+        return false;
+    }
+    let mac = std::str::from_utf8(&bytes[4..MAC_LEN - 1])
+        .ok()
+        .and_then(|hex| blake3::Hash::from_hex(hex).ok());
+    // blake3's Hash compares in constant time.
+    mac == Some(key.sign(version, &bytes[MAC_LEN..]))
+}
+
 /// A document read from Redis, stored as `version`; with a key, only one signed with it for
 /// that version.
 fn decode(bytes: &[u8], version: u64, key: Option<&PolicyKey>) -> anyhow::Result<PolicyDocument> {
     let signed = bytes.starts_with(MAC_PREFIX) && bytes.len() >= MAC_LEN;
     let doc = if signed { &bytes[MAC_LEN..] } else { bytes };
     if let Some(k) = key {
-        let mac = signed
-            .then(|| std::str::from_utf8(&bytes[4..MAC_LEN - 1]).ok())
-            .flatten()
-            .and_then(|hex| blake3::Hash::from_hex(hex).ok());
-        // blake3's Hash compares in constant time.
         anyhow::ensure!(
-            mac == Some(k.sign(version, doc)),
+            verifies(bytes, version, k),
             "the shared policy document is not signed with this replica's policy key"
         );
     }

@@ -140,6 +140,8 @@ async fn serve(
     let renderer = Renderer::new(endpoint, &parsed.req.model);
     if book.is_detailed() {
         book.record.id = renderer.id().to_string();
+        // Before the lookup, so a request cancelled during it is logged with its question.
+        book.question(question_of(&parsed.req));
     }
     book.record.model = parsed.req.model.clone();
 
@@ -174,12 +176,12 @@ async fn serve(
         }
     };
     book.note(&found.notes);
-    // The question, for the log and (of misses and hits by meaning) the stats.
     let exact = found
         .hit
         .as_ref()
         .is_some_and(|h| h.outcome == Outcome::Exact);
-    if book.is_detailed() || !exact {
+    if !book.is_detailed() && !exact {
+        // Without a log or traces, only the stats read it (misses, hits by meaning).
         book.question(question_of(&parsed.req));
     }
     let session = ctl

@@ -41,9 +41,7 @@ pub fn cap_max_tokens(
 }
 
 /// The `max_tokens` a request of `tenant` asking for `asked` gets: the cap when it asked for
-/// none, 400 when it asked for more. Without a cap, a tenant under a token budget that asked
-/// for none gets `backend.default_max_tokens`, what the budget charges it: an upstream's own
-/// default could generate past the charge.
+/// none, 400 when it asked for more.
 fn capped(state: &AppState, tenant: &Tenant, asked: Option<u32>) -> Result<Option<u32>, ApiError> {
     let global = state.config.backend.max_tokens_cap;
     if asked.is_some_and(|n| n > global) {
@@ -53,9 +51,7 @@ fn capped(state: &AppState, tenant: &Tenant, asked: Option<u32>) -> Result<Optio
         ));
     }
     let cap = tenant.policy().max_tokens;
-    let budgeted = tenant.policy().tokens_per_minute > 0;
     match asked {
-        None if cap == 0 && budgeted => Ok(Some(state.config.backend.default_max_tokens)),
         _ if cap == 0 => Ok(asked),
         None => Ok(Some(cap)),
         Some(n) if n > cap => Err(ApiError::invalid(
