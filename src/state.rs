@@ -284,24 +284,30 @@ pub async fn build_embedder(config: &Config) -> anyhow::Result<Option<Arc<dyn Em
     if !config.semantic.enabled {
         return Ok(None);
     }
-    let cfg = EmbedderConfig {
+    let cfg = embedder_config(config);
+    tracing::info!(model_dir = %cfg.model_dir.display(), "loading embedder");
+    let e = tokio::task::spawn_blocking(move || FastEmbedder::load(cfg))
+        .await
+        .context("embedder loader panicked")??;
+    Ok(Some(Arc::new(e)))
+}
+
+/// The local embedder's settings, from `[semantic]`.
+pub fn embedder_config(config: &Config) -> EmbedderConfig {
+    EmbedderConfig {
         model_dir: config.semantic.model_dir.clone(),
         onnx_runtime: config.semantic.onnx_runtime.clone(),
         batch_wait_us: config.semantic.batch_wait_us,
         max_batch: config.semantic.max_batch,
         batch_tokens: config.semantic.embedder_batch_tokens,
+        memory_bytes: config.semantic.embedder_memory_bytes,
         cache_bytes: config.semantic.embedding_cache_bytes,
         queue_texts: config.semantic.embedder_queue_texts,
         queue_bytes: config.semantic.embedder_queue_bytes,
         queue_wait_ms: config.semantic.embedder_queue_wait_ms,
         threads: config.semantic.embedder_threads.max(1),
         ..EmbedderConfig::default()
-    };
-    tracing::info!(model_dir = %cfg.model_dir.display(), "loading embedder");
-    let e = tokio::task::spawn_blocking(move || FastEmbedder::load(cfg))
-        .await
-        .context("embedder loader panicked")??;
-    Ok(Some(Arc::new(e)))
+    }
 }
 
 /// Creates the backend of `[backend]` (one backend; see [`build_backends`]).

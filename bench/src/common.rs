@@ -25,6 +25,7 @@ pub use reprise::harness::{
 };
 pub use reprise::headers::{CACHE_HEADER, DEFAULT_NAMESPACE, NAMESPACE_HEADER, SIMILARITY_HEADER};
 pub use reprise::prefetch::{PrefetchConfig, PrefetchStats, Prefetcher};
+pub use reprise::state::embedder_config;
 pub use reprise_policies::bound::Learned;
 
 /// The semantic index of a server, when its semantic tier is on.

@@ -5,6 +5,7 @@
 //! so both see the same machine noise. docs/BENCHMARKS.md holds the latest figures.
 
 mod common;
+mod embedder;
 mod index;
 mod latency;
 mod llama;
@@ -55,6 +56,9 @@ enum Mode {
     /// on side by side: interactive latency percentiles, answers degraded by kind, 429s and
     /// wrong hits.
     Overload(overload::OverloadArgs),
+    /// The embedder's working memory and throughput on long texts under its memory budget,
+    /// side by side with a budget that never cuts a batch (each side in its own process).
+    Embedder(embedder::EmbedderArgs),
     /// Many distinct prompts through one server with a fixed memory budget: entries held,
     /// weighted bytes and resident memory as it fills and evicts; RSS against the budget.
     Soak(soak::SoakArgs),
@@ -72,6 +76,7 @@ fn main() -> std::process::ExitCode {
             Mode::Index(a) => index::run(a).await,
             Mode::Replay(a) => replay::run(*a).await,
             Mode::Soak(a) => soak::run(a).await,
+            Mode::Embedder(a) => embedder::run(a).await,
             Mode::Overload(a) => overload::run(a).await,
         }
     })

@@ -116,6 +116,11 @@ fn other_budgets(config: &Config) -> Vec<(&'static str, u64)> {
             "semantic.context_forms_bytes",
             config.semantic.context_forms_bytes,
         ));
+        // The runtime's working memory grows to the largest batch it has run.
+        out.push((
+            "semantic.embedder_memory_bytes",
+            config.semantic.embedder_memory_bytes,
+        ));
     }
     out
 }

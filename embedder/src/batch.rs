@@ -5,9 +5,10 @@
 //! (texts × longest) tokens of compute. A round of mixed lengths run as one call makes each
 //! short text pay for the longest; sorted and cut into groups, each call pads only to the
 //! longest of its group. Where to cut is chosen to minimise the round's estimated cost, a
-//! fixed cost per call ([`CALL_COST_TOKENS`]) plus its padded tokens, under two limits: at
-//! most `max_batch` texts and `batch_tokens` padded tokens per call (a single text longer than
-//! the budget runs alone). Each waiter gets the vector of its own text whatever group it ran
+//! fixed cost per call ([`CALL_COST_TOKENS`]) plus its padded tokens, under three limits: at
+//! most `max_batch` texts, `batch_tokens` padded tokens and `memory_bytes` of estimated
+//! working memory ([`CallMemory`]) per call (a single text over a limit runs alone; the
+//! memory budget holds one text of the longest length, checked at load). Each waiter gets the vector of its own text whatever group it ran
 //! in; several waiters on one text share one embedding.
 
 use std::collections::HashMap;
@@ -19,6 +20,7 @@ use fastembed::TextEmbedding;
 use tokenizers::Tokenizer;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
+use crate::memory::CallMemory;
 use crate::window::SCAN_BYTES;
 use crate::EmbedError;
 
@@ -57,8 +59,7 @@ pub(crate) struct Worker {
     /// tokens each text takes.
     pub(crate) lengths: Tokenizer,
     pub(crate) queue: mpsc::Receiver<Job>,
-    pub(crate) max_batch: usize,
-    pub(crate) batch_tokens: usize,
+    pub(crate) limits: Limits,
     pub(crate) wait: Duration,
     pub(crate) counters: Arc<Counters>,
 }
@@ -74,7 +75,7 @@ impl Worker {
     pub(crate) fn run(mut self) {
         // A round takes what is queued, up to a few model calls' worth, so sorting has
         // something to sort while no text waits behind more than a bounded round.
-        let round_cap = self.max_batch.saturating_mul(4);
+        let round_cap = self.limits.max_batch.saturating_mul(4);
         // `recv` fails once every sender is dropped: the embedder is gone.
         while let Ok(first) = self.queue.recv() {
             let mut round = vec![first];
@@ -91,7 +92,7 @@ impl Worker {
                     Err(mpsc::TryRecvError::Empty) => {}
                 }
                 let now = Instant::now();
-                if now >= deadline || round.len() >= self.max_batch {
+                if now >= deadline || round.len() >= self.limits.max_batch {
                     break;
                 }
                 match self.queue.recv_timeout(deadline - now) {
@@ -111,7 +112,7 @@ impl Worker {
         let start = &text[..text.floor_char_boundary(SCAN_BYTES[1])];
         match self.lengths.encode_fast(start, true) {
             Ok(e) => e.len().max(1),
-            Err(_) => self.batch_tokens.max(1),
+            Err(_) => self.limits.batch_tokens.max(1),
         }
     }
 
@@ -139,7 +140,7 @@ impl Worker {
         let lengths: Vec<usize> = order.iter().map(|&(len, _)| len).collect();
         let mut vectors: Vec<Option<Result<Arc<[f32]>, String>>> = vec![None; unique.len()];
         let mut start = 0;
-        for end in groups(&lengths, self.max_batch, self.batch_tokens) {
+        for end in groups(&lengths, &self.limits) {
             let members = &order[start..end];
             let texts: Vec<&str> = members.iter().map(|&(_, i)| unique[i]).collect();
             let result = self.embed(&texts, &lengths[start..end]);
@@ -194,21 +195,35 @@ impl Worker {
     }
 }
 
+/// What one model call may hold.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    /// Texts.
+    pub(crate) max_batch: usize,
+    /// Padded tokens (texts × longest).
+    pub(crate) batch_tokens: usize,
+    /// Estimated working memory, in bytes.
+    pub(crate) memory_bytes: usize,
+    /// The estimate.
+    pub(crate) memory: CallMemory,
+}
+
 /// Where to cut `lengths` (sorted, shortest first) into model calls: the end of each group,
 /// the last one `lengths.len()`. Minimises the sum over groups of [`CALL_COST_TOKENS`] plus
-/// (size × longest), each group at most `max_batch` texts and `batch_tokens` padded tokens
-/// (or a single text).
-pub(crate) fn groups(lengths: &[usize], max_batch: usize, batch_tokens: usize) -> Vec<usize> {
+/// (size × longest), each group within `limits` (or a single text).
+pub(crate) fn groups(lengths: &[usize], limits: &Limits) -> Vec<usize> {
     let n = lengths.len();
     // best[j]: the least cost of the first j texts, and where its last group starts.
     let mut best: Vec<(usize, usize)> = vec![(0, 0); n + 1];
     for j in 1..=n {
         let longest = lengths[j - 1];
         best[j] = (usize::MAX, j - 1);
-        for i in (j.saturating_sub(max_batch.max(1))..j).rev() {
+        for i in (j.saturating_sub(limits.max_batch.max(1))..j).rev() {
             let size = j - i;
             let padded = size.saturating_mul(longest);
-            if size > 1 && padded > batch_tokens {
+            let over = padded > limits.batch_tokens
+                || limits.memory.call(size, longest) > limits.memory_bytes;
+            if size > 1 && over {
                 // Longer groups ending at j only pad more.
                 break;
             }
@@ -230,12 +245,31 @@ pub(crate) fn groups(lengths: &[usize], max_batch: usize, batch_tokens: usize) -
 
 #[cfg(test)]
 mod tests {
-    use super::groups;
+    use super::{groups, Limits};
+    use crate::memory::CallMemory;
 
-    /// The groups' sizes.
+    const MINILM: &[u8] = br#"{"hidden_size": 384, "num_attention_heads": 12}"#;
+
+    /// The groups' sizes, with no memory bound.
     fn sizes(lengths: &[usize], max_batch: usize, budget: usize) -> Vec<usize> {
+        within(lengths, max_batch, budget, usize::MAX)
+    }
+
+    /// The groups' sizes within `memory_bytes` of working memory per call.
+    fn within(
+        lengths: &[usize],
+        max_batch: usize,
+        budget: usize,
+        memory_bytes: usize,
+    ) -> Vec<usize> {
+        let limits = Limits {
+            max_batch,
+            batch_tokens: budget,
+            memory_bytes,
+            memory: CallMemory::of(MINILM).unwrap(),
+        };
         let mut start = 0;
-        groups(lengths, max_batch, budget)
+        groups(lengths, &limits)
             .into_iter()
             .map(|end| {
                 let size = end - start;
@@ -267,5 +301,23 @@ mod tests {
         assert!(sizes(&[10; 40], 32, 100_000).iter().all(|&s| s <= 32));
         // A text longer than the budget runs alone.
         assert_eq!(sizes(&[5, 300], 32, 256), vec![1, 1]);
+    }
+
+    #[test]
+    fn calls_stay_within_the_memory_budget() {
+        let memory = CallMemory::of(MINILM).unwrap();
+        let budget = 128 << 20;
+        // 16 texts of 256 tokens fit the token budget (4096) in one call, about 600 MiB of
+        // working memory: cut to calls of at most three.
+        let long = within(&[256; 16], 32, 4096, budget);
+        assert!(long.len() > 1, "{long:?}");
+        for s in &long {
+            assert!(memory.call(*s, 256) <= budget, "{s} texts");
+        }
+        assert_eq!(long.iter().sum::<usize>(), 16);
+        // Short texts are not cut by it: 32 of 12 tokens are about 23 MiB.
+        assert_eq!(within(&[12; 32], 32, 4096, budget), vec![32]);
+        // One text over the budget still runs, alone.
+        assert_eq!(within(&[256, 256], 32, 4096, 1), vec![1, 1]);
     }
 }

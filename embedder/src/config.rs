@@ -21,6 +21,13 @@ pub struct EmbedderConfig {
     /// sorted by length and cut into calls within this budget (a text longer than the budget
     /// runs alone), so a short text never pays for a long one.
     pub batch_tokens: usize,
+    /// Most bytes of ONNX Runtime working memory one model call may take, as estimated from
+    /// the model's shape (about 40 MB for a text of 256 tokens with all-MiniLM-L6-v2, growing
+    /// with the square of the length): long texts are embedded fewer at a time. The runtime
+    /// keeps the largest call's working memory for the life of the process, so this bounds
+    /// what the embedder adds to the resident memory beyond the model. Must hold one text of
+    /// `max_tokens`.
+    pub memory_bytes: u64,
     /// How long (microseconds) the batcher waits for more texts after the first one arrives
     /// before running the model. Adds at most this much latency to a lone request. The
     /// default 0 batches naturally: texts that arrive while the model runs form the next batch.
@@ -48,6 +55,7 @@ impl Default for EmbedderConfig {
             onnx_runtime: PathBuf::from("models/libonnxruntime.so"),
             max_batch: 32,
             batch_tokens: 4096,
+            memory_bytes: 128 << 20,
             batch_wait_us: 0,
             cache_bytes: 16 * 1024 * 1024,
             max_tokens: 256,

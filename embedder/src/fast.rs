@@ -23,7 +23,8 @@ use fastembed::{
 };
 use tokio::sync::{oneshot, Semaphore};
 
-use crate::batch::{Counters, Job, Worker};
+use crate::batch::{Counters, Job, Limits, Worker};
+use crate::memory::CallMemory;
 use crate::window::Window;
 use crate::{EmbedError, Embedder, EmbedderConfig};
 
@@ -121,6 +122,21 @@ impl FastEmbedder {
         }
         let started = Instant::now();
         load_runtime(&cfg.onnx_runtime)?;
+        // The working-memory budget must hold one text of the longest length (it runs alone
+        // whatever the budget): checked before the model is loaded.
+        let memory = CallMemory::of(&read_file(&cfg.model_dir, "config.json")?).map_err(|e| {
+            EmbedError::ModelFile {
+                path: cfg.model_dir.join("config.json"),
+                message: e,
+            }
+        })?;
+        let one = memory.per_text(cfg.max_tokens);
+        if u64::try_from(one).map_or(true, |one| one > cfg.memory_bytes) {
+            return Err(EmbedError::Config(format!(
+                "memory_bytes must hold one text of max_tokens ({}) tokens: at least {one} for this model",
+                cfg.max_tokens
+            )));
+        }
         let mut model = load_model(&cfg)?;
 
         // One probe call tells the dimension and warms the session up, so the first real
@@ -146,8 +162,12 @@ impl FastEmbedder {
             lengths: Worker::length_tokenizer(&model),
             model,
             queue,
-            max_batch: cfg.max_batch,
-            batch_tokens: cfg.batch_tokens,
+            limits: Limits {
+                max_batch: cfg.max_batch,
+                batch_tokens: cfg.batch_tokens,
+                memory_bytes: usize::try_from(cfg.memory_bytes).unwrap_or(usize::MAX),
+                memory,
+            },
             wait: Duration::from_micros(cfg.batch_wait_us),
             counters: Arc::clone(&counters),
         };
@@ -179,6 +199,7 @@ impl FastEmbedder {
             model_dir = %cfg.model_dir.display(),
             dim,
             max_tokens = cfg.max_tokens,
+            memory_bytes = cfg.memory_bytes,
             window_tokens = window.tokens(),
             threads = cfg.threads,
             elapsed_ms = started.elapsed().as_millis() as u64,

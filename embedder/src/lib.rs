@@ -4,8 +4,8 @@
 //!   cosine similarity is a plain dot product — and how much of a text it reads
 //!   ([`Embedder::window`]: the model reads a bounded number of tokens).
 //! - [`FastEmbedder`]: the local implementation, all-MiniLM-L6-v2 run by ONNX Runtime through
-//!   fastembed, with micro-batching of concurrent requests by length under a token budget, a bounded
-//!   queue and an LRU of recent texts bounded by bytes.
+//!   fastembed, with micro-batching of concurrent requests by length under a token and a
+//!   working-memory budget, a bounded queue and an LRU of recent texts bounded by bytes.
 //! - [`FakeEmbedder`]: a deterministic bag-of-words stand-in for unit tests that must not
 //!   load the model (never used by the server).
 //! - [`EmbedderConfig`]: where the model and runtime live and how batching behaves.
@@ -16,6 +16,7 @@ mod config;
 mod error;
 mod fake;
 mod fast;
+mod memory;
 mod window;
 
 use std::sync::Arc;

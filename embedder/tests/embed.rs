@@ -150,7 +150,11 @@ async fn a_missing_model_file_is_an_error_naming_it() {
     let err = FastEmbedder::load(cfg).unwrap_err();
     std::fs::remove_dir_all(&dir).ok();
     assert_eq!(err.kind(), "model_file");
-    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&dir.join("config.json").display().to_string()),
+        "{err}"
+    );
 }
 
 #[test]
@@ -277,6 +281,8 @@ async fn a_mixed_round_is_split_by_length_and_every_vector_is_its_own() {
         cache_bytes: 0,
         // The round stays open long enough for every text below to join it.
         batch_wait_us: 200_000,
+        // Six long texts in one call: the working-memory budget does not cut them here.
+        memory_bytes: 1 << 30,
         ..common::config()
     });
     // Short and long texts, interleaved.
@@ -399,4 +405,41 @@ fn zero_batch_tokens_or_queue_is_refused() {
     ] {
         assert_eq!(FastEmbedder::load(cfg).unwrap_err().kind(), "config");
     }
+}
+
+#[test]
+fn a_memory_budget_that_cannot_hold_one_long_text_is_refused() {
+    let err = FastEmbedder::load(EmbedderConfig {
+        memory_bytes: 1 << 20,
+        ..common::config()
+    })
+    .unwrap_err();
+    assert_eq!(err.kind(), "config");
+    assert!(err.to_string().contains("memory_bytes"), "{err}");
+}
+
+#[tokio::test]
+async fn long_texts_are_embedded_a_few_at_a_time_within_the_memory_budget() {
+    // Eight texts of 256 tokens are 2048 padded tokens, within the token budget for one
+    // call; their working memory (about 40 MB each) is not within 128 MiB.
+    let e = load(EmbedderConfig {
+        cache_bytes: 0,
+        memory_bytes: 128 << 20,
+        ..common::config()
+    });
+    let texts: Vec<String> = (0..8)
+        .map(|i| format!("{i} {}", "time ".repeat(300)))
+        .collect();
+    let alone = e.embed(&texts[0]).await.unwrap();
+    let before = e.stats();
+    let vectors = e.embed_many(&texts).await.unwrap();
+    let s = e.stats();
+    let (calls, texts_run) = (
+        s.batches - before.batches,
+        s.texts_embedded - before.texts_embedded,
+    );
+    assert_eq!(texts_run, 8);
+    assert!(calls >= 3, "{calls} calls for 8 long texts: {s:?}");
+    // The cut changes no vector.
+    assert!(cosine(&alone, &vectors[0]) > 0.9999);
 }

@@ -73,6 +73,12 @@ pub struct SemanticConfig {
     /// queued prompts are sorted by length and cut into batches within it, so a short prompt
     /// is not padded to a long one.
     pub embedder_batch_tokens: usize,
+    /// Most bytes of ONNX Runtime working memory one embedding batch may take, estimated from
+    /// the model's shape (about 40 MB per prompt of 256 tokens with all-MiniLM-L6-v2, growing
+    /// with the square of the length): long prompts are embedded fewer at a time. The runtime
+    /// keeps its largest batch's working memory, so this bounds what the embedder adds to
+    /// the resident memory beyond the model. Must hold one prompt of 256 tokens.
+    pub embedder_memory_bytes: u64,
     /// Bytes of prompt embeddings kept in the embedder's LRU (each entry weighed as its text,
     /// its vector and a fixed overhead; 0 turns it off).
     pub embedding_cache_bytes: u64,
@@ -150,6 +156,7 @@ impl Default for SemanticConfig {
             batch_wait_us: 0,
             max_batch: 32,
             embedder_batch_tokens: 4096,
+            embedder_memory_bytes: 128 << 20,
             embedding_cache_bytes: 16 * 1024 * 1024,
             embedder_queue_texts: 256,
             embedder_queue_bytes: 4 * 1024 * 1024,
@@ -225,6 +232,12 @@ impl SemanticConfig {
         if self.embedder_batch_tokens == 0 {
             return Err(invalid(
                 "semantic.embedder_batch_tokens",
+                "must be at least 1",
+            ));
+        }
+        if self.embedder_memory_bytes == 0 {
+            return Err(invalid(
+                "semantic.embedder_memory_bytes",
                 "must be at least 1",
             ));
         }
