@@ -37,6 +37,12 @@ pub enum ApiError {
         /// What is wrong.
         reason: String,
     },
+    /// The client did not send its whole body within `server.body_timeout_secs`.
+    #[error("the request body did not arrive within {secs} seconds")]
+    BodyTimeout {
+        /// The limit.
+        secs: f64,
+    },
     /// The backend failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -101,6 +107,7 @@ impl ApiError {
             ApiError::BadHeader { .. } => "bad_header",
             ApiError::Backend(e) => e.kind(),
             ApiError::Timeout => "timeout",
+            ApiError::BodyTimeout { .. } => "body_timeout",
             ApiError::NotCached => "not_cached",
             ApiError::NotReady => "not_ready",
             ApiError::Overloaded { .. } => "overloaded",
@@ -118,6 +125,7 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { .. } | ApiError::BadHeader { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnknownModel(_) | ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Timeout | ApiError::NotCached => StatusCode::GATEWAY_TIMEOUT,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
@@ -166,6 +174,12 @@ impl ApiError {
                 "invalid_request_error",
                 Some((*header).into()),
                 None,
+            ),
+            ApiError::BodyTimeout { .. } => (
+                self.to_string(),
+                "invalid_request_error",
+                None,
+                Some("request_timeout"),
             ),
             ApiError::Timeout => (
                 "the request timed out waiting for the model".into(),

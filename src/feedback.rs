@@ -18,7 +18,6 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::http::HeaderMap;
 use moka::sync::Cache;
 use reprise_cache::entry::Refusal;
@@ -192,10 +191,14 @@ enum Kind {
 pub async fn handle(
     state: &Arc<AppState>,
     headers: &HeaderMap,
-    body: &Bytes,
+    body: axum::body::Body,
 ) -> Result<serde_json::Value, ApiError> {
+    /// A verdict is an id and a word.
+    const MAX_FEEDBACK_BYTES: usize = 4096;
     let tenant = state.policies.load().tenants.admit(headers)?;
-    let v: Verdict = serde_json::from_slice(body).map_err(|e| {
+    let timeout = state.config.server.body_timeout();
+    let body = crate::http::read_body(headers, body, MAX_FEEDBACK_BYTES, timeout).await?;
+    let v: Verdict = serde_json::from_slice(&body).map_err(|e| {
         let param = ["verdict", "id"]
             .into_iter()
             .find(|p| e.to_string().contains(&format!("`{p}`")));

@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -80,7 +81,7 @@ fn admin_routes() -> Router<Arc<AppState>> {
 async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Response {
     request::handle(state, Endpoint::Chat, headers, body).await
 }
@@ -88,27 +89,49 @@ async fn chat_completions(
 async fn completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Response {
     request::handle(state, Endpoint::Completion, headers, body).await
 }
 
-/// `POST /v1/feedback` ([`crate::feedback`]).
-async fn feedback(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    const MAX_FEEDBACK_BYTES: usize = 4096;
-    let result = match body {
-        Ok(b) if b.len() <= MAX_FEEDBACK_BYTES => {
-            crate::feedback::handle(&state, &headers, &b).await
+/// Reads a request body once its caller is admitted: at most `limit` bytes (413 beyond, at
+/// once when `Content-Length` says so), within `timeout` (408 after: a client trickling its
+/// body holds its connection no longer).
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            let e = e.into_inner();
+            if e.is::<http_body_util::LengthLimitError>() {
+                Err(ApiError::BodyTooLarge { limit })
+            } else {
+                Err(ApiError::invalid(
+                    format!("could not read the request body: {e}"),
+                    None,
+                ))
+            }
         }
-        Ok(_) | Err(_) => Err(ApiError::BodyTooLarge {
-            limit: MAX_FEEDBACK_BYTES,
+        Err(_) => Err(ApiError::BodyTimeout {
+            secs: timeout.as_secs_f64(),
         }),
-    };
-    match result {
+    }
+}
+
+/// `POST /v1/feedback` ([`crate::feedback`]).
+async fn feedback(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    match crate::feedback::handle(&state, &headers, body).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }

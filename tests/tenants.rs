@@ -88,6 +88,54 @@ async fn a_known_key_is_required_when_auth_is_required() {
     assert_eq!(backend.calls(), 1);
 }
 
+/// Sends `head` and `body` on a fresh connection and reads the start of the answer; an
+/// answer that never comes fails after 30 s (the server would be waiting for the body).
+async fn raw_exchange(addr: std::net::SocketAddr, head: &str, body: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(30), s.read(&mut buf))
+        .await
+        .expect("an answer while the body is still owed")
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[tokio::test]
+async fn an_unknown_caller_is_refused_before_its_body_and_a_slow_body_times_out() {
+    let mut config = tenants_config(true);
+    config.server.body_timeout_secs = 0.5;
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    // A large body announced and never sent.
+    let head = |auth: &str, path: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nhost: reprise\r\ncontent-type: application/json\r\n\
+             content-length: 4000000\r\n{auth}\r\n"
+        )
+    };
+    for path in ["/v1/chat/completions", "/v1/completions", "/v1/feedback"] {
+        let r = raw_exchange(app.addr, &head("", path), b"").await;
+        assert!(r.starts_with("HTTP/1.1 401"), "{path}: {r}");
+        assert!(r.contains("invalid_api_key"), "{path}: {r}");
+    }
+    // A known caller that trickles its body: 408 once `body_timeout_secs` has passed.
+    let known = head("authorization: Bearer sk-acme\r\n", "/v1/chat/completions");
+    let r = raw_exchange(app.addr, &known, b"{\"model\":").await;
+    assert!(r.starts_with("HTTP/1.1 408"), "{r}");
+    assert!(r.contains("request_timeout"), "{r}");
+    // A body announced over the limit is a 413 before it is read.
+    let over = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: reprise\r\nauthorization: Bearer sk-acme\r\n\
+         content-length: {}\r\n\r\n",
+        app.state.config.server.max_body_bytes + 1
+    );
+    let r = raw_exchange(app.addr, &over, b"").await;
+    assert!(r.starts_with("HTTP/1.1 413"), "{r}");
+    assert_eq!(backend.calls(), 0);
+}
+
 #[tokio::test]
 async fn a_tenant_without_sub_namespaces_cannot_pick_one() {
     let (app, _backend) = spawn_fake(tenants_config(true), ScriptConfig::default()).await;

@@ -92,6 +92,10 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest accepted request body in bytes; larger bodies get 413.
     pub max_body_bytes: usize,
+    /// Longest a client may take to send a request body, in seconds (408 after that). The
+    /// body is read only once the caller is known (a missing or unknown key is a 401 before
+    /// it), and a client that trickles its body holds a connection at most this long.
+    pub body_timeout_secs: f64,
     /// Longest a request may take, in seconds, counted from its arrival: a non-streaming
     /// request end to end, a streaming one until its first token (504 after that).
     pub request_timeout_secs: f64,
@@ -141,6 +145,7 @@ impl Default for ServerConfig {
             listen: "127.0.0.1:8080".parse().expect("valid default address"),
             max_body_bytes: 4 * 1024 * 1024,
             request_timeout_secs: 300.0,
+            body_timeout_secs: 30.0,
             lookup_timeout_secs: 2.0,
             first_token_timeout_secs: 60.0,
             token_timeout_secs: 60.0,
@@ -154,6 +159,10 @@ impl Default for ServerConfig {
 }
 
 impl ServerConfig {
+    /// `body_timeout_secs` as a duration.
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.body_timeout_secs)
+    }
     /// `request_timeout_secs` as a duration.
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.request_timeout_secs)
@@ -828,6 +837,7 @@ impl Config {
             return Err(invalid("server.max_body_bytes", "must be positive"));
         }
         for (key, secs) in [
+            ("server.body_timeout_secs", s.body_timeout_secs),
             ("server.request_timeout_secs", s.request_timeout_secs),
             ("server.lookup_timeout_secs", s.lookup_timeout_secs),
             (

@@ -42,8 +42,7 @@ mod write_back;
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::Body;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 
@@ -71,7 +70,7 @@ pub async fn handle(
     state: Arc<AppState>,
     endpoint: Endpoint,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Response {
     let mut book = Bookkeeping::new(&state, endpoint);
     if book.is_detailed() {
@@ -93,7 +92,7 @@ async fn serve(
     state: &Arc<AppState>,
     endpoint: Endpoint,
     headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
     // One deadline for the whole request, from its arrival: the lookup, the wait for the
@@ -102,8 +101,10 @@ async fn serve(
     // 0. Who is asking: the API key names the tenant (401 before anything else is read),
     //    within its rate limit (429).
     let tenant = state.policies.load().tenants.admit(headers)?;
-    // 1. Parse.
-    let body = body.map_err(|e| parse::body_error(e, state.config.server.max_body_bytes))?;
+    // 1. Read (only now: an unknown caller never makes the server hold a body) and parse.
+    let server = &state.config.server;
+    let timeout = server.body_timeout().min(server.request_timeout());
+    let body = crate::http::read_body(headers, body, server.max_body_bytes, timeout).await?;
     let mut parsed = match parse(endpoint, &body)? {
         Request::Cacheable(parsed) => parsed,
         Request::Forward(mut f) => {

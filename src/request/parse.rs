@@ -3,7 +3,6 @@
 //! asks for more than one text answer (decided in [`reprise_policies::cacheable`]), a
 //! [`Forward`] that only an upstream can answer.
 
-use axum::extract::rejection::BytesRejection;
 use reprise_backend::{ChatMessage, GenRequest, Input, Priority, SamplingParams};
 use reprise_policies::cacheable::{self, MessageShape, PromptShape, Uncacheable};
 
@@ -49,15 +48,6 @@ fn completion_forward_field(r: &CompletionRequest) -> Option<Uncacheable> {
         Prompt::Tokens(_) => PromptShape::Tokens,
     };
     cacheable::completion(&r.extra, r.n, prompt)
-}
-
-/// Maps the axum body rejection to our error shape.
-pub(super) fn body_error(e: BytesRejection, limit: usize) -> ApiError {
-    if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::BodyTooLarge { limit }
-    } else {
-        ApiError::invalid(format!("could not read the request body: {e}"), None)
-    }
 }
 
 /// The fields both endpoints' requests share, as (the backend request, stream, include
