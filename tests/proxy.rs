@@ -823,3 +823,30 @@ async fn the_admin_api_can_live_on_its_own_listener() {
     stop.send(()).unwrap();
     server.await.unwrap().unwrap();
 }
+
+#[tokio::test]
+async fn an_empty_streamed_answer_still_ends_with_done() {
+    let (app, _backend) = spawn_fake(
+        test_config(),
+        ScriptConfig {
+            reply: String::new(),
+            ..ScriptConfig::default()
+        },
+    )
+    .await;
+    let mut body = chat_body("say nothing");
+    body["stream"] = json!(true);
+    for _ in 0..2 {
+        let r = app.chat(&body, &[]).await;
+        let outcome = cache_status(&r);
+        let data = sse_data(&r.text().await.unwrap());
+        assert_eq!(
+            data.last().map(String::as_str),
+            Some("[DONE]"),
+            "{outcome}: {data:?}"
+        );
+        assert_eq!(sse_text(&data), "");
+        let fin: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+        assert_eq!(fin["choices"][0]["finish_reason"], "stop", "{outcome}");
+    }
+}

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::Sse;
 use axum::response::{IntoResponse, Response};
 use reprise_backend::{BackendError, FinishReason, GenEvent, Usage};
 use reprise_cache::Entry;
@@ -44,7 +44,6 @@ pub fn hit(parsed: &Parsed, renderer: Renderer, hit: Hit, book: &mut Bookkeeping
         let mut sse = SseState::new(renderer, parsed.include_usage);
         let mut events = sse.push(Ok(GenEvent::Delta(entry.text.clone())));
         events.extend(sse.push(Ok(GenEvent::Finish { reason, usage })));
-        events.push(Event::default().data("[DONE]"));
         // The bookkeeping moves into the stream so the request is counted when the body is
         // done.
         let book = book.take();

@@ -32,7 +32,8 @@ impl SseState {
         Event::default().data(v.to_string())
     }
 
-    /// The SSE events for one generation event.
+    /// The SSE events for one generation event; a finish ends with `[DONE]` (whether or not
+    /// any text came before it: an empty answer is a complete one).
     pub fn push(&mut self, ev: Result<GenEvent, BackendError>) -> Vec<Event> {
         let mut out = Vec::new();
         if !self.sent_role {
@@ -48,6 +49,7 @@ impl SseState {
                 if self.include_usage {
                     out.push(Self::json(self.renderer.usage_chunk(usage)));
                 }
+                out.push(Event::default().data("[DONE]"));
                 self.done = true;
             }
             Err(e) => {
@@ -66,14 +68,7 @@ impl SseState {
         book: &mut Bookkeeping,
     ) -> Vec<Event> {
         match next {
-            Some(Ok(ev)) => {
-                let finished = matches!(ev, GenEvent::Finish { .. });
-                let mut out = self.push(Ok(ev));
-                if finished {
-                    out.push(Event::default().data("[DONE]"));
-                }
-                out
-            }
+            Some(Ok(ev)) => self.push(Ok(ev)),
             Some(Err(e)) => {
                 book.failed(e.kind());
                 self.push(Err(e))
