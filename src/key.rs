@@ -135,6 +135,7 @@ pub fn exact_key(namespace: &str, endpoint: Endpoint, req: &GenRequest) -> Diges
         params,
         priority: _,
         extra,
+        backend: _,
     } = req;
     let mut h = KeyHasher::new("exact");
     h.str(namespace).str(endpoint.as_str());
@@ -165,6 +166,7 @@ pub fn partition_key(
         params,
         priority: _,
         extra,
+        backend: _,
     } = req;
     let mut h = KeyHasher::new("partition");
     h.str(namespace).str(endpoint.as_str());

@@ -4,7 +4,9 @@
 //! `[[routes]]`. The request path asks it once per request ([`Router::choose`]) which backend
 //! answers and as which model; the request is then looked up, generated and stored under
 //! that served model, so answers of different models never mix. Everything else talks to the
-//! router as to one [`Backend`]: a generation goes to the backend that serves its model, the
+//! router as to one [`Backend`]: a generation goes to the backend its route chose
+//! (`GenRequest::backend`, kept by the prefetch and refresh work that follows from it), else
+//! to the one that serves its model, the
 //! load and readiness are those of all of them.
 //!
 //! A route may name a fallback: when its backend is saturated (every slot and the waiting
@@ -322,8 +324,13 @@ impl Router {
         })
     }
 
-    /// The backend a generation for `model` goes to (user and background alike): the one
-    /// serving it by name, else the first that serves any model.
+    /// The backend configured as `name`.
+    fn named(&self, name: &str) -> Option<Arc<Target>> {
+        self.targets.iter().find(|t| t.name == name).cloned()
+    }
+
+    /// The backend a generation for `model` goes to when no route chose one (user and
+    /// background alike): the one serving it by name, else the first that serves any model.
     pub fn serving(&self, model: &str) -> Option<Arc<Target>> {
         self.targets
             .iter()
@@ -341,7 +348,8 @@ impl Router {
         req: GenRequest,
         to: Option<&Fallback>,
     ) -> Result<Routed, BackendError> {
-        let Some(primary) = self.serving(&req.model) else {
+        let chosen = req.backend.as_deref().and_then(|name| self.named(name));
+        let Some(primary) = chosen.or_else(|| self.serving(&req.model)) else {
             crate::metrics::backend_error("none", "unknown_model");
             return Err(BackendError::UnknownModel(req.model.clone()));
         };
@@ -441,14 +449,20 @@ impl Backend for Router {
         self.targets.iter().any(|t| t.backend.forwards())
     }
 
-    /// To the upstream serving the request's model, else the first upstream.
+    /// To the upstream its route chose, else the one serving the request's model, else the
+    /// first upstream.
     async fn forward(&self, req: ForwardRequest) -> Result<Forwarded, BackendError> {
         let upstreams = || self.targets.iter().filter(|t| t.backend.forwards());
-        let by_model = req
-            .model
+        let chosen = req
+            .backend
             .as_deref()
-            .and_then(|m| upstreams().find(|t| t.serves(m)));
-        match by_model.or_else(|| upstreams().next()) {
+            .and_then(|name| upstreams().find(|t| t.name == name));
+        let by_model = || {
+            req.model
+                .as_deref()
+                .and_then(|m| upstreams().find(|t| t.serves(m)))
+        };
+        match chosen.or_else(by_model).or_else(|| upstreams().next()) {
             Some(t) => t.backend.forward(req).await,
             None => Err(BackendError::InvalidRequest {
                 message: format!("no backend answers `{}`", req.path),

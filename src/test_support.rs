@@ -10,5 +10,6 @@ pub fn chat(msgs: &[(&str, &str)]) -> GenRequest {
         params: SamplingParams::default(),
         priority: Priority::Interactive,
         extra: Default::default(),
+        backend: None,
     }
 }

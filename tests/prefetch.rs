@@ -990,6 +990,7 @@ async fn a_follow_up_the_cache_answers_semantically_is_not_generated_and_names_t
         params: Default::default(),
         priority: Priority::Background,
         extra: Default::default(),
+        backend: None,
     };
     let got = reprise::generate::generate_in_background(
         &app.state,
@@ -1077,6 +1078,7 @@ async fn a_background_generation_that_never_starts_times_out() {
         params: Default::default(),
         priority: Priority::Background,
         extra: Default::default(),
+        backend: None,
     };
     let got = tokio::time::timeout(
         WAIT,

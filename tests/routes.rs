@@ -183,6 +183,38 @@ async fn a_tenant_route_sends_its_requests_elsewhere() {
     assert_eq!((small.calls(), large.calls()), (1, 1));
 }
 
+/// Backends that serve any model (upstreams without a model list) are told apart by the
+/// route: a tenant routed to the second one is answered by it, for a model no backend names,
+/// and so are the generations that follow from its requests.
+#[tokio::test]
+async fn a_route_to_one_of_two_any_model_backends_reaches_that_one() {
+    let mut c = config(&[]);
+    c.tenants = vec![
+        TenantConfig::with_key("acme", "acme-key"),
+        TenantConfig::with_key("other", "other-key"),
+    ];
+    c.routes = vec![route("tenant = \"acme\"\nbackend = \"large\"")];
+    c.validate().unwrap();
+    // Both serve any model.
+    let (first, second) = (
+        scripted("", Default::default()),
+        scripted("", Default::default()),
+    );
+    let app = spawn(c, &first, &second).await;
+    let acme = [("authorization", "Bearer acme-key")];
+    let other = [("authorization", "Bearer other-key")];
+    for (i, model) in ["gpt-x", "gpt-y"].iter().enumerate() {
+        let r = app
+            .chat(&chat_for(model, &format!("question {i}")), &acme)
+            .await;
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!((first.calls(), second.calls()), (0, 2));
+    let r = app.chat(&chat_for("gpt-x", "question 9"), &other).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!((first.calls(), second.calls()), (1, 2));
+}
+
 /// A primary whose only slot a user request holds sends the next request to the fallback:
 /// answered at once, naming the fallback's model, marked degraded, not stored; once the
 /// primary is free, the same question goes to it again (a miss, not the fallback's answer).

@@ -767,3 +767,26 @@ fn a_tenants_default_priority_above_its_cap_is_refused() {
     let err = c.validate().unwrap_err().to_string();
     assert!(err.contains("tenants.policy.priority"), "{err}");
 }
+
+#[tokio::test]
+async fn a_request_only_an_upstream_can_answer_is_refused_before_it_spends_the_budget() {
+    let budget = TenantPolicy {
+        tokens_per_minute: 300,
+        ..TenantPolicy::default()
+    };
+    // A scripted backend: it answers text, forwards nothing.
+    let (app, backend) = policy_app(vec![("metered", budget)], false).await;
+    let mut tools = chat_body("what is the weather");
+    tools["tools"] = serde_json::json!([{"type": "function", "function": {"name": "weather"}}]);
+    tools["max_tokens"] = 250.into();
+    let r = ask(&app, "metered", &tools, &[]).await;
+    assert_openai_error(r, 400, Some("tools")).await;
+    // The whole minute's budget is still there.
+    let mut plain = chat_body("a question");
+    plain["max_tokens"] = 300.into();
+    assert_eq!(
+        cache_status(&ask(&app, "metered", &plain, &[]).await),
+        "miss"
+    );
+    assert_eq!(backend.calls(), 1);
+}

@@ -802,6 +802,7 @@ async fn a_background_generation_on_the_upstream_is_preempted_for_a_user_request
         params: Default::default(),
         priority: Priority::Background,
         extra: Default::default(),
+        backend: None,
     };
     let mut stream = app.state.backend.generate(background).await.unwrap();
     assert!(matches!(stream.next().await, Some(Ok(GenEvent::Delta(_)))));

@@ -44,7 +44,7 @@ pub const LOG_LEN: usize = 10_000;
 /// Settings of a [`ScriptedBackend`].
 #[derive(Debug, Clone)]
 pub struct ScriptConfig {
-    /// The model name served.
+    /// The model name served; empty: any model (like an upstream without a model list).
     pub model: String,
     /// Reply template; `{prompt}` is replaced by the last user message or the raw prompt.
     pub reply: String,
@@ -228,7 +228,7 @@ impl Backend for ScriptedBackend {
         }
         drop(log);
         let cfg = self.inner.cfg.lock().clone();
-        if req.model != cfg.model {
+        if !cfg.model.is_empty() && req.model != cfg.model {
             return Err(BackendError::UnknownModel(req.model));
         }
         let failure = self.inner.failure.lock().clone();
@@ -298,7 +298,12 @@ impl Backend for ScriptedBackend {
     }
 
     fn models(&self) -> Vec<String> {
-        vec![self.inner.cfg.lock().model.clone()]
+        let model = self.inner.cfg.lock().model.clone();
+        if model.is_empty() {
+            Vec::new()
+        } else {
+            vec![model]
+        }
     }
 
     fn ready(&self) -> bool {
@@ -466,6 +471,7 @@ mod tests {
             },
             priority: Priority::Interactive,
             extra: Default::default(),
+            backend: None,
         }
     }
 

@@ -168,6 +168,9 @@ pub struct GenRequest {
     pub priority: Priority,
     /// Fields the HTTP layer did not interpret, passed through to upstream backends verbatim.
     pub extra: serde_json::Map<String, serde_json::Value>,
+    /// The backend a route chose for it, by its configured name (`None`: the one serving
+    /// `model`). Read only by a router of several backends; not part of any cache key.
+    pub backend: Option<String>,
 }
 
 /// Why generation ended.
@@ -295,6 +298,9 @@ pub struct ForwardRequest {
     /// (`backend.max_concurrent`) until its answer is read. `None` for the API's other
     /// endpoints, which are neither counted nor limited.
     pub priority: Option<Priority>,
+    /// The backend a route chose for it, by its configured name (`None`: the upstream
+    /// serving `model`). Read only by a router of several backends.
+    pub backend: Option<String>,
 }
 
 /// The backend's answer to a [`ForwardRequest`], untouched: a success or a failure status

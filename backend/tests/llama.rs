@@ -79,6 +79,7 @@ fn request(input: Input, params: SamplingParams, priority: Priority) -> GenReque
         params,
         priority,
         extra: Default::default(),
+        backend: None,
     }
 }
 

@@ -43,6 +43,8 @@ pub struct Forward {
     pub max_tokens: Option<u32>,
     /// How many answers it asks for (`n`, `best_of`).
     pub answers: u32,
+    /// The backend its route chose, by name (`None`: the upstream serving `model`).
+    pub backend: Option<String>,
 }
 
 impl Forward {
@@ -60,7 +62,21 @@ impl Forward {
             field: u.field,
             max_tokens,
             answers: answers.unwrap_or(1).max(1),
+            backend: None,
         }
+    }
+
+    /// The refusal when the backend its route chose cannot forward it (the in-process llama
+    /// backend answers with text only).
+    pub fn needs_upstream(&self) -> ApiError {
+        ApiError::invalid(
+            format!(
+                "`{}` needs an OpenAI-compatible upstream (backend.kind = \"openai\"): the \
+                 in-process llama backend answers with text only",
+                self.param
+            ),
+            Some(&self.param),
+        )
     }
 }
 
@@ -101,14 +117,7 @@ pub async fn forward(
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
     if !state.backend.forwards() {
-        return Err(ApiError::invalid(
-            format!(
-                "`{}` needs an OpenAI-compatible upstream (backend.kind = \"openai\"): the \
-                 in-process llama backend answers with text only",
-                f.param
-            ),
-            Some(&f.param),
-        ));
+        return Err(f.needs_upstream());
     }
     book.outcome = Outcome::Bypass;
     state.metrics.forwarded(f.field);
@@ -134,6 +143,7 @@ pub async fn forward(
         model: Some(f.model),
         body: body.into(),
         priority: Some(priority),
+        backend: f.backend,
     };
     let answer = tokio::time::timeout_at(headers_by, state.backend.forward(req))
         .await
@@ -221,6 +231,7 @@ pub async fn passthrough(
             // audio) can be large, and the upstream enforces its own limits.
             body,
             priority: None,
+            backend: None,
         };
         let server = &state.config.server;
         let answer = tokio::time::timeout(server.request_timeout(), state.backend.forward(req))

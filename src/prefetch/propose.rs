@@ -182,6 +182,7 @@ fn proposal_request(asked: &GenRequest, answer: &str, n: usize) -> GenRequest {
         },
         priority: Priority::Background,
         extra: serde_json::Map::new(),
+        backend: asked.backend.clone(),
     }
 }
 

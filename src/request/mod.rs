@@ -118,7 +118,12 @@ async fn serve(
             // size: the body's characters, tools and all).
             let chars = || String::from_utf8_lossy(&body).chars().count();
             let choice = route(state, &tenant, &f.model, chars)?;
+            // Refused before the tenant's token budget is charged for it.
+            if !choice.primary.backend.forwards() {
+                return Err(f.needs_upstream());
+            }
             let body = crate::forward::with_model(body, &mut f, &choice.model)?;
+            f.backend = Some(choice.primary.name.clone());
             let body = policy::cap_forward(state, &tenant, &mut f, body)?;
             let forwarding =
                 crate::forward::forward(state, endpoint, headers, body, f, ctl.priority, book);
@@ -135,6 +140,7 @@ async fn serve(
         crate::routes::prompt_chars(input)
     })?;
     parsed.req.model = choice.model.clone();
+    parsed.req.backend = Some(choice.primary.name.clone());
     policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
     // 3. Policy.
     let access = policy::access(state, &tenant, &ctl);

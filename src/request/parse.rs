@@ -69,6 +69,7 @@ macro_rules! shared_fields {
             params,
             priority: Priority::Interactive,
             extra: $r.extra,
+            backend: None,
         };
         let include_usage = $r.stream_options.is_some_and(|o| o.include_usage);
         (
