@@ -182,6 +182,24 @@ async fn a_wait_past_the_slo_degrades_to_the_fallback_then_refuses() {
     assert_eq!(model_of(r).await, SMALL);
 }
 
+/// A request for the question the busy primary is generating follows that generation: it
+/// costs the backend nothing, so it is neither degraded nor refused.
+#[tokio::test]
+async fn a_request_following_a_running_generation_is_not_degraded() {
+    let mut rig = rig(config(&[DegradeStep::Refuse])).await;
+    rig.teach().await;
+    rig.hold().await;
+    let refused = at_risk(&rig.app, "refuse").await;
+    let same = chat_for("auto", "Tell me a long story that holds the slot.");
+    let r = rig.app.chat(&same, &[]).await;
+    assert!(header(&r, "x-reprise-degraded").is_none());
+    assert_eq!(model_of(r).await, SMALL);
+    assert_eq!(at_risk(&rig.app, "refuse").await, refused);
+    // The teaching request and the holder's: the follower made no call of its own.
+    assert_eq!(rig.small.calls(), 2);
+    rig.release().await;
+}
+
 /// Without `[degrade]` the same busy moment only waits (the route's saturation fallback
 /// aside): a model without a fallback is answered by the primary once the holder is done.
 #[tokio::test]

@@ -790,3 +790,36 @@ async fn a_request_only_an_upstream_can_answer_is_refused_before_it_spends_the_b
     );
     assert_eq!(backend.calls(), 1);
 }
+
+#[tokio::test]
+async fn requests_that_follow_a_running_generation_are_not_charged_for_it() {
+    let budget = TenantPolicy {
+        tokens_per_minute: 300,
+        ..TenantPolicy::default()
+    };
+    let (app, backend) = policy_app(vec![("metered", budget)], false).await;
+    // A slow answer, so the others arrive while it is generated.
+    backend.set_token_delay(std::time::Duration::from_millis(300));
+    let mut body = chat_body("one question asked by many at once");
+    body["max_tokens"] = 250.into();
+    let leader = {
+        let (client, url, body) = (app.client.clone(), app.chat_url(), body.clone());
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .header("authorization", "Bearer sk-metered")
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+        })
+    };
+    assert!(eventually(std::time::Duration::from_secs(30), || backend.active() == 1).await);
+    // The budget holds one such request a minute: the followers cost nothing.
+    let followers = futures::future::join_all((0..5).map(|_| ask(&app, "metered", &body, &[])));
+    for r in followers.await {
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(leader.await.unwrap().status(), 200);
+    assert_eq!(backend.calls(), 1);
+}

@@ -276,54 +276,63 @@ async fn serve(
     if !access.generate {
         return Err(ApiError::NotCached);
     }
-    // The backend would answer too late for the route's SLO: answered another way.
-    let mut fallback = choice.fallback.clone().map(|target| Fallback {
-        target,
-        force: false,
-    });
-    let now = reprise_cache::now_ms();
-    let stale_ok = stale
-        .as_ref()
-        .filter(|e| stale_windows.if_error(e.expires_ms, now));
-    let (namespace, priority) = (&ctl.namespace, parsed.req.priority);
-    let degrading = degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok);
-    match Box::pin(degrading).await {
-        Some(Degradation::Loose(hit)) => {
-            let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
-            state.responses.remember(state, renderer.id(), s);
-            // Before `hit`, which may move the bookkeeping into a stream.
-            book.degraded(Degraded::LooseThreshold);
-            let mut resp = respond::hit(&parsed, renderer, hit, book);
-            set_degraded(&mut resp, Degraded::LooseThreshold);
-            return Ok(resp);
-        }
-        Some(Degradation::Stale(entry)) => {
-            let s = served(Some(entry.id), Outcome::Exact, None, book);
-            let kind = Degraded::StaleIfError;
-            return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book));
-        }
-        Some(Degradation::Fallback(f)) => fallback = Some(f),
-        Some(Degradation::Refuse(retry_after_secs)) => {
-            return Err(ApiError::Overloaded { retry_after_secs })
-        }
-        None => {}
-    }
-    // The backend will be asked: charged against the tenant's token budget.
-    let max_tokens = parsed.req.params.max_tokens;
-    tenant.take_tokens(max_tokens.unwrap_or(state.config.backend.default_max_tokens))?;
-    let mut plan = found.plan;
-    plan.tags = ctl.tags.clone();
-    plan.near_miss = near_miss_to_check(state, &tenant, &found.notes, scope.clone());
-    plan.observe = observe;
-
     // 6. Single-flight, 7. generation (8. write-back in the driver task).
     book.outcome = if access.write {
         Outcome::Miss
     } else {
         Outcome::Bypass
     };
-    let joining = single_flight::join(state, &parsed, plan, found.policy, access, fallback, book);
-    let joined = Box::pin(joining).await;
+    // A generation already running for this question answers it at no cost to the backend:
+    // followed before anything is degraded or charged.
+    let following = single_flight::follow(state, &found.plan, found.policy.as_ref(), access, book);
+    let joined = match Box::pin(following).await {
+        Some(joined) => joined,
+        None => {
+            // The backend would answer too late for the route's SLO: answered another way.
+            let mut fallback = choice.fallback.clone().map(|target| Fallback {
+                target,
+                force: false,
+            });
+            let now = reprise_cache::now_ms();
+            let stale_ok = stale
+                .as_ref()
+                .filter(|e| stale_windows.if_error(e.expires_ms, now));
+            let (namespace, priority) = (&ctl.namespace, parsed.req.priority);
+            let degrading =
+                degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok);
+            match Box::pin(degrading).await {
+                Some(Degradation::Loose(hit)) => {
+                    let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
+                    state.responses.remember(state, renderer.id(), s);
+                    // Before `hit`, which may move the bookkeeping into a stream.
+                    book.degraded(Degraded::LooseThreshold);
+                    let mut resp = respond::hit(&parsed, renderer, hit, book);
+                    set_degraded(&mut resp, Degraded::LooseThreshold);
+                    return Ok(resp);
+                }
+                Some(Degradation::Stale(entry)) => {
+                    let s = served(Some(entry.id), Outcome::Exact, None, book);
+                    let kind = Degraded::StaleIfError;
+                    return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book));
+                }
+                Some(Degradation::Fallback(f)) => fallback = Some(f),
+                Some(Degradation::Refuse(retry_after_secs)) => {
+                    return Err(ApiError::Overloaded { retry_after_secs })
+                }
+                None => {}
+            }
+            // The backend will be asked: charged against the tenant's token budget.
+            let max_tokens = parsed.req.params.max_tokens;
+            tenant.take_tokens(max_tokens.unwrap_or(state.config.backend.default_max_tokens))?;
+            let mut plan = found.plan;
+            plan.tags = ctl.tags.clone();
+            plan.near_miss = near_miss_to_check(state, &tenant, &found.notes, scope.clone());
+            plan.observe = observe;
+            let policy = found.policy;
+            let joining = single_flight::join(state, &parsed, plan, policy, access, fallback, book);
+            Box::pin(joining).await
+        }
+    };
     // 9. Respond (remembered for feedback under the response's id).
     let outcome = book.outcome;
     let s = served(joined.subscriber.entry(), outcome, joined.similarity, book);

@@ -1,6 +1,8 @@
 //! Steps 6 and 7 of the request path: a miss follows a generation already running for the
 //! same exact key, or for a paraphrase of it in the same partition (above the threshold,
-//! through the gate), or leads a new generation ([`crate::generate::spawn`]).
+//! through the gate), or leads a new generation ([`crate::generate::spawn`]). [`follow`] runs
+//! before the request is degraded or charged (following costs the backend nothing);
+//! [`join`] after, and follows too when a generation started in between.
 
 use std::sync::Arc;
 
@@ -25,6 +27,58 @@ pub struct Joining {
     pub similarity: Option<f32>,
 }
 
+/// Follows a generation already running for the request's exact key, or for a paraphrase
+/// of it in its partition, if there is one: such a request costs the backend nothing, so it
+/// is neither degraded nor charged to the tenant's budget. Only a request that may write
+/// follows (one that may not runs its own generation).
+pub async fn follow(
+    state: &Arc<AppState>,
+    plan: &WritePlan,
+    policy: Option<&SemanticPolicy>,
+    access: Access,
+    book: &mut Bookkeeping,
+) -> Option<Joining> {
+    if !access.write {
+        return None;
+    }
+    if let Some(subscriber) = state.flights.follow(&plan.exact) {
+        state.metrics.singleflight_joins.increment(1);
+        return Some(Joining {
+            subscriber,
+            similarity: None,
+        });
+    }
+    follow_paraphrase(state, plan, policy, access, book).await
+}
+
+/// A paraphrase of a question being generated right now waits for that answer.
+async fn follow_paraphrase(
+    state: &Arc<AppState>,
+    plan: &WritePlan,
+    policy: Option<&SemanticPolicy>,
+    access: Access,
+    book: &mut Bookkeeping,
+) -> Option<Joining> {
+    let (true, Some(policy), Some(partition), Some(embedding)) = (
+        access.read && access.write,
+        policy,
+        plan.partition,
+        plan.embedding.as_ref(),
+    ) else {
+        return None;
+    };
+    let found = paraphrase_in_flight(state, plan, policy, &partition, embedding).await;
+    let (subscriber, sim) =
+        found.and_then(|(key, sim)| state.flights.follow(&key).map(|s| (s, sim)))?;
+    state.metrics.singleflight_joins.increment(1);
+    book.outcome = Outcome::Semantic;
+    book.record.similarity = Some(sim);
+    Some(Joining {
+        subscriber,
+        similarity: Some(sim),
+    })
+}
+
 /// Joins or starts the generation that answers `parsed` (a new one falls back to `fallback`
 /// when its backend is saturated or refuses). A request that may not write runs its own
 /// generation and stores nothing.
@@ -37,25 +91,9 @@ pub async fn join(
     fallback: Option<Fallback>,
     book: &mut Bookkeeping,
 ) -> Joining {
-    // A paraphrase of a question being generated right now waits for that answer.
-    if let (true, Some(policy), Some(partition), Some(embedding)) = (
-        access.read && access.write,
-        policy,
-        plan.partition,
-        plan.embedding.as_ref(),
-    ) {
-        let found = paraphrase_in_flight(state, &plan, &policy, &partition, embedding).await;
-        if let Some((subscriber, sim)) =
-            found.and_then(|(key, sim)| state.flights.follow(&key).map(|s| (s, sim)))
-        {
-            state.metrics.singleflight_joins.increment(1);
-            book.outcome = Outcome::Semantic;
-            book.record.similarity = Some(sim);
-            return Joining {
-                subscriber,
-                similarity: Some(sim),
-            };
-        }
+    // A paraphrase in flight may have started since [`follow`] looked.
+    if let Some(joined) = follow_paraphrase(state, &plan, policy.as_ref(), access, book).await {
+        return joined;
     }
     let subscriber = if access.write {
         let exact = plan.exact;
