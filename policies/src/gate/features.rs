@@ -1,11 +1,12 @@
 //! The surface features of one prompt that the gate compares: its words (tokenised, with
-//! sentence and clause starts), numbers (digits, number words, times, ordinals), date
-//! words, negations, entities (capitalised words), quoted strings, and content words with
-//! phrasal verbs joined.
+//! sentence and clause starts), numbers (digits with their sign and magnitude, number words,
+//! times, ordinals), the operators between numbers and the currencies named, date words,
+//! negations, entities (capitalised words), quoted strings, and content words with phrasal
+//! verbs joined.
 
 use super::lexicon::{
-    is_negation, ordinal_word, scale_word, strip_possessive, unit_word, DATES, NOT_ENTITIES,
-    PARTICLES, PHRASAL_VERBS,
+    currency_word, is_negation, operator_word, ordinal_word, scale_word, strip_possessive,
+    unit_word, DATES, NOT_ENTITIES, PARTICLES, PHRASAL_VERBS,
 };
 
 /// One word of a prompt.
@@ -26,8 +27,14 @@ pub(super) struct Token {
 pub(super) struct Features {
     /// The prompt's words, in order.
     pub(super) tokens: Vec<Token>,
-    /// Normalised numbers ("50", "7pm", "9:15", "3rd").
+    /// Normalised numbers ("50", "7pm", "9:15", "3th", "-5", "5000000" for "5 million",
+    /// "10000" for "10k"), and the digits inside words ("python3" → "3").
     pub(super) numbers: Vec<String>,
+    /// Operators between numbers, by symbol or word ("12 + 4", "12 plus 4", "x > 5"),
+    /// normalised to their symbol.
+    pub(super) operators: Vec<&'static str>,
+    /// Currencies, by symbol or word ("$", "dollars", "EUR"), normalised to a name.
+    pub(super) currencies: Vec<&'static str>,
     /// How many of `numbers` came from the word "one" (often a pronoun: "quick one").
     pub(super) ones_from_word: usize,
     /// Weekdays, months, relative days ("sunday", "tomorrow", "weekend").
@@ -47,8 +54,11 @@ impl Features {
     pub(super) fn of(text: &str) -> Features {
         let tokens = tokenize(text);
         super::steps(tokens.len());
+        let (operators, currencies) = symbols(text);
         let mut f = Features {
             quotes: quoted(text),
+            operators,
+            currencies,
             ..Features::default()
         };
 
@@ -67,10 +77,19 @@ impl Features {
             || (inner.len() >= 3 && capitalised * 5 > inner.len() * 3);
 
         let mut words: Vec<String> = Vec::with_capacity(tokens.len());
+        // Whether the token before was a number (an operator word between numbers counts).
+        let mut after_number = false;
         let mut i = 0;
         while i < tokens.len() {
             let t = &tokens[i];
             let w = strip_possessive(&t.lower);
+            if let Some(c) = currency_word(w) {
+                f.currencies.push(c);
+            }
+            if let Some(op) = operator_word(w).filter(|_| after_number) {
+                f.operators.push(op);
+            }
+            let counted = f.numbers.len();
             // "No, it doesn't ..." / "Yes, ...": an answer word, not a negation.
             let interjection = t.sentence_start
                 && matches!(t.lower.as_str(), "no" | "nope")
@@ -79,26 +98,34 @@ impl Features {
                 f.negations += 1;
             }
             if let Some(n) = number_token(&t.lower) {
-                // "7 pm" → "7pm".
-                let suffix = tokens
-                    .get(i + 1)
-                    .map(|n| n.lower.as_str())
-                    .filter(|s| matches!(*s, "am" | "pm"));
-                match suffix {
-                    Some(s) => {
+                // "7 pm" → "7pm"; "5 million" → "5000000".
+                let next = tokens.get(i + 1).map(|n| n.lower.as_str());
+                match next {
+                    Some(s @ ("am" | "pm")) => {
                         f.numbers.push(format!("{n}{s}"));
                         i += 1;
                     }
-                    None => f.numbers.push(n),
+                    Some(s) if magnitude(s).is_some() => {
+                        f.numbers.push(scaled(&n, magnitude(s).unwrap_or(1)));
+                        i += 1;
+                    }
+                    _ => f.numbers.push(n),
                 }
             } else if let Some((value, used)) = number_words(&tokens[i..]) {
                 if used == 1 && t.lower == "one" {
                     f.ones_from_word += 1;
                 }
                 f.numbers.push(value);
+                after_number = true;
                 i += used;
                 continue;
+            } else {
+                // Digits inside a word name a version or a variant: "python3", "ipv6".
+                f.numbers.extend(inner_digits(&t.lower));
             }
+            after_number = f.numbers.len() > counted
+                && t.lower
+                    .starts_with(|c: char| c.is_ascii_digit() || c == '-');
             // "Morning! How do I ..." is a greeting, not a time.
             let greeting = t.sentence_start && tokens.get(i + 1).is_none_or(|n| n.clause_start);
             if let Some(d) = date_word(w, t, caseless).filter(|_| !greeting) {
@@ -133,10 +160,13 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
         .chars()
         .map(|c| match c {
             '\u{2019}' | '\u{2018}' | '`' => '\'',
+            '\u{2212}' => '-',
             c => c,
         })
         .collect();
     let mut out = Vec::new();
+    // The last character that is not whitespace, before the current one.
+    let mut visible: Option<char> = None;
     let mut current = String::new();
     let mut cased = false;
     let mut sentence_start = true;
@@ -164,7 +194,18 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
     for (i, &c) in chars.iter().enumerate() {
         let prev = i.checked_sub(1).map(|j| chars[j]);
         let next = chars.get(i + 1).copied();
+        // A minus sign: before a digit, not after a word, a digit or a bracket ("-5", "(-5)",
+        // "x=-5"; not "12-4", "12 - 4" or "covid-19").
+        let sign = c == '-'
+            && current.is_empty()
+            && next.is_some_and(|n| n.is_ascii_digit())
+            && !prev.is_some_and(|p| p.is_alphanumeric() || p == ')')
+            && !visible.is_some_and(|v| v.is_ascii_digit() || v == ')');
+        if !c.is_whitespace() {
+            visible = Some(c);
+        }
         let keep = c.is_alphanumeric()
+            || sign
             || (c == '\'' && !current.is_empty() && next.is_some_and(char::is_alphabetic))
             || (matches!(c, '.' | ',' | ':')
                 && prev.is_some_and(|p| p.is_ascii_digit())
@@ -230,23 +271,142 @@ fn quoted(text: &str) -> Vec<String> {
 }
 
 /// A numeric token, normalised: "£50" is tokenised as "50"; "2,700" → "2700";
-/// "3rd" → "3rd"; "7pm" → "7pm"; "10gb" → "10" (units are not numbers).
+/// "3rd" → "3th"; "7pm" → "7pm"; "-5" → "-5"; "10k" → "10000"; "1e3" → "1000"; "0x1f" as
+/// it is; "10gb" → "10" (units are not numbers).
 fn number_token(w: &str) -> Option<String> {
+    let (sign, w) = match w.strip_prefix('-') {
+        Some(rest) => ("-", rest),
+        None => ("", w),
+    };
     let first = w.chars().next()?;
     if !first.is_ascii_digit() {
         return None;
+    }
+    if w.len() > 2 && w.starts_with("0x") {
+        return Some(format!("{sign}{w}"));
     }
     let digits_end = w
         .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | ',' | ':')))
         .unwrap_or(w.len());
     let (num, rest) = w.split_at(digits_end);
     let num: String = num.chars().filter(|&c| c != ',').collect();
-    let num = num.trim_end_matches(['.', ':']).to_string();
+    let num = format!("{sign}{}", num.trim_end_matches(['.', ':']));
+    let exponent = rest
+        .strip_prefix('e')
+        .filter(|e| !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit()));
     Some(match rest {
         "am" | "pm" => format!("{num}{rest}"),
         "st" | "nd" | "rd" | "th" => format!("{num}th"),
-        _ => num,
+        _ => match (exponent, magnitude(rest)) {
+            (Some(e), _) => match e.parse::<u32>() {
+                Ok(e) if e <= 18 => scaled(&num, 10u64.pow(e)),
+                _ => format!("{num}e{e}"),
+            },
+            (None, Some(m)) => scaled(&num, m),
+            (None, None) => num,
+        },
     })
+}
+
+/// The factor a word or suffix after a number multiplies it by: "million", "k", "bn".
+fn magnitude(w: &str) -> Option<u64> {
+    match w {
+        "hundred" => Some(100),
+        "k" => Some(1_000),
+        "bn" => Some(1_000_000_000),
+        _ => scale_word(w),
+    }
+}
+
+/// `num` (digits, maybe a sign and a decimal point) times `factor`, as digits; `num` and the
+/// factor side by side when the product is not a whole number that fits.
+fn scaled(num: &str, factor: u64) -> String {
+    let value = num.parse::<f64>().ok().map(|v| v * factor as f64);
+    match value {
+        Some(v) if v.fract() == 0.0 && v.abs() < 9.0e18 => format!("{}", v as i64),
+        _ => format!("{num}x{factor}"),
+    }
+}
+
+/// The runs of digits inside a word that starts with a letter ("python3" → "3",
+/// "sha256" → "256").
+fn inner_digits(w: &str) -> Vec<String> {
+    if !w.starts_with(char::is_alphabetic) || !w.bytes().any(|b| b.is_ascii_digit()) {
+        return Vec::new();
+    }
+    w.split(|c: char| !c.is_ascii_digit())
+        .filter(|d| !d.is_empty())
+        .map(|d| d.trim_start_matches('0').to_string())
+        .map(|d| if d.is_empty() { "0".to_string() } else { d })
+        .collect()
+}
+
+/// The operators written as symbols between numbers ("12 + 4", "12*4", "x > 5", "2^8"), and
+/// the currencies written as symbols ("$5", "£"). An operator counts only next to a digit on
+/// one side and a digit, a letter or a bracket on the other (a hyphen between words is no
+/// minus); `-` before a number is its sign (kept with the number), not an operator.
+fn symbols(text: &str) -> (Vec<&'static str>, Vec<&'static str>) {
+    let chars: Vec<char> = text.chars().collect();
+    let mut ops = Vec::new();
+    let mut currencies = Vec::new();
+    // The nearest character that is not whitespace, either side of `i`.
+    let before = |i: usize| chars[..i].iter().rev().take(4).find(|c| !c.is_whitespace());
+    let after = |i: usize| chars[i + 1..].iter().take(4).find(|c| !c.is_whitespace());
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if let Some(name) = match c {
+            '$' => Some("dollar"),
+            '\u{a3}' => Some("pound"),
+            '\u{20ac}' => Some("euro"),
+            '\u{a5}' => Some("yen"),
+            '\u{20b9}' => Some("rupee"),
+            _ => None,
+        } {
+            currencies.push(name);
+        }
+        let two = chars.get(i + 1).copied();
+        let (op, width) = match (c, two) {
+            ('<', Some('=')) | ('\u{2264}', _) => ("<=", if c == '<' { 2 } else { 1 }),
+            ('>', Some('=')) | ('\u{2265}', _) => (">=", if c == '>' { 2 } else { 1 }),
+            ('!', Some('=')) | ('\u{2260}', _) => ("!=", if c == '!' { 2 } else { 1 }),
+            ('=', Some('=')) => ("=", 2),
+            ('+', _) => ("+", 1),
+            ('-' | '\u{2212}' | '\u{2013}', _) => ("-", 1),
+            ('*' | '\u{d7}', _) => ("*", 1),
+            ('/' | '\u{f7}', _) => ("/", 1),
+            ('^', _) => ("^", 1),
+            ('<', _) => ("<", 1),
+            ('>', _) => (">", 1),
+            ('=', _) => ("=", 1),
+            _ => ("", 1),
+        };
+        if !op.is_empty() {
+            let (l, r) = (before(i), after(i + width - 1));
+            let digit = |c: Option<&char>| c.is_some_and(|c| c.is_ascii_digit());
+            let operand = |c: Option<&char>| {
+                c.is_some_and(|c| c.is_alphanumeric() || matches!(c, '(' | ')' | '$' | '\u{a3}'))
+            };
+            // A minus right before a digit after no digit is that number's sign.
+            let sign = op == "-"
+                && chars.get(i + 1).is_some_and(char::is_ascii_digit)
+                && !digit(l)
+                && l != Some(&')');
+            if !sign && ((digit(l) && operand(r)) || (operand(l) && digit(r))) {
+                // A hyphen between a word and a number ("covid-19", "gpt-4") is no minus.
+                let word_hyphen = op == "-"
+                    && i > 0
+                    && chars[i - 1].is_alphabetic()
+                    && chars.get(i + 1).is_some_and(|c| !c.is_whitespace());
+                if !word_hyphen {
+                    ops.push(op);
+                }
+            }
+        }
+        i += width;
+    }
+    super::steps(chars.len());
+    (ops, currencies)
 }
 
 /// Number words starting at `tokens[0]`: the value (as digits) and how many tokens it used.
@@ -258,7 +418,16 @@ fn number_words(tokens: &[Token]) -> Option<(String, usize)> {
     let mut total: u64 = 0;
     let mut current: u64 = 0;
     let mut used = 0;
-    for t in tokens {
+    // "a hundred", "a thousand": the article is the one.
+    let article = matches!(tokens[0].lower.as_str(), "a" | "an")
+        && tokens
+            .get(1)
+            .is_some_and(|t| t.lower == "hundred" || scale_word(&t.lower).is_some());
+    if article {
+        current = 1;
+        used = 1;
+    }
+    for t in &tokens[used..] {
         let w = t.lower.as_str();
         if let Some(v) = unit_word(w) {
             // "twenty five": units after tens; a second unit in a row starts a new number.
@@ -306,6 +475,18 @@ mod tests {
         assert_eq!(sorted(&f.numbers), vec!["2", "2700", "3th", "50", "7"]);
         let f = Features::of("twenty five or one hundred");
         assert_eq!(sorted(&f.numbers), vec!["100", "25"]);
+        let f = Features::of("Is -5 more than 5 million, 10k, 1e3, 2.5 billion or a hundred?");
+        assert_eq!(
+            sorted(&f.numbers),
+            vec!["-5", "100", "1000", "10000", "2500000000", "5000000"]
+        );
+        assert!(f.operators.is_empty(), "{:?}", f.operators);
+        let f =
+            Features::of("12 - 4, 12-4, x >= 3, 2^8, covid-19, gpt-4, well-known, $5 and 3 euros");
+        assert_eq!(f.operators, ["-", "-", ">=", "^"]);
+        assert_eq!(f.currencies, ["dollar", "euro"]);
+        // A huge exponent or factor stays as written instead of overflowing.
+        assert_eq!(Features::of("1e400").numbers, ["1e400"]);
         // Number words past what a u64 holds saturate instead of overflowing.
         let huge = format!("one{} billion", " hundred".repeat(12));
         assert_eq!(Features::of(&huge).numbers, [u64::MAX.to_string()]);

@@ -113,9 +113,38 @@ pub(super) fn unit_word(w: &str) -> Option<u64> {
 /// The value of a scale word ("thousand" → 1000).
 pub(super) fn scale_word(w: &str) -> Option<u64> {
     match w {
-        "thousand" => Some(1_000),
-        "million" => Some(1_000_000),
-        "billion" => Some(1_000_000_000),
+        "thousand" | "thousands" => Some(1_000),
+        "million" | "millions" => Some(1_000_000),
+        "billion" | "billions" => Some(1_000_000_000),
+        "trillion" | "trillions" => Some(1_000_000_000_000),
+        _ => None,
+    }
+}
+
+/// An arithmetic operator written as a word after a number ("12 plus 4", "12 divided by
+/// 4"), as its symbol.
+pub(super) fn operator_word(w: &str) -> Option<&'static str> {
+    match w {
+        "plus" => Some("+"),
+        "minus" => Some("-"),
+        "times" | "multiplied" => Some("*"),
+        "divided" => Some("/"),
+        _ => None,
+    }
+}
+
+/// A currency named as a word or code ("dollars", "EUR"), by name.
+pub(super) fn currency_word(w: &str) -> Option<&'static str> {
+    match w {
+        "dollar" | "dollars" | "usd" => Some("dollar"),
+        "cad" => Some("cad"),
+        "aud" => Some("aud"),
+        "pound" | "pounds" | "gbp" | "quid" => Some("pound"),
+        "euro" | "euros" | "eur" => Some("euro"),
+        "yen" | "jpy" => Some("yen"),
+        "rupee" | "rupees" | "inr" => Some("rupee"),
+        "yuan" | "rmb" | "cny" => Some("yuan"),
+        "franc" | "francs" | "chf" => Some("franc"),
         _ => None,
     }
 }

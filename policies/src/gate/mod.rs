@@ -7,7 +7,11 @@
 //! pair when one of them differs; a rejected candidate is a miss, never a wrong answer.
 //!
 //! The rules, each one a [`GateVerdict::Reject`] reason:
-//! - `number`: the multisets of numbers (digits, number words, times, ordinals) differ.
+//! - `number`: the multisets of numbers (digits with their sign and magnitude, number words,
+//!   times, ordinals, digits inside words such as "python3") differ.
+//! - `operator`: both sides put operators between numbers (`+`, `-`, `*`, `/`, `^`,
+//!   comparisons, or "plus", "minus", "times", "divided") and not the same ones.
+//! - `currency`: both sides name currencies (by symbol, word or code) and not the same ones.
 //! - `date`: the multisets of weekday, month and relative-day words differ.
 //! - `negation`: the parity of negations (not, n't, no, never, without, non-...) differs.
 //! - `antonym`: one side has a word, the other its opposite (and not the word itself),
@@ -99,6 +103,12 @@ fn judge(query: &str, candidate: &str) -> GateVerdict {
     if !same_numbers(&a, &b) {
         return GateVerdict::Reject("number");
     }
+    if both_differ(&sorted(&a.operators), &sorted(&b.operators)) {
+        return GateVerdict::Reject("operator");
+    }
+    if both_differ(&distinct(&a.currencies), &distinct(&b.currencies)) {
+        return GateVerdict::Reject("currency");
+    }
     if sorted(&a.dates) != sorted(&b.dates) {
         return GateVerdict::Reject("date");
     }
@@ -166,6 +176,20 @@ impl<'a> Words<'a> {
                 .collect(),
         }
     }
+}
+
+/// Both sides name some (operators, currencies), and not the same: a side that names none
+/// may have written them otherwise ("add 4 to 12"), so it decides nothing.
+fn both_differ(a: &[&str], b: &[&str]) -> bool {
+    !a.is_empty() && !b.is_empty() && a != b
+}
+
+/// The distinct values, sorted.
+fn distinct<'s>(v: &[&'s str]) -> Vec<&'s str> {
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 /// A sorted copy, for comparing multisets.
@@ -324,6 +348,8 @@ mod tests {
     fn static_reason(r: &str) -> &'static str {
         [
             "number",
+            "operator",
+            "currency",
             "date",
             "negation",
             "antonym",
@@ -435,6 +461,76 @@ mod tests {
         let late = format!("{a} Then ask about Rome.");
         assert_eq!(gate(&late, &b), GateVerdict::Pass);
         assert_eq!(judge(&late, &b), GateVerdict::Reject("entity"));
+    }
+
+    #[test]
+    fn operators_currencies_signs_and_magnitudes_are_caught() {
+        rejects("What is 12 + 4?", "What is 12 - 4?", "operator");
+        rejects("What is 12*4?", "What is 12/4?", "operator");
+        rejects("What is 12 plus 4?", "What is 12 minus 4?", "operator");
+        rejects(
+            "What is 12 times 4?",
+            "What is 12 divided by 4?",
+            "operator",
+        );
+        rejects("Is x > 5 here?", "Is x < 5 here?", "operator");
+        rejects("Is x >= 5 here?", "Is x > 5 here?", "operator");
+        rejects(
+            "How much is $100 in euros?",
+            "How much is \u{a3}100 in euros?",
+            "currency",
+        );
+        rejects(
+            "Convert 100 dollars to yen",
+            "Convert 100 pounds to yen",
+            "currency",
+        );
+        rejects("Is -5 less than 3?", "Is 5 less than 3?", "number");
+        rejects("What is (-5) squared?", "What is (5) squared?", "number");
+        rejects(
+            "What is 5 million divided by 2?",
+            "What is 5 billion divided by 2?",
+            "number",
+        );
+        rejects("Raise $5m or $5bn?", "Raise $5m or $5k?", "number");
+        rejects(
+            "I have a hundred dollars",
+            "I have a thousand dollars",
+            "number",
+        );
+        rejects("What is 1e3 squared?", "What is 1e9 squared?", "number");
+        rejects(
+            "what is 0x1f in decimal",
+            "what is 0xff in decimal",
+            "number",
+        );
+        rejects(
+            "how do I install python2 on ubuntu",
+            "how do I install python3 on ubuntu",
+            "number",
+        );
+        rejects(
+            "is sha1 still safe to use",
+            "is sha256 still safe to use",
+            "number",
+        );
+        rejects("how do I enable ipv4", "how do I enable ipv6", "number");
+        // The same thing written otherwise passes.
+        passes("What is 12 + 4?", "What is 12 plus 4?");
+        passes("What is 12+4?", "What is 12 + 4 ?");
+        passes("What is 12 + 4?", "Add 4 to 12, what do you get?");
+        passes(
+            "Convert \u{a3}50 to dollars",
+            "Convert fifty pounds to dollars",
+        );
+        passes("Is 10k a lot of steps?", "Is 10,000 a lot of steps?");
+        passes("Is 5 million a lot?", "Is 5,000,000 a lot?");
+        passes("What is covid-19?", "what is covid 19?");
+        passes("Explain gpt-4 briefly", "Briefly explain gpt-4");
+        passes(
+            "What's the range 1-10 for?",
+            "What's the range 1-10 used for?",
+        );
     }
 
     #[test]
