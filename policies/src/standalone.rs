@@ -24,6 +24,12 @@
 //! - nothing names its topic: no name (a capitalised word after the first), no number, no
 //!   quoted text and no prepositional complement ("How many nations competed?", "Can you
 //!   give some tips?" refer back; "What is the speed of sound in water?" does not);
+//! - it asks to transform something without saying what: a transform verb (translate,
+//!   summarise, rewrite, shorten, explain, ...) opening the request, after any politeness
+//!   ("please", "can you"), with nothing between it and a preposition, an adverb or the end
+//!   ("Translate into French please.", "Summarise in 3 bullet points.", "Explain in simple
+//!   terms"), or a transform noun (summary, translation, version, ...) not followed by "of"
+//!   ("Give me a summary in 3 bullet points");
 //! - a definite noun phrase that does not name what it means by itself: "the" + words with
 //!   no name or number, not opening with a superlative and not followed by "of" ("What are
 //!   the early warning signs?", "Translate the list into Italian", "How do I get from the
@@ -32,8 +38,11 @@
 //!
 //! [`conversation_is_plain`] says whether the earlier user messages leave nothing behind that
 //! could shape a later answer: each is a question (ends with "?") and none gives a standing
-//! instruction ("from now on", "always answer in ..."). A statement such as "I'm learning
-//! Python." makes "Write a function that ..." depend on it, so it keeps the context.
+//! instruction, by a phrase ("from now on", "always answer in ...") or as a request about how
+//! the assistant is to answer ("Can you talk like a pirate?", "Could you keep answers under
+//! 20 words?": a request opening with "can/could/would/will you" or "please" whose verb is
+//! one of manner, [`MANNER_VERBS`]). A statement such as "I'm learning Python." makes "Write a
+//! function that ..." depend on it, so it keeps the context.
 
 /// The fewest words a standalone question has.
 pub const MIN_WORDS: usize = 4;
@@ -117,6 +126,97 @@ const AUXILIARIES: &[&str] = &[
     "has",
 ];
 
+/// Verbs that ask for a transformation of something said earlier when nothing follows them.
+const TRANSFORM_VERBS: &[&str] = &[
+    "translate",
+    "summarise",
+    "summarize",
+    "rewrite",
+    "rephrase",
+    "paraphrase",
+    "reword",
+    "shorten",
+    "simplify",
+    "condense",
+    "expand",
+    "explain",
+    "clarify",
+    "proofread",
+    "correct",
+    "fix",
+    "edit",
+    "improve",
+    "format",
+    "reformat",
+    "convert",
+    "repeat",
+    "redo",
+    "retry",
+    "tabulate",
+    "outline",
+    "restate",
+    "polish",
+    "tidy",
+    "lengthen",
+];
+
+/// Nouns naming a transformation of something, which say what only with "of".
+const TRANSFORM_NOUNS: &[&str] = &[
+    "summary",
+    "translation",
+    "version",
+    "rewrite",
+    "recap",
+    "tldr",
+    "paraphrase",
+    "explanation",
+    "outline",
+    "rundown",
+    "breakdown",
+];
+
+/// Words of politeness that may come before a request's verb.
+const POLITE: &[&str] = &[
+    "please", "pls", "kindly", "now", "ok", "okay", "can", "could", "would", "will", "you", "u",
+    "just",
+];
+
+/// Words after a transform verb that are not its object.
+const NOT_OBJECTS: &[&str] = &[
+    "please",
+    "briefly",
+    "simply",
+    "now",
+    "quickly",
+    "again",
+    "differently",
+    "better",
+    "concisely",
+    "formally",
+    "informally",
+    "properly",
+    "as",
+    "like",
+    "using",
+    "so",
+    "for",
+    "in",
+    "into",
+    "to",
+    "with",
+    "without",
+    "on",
+    "at",
+    "by",
+];
+
+/// Verbs of a request about how the assistant answers from then on ("Can you talk like a
+/// pirate?").
+pub const MANNER_VERBS: &[&str] = &[
+    "talk", "speak", "respond", "reply", "answer", "keep", "limit", "use", "be", "act", "pretend",
+    "stop", "start", "switch", "sound", "address", "call", "format", "avoid",
+];
+
 /// Phrases of a standing instruction in a user message.
 const INSTRUCTIONS: &[&str] = &[
     "from now on",
@@ -181,7 +281,7 @@ pub fn refers_back(text: &str) -> bool {
     {
         return true;
     }
-    if (0..w.len()).any(|i| w[i].lower == "the" && !anchored(&w[i + 1..])) {
+    if unanchored_definite(&w) || transform_without_object(&lower) {
         return true;
     }
     // A question of its own names its topic somewhere.
@@ -198,25 +298,59 @@ pub fn refers_back(text: &str) -> bool {
     !(named || quoted || complement)
 }
 
-/// Whether the noun phrase after a "the" (the words up to a preposition, a reference or the
-/// end) names what it means by itself: it holds a name or a number ("the 2018 World Cup",
-/// "the Moon"), opens with a superlative ("the best way", "the largest"), or is followed by
-/// "of" ("the capital of France"). "the list", "the airport", "the maximum daily dose for an
-/// adult" are not: they point at something the conversation set up.
-fn anchored(after: &[Word]) -> bool {
-    let end = after
+/// Whether some "the" opens a noun phrase (the words up to a preposition, a reference or the
+/// end) that does not name what it means by itself. It does when it holds a name or a number
+/// ("the 2018 World Cup", "the Moon"), opens with a superlative ("the best way", "the
+/// largest"), or is followed by "of" ("the capital of France"). "the list", "the airport",
+/// "the maximum daily dose for an adult" do not: they point at something the conversation set
+/// up. One pass from the end, so a message of many "the"s costs no more than its words.
+fn unanchored_definite(w: &[Word]) -> bool {
+    let boundary = |x: &Word| {
+        PREPOSITIONS.contains(&x.lower.as_str()) || REFERENCES.contains(&x.lower.as_str())
+    };
+    let superlative = |x: &Word| {
+        matches!(x.lower.as_str(), "best" | "worst" | "most" | "least")
+            || (x.lower.ends_with("est") && x.lower.len() > 4)
+    };
+    // Of the words after the current one, up to the nearest boundary: whether one is a name
+    // or a number, whether there are any, and whether that boundary is "of".
+    let (mut named, mut empty, mut then_of) = (false, true, false);
+    for i in (0..w.len()).rev() {
+        if w[i].lower == "the" {
+            let first = (!empty).then(|| &w[i + 1]);
+            if !(named || first.is_some_and(superlative) || then_of) {
+                return true;
+            }
+        }
+        let x = &w[i];
+        if boundary(x) {
+            (named, empty, then_of) = (false, true, x.lower == "of");
+        } else {
+            named |= (x.cased && x.lower != "i") || x.digit;
+            empty = false;
+        }
+    }
+    false
+}
+
+/// Whether the message asks to transform something without saying what (see the module):
+/// its first word past politeness is a transform verb followed by no object, or it has a
+/// transform noun not followed by "of".
+fn transform_without_object(lower: &[&str]) -> bool {
+    let start = lower
         .iter()
-        .position(|x| {
-            PREPOSITIONS.contains(&x.lower.as_str()) || REFERENCES.contains(&x.lower.as_str())
-        })
-        .unwrap_or(after.len());
-    let np = &after[..end];
-    np.iter().any(|x| (x.cased && x.lower != "i") || x.digit)
-        || np.first().is_some_and(|x| {
-            matches!(x.lower.as_str(), "best" | "worst" | "most" | "least")
-                || (x.lower.ends_with("est") && x.lower.len() > 4)
-        })
-        || after.get(end).is_some_and(|x| x.lower == "of")
+        .position(|x| !POLITE.contains(x))
+        .unwrap_or(lower.len());
+    let verb = lower
+        .get(start)
+        .is_some_and(|x| TRANSFORM_VERBS.contains(x));
+    if verb && lower.get(start + 1).is_none_or(|x| NOT_OBJECTS.contains(x)) {
+        return true;
+    }
+    lower
+        .iter()
+        .enumerate()
+        .any(|(i, x)| TRANSFORM_NOUNS.contains(x) && lower.get(i + 1).is_none_or(|n| *n != "of"))
 }
 
 /// Whether the earlier user messages leave nothing behind that could shape a later answer:
@@ -224,9 +358,38 @@ fn anchored(after: &[Word]) -> bool {
 pub fn conversation_is_plain<'a>(user_messages: impl IntoIterator<Item = &'a str>) -> bool {
     user_messages.into_iter().all(|m| {
         let t = m.trim();
+        if t.len() > MAX_BYTES || !t.ends_with('?') {
+            return false;
+        }
         let lower = t.to_lowercase();
-        t.len() <= MAX_BYTES && t.ends_with('?') && !INSTRUCTIONS.iter().any(|i| lower.contains(i))
+        !INSTRUCTIONS.iter().any(|i| lower.contains(i)) && !asks_a_manner(&lower)
     })
+}
+
+/// A request about how the assistant is to answer: "can/could/would/will you" or "please"
+/// (after any "so", "ok", "hey"), then a verb of [`MANNER_VERBS`] ("Can you talk like a
+/// pirate?", "Could you keep answers short?", "Please use metric units?").
+fn asks_a_manner(lower: &str) -> bool {
+    let w: Vec<&str> = lower
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .take(8)
+        .collect();
+    let start = w
+        .iter()
+        .position(|x| !matches!(*x, "so" | "ok" | "okay" | "hey" | "hi" | "and" | "also"))
+        .unwrap_or(w.len());
+    let rest = &w[start..];
+    let verb_at = match rest {
+        ["can" | "could" | "would" | "will", "you", ..] => 2,
+        ["please", ..] => 1,
+        _ => return false,
+    };
+    // "Can you please talk ...", "Could you always answer ...".
+    rest[verb_at..]
+        .iter()
+        .find(|x| !matches!(**x, "please" | "kindly" | "always" | "just" | "now"))
+        .is_some_and(|v| MANNER_VERBS.contains(v))
 }
 
 #[cfg(test)]
@@ -271,10 +434,74 @@ mod tests {
             "What are some other options?",
             "How many nations competed?",
             "Which one should I choose?",
+            "Translate into French please.",
+            "Summarise in 3 bullet points.",
+            "Can you explain in simple terms?",
+            "Please rewrite for a ten year old.",
+            "Give me a summary in 3 bullet points.",
+            "Could you give me a shorter version?",
         ] {
             assert!(refers_back(q), "{q}");
         }
+        // A transform that says what it transforms stands alone.
+        for q in [
+            "Translate 'good morning' into French.",
+            "Summarise the history of the Roman Empire.",
+            "Explain photosynthesis in simple terms.",
+            "Give me a summary of World War II.",
+        ] {
+            assert!(!refers_back(q), "{q}");
+        }
         assert!(refers_back(&"word ".repeat(2000)), "too long to read");
+    }
+
+    #[test]
+    fn one_pass_over_definite_articles_decides_as_a_rescan_would() {
+        // What the pass replaces: for each "the", a scan to the nearest boundary.
+        fn rescan(w: &[Word]) -> bool {
+            (0..w.len()).any(|i| {
+                if w[i].lower != "the" {
+                    return false;
+                }
+                let after = &w[i + 1..];
+                let end = after
+                    .iter()
+                    .position(|x| {
+                        PREPOSITIONS.contains(&x.lower.as_str())
+                            || REFERENCES.contains(&x.lower.as_str())
+                    })
+                    .unwrap_or(after.len());
+                let np = &after[..end];
+                let anchored = np.iter().any(|x| (x.cased && x.lower != "i") || x.digit)
+                    || np.first().is_some_and(|x| {
+                        matches!(x.lower.as_str(), "best" | "worst" | "most" | "least")
+                            || (x.lower.ends_with("est") && x.lower.len() > 4)
+                    })
+                    || after.get(end).is_some_and(|x| x.lower == "of");
+                !anchored
+            })
+        }
+        for q in [
+            "Who won the 2018 World Cup in the UK?",
+            "What are the early warning signs?",
+            "What is the boiling point of water at the top of Everest?",
+            "Translate the list into Italian.",
+            "What is the best way to learn the guitar?",
+            "How far is the the Moon from the Earth?",
+            "the the the",
+            "the",
+            "Is the largest the best of the the list for it?",
+        ] {
+            let w = words(q);
+            assert_eq!(unanchored_definite(&w), rescan(&w), "{q}");
+        }
+        let long = format!(
+            "{}Paris? {}",
+            "the ".repeat(600),
+            "the list of ".repeat(150)
+        );
+        let w = words(&long);
+        assert_eq!(unanchored_definite(&w), rescan(&w));
     }
 
     #[test]
@@ -288,6 +515,19 @@ mod tests {
             "From now on, answer in French. OK?"
         ]));
         assert!(!conversation_is_plain(["Always use metric units, okay?"]));
+        // A request about how to answer, asked as a question, stands too.
+        for m in [
+            "Can you talk like a pirate?",
+            "Could you keep answers under 20 words?",
+            "Would you please use British spelling?",
+            "So can you be more formal?",
+        ] {
+            assert!(!conversation_is_plain([m]), "{m}");
+        }
+        assert!(conversation_is_plain([
+            "Can you explain how a rainbow forms?",
+            "Could you name the planets in order?"
+        ]));
         assert!(conversation_is_plain(std::iter::empty()));
     }
 }

@@ -204,19 +204,20 @@ fn with_pending(ctx: &Digest, pending: &[&ChatMessage]) -> Digest {
 /// system prompt alone, and the texts of the last two exchanges, which the question must be
 /// unrelated to in meaning. `None` when the question refers back (`refers_back`, from
 /// [`reprise_policies::standalone::refers_back`]), a message is pending before it, an
-/// earlier user message was not a plain question, or one of the last two exchanges has more
+/// earlier message is not the user's (a system or developer message within the
+/// conversation), an earlier user message was not a plain question, or one of the last two exchanges has more
 /// than [`MAX_EXCHANGE_MESSAGES`] messages (its answer included).
 pub fn standalone(conv: &Conversation<'_>, refers_back: bool) -> Option<(Digest, Vec<String>)> {
     use reprise_policies::standalone::conversation_is_plain;
     if conv.turns.is_empty() || !conv.pending.is_empty() || refers_back {
         return None;
     }
-    let users = || {
-        conv.turns
-            .iter()
-            .flat_map(|(msgs, _)| msgs.iter().filter(|m| m.role == "user"))
-    };
-    if !conversation_is_plain(users().map(|m| m.content.as_str())) {
+    let asked = || conv.turns.iter().flat_map(|(msgs, _)| msgs.iter());
+    // A system, developer or tool message within the conversation may shape what follows.
+    if asked().any(|m| m.role != "user") {
+        return None;
+    }
+    if !conversation_is_plain(asked().map(|m| m.content.as_str())) {
         return None;
     }
     let last = &conv.turns[conv.turns.len().saturating_sub(2)..];
@@ -296,6 +297,24 @@ mod tests {
         let conv = split_conversation(&msgs).unwrap();
         assert_eq!(standalone(&conv, false).map(|(_, r)| r.len()), Some(4));
         let msgs = messages(&[(&asked, "Yes.")], "How do volcanoes form?");
+        let conv = split_conversation(&msgs).unwrap();
+        assert!(standalone(&conv, false).is_none());
+    }
+
+    /// A system message within the conversation may set how later questions are answered:
+    /// the last question is then matched in its own context only.
+    #[test]
+    fn a_system_message_within_the_conversation_keeps_the_context() {
+        let plain = messages(
+            &[(&["What is the capital of France?"], "Paris.")],
+            "How do volcanoes form?",
+        );
+        assert!(standalone(&split_conversation(&plain).unwrap(), false).is_some());
+        let mut msgs = plain.clone();
+        msgs.insert(
+            1,
+            ChatMessage::new("system", "Answer in French from now on."),
+        );
         let conv = split_conversation(&msgs).unwrap();
         assert!(standalone(&conv, false).is_none());
     }
