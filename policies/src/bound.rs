@@ -87,6 +87,18 @@ fn edge(b: usize) -> f32 {
     b as f32 / BINS as f32
 }
 
+/// The first bin whose every similarity is at or above `threshold`: the bin of a threshold
+/// between two edges also holds similarities under it (near misses, never served), which say
+/// nothing of what was served.
+fn bin_from(threshold: f32) -> usize {
+    let b = bin(threshold);
+    if edge(b) + 1e-6 < threshold {
+        (b + 1).min(BINS)
+    } else {
+        b
+    }
+}
+
 impl Evidence {
     /// Records a verdict on a candidate found at `similarity`.
     pub fn record(&mut self, similarity: f32, wrong: bool) {
@@ -116,6 +128,8 @@ impl Evidence {
         // One-sided level split over every bin the rule may pick.
         let z = normal_quantile(1.0 - alpha / (BINS as f64 + 1.0));
         let (floor_bin, configured_bin) = (bin(floor), bin(configured));
+        // Where what was served at the configured threshold starts.
+        let served_bin = bin_from(configured);
         let (mut n, mut w) = (0.0, 0.0);
         // The lowest bin (with verdicts of its own) whose verdicts from there up show at most
         // delta wrong, for sure.
@@ -128,7 +142,7 @@ impl Evidence {
             let here = self.right[b] + self.wrong[b];
             n += here;
             w += self.wrong[b];
-            if b >= configured_bin && wilson_lower(w, n, RAISE_Z) <= delta {
+            if b >= served_bin && wilson_lower(w, n, RAISE_Z) <= delta {
                 lowest_within = b;
             }
             if here == 0.0 {
@@ -138,7 +152,7 @@ impl Evidence {
                 lowest_safe = Some(b);
             }
         }
-        let chosen = if lowest_within == configured_bin {
+        let chosen = if lowest_within == served_bin {
             // Verdicts only ever loosen the configured threshold (what they show above it
             // says nothing against the band between).
             lowest_safe.map_or(configured_bin, |b| b.min(configured_bin))
@@ -154,7 +168,7 @@ impl Evidence {
             // Bins start on the hundredths: a floor between them keeps its own value.
             edge(chosen).max(floor)
         };
-        let (n, w) = self.at_least(bin(threshold));
+        let (n, w) = self.at_least(bin_from(threshold));
         Learned {
             threshold,
             verdicts: n,
@@ -297,6 +311,27 @@ mod tests {
         assert_eq!(bin(0.83), 83);
         assert_eq!(bin(0.999), 99);
         assert_eq!(bin(1.0), 100);
+    }
+
+    #[test]
+    fn near_misses_under_a_threshold_between_edges_do_not_vouch_for_what_was_served() {
+        // Configured 0.865: near misses at 0.862 share its bin with the hits served at
+        // 0.868; every served hit was wrong, and the threshold must rise past them.
+        let mut e = Evidence::default();
+        for _ in 0..300 {
+            e.record(0.862, false);
+        }
+        for _ in 0..3 {
+            e.record(0.868, true);
+            e.record(0.87, true);
+        }
+        let l = e.threshold(0.02, 0.05, 0.865, 0.7);
+        assert!(l.threshold > 0.87, "{l:?}");
+        assert_eq!(l.verdicts, 0.0, "{l:?}");
+        // On an edge, nothing changes: the bin is the threshold's.
+        assert_eq!(bin_from(0.86), 86);
+        assert_eq!(bin_from(0.865), 87);
+        assert_eq!(bin_from(1.0), BINS);
     }
 
     #[test]

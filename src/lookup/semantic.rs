@@ -58,6 +58,11 @@ impl Verdict {
     }
 }
 
+/// Whether `similarity` is at or above `threshold`; false for a NaN.
+fn reaches(similarity: f32, threshold: f32) -> bool {
+    similarity >= threshold
+}
+
 /// Judges one candidate of `q` found at `similarity`; the entry when one was fetched.
 pub async fn judge(
     state: &AppState,
@@ -67,7 +72,8 @@ pub async fn judge(
     wants: Wants,
     candidate: &Candidate,
 ) -> (Verdict, Option<Arc<Entry>>) {
-    if candidate.similarity < policy.threshold {
+    // Not at or above it (a NaN similarity is not either): never served.
+    if !reaches(candidate.similarity, policy.threshold) {
         return (Verdict::BelowThreshold, None);
     }
     let Some(entry) = state.store.fetch(candidate.id).await else {
@@ -181,6 +187,13 @@ pub(crate) async fn meanings_apart(
 mod tests {
     use super::*;
     use reprise_embedder::EmbedError;
+
+    #[test]
+    fn a_nan_similarity_reaches_no_threshold() {
+        assert!(reaches(0.9, 0.86) && reaches(0.86, 0.86));
+        assert!(!reaches(0.85, 0.86));
+        assert!(!reaches(f32::NAN, 0.86) && !reaches(f32::NAN, 0.0));
+    }
 
     /// An embedder whose queue is always full.
     struct Overloaded;
