@@ -9,8 +9,8 @@
 //! to the one that serves its model, the
 //! load and readiness are those of all of them.
 //!
-//! A route may name a fallback: when its backend is saturated (every slot and the waiting
-//! line taken by user requests) or refuses a generation at once (overloaded, unreachable),
+//! A route may name a fallback: when its backend is saturated (the user requests served
+//! before this one, holding or waiting, fill every slot) or refuses a generation at once (overloaded, unreachable),
 //! the fallback answers instead ([`Router::generate_routed`]); such an answer is marked
 //! degraded and never stored (it is not the primary's answer).
 
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use reprise_backend::{
-    Backend, BackendError, ForwardRequest, Forwarded, GenRequest, GenStream, Input, Load,
+    Backend, BackendError, ForwardRequest, Forwarded, GenRequest, GenStream, Input, Load, Priority,
 };
 
 use crate::config::{RouteConfig, SloConfig};
@@ -91,12 +91,11 @@ impl Target {
         }
     }
 
-    /// Whether user requests hold every slot and the waiting line: a new one would only
-    /// wait. Background holders do not count (a user request preempts them). Never for a
-    /// backend that cannot tell its capacity.
-    pub fn saturated(&self) -> bool {
+    /// Whether a new request at `priority` would only wait: user requests ahead of it (see
+    /// [`users_ahead`]) fill every slot. Never for a backend that cannot tell its capacity.
+    pub fn saturated(&self, priority: Priority) -> bool {
         let load = self.backend.load();
-        load.capacity > 0 && users_ahead(&load) >= load.capacity
+        load.capacity > 0 && users_ahead(&load, priority) >= load.capacity
     }
 
     /// Notes the service times of a user generation that did not wait for a slot.
@@ -108,17 +107,17 @@ impl Target {
         t.samples += 1;
     }
 
-    /// When a user request arriving now would get its first token and its answer: the
-    /// recent service times, after a wait of one service time per `capacity` user requests
-    /// ahead of it beyond the free slots. `None` where the backend cannot tell its capacity
+    /// When a user request at `priority` arriving now would get its first token and its
+    /// answer: the recent service times, after a wait of one service time per `capacity`
+    /// user requests ahead of it beyond the free slots. `None` where the backend cannot tell its capacity
     /// or has not served anything yet (nothing to predict from).
-    pub fn predict(&self) -> Option<Prediction> {
+    pub fn predict(&self, priority: Priority) -> Option<Prediction> {
         let load = self.backend.load();
         let t = *self.timing.lock();
         if load.capacity == 0 || t.samples == 0 {
             return None;
         }
-        let ahead = users_ahead(&load);
+        let ahead = users_ahead(&load, priority);
         let wait = match (ahead + 1).checked_sub(load.capacity) {
             Some(n) if n > 0 => n as f64 / load.capacity as f64 * t.total,
             _ => 0.0,
@@ -131,10 +130,17 @@ impl Target {
     }
 }
 
-/// User requests (interactive and batch) holding or waiting for a slot; background holders
-/// do not count (a user request preempts them).
-fn users_ahead(load: &Load) -> usize {
-    load.running - load.running_background.min(load.running) + load.queued_user()
+/// User requests served before a new one at `priority`: those holding a slot (background
+/// holders do not count: a user request preempts them), and those waiting that go first (an
+/// interactive request waits only behind interactive ones, the backends serving it before
+/// batch work that has not aged; a batch request behind every user request).
+fn users_ahead(load: &Load, priority: Priority) -> usize {
+    let holding = load.running - load.running_background.min(load.running);
+    let waiting = match priority {
+        Priority::Interactive => load.queued_interactive,
+        Priority::Batch | Priority::Background => load.queued_user(),
+    };
+    holding + waiting
 }
 
 /// A generation started by [`Router::generate_routed`].
@@ -356,7 +362,7 @@ impl Router {
         // Calls and refusals are counted here, by the backend asked; errors of a stream
         // once started are counted by its driver (`generate::spawn`).
         let start = |target: Arc<Target>, req: GenRequest, fell_back: Option<String>| async move {
-            let unqueued = !target.saturated();
+            let unqueued = !target.saturated(req.priority);
             crate::metrics::backend_call(&target.name);
             let stream = target.backend.generate(req).await.inspect_err(|e| {
                 crate::metrics::backend_error(&target.name, e.kind());
@@ -371,7 +377,7 @@ impl Router {
         let Some(to) = to else {
             return start(primary, req, None).await;
         };
-        if !to.force && !primary.saturated() {
+        if !to.force && !primary.saturated(req.priority) {
             match start(primary, req.clone(), None).await {
                 Err(BackendError::Overloaded { .. } | BackendError::Unavailable(_)) => {}
                 other => return other,
@@ -531,6 +537,29 @@ mod tests {
             err.to_string().contains("both serve the model `m`"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn batch_work_waiting_is_not_ahead_of_an_interactive_request() {
+        let load = Load {
+            capacity: 2,
+            running: 2,
+            running_background: 0,
+            queued: 21,
+            queued_interactive: 1,
+            queued_batch: 20,
+        };
+        assert_eq!(users_ahead(&load, Priority::Interactive), 3);
+        assert_eq!(users_ahead(&load, Priority::Batch), 23);
+        // A user request preempts background holders.
+        let load = Load {
+            running_background: 2,
+            queued: 0,
+            queued_interactive: 0,
+            queued_batch: 0,
+            ..load
+        };
+        assert_eq!(users_ahead(&load, Priority::Interactive), 0);
     }
 
     #[test]

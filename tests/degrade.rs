@@ -22,6 +22,8 @@ use serde_json::{json, Value};
 
 const SMALL: &str = "small-model";
 const LARGE: &str = "large-model";
+/// What the request holding the primary's slot asks.
+const HOLDER_PROMPT: &str = "Tell me a long story that holds the slot.";
 /// The primary's service time while it teaches the prediction.
 const SERVICE: Duration = Duration::from_millis(600);
 
@@ -92,7 +94,7 @@ impl Rig {
     /// A slow streamed request holds the primary's only slot.
     async fn hold(&mut self) {
         self.small.set_token_delay(Duration::from_millis(400));
-        let mut body = chat_for("auto", "Tell me a long story that holds the slot.");
+        let mut body = chat_for("auto", HOLDER_PROMPT);
         body["stream"] = json!(true);
         let (client, url) = (self.app.client.clone(), self.app.chat_url());
         self.holders.push(tokio::spawn(async move {
@@ -189,14 +191,17 @@ async fn a_request_following_a_running_generation_is_not_degraded() {
     let mut rig = rig(config(&[DegradeStep::Refuse])).await;
     rig.teach().await;
     rig.hold().await;
-    let refused = at_risk(&rig.app, "refuse").await;
-    let same = chat_for("auto", "Tell me a long story that holds the slot.");
+    // Refused (429) without following; followed, the holder's answer.
+    let same = chat_for("auto", HOLDER_PROMPT);
     let r = rig.app.chat(&same, &[]).await;
     assert!(header(&r, "x-reprise-degraded").is_none());
     assert_eq!(model_of(r).await, SMALL);
-    assert_eq!(at_risk(&rig.app, "refuse").await, refused);
-    // The teaching request and the holder's: the follower made no call of its own.
-    assert_eq!(rig.small.calls(), 2);
+    // The follower made no call of its own (background work may make others).
+    let asked = |r: &reprise_backend::GenRequest| match &r.input {
+        reprise_backend::Input::Chat(m) => m.iter().any(|m| m.content == HOLDER_PROMPT),
+        reprise_backend::Input::Prompt(p) => p == HOLDER_PROMPT,
+    };
+    assert_eq!(rig.small.requests().iter().filter(|r| asked(r)).count(), 1);
     rig.release().await;
 }
 

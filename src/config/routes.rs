@@ -29,8 +29,9 @@ pub struct RouteConfig {
     /// is served, cached and answered as this backend's model: the one it names when the
     /// backend serves it, else the backend's first model.
     pub backend: String,
-    /// The backend that answers instead when `backend` is saturated (its slots and queue
-    /// taken by user requests) or refuses at once (overloaded, unreachable). Such answers
+    /// The backend that answers instead when `backend` is saturated (user requests that would
+    /// be served first fill every slot: holders, and those waiting at the request's priority
+    /// or above) or refuses at once (overloaded, unreachable). Such answers
     /// are marked degraded (`x-reprise-degraded: fallback`) and not stored.
     pub fallback: Option<String>,
     /// Its time-to-first-token target in seconds (`[degrade]` compares the predicted wait

@@ -50,7 +50,7 @@ pub async fn degrade(
     }
     // Only a wait is worth degrading for: a backend whose own service time breaks the
     // SLO is slow, not overloaded, and degrading would serve every request worse.
-    let predicted = choice.primary.predict()?;
+    let predicted = choice.primary.predict(priority)?;
     if predicted.wait <= 0.0 || !choice.slo.broken_by(&predicted) {
         return None;
     }
@@ -70,7 +70,10 @@ pub async fn degrade(
                 .fallback
                 .as_ref()
                 // A fallback at risk too is no way out.
-                .filter(|f| f.predict().is_none_or(|p| !choice.slo.broken_by(&p)))
+                .filter(|f| {
+                    f.predict(priority)
+                        .is_none_or(|p| !choice.slo.broken_by(&p))
+                })
                 .map(|f| {
                     Degradation::Fallback(Fallback {
                         target: f.clone(),
