@@ -206,9 +206,10 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// Prompt plus completion tokens.
+    /// Prompt plus completion tokens (saturating: the counts come from an upstream or a
+    /// stored entry).
     pub fn total_tokens(&self) -> u32 {
-        self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens.saturating_add(self.completion_tokens)
     }
 }
 

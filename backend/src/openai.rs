@@ -299,7 +299,10 @@ impl ChunkState {
             return Err(BackendError::Unavailable(msg.to_string()));
         }
         if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-            let get = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0) as u32;
+            let get = |k: &str| {
+                let n = u.get(k).and_then(Value::as_u64).unwrap_or(0);
+                u32::try_from(n).unwrap_or(u32::MAX)
+            };
             self.usage = Usage {
                 prompt_tokens: get("prompt_tokens"),
                 completion_tokens: get("completion_tokens"),
@@ -576,6 +579,21 @@ mod tests {
                 }
             }
         );
+    }
+
+    /// Token counts past `u32` from an upstream saturate, and so does their total.
+    #[test]
+    fn huge_usage_counts_saturate() {
+        let mut s = ChunkState::default();
+        s.push(r#"{"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}]}"#)
+            .unwrap();
+        s.push(r#"{"choices":[],"usage":{"prompt_tokens":4294967295,"completion_tokens":99999999999}}"#)
+            .unwrap();
+        let GenEvent::Finish { usage, .. } = s.finish().unwrap() else {
+            panic!("finished");
+        };
+        assert_eq!(usage.completion_tokens, u32::MAX);
+        assert_eq!(usage.total_tokens(), u32::MAX);
     }
 
     /// An answer that ends in anything but a known finish (an abort, a gateway's error) is
