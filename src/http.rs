@@ -158,7 +158,9 @@ async fn models(
     };
     if listed.is_empty() && allowed.is_empty() {
         let (get, empty) = (axum::http::Method::GET, axum::body::Body::empty());
-        if let Some(resp) = forward::passthrough(&state, get, &uri, &headers, empty).await {
+        let asked =
+            forward::passthrough_for(&state, Some(tenant.clone()), get, &uri, &headers, empty);
+        if let Some(resp) = asked.await {
             return resp;
         }
     }

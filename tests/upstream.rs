@@ -827,3 +827,29 @@ async fn a_background_generation_on_the_upstream_is_preempted_for_a_user_request
     };
     assert!(eventually(Duration::from_secs(30), idle).await);
 }
+
+/// `GET /v1/models` answered by the upstream's own list counts once against the caller's
+/// request rate.
+#[tokio::test]
+async fn the_upstreams_model_list_counts_once_against_the_rate() {
+    let up = ToolUpstream::spawn().await;
+    let mut config = openai_config(up.base_url.clone());
+    config.auth.required = true;
+    let doc = "[[tenants]]\nname = \"slow\"\napi_keys = [\"sk-slow\"]\n\
+               [tenants.policy]\nrequests_per_minute = 1\n";
+    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
+        .unwrap()
+        .tenants
+        .unwrap();
+    let app = proxy_to(config).await;
+    let list = || {
+        app.client
+            .get(app.url("/v1/models"))
+            .bearer_auth("sk-slow")
+            .send()
+    };
+    let r = list().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    // The minute's one request is spent.
+    assert_eq!(list().await.unwrap().status(), 429);
+}

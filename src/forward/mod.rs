@@ -180,11 +180,27 @@ pub async fn passthrough(
     headers: &HeaderMap,
     body: axum::body::Body,
 ) -> Option<Response> {
+    passthrough_for(state, None, method, uri, headers, body).await
+}
+
+/// [`passthrough`] for a caller already admitted as `admitted` (its request counted once
+/// against its rate), or for the caller `headers` name.
+pub async fn passthrough_for(
+    state: &Arc<AppState>,
+    admitted: Option<Arc<crate::auth::Tenant>>,
+    method: axum::http::Method,
+    uri: &axum::http::Uri,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+) -> Option<Response> {
     let path = uri.path().strip_prefix("/v1/")?;
     let endpoint = paths::passthrough_endpoint(state, path)?;
     let result = async {
         // The operator's upstream key pays for it: only callers /v1 admits.
-        let tenant = state.policies.load().tenants.admit(headers)?;
+        let tenant = match admitted {
+            Some(t) => t,
+            None => state.policies.load().tenants.admit(headers)?,
+        };
         if !state.is_ready() {
             return Err(ApiError::NotReady);
         }
@@ -193,10 +209,9 @@ pub async fn passthrough(
         let body = match tenant.policy().models.as_slice() {
             [] => reqwest::Body::wrap_stream(body.into_data_stream()),
             allowed => {
-                let limit = state.config.server.max_body_bytes;
-                let bytes = axum::body::to_bytes(body, limit)
-                    .await
-                    .map_err(|_| ApiError::BodyTooLarge { limit })?;
+                let server = &state.config.server;
+                let (limit, timeout) = (server.max_body_bytes, server.body_timeout());
+                let bytes = crate::http::read_body(headers, body, limit, timeout).await?;
                 let named = match path.strip_prefix("models/") {
                     Some(id) => Some(id.to_string()),
                     None => model_named(&bytes),
