@@ -187,7 +187,19 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
                "queued_writes": h.queued_writes, "dropped_writes": h.dropped_writes})
     });
     let rebuilds = state.rebuilds.load(std::sync::atomic::Ordering::Relaxed);
-    Json(json!({"status": "ready", "redis": redis, "index_rebuilds": rebuilds})).into_response()
+    // One backend down degrades the service (its routes fall back, cache hits are served):
+    // still ready while another is up, and says which.
+    let backends: serde_json::Map<String, serde_json::Value> = state
+        .router
+        .readiness()
+        .into_iter()
+        .map(|(name, up)| (name.to_string(), up.into()))
+        .collect();
+    Json(
+        json!({"status": "ready", "redis": redis, "index_rebuilds": rebuilds,
+                "backends": backends}),
+    )
+    .into_response()
 }
 
 async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {

@@ -330,6 +330,19 @@ impl Router {
         })
     }
 
+    /// Whether some backend is up.
+    pub fn any_ready(&self) -> bool {
+        self.targets.iter().any(|t| t.backend.ready())
+    }
+
+    /// Each backend's name and whether it is up.
+    pub fn readiness(&self) -> Vec<(&str, bool)> {
+        self.targets
+            .iter()
+            .map(|t| (t.name.as_str(), t.backend.ready()))
+            .collect()
+    }
+
     /// The backend configured as `name`.
     fn named(&self, name: &str) -> Option<Arc<Target>> {
         self.targets.iter().find(|t| t.name == name).cloned()

@@ -233,9 +233,16 @@ impl AppState {
         Ok(state)
     }
 
-    /// Whether the backend and models are loaded.
+    /// Whether it can serve: started, and some backend is up (one that is down fails its
+    /// generations at once, which its routes' fallbacks and stale answers cover).
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed) && self.backend.ready()
+        self.accepting() && self.router.any_ready()
+    }
+
+    /// Whether it takes requests: started and not stopping. Cache hits are served whatever
+    /// the backends' state.
+    pub fn accepting(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
     }
 
     /// Marks the server ready or not.

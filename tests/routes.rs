@@ -527,3 +527,34 @@ async fn background_work_uses_the_spare_slots_of_its_own_backend() {
     large.set_token_delay(Duration::ZERO);
     assert_eq!(holder.await.unwrap().status(), 200);
 }
+
+/// One backend down leaves the service up: cache hits are served, a new question goes to the
+/// route's fallback, and `/readyz` stays ready and names the backend that is down; with every
+/// backend down it is not ready, and hits are still served.
+#[tokio::test]
+async fn a_backend_down_leaves_hits_and_the_fallback_serving() {
+    let c = config(&["model = \"auto\"\nbackend = \"small\"\nfallback = \"large\""]);
+    let (small, large) = (
+        scripted(SMALL, Default::default()),
+        scripted(LARGE, Default::default()),
+    );
+    let app = spawn(c, &small, &large).await;
+    let asked = chat_for("auto", "What is a cache?");
+    let (model, _) = answer(app.chat(&asked, &[]).await).await;
+    assert_eq!(model, SMALL);
+    small.set_ready(false);
+    assert_eq!(cache_status(&app.chat(&asked, &[]).await), "exact");
+    let r = app.chat(&chat_for("auto", "What is a queue?"), &[]).await;
+    assert_eq!(
+        header(&r, "x-reprise-degraded").as_deref(),
+        Some("fallback")
+    );
+    let (model, _) = answer(r).await;
+    assert_eq!(model, LARGE);
+    let ready: Value = app.get("/readyz").await.json().await.unwrap();
+    assert_eq!(ready["backends"]["small"], false, "{ready}");
+    assert_eq!(ready["backends"]["large"], true, "{ready}");
+    large.set_ready(false);
+    assert_eq!(app.get("/readyz").await.status(), 503);
+    assert_eq!(cache_status(&app.chat(&asked, &[]).await), "exact");
+}

@@ -104,6 +104,9 @@ struct Inner {
     active: AtomicUsize,
     interactive: AtomicUsize,
     completed: AtomicUsize,
+    /// Cleared by [`ScriptedBackend::set_ready`]: then it fails every generation at once
+    /// as unavailable, like a stopped engine.
+    down: std::sync::atomic::AtomicBool,
     /// The latest requests received (at most [`LOG_LEN`]: a benchmark sending millions must
     /// not measure this log).
     log: Mutex<std::collections::VecDeque<GenRequest>>,
@@ -121,6 +124,7 @@ impl ScriptedBackend {
                 active: AtomicUsize::new(0),
                 interactive: AtomicUsize::new(0),
                 completed: AtomicUsize::new(0),
+                down: std::sync::atomic::AtomicBool::new(false),
                 log: Mutex::new(std::collections::VecDeque::new()),
             }),
         }
@@ -144,6 +148,12 @@ impl ScriptedBackend {
     /// The requests received, in order (the latest [`LOG_LEN`]).
     pub fn requests(&self) -> Vec<GenRequest> {
         self.inner.log.lock().iter().cloned().collect()
+    }
+
+    /// Makes it ready or not: a backend that is not fails every generation at once as
+    /// unavailable, like a stopped llama engine.
+    pub fn set_ready(&self, ready: bool) {
+        self.inner.down.store(!ready, Ordering::SeqCst);
     }
 
     /// Sets how the next calls misbehave.
@@ -231,6 +241,11 @@ impl Backend for ScriptedBackend {
         if !cfg.model.is_empty() && req.model != cfg.model {
             return Err(BackendError::UnknownModel(req.model));
         }
+        if self.inner.down.load(Ordering::SeqCst) {
+            return Err(BackendError::Unavailable(
+                "the scripted backend is down".into(),
+            ));
+        }
         let failure = self.inner.failure.lock().clone();
         if let Failure::AtStart(e) = failure {
             return Err(e);
@@ -307,7 +322,7 @@ impl Backend for ScriptedBackend {
     }
 
     fn ready(&self) -> bool {
-        true
+        !self.inner.down.load(Ordering::SeqCst)
     }
 
     fn interactive_load(&self) -> usize {

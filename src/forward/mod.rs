@@ -201,7 +201,7 @@ pub async fn passthrough_for(
             Some(t) => t,
             None => state.policies.load().tenants.admit(headers)?,
         };
-        if !state.is_ready() {
+        if !state.accepting() {
             return Err(ApiError::NotReady);
         }
         // A tenant kept to some models is kept to them here too: the body is read (within

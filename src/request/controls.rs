@@ -193,7 +193,7 @@ pub fn admit(
     let ctl = Controls::from_headers(headers, tenant)?;
     book.record.tenant = tenant.name().to_string();
     book.record.namespace = crate::auth::sub_namespace(&ctl.namespace).to_string();
-    if !state.is_ready() {
+    if !state.accepting() {
         return Err(ApiError::NotReady);
     }
     let allowed = &tenant.policy().models;
