@@ -783,3 +783,35 @@ mod gpu {
         assert!(!out.text.is_empty());
     }
 }
+
+#[tokio::test]
+async fn background_never_takes_the_last_free_slot() {
+    let backend = load(config(2, 8));
+    let mut user = backend
+        .generate(request(
+            Input::Prompt(COUNTING.into()),
+            greedy(64),
+            Priority::Interactive,
+        ))
+        .await
+        .expect("accepted");
+    first_delta(&mut user).await;
+    // One slot is free: the last one, kept for the next user arrival.
+    let bg = backend
+        .generate(request(
+            Input::Prompt("1, 2, 3,".into()),
+            greedy(8),
+            Priority::Background,
+        ))
+        .await
+        .expect("accepted");
+    let (u, b) = tokio::join!(collect(user), collect(bg));
+    u.finished();
+    b.finished();
+    assert_eq!(
+        backend.stats().peak_occupancy,
+        1,
+        "background work ran in the last free slot beside a user sequence"
+    );
+    assert_eq!(backend.stats().preempted, 0);
+}

@@ -435,18 +435,12 @@ impl<'a> Engine<'a> {
         // slot) never in the last free slot, so a user arrival usually starts at once
         // without preempting anything.
         if q.interactive.is_empty() && q.batch.is_empty() {
-            let cap = self.limits.parallel.saturating_sub(1).max(1);
+            // Slots left free after admitting one (with one slot, background work may take
+            // it, or it would never run).
+            let keep_free = usize::from(self.limits.parallel > 1);
             while let Some(job) = q.background.front() {
-                let bg_live = self
-                    .slots
-                    .iter()
-                    .flatten()
-                    .filter(|s| s.priority == Priority::Background)
-                    .count();
-                if bg_live >= cap
-                    || self.free_slot().is_none()
-                    || self.reserved + job.reservation() > self.limits.n_ctx
-                {
+                let free = self.slots.iter().filter(|s| s.is_none()).count();
+                if free <= keep_free || self.reserved + job.reservation() > self.limits.n_ctx {
                     break;
                 }
                 let job = q.background.pop_front().expect("front exists");
