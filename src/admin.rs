@@ -8,10 +8,13 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::body::Body;
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use crate::auth::Tenant;
@@ -42,6 +45,57 @@ pub fn same_digest(a: &blake3::Hash, b: &blake3::Hash) -> bool {
 }
 
 /// The admin the request's bearer token names, or 401.
+/// Middleware of every `/admin` route: a caller without a valid admin token gets 401
+/// before its path, query or body is read (the handlers then find its scope again).
+pub async fn gate(
+    State(state): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match authorize(&state, req.headers()) {
+        Ok(_) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A query string as `T`; a bad one is a 400 in the OpenAI error shape.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match Query::<T>::from_request_parts(parts, state).await {
+            Ok(Query(v)) => Ok(ApiQuery(v)),
+            Err(e) => Err(ApiError::invalid(e.body_text(), None)),
+        }
+    }
+}
+
+/// A path parameter as `T`; a bad one is a 400 in the OpenAI error shape.
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(v)) => Ok(ApiPath(v)),
+            Err(e) => Err(ApiError::invalid(e.body_text(), None)),
+        }
+    }
+}
+
+/// An admin request's body, read after the token was checked, within the body limits.
+async fn admin_body(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<axum::body::Bytes, ApiError> {
+    let server = &state.config.server;
+    crate::http::read_body(headers, body, server.max_body_bytes, server.body_timeout()).await
+}
+
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Admin, ApiError> {
     let given = bearer(headers).ok_or(ApiError::Unauthorized)?;
     let global = configured_secret(&state.config.server.admin_token_env);
@@ -135,7 +189,7 @@ fn redis_error(e: reprise_cache::redis::RedisError) -> ApiError {
 pub async fn delete_entry(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let admin = authorize(&state, &headers)?;
     let id: reprise_cache::EntryId = id
@@ -180,7 +234,7 @@ pub struct EntryFilter {
 pub async fn delete_entries(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Query(f): Query<EntryFilter>,
+    ApiQuery(f): ApiQuery<EntryFilter>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let admin = authorize(&state, &headers)?;
     if f.tenant.is_none() && f.model.is_none() && f.older_than_secs.is_none() {
@@ -221,8 +275,8 @@ pub struct TenantQuery {
 pub async fn delete_namespace(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Path(namespace): Path<String>,
-    Query(q): Query<TenantQuery>,
+    ApiPath(namespace): ApiPath<String>,
+    ApiQuery(q): ApiQuery<TenantQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let admin = authorize(&state, &headers)?;
     let tenant = tenant_scope(&admin, q.tenant)?;
@@ -253,7 +307,7 @@ pub async fn delete_namespace(
 pub async fn delete_tag(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Path(tag): Path<String>,
+    ApiPath(tag): ApiPath<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let deleted = match authorize(&state, &headers)? {
         Admin::Global => state.store.delete_tag(&tag).await.map_err(redis_error)?,
@@ -283,10 +337,11 @@ pub struct ExplainQuery {
 pub async fn explain(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Query(q): Query<ExplainQuery>,
-    body: Bytes,
+    ApiQuery(q): ApiQuery<ExplainQuery>,
+    body: Body,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let tenant = tenant_scope(&authorize(&state, &headers)?, q.tenant)?;
+    let body = admin_body(&state, &headers, body).await?;
     let endpoint = match q.endpoint.as_deref() {
         None | Some("chat") => Endpoint::Chat,
         Some("completions") => Endpoint::Completion,
@@ -318,7 +373,7 @@ pub struct StatsQuery {
 pub async fn stats(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Query(q): Query<StatsQuery>,
+    ApiQuery(q): ApiQuery<StatsQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let tenant = tenant_scope(&authorize(&state, &headers)?, q.tenant)?;
     crate::stats::view(&state, q.minutes.as_deref(), tenant.as_deref())
@@ -344,7 +399,7 @@ pub async fn get_policies(
 pub async fn promote(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Query(q): Query<TenantQuery>,
+    ApiQuery(q): ApiQuery<TenantQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     global_only(&authorize(&state, &headers)?)?;
     let tenant = q
@@ -374,9 +429,10 @@ pub async fn promote(
 pub async fn put_policies(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     global_only(&authorize(&state, &headers)?)?;
+    let body = admin_body(&state, &headers, body).await?;
     let text = std::str::from_utf8(&body)
         .map_err(|_| ApiError::invalid("the policy document is not UTF-8", None))?;
     let doc = crate::policy::PolicyDocument::from_toml(text)

@@ -37,6 +37,9 @@ pub enum ApiError {
         /// What is wrong.
         reason: String,
     },
+    /// A known path asked with a method it does not take.
+    #[error("this endpoint does not take that method")]
+    MethodNotAllowed,
     /// The client did not send its whole body within `server.body_timeout_secs`.
     #[error("the request body did not arrive within {secs} seconds")]
     BodyTimeout {
@@ -108,6 +111,7 @@ impl ApiError {
             ApiError::Backend(e) => e.kind(),
             ApiError::Timeout => "timeout",
             ApiError::BodyTimeout { .. } => "body_timeout",
+            ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::NotCached => "not_cached",
             ApiError::NotReady => "not_ready",
             ApiError::Overloaded { .. } => "overloaded",
@@ -126,6 +130,7 @@ impl ApiError {
             ApiError::InvalidRequest { .. } | ApiError::BadHeader { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnknownModel(_) | ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Timeout | ApiError::NotCached => StatusCode::GATEWAY_TIMEOUT,
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
@@ -180,6 +185,12 @@ impl ApiError {
                 "invalid_request_error",
                 None,
                 Some("request_timeout"),
+            ),
+            ApiError::MethodNotAllowed => (
+                self.to_string(),
+                "invalid_request_error",
+                None,
+                Some("method_not_allowed"),
             ),
             ApiError::Timeout => (
                 "the request timed out waiting for the model".into(),

@@ -36,13 +36,14 @@ pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics));
     let router = if with_admin {
-        router.merge(admin_routes())
+        router.merge(admin_routes(&state))
     } else {
         router
     };
     crate::trace::with_layers(
         router
             .fallback(fallback)
+            .method_not_allowed_fallback(method_not_allowed)
             .layer(DefaultBodyLimit::max(limit)),
     )
     .with_state(state)
@@ -52,16 +53,20 @@ pub fn api(state: Arc<AppState>, with_admin: bool) -> Router {
 pub fn admin_app(state: Arc<AppState>) -> Router {
     let limit = state.config.server.max_body_bytes;
     crate::trace::with_layers(
-        admin_routes()
+        admin_routes(&state)
             .fallback(not_found)
+            .method_not_allowed_fallback(method_not_allowed)
             .layer(DefaultBodyLimit::max(limit)),
     )
     .with_state(state)
 }
 
-/// The `/admin` routes ([`crate::admin`]) and the dashboard that reads them.
-fn admin_routes() -> Router<Arc<AppState>> {
-    crate::dashboard::routes()
+/// The `/admin` routes ([`crate::admin`]), behind the admin token (checked before anything
+/// of the request is read: a caller without one gets 401 whatever it sent), and the
+/// dashboard that reads them.
+fn admin_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
+    let gate = axum::middleware::from_fn_with_state(state.clone(), admin::gate);
+    let admin = Router::new()
         .route("/admin/entries", delete(admin::delete_entries))
         .route("/admin/entries/{id}", delete(admin::delete_entry))
         .route(
@@ -76,6 +81,13 @@ fn admin_routes() -> Router<Arc<AppState>> {
         .route("/admin/policies/promote", post(admin::promote))
         .route("/admin/explain", post(admin::explain))
         .route("/admin/stats", get(admin::stats))
+        .route_layer(gate);
+    crate::dashboard::routes().merge(admin)
+}
+
+/// A known path asked with a method it does not take: 405 in the OpenAI error shape.
+async fn method_not_allowed() -> Response {
+    ApiError::MethodNotAllowed.into_response()
 }
 
 async fn chat_completions(

@@ -246,3 +246,76 @@ async fn random_requests_get_well_formed_answers_and_never_break_the_server() {
     assert_eq!(r.status(), 200);
     expect_status(&app, &q, &[], "exact").await;
 }
+
+/// The admin API and wrong methods answer in the OpenAI error shape too: random paths,
+/// queries and bodies get 401 without the admin token (before anything else is read), and
+/// with it a well-formed answer; a method an endpoint does not take is a shaped 405.
+#[tokio::test]
+async fn admin_requests_and_wrong_methods_get_shaped_answers() {
+    const VAR: &str = "REPRISE_TEST_FUZZ_ADMIN_TOKEN";
+    std::env::set_var(VAR, "fuzz-admin");
+    let mut rng = StdRng::seed_from_u64(20_261_202);
+    let mut config = test_config();
+    config.server.admin_token_env = Some(VAR.into());
+    let app = spawn_app(config, Arc::new(scripted())).await;
+    let queries = [
+        "",
+        "?older_than_secs=x",
+        "?older_than_secs=-1",
+        "?tenant=%FF",
+        "?minutes=abc",
+        "?endpoint=nope",
+        "?tenant=",
+        "?a=1&a=2&a=3",
+    ];
+    let targets = [
+        (reqwest::Method::DELETE, "/admin/entries"),
+        (reqwest::Method::DELETE, "/admin/entries/not-an-id"),
+        (reqwest::Method::DELETE, "/admin/namespaces/x%2Fy"),
+        (reqwest::Method::DELETE, "/admin/tags/t"),
+        (reqwest::Method::POST, "/admin/explain"),
+        (reqwest::Method::PUT, "/admin/policies"),
+        (reqwest::Method::POST, "/admin/policies/promote"),
+        (reqwest::Method::GET, "/admin/stats"),
+    ];
+    for case in 0..120 {
+        let (method, path) = targets[rng.random_range(0..targets.len())].clone();
+        let query = queries[rng.random_range(0..queries.len())];
+        let token = rng.random::<bool>();
+        let mut req = app
+            .client
+            .request(method.clone(), app.url(&format!("{path}{query}")))
+            .body(body(&mut rng));
+        if token {
+            req = req.bearer_auth("fuzz-admin");
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        let shown =
+            format!("case {case}: {method} {path}{query} (token: {token}): {status} {text}");
+        assert!(status < 500, "{shown}");
+        if !token {
+            assert_eq!(status, 401, "{shown}");
+        }
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {shown}"));
+        if status >= 400 {
+            assert!(v["error"]["message"].is_string(), "{shown}");
+            assert!(v["error"]["type"].is_string(), "{shown}");
+        }
+    }
+    for (method, path) in [
+        (reqwest::Method::GET, "/v1/chat/completions"),
+        (reqwest::Method::PUT, "/v1/completions"),
+        (reqwest::Method::POST, "/v1/models"),
+        (reqwest::Method::POST, "/admin/stats"),
+    ] {
+        let r = app
+            .client
+            .request(method, app.url(path))
+            .send()
+            .await
+            .unwrap();
+        assert_openai_error(r, 405, None).await;
+    }
+}
