@@ -343,6 +343,13 @@ impl Router {
             .collect()
     }
 
+    /// The backend a generation of `req` goes to: the one its route chose
+    /// (`GenRequest::backend`), else the one serving its model ([`Router::serving`]).
+    pub fn target_for(&self, req: &GenRequest) -> Option<Arc<Target>> {
+        let chosen = req.backend.as_deref().and_then(|name| self.named(name));
+        chosen.or_else(|| self.serving(&req.model))
+    }
+
     /// The backend configured as `name`.
     fn named(&self, name: &str) -> Option<Arc<Target>> {
         self.targets.iter().find(|t| t.name == name).cloned()
@@ -367,8 +374,7 @@ impl Router {
         req: GenRequest,
         to: Option<&Fallback>,
     ) -> Result<Routed, BackendError> {
-        let chosen = req.backend.as_deref().and_then(|name| self.named(name));
-        let Some(primary) = chosen.or_else(|| self.serving(&req.model)) else {
+        let Some(primary) = self.target_for(&req) else {
             crate::metrics::backend_error("none", "unknown_model");
             return Err(BackendError::UnknownModel(req.model.clone()));
         };

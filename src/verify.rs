@@ -91,10 +91,10 @@ fn start(
     let v = &state.verifier;
     // On spare slots where the backend tells its capacity (like prefetch), else only while
     // no user request runs.
-    match crate::generate::room(state, &req.model, 0) {
+    match crate::generate::room(state, req, 0) {
         Some(room) if room.spare == 0 => return Offer::Skipped,
         Some(_) => {}
-        None if crate::generate::users_on(state, &req.model) > 0 => return Offer::Skipped,
+        None if crate::generate::users_on(state, req) > 0 => return Offer::Skipped,
         None => {}
     }
     let Ok(permit) = v.running.clone().try_acquire_owned() else {

@@ -386,7 +386,7 @@ async fn background_work_is_shed_once_a_request_is_at_risk() {
     });
     let app = spawn_routed(c, vec![("small", Arc::new(small.clone()))]).await;
     let room = || {
-        reprise::generate::room(&app.state, SMALL, 0)
+        reprise::generate::room(&app.state, &background_for(SMALL), 0)
             .expect("capacity known")
             .spare
     };

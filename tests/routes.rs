@@ -502,11 +502,16 @@ async fn background_work_uses_the_spare_slots_of_its_own_backend() {
         tokio::spawn(async move { client.post(url).json(&held).send().await.unwrap() })
     };
     assert!(eventually(Duration::from_secs(30), || large.active() == 1).await);
-    let room = reprise::generate::room(state, SMALL, 0).expect("the small backend has slots");
+    let (small_req, large_req) = (background_for(SMALL), background_for(LARGE));
+    let room = reprise::generate::room(state, &small_req, 0).expect("the small backend has slots");
     assert_eq!(room.spare, 2, "{room:?}");
-    assert_eq!(reprise::generate::room(state, LARGE, 0), None, "unknown");
-    assert_eq!(reprise::generate::users_on(state, LARGE), 1);
-    assert_eq!(reprise::generate::users_on(state, SMALL), 0);
+    assert_eq!(
+        reprise::generate::room(state, &large_req, 0),
+        None,
+        "unknown"
+    );
+    assert_eq!(reprise::generate::users_on(state, &large_req), 1);
+    assert_eq!(reprise::generate::users_on(state, &small_req), 0);
 
     // X again in a new session: its follow-up is dispatched on the small backend's spare
     // slot while the large one is still busy with its user.
@@ -557,4 +562,26 @@ async fn a_backend_down_leaves_hits_and_the_fallback_serving() {
     large.set_ready(false);
     assert_eq!(app.get("/readyz").await.status(), 503);
     assert_eq!(cache_status(&app.chat(&asked, &[]).await), "exact");
+}
+
+/// Background work asks the backend a route chose for its request, not the first serving
+/// its model.
+#[tokio::test]
+async fn background_room_is_read_on_the_backend_the_route_chose() {
+    let first = scripted("", Default::default());
+    let second = scripted(
+        "",
+        ScriptConfig {
+            slots: Some(2),
+            max_queue: Some(8),
+            ..Default::default()
+        },
+    );
+    let app = spawn(config(&[]), &first, &second).await;
+    let mut req = background_for("gpt-x");
+    // Without a route's choice the first (capacity unknown) serves it.
+    assert_eq!(reprise::generate::room(&app.state, &req, 0), None);
+    req.backend = Some("large".into());
+    let room = reprise::generate::room(&app.state, &req, 0).expect("the second tells its slots");
+    assert!(room.slots > 0, "{room:?}");
 }

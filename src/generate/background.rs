@@ -21,7 +21,8 @@ pub struct Room {
     pub slots: usize,
 }
 
-/// Spare slots for background work on the backend a generation for `model` goes to, or
+/// Spare slots for background work on the backend a generation of `req` goes to
+/// ([`crate::routes::Router::target_for`]), or
 /// `None` when that backend cannot tell its capacity (an upstream without `max_concurrent`,
 /// the unlimited scripted backend): callers then run background work only while it runs no
 /// user request ([`users_on`]). `starting`: background generations the caller started that
@@ -29,9 +30,9 @@ pub struct Room {
 /// holding a slot here whichever backend they go to; background requests the backend has
 /// queued count as holding a slot. Another backend's load never counts: with a busy
 /// upstream beside it, an idle llama still has room.
-pub fn room(state: &AppState, model: &str, starting: usize) -> Option<Room> {
+pub fn room(state: &AppState, req: &GenRequest, starting: usize) -> Option<Room> {
     use reprise_policies::prefetch::{background_slots, spare_slots, Slots};
-    let load = state.router.serving(model)?.backend.load();
+    let load = state.router.target_for(req)?.backend.load();
     if load.capacity == 0 {
         return None;
     }
@@ -56,12 +57,12 @@ pub fn room(state: &AppState, model: &str, starting: usize) -> Option<Room> {
     })
 }
 
-/// User requests running or waiting on the backend a generation for `model` goes to: where
-/// [`room`] is `None`, background work for `model` starts only when this is 0.
-pub fn users_on(state: &AppState, model: &str) -> usize {
+/// User requests running or waiting on the backend a generation of `req` goes to: where
+/// [`room`] is `None`, background work for it starts only when this is 0.
+pub fn users_on(state: &AppState, req: &GenRequest) -> usize {
     state
         .router
-        .serving(model)
+        .target_for(req)
         .map_or(0, |t| t.backend.interactive_load())
 }
 

@@ -160,10 +160,14 @@ impl Shared {
                 let (tokens, share) = (self.cfg.max_tokens_per_minute, self.cfg.max_backend_share);
                 let mut openings: HashMap<String, Opening> = HashMap::new();
                 let found = q.iter().position(|j| {
-                    let model = j.request.model.as_str();
-                    let opening = *openings
-                        .entry(model.to_string())
-                        .or_insert_with(|| opening(state, model, active, quiet_since, now));
+                    // Per backend (the one the job's generation goes to).
+                    let key = state
+                        .router
+                        .target_for(&j.request)
+                        .map_or_else(|| j.request.model.clone(), |t| t.name.clone());
+                    let opening = *openings.entry(key.clone()).or_insert_with(|| {
+                        opening(state, &j.request, &key, active, quiet_since, now)
+                    });
                     let pool = pool_of(&j.namespace);
                     match opening {
                         Opening::Closed => false,
@@ -203,31 +207,32 @@ enum Opening {
     Idle,
 }
 
-/// The [`Opening`] for a generation of `model`; `active`: background generations started
-/// here; `quiet_since`: per model, since when its backend (of unknown capacity) has run no
-/// user request.
+/// The [`Opening`] for a generation of `req` on the backend `backend` (its name);
+/// `active`: background generations started here; `quiet_since`: per backend, since when
+/// it (of unknown capacity) has run no user request.
 fn opening(
     state: &AppState,
-    model: &str,
+    req: &GenRequest,
+    backend: &str,
     active: usize,
     quiet_since: &mut HashMap<String, Instant>,
     now: Instant,
 ) -> Opening {
-    match room(state, model, active) {
+    match room(state, req, active) {
         Some(room) => {
-            quiet_since.remove(model);
+            quiet_since.remove(backend);
             if room.spare == 0 {
                 Opening::Closed
             } else {
                 Opening::Slots(room)
             }
         }
-        None if users_on(state, model) > 0 => {
-            quiet_since.remove(model);
+        None if users_on(state, req) > 0 => {
+            quiet_since.remove(backend);
             Opening::Closed
         }
         None => {
-            let since = *quiet_since.entry(model.to_string()).or_insert(now);
+            let since = *quiet_since.entry(backend.to_string()).or_insert(now);
             if now.duration_since(since) < QUIET {
                 Opening::Closed
             } else {

@@ -200,3 +200,15 @@ pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         has_all.then(|| value.parse().ok()).flatten()
     })
 }
+
+/// A background request for `model`, routed by its model.
+pub fn background_for(model: &str) -> reprise_backend::GenRequest {
+    reprise_backend::GenRequest {
+        model: model.into(),
+        input: reprise_backend::Input::Prompt("a question".into()),
+        params: Default::default(),
+        priority: reprise_backend::Priority::Background,
+        extra: Default::default(),
+        backend: None,
+    }
+}
