@@ -562,6 +562,13 @@ async fn a_backend_down_leaves_hits_and_the_fallback_serving() {
     large.set_ready(false);
     assert_eq!(app.get("/readyz").await.status(), 503);
     assert_eq!(cache_status(&app.chat(&asked, &[]).await), "exact");
+    // A new question with nothing up to answer it: 503, asked of no backend.
+    let calls = (small.calls(), large.calls());
+    let r = app.chat(&chat_for("auto", "What is a stack?"), &[]).await;
+    assert!(r.headers().contains_key("retry-after"));
+    let j = assert_openai_error(r, 503, None).await;
+    assert_eq!(j["error"]["code"], "not_ready", "{j}");
+    assert_eq!((small.calls(), large.calls()), calls);
 }
 
 /// Background work asks the backend a route chose for its request, not the first serving

@@ -298,9 +298,25 @@ async fn serve(
                 .as_ref()
                 .filter(|e| stale_windows.if_error(e.expires_ms, now));
             let (namespace, priority) = (&ctl.namespace, parsed.req.priority);
-            let degrading =
-                degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok);
-            match Box::pin(degrading).await {
+            let degraded = if choice.primary.backend.ready() {
+                let degrading =
+                    degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok);
+                Box::pin(degrading).await
+            } else {
+                // The route's backend is down (a stopped engine): its fallback answers when
+                // it is up, else an expired entry within stale-if-error, else a 503 before
+                // anything is charged.
+                let up = choice.fallback.as_ref().filter(|f| f.backend.ready());
+                Some(match (up, stale_ok) {
+                    (Some(f), _) => Degradation::Fallback(Fallback {
+                        target: f.clone(),
+                        force: true,
+                    }),
+                    (None, Some(entry)) => Degradation::Stale(entry.clone()),
+                    (None, None) => return Err(ApiError::NotReady),
+                })
+            };
+            match degraded {
                 Some(Degradation::Loose(hit)) => {
                     let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
                     state.responses.remember(state, renderer.id(), s);
