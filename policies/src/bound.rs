@@ -21,6 +21,8 @@
 //!   tighten at once, and the threshold comes back down as right verdicts outweigh them.
 //!   Where not even identical vectors keep the bound, the threshold passes 1 and nothing is
 //!   served by meaning (near misses, still checked, are what can bring it back).
+//! - A configured threshold between two bin edges shares its bin with near misses under it:
+//!   that bin's right verdicts do not vouch for it, its wrong ones count against it.
 //! - With more right verdicts the bound narrows and the threshold may fall below the
 //!   configured one, but never below a floor, and only down to similarities where verdicts
 //!   exist: evidence above the configured threshold says nothing of the band below it.
@@ -152,10 +154,20 @@ impl Evidence {
                 lowest_safe = Some(b);
             }
         }
-        let chosen = if lowest_within == served_bin {
+        // A configured threshold inside a bin: that bin's wrong verdicts may be of hits it
+        // served, its right ones of near misses under it. Counted against it, not for it.
+        let partial_holds = served_bin == configured_bin || {
+            let (n, w) = self.at_least(served_bin);
+            let extra = self.wrong[configured_bin];
+            wilson_lower(w + extra, n + extra, RAISE_Z) <= delta
+        };
+        let chosen = if lowest_within == served_bin && partial_holds {
             // Verdicts only ever loosen the configured threshold (what they show above it
             // says nothing against the band between).
             lowest_safe.map_or(configured_bin, |b| b.min(configured_bin))
+        } else if lowest_within == served_bin {
+            // Only the partial bin's wrong verdicts break it: up to the next edge.
+            served_bin
         } else {
             // Too loose as observed: up to where it is not, whatever lies below.
             lowest_within
@@ -328,6 +340,23 @@ mod tests {
         let l = e.threshold(0.02, 0.05, 0.865, 0.7);
         assert!(l.threshold > 0.87, "{l:?}");
         assert_eq!(l.verdicts, 0.0, "{l:?}");
+        // Wrong verdicts inside the threshold's own bin, none above: they may be of hits it
+        // served, so they raise it to the next edge.
+        let mut e = Evidence::default();
+        for _ in 0..300 {
+            e.record(0.862, false);
+        }
+        for _ in 0..30 {
+            e.record(0.868, true);
+        }
+        let l = e.threshold(0.02, 0.05, 0.865, 0.7);
+        assert!(l.threshold >= 0.87, "{l:?}");
+        // Right verdicts there change nothing.
+        let mut e = Evidence::default();
+        for _ in 0..30 {
+            e.record(0.868, false);
+        }
+        assert_eq!(e.threshold(0.02, 0.05, 0.865, 0.7).threshold, 0.865);
         // On an edge, nothing changes: the bin is the threshold's.
         assert_eq!(bin_from(0.86), 86);
         assert_eq!(bin_from(0.865), 87);
