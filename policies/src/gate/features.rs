@@ -79,8 +79,11 @@ impl Features {
         let mut words: Vec<String> = Vec::with_capacity(tokens.len());
         // Whether the token before was a number (an operator word between numbers counts).
         let mut after_number = false;
+        // Whether the token before was a sign word: the number right after it is negative.
+        let mut sign_next = false;
         let mut i = 0;
         while i < tokens.len() {
+            let negate = std::mem::take(&mut sign_next);
             let t = &tokens[i];
             let w = strip_possessive(&t.lower);
             if let Some(c) = currency_word(w) {
@@ -89,6 +92,8 @@ impl Features {
             if let Some(op) = operator_word(w).filter(|_| after_number) {
                 f.operators.push(op);
             }
+            // "minus five", "negative 5": a sign, not an operator, where no number precedes.
+            let signed = matches!(w, "minus" | "negative") && !after_number;
             let counted = f.numbers.len();
             // "No, it doesn't ..." / "Yes, ...": an answer word, not a negation.
             let interjection = t.sentence_start
@@ -98,6 +103,7 @@ impl Features {
                 f.negations += 1;
             }
             if let Some(n) = number_token(&t.lower) {
+                let n = negated(n, negate);
                 // "7 pm" → "7pm"; "5 million" → "5000000".
                 let next = tokens.get(i + 1).map(|n| n.lower.as_str());
                 match next {
@@ -115,14 +121,15 @@ impl Features {
                 if used == 1 && t.lower == "one" {
                     f.ones_from_word += 1;
                 }
-                f.numbers.push(value);
+                f.numbers.push(negated(value, negate));
                 after_number = true;
                 i += used;
                 continue;
             } else {
-                // Digits inside a word name a version or a variant: "python3", "ipv6".
+                // Digits ending a word name a version or a variant: "python3", "ipv6".
                 f.numbers.extend(inner_digits(&t.lower));
             }
+            sign_next = signed;
             after_number = f.numbers.len() > counted
                 && t.lower
                     .starts_with(|c: char| c.is_ascii_digit() || c == '-');
@@ -299,8 +306,8 @@ fn number_token(w: &str) -> Option<String> {
         "st" | "nd" | "rd" | "th" => format!("{num}th"),
         _ => match (exponent, magnitude(rest)) {
             (Some(e), _) => match e.parse::<u32>() {
-                Ok(e) if e <= 18 => scaled(&num, 10u64.pow(e)),
-                _ => format!("{num}e{e}"),
+                Ok(e) => scaled(&num, e),
+                Err(_) => format!("{num}e{e}"),
             },
             (None, Some(m)) => scaled(&num, m),
             (None, None) => num,
@@ -308,37 +315,88 @@ fn number_token(w: &str) -> Option<String> {
     })
 }
 
-/// The factor a word or suffix after a number multiplies it by: "million", "k", "bn".
-fn magnitude(w: &str) -> Option<u64> {
+/// `n` with a minus sign when `negate` (and it has none).
+fn negated(n: String, negate: bool) -> String {
+    match negate && !n.starts_with('-') {
+        true => format!("-{n}"),
+        false => n,
+    }
+}
+
+/// The power of ten a word or suffix after a number multiplies it by: "million" 6, "k" 3,
+/// "bn" 9.
+fn magnitude(w: &str) -> Option<u32> {
     match w {
-        "hundred" => Some(100),
-        "k" => Some(1_000),
-        "bn" => Some(1_000_000_000),
-        _ => scale_word(w),
+        "hundred" => Some(2),
+        "k" => Some(3),
+        "bn" => Some(9),
+        _ => scale_word(w).map(u64::ilog10),
     }
 }
 
-/// `num` (digits, maybe a sign and a decimal point) times `factor`, as digits; `num` and the
-/// factor side by side when the product is not a whole number that fits.
-fn scaled(num: &str, factor: u64) -> String {
-    let value = num.parse::<f64>().ok().map(|v| v * factor as f64);
-    match value {
-        Some(v) if v.fract() == 0.0 && v.abs() < 9.0e18 => format!("{}", v as i64),
-        _ => format!("{num}x{factor}"),
+/// The most zeros [`scaled`] writes out; a larger power stays as written.
+const MAX_ZEROS: u32 = 30;
+
+/// `num` (digits, maybe a sign and a decimal point) times ten to the `zeros`, written
+/// exactly by moving the decimal point ("4.1" and 6 → "4100000", "2.05" and 9 →
+/// "2050000000", "1.2345" and 2 → "123.45").
+fn scaled(num: &str, zeros: u32) -> String {
+    if zeros > MAX_ZEROS {
+        return format!("{num}e{zeros}");
+    }
+    let (sign, digits) = match num.strip_prefix('-') {
+        Some(d) => ("-", d),
+        None => ("", num),
+    };
+    let (int, frac) = digits.split_once('.').unwrap_or((digits, ""));
+    let zeros = zeros as usize;
+    let (int, frac) = if frac.len() <= zeros {
+        (format!("{int}{frac}{}", "0".repeat(zeros - frac.len())), "")
+    } else {
+        (format!("{int}{}", &frac[..zeros]), &frac[zeros..])
+    };
+    let int = int.trim_start_matches('0');
+    let int = if int.is_empty() { "0" } else { int };
+    let frac = frac.trim_end_matches('0');
+    match frac.is_empty() {
+        true => format!("{sign}{int}"),
+        false => format!("{sign}{int}.{frac}"),
     }
 }
 
-/// The runs of digits inside a word that starts with a letter ("python3" → "3",
-/// "sha256" → "256").
-fn inner_digits(w: &str) -> Vec<String> {
-    if !w.starts_with(char::is_alphabetic) || !w.bytes().any(|b| b.is_ascii_digit()) {
-        return Vec::new();
+/// The digits ending a word that starts with letters: a version or a variant ("python3" →
+/// "3", "sha256" → "256", "ipv6" → "6"). Digits inside a word ("k8s", "i18n") are part of
+/// its spelling, not a number.
+fn inner_digits(w: &str) -> Option<String> {
+    let digits = w.len() - w.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    let stem = &w[..w.len() - digits];
+    if digits == 0 || stem.is_empty() || !stem.chars().all(char::is_alphabetic) {
+        return None;
     }
-    w.split(|c: char| !c.is_ascii_digit())
-        .filter(|d| !d.is_empty())
-        .map(|d| d.trim_start_matches('0').to_string())
-        .map(|d| if d.is_empty() { "0".to_string() } else { d })
-        .collect()
+    let d = w[stem.len()..].trim_start_matches('0');
+    Some(if d.is_empty() { "0" } else { d }.to_string())
+}
+
+/// Whether the `-` or `/` at `i` separates the parts of a date or a code of digit groups
+/// ("2024-01-15", "1/2/2024", "555-123-4567"): digits right on both sides, and the same
+/// separator again within the run of digits and separators around it (read a few
+/// characters each way).
+fn date_separator(chars: &[char], i: usize) -> bool {
+    let sep = chars[i];
+    if !matches!(sep, '-' | '/') {
+        return false;
+    }
+    let digit_at = |j: Option<usize>| {
+        j.and_then(|j| chars.get(j))
+            .is_some_and(char::is_ascii_digit)
+    };
+    if !digit_at(i.checked_sub(1)) || !digit_at(Some(i + 1)) {
+        return false;
+    }
+    let part = |c: &&char| c.is_ascii_digit() || **c == sep;
+    let left = chars[..i].iter().rev().take(12).take_while(part);
+    let right = chars[i + 1..].iter().take(12).take_while(part);
+    left.chain(right).filter(|c| **c == sep).count() >= 1
 }
 
 /// The operators written as symbols between numbers ("12 + 4", "12*4", "x > 5", "2^8"), and
@@ -392,7 +450,10 @@ fn symbols(text: &str) -> (Vec<&'static str>, Vec<&'static str>) {
                 && chars.get(i + 1).is_some_and(char::is_ascii_digit)
                 && !digit(l)
                 && l != Some(&')');
-            if !sign && ((digit(l) && operand(r)) || (operand(l) && digit(r))) {
+            if !sign
+                && !date_separator(&chars, i)
+                && ((digit(l) && operand(r)) || (operand(l) && digit(r)))
+            {
                 // A hyphen between a word and a number ("covid-19", "gpt-4") is no minus.
                 let word_hyphen = op == "-"
                     && i > 0

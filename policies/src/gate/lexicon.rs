@@ -122,13 +122,14 @@ pub(super) fn scale_word(w: &str) -> Option<u64> {
 }
 
 /// An arithmetic operator written as a word after a number ("12 plus 4", "12 divided by
-/// 4"), as its symbol.
+/// 4", "3 equals 3"), as its symbol.
 pub(super) fn operator_word(w: &str) -> Option<&'static str> {
     match w {
         "plus" => Some("+"),
         "minus" => Some("-"),
         "times" | "multiplied" => Some("*"),
         "divided" => Some("/"),
+        "equals" | "equal" => Some("="),
         _ => None,
     }
 }

@@ -531,6 +531,24 @@ mod tests {
             "What's the range 1-10 for?",
             "What's the range 1-10 used for?",
         );
+        // Kinds of writing that are not changes.
+        passes("Is -5 degrees cold?", "Is minus five degrees cold?");
+        passes("Is -5 degrees cold?", "Is negative 5 degrees cold?");
+        passes("Is 4.1 million a lot?", "Is 4,100,000 a lot?");
+        passes("Is 2.05 billion a lot?", "Is 2,050,000,000 a lot?");
+        passes("Solve 3x + 5 = 20", "Solve 3x plus 5 equals 20");
+        passes("What day is 2024-01-15?", "What day is 2024/01/15?");
+        passes(
+            "How do I install k8s locally?",
+            "How do I install k8s on a laptop locally?",
+        );
+        passes("What does i18n mean?", "What does i18n stand for?");
+        rejects(
+            "Is 2024-01-15 a Monday?",
+            "Is 2024-01-16 a Monday?",
+            "number",
+        );
+        rejects("What is 12 minus 4?", "What is 12 plus 4?", "operator");
     }
 
     #[test]
