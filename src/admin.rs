@@ -44,7 +44,6 @@ pub fn same_digest(a: &blake3::Hash, b: &blake3::Hash) -> bool {
     ))
 }
 
-/// The admin the request's bearer token names, or 401.
 /// Middleware of every `/admin` route: a caller without a valid admin token gets 401
 /// before its path, query or body is read (the handlers then find its scope again).
 pub async fn gate(
@@ -96,6 +95,7 @@ async fn admin_body(
     crate::http::read_body(headers, body, server.max_body_bytes, server.body_timeout()).await
 }
 
+/// The admin the request's bearer token names, or 401.
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<Admin, ApiError> {
     let given = bearer(headers).ok_or(ApiError::Unauthorized)?;
     let global = configured_secret(&state.config.server.admin_token_env);

@@ -44,9 +44,9 @@ pub struct EmbedderArgs {
     /// Configuration whose `[semantic]` section is used (model, threads, batching).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Run one side with this budget (MiB) in this process and print its result line.
+    /// Run one side with this budget (bytes) in this process and print its result line.
     #[arg(long, hide = true)]
-    side_mb: Option<u64>,
+    side_bytes: Option<u64>,
 }
 
 /// What one side measured.
@@ -79,27 +79,31 @@ pub async fn run(a: EmbedderArgs) -> anyhow::Result<()> {
     let mut config = Config::load(a.config.as_deref())?;
     config.semantic.enabled = true;
     config.semantic.embedding_cache_bytes = 0;
-    if let Some(mb) = a.side_mb {
-        config.semantic.embedder_memory_bytes = mb << 20;
+    if let Some(bytes) = a.side_bytes {
+        config.semantic.embedder_memory_bytes = bytes;
         let side = one_side(&config, &a).await?;
         println!("{RESULT}{}", serde_json::to_string(&side)?);
         return Ok(());
     }
-    let budget_mb = a
+    let budget = a
         .memory_mb
-        .unwrap_or(config.semantic.embedder_memory_bytes >> 20);
-    let sides = [("budget", budget_mb), ("baseline", a.baseline_mb)];
+        .map_or(config.semantic.embedder_memory_bytes, |mb| mb << 20);
+    let sides = [("budget", budget), ("baseline", a.baseline_mb << 20)];
     let mut results: Vec<Vec<Side>> = vec![Vec::new(), Vec::new()];
     let exe = std::env::current_exe()?;
     for round in 1..=a.rounds {
-        for (k, (name, mb)) in sides.iter().enumerate() {
-            eprintln!("round {round}/{}: {name} ({mb} MiB)...", a.rounds);
+        for (k, (name, bytes)) in sides.iter().enumerate() {
+            eprintln!(
+                "round {round}/{}: {name} ({:.1} MiB)...",
+                a.rounds,
+                mib(*bytes)
+            );
             let mut cmd = std::process::Command::new(&exe);
             cmd.arg("embedder")
                 .args(["--texts", &a.texts.to_string()])
                 .args(["--words", &a.words.to_string()])
                 .args(["--bursts", &a.bursts.to_string()])
-                .args(["--side-mb", &mb.to_string()])
+                .args(["--side-bytes", &bytes.to_string()])
                 .stderr(std::process::Stdio::inherit());
             if let Some(c) = &a.config {
                 cmd.arg("--config").arg(c);
@@ -135,12 +139,12 @@ pub async fn run(a: EmbedderArgs) -> anyhow::Result<()> {
         "{:<10} {:>9} {:>14} {:>10} {:>10} {:>8}",
         "side", "budget", "added (MiB)", "peak", "texts/s", "calls"
     );
-    for (k, (name, mb)) in sides.iter().enumerate() {
+    for (k, (name, bytes)) in sides.iter().enumerate() {
         let v = &results[k];
         println!(
-            "{:<10} {:>5} MiB {:>14.1} {:>10.1} {:>10.2} {:>8.1}",
+            "{:<10} {:>5.0} MiB {:>14.1} {:>10.1} {:>10.2} {:>8.1}",
             name,
-            mb,
+            mib(*bytes),
             mean(v, |s| s.end_mib - s.loaded_mib),
             mean(v, |s| s.peak_mib),
             mean(v, |s| s.texts_per_sec),

@@ -17,22 +17,15 @@ const BYTES_PER_TOKEN_PER_HIDDEN: usize = 152;
 /// Bytes per pair of tokens of a text, per attention head.
 const BYTES_PER_PAIR_PER_HEAD: usize = 32;
 
-/// The fields of a model's `config.json` the estimate reads; a file without them gets
-/// all-MiniLM-L6-v2's.
+/// The fields of a model's `config.json` the estimate reads, by their names in the common
+/// transformer configurations (BERT's, DistilBERT's, GPT-2's). A file without them is an
+/// error: an estimate from another model's shape would not bound anything.
 #[derive(Debug, Deserialize)]
 struct Shape {
-    #[serde(default = "default_hidden")]
+    #[serde(alias = "dim", alias = "d_model", alias = "n_embd")]
     hidden_size: usize,
-    #[serde(default = "default_heads")]
+    #[serde(alias = "n_heads", alias = "num_heads", alias = "n_head")]
     num_attention_heads: usize,
-}
-
-fn default_hidden() -> usize {
-    384
-}
-
-fn default_heads() -> usize {
-    12
 }
 
 /// The working memory of a model call, per text, as a function of the call's longest text.
@@ -97,11 +90,18 @@ mod tests {
         let small = CallMemory::of(MINILM).unwrap();
         let big = CallMemory::of(br#"{"hidden_size": 768, "num_attention_heads": 12}"#).unwrap();
         assert!(big.per_text(128) > small.per_text(128));
-        assert_eq!(CallMemory::of(b"{}").unwrap(), small);
+        // DistilBERT names them otherwise.
+        let distil = CallMemory::of(br#"{"dim": 768, "n_heads": 12}"#).unwrap();
+        assert_eq!(distil, big);
+        // Without them there is no estimate.
+        assert!(CallMemory::of(b"{}").is_err());
         assert!(CallMemory::of(b"not json").is_err());
         // Saturates instead of overflowing.
-        let huge =
-            CallMemory::of(format!(r#"{{"hidden_size": {}}}"#, usize::MAX).as_bytes()).unwrap();
+        let huge = format!(
+            r#"{{"hidden_size": {}, "num_attention_heads": 1}}"#,
+            usize::MAX
+        );
+        let huge = CallMemory::of(huge.as_bytes()).unwrap();
         assert_eq!(huge.per_text(2), usize::MAX);
     }
 }

@@ -211,10 +211,24 @@ const NOT_OBJECTS: &[&str] = &[
 ];
 
 /// Verbs of a request about how the assistant answers from then on ("Can you talk like a
-/// pirate?").
+/// pirate?"). Broad on purpose: a request read as one only keeps the conversation's context
+/// (a lost hit at worst).
 pub const MANNER_VERBS: &[&str] = &[
-    "talk", "speak", "respond", "reply", "answer", "keep", "limit", "use", "be", "act", "pretend",
-    "stop", "start", "switch", "sound", "address", "call", "format", "avoid",
+    "talk", "speak", "respond", "reply", "replying", "answer", "keep", "limit", "use", "be", "act",
+    "pretend", "stop", "start", "switch", "sound", "address", "call", "format", "avoid", "make",
+    "write", "mind",
+];
+
+/// Words that introduce what a transform request is about ("Explain in simple terms *how*
+/// vaccines work").
+const CLAUSE_OPENERS: &[&str] = &[
+    "how", "what", "why", "who", "whom", "whose", "where", "when", "which", "whether", "if",
+];
+
+/// Verbs that ask for a transform noun ("give me a summary").
+const REQUEST_VERBS: &[&str] = &[
+    "give", "write", "make", "provide", "send", "show", "need", "want", "produce", "create", "do",
+    "prepare",
 ];
 
 /// Phrases of a standing instruction in a user message.
@@ -334,8 +348,8 @@ fn unanchored_definite(w: &[Word]) -> bool {
 }
 
 /// Whether the message asks to transform something without saying what (see the module):
-/// its first word past politeness is a transform verb followed by no object, or it has a
-/// transform noun not followed by "of".
+/// its first word past politeness is a transform verb followed by no object (and no clause of
+/// its own), or it asks for a transform noun not followed by "of".
 fn transform_without_object(lower: &[&str]) -> bool {
     let start = lower
         .iter()
@@ -344,13 +358,20 @@ fn transform_without_object(lower: &[&str]) -> bool {
     let verb = lower
         .get(start)
         .is_some_and(|x| TRANSFORM_VERBS.contains(x));
-    if verb && lower.get(start + 1).is_none_or(|x| NOT_OBJECTS.contains(x)) {
+    // What follows names the object when a clause of its own does ("how vaccines work").
+    let clause = || lower[start..].iter().any(|x| CLAUSE_OPENERS.contains(x));
+    if verb && lower.get(start + 1).is_none_or(|x| NOT_OBJECTS.contains(x)) && !clause() {
         return true;
     }
-    lower
-        .iter()
-        .enumerate()
-        .any(|(i, x)| TRANSFORM_NOUNS.contains(x) && lower.get(i + 1).is_none_or(|n| *n != "of"))
+    // "Give me a summary", "Can you write a shorter version": the noun is what is asked for,
+    // and names nothing without "of".
+    lower.iter().enumerate().any(|(i, x)| {
+        TRANSFORM_NOUNS.contains(x)
+            && lower.get(i + 1).is_none_or(|n| *n != "of")
+            && lower[i.saturating_sub(4)..i]
+                .iter()
+                .any(|w| REQUEST_VERBS.contains(w))
+    })
 }
 
 /// Whether the earlier user messages leave nothing behind that could shape a later answer:
@@ -381,7 +402,7 @@ fn asks_a_manner(lower: &str) -> bool {
         .unwrap_or(w.len());
     let rest = &w[start..];
     let verb_at = match rest {
-        ["can" | "could" | "would" | "will", "you", ..] => 2,
+        ["can" | "could" | "would" | "will", "you" | "we", ..] => 2,
         ["please", ..] => 1,
         _ => return false,
     };
@@ -449,6 +470,9 @@ mod tests {
             "Summarise the history of the Roman Empire.",
             "Explain photosynthesis in simple terms.",
             "Give me a summary of World War II.",
+            "Explain in simple terms how vaccines work.",
+            "How do I check my Python version on Linux?",
+            "What version control system should I use for Rust?",
         ] {
             assert!(!refers_back(q), "{q}");
         }
@@ -521,6 +545,10 @@ mod tests {
             "Could you keep answers under 20 words?",
             "Would you please use British spelling?",
             "So can you be more formal?",
+            "Can you make your answers shorter?",
+            "Could you write in British English?",
+            "Would you mind replying in Spanish?",
+            "Can we keep it brief?",
         ] {
             assert!(!conversation_is_plain([m]), "{m}");
         }
