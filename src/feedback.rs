@@ -45,8 +45,8 @@ pub struct Served {
     /// The entry that answered (or that the generated answer is stored as; none when it is
     /// not stored).
     pub entry: Option<EntryId>,
-    /// `exact`, `semantic`, `prefetch`, `miss` or `bypass`.
-    pub outcome: String,
+    /// How it was answered.
+    pub outcome: Outcome,
     /// The request's exact key.
     pub key: Digest,
     /// The question matched by meaning and the partition it was asked in (when the request
@@ -71,7 +71,7 @@ impl Served {
     /// (refusals) and canary requests; the rest stay on their replica, so every response
     /// does not cost a Redis write.
     fn is_shared(&self) -> bool {
-        ["semantic", "prefetch"].contains(&self.outcome.as_str()) || self.canary.is_some()
+        matches!(self.outcome, Outcome::Semantic | Outcome::Prefetch) || self.canary.is_some()
     }
 
     fn weight(&self) -> u32 {
@@ -230,7 +230,7 @@ pub async fn handle(
     };
     state
         .metrics
-        .feedback(tenant.name(), verdict, &served.outcome);
+        .feedback(tenant.name(), verdict, served.outcome);
     if let Some(sim) = served.similarity {
         let wrong = v.verdict == Kind::Wrong;
         let source = crate::bounds::Source::Feedback;
@@ -255,7 +255,10 @@ pub async fn handle(
     let mut refused = false;
     if v.verdict == Kind::Wrong {
         refused = refuse(state, &served).await;
-        let hit = ["exact", "semantic", "prefetch"].contains(&served.outcome.as_str());
+        let hit = matches!(
+            served.outcome,
+            Outcome::Exact | Outcome::Semantic | Outcome::Prefetch
+        );
         if let (Some(side), Some(c), true) = (served.canary, tenant.candidate(), hit) {
             if let Some(reason) = c.record_wrong(side) {
                 crate::policy::roll_back(state.clone(), tenant.name().to_string(), reason);
@@ -274,8 +277,7 @@ pub async fn handle(
 /// key no longer leads there, on any replica) and, when it was matched by meaning, the
 /// question's neighbourhood. Whether a refusal was added.
 pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
-    let hit_by_meaning = served.outcome == Outcome::Semantic.as_str()
-        || served.outcome == Outcome::Prefetch.as_str();
+    let hit_by_meaning = matches!(served.outcome, Outcome::Semantic | Outcome::Prefetch);
     let Some(id) = served.entry.filter(|_| hit_by_meaning) else {
         return false;
     };
@@ -305,4 +307,32 @@ pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
 pub fn question(partition: Option<Digest>, text: &str) -> Option<(Digest, String)> {
     let end = text.floor_char_boundary(MAX_QUESTION_BYTES);
     Some((partition?, text[..end].to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records are shared through Redis between replicas of different versions: the outcome
+    /// keeps its wire form, the label.
+    #[test]
+    fn a_record_keeps_the_outcome_label_on_the_wire() {
+        let served = Served {
+            tenant: "acme".into(),
+            entry: None,
+            outcome: Outcome::Semantic,
+            key: [7; 32],
+            question: None,
+            canary: None,
+            similarity: Some(0.9),
+            scope: String::new(),
+        };
+        let json = serde_json::to_string(&served).unwrap();
+        assert!(json.contains(r#""outcome":"semantic""#), "{json}");
+        let back: Served = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.outcome, Outcome::Semantic);
+        assert!(back.is_shared());
+        let odd = json.replace(r#""semantic""#, r#""sideways""#);
+        assert!(serde_json::from_str::<Served>(&odd).is_err());
+    }
 }

@@ -18,8 +18,10 @@ pub use request::{Finished, RequestMetrics, Saved, ANONYMOUS, OTHER_MODEL};
 
 use crate::degraded::Degraded;
 
-/// How a request was answered; the `outcome` label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// How a request was answered; the `outcome` label. Serialised as that label (the response
+/// records replicas share through Redis carry it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Outcome {
     /// Exact repeat served from the cache.
     Exact,
@@ -497,13 +499,9 @@ impl Metrics {
     }
 
     /// Counts a verdict on a response served as `outcome`.
-    pub fn feedback(&self, tenant: &str, verdict: &'static str, outcome: &str) {
-        let outcome = Outcome::ALL
-            .into_iter()
-            .find(|o| o.as_str() == outcome)
-            .map_or("other", Outcome::as_str);
+    pub fn feedback(&self, tenant: &str, verdict: &'static str, outcome: Outcome) {
         metrics::counter!("reprise_feedback_total",
-            "tenant" => tenant.to_string(), "verdict" => verdict, "outcome" => outcome)
+            "tenant" => tenant.to_string(), "verdict" => verdict, "outcome" => outcome.as_str())
         .increment(1);
     }
 

@@ -212,7 +212,7 @@ async fn serve(
         |entry: Option<_>, outcome: Outcome, sim: Option<f32>, book: &Bookkeeping| Served {
             tenant: tenant.name().to_string(),
             entry,
-            outcome: outcome.as_str().to_string(),
+            outcome,
             key,
             question: question.clone(),
             canary: book.canary.as_ref().map(|c| c.on_candidate),
