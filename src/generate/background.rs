@@ -135,16 +135,16 @@ pub async fn generate_tagged(
     }
     req.priority = Priority::Background;
     // Not client traffic: kept out of the lookup metrics analysts read.
-    let looking = lookup::lookup(
-        state,
+    let ask = lookup::Ask {
         namespace,
         endpoint,
-        &req,
-        check_cache,
-        true,
-        Wants::default(),
-        false,
-    );
+        req: &req,
+        read: check_cache,
+        write: true,
+        wants: Wants::default(),
+        counted: false,
+    };
+    let looking = lookup::lookup(state, ask);
     let Ok(found) = tokio::time::timeout(state.config.server.lookup_timeout(), looking).await
     else {
         return Background::Failed(BackendError::Timeout);

@@ -181,20 +181,37 @@ impl Wants {
     }
 }
 
+/// What a lookup is asked: the request and what it may do.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// The (scoped) namespace.
+    pub namespace: &'a str,
+    /// The endpoint.
+    pub endpoint: Endpoint,
+    /// The request, as served.
+    pub req: &'a GenRequest,
+    /// Read the cache (otherwise only the write plan is filled).
+    pub read: bool,
+    /// Fill the parts of the write plan a write needs.
+    pub write: bool,
+    /// What the request accepts besides the configured policy.
+    pub wants: Wants,
+    /// Client traffic, recorded in the lookup metrics.
+    pub counted: bool,
+}
+
 /// Steps 4 and 5: exact lookup, then semantic lookup. Always fills the write plan (only the
-/// parts `write` needs) and reads only when `read`. `counted`: client traffic, recorded in
-/// the lookup metrics.
-#[allow(clippy::too_many_arguments)]
-pub async fn lookup(
-    state: &Arc<AppState>,
-    namespace: &str,
-    endpoint: Endpoint,
-    req: &GenRequest,
-    read: bool,
-    write: bool,
-    wants: Wants,
-    counted: bool,
-) -> Lookup {
+/// parts `ask.write` needs) and reads only when `ask.read`.
+pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
+    let Ask {
+        namespace,
+        endpoint,
+        req,
+        read,
+        wants,
+        counted,
+        ..
+    } = ask;
     let mut found = Lookup::unmatched(namespace, endpoint, req);
     let exact = found.plan.exact;
     // 4. Exact first: a hit needs no conversation analysis (the hot path), unless the
@@ -220,27 +237,27 @@ pub async fn lookup(
     }
     // Boxed: the rest is a large future, which the exact hit above (the hot path) should not
     // carry (and copy) along.
-    let rest = beyond_exact(
-        state, namespace, endpoint, req, read, write, wants, counted, found, exact_hit,
-    );
+    let rest = beyond_exact(state, ask, found, exact_hit);
     Box::pin(rest).await
 }
 
 /// The rest of [`lookup`] after the exact tier: the conversation, then the semantic lookup
 /// (or, for an exact hit the prefetcher follows, the turn it continued).
-#[allow(clippy::too_many_arguments)]
 async fn beyond_exact(
     state: &Arc<AppState>,
-    namespace: &str,
-    endpoint: Endpoint,
-    req: &GenRequest,
-    read: bool,
-    write: bool,
-    wants: Wants,
-    counted: bool,
+    ask: Ask<'_>,
     mut found: Lookup,
     exact_hit: Option<Arc<Entry>>,
 ) -> Lookup {
+    let Ask {
+        namespace,
+        endpoint,
+        req,
+        read,
+        write,
+        wants,
+        counted,
+    } = ask;
     // The conversation: what is matched by meaning, the context it must match in, and the
     // context of the same question asked alone when it may stand on its own.
     let mut canon = None;
@@ -564,7 +581,16 @@ mod tests {
     }
 
     async fn find(state: &Arc<AppState>, ns: &str, req: &GenRequest, wants: Wants) -> Lookup {
-        lookup(state, ns, Endpoint::Chat, req, true, true, wants, false).await
+        let ask = Ask {
+            namespace: ns,
+            endpoint: Endpoint::Chat,
+            req,
+            read: true,
+            write: true,
+            wants,
+            counted: false,
+        };
+        lookup(state, ask).await
     }
 
     /// Looks `req` up and stores `answer` for it as a miss would.
@@ -857,17 +883,16 @@ mod tests {
         let s = state();
         let q = ask("What is the capital of France?");
         store(&s, "ns", &q, "Paris").await;
-        let found = lookup(
-            &s,
-            "ns",
-            Endpoint::Chat,
-            &q,
-            false,
-            true,
-            Wants::default(),
-            false,
-        )
-        .await;
+        let no_read = Ask {
+            namespace: "ns",
+            endpoint: Endpoint::Chat,
+            req: &q,
+            read: false,
+            write: true,
+            wants: Wants::default(),
+            counted: false,
+        };
+        let found = lookup(&s, no_read).await;
         assert!(found.hit.is_none());
         assert!(
             found.plan.embedding.is_some(),

@@ -60,17 +60,16 @@ pub async fn explain(
         stale,
     };
     let req = &parsed.req;
-    let found = lookup::lookup(
-        state,
-        &ctl.namespace,
+    let ask = lookup::Ask {
+        namespace: &ctl.namespace,
         endpoint,
         req,
-        access.read,
-        false,
+        read: access.read,
+        write: false,
         wants,
-        false,
-    )
-    .await;
+        counted: false,
+    };
+    let found = lookup::lookup(state, ask).await;
     let plan = &found.plan;
     let mut candidates = Vec::new();
     if let (Some(policy), Some(partition), Some(embedding), Some(embedder)) = (

@@ -163,16 +163,16 @@ async fn serve(
     };
     let counted = book.is_counted();
     let within = tokio::time::Instant::now() + state.config.server.lookup_timeout();
-    let looking = lookup::lookup(
-        state,
-        &ctl.namespace,
+    let ask = lookup::Ask {
+        namespace: &ctl.namespace,
         endpoint,
-        &parsed.req,
-        access.read,
-        access.write,
+        req: &parsed.req,
+        read: access.read,
+        write: access.write,
         wants,
         counted,
-    );
+    };
+    let looking = lookup::lookup(state, ask);
     let mut found = match tokio::time::timeout_at(within.min(deadline), looking).await {
         Ok(found) => found,
         Err(_) => {
