@@ -36,6 +36,9 @@ pub struct Flight {
     /// The model of the fallback backend that answered instead of the route's own (set
     /// before the first event; such an answer is not stored).
     fallback: std::sync::OnceLock<String>,
+    /// Invalidation tags of the requests that followed it, stored with its answer beside the
+    /// leader's (a tag delete any of them asks for reaches the answer they were served).
+    tags: Mutex<Vec<String>>,
 }
 
 impl Flight {
@@ -47,7 +50,13 @@ impl Flight {
             cancel: CancellationToken::new(),
             entry,
             fallback: std::sync::OnceLock::new(),
+            tags: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The followers' tags, for the write-back (those added later come too late for it).
+    pub fn take_tags(&self) -> Vec<String> {
+        std::mem::take(&mut *self.tags.lock())
     }
 
     /// Records that the fallback backend serving `model` answers this flight (before its
@@ -128,6 +137,16 @@ pub struct Subscriber {
 }
 
 impl Subscriber {
+    /// Adds a follower's invalidation tags to those stored with the answer (each once).
+    pub fn add_tags(&self, tags: &[String]) {
+        let mut held = self.flight.tags.lock();
+        for t in tags {
+            if !held.contains(t) {
+                held.push(t.clone());
+            }
+        }
+    }
+
     /// The id the flight's answer is stored under, when it is stored (never when a
     /// fallback answered).
     pub fn entry(&self) -> Option<EntryId> {

@@ -850,3 +850,46 @@ async fn an_empty_streamed_answer_still_ends_with_done() {
         assert_eq!(fin["choices"][0]["finish_reason"], "stop", "{outcome}");
     }
 }
+
+/// A request that joined a generation with tags of its own has them stored with the answer
+/// it was served: a tag delete it asks for reaches that answer.
+#[tokio::test]
+async fn a_followers_tags_reach_the_answer_it_shared() {
+    std::env::set_var("REPRISE_TEST_FOLLOWER_TAGS_TOKEN", "t4gs");
+    let mut config = test_config();
+    config.server.admin_token_env = Some("REPRISE_TEST_FOLLOWER_TAGS_TOKEN".into());
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    backend.set_token_delay(Duration::from_millis(200));
+    let body = chat_body("one answer, two tag sets");
+    let leader = {
+        let (client, url, body) = (app.client.clone(), app.chat_url(), body.clone());
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .header("x-reprise-tags", "docs-v1")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            r.text().await.unwrap()
+        })
+    };
+    assert!(eventually(Duration::from_secs(30), || backend.active() == 1).await);
+    let follower = app.chat(&body, &[("x-reprise-tags", "pricing")]).await;
+    assert_eq!(follower.status(), 200);
+    follower.text().await.unwrap();
+    leader.await.unwrap();
+    assert_eq!(backend.calls(), 1, "one generation for both");
+    assert_eq!(cache_status(&app.chat(&body, &[]).await), "exact");
+    // The follower's tag reaches it.
+    let r = app
+        .client
+        .delete(app.url("/admin/tags/pricing"))
+        .bearer_auth("t4gs")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(cache_status(&app.chat(&body, &[]).await), "miss");
+}

@@ -63,11 +63,23 @@ pub(crate) fn spawn(
                 // after a client got its answer finds it (a moka insert is microseconds).
                 // A fallback's answer is not the model's the keys are for: not stored.
                 if let Some(mut plan) = plan.filter(|_| flight.fallback().is_none()) {
-                    if let Some(near) = plan.near_miss.take() {
-                        crate::bounds::check_near_miss(&state, near, text.clone());
+                    // The followers' tags too: a tag delete any of them asks for must reach
+                    // the answer. Beyond the tag limit the answer is served, not stored (a
+                    // delete could miss it).
+                    for t in flight.take_tags() {
+                        if !plan.tags.contains(&t) {
+                            plan.tags.push(t);
+                        }
                     }
-                    let gen_ms = u32::try_from(took.as_millis()).unwrap_or(u32::MAX);
-                    write_back(&state, plan, text, reason, usage, gen_ms).await;
+                    if plan.tags.len() <= crate::request::MAX_TAGS {
+                        if let Some(near) = plan.near_miss.take() {
+                            crate::bounds::check_near_miss(&state, near, text.clone());
+                        }
+                        let gen_ms = u32::try_from(took.as_millis()).unwrap_or(u32::MAX);
+                        write_back(&state, plan, text, reason, usage, gen_ms).await;
+                    } else {
+                        tracing::debug!(tags = plan.tags.len(), "answer not stored: too many tags");
+                    }
                 }
                 flight.end(End::Finished);
             }

@@ -61,7 +61,7 @@ use crate::openai::{Endpoint, Renderer};
 use crate::routes::Fallback;
 use crate::state::AppState;
 use controls::admit;
-pub use controls::{session_id, Controls, MAX_SESSION_BYTES};
+pub use controls::{session_id, Controls, MAX_SESSION_BYTES, MAX_TAGS};
 use degrade::Degradation;
 pub use parse::{parse, Parsed, Request};
 
@@ -349,6 +349,10 @@ async fn serve(
             Box::pin(joining).await
         }
     };
+    // A follower's tags go with the answer it is served (the leader's are in its plan).
+    if !ctl.tags.is_empty() {
+        joined.subscriber.add_tags(&ctl.tags);
+    }
     // 9. Respond (remembered for feedback under the response's id).
     let outcome = book.outcome;
     let s = served(joined.subscriber.entry(), outcome, joined.similarity, book);
