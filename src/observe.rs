@@ -34,7 +34,7 @@ impl Observation {
     /// About the bytes it holds of its own (the request's texts; the entry is shared).
     pub fn bytes(&self) -> u64 {
         let session = self.session.as_ref().map_or(0, String::len);
-        let texts = self.request.input.heap_bytes();
+        let texts = self.request.heap_bytes();
         (std::mem::size_of::<Observation>() + self.namespace.len() + session + texts) as u64
     }
 }

@@ -1105,3 +1105,43 @@ async fn a_background_generation_that_never_starts_times_out() {
     let stopped = eventually(WAIT, || backend.active() == 0).await;
     assert!(stopped, "the backend still generates");
 }
+
+/// A prefetched follow-up carries the invalidation tags of the answer it follows: a tag
+/// delete that removes that answer removes the prefetched one too.
+#[tokio::test]
+async fn a_prefetched_follow_up_carries_the_tags_of_the_answer_it_follows() {
+    std::env::set_var("REPRISE_TEST_PREFETCH_TAGS_TOKEN", "pr3f");
+    let mut config = prefetch_config(true);
+    config.server.admin_token_env = Some("REPRISE_TEST_PREFETCH_TAGS_TOKEN".into());
+    let (app, _probe) = spawn_probe(config, ScriptConfig::default()).await;
+    // X is first asked with a tag: its entry carries it.
+    let tagged = [
+        ("x-reprise-session", "learn-0"),
+        ("x-reprise-tags", "pricing"),
+    ];
+    assert_eq!(app.chat(&chat_body(X), &tagged).await.status(), 200);
+    assert_eq!(ask(&app, "learn-0", Y).await, "miss");
+    for i in 1..3 {
+        let s = format!("learn-{i}");
+        ask(&app, &s, X).await;
+        ask(&app, &s, Y).await;
+    }
+    assert!(eventually(WAIT, || stats(&app).links >= 3).await);
+    forget(&app, entry_answering(&app, Y).expect("Y was answered")).await;
+    let before = stats(&app);
+    assert_eq!(ask(&app, "new", X).await, "exact");
+    assert!(eventually(WAIT, || stats(&app).completed > before.completed).await);
+    let prefetched = entry_answering(&app, Y).expect("Y was prefetched");
+    let entry = app.state.store.get(prefetched).await.expect("held");
+    assert_eq!(entry.tags, ["pricing"]);
+    let r = app
+        .client
+        .delete(app.url("/admin/tags/pricing"))
+        .bearer_auth("pr3f")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    app.state.store.run_pending_tasks().await;
+    assert!(app.state.store.get(prefetched).await.is_none());
+}

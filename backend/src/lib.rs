@@ -47,6 +47,23 @@ impl Input {
     }
 }
 
+/// About the heap bytes a JSON value holds (its strings and keys, and a fixed cost per node).
+pub fn json_heap_bytes(v: &serde_json::Value) -> usize {
+    use serde_json::Value;
+    const NODE: usize = std::mem::size_of::<Value>();
+    match v {
+        Value::String(s) => NODE + s.len(),
+        Value::Array(a) => NODE + a.iter().map(json_heap_bytes).sum::<usize>(),
+        Value::Object(m) => {
+            NODE + m
+                .iter()
+                .map(|(k, v)| k.len() + json_heap_bytes(v))
+                .sum::<usize>()
+        }
+        _ => NODE,
+    }
+}
+
 /// One chat message, reduced to the parts a text model consumes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ChatMessage {
@@ -171,6 +188,20 @@ pub struct GenRequest {
     /// The backend a route chose for it, by its configured name (`None`: the one serving
     /// `model`). Read only by a router of several backends; not part of any cache key.
     pub backend: Option<String>,
+}
+
+impl GenRequest {
+    /// About the heap bytes it holds: its input, model name, stop strings and the fields
+    /// passed through (`extra`, which a client fills up to the body limit).
+    pub fn heap_bytes(&self) -> usize {
+        let stops: usize = self.params.stop.iter().map(String::len).sum();
+        let extra: usize = self
+            .extra
+            .iter()
+            .map(|(k, v)| k.len() + json_heap_bytes(v))
+            .sum();
+        self.input.heap_bytes() + self.model.len() + stops + extra
+    }
 }
 
 /// Why generation ended.
@@ -364,5 +395,29 @@ pub trait Backend: Send + Sync + 'static {
             message: format!("this backend does not answer `{}`", req.path),
             param: None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_counts_the_fields_it_passes_through() {
+        let mut req = GenRequest {
+            model: "m".into(),
+            input: Input::Prompt("hi".into()),
+            params: SamplingParams::default(),
+            priority: Priority::Interactive,
+            extra: Default::default(),
+            backend: None,
+        };
+        let bare = req.heap_bytes();
+        let big = "x".repeat(1 << 20);
+        req.extra.insert(
+            "response_format".into(),
+            serde_json::json!({"schema": [big]}),
+        );
+        assert!(req.heap_bytes() >= bare + (1 << 20));
     }
 }

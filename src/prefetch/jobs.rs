@@ -62,20 +62,26 @@ pub(super) struct Job {
     /// Exact keys of the same follow-up asked in the cluster's other observed wordings (same
     /// history, same parameters): pointed at the generated entry.
     pub(super) aliases: Vec<Digest>,
+    /// Invalidation tags stored with the answer: a prefetched follow-up carries those of the
+    /// answer it follows (a tag delete of that answer reaches it), a refresh those of the
+    /// entry it renews.
+    pub(super) tags: Vec<String>,
     pub(super) queued_at: Instant,
 }
 
 impl Shared {
-    /// Queues a job (newest first); drops the oldest beyond the bound.
-    pub(super) fn enqueue(&self, job: Job) {
-        self.enqueue_at(job, true);
+    /// Queues a job (newest first); drops the oldest beyond the bound. False when one for
+    /// the same key is already queued or running.
+    pub(super) fn enqueue(&self, job: Job) -> bool {
+        self.enqueue_at(job, true)
     }
 
     /// Queues a job at the front (newest first) or at the back (after everything waiting:
     /// the model's guesses), then drops from the back beyond the bound.
-    pub(super) fn enqueue_at(&self, job: Job, front: bool) {
-        if !self.pending.lock().insert(job.key) {
-            return;
+    pub(super) fn enqueue_at(&self, job: Job, front: bool) -> bool {
+        let key = job.key;
+        if !self.pending.lock().insert(key) {
+            return false;
         }
         bump(&self.counts.queued, 1);
         self.handles.queued.increment(1);
@@ -100,9 +106,12 @@ impl Shared {
                 None
             }
         };
+        // The queued job itself may be the one dropped (queued at the back of a full queue).
+        let kept = dropped.as_ref().is_none_or(|old| old.key != key);
         if let Some(old) = dropped {
             self.cancel(&old);
         }
+        kept
     }
 
     pub(super) fn cancel(&self, job: &Job) {
@@ -284,16 +293,14 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
         JobKind::Refresh(_) => (Origin::Refresh, false),
         _ => (Origin::Prefetch, true),
     };
-    // A renewed entry keeps the tags of the one it replaces.
-    let tags = match job.kind {
-        JobKind::Refresh(old) => state
-            .store
-            .get(old)
-            .await
-            .map(|e| e.tags.clone())
-            .unwrap_or_default(),
-        _ => Vec::new(),
-    };
+    // An entry deleted (or evicted) while its refresh waited is not renewed: the renewed
+    // one would escape the delete.
+    if let JobKind::Refresh(old) = job.kind {
+        if state.store.get(old).await.is_none() {
+            shared.cancel(job);
+            return (false, 0);
+        }
+    }
     let result = generate_tagged(
         state,
         &job.namespace,
@@ -301,7 +308,7 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
         job.request.clone(),
         origin,
         check_cache,
-        tags,
+        job.tags.clone(),
     )
     .await;
     // The answer serves the follow-up in the cluster's other observed wordings too: their
@@ -386,6 +393,7 @@ mod tests {
             request: chat(&[("user", "q")]),
             key: *blake3::hash(format!("{namespace}{n}").as_bytes()).as_bytes(),
             aliases: Vec::new(),
+            tags: Vec::new(),
             queued_at: Instant::now(),
         }
     }

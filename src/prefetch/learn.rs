@@ -185,6 +185,7 @@ impl Shared {
                 request,
                 key,
                 aliases,
+                tags: entry.tags.clone(),
                 queued_at: Instant::now(),
             });
         }

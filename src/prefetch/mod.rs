@@ -444,10 +444,20 @@ mod tests {
         let hot = &p.shared.hot;
         let question = "q".repeat(256 * 1024);
         for i in 0..400u64 {
+            // Half carry their bulk in the long question, half in a field passed through
+            // (`extra`, up to the body limit): both count.
+            let mut request = crate::test_support::chat(&[("user", "short")]);
+            match i % 2 {
+                0 => request.input = reprise_backend::Input::Prompt(question.clone()),
+                _ => {
+                    let big = serde_json::json!({"schema": question.clone()});
+                    request.extra.insert("response_format".into(), big);
+                }
+            }
             let record = Hot {
                 namespace: "namespace".into(),
                 endpoint: crate::openai::Endpoint::Chat,
-                request: crate::test_support::chat(&[("user", &question)]),
+                request,
                 expires_ms: u64::MAX,
                 hits: AtomicU64::new(0),
                 refreshing: std::sync::atomic::AtomicBool::new(false),

@@ -53,6 +53,7 @@ impl Shared {
                 request,
                 key,
                 aliases: Vec::new(),
+                tags: obs.entry.tags.clone(),
                 queued_at: Instant::now(),
             },
             false,
@@ -91,6 +92,7 @@ impl Shared {
                 request,
                 key,
                 aliases: Vec::new(),
+                tags: job.tags.clone(),
                 queued_at: Instant::now(),
             };
             self.enqueue_at(job, false);

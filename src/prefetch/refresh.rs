@@ -25,7 +25,7 @@ pub(super) struct Hot {
 impl Hot {
     /// About the bytes it holds (its request's texts; the budget of the hot records).
     pub(super) fn bytes(&self) -> usize {
-        std::mem::size_of::<Hot>() + self.namespace.len() + self.request.input.heap_bytes()
+        std::mem::size_of::<Hot>() + self.namespace.len() + self.request.heap_bytes()
     }
 }
 
@@ -50,23 +50,29 @@ impl Shared {
             self.hot.invalidate(&id);
         }
         for (id, hot) in due {
-            if state.store.get(id).await.is_none() {
+            let Some(old) = state.store.get(id).await else {
                 self.hot.invalidate(&id);
                 continue;
-            }
+            };
             hot.refreshing.store(true, Ordering::Relaxed);
             let mut request = hot.request.clone();
             request.priority = reprise_backend::Priority::Background;
             let key = crate::key::exact_key(&hot.namespace, hot.endpoint, &request);
-            self.enqueue(Job {
+            let queued = self.enqueue(Job {
                 kind: JobKind::Refresh(id),
                 namespace: hot.namespace.clone(),
                 endpoint: hot.endpoint,
                 request,
                 key,
                 aliases: Vec::new(),
+                // The renewed entry keeps the tags of the one it replaces.
+                tags: old.tags.clone(),
                 queued_at: Instant::now(),
             });
+            // Already queued (a prefetch of the same request): tried again on a later scan.
+            if !queued {
+                hot.refreshing.store(false, Ordering::Relaxed);
+            }
         }
     }
 

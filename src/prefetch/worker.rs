@@ -13,6 +13,8 @@ use crate::state::AppState;
 
 /// Worker tick while jobs wait (to catch the backend going idle).
 const POLL: Duration = Duration::from_millis(10);
+/// The most observations learned in one turn of the worker's loop.
+const LEARN_BATCH: usize = 256;
 /// Worker tick while nothing waits.
 const IDLE_TICK: Duration = Duration::from_millis(100);
 /// How often hot entries are checked for refresh and prefetched entries for waste.
@@ -71,9 +73,12 @@ pub(super) async fn worker(
         let Some(state) = state.upgrade() else {
             return;
         };
+        // A bounded batch: what arrives faster than it is learned waits for the next turn
+        // (the channel is bounded too), so dispatch and the scans below always get theirs.
         for ev in first
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv()))
+            .take(LEARN_BATCH)
         {
             shared.apply(ev);
         }
