@@ -18,7 +18,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use reprise_backend::{ChatMessage, GenRequest, Input, Priority};
+use reprise_backend::{ChatMessage, FinishReason, GenRequest, Input, Priority};
 use reprise_cache::Entry;
 use tokio::sync::Semaphore;
 
@@ -116,7 +116,8 @@ fn start(
     let (state, entry) = (state.clone(), entry.clone());
     tokio::spawn(async move {
         let _permit = permit;
-        let Some(answer) = generate(&state, fresh.clone()).await else {
+        // A reference cut off at its token cap is no measure of a whole cached answer.
+        let Some(answer) = generate(&state, fresh.clone(), true).await else {
             return;
         };
         let Some(wrong) = judge(&state, &served, &fresh, &entry, &answer).await else {
@@ -137,12 +138,11 @@ fn start(
     Offer::Started
 }
 
-/// The backend's answer to `req` (none when it fails or stalls).
-async fn generate(state: &AppState, req: GenRequest) -> Option<String> {
-    crate::generate::answer(state, req)
-        .await
-        .ok()
-        .map(|(text, _)| text)
+/// The backend's answer to `req` (none when it fails or stalls, or with `whole`, when it
+/// stopped at its token cap).
+async fn generate(state: &AppState, req: GenRequest, whole: bool) -> Option<String> {
+    let (text, reason, _) = crate::generate::answer(state, req).await.ok()?;
+    (!whole || reason != FinishReason::Length).then_some(text)
 }
 
 /// Whether the cached answer is wrong for the question (none: no verdict).
@@ -173,7 +173,7 @@ async fn judge(
                 ),
                 ChatMessage::new("user", judge_prompt(question, &entry.text, fresh)),
             ]);
-            let reply = generate(state, ask).await?;
+            let reply = generate(state, ask, false).await?;
             parse_yes_no(&reply).map(|serves| !serves)
         }
     }

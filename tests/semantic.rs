@@ -1338,3 +1338,71 @@ async fn a_full_embedder_queue_is_a_429_with_retry_after_that_changes_nothing() 
     }
     assert_eq!(backend.calls(), 8);
 }
+
+/// A check whose reference answer stopped at its token cap gives no verdict: a cut-off
+/// answer is no measure of a whole one. A check of whole answers does.
+#[tokio::test]
+async fn a_check_cut_off_at_its_token_cap_gives_no_verdict() {
+    let mut config = semantic_config();
+    config.semantic.verify_hits = 1.0;
+    // The same reply whatever is asked: every check that judges finds the answer right.
+    let script = ScriptConfig {
+        reply: "Open the settings, choose security, then reset the password.".into(),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(config, script).await;
+    let verdicts = || {
+        let scope = reprise_policies::semantic::scope(None);
+        app.state
+            .bounds
+            .threshold("", &scope, 0.02, 0.86, 0.7)
+            .verdicts
+    };
+    let idle = |calls: usize| {
+        let b = backend.clone();
+        async move {
+            eventually(std::time::Duration::from_secs(10), || {
+                b.calls() == calls && b.active() == 0
+            })
+            .await
+        }
+    };
+    // Answers cut at two words (the scripted backend's tokens): the check's too.
+    let capped = |text: &str| {
+        let mut b = chat_body(text);
+        b["max_tokens"] = 2.into();
+        b
+    };
+    let r = app.chat(&capped("How do I reset my password?"), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let paraphrase = capped("I forgot my password, how can I change it?");
+    assert_eq!(cache_status(&app.chat(&paraphrase, &[]).await), "semantic");
+    assert!(idle(2).await, "the check ran");
+    // Whole answers: the check gives a verdict (after the first check let go of its permit).
+    let r = app
+        .chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let paraphrase = chat_body("I forgot my password, how can I change it?");
+    assert_eq!(cache_status(&app.chat(&paraphrase, &[]).await), "semantic");
+    assert!(idle(4).await, "the second check ran");
+    let app_ref = &app;
+    assert!(
+        eventually_async(std::time::Duration::from_secs(10), || async {
+            app_ref
+                .state
+                .bounds
+                .threshold(
+                    "",
+                    &reprise_policies::semantic::scope(None),
+                    0.02,
+                    0.86,
+                    0.7,
+                )
+                .verdicts
+                >= 1.0
+        })
+        .await
+    );
+    assert_eq!(verdicts(), 1.0, "the cut-off check gave none");
+}

@@ -5,7 +5,7 @@
 use std::future::Future;
 
 use futures::StreamExt;
-use reprise_backend::{BackendError, GenEvent, GenRequest, Usage};
+use reprise_backend::{BackendError, FinishReason, GenEvent, GenRequest, Usage};
 use tokio::time::{Duration, Instant};
 
 use crate::config::ServerConfig;
@@ -62,19 +62,19 @@ impl Deadlines {
 }
 
 /// The whole answer of `req` from the backend, not stored (proposals, checks of hits): its
-/// text and usage, within [`Deadlines`] from the call (opening the stream included). An
-/// incomplete stream is an error.
+/// text, why it ended and its usage, within [`Deadlines`] from the call (opening the stream
+/// included). An incomplete stream is an error.
 pub(crate) async fn answer(
     state: &AppState,
     req: GenRequest,
-) -> Result<(String, Usage), BackendError> {
+) -> Result<(String, FinishReason, Usage), BackendError> {
     let mut deadlines = Deadlines::new(&state.config.server);
     let mut stream = deadlines.open(state.backend.generate(req)).await?;
     let mut text = String::new();
     while let Some(ev) = deadlines.next(stream.next()).await? {
         match ev? {
             GenEvent::Delta(t) => text.push_str(&t),
-            GenEvent::Finish { usage, .. } => return Ok((text, usage)),
+            GenEvent::Finish { reason, usage } => return Ok((text, reason, usage)),
         }
     }
     Err(BackendError::Internal(

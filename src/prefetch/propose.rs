@@ -103,7 +103,8 @@ impl Shared {
 
 /// Generates `req` on the backend without storing it; returns the text and the usage.
 async fn ask_backend(state: &AppState, req: GenRequest) -> Result<(String, Usage), BackendError> {
-    crate::generate::answer(state, req).await
+    let (text, _, usage) = crate::generate::answer(state, req).await?;
+    Ok((text, usage))
 }
 
 /// Instructions of a proposal request.
