@@ -340,6 +340,16 @@ return redis.call('GET', KEYS[1])";
     /// Queues another exact key pointing at an existing entry, for `ttl`. Returns `false`
     /// when dropped.
     pub fn alias(&self, key: Digest, id: EntryId, ttl: Duration) -> bool {
+        self.alias_with(key, id, ttl, false)
+    }
+
+    /// Like [`RedisTier::alias`], only where `key` leads nowhere in Redis yet (another
+    /// replica's answer for it stays).
+    pub fn alias_unclaimed(&self, key: Digest, id: EntryId, ttl: Duration) -> bool {
+        self.alias_with(key, id, ttl, true)
+    }
+
+    fn alias_with(&self, key: Digest, id: EntryId, ttl: Duration, unclaimed: bool) -> bool {
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
         if ttl_ms == 0 {
             return false;
@@ -348,6 +358,7 @@ return redis.call('GET', KEYS[1])";
             key,
             id,
             expires_ms: now_ms().saturating_add(ttl_ms),
+            unclaimed,
         })
     }
 

@@ -502,11 +502,15 @@ impl Store {
     }
 
     /// Like [`Store::alias`] for keys that do not lead to an entry yet: a key that already
-    /// does is left alone (an answer generated for it is at least as good).
+    /// does is left alone (an answer generated for it is at least as good), here and in
+    /// Redis (where another replica may hold one this replica does not).
     pub async fn alias_unclaimed(&self, keys: &[Digest], entry: &Entry) {
         for k in keys {
             if self.memory.get_by_key(k).await.is_none() {
-                self.alias(*k, entry).await;
+                self.memory.alias(*k, entry.id).await;
+                if let Some(redis) = &self.redis {
+                    redis.alias_unclaimed(*k, entry.id, entry.ttl_left());
+                }
             }
         }
     }

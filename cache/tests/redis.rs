@@ -923,3 +923,27 @@ async fn replica(
         None,
     )
 }
+
+/// An alias to a key no answer claims yet does not overwrite, in Redis, an answer another
+/// replica holds for it (that replica's answer was generated for the key).
+#[tokio::test]
+async fn an_unclaimed_alias_leaves_another_replicas_answer_in_place() {
+    let server = RedisServer::start();
+    let store = |name| replica(&server, name, None, Duration::ZERO);
+    let (a, b, c) = (store("a").await, store("b").await, store("c").await);
+    // B answered the key itself.
+    let own = Arc::new(entry("ns", "B's own answer", 60_000));
+    b.insert(own.clone(), &[digest(9)]).await;
+    b.redis().unwrap().flush().await.unwrap();
+    // A, which never saw it, aliases the key to its prefetched answer.
+    let prefetched = Arc::new(entry("ns", "A's prefetched answer", 60_000));
+    a.insert(prefetched.clone(), &[digest(8)]).await;
+    a.alias_unclaimed(&[digest(9), digest(10)], &prefetched)
+        .await;
+    a.redis().unwrap().flush().await.unwrap();
+    // A third replica reads Redis: the key leads to B's answer; the unclaimed one to A's.
+    let (found, _) = c.find(&digest(9), |_| true).await;
+    assert_eq!(found.fresh().map(|e| e.id), Some(own.id));
+    let (found, _) = c.find(&digest(10), |_| true).await;
+    assert_eq!(found.fresh().map(|e| e.id), Some(prefetched.id));
+}

@@ -108,6 +108,9 @@ pub(super) enum Write {
         key: Digest,
         id: EntryId,
         expires_ms: u64,
+        /// Only where the key leads nowhere yet (`SET NX`): another replica's answer for it
+        /// stays.
+        unclaimed: bool,
     },
     /// A named value, without expiry or for `ttl_ms` (see [`RedisTier::put_blob`]).
     Blob {
@@ -294,17 +297,20 @@ impl Shared {
                 key,
                 id,
                 expires_ms,
+                unclaimed,
             } => {
                 let ttl = self.kept_until(expires_ms).saturating_sub(now_ms());
                 if ttl == 0 {
                     return Ok(());
                 }
-                let cmd = ::redis::cmd("SET")
-                    .arg(self.keys.key(&key))
+                let mut cmd = ::redis::cmd("SET");
+                cmd.arg(self.keys.key(&key))
                     .arg(id.to_string())
                     .arg("PX")
-                    .arg(ttl)
-                    .clone();
+                    .arg(ttl);
+                if unclaimed {
+                    cmd.arg("NX");
+                }
                 self.run(Op::Alias, |c| async move { c.query::<Value>(&cmd).await })
                     .await
                     .map(drop)
