@@ -141,6 +141,23 @@ async fn events_reach_other_replicas_but_not_their_writer() {
     assert!(a_more.is_err(), "unexpected event for a: {a_more:?}");
 }
 
+/// A reader that had read no event yet when Redis restarted empty asks for a resync too: it
+/// cannot tell a wiped Redis from one that never held a stream.
+#[tokio::test]
+async fn a_restart_before_any_event_asks_for_a_resync() {
+    let mut server = RedisServer::start();
+    let cfg = RedisConfig {
+        breaker_cooldown_ms: 200,
+        ..config(server.url())
+    };
+    let b = tier(cfg, "b").await;
+    let mut b_events = b.subscribe(true);
+    // Connected and waiting on the (absent) stream.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.restart();
+    assert_eq!(next_event(&mut b_events).await, ReplicationEvent::Resync);
+}
+
 #[tokio::test]
 async fn a_restart_that_loses_events_asks_for_a_resync() {
     let mut server = RedisServer::start();

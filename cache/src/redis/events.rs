@@ -255,8 +255,11 @@ impl Subscriber {
                 let first = self.first(conn).await?;
                 let last = self.last(conn).await?;
                 let gap = match (first, last) {
-                    // The stream is gone (Redis restarted without it) though we had read some.
-                    (None, _) | (_, None) => cursor != StreamPos::ZERO,
+                    // No stream after a lost connection: Redis restarted without it, or it
+                    // never held one. A reader that had read nothing yet cannot tell the two
+                    // apart; a resync on an empty Redis costs an empty scan, a missed one
+                    // leaves a wiped Redis unrefilled.
+                    (None, _) | (_, None) => true,
                     // Trimmed past our position, or recreated with smaller ids.
                     (Some(first), Some(last)) => first > cursor || last < cursor,
                 };
