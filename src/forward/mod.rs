@@ -105,8 +105,10 @@ pub(crate) fn set_field(
 }
 
 /// Sends a request the cache cannot represent upstream as it came (the request path has
-/// admitted it) and streams the answer back as it arrives, taking one of the upstream's slots
-/// at `priority` (`backend.max_concurrent`). Nothing is looked up, stored or learned from it.
+/// admitted it, and refused it with [`Forward::needs_upstream`] where its route's backend
+/// cannot forward) and streams the answer back as it arrives, taking one of the upstream's
+/// slots at `priority` (`backend.max_concurrent`). Nothing is looked up, stored or learned
+/// from it.
 pub async fn forward(
     state: &Arc<AppState>,
     endpoint: Endpoint,
@@ -116,9 +118,6 @@ pub async fn forward(
     priority: reprise_backend::Priority,
     book: &mut Bookkeeping,
 ) -> Result<Response, ApiError> {
-    if !state.backend.forwards() {
-        return Err(f.needs_upstream());
-    }
     book.outcome = Outcome::Bypass;
     state.metrics.forwarded(f.field);
     let server = &state.config.server;
