@@ -853,6 +853,89 @@ async fn the_model_proposes_follow_ups_that_traffic_has_not_shown() {
     assert_eq!(proposals(), 4);
 }
 
+/// Names the admin token of this test binary (the value is set by [`admin_tenant_config`]).
+const ADMIN_TOKEN_VAR: &str = "REPRISE_TEST_PREFETCH_ADMIN_TOKEN";
+
+/// Keys required, one tenant `t` (key `sk-t`) with `policy`, and an admin token.
+fn admin_tenant_config(policy: &str) -> Config {
+    std::env::set_var(ADMIN_TOKEN_VAR, "pr3fetch");
+    let mut c = prefetch_config(false);
+    c.server.admin_token_env = Some(ADMIN_TOKEN_VAR.into());
+    c.auth.required = true;
+    c.tenants = reprise::policy::PolicyDocument::from_toml(&tenant_doc(policy))
+        .unwrap()
+        .tenants
+        .unwrap();
+    c
+}
+
+fn tenant_doc(policy: &str) -> String {
+    format!("[[tenants]]\nname = \"t\"\napi_keys = [\"sk-t\"]\n[tenants.policy]\n{policy}\n")
+}
+
+#[tokio::test]
+async fn nothing_is_generated_in_the_background_for_a_read_only_tenant() {
+    let mut config = admin_tenant_config("");
+    config.prefetch.propose = true;
+    let script = ScriptConfig {
+        rules: vec![(PROPOSAL_MARK.into(), format!("1. {Y}"))],
+        ..ScriptConfig::default()
+    };
+    let (app, probe) = spawn_probe(config, script).await;
+    let key = [("authorization", "Bearer sk-t")];
+    let proposals = || {
+        probe
+            .inner
+            .requests()
+            .into_iter()
+            .filter(|r| format!("{:?}", r.input).contains(PROPOSAL_MARK))
+            .count()
+    };
+    // While it may write: X is answered, the model proposes Y, and Y is prefetched.
+    let r = app.chat(&convo(&[("user", X)]), &key).await;
+    assert_eq!(cache_status(&r), "miss");
+    let answer = content(r).await;
+    assert!(
+        eventually(WAIT, || {
+            let s = stats(&app);
+            s.proposed == 1
+                && s.active == 0
+                && s.completed + s.skipped + s.cancelled + s.proposals >= s.queued
+        })
+        .await,
+        "{:?}",
+        stats(&app)
+    );
+    assert_eq!(proposals(), 1);
+    // Made read-only, it still reads the prefetched answer; that hit would have its own
+    // proposal, but nothing may be stored for this tenant any more, so nothing is asked.
+    let r = app
+        .client
+        .put(app.url("/admin/policies"))
+        .bearer_auth("pr3fetch")
+        .body(tenant_doc("read_only = true"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let cancelled = stats(&app).cancelled;
+    let r = app
+        .chat(
+            &convo(&[("user", X), ("assistant", &answer), ("user", Y)]),
+            &key,
+        )
+        .await;
+    assert_eq!(cache_status(&r), "prefetch");
+    assert!(
+        eventually(WAIT, || stats(&app).cancelled > cancelled).await,
+        "{:?}",
+        stats(&app)
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(proposals(), 1, "{:?}", stats(&app));
+    assert_eq!(stats(&app).proposals, 1);
+}
+
 #[tokio::test]
 async fn proposals_are_off_by_default() {
     assert!(!reprise::prefetch::PrefetchConfig::default().propose);

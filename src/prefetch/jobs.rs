@@ -10,7 +10,7 @@
 //! runs (and none ran for a short quiet period), within the concurrency, token and
 //! wall-time (`max_backend_share`) budgets.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -139,11 +139,21 @@ impl Shared {
         loop {
             let now = Instant::now();
             {
-                // Stale jobs go first, whatever the backend is doing.
+                // Stale jobs go first, whatever the backend is doing; so do the jobs of a
+                // read-only tenant (made so since they were queued, or observed on its hits):
+                // nothing generated for it may be stored, so nothing is generated.
                 let mut q = self.queue.lock();
                 let mut stale = Vec::new();
                 while q.back().is_some_and(|j| j.queued_at + JOB_TTL < now) {
                     stale.extend(q.pop_back());
+                }
+                let tenants = &state.policies.load().tenants;
+                let read_only = |j: &Job| tenants.for_namespace(&j.namespace).policy().read_only;
+                if q.iter().any(read_only) {
+                    let (refused, kept): (VecDeque<Job>, VecDeque<Job>) =
+                        std::mem::take(&mut *q).into_iter().partition(read_only);
+                    *q = kept;
+                    stale.extend(refused);
                 }
                 let empty = q.is_empty();
                 drop(q);
