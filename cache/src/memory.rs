@@ -361,6 +361,12 @@ impl MemoryTier {
         self.keys.insert(key, id).await;
     }
 
+    /// Whether the tier holds entry `id` now (not a read: its recency is untouched). An
+    /// entry evicted by size is gone from here before its eviction hook runs.
+    pub fn holds(&self, id: EntryId) -> bool {
+        self.entries.contains_key(&id)
+    }
+
     /// Drops an entry (its keys become misses).
     pub async fn remove(&self, id: EntryId) {
         self.entries.invalidate(&id).await;

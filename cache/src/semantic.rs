@@ -227,20 +227,29 @@ impl SemanticIndex {
                 p.inner.write().tombstone(id);
             }
         }
-        // The partition is written while the map lock is held (shared in the common case) so
-        // that `maintain` cannot drop a partition between our lookup and our push.
-        {
-            let map = self.partitions.read();
-            if let Some(p) = map.get(&partition) {
-                self.push_one(&mut p.inner.write(), id, vector);
-                return;
-            }
+        let p = self.push_into(partition, |this, inner| this.push_one(inner, id, vector));
+        self.settle(&partition, &p, &[id]);
+    }
+
+    /// After a push into `p`: a `remove` of one of `ids` that ran between the insert's
+    /// `location` write and its push found no slot to tombstone, and the push then added a
+    /// live slot nothing leads to (never removable, searched forever). Such slots die here:
+    /// an id whose `location` is no longer this partition is tombstoned in it.
+    fn settle(&self, partition: &PartitionKey, p: &Partition, ids: &[EntryId]) {
+        let stray: Vec<EntryId> = {
+            let location = self.location.read();
+            ids.iter()
+                .filter(|id| location.get(id) != Some(partition))
+                .copied()
+                .collect()
+        };
+        if stray.is_empty() {
+            return;
         }
-        let mut map = self.partitions.write();
-        let p = map
-            .entry(partition)
-            .or_insert_with(|| Arc::new(Partition::default()));
-        self.push_one(&mut p.inner.write(), id, vector);
+        let mut inner = p.inner.write();
+        for id in stray {
+            inner.tombstone(id);
+        }
     }
 
     /// One vector into a partition, counted.
@@ -297,19 +306,33 @@ impl SemanticIndex {
                 .push((id, vector));
         }
         for (partition, items) in by_partition {
-            {
-                let map = self.partitions.read();
-                if let Some(p) = map.get(&partition) {
-                    self.push_some(&mut p.inner.write(), items);
-                    continue;
-                }
-            }
-            let mut map = self.partitions.write();
-            let p = map
-                .entry(partition)
-                .or_insert_with(|| Arc::new(Partition::default()));
-            self.push_some(&mut p.inner.write(), items);
+            let ids: Vec<EntryId> = items.iter().map(|(id, _)| *id).collect();
+            let p = self.push_into(partition, |this, inner| this.push_some(inner, items));
+            self.settle(&partition, &p, &ids);
         }
+    }
+
+    /// Runs `push` on `partition` (created if needed) while the partition map is locked
+    /// (shared in the common case), so that `maintain` cannot drop the partition between the
+    /// lookup and the push; returns the partition.
+    fn push_into(
+        &self,
+        partition: PartitionKey,
+        push: impl FnOnce(&Self, &mut PartitionInner),
+    ) -> Arc<Partition> {
+        {
+            let map = self.partitions.read();
+            if let Some(p) = map.get(&partition) {
+                push(self, &mut p.inner.write());
+                return p.clone();
+            }
+        }
+        let mut map = self.partitions.write();
+        let p = map
+            .entry(partition)
+            .or_insert_with(|| Arc::new(Partition::default()));
+        push(self, &mut p.inner.write());
+        p.clone()
     }
 
     /// Whether `id` is indexed (and not removed).
@@ -692,6 +715,35 @@ impl Distance<Vector> for DotDistance {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_removal_racing_an_insert_never_leaves_a_live_slot_behind() {
+        // A removal between the insert's `location` write and its push used to find no slot,
+        // and the push then left one nothing could remove.
+        let idx = Arc::new(SemanticIndex::new(2, IndexConfig::default()));
+        for round in 0..2_000u32 {
+            let id = EntryId(u128::from(round));
+            let mut p = [0u8; 32];
+            p[..4].copy_from_slice(&round.to_le_bytes());
+            let start = Arc::new(std::sync::Barrier::new(2));
+            let remover = {
+                let (idx, start) = (idx.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    idx.remove(id)
+                })
+            };
+            start.wait();
+            idx.insert(p, id, Vector::new(&[1.0, 0.0]));
+            remover.join().unwrap();
+            let found = idx.search(&p, &[1.0, 0.0], 1);
+            assert_eq!(
+                found.iter().any(|c| c.id == id),
+                idx.contains(id),
+                "round {round}: searchable but not removable, or the reverse"
+            );
+        }
+    }
 
     fn unit(v: &[f32]) -> Vector {
         let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();

@@ -669,20 +669,39 @@ impl Store {
         mut loaded: Loaded,
         vectors: Vec<IndexItem>,
     ) -> Loaded {
-        for (k, id) in keys {
-            self.memory.alias(k, id).await;
-            loaded.keys += 1;
-        }
-        loaded.vectors = vectors.len();
+        loaded.keys = self.load_keys(keys).await;
         if let Some(index) = self.index.clone() {
             // The vectors are searchable (exact scans) once placed; the graphs of big
             // partitions are built after, in the background (CPU work, one parallel pass per
-            // partition), so lookups need not wait for them.
+            // partition), so lookups need not wait for them. Entries the load itself evicted
+            // (each insert runs memory's housekeeping) lose their vector again: their
+            // eviction hook ran before the vector was placed.
             let placed = index.clone();
-            let _ = tokio::task::spawn_blocking(move || placed.insert_many(vectors)).await;
+            let memory = self.memory.clone();
+            loaded.vectors = tokio::task::spawn_blocking(move || {
+                let ids: Vec<EntryId> = vectors.iter().map(|(_, id, _)| *id).collect();
+                placed.insert_many(vectors);
+                let gone = ids.iter().filter(|id| !memory.holds(**id));
+                ids.len() - gone.filter(|id| placed.remove(**id)).count()
+            })
+            .await
+            .unwrap_or(0);
             tokio::task::spawn_blocking(move || index.build_graphs());
         }
         loaded
+    }
+
+    /// The keys of a bulk load, each pointed at its entry when memory holds that entry (a key
+    /// of an entry the load did not keep would only take room); returns how many.
+    pub async fn load_keys(&self, keys: Vec<(Digest, EntryId)>) -> usize {
+        let mut n = 0;
+        for (k, id) in keys {
+            if self.memory.holds(id) {
+                self.memory.alias(k, id).await;
+                n += 1;
+            }
+        }
+        n
     }
 
     // ---- removal ----
@@ -894,9 +913,16 @@ impl Store {
             .then(|| v.clone())
     }
 
+    /// Indexes a held entry's vector. Memory may evict the entry between its insert and this
+    /// (another write's housekeeping); its eviction hook then found nothing to remove, so the
+    /// vector would stay in the index outside every budget: it is taken out again here. An
+    /// eviction after the check finds the vector and removes it itself.
     fn index_entry(&self, entry: &Entry) {
         if let (Some(index), Some(v)) = (&self.index, self.indexable(entry)) {
             index.insert(entry.partition, entry.id, v);
+            if !self.memory.holds(entry.id) {
+                index.remove(entry.id);
+            }
         }
     }
 }
@@ -1049,5 +1075,48 @@ mod tests {
         );
         assert_eq!(s.get_by_key(&[5; 32]).await.unwrap().id, b.id);
         assert_eq!(s.indexed(), 2);
+        // A key of an entry the load did not keep is not loaded.
+        let loaded = s.load(vec![], vec![([6; 32], EntryId(42))], |_| {}).await;
+        assert_eq!(loaded.keys, 0);
+        assert!(s.keys().iter().all(|(k, _)| *k != [6; 32]));
+    }
+
+    #[tokio::test]
+    async fn a_load_past_the_budget_leaves_no_vector_of_an_entry_it_evicted() {
+        // Each insert of a bulk load runs memory's housekeeping, which evicts earlier
+        // entries of the load: their vectors must not be placed after them.
+        let index = Arc::new(SemanticIndex::new(2, IndexConfig::default()));
+        let s = Store::new(
+            64 * 1024,
+            Duration::from_secs(60),
+            Duration::ZERO,
+            None,
+            Some(index),
+            None,
+        );
+        let entries: Vec<Entry> = (0..2_000)
+            .map(|i| {
+                let mut e = entry(&format!("answer {i}"), now_ms());
+                e.partition = [(i % 7) as u8; 32];
+                e
+            })
+            .collect();
+        s.load(entries, vec![], |_| {}).await;
+        s.run_pending_tasks().await;
+        let held = s.entry_count();
+        assert!(held < 2_000, "{held} entries held within 64 KiB");
+        assert!(
+            s.indexed() as u64 <= held,
+            "{} vectors, {held} entries",
+            s.indexed()
+        );
+        for p in 0..7u8 {
+            for c in s.search(&[p; 32], &[1.0, 0.0], 64) {
+                assert!(
+                    s.get(c.id).await.is_some(),
+                    "a candidate memory does not hold"
+                );
+            }
+        }
     }
 }

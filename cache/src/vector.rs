@@ -199,7 +199,13 @@ fn shortest_table() -> &'static [f32] {
 
 impl<'de> Deserialize<'de> for Vector {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Vec::<f32>::deserialize(d).map(Self::from)
+        // What Redis or a snapshot holds is checked as what is stored: a component beyond a
+        // half float's range would make every similarity with it infinite (served for any
+        // question) or NaN (sorting before every real candidate).
+        let v = Vec::<f32>::deserialize(d)?;
+        Self::finite(&v).ok_or_else(|| {
+            serde::de::Error::custom("a vector component is not a finite half float")
+        })
     }
 }
 
@@ -269,6 +275,15 @@ mod tests {
         assert!(Vector::finite(&[1.0e6, 0.0]).is_none());
         assert!(Vector::finite(&[f32::NAN, 0.0]).is_none());
         assert!(Vector::finite(&[0.5, -0.25]).is_some());
+    }
+
+    #[test]
+    fn a_stored_vector_beyond_half_floats_is_refused_on_read() {
+        // Read from Redis or a snapshot: refused, as it is never written.
+        assert!(serde_json::from_str::<Vector>("[70000, 0]").is_err());
+        assert!(serde_json::from_str::<Vector>("[-1e9, 0.5]").is_err());
+        let v: Vector = serde_json::from_str("[0.5, -0.25]").unwrap();
+        assert_eq!(v.len(), 2);
     }
 
     #[test]
