@@ -300,6 +300,8 @@ pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
     // Its key's link, here and on every replica, is dropped on sight (a key another answer
     // took since stays).
     state.store.update(Arc::new(refusing)).await;
+    // Without Redis, a crash before the next periodic snapshot would serve it again.
+    state.snapshot_wanted.notify_one();
     true
 }
 

@@ -4,10 +4,11 @@
 //!
 //! Format: JSON lines. The first line is `{"reprise_snapshot":1}`; then one `{"entry":{...}}`
 //! per entry and one `{"key":"<hex>","id":"<entry id>"}` per exact key or alias. The file is
-//! written to a temporary name and renamed, so a crash never leaves half a snapshot; a line
-//! that does not parse (or a snapshot of another version) is skipped, never fatal.
+//! written to a temporary name, synced and renamed (the directory synced after), so a crash
+//! never leaves half a snapshot; a line that does not parse (or a snapshot of another version)
+//! is skipped, never fatal, and a load reads within the memory budget (see [`load`]).
 
-use std::io::{BufRead, BufWriter, Write};
+use std::io::{BufRead, BufWriter, Read as _, Write};
 use std::path::Path;
 
 use reprise_cache::{Digest, Entry, EntryId};
@@ -40,11 +41,11 @@ enum Line {
     Key(KeyLine),
 }
 
-fn parse_line(line: &str) -> Option<Line> {
-    if let Ok(e) = serde_json::from_str::<EntryLine>(line) {
+fn parse_line(line: &[u8]) -> Option<Line> {
+    if let Ok(e) = serde_json::from_slice::<EntryLine>(line) {
         return Some(Line::Entry(Box::new(e.entry)));
     }
-    serde_json::from_str::<KeyLine>(line).ok().map(Line::Key)
+    serde_json::from_slice::<KeyLine>(line).ok().map(Line::Key)
 }
 
 fn hex(d: &Digest) -> String {
@@ -113,50 +114,148 @@ pub fn save(state: &AppState, path: &Path) -> std::io::Result<Counts> {
         w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     }
     std::fs::rename(&tmp, path)?;
+    // The rename itself is made durable: without it a power loss can bring back the older
+    // snapshot (and with it entries deleted since).
+    #[cfg(unix)]
+    if let Some(dir) = path.parent() {
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        std::fs::File::open(dir)?.sync_all()?;
+    }
     Ok(counts)
 }
 
-/// Loads a snapshot into memory and the index; a missing file loads nothing.
+/// Longest line a load reads: an entry line longer than this (or than the memory tier, whose
+/// budget could not hold the entry) is skipped without being held, as is anything of a
+/// corrupt file without line ends.
+const MAX_LINE_BYTES: u64 = 64 << 20;
+
+/// Entries handed from the file's reader to the store at a time.
+const PAGE: usize = 256;
+
+/// What the file's reader found besides the entries it handed on.
+#[derive(Default)]
+struct Read {
+    /// Whether the first line is this version's header (nothing else is read otherwise).
+    header: bool,
+    keys: Vec<(Digest, EntryId)>,
+    skipped: usize,
+}
+
+/// Loads a snapshot into memory and the index; a missing file loads nothing. Streams: the
+/// file is read off the async workers a page of entries at a time, and once the entries
+/// loaded weigh the memory tier's budget the rest is left unread (a snapshot of a bigger
+/// budget, or a corrupt one, never holds more than the budget, plus one line, in memory).
+/// Keys are loaded for the entries held.
 pub async fn load(state: &AppState, path: &Path) -> std::io::Result<Counts> {
-    let mut counts = Counts::default();
     let file = match std::fs::File::open(path) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(counts),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Counts::default()),
         Err(e) => return Err(e),
     };
-    let mut lines = std::io::BufReader::new(file).lines();
-    match lines
-        .next()
-        .transpose()?
-        .and_then(|l| serde_json::from_str::<HeaderLine>(&l).ok())
-    {
-        Some(h) if h.reprise_snapshot == VERSION => {}
-        _ => {
-            tracing::warn!(path = %path.display(), "not a snapshot of this version; ignored");
-            return Ok(counts);
-        }
-    }
-    let mut entries = Vec::new();
-    let mut keys = Vec::new();
-    for line in lines {
-        match parse_line(&line?) {
-            Some(Line::Entry(entry)) if !entry.is_expired() => entries.push(*entry),
-            Some(Line::Key(KeyLine { key, id })) => match (unhex(&key), id.parse::<EntryId>()) {
-                (Some(k), Ok(id)) => keys.push((k, id)),
-                _ => counts.skipped += 1,
-            },
-            _ => counts.skipped += 1,
-        }
-    }
+    let budget = state.config.cache.memory_bytes;
+    let cap = budget.clamp(1 << 16, MAX_LINE_BYTES);
+    // The key tier holds an eighth of the budget; a key read is 48 bytes here.
+    let max_keys = usize::try_from(budget / 8 / 48).unwrap_or(usize::MAX);
+    let (pages, taken) = tokio::sync::mpsc::channel(2);
+    let reader = tokio::task::spawn_blocking(move || read(file, cap, max_keys, pages));
     let loaded = state
         .store
-        .load(entries, keys, |n| {
-            tracing::info!(entries = n, "loading snapshot")
-        })
+        .load_pages(taken, |n| tracing::info!(entries = n, "loading snapshot"))
         .await;
-    counts.entries = loaded.entries;
-    counts.keys = loaded.keys;
-    Ok(counts)
+    let read = reader.await.map_err(std::io::Error::other)??;
+    if !read.header {
+        tracing::warn!(path = %path.display(), "not a snapshot of this version; ignored");
+        return Ok(Counts::default());
+    }
+    if loaded.stopped_at_budget {
+        tracing::warn!(
+            path = %path.display(),
+            entries = loaded.entries,
+            "the snapshot holds more than cache.memory_bytes: the rest was not loaded"
+        );
+    }
+    Ok(Counts {
+        entries: loaded.entries,
+        keys: state.store.load_keys(read.keys).await,
+        skipped: read.skipped,
+    })
+}
+
+/// Reads a snapshot's lines (each within `cap` bytes), handing its entries on in pages until
+/// the receiver is gone (the budget is full), and keeps up to `max_keys` keys.
+fn read(
+    file: std::fs::File,
+    cap: u64,
+    max_keys: usize,
+    pages: tokio::sync::mpsc::Sender<Vec<Entry>>,
+) -> std::io::Result<Read> {
+    let mut r = std::io::BufReader::new(file);
+    let mut out = Read::default();
+    let mut buf = Vec::new();
+    match next_line(&mut r, &mut buf, 1024)? {
+        Some(true) => {}
+        _ => return Ok(out),
+    }
+    match serde_json::from_slice::<HeaderLine>(&buf) {
+        Ok(h) if h.reprise_snapshot == VERSION => out.header = true,
+        _ => return Ok(out),
+    }
+    let mut page = Vec::with_capacity(PAGE);
+    let mut taking = true;
+    while let Some(whole) = next_line(&mut r, &mut buf, cap)? {
+        if !whole {
+            out.skipped += 1;
+            continue;
+        }
+        if buf.starts_with(b"{\"entry\":") && !taking {
+            // Past the budget: not parsed.
+            continue;
+        }
+        match parse_line(&buf) {
+            Some(Line::Entry(entry)) if !entry.is_expired() => {
+                page.push(*entry);
+                if page.len() == PAGE {
+                    taking = pages.blocking_send(std::mem::take(&mut page)).is_ok();
+                }
+            }
+            Some(Line::Key(KeyLine { key, id })) if out.keys.len() < max_keys => {
+                match (unhex(&key), id.parse::<EntryId>()) {
+                    (Some(k), Ok(id)) => out.keys.push((k, id)),
+                    _ => out.skipped += 1,
+                }
+            }
+            _ => out.skipped += 1,
+        }
+    }
+    if taking && !page.is_empty() {
+        let _ = pages.blocking_send(page);
+    }
+    Ok(out)
+}
+
+/// The next line of `r` into `buf`, without its end: `Some(true)`; `Some(false)` when it is
+/// longer than `cap` bytes (read past, not held); `None` at the end of the file.
+fn next_line(r: &mut impl BufRead, buf: &mut Vec<u8>, cap: u64) -> std::io::Result<Option<bool>> {
+    buf.clear();
+    let n = (&mut *r).take(cap + 1).read_until(b'\n', buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+        return Ok(Some(true));
+    }
+    if n as u64 > cap {
+        buf.clear();
+        r.skip_until(b'\n')?;
+        return Ok(Some(false));
+    }
+    // The last line, without an end.
+    Ok(Some(true))
 }
 
 #[cfg(test)]
@@ -184,12 +283,15 @@ mod tests {
             gen_ms: 0,
         };
         let s = serde_json::to_string(&EntryLine { entry: e }).unwrap();
-        assert!(matches!(parse_line(&s), Some(Line::Entry(_))), "{s}");
+        assert!(
+            matches!(parse_line(s.as_bytes()), Some(Line::Entry(_))),
+            "{s}"
+        );
         assert!(matches!(
-            parse_line(r#"{"key":"00","id":"1"}"#),
+            parse_line(br#"{"key":"00","id":"1"}"#),
             Some(Line::Key(_))
         ));
-        assert!(parse_line("garbage").is_none());
+        assert!(parse_line(b"garbage").is_none());
     }
 
     #[test]

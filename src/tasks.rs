@@ -52,8 +52,10 @@ pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
         start_maintenance(state, index.clone(), &tracker, stop.clone());
     }
     let cache = &state.config.cache;
-    if let (Some(path), 1..) = (cache.snapshot_path.clone(), cache.snapshot_interval_secs) {
-        let every = Duration::from_secs(cache.snapshot_interval_secs);
+    if let Some(path) = cache.snapshot_path.clone() {
+        // Interval 0: no periodic save, but deletes and refusals are still saved at once.
+        let every = (cache.snapshot_interval_secs > 0)
+            .then(|| Duration::from_secs(cache.snapshot_interval_secs));
         start_snapshots(state, path, every, &tracker, stop.clone());
     }
     crate::stats::start(state, &tracker, stop.clone());
@@ -202,25 +204,41 @@ pub fn release_free_memory() {
 }
 
 /// Saves the memory tier to `path` every `every` (the first save one interval after the
-/// start), and as soon as [`AppState::snapshot_wanted`] asks (after a delete), off the async
-/// workers; one save at a time, and the shutdown's own save comes after this task ended.
+/// start; `None`: never periodically), and as soon as [`AppState::snapshot_wanted`] asks
+/// (after a delete or a refusal), off the async workers; one save at a time, and the
+/// shutdown's own save comes after this task ended.
 fn start_snapshots(
     state: &Arc<AppState>,
     path: std::path::PathBuf,
-    every: Duration,
+    every: Option<Duration>,
     tracker: &TaskTracker,
     stop: CancellationToken,
 ) {
     let weak = Arc::downgrade(state);
     let wanted = state.snapshot_wanted.clone();
     tracker.spawn(async move {
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = every.map(|every| {
+            let mut t = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            t
+        });
         loop {
+            let periodic = async {
+                match &mut tick {
+                    Some(t) => {
+                        t.tick().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = stop.cancelled() => break,
-                _ = tick.tick() => {}
-                _ = wanted.notified() => tick.reset(),
+                _ = periodic => {}
+                _ = wanted.notified() => {
+                    if let Some(t) = &mut tick {
+                        t.reset();
+                    }
+                }
             }
             let Some(state) = weak.upgrade() else { break };
             let p = path.clone();

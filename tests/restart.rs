@@ -128,53 +128,111 @@ async fn a_killed_server_keeps_what_its_last_snapshot_saved() {
     }
 }
 
-/// An admin delete is saved at once, not at the next periodic snapshot (an hour away here):
-/// killed right after, the restarted server has the answers kept and not the one deleted.
+/// An admin delete is saved at once, not at the next periodic snapshot (an hour away, or
+/// none at all with the interval 0): killed right after, the restarted server has the answers
+/// kept and not the one deleted.
 #[tokio::test]
 async fn a_delete_is_saved_at_once_so_a_crash_cannot_bring_it_back() {
     const TOKEN_VAR: &str = "REPRISE_TEST_RESTART_ADMIN_TOKEN";
     std::env::set_var(TOKEN_VAR, "r3start");
+    for interval in [3600, 0] {
+        let dir = tempfile::tempdir().unwrap();
+        let snapshot = dir.path().join("cache.snapshot");
+        let config = write_config(
+            dir.path(),
+            &format!(
+                "[cache]\nsnapshot_path = {:?}\nsnapshot_interval_secs = {interval}\n\n\
+                 [server]\nadmin_token_env = {TOKEN_VAR:?}\n",
+                snapshot.display().to_string()
+            ),
+        );
+        let p = Process::start(&config).await;
+        let client = reqwest::Client::new();
+        let r = client
+            .post(format!("{}/v1/chat/completions", p.base))
+            .json(&chat_body(QUESTIONS[0]))
+            .send()
+            .await
+            .unwrap();
+        let doomed = header(&r, "x-reprise-entry").unwrap();
+        assert_eq!(p.ask(QUESTIONS[1]).await, "miss");
+        let r = client
+            .delete(format!("{}/admin/entries/{doomed}", p.base))
+            .bearer_auth("r3start")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let saved = eventually(Duration::from_secs(30), || {
+            std::fs::read_to_string(&snapshot)
+                .is_ok_and(|s| s.lines().filter(|l| l.starts_with("{\"entry\"")).count() == 1)
+        })
+        .await;
+        assert!(
+            saved,
+            "interval {interval}: the delete asked for no snapshot"
+        );
+        p.kill();
+        let p = Process::start(&config).await;
+        assert_eq!(p.ask(QUESTIONS[1]).await, "exact");
+        assert_eq!(
+            p.ask(QUESTIONS[0]).await,
+            "miss",
+            "interval {interval}: the deleted answer came back"
+        );
+    }
+}
+
+/// A snapshot is read within the memory budget: a snapshot of a bigger budget loads what
+/// fits, and lines no entry could be (longer than the budget, a file without line ends) are
+/// skipped without being held.
+#[tokio::test]
+async fn a_snapshot_loads_within_the_memory_budget() {
     let dir = tempfile::tempdir().unwrap();
-    let snapshot = dir.path().join("cache.snapshot");
-    let config = write_config(
-        dir.path(),
-        &format!(
-            "[cache]\nsnapshot_path = {:?}\nsnapshot_interval_secs = 3600\n\n\
-             [server]\nadmin_token_env = {TOKEN_VAR:?}\n",
-            snapshot.display().to_string()
-        ),
-    );
-    let p = Process::start(&config).await;
-    let client = reqwest::Client::new();
-    let r = client
-        .post(format!("{}/v1/chat/completions", p.base))
-        .json(&chat_body(QUESTIONS[0]))
-        .send()
-        .await
-        .unwrap();
-    let doomed = header(&r, "x-reprise-entry").unwrap();
-    assert_eq!(p.ask(QUESTIONS[1]).await, "miss");
-    let r = client
-        .delete(format!("{}/admin/entries/{doomed}", p.base))
-        .bearer_auth("r3start")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let saved = eventually(Duration::from_secs(30), || {
-        std::fs::read_to_string(&snapshot)
-            .is_ok_and(|s| s.lines().filter(|l| l.starts_with("{\"entry\"")).count() == 1)
-    })
-    .await;
-    assert!(saved, "the delete asked for no snapshot");
-    p.kill();
-    let p = Process::start(&config).await;
-    assert_eq!(p.ask(QUESTIONS[1]).await, "exact");
+    let path = dir.path().join("cache.snapshot");
+    let script = reprise_backend::fake::ScriptConfig {
+        default_max_tokens: 20_000,
+        ..Default::default()
+    };
+    let (app, _backend) = spawn_fake(test_config(), script).await;
+    // Thirty answers of about 40 KB each (the fake backend repeats the question).
+    for i in 0..30 {
+        let question = format!("{i} {}", "word ".repeat(8_000));
+        assert_eq!(
+            cache_status(&app.chat(&chat_body(&question), &[]).await),
+            "miss"
+        );
+    }
     assert_eq!(
-        p.ask(QUESTIONS[0]).await,
-        "miss",
-        "the deleted answer came back"
+        reprise::snapshot::save(&app.state, &path).unwrap().entries,
+        30
     );
+    drop(app);
+    // A line of junk longer than the budget, and one without an end.
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    let header_end = text.find('\n').unwrap() + 1;
+    text.insert_str(header_end, &format!("{}\n", "x".repeat(2 << 20)));
+    text.push_str(&"y".repeat(2 << 20));
+    std::fs::write(&path, text).unwrap();
+
+    let mut small = test_config();
+    small.cache.memory_bytes = 1 << 20;
+    let (app, _backend) = spawn_fake(small, reprise_backend::fake::ScriptConfig::default()).await;
+    let loaded = reprise::snapshot::load(&app.state, &path).await.unwrap();
+    assert!(
+        loaded.entries > 0 && loaded.entries < 30,
+        "{loaded:?}: thirty answers of 80 KB held within 1 MiB"
+    );
+    assert_eq!(loaded.skipped, 2, "{loaded:?}");
+    assert!(loaded.keys > 0, "{loaded:?}");
+    for (_, id) in app.state.store.keys() {
+        assert!(
+            app.state.store.get(id).await.is_some(),
+            "a key of an entry not held"
+        );
+    }
+    app.state.store.run_pending_tasks().await;
+    assert!(app.state.store.weighted_size() <= 1 << 20);
 }
 
 #[tokio::test]

@@ -231,7 +231,8 @@ pub struct BackendConfig {
     pub connect_timeout_secs: f64,
     /// openai: idle keep-alive connections kept per upstream host.
     pub pool_max_idle: usize,
-    /// llama: total context size in tokens, shared by the parallel sequences.
+    /// llama: total context size in tokens, shared by the parallel sequences; one request
+    /// holds at most `n_ctx - n_ctx / parallel` of it (prompt and answer).
     pub n_ctx: u32,
     /// llama: CPU threads used for decoding.
     pub n_threads: i32,
@@ -426,7 +427,7 @@ pub struct CacheConfig {
     pub snapshot_path: Option<PathBuf>,
     /// With `snapshot_path`: also save every this many seconds while running (written to a
     /// temporary file, then renamed over the last), so a crash loses at most one interval.
-    /// 0 saves on shutdown only.
+    /// 0: no periodic save (on shutdown, and at once after a delete or a refusal, only).
     pub snapshot_interval_secs: u64,
     /// Earlier exchanges of a conversation looked up by their turn links (so differently
     /// worded turns that reprise answered with the same entry share later hits); the ones
