@@ -370,6 +370,10 @@ fn describe() {
         "reprise_semantic_threshold",
         "The semantic threshold last served at under a learned bound (semantic.delta), by tenant and scope (semantic rule namespace/model, candidate: for a canary's candidate); over 1: nothing is served by meaning."
     );
+    describe_counter!(
+        "reprise_semantic_bounded_lookups_total",
+        "Lookups served under a learned bound, by tenant and scope: a scope whose rule or delta is gone stops counting while its reprise_semantic_threshold keeps its last value."
+    );
     describe_gauge!(
         "reprise_semantic_wrong_share",
         "Share of wrong verdicts at or above the learned threshold in use, by tenant, scope and estimate (observed; lower and upper: its confidence interval, the level split over the similarity bins; upper is 1 with no verdicts yet)."
@@ -481,6 +485,7 @@ impl Metrics {
         metrics::histogram!("reprise_semantic_threshold_used", "tenant" => tenant.clone())
             .record(threshold);
         let labels = [("tenant", tenant), ("scope", scope.to_string())];
+        metrics::counter!("reprise_semantic_bounded_lookups_total", &labels).increment(1);
         metrics::gauge!("reprise_semantic_threshold", &labels).set(threshold);
         for (estimate, share) in [
             ("observed", learned.wrong_observed),
