@@ -105,31 +105,43 @@ impl Worker {
         tracing::debug!("embedding thread stopped");
     }
 
-    /// Tokens the model reads of `text`, its special tokens included. Counts a bounded start
-    /// (a longer text is cut by the model's truncation anyway); a text the tokenizer refuses
-    /// counts as the longest.
+    /// Tokens the model reads of `text`, its special tokens included. Only a bounded start
+    /// is counted: a text longer than that counts as the longest the model reads (its start
+    /// may hold few tokens, a run of whitespace say, while the model reads on to its
+    /// truncation), as does a text the tokenizer refuses.
     fn length(&self, text: &str) -> usize {
-        let start = &text[..text.floor_char_boundary(SCAN_BYTES[1])];
-        match self.lengths.encode_fast(start, true) {
+        let longest = self
+            .lengths
+            .get_truncation()
+            .map_or(self.limits.batch_tokens, |t| t.max_length)
+            .max(1);
+        if text.len() > SCAN_BYTES[1] {
+            return longest;
+        }
+        match self.lengths.encode_fast(text, true) {
             Ok(e) => e.len().max(1),
-            Err(_) => self.limits.batch_tokens.max(1),
+            Err(_) => longest,
         }
     }
 
     fn run_round(&mut self, round: Vec<Job>) {
         self.counters.rounds.fetch_add(1, Ordering::Relaxed);
         // Several callers may wait on the same text: embed it once.
-        let mut unique: Vec<&str> = Vec::with_capacity(round.len());
-        let mut slot_of: HashMap<&str, usize> = HashMap::with_capacity(round.len());
-        let slots: Vec<usize> = round
-            .iter()
-            .map(|job| {
-                *slot_of.entry(job.text.as_str()).or_insert_with(|| {
-                    unique.push(job.text.as_str());
-                    unique.len() - 1
-                })
-            })
-            .collect();
+        let mut unique: Vec<String> = Vec::with_capacity(round.len());
+        let mut waiting: Vec<Vec<Job>> = Vec::with_capacity(round.len());
+        let mut slot_of: HashMap<String, usize> = HashMap::with_capacity(round.len());
+        for mut job in round {
+            let text = std::mem::take(&mut job.text);
+            match slot_of.get(&text) {
+                Some(&i) => waiting[i].push(job),
+                None => {
+                    slot_of.insert(text.clone(), unique.len());
+                    unique.push(text);
+                    waiting.push(vec![job]);
+                }
+            }
+        }
+        drop(slot_of);
         // Shortest first, so every group is a run of similar lengths.
         let mut order: Vec<(usize, usize)> = unique
             .iter()
@@ -138,33 +150,29 @@ impl Worker {
             .collect();
         order.sort_unstable();
         let lengths: Vec<usize> = order.iter().map(|&(len, _)| len).collect();
-        let mut vectors: Vec<Option<Result<Arc<[f32]>, String>>> = vec![None; unique.len()];
         let mut start = 0;
         for end in groups(&lengths, &self.limits) {
             let members = &order[start..end];
-            let texts: Vec<&str> = members.iter().map(|&(_, i)| unique[i]).collect();
+            let texts: Vec<&str> = members.iter().map(|&(_, i)| unique[i].as_str()).collect();
             let result = self.embed(&texts, &lengths[start..end]);
+            // Each group's callers are answered as soon as it ran: a short text does not
+            // wait for the longer groups of its round, nor holds its queue room meanwhile.
             for (k, &(_, i)) in members.iter().enumerate() {
-                vectors[i] = Some(match &result {
-                    Ok(v) => Ok(Arc::clone(&v[k])),
-                    Err(e) => Err(e.clone()),
-                });
+                for job in waiting[i].drain(..) {
+                    let answer = match &result {
+                        Ok(v) => Ok(Arc::clone(&v[k])),
+                        Err(e) => Err(EmbedError::Inference(e.clone())),
+                    };
+                    answer_job(job, answer);
+                }
             }
             start = end;
         }
-        for (job, slot) in round.into_iter().zip(slots) {
-            let answer = match &vectors[slot] {
-                Some(Ok(v)) => Ok(Arc::clone(v)),
-                Some(Err(e)) => Err(EmbedError::Inference(e.clone())),
-                None => Err(EmbedError::Inference("text left out of every batch".into())),
-            };
-            // Embedded: its room in the queue is free for the next text, before the caller
-            // hears of it (a caller that asks again at once must find the room; freed after
-            // the answer, a descheduled worker thread held it while the request finished).
-            let Job { reply, room, .. } = job;
-            drop(room);
-            // The caller may have given up waiting; nothing to do then.
-            let _ = reply.send(answer);
+        for job in waiting.into_iter().flatten() {
+            answer_job(
+                job,
+                Err(EmbedError::Inference("text left out of every batch".into())),
+            );
         }
     }
 
@@ -193,6 +201,16 @@ impl Worker {
             }
         }
     }
+}
+
+/// Answers one caller. Its room in the queue is freed first, for the next text, before the
+/// caller hears of it (a caller that asks again at once must find the room; freed after the
+/// answer, a descheduled worker thread held it while the request finished).
+fn answer_job(job: Job, answer: Result<Arc<[f32]>, EmbedError>) {
+    let Job { reply, room, .. } = job;
+    drop(room);
+    // The caller may have given up waiting; nothing to do then.
+    let _ = reply.send(answer);
 }
 
 /// What one model call may hold.

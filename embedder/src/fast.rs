@@ -109,8 +109,10 @@ impl FastEmbedder {
         if cfg.max_batch == 0 {
             return Err(EmbedError::Config("max_batch must be at least 1".into()));
         }
-        if cfg.max_tokens == 0 {
-            return Err(EmbedError::Config("max_tokens must be at least 1".into()));
+        // The model's special tokens ([CLS] and [SEP]) are among the tokens it reads: at
+        // fewer than three it reads nothing of a text.
+        if cfg.max_tokens < 3 {
+            return Err(EmbedError::Config("max_tokens must be at least 3".into()));
         }
         if cfg.batch_tokens == 0 {
             return Err(EmbedError::Config("batch_tokens must be at least 1".into()));
@@ -156,6 +158,12 @@ impl FastEmbedder {
         }
 
         let window = Window::of(&model, cfg.max_tokens);
+        if window.tokens() == 0 {
+            return Err(EmbedError::Config(format!(
+                "max_tokens ({}) leaves no token of a text to read beside the model's own",
+                cfg.max_tokens
+            )));
+        }
         let counters = Arc::new(Counters::default());
         let (jobs, queue) = mpsc::channel();
         let worker = Worker {

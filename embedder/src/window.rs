@@ -50,7 +50,7 @@ impl Window {
         tokenizer.with_padding(None);
         Window {
             tokenizer,
-            tokens: max_length.saturating_sub(added).max(1),
+            tokens: max_length.saturating_sub(added),
         }
     }
 
@@ -86,7 +86,11 @@ impl Window {
                     .map(|&(_, end)| end)
                     .max()
                     .unwrap_or(0);
-                return text.floor_char_boundary(end);
+                // A character the normaliser splits into several tokens (a Hangul syllable
+                // into its jamo, say) gives each of them its whole span: when the model
+                // stops inside such a character, the character is not read whole.
+                let unread = offsets[self.tokens].0;
+                return text.floor_char_boundary(end.min(unread));
             }
             // Every token of `start` is read.
             if whole {

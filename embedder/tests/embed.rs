@@ -243,6 +243,46 @@ async fn the_window_ends_where_the_model_stops_reading() {
 }
 
 #[tokio::test]
+async fn a_character_the_model_reads_only_in_part_is_left_out_of_the_window() {
+    let e = load(EmbedderConfig {
+        cache_bytes: 0,
+        ..common::config()
+    });
+    // The normaliser splits a Hangul syllable into its jamo, a token each, three here: 84
+    // syllables are 252 tokens, so the model reads two jamo of the 85th and stops. "한" and
+    // "할" differ only in the third.
+    let a = format!("{}한 tail words", "한 ".repeat(84));
+    let b = format!("{}할 tail words", "한 ".repeat(84));
+    assert_eq!(e.embed(&a).await.unwrap(), e.embed(&b).await.unwrap());
+    // What tells them apart is not in the window, so the rest (matched exactly) differs.
+    let ((read_a, rest_a), (read_b, rest_b)) = (e.split(&a), e.split(&b));
+    assert_eq!(read_a, read_b);
+    assert_ne!(rest_a, rest_b);
+    assert!(
+        rest_a.starts_with('한') && rest_b.starts_with('할'),
+        "{rest_a}"
+    );
+}
+
+#[test]
+fn max_tokens_must_leave_a_token_of_the_text_to_read() {
+    // [CLS] and [SEP] take two: at two the model reads nothing of a text.
+    for n in [0, 1, 2] {
+        let err = FastEmbedder::load(EmbedderConfig {
+            max_tokens: n,
+            ..common::config()
+        })
+        .unwrap_err();
+        assert_eq!(err.kind(), "config", "{n}");
+    }
+    assert!(FastEmbedder::load(EmbedderConfig {
+        max_tokens: 3,
+        ..common::config()
+    })
+    .is_ok());
+}
+
+#[tokio::test]
 async fn the_text_cache_is_bounded_by_bytes() {
     let cap = 64 * 1024;
     let e = load(EmbedderConfig {
@@ -442,4 +482,57 @@ async fn long_texts_are_embedded_a_few_at_a_time_within_the_memory_budget() {
     assert!(calls >= 3, "{calls} calls for 8 long texts: {s:?}");
     // The cut changes no vector.
     assert!(cosine(&alone, &vectors[0]) > 0.9999);
+}
+
+#[tokio::test]
+async fn a_long_text_counts_as_the_model_reads_it_not_as_its_scanned_start() {
+    // The model reads 256 tokens of each text; the first 16 KiB (what is counted) hold two
+    // of them. Counted as 2, all eight would go in one call past the memory budget.
+    let e = load(EmbedderConfig {
+        cache_bytes: 0,
+        memory_bytes: 128 << 20,
+        ..common::config()
+    });
+    let texts: Vec<String> = (0..8)
+        .map(|i| format!("{i}{}{}", " ".repeat(17 * 1024), "time ".repeat(300)))
+        .collect();
+    let before = e.stats();
+    e.embed_many(&texts).await.unwrap();
+    let s = e.stats();
+    let calls = s.batches - before.batches;
+    assert!(calls >= 3, "{calls} calls for 8 long texts: {s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_text_is_answered_before_the_long_calls_of_its_round() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // One round (the batcher waits for more texts): eight long texts need several model
+    // calls within the memory budget, the short one goes first and is answered at once.
+    let e = Arc::new(load(EmbedderConfig {
+        cache_bytes: 0,
+        memory_bytes: 128 << 20,
+        batch_wait_us: 300_000,
+        ..common::config()
+    }));
+    let texts: Vec<String> = (0..8)
+        .map(|i| format!("{i} {}", "time ".repeat(300)))
+        .collect();
+    let answered = Arc::new(AtomicUsize::new(0));
+    let long = {
+        let (e, answered) = (e.clone(), answered.clone());
+        tokio::spawn(async move {
+            e.embed_many(&texts).await.unwrap();
+            answered.fetch_add(1, Ordering::SeqCst)
+        })
+    };
+    let short = {
+        let (e, answered) = (e.clone(), answered.clone());
+        tokio::spawn(async move {
+            e.embed("How do I reset my password?").await.unwrap();
+            answered.fetch_add(1, Ordering::SeqCst)
+        })
+    };
+    let (long, short) = (long.await.unwrap(), short.await.unwrap());
+    assert_eq!((short, long), (0, 1));
+    assert_eq!(e.stats().rounds, 1, "{:?}", e.stats());
 }
