@@ -2,9 +2,9 @@
 //!
 //! [`LlamaBackend::load`] loads a GGUF model and starts one engine thread that owns the
 //! llama.cpp context and decodes up to `parallel` sequences together (continuous batching,
-//! see the `engine` submodule). [`Backend::generate`] validates and tokenizes on the
-//! caller's thread, then hands the request to the engine through a bounded three-class queue
-//! and returns a stream fed from a bounded channel.
+//! see the `engine` submodule). [`Backend::generate`] validates and tokenizes (a long input
+//! on a blocking thread, never on an async worker), then hands the request to the engine
+//! through a bounded three-class queue and returns a stream fed from a bounded channel.
 //!
 //! Scheduling classes: interactive requests are always admitted first, then batch requests;
 //! a batch request that waited `priority_aging_secs` joins the interactive line in its arrival
@@ -16,6 +16,10 @@
 //! batch sequence is never preempted: an interactive arrival waits for a slot like any other
 //! (the batch work was already paid for in prefill and decode). A user arrival at a full
 //! queue likewise evicts the newest waiting background request.
+//!
+//! The context is one pool of `n_ctx` tokens for every sequence; with several slots one
+//! request holds at most all but one slot's even share of it (prompt and answer; the answer
+//! ends with `length` there), so a long request never shuts every other one out.
 //!
 //! Sampling: temperature 0 is greedy decoding. An absent temperature means 1.0, the OpenAI
 //! default. Otherwise the chain is penalties (only when a presence or frequency penalty is
@@ -129,7 +133,8 @@ pub struct LlamaConfig {
     pub model: PathBuf,
     /// Name served in `/v1/models` and expected in requests; defaults to the file stem.
     pub model_name: Option<String>,
-    /// Context size in tokens, shared by all concurrent sequences (prompt plus answer).
+    /// Context size in tokens, shared by all concurrent sequences (prompt plus answer); one
+    /// request holds at most `n_ctx - n_ctx / parallel` of it.
     pub n_ctx: u32,
     /// CPU threads used for decoding.
     pub n_threads: i32,
@@ -211,11 +216,18 @@ impl LlamaConfig {
                 self.priority_aging_secs
             ));
         }
-        // Every generating sequence contributes one token to each decode call.
+        // Every generating sequence contributes one token to each decode call (llama.cpp
+        // also lowers the batch to the context size).
         if (self.n_batch as usize) < self.parallel {
             return bad(format!(
                 "n_batch ({}) must be at least parallel ({})",
                 self.n_batch, self.parallel
+            ));
+        }
+        if (self.n_ctx as usize) < self.parallel {
+            return bad(format!(
+                "n_ctx ({}) must be at least parallel ({})",
+                self.n_ctx, self.parallel
             ));
         }
         Ok(())
@@ -493,6 +505,17 @@ impl LlamaBackend {
                         return;
                     }
                 };
+                // llama.cpp lowers the batch to the context size: every slot must still fit
+                // one decode call (a token each), or sequences past it would be dropped from
+                // the batch and read another's logits.
+                if (ctx.n_batch() as usize) < engine_cfg.parallel {
+                    let _ = ready_tx.send(Err(format!(
+                        "the context's batch ({} tokens, at most n_ctx) is smaller than parallel ({})",
+                        ctx.n_batch(),
+                        engine_cfg.parallel
+                    )));
+                    return;
+                }
                 let limits = EngineLimits {
                     parallel: engine_cfg.parallel,
                     n_batch: ctx.n_batch() as usize,
@@ -556,6 +579,17 @@ impl LlamaBackend {
         self.gpu.as_ref()
     }
 
+    /// Tokens of the context one request may hold (prompt and answer): with several slots,
+    /// all but one slot's even share, so a long request never holds the whole context and
+    /// a short one can always start beside it.
+    pub fn request_room(&self) -> u32 {
+        let parallel = u32::try_from(self.parallel).unwrap_or(u32::MAX).max(1);
+        match parallel {
+            1 => self.n_ctx,
+            n => self.n_ctx - self.n_ctx / n,
+        }
+    }
+
     /// Context size in tokens actually allocated (llama.cpp may round `n_ctx` up).
     pub fn n_ctx(&self) -> u32 {
         self.n_ctx
@@ -576,67 +610,86 @@ impl LlamaBackend {
     }
 
     /// Tokens of a request's input: the chat template applied to messages, or the raw prompt.
-    fn tokenize(&self, input: &Input) -> Result<Vec<LlamaToken>, BackendError> {
-        let vocab = self.model.vocab();
-        let messages = match input {
-            // A raw prompt is the client's own text, template markers included.
-            Input::Prompt(prompt) => return Ok(vocab.tokenize(prompt.as_bytes(), true, true)),
-            Input::Chat(messages) => messages,
-        };
-        if messages.is_empty() {
-            return Err(invalid("messages must not be empty", "messages"));
+    /// A long input is tokenized on a blocking thread (megabytes take a tokenizer many
+    /// milliseconds, which must not stall an async worker's other requests).
+    async fn tokenize(&self, input: Input) -> Result<Vec<LlamaToken>, BackendError> {
+        if input.heap_bytes() <= INLINE_TOKENIZE_BYTES {
+            return tokenize(&self.model, self.template.as_ref(), &input);
         }
-        let template = self.template.as_ref().ok_or_else(|| {
-            invalid(
-                "this model has no chat template; use the completions endpoint",
-                "messages",
-            )
-        })?;
-        // The template is rendered around placeholders, then tokenized in pieces: its own text
-        // with special tokens parsed (its markers are special tokens, and the model's BOS is
-        // added when its vocabulary asks for it, as llama-server does), the messages' contents
-        // as plain text, so no content can forge a turn with a marker's text.
-        let chat = messages
-            .iter()
-            .enumerate()
-            .map(|(i, msg)| {
-                // Templates know `system`; `developer` is OpenAI's newer name for it.
-                let role = match msg.role.as_str() {
-                    "developer" => "system",
-                    other => other,
-                };
-                LlamaChatMessage::new(role.to_owned(), placeholder(i))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| invalid("messages must not contain NUL characters", "messages"))?;
-        if messages.iter().any(|m| m.content.contains('\0')) {
-            return Err(invalid(
-                "messages must not contain NUL characters",
-                "messages",
-            ));
-        }
-        let rendered = self
-            .model
-            .apply_chat_template(template, &chat, true)
-            .map_err(|e| BackendError::Internal(format!("cannot apply the chat template: {e}")))?;
-        let mut tokens = Vec::new();
-        let mut rest = rendered.as_str();
-        for (i, msg) in messages.iter().enumerate() {
-            let mark = placeholder(i);
-            // A template that does not insert each content as it is cannot keep contents as
-            // text: refused rather than tokenized with markers parsed.
-            let Some((before, after)) = rest.split_once(&mark) else {
-                return Err(BackendError::Internal(
-                    "the chat template changes message contents".into(),
-                ));
-            };
-            vocab.tokenize_into(before.as_bytes(), &mut tokens, i == 0, true);
-            vocab.tokenize_into(msg.content.as_bytes(), &mut tokens, false, false);
-            rest = after;
-        }
-        vocab.tokenize_into(rest.as_bytes(), &mut tokens, false, true);
-        Ok(tokens)
+        let (model, template) = (self.model.clone(), self.template.clone());
+        tokio::task::spawn_blocking(move || tokenize(&model, template.as_ref(), &input))
+            .await
+            .map_err(|e| BackendError::Internal(format!("tokenizing failed: {e}")))?
     }
+}
+
+/// Inputs up to this size are tokenized in place: a blocking thread costs more than they do.
+const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
+
+/// [`LlamaBackend::tokenize`]'s work.
+fn tokenize(
+    model: &LlamaModel,
+    template: Option<&LlamaChatTemplate>,
+    input: &Input,
+) -> Result<Vec<LlamaToken>, BackendError> {
+    let vocab = model.vocab();
+    let messages = match input {
+        // A raw prompt is the client's own text, template markers included.
+        Input::Prompt(prompt) => return Ok(vocab.tokenize(prompt.as_bytes(), true, true)),
+        Input::Chat(messages) => messages,
+    };
+    if messages.is_empty() {
+        return Err(invalid("messages must not be empty", "messages"));
+    }
+    let template = template.ok_or_else(|| {
+        invalid(
+            "this model has no chat template; use the completions endpoint",
+            "messages",
+        )
+    })?;
+    // The template is rendered around placeholders, then tokenized in pieces: its own text
+    // with special tokens parsed (its markers are special tokens, and the model's BOS is
+    // added when its vocabulary asks for it, as llama-server does), the messages' contents
+    // as plain text, so no content can forge a turn with a marker's text.
+    let chat = messages
+        .iter()
+        .enumerate()
+        .map(|(i, msg)| {
+            // Templates know `system`; `developer` is OpenAI's newer name for it.
+            let role = match msg.role.as_str() {
+                "developer" => "system",
+                other => other,
+            };
+            LlamaChatMessage::new(role.to_owned(), placeholder(i))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| invalid("messages must not contain NUL characters", "messages"))?;
+    if messages.iter().any(|m| m.content.contains('\0')) {
+        return Err(invalid(
+            "messages must not contain NUL characters",
+            "messages",
+        ));
+    }
+    let rendered = model
+        .apply_chat_template(template, &chat, true)
+        .map_err(|e| BackendError::Internal(format!("cannot apply the chat template: {e}")))?;
+    let mut tokens = Vec::new();
+    let mut rest = rendered.as_str();
+    for (i, msg) in messages.iter().enumerate() {
+        let mark = placeholder(i);
+        // A template that does not insert each content as it is cannot keep contents as
+        // text: refused rather than tokenized with markers parsed.
+        let Some((before, after)) = rest.split_once(&mark) else {
+            return Err(BackendError::Internal(
+                "the chat template changes message contents".into(),
+            ));
+        };
+        vocab.tokenize_into(before.as_bytes(), &mut tokens, i == 0, true);
+        vocab.tokenize_into(msg.content.as_bytes(), &mut tokens, false, false);
+        rest = after;
+    }
+    vocab.tokenize_into(rest.as_bytes(), &mut tokens, false, true);
+    Ok(tokens)
 }
 
 /// Stands in for message `i`'s content while the template is rendered: private-use
@@ -652,6 +705,10 @@ fn invalid(message: &str, param: &str) -> BackendError {
         param: Some(param.to_owned()),
     }
 }
+
+/// Temperatures below this sample greedily: at it, a logit one ten-thousandth below the
+/// best is already e^-100 as likely.
+const MIN_TEMPERATURE: f32 = 1e-6;
 
 /// Builds a request's sampler chain; see the module documentation for the choices.
 fn build_sampler(
@@ -692,7 +749,10 @@ fn build_sampler(
             n_vocab, window, 1.0, frequency, presence,
         ));
     }
-    if temperature == 0.0 {
+    // Dividing the logits by a temperature this small overflows them to infinities (and the
+    // probabilities to NaN, after which llama.cpp picks the last token every step); the
+    // distribution it asks for is the greedy one anyway.
+    if temperature < MIN_TEMPERATURE {
         chain.push(LlamaSampler::greedy());
     } else {
         if top_p < 1.0 {
@@ -710,7 +770,7 @@ fn build_sampler(
 
 #[async_trait::async_trait]
 impl Backend for LlamaBackend {
-    async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError> {
+    async fn generate(&self, mut req: GenRequest) -> Result<GenStream, BackendError> {
         if req.model != self.name {
             return Err(BackendError::UnknownModel(req.model));
         }
@@ -718,17 +778,18 @@ impl Backend for LlamaBackend {
             Input::Chat(_) => "messages",
             Input::Prompt(_) => "prompt",
         };
-        let prompt = self.tokenize(&req.input)?;
+        let input = std::mem::replace(&mut req.input, Input::Prompt(String::new()));
+        let prompt = self.tokenize(input).await?;
         if prompt.is_empty() {
             return Err(invalid("the prompt is empty", input_param));
         }
         let prompt_len = prompt.len() as u32;
-        if prompt_len >= self.n_ctx {
+        let room = self.request_room();
+        if prompt_len >= room {
             return Err(BackendError::InvalidRequest {
                 message: format!(
-                    "the prompt is {prompt_len} tokens, but the model's context holds {} tokens \
-                     including the answer",
-                    self.n_ctx
+                    "the prompt is {prompt_len} tokens, but one request may hold {room} tokens \
+                     of the model's context, including the answer",
                 ),
                 param: Some(input_param.into()),
             });
@@ -737,8 +798,8 @@ impl Backend for LlamaBackend {
         if requested == 0 {
             return Err(invalid("max_tokens must be at least 1", "max_tokens"));
         }
-        // The answer can use what the prompt leaves of the context; beyond that: `Length`.
-        let max_tokens = requested.min(self.n_ctx - prompt_len);
+        // The answer can use what the prompt leaves of its room; beyond that: `Length`.
+        let max_tokens = requested.min(room - prompt_len);
         let sampler = build_sampler(&req.params, self.model.n_vocab(), max_tokens)?;
 
         let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);

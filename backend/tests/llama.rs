@@ -256,6 +256,14 @@ async fn same_seed_same_text() {
     let g2 = run(&backend, chat("Name three colours.", greedy(24))).await;
     g1.finished();
     assert_eq!(g1.text, g2.text);
+    // A temperature too small to divide the logits by is the greedy answer, not noise.
+    let tiny = SamplingParams {
+        temperature: Some(1e-40),
+        ..greedy(24)
+    };
+    let t = run(&backend, chat("Name three colours.", tiny)).await;
+    t.finished();
+    assert_eq!(t.text, g1.text);
 }
 
 #[tokio::test]
@@ -312,7 +320,8 @@ async fn dropping_the_stream_frees_the_slot() {
 /// behind it that fits a free slot now.
 #[tokio::test]
 async fn a_small_request_passes_one_waiting_for_kv_room() {
-    let backend = load(config(2, 8));
+    // Three slots: one request may hold 1,366 of the 2,048 cells.
+    let backend = load(config(3, 8));
     // Reserves about 1,230 of the 2,048 cells and keeps running.
     let mut long = backend
         .generate(completion(COUNTING, greedy(1200)))
@@ -330,6 +339,69 @@ async fn a_small_request_passes_one_waiting_for_kv_room() {
     let stats = backend.stats();
     assert_eq!(stats.completed, 1, "{stats:?}");
     drop((long, big));
+}
+
+/// A request passing a head that waits for KV room preempts background work for its slot,
+/// as the head would, instead of waiting for that work to finish.
+#[tokio::test]
+async fn a_request_passing_the_head_preempts_background_work() {
+    let backend = load(config(3, 8));
+    let background = |max| {
+        request(
+            Input::Prompt(COUNTING.into()),
+            greedy(max),
+            Priority::Background,
+        )
+    };
+    // Two background sequences (about 425 cells each) and an interactive one (about 1,025):
+    // every slot is taken.
+    let mut held = Vec::new();
+    for req in [
+        background(400),
+        background(400),
+        completion(COUNTING, greedy(1000)),
+    ] {
+        let mut s = backend.generate(req).await.expect("accepted");
+        first_delta(&mut s).await;
+        held.push(s);
+    }
+    // Needs about 1,105 cells: more than preempting the background work frees. It waits.
+    let head = backend
+        .generate(completion("Write a long story.", greedy(1100)))
+        .await
+        .expect("accepted");
+    let small = run(&backend, completion("The sky is", greedy(8))).await;
+    small.finished();
+    let stats = backend.stats();
+    assert_eq!(stats.preempted, 1, "{stats:?}");
+    assert_eq!(stats.completed, 1, "{stats:?}");
+    drop((held, head));
+}
+
+/// One request asking for the whole context gets all but one slot's share of it: a short
+/// request starts beside it at once instead of waiting for its whole answer.
+#[tokio::test]
+async fn one_request_never_holds_the_whole_context() {
+    let backend = load(config(2, 8));
+    assert_eq!(
+        backend.request_room(),
+        backend.n_ctx() - backend.n_ctx() / 2
+    );
+    let mut long = backend
+        .generate(completion(COUNTING, greedy(4000)))
+        .await
+        .expect("accepted");
+    first_delta(&mut long).await;
+    let short = run(&backend, completion("The sky is", greedy(8))).await;
+    short.finished();
+    // The short one finished while the long one still runs.
+    assert_eq!(backend.stats().completed, 1, "{:?}", backend.stats());
+    let long = collect(long).await;
+    let (reason, usage) = long.finished();
+    assert!(usage.total_tokens() <= backend.request_room(), "{usage:?}");
+    if reason == FinishReason::Length {
+        assert_eq!(usage.total_tokens(), backend.request_room());
+    }
 }
 
 #[tokio::test]
@@ -623,6 +695,28 @@ async fn invalid_requests_are_refused() {
     assert_eq!(usage.total_tokens(), backend.n_ctx());
 }
 
+/// Megabytes of prompt are tokenized on a blocking thread: the async worker that asked runs
+/// its other tasks meanwhile.
+#[tokio::test(flavor = "current_thread")]
+async fn a_long_prompt_is_tokenized_off_the_async_worker() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let backend = load(config(1, 4));
+    let ran = std::sync::Arc::new(AtomicBool::new(false));
+    let other = ran.clone();
+    tokio::spawn(async move { other.store(true, Ordering::SeqCst) });
+    let long = "word ".repeat(800_000);
+    match backend.generate(completion(&long, greedy(1))).await {
+        Err(BackendError::InvalidRequest { message, .. }) => {
+            assert!(message.contains("context"), "{message}")
+        }
+        other => panic!("expected InvalidRequest, got {:?}", other.map(|_| "stream")),
+    }
+    assert!(
+        ran.load(Ordering::SeqCst),
+        "the other task never ran while the prompt was tokenized"
+    );
+}
+
 #[test]
 fn bad_model_paths_are_named_in_the_error() {
     let missing = PathBuf::from("/nonexistent/dir/model.gguf");
@@ -648,6 +742,20 @@ fn bad_model_paths_are_named_in_the_error() {
         err.to_string().contains(not_gguf.to_str().unwrap()),
         "{err}"
     );
+}
+
+/// More slots than the context has cells cannot all decode in one call: refused at load.
+#[test]
+fn more_slots_than_context_cells_are_refused() {
+    let err = LlamaBackend::load(LlamaConfig {
+        n_ctx: 64,
+        parallel: 128,
+        n_batch: 256,
+        ..config(1, 4)
+    })
+    .expect_err("refused");
+    assert!(matches!(err, LoadError::InvalidConfig(_)), "{err}");
+    assert!(err.to_string().contains("n_ctx"), "{err}");
 }
 
 /// A build without the `cuda` feature runs every layer on the CPU whatever `n_gpu_layers`

@@ -462,12 +462,7 @@ impl<'a> Engine<'a> {
                 self.admit(job);
                 continue;
             }
-            let (bg_count, bg_reserved) = self
-                .slots
-                .iter()
-                .flatten()
-                .filter(|s| s.priority == Priority::Background)
-                .fold((0usize, 0u32), |(n, r), s| (n + 1, r + s.reservation));
+            let (bg_count, bg_reserved) = self.background_held();
             // Preempting every background sequence frees a slot; it must also free enough
             // KV, or the request waits for user work to finish instead.
             if bg_count == 0 || self.reserved - bg_reserved + need > self.limits.n_ctx {
@@ -482,17 +477,45 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// Admits the first request behind the head of `line` that fits a free slot and the KV
-    /// room left, when the head may still be passed; returns whether one was admitted.
+    /// Background sequences running, and the KV cells they hold.
+    fn background_held(&self) -> (usize, u32) {
+        self.slots
+            .iter()
+            .flatten()
+            .filter(|s| s.priority == Priority::Background)
+            .fold((0usize, 0u32), |(n, r), s| (n + 1, r + s.reservation))
+    }
+
+    /// Admits the first request behind the head of `line` that fits a slot and the KV room
+    /// left, when the head may still be passed; returns whether one was admitted. Like the
+    /// head, it preempts background sequences (the youngest first) for the slot and room it
+    /// needs, rather than waiting for them to finish.
     fn pass_head(&mut self, line: &mut VecDeque<Job>) -> bool {
-        if self.free_slot().is_none() || line.front().is_none_or(|h| h.passed >= MAX_PASSES) {
+        if line.front().is_none_or(|h| h.passed >= MAX_PASSES) {
             return false;
         }
-        let room = self.limits.n_ctx.saturating_sub(self.reserved);
+        let (bg_count, bg_reserved) = self.background_held();
+        if self.free_slot().is_none() && bg_count == 0 {
+            return false;
+        }
+        let room = self
+            .limits
+            .n_ctx
+            .saturating_sub(self.reserved - bg_reserved);
         let Some(i) = line.iter().skip(1).position(|j| j.reservation() <= room) else {
             return false;
         };
         let job = line.remove(i + 1).expect("position is in the line");
+        while self.free_slot().is_none() || self.reserved + job.reservation() > self.limits.n_ctx {
+            if !self.preempt_youngest_background() {
+                break;
+            }
+        }
+        if self.free_slot().is_none() || self.reserved + job.reservation() > self.limits.n_ctx {
+            // Cannot happen (all background work frees what was counted): back in line.
+            line.insert(i + 1, job);
+            return false;
+        }
         if let Some(head) = line.front_mut() {
             head.passed += 1;
         }
@@ -562,7 +585,8 @@ impl<'a> Engine<'a> {
         seq
     }
 
-    fn preempt_youngest_background(&mut self) {
+    /// Preempts the background sequence with the least progress; false when none runs.
+    fn preempt_youngest_background(&mut self) -> bool {
         let victim = self
             .slots
             .iter()
@@ -588,6 +612,7 @@ impl<'a> Engine<'a> {
             events.push_back(Err(preempted()));
             self.outgoing.push(Outgoing { tx: seq.tx, events });
         }
+        victim.is_some()
     }
 
     /// Cancels sequences whose stream was dropped: no compute for nobody.

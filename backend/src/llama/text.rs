@@ -43,7 +43,9 @@ impl TextStream {
 
         if let Some(at) = self.first_stop() {
             let emit = self.held[..at].to_owned();
+            // Nothing after the stop is output, the start of a character included.
             self.held.clear();
+            self.partial.clear();
             return Pushed {
                 emit,
                 stopped: true,
@@ -173,6 +175,16 @@ mod tests {
             run(&[], &[b"a", &[0xE2, 0x82]]),
             ("a\u{FFFD}".into(), false)
         );
+    }
+
+    #[test]
+    fn nothing_after_a_stop_is_output_not_even_half_a_character() {
+        // The token holding the stop also starts a three-byte character ("—").
+        let mut t = TextStream::new(vec![" ".into()]);
+        let p = t.push(b"a \xE2");
+        assert!(p.stopped);
+        assert_eq!(p.emit, "a");
+        assert_eq!(t.finish(), "");
     }
 
     #[test]
