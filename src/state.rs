@@ -142,7 +142,12 @@ impl AppState {
             config.cache.stale_retention(),
             redis,
             index,
-            Some(Arc::new(move |_cause| evictions.increment(1))),
+            // Size and expiry only: deletes (admin, namespace, tag, resync) are not evictions.
+            Some(Arc::new(move |cause: moka::notification::RemovalCause| {
+                if cause.was_evicted() {
+                    evictions.increment(1)
+                }
+            })),
         );
         let request_log = match &config.log.request_log {
             Some(path) => Some(

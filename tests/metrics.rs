@@ -415,3 +415,33 @@ async fn metrics_need_the_scrape_or_admin_token_once_tenants_exist() {
     let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
     assert_eq!(status(&app, None).await, 200);
 }
+
+#[tokio::test]
+async fn deletes_are_not_counted_as_evictions() {
+    const ADMIN_VAR: &str = "REPRISE_TEST_EVICTIONS_ADMIN_TOKEN";
+    std::env::set_var(ADMIN_VAR, "evict-admin");
+    let mut c = test_config();
+    c.server.admin_token_env = Some(ADMIN_VAR.into());
+    let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
+    for q in ["First question?", "Second question?", "Third question?"] {
+        assert_eq!(cache_status(&app.chat(&chat_body(q), &[]).await), "miss");
+    }
+    app.state.store.run_pending_tasks().await;
+    let evictions = |m: &str| sample(m, "reprise_cache_evictions_total", &[]).unwrap_or(0.0);
+    let before = evictions(&app.metrics_text().await);
+    let r = app
+        .client
+        .delete(app.url("/admin/entries?older_than_secs=0"))
+        .bearer_auth("evict-admin")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["deleted"], 3);
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(
+        cache_status(&app.chat(&chat_body("First question?"), &[]).await),
+        "miss"
+    );
+    assert_eq!(evictions(&app.metrics_text().await), before);
+}

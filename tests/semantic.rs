@@ -812,6 +812,19 @@ async fn verdicts_reach_the_request_log_that_tune_reads() {
     assert_eq!((d.verdicts, d.served, d.judged), (1, 1, 1));
     let judged: Vec<_> = d.samples.iter().filter_map(|s| s.wrong).collect();
     assert_eq!(judged, [true]);
+    // Counted under the anonymous tenant's name, as its requests are (an empty label is no
+    // label to Prometheus).
+    let m = app.metrics_text().await;
+    let anonymous = [
+        ("tenant", "anonymous"),
+        ("verdict", "wrong"),
+        ("outcome", "semantic"),
+    ];
+    assert!(
+        sample(&m, "reprise_feedback_total", &anonymous).is_some_and(|n| n >= 1.0),
+        "{m}"
+    );
+    assert!(!m.contains("tenant=\"\""), "{m}");
 }
 
 /// A semantic hit reported wrong is never served again to that question or to questions

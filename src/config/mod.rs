@@ -24,7 +24,7 @@ mod traces;
 
 pub use degrade::{DegradeConfig, DegradeStep};
 pub use log::LogConfig;
-pub use observe::{MetricsConfig, Price, SloConfig};
+pub use observe::{MetricsConfig, Price, SloConfig, MAX_SLO_SECS};
 pub use routes::RouteConfig;
 pub use semantic::{SemanticConfig, VerifyJudge};
 pub use stats::StatsConfig;

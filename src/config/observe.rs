@@ -66,7 +66,7 @@ impl Price {
 /// Most question characters kept: the log and the stats stay small whatever is configured.
 pub const MAX_QUESTION_CHARS: usize = 4096;
 
-/// Longest latency target: the top finite bucket of the latency histograms
+/// Longest latency target: below the top finite bucket of the latency histograms
 /// (`crate::metrics::LATENCY_BUCKETS`), so a P95 over the target can still be seen (and
 /// alerted on) in them.
 pub const MAX_SLO_SECS: f64 = 60.0;

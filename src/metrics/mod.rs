@@ -168,15 +168,28 @@ pub fn backend_duration(backend: &str, seconds: f64) {
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
-/// Buckets for latencies from 100 µs to 60 s.
+/// Buckets for latencies from 100 µs to 5 min. The top finite one is above the longest
+/// latency target (`config::observe::MAX_SLO_SECS`): a P95 past every bucket reads as the top
+/// one, which must still be over the target for its alert to fire.
 const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-    5.0, 10.0, 30.0, 60.0,
+    5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
 
 /// Buckets for cosine similarities.
 const SIMILARITY_BUCKETS: &[f64] = &[
     0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98, 1.0,
+];
+
+/// Buckets for decode rates, tokens per second (a CPU decodes a few to tens, a GPU hundreds
+/// to thousands).
+const RATE_BUCKETS: &[f64] = &[
+    1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
+];
+
+/// Buckets for sequences in one decode step (up to `parallel`, at most 256).
+const OCCUPANCY_BUCKETS: &[f64] = &[
+    1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0, 128.0, 256.0,
 ];
 
 /// How often the recorder's pending histogram samples are folded into their buckets.
@@ -221,6 +234,18 @@ pub fn prometheus() -> PrometheusHandle {
                     b.set_buckets_for_metric(
                         Matcher::Full("reprise_semantic_threshold_used".into()),
                         SIMILARITY_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("reprise_backend_tokens_per_second".into()),
+                        RATE_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("reprise_backend_batch_occupancy".into()),
+                        OCCUPANCY_BUCKETS,
                     )
                 })
                 .expect("static buckets are valid")
@@ -472,8 +497,9 @@ impl Metrics {
 
     /// Counts a verdict the learned thresholds take.
     pub fn verdict(&self, tenant: &str, source: &'static str, verdict: &'static str) {
+        let tenant = RequestMetrics::tenant_label(tenant).to_string();
         metrics::counter!("reprise_semantic_verdicts_total",
-            "tenant" => tenant.to_string(), "source" => source, "verdict" => verdict)
+            "tenant" => tenant, "source" => source, "verdict" => verdict)
         .increment(1);
     }
 
@@ -505,8 +531,9 @@ impl Metrics {
 
     /// Counts a verdict on a response served as `outcome`.
     pub fn feedback(&self, tenant: &str, verdict: &'static str, outcome: Outcome) {
+        let tenant = RequestMetrics::tenant_label(tenant).to_string();
         metrics::counter!("reprise_feedback_total",
-            "tenant" => tenant.to_string(), "verdict" => verdict, "outcome" => outcome.as_str())
+            "tenant" => tenant, "verdict" => verdict, "outcome" => outcome.as_str())
         .increment(1);
     }
 
@@ -690,5 +717,36 @@ impl PrefetchMetrics {
 impl Default for PrefetchMetrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_latency_past_every_bucket_reads_as_over_the_longest_target() {
+        let top = super::LATENCY_BUCKETS.iter().copied().fold(0.0, f64::max);
+        assert!(top > crate::config::MAX_SLO_SECS, "{top}");
+    }
+
+    #[test]
+    fn decode_rates_and_batch_occupancy_have_buckets_of_their_own() {
+        let handle = super::prometheus();
+        metrics::histogram!("reprise_backend_tokens_per_second").record(150.0);
+        metrics::histogram!("reprise_backend_batch_occupancy").record(7.0);
+        let text = handle.render();
+        // A GPU's 150 tokens a second falls in a finite bucket (latency buckets end at 60).
+        let bucket = |name: &str, le: &str| {
+            text.lines()
+                .find(|l| l.starts_with(&format!("{name}_bucket{{le=\"{le}\"}}")))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        };
+        assert!(
+            bucket("reprise_backend_tokens_per_second", "250").is_some_and(|n| n >= 1),
+            "{text}"
+        );
+        assert!(
+            bucket("reprise_backend_batch_occupancy", "8").is_some_and(|n| n >= 1),
+            "{text}"
+        );
     }
 }

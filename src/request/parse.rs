@@ -108,6 +108,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
     let (req, stream, include_usage, user, n) = match endpoint {
         Endpoint::Chat => {
             let r: ChatCompletionRequest = de(body)?;
+            check_model(&r.model)?;
             if r.messages.is_empty() {
                 return Err(ApiError::invalid(
                     "`messages` must not be empty",
@@ -163,6 +164,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         }
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
+            check_model(&r.model)?;
             if let Some(found) = completion_forward_field(&r) {
                 let answers = completion_answers(&r);
                 return Ok(Request::Forward(Forward::new(
@@ -255,6 +257,20 @@ fn completion_answers(r: &CompletionRequest) -> u32 {
     per_prompt.saturating_mul(u32::try_from(prompts.max(1)).unwrap_or(u32::MAX))
 }
 
+/// Longest model name taken (OpenAI's are a few dozen bytes): a name is a cache key part, a
+/// log field and a response field, so a megabyte of it is refused rather than carried.
+pub const MAX_MODEL_BYTES: usize = 256;
+
+fn check_model(model: &str) -> Result<(), ApiError> {
+    if model.len() > MAX_MODEL_BYTES {
+        return Err(ApiError::invalid(
+            format!("`model` may be at most {MAX_MODEL_BYTES} bytes"),
+            Some("model"),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,6 +288,20 @@ mod tests {
         let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
         b[field] = value;
         b
+    }
+
+    #[test]
+    fn a_model_name_is_bounded() {
+        let named = |n: usize| json!({"model": "m".repeat(n), "prompt": "hi"});
+        assert_eq!(
+            classify(Endpoint::Completion, named(MAX_MODEL_BYTES)),
+            Ok(None)
+        );
+        let err = classify(Endpoint::Completion, named(MAX_MODEL_BYTES + 1)).unwrap_err();
+        assert!(err.contains("model"), "{err}");
+        let mut chat = chat_with("tools", json!([{"type": "function"}]));
+        chat["model"] = "m".repeat(100_000).into();
+        assert!(classify(Endpoint::Chat, chat).is_err(), "forwarded too");
     }
 
     #[test]
