@@ -146,6 +146,7 @@ mod tests {
             prompt: "p".into(),
             partition: [0; 32],
             embedding: None,
+            embedder: None,
             origin: Default::default(),
             tags: Vec::new(),
             refusals: Vec::new(),

@@ -275,6 +275,7 @@ mod tests {
             prompt: "p".into(),
             partition: [1; 32],
             embedding: Some(vec![0.5f32, 0.5].into()),
+            embedder: None,
             origin: Default::default(),
             tags: vec![],
             refusals: Vec::new(),

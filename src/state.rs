@@ -131,9 +131,10 @@ impl AppState {
         let metrics = Metrics::with_models(labelled);
         metrics.slo(config.slo.total_secs, config.slo.ttft_secs);
         let embedder = embedder.filter(|_| config.semantic.enabled);
-        let index = embedder
-            .as_ref()
-            .map(|e| Arc::new(SemanticIndex::new(e.dim(), IndexConfig::default())));
+        let index = embedder.as_ref().map(|e| {
+            let index = SemanticIndex::new(e.dim(), IndexConfig::default());
+            Arc::new(index.for_embedder(e.fingerprint()))
+        });
         let evictions = metrics.cache_evictions.clone();
         let store = Store::new(
             config.cache.memory_bytes,

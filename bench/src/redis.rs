@@ -241,6 +241,7 @@ async fn rebuild(
             prompt: format!("synthetic prompt number {i}"),
             partition: partitions[i % partitions.len()],
             embedding: Some(rng.vector(dim)),
+            embedder: None,
             origin: Origin::Live,
             tags: Vec::new(),
             refusals: Vec::new(),

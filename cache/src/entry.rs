@@ -105,6 +105,12 @@ pub struct Entry {
     /// The prompt's embedding, when the semantic tier computed one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub embedding: Option<Vector>,
+    /// The fingerprint of the embedder that made `embedding`
+    /// (`reprise_embedder::Embedder::fingerprint`): only an index of the same embedder takes
+    /// the vector. Absent on entries stored before it was recorded, which are taken as the
+    /// configured embedder's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedder: Option<Digest>,
     /// Where the entry came from.
     pub origin: Origin,
     /// Labels for invalidation by tag (`x-reprise-tags` on the request that created it).
@@ -248,6 +254,7 @@ mod tests {
             prompt: "question".into(),
             partition: [0; 32],
             embedding: None,
+            embedder: None,
             origin: Origin::Live,
             tags: Vec::new(),
             refusals: Vec::new(),

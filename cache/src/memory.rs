@@ -445,6 +445,7 @@ mod tests {
             prompt: "p".into(),
             partition: [0; 32],
             embedding: None,
+            embedder: None,
             origin: Origin::Live,
             tags: Vec::new(),
             refusals: Vec::new(),

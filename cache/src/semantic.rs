@@ -93,6 +93,8 @@ pub struct SemanticIndex {
     partitions: RwLock<HashMap<PartitionKey, Arc<Partition>>>,
     /// Which partition each live id is in, so `remove` needs only the id.
     location: RwLock<HashMap<EntryId, PartitionKey>>,
+    /// The fingerprint of the embedder whose vectors it holds, when known.
+    embedder: Option<[u8; 32]>,
     /// One maintenance pass at a time: a rebuild snapshots a partition, builds without locks
     /// and swaps in; two overlapping rebuilds of one partition would replay against a
     /// structure the other one already replaced.
@@ -183,6 +185,7 @@ impl SemanticIndex {
             maintaining: Mutex::new(()),
             graph: GraphCounters::default(),
             worn: tokio::sync::Notify::new(),
+            embedder: None,
         }
     }
 
@@ -212,6 +215,23 @@ impl SemanticIndex {
     /// Number of components the index expects.
     pub fn dim(&self) -> usize {
         self.dim
+    }
+
+    /// The index of `embedder`'s vectors (its fingerprint): an entry whose vector another
+    /// embedder made is not indexed (see [`SemanticIndex::takes`]).
+    pub fn for_embedder(mut self, embedder: [u8; 32]) -> Self {
+        self.embedder = Some(embedder);
+        self
+    }
+
+    /// Whether a vector made by `embedder` belongs here: vectors of different embedders are
+    /// not comparable. One of no known embedder (stored before it was recorded), or any
+    /// vector in an index of no known embedder, is taken.
+    pub fn takes(&self, embedder: Option<&[u8; 32]>) -> bool {
+        match (embedder, &self.embedder) {
+            (Some(made), Some(ours)) => made == ours,
+            _ => true,
+        }
     }
 
     /// Adds (or replaces) `id` in `partition`.

@@ -905,12 +905,18 @@ impl Store {
     // ---- helpers ----
 
     /// The entry's vector when it belongs in the index: an index exists, the vector has its
-    /// size, the entry has a real partition, and it is not indexed yet.
+    /// size and was made by the index's embedder, the entry has a real partition, and it is
+    /// not indexed yet. (An entry whose vector another model made, written by a replica on
+    /// that model or kept in a snapshot from before a change of model, still answers by its
+    /// exact keys.)
     fn indexable(&self, entry: &Entry) -> Option<Vector> {
         let index = self.index.as_ref()?;
         let v = entry.embedding.as_ref()?;
-        (v.len() == index.dim() && entry.partition != [0; 32] && !index.contains(entry.id))
-            .then(|| v.clone())
+        (v.len() == index.dim()
+            && index.takes(entry.embedder.as_ref())
+            && entry.partition != [0; 32]
+            && !index.contains(entry.id))
+        .then(|| v.clone())
     }
 
     /// Indexes a held entry's vector. Memory may evict the entry between its insert and this
@@ -967,6 +973,7 @@ mod tests {
             prompt: text.into(),
             partition: [9; 32],
             embedding: Some(vec![1.0, 0.0].into()),
+            embedder: None,
             origin: Origin::Live,
             tags: vec!["t".into()],
             refusals: Vec::new(),
@@ -1079,6 +1086,47 @@ mod tests {
         let loaded = s.load(vec![], vec![([6; 32], EntryId(42))], |_| {}).await;
         assert_eq!(loaded.keys, 0);
         assert!(s.keys().iter().all(|(k, _)| *k != [6; 32]));
+    }
+
+    #[tokio::test]
+    async fn only_vectors_of_the_index_embedder_are_indexed() {
+        let index = Arc::new(SemanticIndex::new(2, IndexConfig::default()).for_embedder([1; 32]));
+        let s = Store::new(
+            1 << 20,
+            Duration::from_secs(60),
+            Duration::ZERO,
+            None,
+            Some(index),
+            None,
+        );
+        let made_by = |fingerprint: Option<[u8; 32]>| {
+            let mut e = entry("answer", now_ms());
+            e.embedder = fingerprint;
+            e
+        };
+        let (ours, older, other) = (
+            made_by(Some([1; 32])),
+            made_by(None),
+            made_by(Some([2; 32])),
+        );
+        s.install(ours.clone()).await;
+        s.load(vec![older.clone(), other.clone()], vec![], |_| {})
+            .await;
+        let found: Vec<EntryId> = s
+            .search(&[9; 32], &[1.0, 0.0], 10)
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        assert!(
+            found.contains(&ours.id) && found.contains(&older.id),
+            "{found:?}"
+        );
+        assert!(
+            !found.contains(&other.id),
+            "another model's vector was compared"
+        );
+        // It is held all the same, for its exact keys.
+        assert!(s.get(other.id).await.is_some());
     }
 
     #[tokio::test]

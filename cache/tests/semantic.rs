@@ -442,6 +442,7 @@ async fn an_entry_its_share_refuses_leaves_no_vector_behind() {
         prompt: "question".into(),
         partition: key(1),
         embedding: Some(Vector::from(&v)),
+        embedder: None,
         origin: Origin::Live,
         tags: Vec::new(),
         refusals: Vec::new(),

@@ -26,6 +26,7 @@ fn answer(i: u64, namespace: &str, bytes: usize) -> Entry {
         prompt: format!("{i:08} question"),
         partition: [0; 32],
         embedding: None,
+        embedder: None,
         origin: Origin::Live,
         tags: Vec::new(),
         refusals: Vec::new(),

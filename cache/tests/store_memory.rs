@@ -45,6 +45,7 @@ fn entry(i: u64, bytes: usize) -> Entry {
         prompt: format!("{i:08} {}", "q".repeat(bytes / 4)),
         partition,
         embedding: Some(embedding(i)),
+        embedder: None,
         origin: Origin::Live,
         tags: Vec::new(),
         refusals: Vec::new(),

@@ -121,6 +121,23 @@ impl Embedder for FakeEmbedder {
         self.dim
     }
 
+    fn fingerprint(&self) -> [u8; 32] {
+        // Its vectors depend on its dimension, its window and its pinned texts.
+        let mut h = blake3::Hasher::new_derive_key("reprise fake embedder fingerprint v1");
+        h.update(&(self.dim as u64).to_le_bytes());
+        h.update(&(self.window.map_or(u64::MAX, |w| w as u64)).to_le_bytes());
+        let mut pinned: Vec<_> = self.pinned.iter().collect();
+        pinned.sort_by(|a, b| a.0.cmp(b.0));
+        for (text, v) in pinned {
+            h.update(&(text.len() as u64).to_le_bytes());
+            h.update(text.as_bytes());
+            for x in v.iter() {
+                h.update(&x.to_le_bytes());
+            }
+        }
+        *h.finalize().as_bytes()
+    }
+
     fn window(&self, text: &str) -> usize {
         let Some(words) = self.window else {
             return text.len();

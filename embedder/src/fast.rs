@@ -89,6 +89,8 @@ pub struct FastEmbedder {
     dim: usize,
     /// Where the model stops reading a text.
     window: Window,
+    /// Digest of the model files and the settings that change a vector.
+    fingerprint: [u8; 32],
 }
 
 impl std::fmt::Debug for FastEmbedder {
@@ -139,7 +141,7 @@ impl FastEmbedder {
                 cfg.max_tokens
             )));
         }
-        let mut model = load_model(&cfg)?;
+        let (mut model, fingerprint) = load_model(&cfg)?;
 
         // One probe call tells the dimension and warms the session up, so the first real
         // request does not pay for ONNX Runtime's lazy initialisation.
@@ -220,6 +222,7 @@ impl FastEmbedder {
             counters,
             dim,
             window,
+            fingerprint,
         })
     }
 
@@ -363,6 +366,10 @@ impl Embedder for FastEmbedder {
         self.dim
     }
 
+    fn fingerprint(&self) -> [u8; 32] {
+        self.fingerprint
+    }
+
     /// Tokenizes at most the first 16 KiB of `text` (see `window.rs`): CPU work that grows
     /// with the text up to that bound, for the caller to keep off its async workers.
     fn window(&self, text: &str) -> usize {
@@ -399,7 +406,9 @@ fn read_file(dir: &Path, name: &str) -> Result<Vec<u8>, EmbedError> {
     })
 }
 
-fn load_model(cfg: &EmbedderConfig) -> Result<TextEmbedding, EmbedError> {
+/// The model, and its fingerprint: a digest of every file it was built from, the pooling and
+/// the truncation.
+fn load_model(cfg: &EmbedderConfig) -> Result<(TextEmbedding, [u8; 32]), EmbedError> {
     let dir = &cfg.model_dir;
     if !dir.is_dir() {
         return Err(EmbedError::ModelFile {
@@ -414,6 +423,20 @@ fn load_model(cfg: &EmbedderConfig) -> Result<TextEmbedding, EmbedError> {
         tokenizer_config_file: read_file(dir, "tokenizer_config.json")?,
     };
     let onnx = read_file(dir, "model.onnx")?;
+    let mut h = blake3::Hasher::new_derive_key("reprise embedder fingerprint v1");
+    for bytes in [
+        &tokenizer_files.tokenizer_file,
+        &tokenizer_files.config_file,
+        &tokenizer_files.special_tokens_map_file,
+        &tokenizer_files.tokenizer_config_file,
+        &onnx,
+    ] {
+        h.update(&(bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    h.update(b"mean");
+    h.update(&(cfg.max_tokens as u64).to_le_bytes());
+    let fingerprint = *h.finalize().as_bytes();
     let model = UserDefinedEmbeddingModel::new(onnx, tokenizer_files).with_pooling(Pooling::Mean);
     // fastembed replaces the tokenizer's own padding and truncation (the shipped
     // tokenizer.json pads every input to 128) with batch-longest padding and truncation at
@@ -421,8 +444,11 @@ fn load_model(cfg: &EmbedderConfig) -> Result<TextEmbedding, EmbedError> {
     let options = InitOptionsUserDefined::new()
         .with_max_length(cfg.max_tokens)
         .with_intra_threads(cfg.threads.max(1));
-    TextEmbedding::try_new_from_user_defined(model, options).map_err(|e| EmbedError::ModelLoad {
-        path: dir.clone(),
-        message: e.to_string(),
-    })
+    let model = TextEmbedding::try_new_from_user_defined(model, options).map_err(|e| {
+        EmbedError::ModelLoad {
+            path: dir.clone(),
+            message: e.to_string(),
+        }
+    })?;
+    Ok((model, fingerprint))
 }

@@ -61,6 +61,13 @@ pub trait Embedder: Send + Sync + 'static {
     /// Number of components of every vector this embedder returns.
     fn dim(&self) -> usize;
 
+    /// What makes its vectors comparable: equal for two embedders that give the same text the
+    /// same vector (the same model files and settings), different otherwise. Vectors stored
+    /// by one embedder are only ever compared with queries of an embedder of the same
+    /// fingerprint (it joins the semantic partition), so a changed model, or replicas on
+    /// different models, never match across.
+    fn fingerprint(&self) -> [u8; 32];
+
     /// The length in bytes of the start of `text` this embedder reads whole: it reads all of
     /// `&text[..n]`, and `text.len()` means all of `text`. Always a character boundary. An
     /// implementation that cannot tell exactly answers less, never more. Callers embed

@@ -41,6 +41,11 @@ pub(crate) async fn write_back(
         completion_tokens: usage.completion_tokens,
         prompt: plan.prompt,
         partition: plan.partition.unwrap_or([0; 32]),
+        embedder: state
+            .embedder
+            .as_ref()
+            .filter(|_| plan.embedding.is_some())
+            .map(|e| e.fingerprint()),
         embedding: plan.embedding.as_deref().and_then(Vector::finite),
         origin: plan.origin,
         tags: plan.tags,

@@ -213,6 +213,9 @@ mod tests {
         fn dim(&self) -> usize {
             4
         }
+        fn fingerprint(&self) -> [u8; 32] {
+            [4; 32]
+        }
         fn window(&self, text: &str) -> usize {
             text.len()
         }
