@@ -223,7 +223,8 @@ impl Drop for Bookkeeping {
                 .metrics
                 .canary(&side.tenant, side.on_candidate, outcome);
             if let Some(reason) = side.candidate.record(side.on_candidate, outcome, total) {
-                crate::policy::roll_back(state.clone(), side.tenant, reason);
+                let judged = side.candidate.config().clone();
+                crate::policy::roll_back(state.clone(), side.tenant, judged, reason);
             }
         }
         if let Some(traces) = &state.traces {

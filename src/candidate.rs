@@ -8,8 +8,10 @@
 //! - **Canary**: `percent` of the requests (every n-th, so the share is exact at any count)
 //!   are served under the candidate, the rest under the running policy (the control). Once
 //!   each side has answered `min_requests`, after every request the candidate is judged
-//!   against the control: error rate, P95 latency, share of hits reported wrong, hit rate. A candidate worse beyond the
-//!   configured bounds is rolled back (a policy change that removes it, so every replica
+//!   against the control: error rate, P95 latency (over the span of time both sides' kept
+//!   latencies cover), share of hits reported wrong, hit rate. Shares are compared beyond
+//!   chance (a one-sided 99 % interval of the difference must clear the bound). A candidate
+//!   worse beyond the configured bounds is rolled back (a policy change that removes it, so every replica
 //!   drops it); a good one is promoted by one admin call (`POST /admin/policies/promote`).
 //!
 //! The state (counts, latencies) belongs to the candidate, not to the policy version: a
@@ -18,6 +20,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 use serde_json::json;
@@ -97,8 +100,8 @@ struct Side {
     errors: u64,
     /// Hits reported wrong (`POST /v1/feedback`).
     wrong: u64,
-    /// The latest latencies, in seconds.
-    latencies: VecDeque<f64>,
+    /// The latest latencies, in seconds, with when each was recorded.
+    latencies: VecDeque<(Instant, f64)>,
 }
 
 impl Side {
@@ -112,25 +115,46 @@ impl Side {
         if self.latencies.len() == LATENCY_SAMPLES {
             self.latencies.pop_front();
         }
-        self.latencies.push_back(secs);
+        self.latencies.push_back((Instant::now(), secs));
     }
 
     fn rate(&self, n: u64) -> f64 {
         n as f64 / self.requests.max(1) as f64
     }
 
-    /// The share of its hits reported wrong.
-    fn wrong_hit_rate(&self) -> f64 {
-        self.wrong as f64 / self.hits.max(1) as f64
+    /// Hits reported wrong, at most its hits: a verdict can reach a replica that did not
+    /// count the hit (the response record is shared), and must not make the share pass 1.
+    fn wrong_hits(&self) -> u64 {
+        self.wrong.min(self.hits)
     }
 
-    fn p95(&self) -> f64 {
-        let mut v: Vec<f64> = self.latencies.iter().copied().collect();
+    /// The share of its hits reported wrong.
+    fn wrong_hit_rate(&self) -> f64 {
+        self.wrong_hits() as f64 / self.hits.max(1) as f64
+    }
+
+    /// When its oldest kept latency was recorded.
+    fn oldest(&self) -> Option<Instant> {
+        self.latencies.front().map(|(at, _)| *at)
+    }
+
+    /// The P95 of the latencies recorded since `since` (all kept ones: `None`).
+    fn p95_since(&self, since: Option<Instant>) -> f64 {
+        let mut v: Vec<f64> = self
+            .latencies
+            .iter()
+            .filter(|(at, _)| since.is_none_or(|s| *at >= s))
+            .map(|(_, secs)| *secs)
+            .collect();
         if v.is_empty() {
             return 0.0;
         }
         v.sort_unstable_by(f64::total_cmp);
         v[((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1]
+    }
+
+    fn p95(&self) -> f64 {
+        self.p95_since(None)
     }
 
     fn view(&self) -> serde_json::Value {
@@ -253,7 +277,11 @@ impl Candidate {
             candidate.rate(candidate.errors),
             control.rate(control.errors),
         );
-        if ce - ke > c.max_error_rate_increase {
+        let errors = (
+            (candidate.errors, candidate.requests),
+            (control.errors, control.requests),
+        );
+        if surely_more(errors.0, errors.1, c.max_error_rate_increase) {
             return Some(format!(
                 "error rate {:.1} % against {:.1} % (bound: {:.1} points more)",
                 ce * 100.0,
@@ -261,7 +289,10 @@ impl Candidate {
                 c.max_error_rate_increase * 100.0
             ));
         }
-        let (cp, kp) = (candidate.p95(), control.p95());
+        // Over the same span of time on both sides: the control's kept latencies span less
+        // time than the candidate's (it takes more requests), and latency changes with load.
+        let since = candidate.oldest().max(control.oldest());
+        let (cp, kp) = (candidate.p95_since(since), control.p95_since(since));
         if cp > kp * c.max_latency_ratio {
             return Some(format!(
                 "P95 latency {:.1} ms against {:.1} ms (bound: {}×)",
@@ -271,7 +302,11 @@ impl Candidate {
             ));
         }
         let (cw, kw) = (candidate.wrong_hit_rate(), control.wrong_hit_rate());
-        if cw - kw > c.max_wrong_hit_rate_increase {
+        let wrong = (
+            (candidate.wrong_hits(), candidate.hits),
+            (control.wrong_hits(), control.hits),
+        );
+        if surely_more(wrong.0, wrong.1, c.max_wrong_hit_rate_increase) {
             return Some(format!(
                 "wrong hits {:.1} % against {:.1} % (bound: {:.1} points more)",
                 cw * 100.0,
@@ -338,9 +373,85 @@ pub fn carry(
     }
 }
 
+/// One-sided z for the canary's comparisons of shares (99 %).
+const Z_99: f64 = 2.326;
+
+/// Whether share `a` (`(count, of)`) is above share `b` by more than `bound`, beyond chance:
+/// the lower end of a one-sided 99 % interval of the difference (Agresti–Caffo: one success
+/// and one failure added to each side, so few or extreme counts still have a width) is over
+/// `bound`. A raw difference of a few requests is noise, not a reason to roll back. The
+/// canary is judged after every request, so over a long run the level is lower than 99 %.
+fn surely_more(a: (u64, u64), b: (u64, u64), bound: f64) -> bool {
+    let adjusted = |(k, n): (u64, u64)| {
+        let n = n as f64 + 2.0;
+        ((k as f64 + 1.0) / n, n)
+    };
+    let ((pa, na), (pb, nb)) = (adjusted(a), adjusted(b));
+    let se = (pa * (1.0 - pa) / na + pb * (1.0 - pb) / nb).sqrt();
+    pa - pb - Z_99 * se > bound
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_few_errors_more_are_noise_and_many_are_not() {
+        let c = Candidate::new(CandidateConfig {
+            min_requests: 100,
+            max_error_rate_increase: 0.02,
+            ..canary(50.0)
+        });
+        // 3 % against 0 % over 100 requests each: chance (Fisher's exact test: p ≈ 0.12).
+        for i in 0..100 {
+            assert!(c.record(false, Outcome::Miss, 0.01).is_none());
+            let outcome = if i < 3 { Outcome::Error } else { Outcome::Miss };
+            assert!(c.record(true, outcome, 0.01).is_none(), "at {i}");
+        }
+        // Half of them failing is not.
+        let rolled = (0..100).any(|i| {
+            let outcome = if i % 2 == 0 {
+                Outcome::Error
+            } else {
+                Outcome::Miss
+            };
+            c.record(false, Outcome::Miss, 0.01);
+            c.record(true, outcome, 0.01).is_some()
+        });
+        assert!(rolled);
+    }
+
+    #[test]
+    fn latencies_are_compared_over_the_same_span_of_time() {
+        // Both sides slow, then both fast: the control's kept samples move past the slow
+        // period long before the candidate's (it gets nine requests to each of its one).
+        let c = Candidate::new(CandidateConfig {
+            min_requests: 100,
+            max_latency_ratio: 1.5,
+            ..canary(10.0)
+        });
+        for i in 0..20_000 {
+            let secs = if i < 10_000 { 1.0 } else { 0.01 };
+            if i == 10_000 {
+                // Time passes between the two periods.
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            assert_eq!(c.record(i % 10 == 0, Outcome::Miss, secs), None, "at {i}");
+        }
+    }
+
+    #[test]
+    fn a_verdict_on_a_hit_this_replica_never_counted_does_not_pass_every_hit() {
+        let c = Candidate::new(CandidateConfig {
+            min_requests: 100,
+            ..canary(50.0)
+        });
+        for _ in 0..100 {
+            c.record(false, Outcome::Miss, 0.01);
+            c.record(true, Outcome::Miss, 0.01);
+        }
+        assert_eq!(c.record_wrong(true), None);
+    }
 
     fn canary(percent: f64) -> CandidateConfig {
         CandidateConfig {
@@ -389,12 +500,12 @@ mod tests {
             assert_eq!(c.record(false, Outcome::Exact, 0.010), None);
             assert_eq!(c.record(true, Outcome::Semantic, 0.011), None);
         }
-        // More errors.
+        // More errors: half of its requests (a quarter of twenty would be within chance).
         let c = Candidate::new(canary(50.0));
         let mut reason = None;
         for i in 0..20 {
             reason = reason.or(c.record(false, Outcome::Miss, 0.01));
-            let o = if i % 4 == 0 {
+            let o = if i % 2 == 0 {
                 Outcome::Error
             } else {
                 Outcome::Miss
@@ -422,13 +533,15 @@ mod tests {
             assert_eq!(c.record(true, Outcome::Semantic, 0.01), None);
         }
         assert_eq!(c.record_wrong(false), None, "the control's: never a reason");
-        assert_eq!(c.record_wrong(true), None, "10 % against 10 %");
-        assert_eq!(
-            c.record_wrong(true),
-            None,
-            "20 % against 10 %: at the bound"
-        );
-        assert!(c.record_wrong(true).unwrap().contains("wrong hits"));
+        assert_eq!(c.record_wrong(true), None, "one of ten against one of ten");
+        // Rolled back once the difference is beyond chance: not at a few more.
+        let reasons: Vec<Option<String>> = (0..9).map(|_| c.record_wrong(true)).collect();
+        let at = reasons.iter().position(Option::is_some);
+        assert!(at.is_some_and(|n| n >= 3), "{reasons:?}");
+        assert!(reasons[at.unwrap()]
+            .as_ref()
+            .unwrap()
+            .contains("wrong hits"));
     }
 
     #[test]

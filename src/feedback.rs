@@ -261,7 +261,8 @@ pub async fn handle(
         );
         if let (Some(side), Some(c), true) = (served.canary, tenant.candidate(), hit) {
             if let Some(reason) = c.record_wrong(side) {
-                crate::policy::roll_back(state.clone(), tenant.name().to_string(), reason);
+                let (name, judged) = (tenant.name().to_string(), c.config().clone());
+                crate::policy::roll_back(state.clone(), name, judged, reason);
             }
         }
     }

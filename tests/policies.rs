@@ -613,6 +613,49 @@ async fn ask_as(app: &TestApp, tenant: &str, text: &str) -> reqwest::Response {
         .await
 }
 
+/// A rollback judged on one candidate while an operator put another in its place removes
+/// nothing: the operator's candidate stays.
+#[tokio::test]
+async fn a_rollback_removes_the_candidate_it_judged_not_its_replacement() {
+    let canary = |percent: u32| {
+        format!(
+            "mode = \"canary\"\npercent = {percent}\nmin_requests = 1\nmax_latency_ratio = 1000\n\
+             [[tenants.candidate.semantic_rules]]\nenabled = false"
+        )
+    };
+    let config = tenants_config(&tenants_doc(&[("t", "", &canary(50))]), false);
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let judged = app
+        .state
+        .policies
+        .load()
+        .tenants
+        .named("t")
+        .unwrap()
+        .candidate()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        put(&app, &tenants_doc(&[("t", "", &canary(10))]))
+            .await
+            .status(),
+        200
+    );
+    use reprise::metrics::Outcome;
+    assert!(judged.record(false, Outcome::Miss, 0.01).is_none());
+    let reason = judged
+        .record(true, Outcome::Error, 0.01)
+        .expect("worse than the control");
+    reprise::policy::roll_back(
+        app.state.clone(),
+        "t".into(),
+        judged.config().clone(),
+        reason,
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(candidate_view(&policies(&app).await, "t")["percent"], 10.0);
+}
+
 fn candidate_view<'a>(view: &'a Value, tenant: &str) -> &'a Value {
     let tenants = view["tenants"].as_array().unwrap();
     &tenants.iter().find(|t| t["name"] == tenant).unwrap()["candidate"]

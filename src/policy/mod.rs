@@ -20,7 +20,7 @@ use reprise_policies::semantic::{Rule, SemanticPolicy};
 use serde::{Deserialize, Serialize};
 
 use crate::auth::Tenants;
-use crate::config::{AuthConfig, Config, TenantConfig};
+use crate::config::{AuthConfig, CandidateConfig, Config, TenantConfig};
 use crate::state::AppState;
 
 pub use share::{sync, PolicyKey};
@@ -108,9 +108,28 @@ impl Policies {
 
     /// A document that removes tenant `tenant`'s candidate (`None`: it has none).
     pub fn without_candidate(&self, tenant: &str) -> Option<PolicyDocument> {
+        self.without_candidate_if(tenant, |_| true)
+    }
+
+    /// [`Policies::without_candidate`] when `judged` is the candidate tenant `tenant` has
+    /// now: a rollback removes the candidate it judged, never one an operator put in its
+    /// place meanwhile.
+    pub fn without_judged_candidate(
+        &self,
+        tenant: &str,
+        judged: &CandidateConfig,
+    ) -> Option<PolicyDocument> {
+        self.without_candidate_if(tenant, |c| c == judged)
+    }
+
+    fn without_candidate_if(
+        &self,
+        tenant: &str,
+        which: impl Fn(&CandidateConfig) -> bool,
+    ) -> Option<PolicyDocument> {
         let mut tenants = self.config.tenants.clone();
         let t = tenants.iter_mut().find(|t| t.name == tenant)?;
-        t.candidate.take()?;
+        t.candidate.take_if(|c| which(c))?;
         Some(PolicyDocument {
             tenants: Some(tenants),
             ..PolicyDocument::default()
@@ -330,9 +349,10 @@ fn install(state: &AppState, next: Policies) -> u64 {
 }
 
 /// Rolls tenant `tenant`'s canary back for `reason`: a policy change that removes its
-/// candidate (shared with the other replicas like any change), recorded in the state's
-/// rollbacks and counted. Runs on its own task: it is judged as a request ends.
-pub fn roll_back(state: Arc<AppState>, tenant: String, reason: String) {
+/// candidate `judged` (shared with the other replicas like any change), recorded in the
+/// state's rollbacks and counted. Runs on its own task: it is judged as a request ends. A
+/// candidate that is no longer the tenant's (an operator replaced it meanwhile) stays.
+pub fn roll_back(state: Arc<AppState>, tenant: String, judged: CandidateConfig, reason: String) {
     tracing::warn!(tenant, reason, "canary policy rolled back");
     state.metrics.canary_rollback(&tenant);
     {
@@ -350,12 +370,18 @@ pub fn roll_back(state: Arc<AppState>, tenant: String, reason: String) {
     runtime.spawn(async move {
         // Computed from the policies running when the change is made; gone already (another
         // replica's rollback, an operator's change): nothing to do.
-        let t = tenant.clone();
+        let (t, c) = (tenant.clone(), judged.clone());
         let change = move |p: &Policies| {
-            p.without_candidate(&t)
-                .ok_or_else(|| anyhow::anyhow!("tenant `{t}` has no candidate any more"))
+            p.without_judged_candidate(&t, &c).ok_or_else(|| {
+                anyhow::anyhow!("tenant `{t}` no longer has the candidate that was judged")
+            })
         };
-        if state.policies.load().without_candidate(&tenant).is_none() {
+        if state
+            .policies
+            .load()
+            .without_judged_candidate(&tenant, &judged)
+            .is_none()
+        {
             return;
         }
         match apply_change(&state, &change).await {
