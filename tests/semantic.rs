@@ -234,6 +234,52 @@ async fn same_history_through_a_paraphrased_first_turn_hits() {
     assert_eq!(backend.calls(), 2);
 }
 
+/// A standalone hit does not merge its conversation into the one of the question asked
+/// alone: the follow-ups of each keep their own history.
+#[tokio::test]
+async fn a_standalone_hit_leaves_the_follow_ups_of_each_history_apart() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let q = "What is the boiling point of water at sea level?";
+    let dracula = [
+        ("user", "Who wrote the novel Dracula?"),
+        (
+            "assistant",
+            "Bram Stoker wrote Dracula; it was published in 1897.",
+        ),
+    ];
+    let e = content(app.chat(&convo(&[("user", q)]), &[]).await).await;
+    let r = app
+        .chat(&convo(&[dracula[0], dracula[1], ("user", q)]), &[])
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    let follow_up = "Who wrote it?";
+    let r = app
+        .chat(
+            &convo(&[("user", q), ("assistant", &e), ("user", follow_up)]),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app
+        .chat(
+            &convo(&[
+                dracula[0],
+                dracula[1],
+                ("user", q),
+                ("assistant", &e),
+                ("user", follow_up),
+            ]),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "another history's follow-up answer"
+    );
+    assert_eq!(backend.calls(), 3);
+}
+
 /// A question that refers to nothing before it (and follows plain questions it is unrelated
 /// to) is matched as if asked alone: across unrelated histories, in both directions. One that
 /// refers back, follows a statement, or falls under a rule that turns this off keeps its

@@ -399,6 +399,12 @@ async fn beyond_exact(
                 partition = key::partition_key(namespace, endpoint, req, &alone, unread);
                 found.plan.partition = Some(partition);
                 found.notes.standalone = true;
+                // No turn link: its entry answers the question asked alone, and the next
+                // turn's context resolved through it would drop this history, so this
+                // conversation's follow-ups would share answers with those of the question
+                // asked alone (or after another history). They resolve by their raw text.
+                found.plan.turn = None;
+                found.plan.raw_turn = None;
             }
         }
     }
