@@ -234,6 +234,26 @@ async fn same_history_through_a_paraphrased_first_turn_hits() {
     assert_eq!(backend.calls(), 2);
 }
 
+/// The name an earlier answer was shown under is part of the context: the same question
+/// after "Alice" answered is not the same question after "Bob" did.
+#[tokio::test]
+async fn an_earlier_answers_name_is_part_of_the_context() {
+    let mut config = semantic_config();
+    config.semantic.standalone = false;
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let ask = |name: &str| {
+        json!({"model": "fake", "messages": [
+            {"role": "user", "content": "Who are you?"},
+            {"role": "assistant", "name": name, "content": "I am your assistant."},
+            {"role": "user", "content": "Tell me your name, please."},
+        ]})
+    };
+    assert_eq!(cache_status(&app.chat(&ask("Alice"), &[]).await), "miss");
+    assert_eq!(cache_status(&app.chat(&ask("Alice"), &[]).await), "exact");
+    assert_eq!(cache_status(&app.chat(&ask("Bob"), &[]).await), "miss");
+    assert_eq!(backend.calls(), 2);
+}
+
 /// A standalone hit does not merge its conversation into the one of the question asked
 /// alone: the follow-ups of each keep their own history.
 #[tokio::test]

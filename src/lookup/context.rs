@@ -68,11 +68,18 @@ pub async fn resolve(
         .iter()
         .map(|(msgs, _)| key::messages_digest("query", msgs))
         .collect();
+    // An answer shown under a name (an assistant message's `name`) is not an entry's answer
+    // as given: the name reaches the model and can change the next answer. Such an exchange
+    // joins the context by its raw text, name included, never through a turn link.
+    let named = |k: usize| conv.turns[k].1.name.is_some();
     let raw = |ctx: &Digest, k: usize| {
         let mut h = KeyHasher::new("ctx-raw");
         h.digest(ctx)
             .digest(&queries[k])
             .str(&conv.turns[k].1.content);
+        if let Some(name) = &conv.turns[k].1.name {
+            h.str("\0name").str(name);
+        }
         h.finish()
     };
     let by_entry = |id: EntryId| {
@@ -93,15 +100,19 @@ pub async fn resolve(
 
     // Round one: the raw links; the last one found settles the context up to it.
     let raw_links: Vec<Digest> = (0..resolved).map(|k| link(&raws[k], k)).collect();
-    let found = match raw_links.is_empty() {
+    let found: Vec<Option<_>> = match raw_links.is_empty() {
         true => Vec::new(),
         false => state.store.find_many(&raw_links, |_| true).await,
     };
+    let found = found
+        .into_iter()
+        .enumerate()
+        .map(|(k, e)| e.filter(|_| !named(k)));
     let mut absent: HashSet<Digest> = HashSet::new();
     let mut ctx = raws[0];
     let mut prev_entry = None;
     let mut from = 0;
-    for (k, entry) in found.iter().enumerate() {
+    for (k, entry) in found.enumerate() {
         match entry {
             Some(e) => {
                 ctx = by_entry(e.id);
@@ -123,7 +134,7 @@ pub async fn resolve(
         let mut pass = Vec::with_capacity(resolved - from);
         for k in from..resolved {
             let l = link(&c, k);
-            let entry = match absent.contains(&l) {
+            let entry = match absent.contains(&l) || named(k) {
                 true => None,
                 false => state.store.get_by_key(&l).await,
             };
@@ -134,7 +145,7 @@ pub async fn resolve(
                 }
                 None => {
                     c = raw(&c, k);
-                    if !absent.contains(&l) {
+                    if !absent.contains(&l) && !named(k) {
                         lacked.push((k, l));
                     }
                     pass.push((c, None));

@@ -795,6 +795,47 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_hit_never_repoints_a_key_that_got_its_own_answer_meanwhile() {
+        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let (y, x) = (
+            "How do I reset my password?",
+            "How can I reset my password?",
+        );
+        let s = state_with(FakeEmbedder::new(8).pin(y, &v).pin(x, &v), false);
+        store(&s, "ns", &ask(y), "E").await;
+        let found = find(&s, "ns", &ask(x), Wants::default()).await;
+        let hit = found.hit.as_ref().expect("a paraphrase hit");
+        assert_eq!(hit.outcome, Outcome::Semantic);
+        // Meanwhile a generation for the very question (say, a no-cache request) stores
+        // its own answer under its key.
+        let fresh = lookup(
+            &s,
+            Ask {
+                namespace: "ns",
+                endpoint: Endpoint::Chat,
+                req: &ask(x),
+                read: false,
+                write: true,
+                wants: Wants::default(),
+                counted: false,
+            },
+        )
+        .await;
+        write_back(
+            &s,
+            fresh.plan,
+            "G".into(),
+            FinishReason::Stop,
+            Usage::default(),
+            0,
+        )
+        .await;
+        crate::request::write_back::link_hit(&s, &found, hit, true, None).await;
+        let by_key = s.store.get_by_key(&found.plan.exact).await.unwrap();
+        assert_eq!(by_key.text, "G", "the paraphrase's answer took the key");
+    }
+
+    #[tokio::test]
     async fn a_client_threshold_only_raises_the_bar() {
         let s = state();
         store(

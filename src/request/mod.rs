@@ -38,7 +38,7 @@ mod policy;
 mod respond;
 mod single_flight;
 mod sse;
-mod write_back;
+pub(crate) mod write_back;
 
 use std::sync::Arc;
 

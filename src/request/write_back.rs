@@ -34,9 +34,9 @@ pub async fn link_hit(
             keys.push(found.plan.exact);
         }
         keys.extend(found.plan.turn_keys(&hit.entry.text));
-        for k in keys {
-            state.store.alias(k, &hit.entry).await;
-        }
+        // Only keys nothing took since the lookup: a generation for this very request that
+        // ended meanwhile (or another replica's) keeps its own answer under its key.
+        state.store.alias_unclaimed(&keys, &hit.entry).await;
     }
     if hit.entry.origin == Origin::Prefetch {
         // A prefetched entry says so on its first use; after that it is a normal entry.
