@@ -32,6 +32,7 @@ pub mod harness;
 pub mod headers;
 mod http;
 pub mod key;
+mod lines;
 mod lookup;
 pub mod metrics;
 mod observe;

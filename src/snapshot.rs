@@ -8,7 +8,9 @@
 //! never leaves half a snapshot; a line that does not parse (or a snapshot of another version)
 //! is skipped, never fatal, and a load reads within the memory budget (see [`load`]).
 
-use std::io::{BufRead, BufWriter, Read as _, Write};
+use std::io::{BufWriter, Write};
+
+use crate::lines::next_line;
 use std::path::Path;
 
 use reprise_cache::{Digest, Entry, EntryId};
@@ -235,27 +237,6 @@ fn read(
         let _ = pages.blocking_send(page);
     }
     Ok(out)
-}
-
-/// The next line of `r` into `buf`, without its end: `Some(true)`; `Some(false)` when it is
-/// longer than `cap` bytes (read past, not held); `None` at the end of the file.
-fn next_line(r: &mut impl BufRead, buf: &mut Vec<u8>, cap: u64) -> std::io::Result<Option<bool>> {
-    buf.clear();
-    let n = (&mut *r).take(cap + 1).read_until(b'\n', buf)?;
-    if n == 0 {
-        return Ok(None);
-    }
-    if buf.last() == Some(&b'\n') {
-        buf.pop();
-        return Ok(Some(true));
-    }
-    if n as u64 > cap {
-        buf.clear();
-        r.skip_until(b'\n')?;
-        return Ok(Some(false));
-    }
-    // The last line, without an end.
-    Ok(Some(true))
 }
 
 #[cfg(test)]

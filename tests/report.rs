@@ -117,6 +117,59 @@ fn a_report_sums_up_the_log() {
     assert!(md.contains("| 2026-01-01T02:00:00Z | 1 | 0.0 % |"), "{md}");
 }
 
+/// Damage in the log costs what a line may: a run without line ends is skipped unread, a
+/// time at the end of the clock does not overflow, and intervals beyond what a report shows
+/// are refused, not held.
+#[test]
+fn a_damaged_log_is_read_within_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = write_log(dir.path());
+    let mut text = std::fs::read_to_string(&log).unwrap();
+    text.insert_str(0, &format!("{}\n", "x".repeat(3 << 20)));
+    text.push_str(&"y".repeat(3 << 20));
+    std::fs::write(&log, text).unwrap();
+    let md = report(&["--log", log.to_str().unwrap()]);
+    assert!(
+        md.contains("12 lines: 8 requests counted, 1 verdict lines, 3 lines skipped"),
+        "{md}"
+    );
+
+    let end = dir.path().join("end.jsonl");
+    std::fs::write(
+        &end,
+        format!(
+            "{{\"time_ms\":{},\"outcome\":\"miss\",\"total_ms\":1e300}}\n",
+            u64::MAX - 1
+        ),
+    )
+    .unwrap();
+    report(&["--log", end.to_str().unwrap()]);
+
+    let spread = dir.path().join("spread.jsonl");
+    let lines: Vec<String> = (0..20_000u64)
+        .map(|i| {
+            format!(
+                "{{\"time_ms\":{},\"outcome\":\"miss\",\"total_ms\":1.0}}",
+                i * 1000
+            )
+        })
+        .collect();
+    std::fs::write(&spread, lines.join("\n")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_reprise"))
+        .args([
+            "report",
+            "--log",
+            spread.to_str().unwrap(),
+            "--interval-secs",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("more than 10000 intervals"), "{stderr}");
+}
+
 #[test]
 fn a_report_filters_by_time_and_tenant_and_reads_rotated_files() {
     let dir = tempfile::tempdir().unwrap();

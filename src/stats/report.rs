@@ -127,6 +127,8 @@ pub struct Report {
     pub skipped: u64,
     /// Requests outside `--since`/`--until`/`--tenant`.
     pub filtered: u64,
+    /// Requests fell in more intervals than [`MAX_INTERVALS`]: those beyond were not kept.
+    pub too_many: bool,
 }
 
 impl Report {
@@ -164,6 +166,11 @@ impl Report {
             return;
         }
         let start = end - end % self.interval_ms;
+        if self.intervals.len() >= MAX_INTERVALS as usize && !self.intervals.contains_key(&start) {
+            // More intervals than a report shows (`series` says so): not held.
+            self.too_many = true;
+            return;
+        }
         let counts_only = Facts {
             question: None,
             matched: None,
@@ -185,15 +192,13 @@ impl Report {
     ) -> std::io::Result<()> {
         let mut reader = reader;
         let mut buf = Vec::new();
-        loop {
-            buf.clear();
-            if reader.read_until(b'\n', &mut buf)? == 0 {
-                return Ok(());
-            }
+        let cap = crate::tune::log::MAX_LINE_BYTES;
+        while let Some(whole) = crate::lines::next_line(&mut reader, &mut buf, cap)? {
             match std::str::from_utf8(&buf) {
-                Ok(text) if text.trim().is_empty() => continue,
-                Ok(text) => self.add_line(text, opts),
-                Err(_) => {
+                Ok(text) if whole && text.trim().is_empty() => continue,
+                Ok(text) if whole => self.add_line(text, opts),
+                // Not UTF-8, or longer than any line the log writes: damage.
+                _ => {
                     self.lines += 1;
                     self.skipped += 1;
                 }
@@ -202,6 +207,7 @@ impl Report {
                 progress(self.lines);
             }
         }
+        Ok(())
     }
 
     /// Every interval from the first to the last with requests, empty ones as zeros.
@@ -213,10 +219,14 @@ impl Report {
             return Ok(Vec::new());
         };
         let n = (last - first) / self.interval_ms + 1;
+        let span = match self.too_many {
+            true => format!("more than {MAX_INTERVALS}"),
+            false => n.to_string(),
+        };
         anyhow::ensure!(
-            n <= MAX_INTERVALS,
-            "the requests span {n} intervals of {} s; at most {MAX_INTERVALS}: pass a larger \
-             --interval-secs or a narrower --since/--until",
+            n <= MAX_INTERVALS && !self.too_many,
+            "the requests span {span} intervals of {} s; at most {MAX_INTERVALS}: pass a \
+             larger --interval-secs or a narrower --since/--until",
             self.interval_ms / 1000
         );
         Ok((0..n)
@@ -339,9 +349,9 @@ pub fn blocks(report: &Report, opts: &Options) -> anyhow::Result<Vec<Block>> {
         .collect();
     let series = report.series()?;
     let from = opts.since_ms.or(series.first().map(|(s, _)| *s));
-    let to = opts
-        .until_ms
-        .or(series.last().map(|(s, _)| s + report.interval_ms));
+    let to = opts.until_ms.or(series
+        .last()
+        .map(|(s, _)| s.saturating_add(report.interval_ms)));
     let window = format!(
         "{} to {}",
         from.map_or_else(|| "the start".into(), format_time),

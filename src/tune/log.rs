@@ -7,7 +7,6 @@
 //! counted, so logs written by other versions still read.
 
 use std::collections::HashMap;
-use std::io::BufRead;
 use std::path::Path;
 
 use serde::Deserialize;
@@ -146,14 +145,15 @@ fn read_lines(path: &Path, data: &mut LogData, mut each: impl FnMut(Line)) -> an
     let file = std::fs::File::open(path).map_err(cannot)?;
     let mut reader = std::io::BufReader::new(file);
     let mut buf = Vec::new();
-    loop {
-        buf.clear();
-        if reader.read_until(b'\n', &mut buf).map_err(cannot)? == 0 {
-            return Ok(());
-        }
-        // A line that is not UTF-8 (cut by a full disk, say) is unreadable, like one that
-        // is not JSON: counted and skipped.
-        let line = std::str::from_utf8(&buf).unwrap_or("\u{fffd}");
+    while let Some(whole) =
+        crate::lines::next_line(&mut reader, &mut buf, MAX_LINE_BYTES).map_err(cannot)?
+    {
+        // A line that is not UTF-8 (cut by a full disk, say), or longer than any line the
+        // log writes, is unreadable, like one that is not JSON: counted and skipped.
+        let line = match whole {
+            true => std::str::from_utf8(&buf).unwrap_or("\u{fffd}"),
+            false => "\u{fffd}",
+        };
         if line.trim().is_empty() {
             continue;
         }
@@ -163,7 +163,12 @@ fn read_lines(path: &Path, data: &mut LogData, mut each: impl FnMut(Line)) -> an
             Err(_) => data.unreadable += 1,
         }
     }
+    Ok(())
 }
+
+/// Longest request log line read: the log cuts its texts (`log.question_chars`, at most
+/// 4,096 characters), so its lines are far shorter; a longer one is damage.
+pub const MAX_LINE_BYTES: u64 = 1 << 20;
 
 /// A time on the command line: milliseconds since the Unix epoch, or an RFC 3339 timestamp
 /// (`2025-06-01T00:00:00Z`, `2025-06-01T02:00:00+02:00`).
