@@ -107,21 +107,29 @@ pub struct LogSample {
 
 /// The curve of logged traffic: at each threshold, the share of requests with a candidate
 /// whose best one reaches it and passes the gate (hit rate), and the share of wrong verdicts
-/// among the judged hits really served at or above it. Below the lowest similarity served
-/// there is no evidence (nothing was served there, so nothing was judged): `judged` is 0.
+/// among the judged hits really served at or above it. A threshold has evidence only where
+/// every such candidate was served: below the lowest similarity served, or at or below a
+/// candidate that was not served (a stricter rule's, or another tenant's, threshold kept it
+/// back, so nobody could judge it), `judged` is 0.
 pub fn log_curve(samples: &[LogSample]) -> Vec<Point> {
     let lowest_served = samples
         .iter()
         .filter(|s| s.served)
         .map(|s| s.similarity)
         .min_by(f32::total_cmp);
+    let highest_kept_back = samples
+        .iter()
+        .filter(|s| !s.served && s.gate)
+        .map(|s| s.similarity)
+        .max_by(f32::total_cmp);
     thresholds()
         .map(|t| {
             let hits = samples
                 .iter()
                 .filter(|s| s.similarity >= t && s.gate)
                 .count();
-            let evidence = lowest_served.is_some_and(|low| t >= low);
+            let evidence = lowest_served.is_some_and(|low| t >= low)
+                && highest_kept_back.is_none_or(|kept| t > kept);
             let judged: Vec<bool> = samples
                 .iter()
                 .filter(|s| evidence && s.served && s.similarity >= t)
@@ -156,6 +164,27 @@ mod tests {
             .iter()
             .find(|p| (p.threshold - t).abs() < 1e-6)
             .expect("a point at t")
+    }
+
+    #[test]
+    fn no_evidence_where_candidates_were_kept_back_by_a_stricter_threshold() {
+        let sample = |similarity, served, wrong| LogSample {
+            similarity,
+            gate: true,
+            served,
+            wrong,
+        };
+        // One scope served 0.81 (right); a stricter one served 0.97 fifty times (right) and
+        // kept fifty candidates at 0.85 back, unjudged.
+        let mut samples = vec![sample(0.81, true, Some(false))];
+        samples.extend((0..50).map(|_| sample(0.97, true, Some(false))));
+        samples.extend((0..50).map(|_| sample(0.85, false, None)));
+        let points = log_curve(&samples);
+        assert_eq!(at(&points, 0.81).judged, 0, "0.85 was never judged");
+        assert_eq!(at(&points, 0.85).judged, 0);
+        assert_eq!(at(&points, 0.86).judged, 50);
+        let chosen = choose(&points, 0.02).unwrap().threshold;
+        assert!((chosen - 0.86).abs() < 1e-6, "{chosen}");
     }
 
     #[test]
