@@ -386,11 +386,17 @@ pub async fn stats(
 pub async fn get_policies(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<impl IntoResponse, ApiError> {
     global_only(&authorize(&state, &headers)?)?;
-    let mut view = state.policies.load().view();
+    let policies = state.policies.load();
+    let mut view = policies.view();
     view["rollbacks"] = state.rollbacks.lock().iter().cloned().collect();
-    Ok(Json(view))
+    // The version as an entity tag, for `If-Match` on the next `PUT`.
+    let etag = [(
+        axum::http::header::ETAG,
+        format!("\"{}\"", policies.version),
+    )];
+    Ok((etag, Json(view)))
 }
 
 /// `POST /admin/policies/promote?tenant=NAME`: the tenant's candidate policy becomes its
@@ -437,10 +443,51 @@ pub async fn put_policies(
         .map_err(|_| ApiError::invalid("the policy document is not UTF-8", None))?;
     let doc = crate::policy::PolicyDocument::from_toml(text)
         .map_err(|e| ApiError::invalid(format!("invalid policy document: {e}"), None))?;
-    let applied = crate::policy::apply(&state, doc)
-        .await
-        .map_err(|e| ApiError::invalid(format!("policy refused: {e:#}"), None))?;
+    let applied = match if_match(&headers)? {
+        None => crate::policy::apply(&state, doc).await,
+        // Only over the version the caller read: a rollback, a promotion or another
+        // operator's change since then is not undone by a document written before it.
+        Some(expected) => {
+            let change = move |p: &crate::policy::Policies| {
+                anyhow::ensure!(
+                    p.version == expected,
+                    VersionMismatch {
+                        expected,
+                        running: p.version
+                    }
+                );
+                Ok(doc.clone())
+            };
+            crate::policy::apply_change(&state, &change).await
+        }
+    };
+    let applied = applied.map_err(|e| match e.downcast_ref::<VersionMismatch>() {
+        Some(m) => ApiError::PreconditionFailed(m.to_string()),
+        None => ApiError::invalid(format!("policy refused: {e:#}"), None),
+    })?;
     Ok(Json(
         json!({"version": applied.version, "shared": applied.shared}),
     ))
+}
+
+/// A policy change made against a version that is no longer the running one.
+#[derive(Debug, thiserror::Error)]
+#[error("the policies are at version {running}, not {expected}: read them again and retry")]
+struct VersionMismatch {
+    expected: u64,
+    running: u64,
+}
+
+/// The version an `If-Match` header names (`3`, `"3"` or `W/"3"`), if one is sent.
+fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    let Some(v) = headers.get(axum::http::header::IF_MATCH) else {
+        return Ok(None);
+    };
+    let bad = || ApiError::BadHeader {
+        header: "If-Match",
+        reason: "expected a policy version, such as \"3\"".into(),
+    };
+    let text = v.to_str().map_err(|_| bad())?.trim();
+    let text = text.strip_prefix("W/").unwrap_or(text).trim_matches('"');
+    text.parse().map(Some).map_err(|_| bad())
 }

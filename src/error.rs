@@ -73,6 +73,9 @@ pub enum ApiError {
     /// The caller's key does not allow what the request asks for.
     #[error("{0}")]
     Forbidden(String),
+    /// A change made against a version (`If-Match`) that is no longer the running one.
+    #[error("{0}")]
+    PreconditionFailed(String),
     /// The caller's tenant sent more requests than its policy allows.
     #[error("rate limit reached; retry in {retry_after_secs} s")]
     RateLimited {
@@ -118,6 +121,7 @@ impl ApiError {
             ApiError::Unauthorized => "unauthorized",
             ApiError::InvalidApiKey => "invalid_api_key",
             ApiError::Forbidden(_) => "forbidden",
+            ApiError::PreconditionFailed(_) => "precondition_failed",
             ApiError::RateLimited { .. } => "rate_limited",
             ApiError::NotFound { .. } => "not_found",
             ApiError::Internal(_) => "internal",
@@ -136,6 +140,7 @@ impl ApiError {
             ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unauthorized | ApiError::InvalidApiKey => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
             // Like a full backend queue: a capacity limit, retried after `Retry-After`.
             ApiError::RateLimited { .. } | ApiError::Overloaded { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
@@ -229,6 +234,12 @@ impl ApiError {
                 "invalid_request_error",
                 None,
                 Some("permission_denied"),
+            ),
+            ApiError::PreconditionFailed(m) => (
+                m.clone(),
+                "invalid_request_error",
+                Some("If-Match".into()),
+                Some("version_mismatch"),
             ),
             ApiError::Overloaded { .. } => (
                 self.to_string(),

@@ -56,6 +56,54 @@ async fn policies(app: &TestApp) -> Value {
     r.json().await.unwrap()
 }
 
+/// A change sent with `If-Match` applies only over the version it names: one written
+/// before another change (or a rollback) is refused, and the running policies stay.
+#[tokio::test]
+async fn a_change_against_an_old_version_is_refused() {
+    let (app, _backend) = spawn_fake(admin_config(), ScriptConfig::default()).await;
+    let read = app
+        .client
+        .get(app.url("/admin/policies"))
+        .bearer_auth("p0licy")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.headers()["etag"], "\"1\"");
+    let put_if = |doc: &'static str, tag: &'static str| {
+        app.client
+            .put(app.url("/admin/policies"))
+            .bearer_auth("p0licy")
+            .header("if-match", tag)
+            .body(doc)
+            .send()
+    };
+    let r = put_if("[semantic]\nthreshold = 0.95\n", "\"1\"")
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // Written against version 1, which is gone.
+    let r = put_if("[semantic]\nthreshold = 0.97\n", "\"1\"")
+        .await
+        .unwrap();
+    let j = assert_openai_error(r, 412, Some("If-Match")).await;
+    assert_eq!(j["error"]["code"], "version_mismatch");
+    let running = policies(&app).await;
+    assert_eq!(running["version"], 2);
+    assert_eq!(
+        running["semantic"]["threshold"].as_f64().unwrap() as f32,
+        0.95
+    );
+    let r = put_if("[semantic]\nthreshold = 0.97\n", "not a version")
+        .await
+        .unwrap();
+    assert_openai_error(r, 400, Some("If-Match")).await;
+    // Without If-Match, a change applies over whatever runs.
+    assert_eq!(
+        put(&app, "[semantic]\nthreshold = 0.97\n").await.status(),
+        200
+    );
+}
+
 #[tokio::test]
 async fn a_threshold_change_takes_effect_on_the_next_request_and_keeps_the_cache() {
     let mut config = admin_config();
