@@ -8,8 +8,9 @@
 //! - **Canary**: `percent` of the requests (every n-th, so the share is exact at any count)
 //!   are served under the candidate, the rest under the running policy (the control). Once
 //!   each side has answered `min_requests`, after every request the candidate is judged
-//!   against the control: error rate, P95 latency (over the span of time both sides' kept
-//!   latencies cover), share of hits reported wrong, hit rate. Shares are compared beyond
+//!   against the control: error rate, P95 latency (both sides keep latencies at the pace of
+//!   the smaller side, compared over the span both cover once each has 20 there), share of
+//!   hits reported wrong, hit rate. Shares are compared beyond
 //!   chance (a one-sided 99 % interval of the difference must clear the bound). A candidate
 //!   worse beyond the configured bounds is rolled back (a policy change that removes it, so every replica
 //!   drops it); a good one is promoted by one admin call (`POST /admin/policies/promote`).
@@ -31,6 +32,10 @@ use crate::share::ExactShare;
 
 /// Latencies kept per canary side for its P95.
 const LATENCY_SAMPLES: usize = 1024;
+
+/// Latencies each side needs, over the common span, before P95s are compared: below this a
+/// P95 is the slowest request or close to it.
+const MIN_LATENCY_SAMPLES: usize = 20;
 
 /// Which policy a request is looked up (and served) under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -102,15 +107,21 @@ struct Side {
     wrong: u64,
     /// The latest latencies, in seconds, with when each was recorded.
     latencies: VecDeque<(Instant, f64)>,
+    /// Which requests' latencies are kept.
+    sampled: ExactShare,
 }
 
 impl Side {
-    fn record(&mut self, outcome: Outcome, secs: f64) {
+    /// Counts a request; keeps its latency when it is among the `keep` share (0 to 1).
+    fn record(&mut self, outcome: Outcome, secs: f64, keep: f64) {
         self.requests += 1;
         match outcome {
             Outcome::Exact | Outcome::Semantic | Outcome::Prefetch => self.hits += 1,
             Outcome::Error => self.errors += 1,
             Outcome::Miss | Outcome::Bypass => {}
+        }
+        if !self.sampled.take(keep) {
+            return;
         }
         if self.latencies.len() == LATENCY_SAMPLES {
             self.latencies.pop_front();
@@ -138,8 +149,9 @@ impl Side {
         self.latencies.front().map(|(at, _)| *at)
     }
 
-    /// The P95 of the latencies recorded since `since` (all kept ones: `None`).
-    fn p95_since(&self, since: Option<Instant>) -> f64 {
+    /// The P95 of the latencies recorded since `since` (all kept ones: `None`), with how
+    /// many there are.
+    fn p95_since(&self, since: Option<Instant>) -> (f64, usize) {
         let mut v: Vec<f64> = self
             .latencies
             .iter()
@@ -147,14 +159,15 @@ impl Side {
             .map(|(_, secs)| *secs)
             .collect();
         if v.is_empty() {
-            return 0.0;
+            return (0.0, 0);
         }
         v.sort_unstable_by(f64::total_cmp);
-        v[((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1]
+        let p95 = v[((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1];
+        (p95, v.len())
     }
 
     fn p95(&self) -> f64 {
-        self.p95_since(None)
+        self.p95_since(None).0
     }
 
     fn view(&self) -> serde_json::Value {
@@ -239,7 +252,20 @@ impl Candidate {
         } else {
             &self.control
         };
-        side.lock().record(outcome, secs);
+        // Both sides keep latencies at the same pace (the smaller side's share of all
+        // requests), so their kept samples span the same time and number alike.
+        let p = (self.config.percent / 100.0).clamp(0.0, 1.0);
+        let (mine, other) = if on_candidate {
+            (p, 1.0 - p)
+        } else {
+            (1.0 - p, p)
+        };
+        let keep = if mine > 0.0 {
+            (other / mine).min(1.0)
+        } else {
+            1.0
+        };
+        side.lock().record(outcome, secs, keep);
         self.judged()
     }
 
@@ -289,11 +315,11 @@ impl Candidate {
                 c.max_error_rate_increase * 100.0
             ));
         }
-        // Over the same span of time on both sides: the control's kept latencies span less
-        // time than the candidate's (it takes more requests), and latency changes with load.
+        // Over the same span of time on both sides (latency changes with load), and only
+        // from enough samples on each.
         let since = candidate.oldest().max(control.oldest());
-        let (cp, kp) = (candidate.p95_since(since), control.p95_since(since));
-        if cp > kp * c.max_latency_ratio {
+        let ((cp, cn), (kp, kn)) = (candidate.p95_since(since), control.p95_since(since));
+        if cn.min(kn) >= MIN_LATENCY_SAMPLES && cp > kp * c.max_latency_ratio {
             return Some(format!(
                 "P95 latency {:.1} ms against {:.1} ms (bound: {}×)",
                 cp * 1000.0,
@@ -441,6 +467,31 @@ mod tests {
     }
 
     #[test]
+    fn a_small_canary_is_judged_on_latency_from_enough_samples() {
+        // 1 %: the control answers 99 requests to each of the candidate's, yet both keep
+        // latencies at the same pace, so a slower candidate is found once it has its 20.
+        let c = Candidate::new(CandidateConfig {
+            min_requests: 10,
+            max_latency_ratio: 1.5,
+            ..canary(1.0)
+        });
+        let mut candidate_requests = 0;
+        let mut reason = None;
+        while reason.is_none() && candidate_requests < 200 {
+            let on_candidate = c.assign() == Arm::Candidate;
+            candidate_requests += usize::from(on_candidate);
+            let secs = if on_candidate { 0.1 } else { 0.01 };
+            reason = c.record(on_candidate, Outcome::Miss, secs);
+        }
+        let reason = reason.expect("rolled back");
+        assert!(reason.contains("P95 latency"), "{reason}");
+        assert!(
+            (MIN_LATENCY_SAMPLES..=MIN_LATENCY_SAMPLES + 2).contains(&candidate_requests),
+            "{candidate_requests}"
+        );
+    }
+
+    #[test]
     fn a_verdict_on_a_hit_this_replica_never_counted_does_not_pass_every_hit() {
         let c = Candidate::new(CandidateConfig {
             min_requests: 100,
@@ -482,14 +533,18 @@ mod tests {
 
     #[test]
     fn a_worse_canary_is_rolled_back_once_and_only_when_judged() {
-        // Slower: rolled back once both sides have ten requests.
+        // Slower: rolled back once both sides have enough latencies for a P95.
+        // (The control's first sample is older than the candidate's first, so outside the
+        // span both cover: the control has its 20 there one request later.)
         let c = Candidate::new(canary(50.0));
-        for i in 0..9 {
-            assert_eq!(c.record(false, Outcome::Miss, 0.010), None, "{i}");
-            assert_eq!(c.record(true, Outcome::Miss, 0.100), None, "{i}");
-        }
-        assert_eq!(c.record(false, Outcome::Miss, 0.010), None);
-        let reason = c.record(true, Outcome::Miss, 0.100).unwrap();
+        let (pairs, reason) = (1..100)
+            .find_map(|n| {
+                let control = c.record(false, Outcome::Miss, 0.010);
+                let candidate = c.record(true, Outcome::Miss, 0.100);
+                control.or(candidate).map(|reason| (n, reason))
+            })
+            .expect("rolled back");
+        assert_eq!(pairs, MIN_LATENCY_SAMPLES + 1);
         assert!(reason.contains("P95 latency"), "{reason}");
         assert_eq!(c.record(true, Outcome::Miss, 0.100), None, "given once");
         assert_eq!(c.assign(), Arm::Current, "no more requests");

@@ -910,18 +910,18 @@ async fn a_canary_whose_hits_are_reported_wrong_is_rolled_back() {
     let doc = tenants_doc(&[("judged", "", canary)]);
     let config = tenants_config(&doc, false);
     let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
-    // Every second request is the candidate's (the 2nd, the 4th, ...).
+    // Every second request is the candidate's (the 2nd, the 4th, ...): twelve each, every
+    // one a hit but the first.
     let mut ids = Vec::new();
-    for _ in 0..8 {
+    for _ in 0..24 {
         let r = ask_as(&app, "judged", ORIGINALS[1]).await;
         assert_eq!(r.status(), 200);
         ids.push(r.json::<Value>().await.unwrap()["id"].clone());
     }
     let view = policies(&app).await;
     let sides = candidate_view(&view, "judged");
-    assert_eq!(sides["candidate"]["requests"], 4, "{sides}");
+    assert_eq!(sides["candidate"]["requests"], 12, "{sides}");
     assert!(sides["rolled_back"] == false);
-    // A wrong verdict on a control response is no reason.
     let wrong = |id: &Value| {
         app.client
             .post(app.url("/v1/feedback"))
@@ -929,11 +929,18 @@ async fn a_canary_whose_hits_are_reported_wrong_is_rolled_back() {
             .json(&serde_json::json!({"id": id, "verdict": "wrong"}))
             .send()
     };
-    assert_eq!(wrong(&ids[2]).await.unwrap().status(), 200);
-    assert!(!candidate_view(&policies(&app).await, "judged").is_null());
-    // Two on the candidate's: 50 % of its hits against 33 % of the control's.
-    assert_eq!(wrong(&ids[1]).await.unwrap().status(), 200);
-    assert_eq!(wrong(&ids[3]).await.unwrap().status(), 200);
+    // A wrong verdict on a control response is no reason; nor are two on the candidate's
+    // (2 of 12 against 1 of 11 is chance).
+    for i in [2, 1, 3] {
+        assert_eq!(wrong(&ids[i]).await.unwrap().status(), 200);
+    }
+    let sides = candidate_view(&policies(&app).await, "judged").clone();
+    assert_eq!(sides["candidate"]["wrong_hit_rate"], 2.0 / 12.0, "{sides}");
+    assert!(sides["rolled_back"] == false, "{sides}");
+    // Eight of twelve is not.
+    for i in [5, 7, 9, 11, 13, 15] {
+        assert_eq!(wrong(&ids[i]).await.unwrap().status(), 200);
+    }
     let state = app.state.clone();
     let removed = eventually(Duration::from_secs(10), || {
         state

@@ -769,6 +769,16 @@ async fn a_follow_up_in_another_known_wording_is_served_from_the_prefetch() {
 /// A phrase of every proposal request (its instructions), for the scripted backend's rule.
 const PROPOSAL_MARK: &str = "most likely to ask next";
 
+/// Proposal requests the backend was sent.
+fn proposals_asked(probe: &Probe) -> usize {
+    probe
+        .inner
+        .requests()
+        .into_iter()
+        .filter(|r| format!("{:?}", r.input).contains(PROPOSAL_MARK))
+        .count()
+}
+
 #[tokio::test]
 async fn the_model_proposes_follow_ups_that_traffic_has_not_shown() {
     let mut config = prefetch_config(false);
@@ -829,14 +839,7 @@ async fn the_model_proposes_follow_ups_that_traffic_has_not_shown() {
         .await;
     assert_eq!(cache_status(&r), "miss");
     // Every new answer gets its proposal, once: the same answer again asks nothing more.
-    let proposals = || {
-        probe
-            .inner
-            .requests()
-            .into_iter()
-            .filter(|r| format!("{:?}", r.input).contains(PROPOSAL_MARK))
-            .count()
-    };
+    let proposals = || proposals_asked(&probe);
     assert!(
         eventually(WAIT, || {
             let s = stats(&app);
@@ -883,14 +886,7 @@ async fn nothing_is_generated_in_the_background_for_a_read_only_tenant() {
     };
     let (app, probe) = spawn_probe(config, script).await;
     let key = [("authorization", "Bearer sk-t")];
-    let proposals = || {
-        probe
-            .inner
-            .requests()
-            .into_iter()
-            .filter(|r| format!("{:?}", r.input).contains(PROPOSAL_MARK))
-            .count()
-    };
+    let proposals = || proposals_asked(&probe);
     // While it may write: X is answered, the model proposes Y, and Y is prefetched.
     let r = app.chat(&convo(&[("user", X)]), &key).await;
     assert_eq!(cache_status(&r), "miss");

@@ -950,13 +950,17 @@ mod tests {
     use crate::semantic::IndexConfig;
 
     fn store() -> Store {
-        let index = Arc::new(SemanticIndex::new(2, IndexConfig::default()));
+        store_of(1 << 20, SemanticIndex::new(2, IndexConfig::default()))
+    }
+
+    /// A store of `bytes` of memory over `index`.
+    fn store_of(bytes: u64, index: SemanticIndex) -> Store {
         Store::new(
-            1 << 20,
+            bytes,
             Duration::from_secs(60),
             Duration::ZERO,
             None,
-            Some(index),
+            Some(Arc::new(index)),
             None,
         )
     }
@@ -1090,15 +1094,8 @@ mod tests {
 
     #[tokio::test]
     async fn only_vectors_of_the_index_embedder_are_indexed() {
-        let index = Arc::new(SemanticIndex::new(2, IndexConfig::default()).for_embedder([1; 32]));
-        let s = Store::new(
-            1 << 20,
-            Duration::from_secs(60),
-            Duration::ZERO,
-            None,
-            Some(index),
-            None,
-        );
+        let index = SemanticIndex::new(2, IndexConfig::default()).for_embedder([1; 32]);
+        let s = store_of(1 << 20, index);
         let made_by = |fingerprint: Option<[u8; 32]>| {
             let mut e = entry("answer", now_ms());
             e.embedder = fingerprint;
@@ -1133,15 +1130,7 @@ mod tests {
     async fn a_load_past_the_budget_leaves_no_vector_of_an_entry_it_evicted() {
         // Each insert of a bulk load runs memory's housekeeping, which evicts earlier
         // entries of the load: their vectors must not be placed after them.
-        let index = Arc::new(SemanticIndex::new(2, IndexConfig::default()));
-        let s = Store::new(
-            64 * 1024,
-            Duration::from_secs(60),
-            Duration::ZERO,
-            None,
-            Some(index),
-            None,
-        );
+        let s = store_of(64 * 1024, SemanticIndex::new(2, IndexConfig::default()));
         let entries: Vec<Entry> = (0..2_000)
             .map(|i| {
                 let mut e = entry(&format!("answer {i}"), now_ms());
