@@ -101,6 +101,8 @@ pub struct LogSample {
     pub gate: bool,
     /// It was served a semantic hit.
     pub served: bool,
+    /// The threshold it was looked up under (`None`: the semantic tier was off for it).
+    pub threshold: Option<f32>,
     /// The verdict on the answer it was served: `Some(true)` wrong, `Some(false)` right.
     pub wrong: Option<bool>,
 }
@@ -109,8 +111,10 @@ pub struct LogSample {
 /// whose best one reaches it and passes the gate (hit rate), and the share of wrong verdicts
 /// among the judged hits really served at or above it. A threshold has evidence only where
 /// every such candidate was served: below the lowest similarity served, or at or below a
-/// candidate that was not served (a stricter rule's, or another tenant's, threshold kept it
-/// back, so nobody could judge it), `judged` is 0.
+/// candidate that its threshold kept back (a stricter rule's, or another tenant's, so nobody
+/// could judge it), `judged` is 0. A candidate that reached its threshold and still was not
+/// served (reported wrong for the question, too old, evicted) keeps no evidence back: no
+/// threshold would have served it.
 pub fn log_curve(samples: &[LogSample]) -> Vec<Point> {
     let lowest_served = samples
         .iter()
@@ -119,7 +123,7 @@ pub fn log_curve(samples: &[LogSample]) -> Vec<Point> {
         .min_by(f32::total_cmp);
     let highest_kept_back = samples
         .iter()
-        .filter(|s| !s.served && s.gate)
+        .filter(|s| !s.served && s.gate && s.threshold.is_none_or(|t| !(s.similarity >= t)))
         .map(|s| s.similarity)
         .max_by(f32::total_cmp);
     thresholds()
@@ -168,23 +172,35 @@ mod tests {
 
     #[test]
     fn no_evidence_where_candidates_were_kept_back_by_a_stricter_threshold() {
-        let sample = |similarity, served, wrong| LogSample {
+        let sample = |similarity, threshold, served, wrong| LogSample {
             similarity,
             gate: true,
             served,
+            threshold: Some(threshold),
             wrong,
         };
         // One scope served 0.81 (right); a stricter one served 0.97 fifty times (right) and
         // kept fifty candidates at 0.85 back, unjudged.
-        let mut samples = vec![sample(0.81, true, Some(false))];
-        samples.extend((0..50).map(|_| sample(0.97, true, Some(false))));
-        samples.extend((0..50).map(|_| sample(0.85, false, None)));
+        let mut samples = vec![sample(0.81, 0.8, true, Some(false))];
+        samples.extend((0..50).map(|_| sample(0.97, 0.95, true, Some(false))));
+        samples.extend((0..50).map(|_| sample(0.85, 0.95, false, None)));
+        // Candidates that reached their threshold and were not served for another reason
+        // (reported wrong for the question, too old) keep nothing back.
+        samples.extend((0..5).map(|_| sample(0.96, 0.95, false, None)));
         let points = log_curve(&samples);
         assert_eq!(at(&points, 0.81).judged, 0, "0.85 was never judged");
         assert_eq!(at(&points, 0.85).judged, 0);
         assert_eq!(at(&points, 0.86).judged, 50);
         let chosen = choose(&points, 0.02).unwrap().threshold;
         assert!((chosen - 0.86).abs() < 1e-6, "{chosen}");
+        // Without its threshold (the tier off for it) a candidate is taken as kept back.
+        let off = LogSample {
+            threshold: None,
+            ..sample(0.9, 0.0, false, None)
+        };
+        samples.push(off);
+        assert_eq!(at(&log_curve(&samples), 0.90).judged, 0);
+        assert_eq!(at(&log_curve(&samples), 0.91).judged, 50);
     }
 
     #[test]
@@ -257,6 +273,7 @@ mod tests {
             similarity,
             gate,
             served,
+            threshold: Some(0.90),
             wrong,
         };
         let samples = [

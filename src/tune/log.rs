@@ -122,6 +122,7 @@ pub fn read(log: &Path, verdicts: Option<&Path>, filter: &Filter) -> anyhow::Res
             similarity,
             gate,
             served,
+            threshold: l.threshold.filter(|t| t.is_finite()),
             wrong: None,
         };
         found.push((sample, l.id.filter(|_| served)));

@@ -327,6 +327,7 @@ mod tests {
             similarity: 0.9,
             gate: true,
             served: true,
+            threshold: Some(0.9),
             wrong: Some(false),
         }]));
         let line = log
