@@ -343,8 +343,8 @@ return redis.call('GET', KEYS[1])";
         self.alias_with(key, id, ttl, false)
     }
 
-    /// Like [`RedisTier::alias`], only where `key` leads nowhere in Redis yet (another
-    /// replica's answer for it stays).
+    /// Like [`RedisTier::alias`], only where `key` leads to no entry in Redis (another
+    /// replica's answer for it stays; a key left by a deleted or expired entry is taken).
     pub fn alias_unclaimed(&self, key: Digest, id: EntryId, ttl: Duration) -> bool {
         self.alias_with(key, id, ttl, true)
     }

@@ -942,7 +942,8 @@ async fn replica(
 }
 
 /// An alias to a key no answer claims yet does not overwrite, in Redis, an answer another
-/// replica holds for it (that replica's answer was generated for the key).
+/// replica holds for it (that replica's answer was generated for the key), but takes a key
+/// whose answer is gone.
 #[tokio::test]
 async fn an_unclaimed_alias_leaves_another_replicas_answer_in_place() {
     let server = RedisServer::start();
@@ -962,5 +963,13 @@ async fn an_unclaimed_alias_leaves_another_replicas_answer_in_place() {
     let (found, _) = c.find(&digest(9), |_| true).await;
     assert_eq!(found.fresh().map(|e| e.id), Some(own.id));
     let (found, _) = c.find(&digest(10), |_| true).await;
+    assert_eq!(found.fresh().map(|e| e.id), Some(prefetched.id));
+    // Once B's answer is deleted its key leads nowhere: an unclaimed alias (from a replica
+    // that holds nothing under the key) takes it.
+    assert!(b.delete(own.id).await.unwrap());
+    let (d, e) = (store("d").await, store("e").await);
+    d.alias_unclaimed(&[digest(9)], &prefetched).await;
+    d.redis().unwrap().flush().await.unwrap();
+    let (found, _) = e.find(&digest(9), |_| true).await;
     assert_eq!(found.fresh().map(|e| e.id), Some(prefetched.id));
 }

@@ -178,6 +178,14 @@ local held = redis.call('GET', KEYS[1])
 if not held or held ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
 return 1";
+/// Points a key at `ARGV[2]` for `ARGV[3]` milliseconds only if it still holds `ARGV[1]`:
+/// `1` when written, `0` when it changed meanwhile or is gone. One key.
+const SWAP_KEY_SCRIPT: &str = "\
+local held = redis.call('GET', KEYS[1])
+if not held or held ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1";
+
 /// Rounds of read, merge and swap an update tries before giving up.
 const UPDATE_ROUNDS: usize = 8;
 
@@ -264,6 +272,51 @@ impl Shared {
         }
     }
 
+    /// Points the key `name`, which held something when an unclaimed alias to `id` was
+    /// tried, at `id` after all when what it holds leads nowhere: an entry deleted, expired
+    /// or refused everywhere leaves keys behind, and they must not keep the question from
+    /// being linked again. Each step touches one key (the key, then the entry it names), so
+    /// it runs on a cluster too; the swap only happens if the key still holds what was read.
+    async fn claim_stale(&self, name: String, id: EntryId, ttl: u64) -> Result<(), RedisError> {
+        let get = ::redis::cmd("GETRANGE").arg(&name).arg(0).arg(63).clone();
+        let held: Option<Vec<u8>> = self
+            .run(Op::Alias, |c| async move { c.query(&get).await })
+            .await?;
+        let Some(held) = held.filter(|h| !h.is_empty()) else {
+            // Gone meanwhile: whoever writes next takes it.
+            return Ok(());
+        };
+        let held_id = std::str::from_utf8(&held)
+            .ok()
+            .and_then(|s| s.parse::<EntryId>().ok());
+        match held_id {
+            Some(h) if h == id => return Ok(()),
+            Some(h) => {
+                let exists = ::redis::cmd("EXISTS").arg(self.keys.entry(h)).clone();
+                let live: i64 = self
+                    .run(Op::Alias, |c| async move { c.query(&exists).await })
+                    .await?;
+                if live > 0 {
+                    // Another answer for the question stays.
+                    return Ok(());
+                }
+            }
+            // Not an entry id: nothing a reader can follow.
+            None => {}
+        }
+        let swap = ::redis::cmd("EVAL")
+            .arg(SWAP_KEY_SCRIPT)
+            .arg(1)
+            .arg(&name)
+            .arg(held)
+            .arg(id.to_string())
+            .arg(ttl)
+            .clone();
+        self.run(Op::Alias, |c| async move { c.query::<Value>(&swap).await })
+            .await
+            .map(drop)
+    }
+
     async fn apply_write(&self, write: Write) -> Result<(), RedisError> {
         match write {
             Write::Put {
@@ -303,17 +356,23 @@ impl Shared {
                 if ttl == 0 {
                     return Ok(());
                 }
+                let name = self.keys.key(&key);
                 let mut cmd = ::redis::cmd("SET");
-                cmd.arg(self.keys.key(&key))
-                    .arg(id.to_string())
-                    .arg("PX")
-                    .arg(ttl);
-                if unclaimed {
-                    cmd.arg("NX");
+                cmd.arg(&name).arg(id.to_string()).arg("PX").arg(ttl);
+                if !unclaimed {
+                    return self
+                        .run(Op::Alias, |c| async move { c.query::<Value>(&cmd).await })
+                        .await
+                        .map(drop);
                 }
-                self.run(Op::Alias, |c| async move { c.query::<Value>(&cmd).await })
-                    .await
-                    .map(drop)
+                cmd.arg("NX");
+                let set: Value = self
+                    .run(Op::Alias, |c| async move { c.query(&cmd).await })
+                    .await?;
+                if matches!(set, Value::Okay) {
+                    return Ok(());
+                }
+                self.claim_stale(name, id, ttl).await
             }
             Write::Blob {
                 name,
