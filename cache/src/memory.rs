@@ -10,7 +10,7 @@
 //! (RFC 5861). The ordinary reads ([`MemoryTier::get`], [`MemoryTier::get_by_key`]) never
 //! return it; only the `*_kept` reads do.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -92,6 +92,9 @@ pub struct MemoryTier {
     ledgers: Arc<ArcSwapOption<Ledgers>>,
     /// What the ledgers evicted, to drop from the tier.
     evicted: EvictedQueue,
+    /// Entries being dropped because their pool's ledger evicted them: the tier removes
+    /// them by hand, and the hook hears of an eviction for the size, as for the tier's own.
+    pool_evicting: Arc<parking_lot::Mutex<HashSet<EntryId>>>,
     /// The shares in force and their version; held while they change, so changes apply one
     /// at a time and never an older one after a newer.
     shares: Arc<parking_lot::Mutex<(Option<MemoryShares>, u64)>>,
@@ -129,6 +132,8 @@ impl MemoryTier {
         let key_ttl = key_ttl.saturating_add(retain);
         let ledgers: Arc<ArcSwapOption<Ledgers>> = Arc::default();
         let forget = ledgers.clone();
+        let pool_evicting: Arc<parking_lot::Mutex<HashSet<EntryId>>> = Arc::default();
+        let by_pool = pool_evicting.clone();
         let entries = Cache::builder()
             .max_capacity(max_bytes)
             .weigher(move |_k: &EntryId, v: &Arc<Entry>| held_weight(v, index_charge))
@@ -141,6 +146,12 @@ impl MemoryTier {
                     l.of(&v.namespace).forget(*k);
                 }
                 if let Some(hook) = &on_evict {
+                    let cause = match cause {
+                        RemovalCause::Explicit if by_pool.lock().contains(&*k) => {
+                            RemovalCause::Size
+                        }
+                        cause => cause,
+                    };
                     hook(*k, v, cause);
                 }
             })
@@ -156,6 +167,7 @@ impl MemoryTier {
             index_charge,
             ledgers,
             evicted: EvictedQueue::default(),
+            pool_evicting,
             shares: Arc::default(),
             key_ttl,
             retain_ms,
@@ -234,7 +246,11 @@ impl MemoryTier {
         let evicted = std::mem::take(&mut *self.evicted.lock());
         for e in evicted {
             match e {
-                Evicted::Entry(id) => self.entries.invalidate(&id).await,
+                Evicted::Entry(id) => {
+                    self.pool_evicting.lock().insert(id);
+                    self.entries.invalidate(&id).await;
+                    self.pool_evicting.lock().remove(&id);
+                }
                 Evicted::Key(k) => self.keys.invalidate(&k).await,
             }
         }
@@ -569,7 +585,20 @@ mod tests {
         let one = (entry_in("a/x", &"x".repeat(4000), 60_000).weight()
             + ITEM_OVERHEAD
             + RECORD_BYTES) as u64;
-        let t = MemoryTier::new(one * 40, Duration::from_secs(60), Duration::ZERO, None);
+        // Entries its pool pushes out are evictions to whoever counts them.
+        let evicted = Arc::new(AtomicUsize::new(0));
+        let ev = evicted.clone();
+        let hook: EvictionHook = Arc::new(move |_, _, cause: RemovalCause| {
+            if cause.was_evicted() {
+                ev.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let t = MemoryTier::new(
+            one * 40,
+            Duration::from_secs(60),
+            Duration::ZERO,
+            Some(hook),
+        );
         t.set_shares(
             Some(shares(&[("a", one * 10), ("b", one * 10)], one * 20)),
             1,
@@ -609,6 +638,7 @@ mod tests {
         assert!(t.pool_size("a/x").unwrap() <= one * 10);
         let held = a.iter().filter(|e| t.entries.contains_key(&e.id)).count();
         assert!((1..=10).contains(&held), "{held}");
+        assert_eq!(evicted.load(Ordering::SeqCst), 50 - held);
         assert!(t.get_by_key(&[49; 32]).await.is_some());
         assert!(t.get_by_key(&[0; 32]).await.is_none());
     }
