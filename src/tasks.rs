@@ -53,7 +53,7 @@ pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
     }
     let cache = &state.config.cache;
     if let Some(path) = cache.snapshot_path.clone() {
-        // Interval 0: no periodic save, but deletes and refusals are still saved at once.
+        // Interval 0: no periodic save, but deletes and refusals are still saved soon after.
         let every = (cache.snapshot_interval_secs > 0)
             .then(|| Duration::from_secs(cache.snapshot_interval_secs));
         start_snapshots(state, path, every, &tracker, stop.clone());
@@ -203,10 +203,23 @@ pub fn release_free_memory() {
     }
 }
 
+/// Least time from one save to a save asked for by [`AppState::snapshot_wanted`]: a stream
+/// of deletes or refusals is saved every few seconds, not by saves back to back.
+const SNAPSHOT_GAP: Duration = Duration::from_secs(5);
+
+/// How long a save asked for now waits: until [`SNAPSHOT_GAP`] has passed since the last
+/// save began (`None`: no save yet).
+fn snapshot_wait(last: Option<tokio::time::Instant>, now: tokio::time::Instant) -> Duration {
+    last.map_or(Duration::ZERO, |last| {
+        (last + SNAPSHOT_GAP).saturating_duration_since(now)
+    })
+}
+
 /// Saves the memory tier to `path` every `every` (the first save one interval after the
-/// start; `None`: never periodically), and as soon as [`AppState::snapshot_wanted`] asks
-/// (after a delete or a refusal), off the async workers; one save at a time, and the
-/// shutdown's own save comes after this task ended.
+/// start; `None`: never periodically), and soon after [`AppState::snapshot_wanted`] asks
+/// (after a delete or a refusal: at once, or [`SNAPSHOT_GAP`] after the last save), off the
+/// async workers; one save at a time, and the shutdown's own save comes after this task
+/// ended.
 fn start_snapshots(
     state: &Arc<AppState>,
     path: std::path::PathBuf,
@@ -222,6 +235,7 @@ fn start_snapshots(
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             t
         });
+        let mut last = None;
         loop {
             let periodic = async {
                 match &mut tick {
@@ -235,11 +249,17 @@ fn start_snapshots(
                 _ = stop.cancelled() => break,
                 _ = periodic => {}
                 _ = wanted.notified() => {
+                    let wait = snapshot_wait(last, tokio::time::Instant::now());
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
                     if let Some(t) = &mut tick {
                         t.reset();
                     }
                 }
             }
+            last = Some(tokio::time::Instant::now());
             let Some(state) = weak.upgrade() else { break };
             let p = path.clone();
             match tokio::task::spawn_blocking(move || crate::snapshot::save(&state, &p)).await {
@@ -251,4 +271,23 @@ fn start_snapshots(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_save_asked_for_waits_out_the_gap_since_the_last() {
+        let now = tokio::time::Instant::now();
+        let secs = Duration::from_secs;
+        assert_eq!(snapshot_wait(None, now), Duration::ZERO);
+        assert_eq!(snapshot_wait(Some(now), now), SNAPSHOT_GAP);
+        assert_eq!(
+            snapshot_wait(Some(now), now + secs(2)),
+            SNAPSHOT_GAP - secs(2)
+        );
+        assert_eq!(snapshot_wait(Some(now), now + SNAPSHOT_GAP), Duration::ZERO);
+        assert_eq!(snapshot_wait(Some(now), now + secs(60)), Duration::ZERO);
+    }
 }

@@ -128,7 +128,7 @@ async fn a_killed_server_keeps_what_its_last_snapshot_saved() {
     }
 }
 
-/// An admin delete is saved at once, not at the next periodic snapshot (an hour away, or
+/// An admin delete is saved within seconds, not at the next periodic snapshot (an hour away, or
 /// none at all with the interval 0): killed right after, the restarted server has the answers
 /// kept and not the one deleted.
 #[tokio::test]
