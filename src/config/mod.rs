@@ -427,7 +427,7 @@ pub struct CacheConfig {
     pub snapshot_path: Option<PathBuf>,
     /// With `snapshot_path`: also save every this many seconds while running (written to a
     /// temporary file, then renamed over the last), so a crash loses at most one interval.
-    /// 0: no periodic save (on shutdown, and at once after a delete or a refusal, only).
+    /// 0: no periodic save (on shutdown, and within 5 s of a delete or a refusal, only).
     pub snapshot_interval_secs: u64,
     /// Earlier exchanges of a conversation looked up by their turn links (so differently
     /// worded turns that reprise answered with the same entry share later hits); the ones
