@@ -704,7 +704,10 @@ async fn a_rollback_removes_the_candidate_it_judged_not_its_replacement() {
         reason,
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(candidate_view(&policies(&app).await, "t")["percent"], 10.0);
+    let view = policies(&app).await;
+    assert_eq!(candidate_view(&view, "t")["percent"], 10.0);
+    // Nothing was rolled back, so nothing says so.
+    assert_eq!(view["rollbacks"], serde_json::json!([]), "{view}");
 }
 
 fn candidate_view<'a>(view: &'a Value, tenant: &str) -> &'a Value {

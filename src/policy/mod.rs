@@ -353,23 +353,12 @@ fn install(state: &AppState, next: Policies) -> u64 {
 /// state's rollbacks and counted. Runs on its own task: it is judged as a request ends. A
 /// candidate that is no longer the tenant's (an operator replaced it meanwhile) stays.
 pub fn roll_back(state: Arc<AppState>, tenant: String, judged: CandidateConfig, reason: String) {
-    tracing::warn!(tenant, reason, "canary policy rolled back");
-    state.metrics.canary_rollback(&tenant);
-    {
-        let mut log = state.rollbacks.lock();
-        if log.len() == MAX_ROLLBACKS {
-            log.pop_front();
-        }
-        log.push_back(serde_json::json!({
-            "tenant": tenant, "reason": reason, "time_ms": reprise_cache::now_ms(),
-        }));
-    }
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
     runtime.spawn(async move {
         // Computed from the policies running when the change is made; gone already (another
-        // replica's rollback, an operator's change): nothing to do.
+        // replica's rollback, an operator's change): nothing to do, nothing to report.
         let (t, c) = (tenant.clone(), judged.clone());
         let change = move |p: &Policies| {
             p.without_judged_candidate(&t, &c).ok_or_else(|| {
@@ -383,6 +372,17 @@ pub fn roll_back(state: Arc<AppState>, tenant: String, judged: CandidateConfig, 
             .is_none()
         {
             return;
+        }
+        tracing::warn!(tenant, reason, "canary policy rolled back");
+        state.metrics.canary_rollback(&tenant);
+        {
+            let mut log = state.rollbacks.lock();
+            if log.len() == MAX_ROLLBACKS {
+                log.pop_front();
+            }
+            log.push_back(serde_json::json!({
+                "tenant": tenant, "reason": reason, "time_ms": reprise_cache::now_ms(),
+            }));
         }
         match apply_change(&state, &change).await {
             Ok(a) => tracing::info!(tenant, version = a.version, "canary removed"),
