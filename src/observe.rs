@@ -28,6 +28,9 @@ pub struct Observation {
     pub prev_entry: Option<EntryId>,
     /// The entry that answered this request.
     pub entry: Arc<Entry>,
+    /// Answers may be stored for it (not a read-only tenant's, not `no-store`): without,
+    /// it is learned from, and nothing is generated in the background for it.
+    pub may_store: bool,
 }
 
 impl Observation {
@@ -161,6 +164,7 @@ mod tests {
             session: None,
             prev_entry: None,
             entry: Arc::new(entry),
+            may_store: true,
         }
     }
 

@@ -914,7 +914,7 @@ async fn nothing_is_generated_in_the_background_for_a_read_only_tenant() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let cancelled = stats(&app).cancelled;
+    let before = stats(&app);
     let r = app
         .chat(
             &convo(&[("user", X), ("assistant", &answer), ("user", Y)]),
@@ -922,12 +922,14 @@ async fn nothing_is_generated_in_the_background_for_a_read_only_tenant() {
         )
         .await;
     assert_eq!(cache_status(&r), "prefetch");
+    // The hit is learned from, and nothing is queued for it.
     assert!(
-        eventually(WAIT, || stats(&app).cancelled > cancelled).await,
+        eventually(WAIT, || stats(&app).observations > before.observations).await,
         "{:?}",
         stats(&app)
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(stats(&app).queued, before.queued, "{:?}", stats(&app));
     assert_eq!(proposals(), 1, "{:?}", stats(&app));
     assert_eq!(stats(&app).proposals, 1);
 }

@@ -64,6 +64,7 @@ pub(crate) async fn write_back(
             session: o.session,
             prev_entry: o.prev_entry,
             entry,
+            may_store: true,
         });
     }
     state.metrics.cache_writes.increment(1);

@@ -143,6 +143,10 @@ impl Shared {
         if let Some(key) = session_key {
             self.sessions.insert(key, SessionLast { entry: entry.id });
         }
+        // Nothing generated in the background may be stored for it: nothing is queued.
+        if !obs.may_store {
+            return;
+        }
         if self.cfg.refresh_ahead {
             self.note_hit(&obs, now);
         }

@@ -55,6 +55,7 @@ pub async fn link_hit(
             session: o.session,
             prev_entry: o.prev_entry,
             entry: hit.entry.clone(),
+            may_store: write,
         });
     }
 }
