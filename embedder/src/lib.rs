@@ -64,8 +64,8 @@ pub trait Embedder: Send + Sync + 'static {
     /// What makes its vectors comparable: equal for two embedders that give the same text the
     /// same vector (the same model files and settings), different otherwise. Vectors stored
     /// by one embedder are only ever compared with queries of an embedder of the same
-    /// fingerprint (it joins the semantic partition), so a changed model, or replicas on
-    /// different models, never match across.
+    /// fingerprint (entries record it, and the index takes only vectors of the running
+    /// embedder's), so a changed model, or replicas on different models, never match across.
     fn fingerprint(&self) -> [u8; 32];
 
     /// The length in bytes of the start of `text` this embedder reads whole: it reads all of
