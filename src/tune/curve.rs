@@ -123,7 +123,12 @@ pub fn log_curve(samples: &[LogSample]) -> Vec<Point> {
         .min_by(f32::total_cmp);
     let highest_kept_back = samples
         .iter()
-        .filter(|s| !s.served && s.gate && s.threshold.is_none_or(|t| !(s.similarity >= t)))
+        .filter(|s| {
+            !s.served
+                && s.gate
+                && s.threshold
+                    .is_none_or(|t| s.similarity < t || s.similarity.is_nan())
+        })
         .map(|s| s.similarity)
         .max_by(f32::total_cmp);
     thresholds()
