@@ -167,6 +167,9 @@ impl AppState {
             .prefetch
             .enabled
             .then(|| Prefetcher::new(config.prefetch.clone()));
+        if let (Some(p), Some(e)) = (&prefetch, &embedder) {
+            p.set_embedder(e.fingerprint());
+        }
         let observer = prefetch.as_ref().map(|p| p.observer());
         let policies = Policies::from_config(&config, 1)?;
         metrics.policy_version.set(1.0);

@@ -533,6 +533,38 @@ async fn saved_counts(tier: &RedisTier) -> Option<Snapshot> {
     Some(serde_json::from_slice(&bytes).expect("saved counts decode"))
 }
 
+/// A saved model names the embedder that made its vectors: restored under that embedder the
+/// vectors come back with the counts; under another (a changed model) the counts only, as
+/// its vectors would be compared with vectors of another space.
+async fn vectors_stay_with_their_embedder(tier: &RedisTier, saved: &Snapshot) {
+    let made_by = saved.embedder.clone().expect("the embedder is named");
+    let vectors = |snap: &Snapshot| {
+        snap.namespaces
+            .iter()
+            .flat_map(|n| &n.nodes)
+            .filter(|n| n.embedding.is_some())
+            .count()
+    };
+    assert!(vectors(saved) > 0, "{saved:?}");
+    let same = reprise::prefetch::Prefetcher::new(prefetch_config(true).prefetch);
+    let mut fingerprint = [0u8; 32];
+    hex::decode_to_slice(&made_by, &mut fingerprint).unwrap();
+    same.set_embedder(fingerprint);
+    let restored = same.restore(tier).await.unwrap();
+    assert!(restored > 0);
+    assert_eq!(vectors(&same.export()), vectors(saved));
+    let other = reprise::prefetch::Prefetcher::new(prefetch_config(true).prefetch);
+    other.set_embedder([7; 32]);
+    assert_eq!(other.restore(tier).await.unwrap(), restored);
+    let export = other.export();
+    assert_eq!(vectors(&export), 0, "{export:?}");
+    assert!(export
+        .namespaces
+        .iter()
+        .flat_map(|n| &n.clusters)
+        .all(|c| c.embedding.is_none()));
+}
+
 /// Follow-ups linked by session in namespace `ns` of `snap`.
 fn session_links(snap: &Option<Snapshot>, ns: &str) -> f64 {
     snap.iter()
@@ -611,6 +643,7 @@ async fn predictions_survive_a_restart_through_the_shutdown_save() {
     app.shutdown().await;
     let saved = saved_counts(&reader).await;
     assert!(session_links(&saved, "default") > 0.0, "{saved:?}");
+    vectors_stay_with_their_embedder(&reader, saved.as_ref().unwrap()).await;
 
     // A new process: empty cache (no Redis tier for entries), counts restored by the worker.
     let (app, probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;

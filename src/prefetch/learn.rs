@@ -99,10 +99,13 @@ impl Shared {
         let learnable = prompt.len() <= model::MAX_PROMPT_BYTES;
         // The model compares in f32 and keeps its own copy for a new question (counted in its
         // byte budget at four bytes a component).
+        // Only vectors of the running embedder are compared (an entry loaded from before a
+        // model change keeps its old one).
+        let ours = entry.embedder.is_some() && entry.embedder == self.embedder.get().copied();
         let embedding: Option<Arc<[f32]>> = entry
             .embedding
             .as_ref()
-            .filter(|_| learnable)
+            .filter(|_| learnable && ours)
             .map(|v| v.to_f32().into());
         let predictions = learnable.then(|| {
             let mut model = self.model.lock();

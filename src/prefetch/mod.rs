@@ -220,6 +220,9 @@ struct Shared {
     wake: Notify,
     redis: Mutex<Option<RedisTier>>,
     next_job: AtomicU64,
+    /// The running embedder's fingerprint: the model learns only its vectors, and keeps
+    /// only a saved model's vectors that it made.
+    embedder: std::sync::OnceLock<Digest>,
 }
 
 /// Handle to the prefetcher.
@@ -267,6 +270,7 @@ impl Prefetcher {
             wake: Notify::new(),
             redis: Mutex::new(None),
             next_job: AtomicU64::new(0),
+            embedder: std::sync::OnceLock::new(),
             cfg,
         });
         Arc::new(Prefetcher {
@@ -361,6 +365,13 @@ impl Prefetcher {
         self.shared.model.lock().import(snap, now_ms())
     }
 
+    /// Names the running embedder (its [`reprise_embedder::Embedder::fingerprint`]): vectors
+    /// of other embedders are neither learned nor restored. Set once, before the worker
+    /// starts; without it no vector is.
+    pub fn set_embedder(&self, fingerprint: Digest) {
+        let _ = self.shared.embedder.set(fingerprint);
+    }
+
     /// Saves the learned counts in Redis (queued like any Redis write; `false` when the
     /// write was dropped).
     pub fn persist(&self, tier: &RedisTier) -> bool {
@@ -382,7 +393,8 @@ impl Prefetcher {
 
 impl Shared {
     fn persist(&self, tier: &RedisTier) -> bool {
-        let snap = self.model.lock().export(now_ms());
+        let mut snap = self.model.lock().export(now_ms());
+        snap.embedder = self.embedder.get().map(hex::encode);
         match serde_json::to_vec(&snap) {
             Ok(bytes) => tier.put_blob(BLOB_NAME, bytes),
             Err(e) => {
@@ -397,7 +409,16 @@ impl Shared {
             return Ok(0);
         };
         match serde_json::from_slice::<Snapshot>(&bytes) {
-            Ok(snap) => Ok(self.model.lock().import(&snap, now_ms())),
+            Ok(mut snap) => {
+                // Vectors of another embedder (a changed model, a replica on another one,
+                // or a snapshot that does not say) would be compared with ours: the counts
+                // are kept, the vectors are not.
+                if snap.embedder.is_none() || snap.embedder != self.embedder.get().map(hex::encode)
+                {
+                    snap.forget_vectors();
+                }
+                Ok(self.model.lock().import(&snap, now_ms()))
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "prefetch: saved counts do not decode; ignored");
                 Ok(0)
@@ -472,5 +493,48 @@ mod tests {
             "{}",
             hot.entry_count()
         );
+    }
+
+    /// The model learns the vectors of the running embedder only: an entry that carries
+    /// another's (stored before a model change) is learned by its wording alone.
+    #[test]
+    fn only_the_running_embedders_vectors_are_learned() {
+        let learned_vectors = |made_by: [u8; 32]| {
+            let p = Prefetcher::new(PrefetchConfig::default());
+            p.set_embedder([1; 32]);
+            let entry = reprise_cache::Entry {
+                id: EntryId(1),
+                namespace: "n".into(),
+                model: "m".into(),
+                text: "an answer".into(),
+                finish_reason: "stop".into(),
+                prompt_tokens: 1,
+                completion_tokens: 1,
+                prompt: "a question".into(),
+                partition: [0; 32],
+                embedding: Some(reprise_cache::Vector::new(&[0.6, 0.8])),
+                embedder: Some(made_by),
+                origin: Default::default(),
+                tags: Vec::new(),
+                refusals: Vec::new(),
+                created_ms: 1,
+                expires_ms: u64::MAX,
+                gen_ms: 0,
+            };
+            p.shared.learn(crate::observe::Observation {
+                namespace: "n".into(),
+                endpoint: crate::openai::Endpoint::Chat,
+                request: crate::test_support::chat(&[("user", "a question")]),
+                session: None,
+                prev_entry: None,
+                entry: Arc::new(entry),
+                may_store: true,
+            });
+            let snap = p.export();
+            assert_eq!(snap.namespaces[0].nodes.len(), 1);
+            snap.namespaces[0].nodes[0].embedding.is_some()
+        };
+        assert!(learned_vectors([1; 32]));
+        assert!(!learned_vectors([2; 32]));
     }
 }

@@ -67,6 +67,7 @@ impl Model {
         Snapshot {
             version: SNAPSHOT_VERSION,
             saved_ms: now_ms,
+            embedder: None,
             namespaces,
         }
     }
@@ -178,8 +179,26 @@ pub struct Snapshot {
     pub version: u32,
     /// When the counts were taken, milliseconds since the Unix epoch.
     pub saved_ms: u64,
+    /// The fingerprint (hex) of the embedder that made its vectors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedder: Option<String>,
     /// Every namespace.
     pub namespaces: Vec<NamespaceSnapshot>,
+}
+
+impl Snapshot {
+    /// Drops every vector, keeping the counts: the questions join clusters again by their
+    /// exact wording until new vectors are learned.
+    pub fn forget_vectors(&mut self) {
+        for ns in &mut self.namespaces {
+            for n in &mut ns.nodes {
+                n.embedding = None;
+            }
+            for c in &mut ns.clusters {
+                c.embedding = None;
+            }
+        }
+    }
 }
 
 /// One namespace of a [`Snapshot`].
