@@ -478,7 +478,8 @@ struct VersionMismatch {
     running: u64,
 }
 
-/// The version an `If-Match` header names (`3`, `"3"` or `W/"3"`), if one is sent.
+/// The version an `If-Match` header names (`3`, `"3"` or `W/"3"`), if one is sent; `*`
+/// (any version: the policies always exist) names none.
 fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
     let Some(v) = headers.get(axum::http::header::IF_MATCH) else {
         return Ok(None);
@@ -488,6 +489,9 @@ fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
         reason: "expected a policy version, such as \"3\"".into(),
     };
     let text = v.to_str().map_err(|_| bad())?.trim();
+    if text == "*" {
+        return Ok(None);
+    }
     let text = text.strip_prefix("W/").unwrap_or(text).trim_matches('"');
     text.parse().map(Some).map_err(|_| bad())
 }

@@ -97,7 +97,10 @@ async fn a_change_against_an_old_version_is_refused() {
         .await
         .unwrap();
     assert_openai_error(r, 400, Some("If-Match")).await;
-    // Without If-Match, a change applies over whatever runs.
+    // `*` or no If-Match: a change applies over whatever runs.
+    let r = put_if("[semantic]\nthreshold = 0.96\n", "*").await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(policies(&app).await["version"], 3);
     assert_eq!(
         put(&app, "[semantic]\nthreshold = 0.97\n").await.status(),
         200
