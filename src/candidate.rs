@@ -191,12 +191,19 @@ pub struct Candidate {
     shadow: [AtomicU64; 5],
     /// Set once the candidate was judged worse: it is being removed.
     rolled_back: AtomicBool,
+    /// Names its configuration on every replica (see [`Candidate::fingerprint`]).
+    fingerprint: u64,
 }
 
 impl Candidate {
     /// A candidate with nothing seen yet.
     pub fn new(config: CandidateConfig) -> Candidate {
+        let fingerprint = serde_json::to_vec(&config).map_or(0, |bytes| {
+            let hash = blake3::hash(&bytes);
+            u64::from_le_bytes(hash.as_bytes()[..8].try_into().expect("eight bytes"))
+        });
         Candidate {
+            fingerprint,
             config,
             assigned: ExactShare::default(),
             control: Mutex::default(),
@@ -209,6 +216,13 @@ impl Candidate {
     /// The candidate as configured.
     pub fn config(&self) -> &CandidateConfig {
         &self.config
+    }
+
+    /// A digest of its configuration, the same on every replica: a response remembers the
+    /// candidate it was served beside, so a verdict given after the candidate was replaced
+    /// does not count against its successor.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
     /// The arm of the next request: in shadow mode always [`Arm::Shadow`]; in canary mode

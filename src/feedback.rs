@@ -57,6 +57,9 @@ pub struct Served {
     /// The canary side it was on (`true`: the candidate's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub canary: Option<bool>,
+    /// The candidate of that canary ([`crate::candidate::Candidate::fingerprint`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate: Option<u64>,
     /// The similarity a semantic hit was served at.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub similarity: Option<f32>,
@@ -259,7 +262,11 @@ pub async fn handle(
             served.outcome,
             Outcome::Exact | Outcome::Semantic | Outcome::Prefetch
         );
-        if let (Some(side), Some(c), true) = (served.canary, tenant.candidate(), hit) {
+        // Counted against the candidate it was served beside, not one put in its place.
+        let candidate = tenant
+            .candidate()
+            .filter(|c| served.candidate == Some(c.fingerprint()));
+        if let (Some(side), Some(c), true) = (served.canary, candidate, hit) {
             if let Some(reason) = c.record_wrong(side) {
                 let (name, judged) = (tenant.name().to_string(), c.config().clone());
                 crate::policy::roll_back(state.clone(), name, judged, reason);
@@ -327,6 +334,7 @@ mod tests {
             key: [7; 32],
             question: None,
             canary: None,
+            candidate: None,
             similarity: Some(0.9),
             scope: String::new(),
         };

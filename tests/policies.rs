@@ -713,6 +713,52 @@ async fn a_rollback_removes_the_candidate_it_judged_not_its_replacement() {
     assert_eq!(view["rollbacks"], serde_json::json!([]), "{view}");
 }
 
+/// A verdict on a response served beside a candidate that was replaced since counts against
+/// neither: not against the candidate now tried.
+#[tokio::test]
+async fn a_verdict_counts_against_the_candidate_it_was_served_beside() {
+    let canary = |min: u32| format!("mode = \"canary\"\npercent = 50\nmin_requests = {min}");
+    let (app, _backend) = spawn_fake(
+        tenants_config(&tenants_doc(&[("t", "", &canary(1000))]), false),
+        ScriptConfig::default(),
+    )
+    .await;
+    let ask = || async {
+        let r = ask_as(&app, "t", ORIGINALS[1]).await;
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()["id"].clone()
+    };
+    let wrong = |id: Value| {
+        app.client
+            .post(app.url("/v1/feedback"))
+            .bearer_auth("sk-t")
+            .json(&serde_json::json!({"id": id, "verdict": "wrong"}))
+            .send()
+    };
+    // The 2nd and 4th requests are the first candidate's; then another takes its place.
+    let mut old = Vec::new();
+    for _ in 0..4 {
+        old.push(ask().await);
+    }
+    let doc = tenants_doc(&[("t", "", &canary(999))]);
+    assert_eq!(put(&app, &doc).await.status(), 200);
+    let mut new = Vec::new();
+    for _ in 0..4 {
+        new.push(ask().await);
+    }
+    let sides = candidate_view(&policies(&app).await, "t").clone();
+    assert_eq!(sides["candidate"]["requests"], 2, "{sides}");
+    for id in [&old[1], &old[3]] {
+        assert_eq!(wrong(id.clone()).await.unwrap().status(), 200);
+    }
+    let sides = candidate_view(&policies(&app).await, "t").clone();
+    assert_eq!(sides["candidate"]["wrong_hit_rate"], 0.0, "{sides}");
+    // One of its own: one of its two hits.
+    assert_eq!(wrong(new[1].clone()).await.unwrap().status(), 200);
+    let sides = candidate_view(&policies(&app).await, "t").clone();
+    assert_eq!(sides["candidate"]["wrong_hit_rate"], 0.5, "{sides}");
+}
+
 fn candidate_view<'a>(view: &'a Value, tenant: &str) -> &'a Value {
     let tenants = view["tenants"].as_array().unwrap();
     &tenants.iter().find(|t| t["name"] == tenant).unwrap()["candidate"]

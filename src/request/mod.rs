@@ -216,6 +216,7 @@ async fn serve(
             key,
             question: question.clone(),
             canary: book.canary.as_ref().map(|c| c.on_candidate),
+            candidate: book.canary.as_ref().map(|c| c.candidate.fingerprint()),
             similarity: sim,
             scope: scope.clone(),
         };
