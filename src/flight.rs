@@ -84,6 +84,11 @@ impl Flight {
         self.progress.send_modify(|p| p.1 = Some(end));
     }
 
+    /// Whether [`Flight::end`] was called.
+    pub fn has_ended(&self) -> bool {
+        self.progress.borrow().1.is_some()
+    }
+
     /// Cancelled when the last subscriber left before the end.
     pub fn cancelled(&self) -> &CancellationToken {
         &self.cancel
@@ -291,6 +296,8 @@ impl Flights {
 
 /// A generation in flight that a paraphrase may wait for instead of generating again.
 struct InFlightQuestion {
+    /// The generation: a later one for the same key is another registration.
+    flight: std::sync::Weak<Flight>,
     exact: Digest,
     /// What the false-hit gate reads of its prompt.
     prompt: Arc<str>,
@@ -313,10 +320,11 @@ pub struct InFlightParaphrases {
 }
 
 impl InFlightParaphrases {
-    /// Registers a generation led for `exact` in `partition`; `prompt` is what the gate
-    /// reads of its prompt.
+    /// Registers `flight`, led for `exact` in `partition`; `prompt` is what the gate reads
+    /// of its prompt.
     pub fn register(
         &self,
+        flight: &Arc<Flight>,
         partition: Digest,
         exact: Digest,
         prompt: Arc<str>,
@@ -327,17 +335,19 @@ impl InFlightParaphrases {
             .entry(partition)
             .or_default()
             .push(InFlightQuestion {
+                flight: Arc::downgrade(flight),
                 exact,
                 prompt,
                 embedding,
             });
     }
 
-    /// Forgets the generation for `exact` in `partition`.
-    pub fn remove(&self, partition: &Digest, exact: &Digest) {
+    /// Forgets `flight`'s registration in `partition` (a later flight for the same key,
+    /// started while this one was being written back, stays).
+    pub fn remove(&self, partition: &Digest, flight: &Arc<Flight>) {
         let mut map = self.map.lock();
         if let Some(v) = map.get_mut(partition) {
-            v.retain(|t| &t.exact != exact);
+            v.retain(|t| !std::ptr::eq(t.flight.as_ptr(), Arc::as_ptr(flight)));
             if v.is_empty() {
                 map.remove(partition);
             }
@@ -491,18 +501,34 @@ mod tests {
     fn similar_questions_come_most_similar_first_and_only_from_their_partition() {
         let p = InFlightParaphrases::default();
         let v = |x: f32, y: f32| -> Arc<[f32]> { Arc::from(vec![x, y]) };
-        p.register([1; 32], [10; 32], "a".into(), v(1.0, 0.0));
-        p.register([1; 32], [11; 32], "b".into(), v(0.6, 0.8));
-        p.register([1; 32], [12; 32], "c".into(), v(0.0, 1.0));
-        p.register([2; 32], [13; 32], "d".into(), v(0.8, 0.6));
+        let flights: Vec<_> = (0..4).map(|i| Flight::new(Some(EntryId(i)))).collect();
+        p.register(&flights[0], [1; 32], [10; 32], "a".into(), v(1.0, 0.0));
+        p.register(&flights[1], [1; 32], [11; 32], "b".into(), v(0.6, 0.8));
+        p.register(&flights[2], [1; 32], [12; 32], "c".into(), v(0.0, 1.0));
+        p.register(&flights[3], [2; 32], [13; 32], "d".into(), v(0.8, 0.6));
         let found = p.similar(&[1; 32], &[0.8, 0.6], 0.5);
         let keys: Vec<(Digest, &str)> = found.iter().map(|(k, _, t)| (*k, &**t)).collect();
         assert_eq!(keys, [([11; 32], "b"), ([10; 32], "a"), ([12; 32], "c")]);
         assert!(found[0].1 > found[1].1);
         assert!(p.similar(&[1; 32], &[0.0, 1.0], 0.9).len() == 1);
-        p.remove(&[1; 32], &[10; 32]);
+        p.remove(&[1; 32], &flights[0]);
         assert_eq!(p.similar(&[1; 32], &[0.8, 0.6], 0.5).len(), 2);
         assert!(p.similar(&[3; 32], &[0.8, 0.6], 0.0).is_empty());
+    }
+
+    /// A flight for a key whose earlier flight is still being written back keeps its
+    /// registration when the earlier one ends.
+    #[test]
+    fn an_ending_flight_forgets_only_its_own_registration() {
+        let p = InFlightParaphrases::default();
+        let (old, new) = (Flight::new(None), Flight::new(None));
+        let v: Arc<[f32]> = Arc::from(vec![1.0, 0.0]);
+        p.register(&old, [1; 32], [10; 32], "a".into(), v.clone());
+        p.register(&new, [1; 32], [10; 32], "a".into(), v);
+        p.remove(&[1; 32], &old);
+        assert_eq!(p.similar(&[1; 32], &[1.0, 0.0], 0.9).len(), 1);
+        p.remove(&[1; 32], &new);
+        assert!(p.similar(&[1; 32], &[1.0, 0.0], 0.9).is_empty());
     }
 
     #[tokio::test]

@@ -893,3 +893,68 @@ async fn a_followers_tags_reach_the_answer_it_shared() {
     app.state.store.run_pending_tasks().await;
     assert_eq!(cache_status(&app.chat(&body, &[]).await), "miss");
 }
+
+/// A scripted backend whose first generation's stream panics.
+#[derive(Clone)]
+struct PanicsOnce {
+    inner: reprise_backend::fake::ScriptedBackend,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl reprise_backend::Backend for PanicsOnce {
+    // Written out as `async_trait` expands it (the root crate does not depend on the macro).
+    fn generate<'a, 'b>(
+        &'a self,
+        req: reprise_backend::GenRequest,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<reprise_backend::GenStream, BackendError>>
+                + Send
+                + 'b,
+        >,
+    >
+    where
+        'a: 'b,
+        Self: 'b,
+    {
+        Box::pin(async move {
+            if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                let stream: reprise_backend::GenStream = Box::pin(futures::stream::poll_fn(
+                    |_| -> std::task::Poll<Option<_>> { panic!("the backend's stream panicked") },
+                ));
+                return Ok(stream);
+            }
+            self.inner.generate(req).await
+        })
+    }
+
+    fn models(&self) -> Vec<String> {
+        self.inner.models()
+    }
+
+    fn ready(&self) -> bool {
+        true
+    }
+}
+
+/// A generation whose task panics fails its request (instead of leaving it, and every
+/// request that would follow it, waiting for ever); the next request generates afresh.
+#[tokio::test]
+async fn a_generation_that_panics_fails_its_waiters_and_the_next_request_generates() {
+    let backend = PanicsOnce {
+        inner: reprise_backend::fake::ScriptedBackend::new(ScriptConfig::default()),
+        armed: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+    };
+    let app = spawn_app(test_config(), Arc::new(backend.clone())).await;
+    let body = chat_body("Will this one panic?");
+    let failed = tokio::time::timeout(Duration::from_secs(20), app.chat(&body, &[]))
+        .await
+        .expect("the request ends");
+    assert!(failed.status().is_server_error(), "{}", failed.status());
+    let r = tokio::time::timeout(Duration::from_secs(20), app.chat(&body, &[]))
+        .await
+        .expect("the request ends");
+    assert_eq!(r.status(), 200);
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(backend.inner.calls(), 1);
+}

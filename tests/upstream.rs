@@ -189,6 +189,18 @@ const TOOL_STREAM: &str = concat!(
     "data: [DONE]\n\n",
 );
 
+/// What it answers a question containing [`FILTERED`]: the start of an answer, cut by a
+/// content filter.
+const FILTERED: &str = "FILTERED";
+const FILTER_ANSWER: &str = r#"{"id":"chatcmpl-up","object":"chat.completion","created":1,"model":"up-model","choices":[{"index":0,"message":{"role":"assistant","content":"The first half"},"finish_reason":"content_filter"}],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}"#;
+const FILTER_STREAM: &str = concat!(
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{"role":"assistant","content":"The first half"},"finish_reason":null}]}"#,
+    "\n\n",
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{},"finish_reason":"content_filter"}]}"#,
+    "\n\n",
+    "data: [DONE]\n\n",
+);
+
 /// An OpenAI-compatible upstream that records every request (path with query, and body) and
 /// answers completions with a tool call, plus fixed embeddings, models and moderation (422)
 /// answers: the parts of a model API that a scripted backend behind a second reprise cannot
@@ -214,6 +226,7 @@ impl ToolUpstream {
                 let size = body.len();
                 let body: Value = serde_json::from_slice(&body).unwrap_or(json!({"bytes": size}));
                 let stream = body["stream"] == json!(true);
+                let filtered = body.to_string().contains(FILTERED);
                 let path = uri.path().to_string();
                 record.lock().unwrap().push((uri.to_string(), body));
                 let given = headers
@@ -248,6 +261,10 @@ impl ToolUpstream {
                         r#"{"error":{"message":"input is required","type":"invalid_request_error","param":"input","code":null}}"#,
                     )
                         .into_response(),
+                    _ if filtered => match stream {
+                        true => ([(header::CONTENT_TYPE, "text/event-stream")], FILTER_STREAM).into_response(),
+                        false => ([(header::CONTENT_TYPE, "application/json")], FILTER_ANSWER).into_response(),
+                    },
                     _ if stream => {
                         ([(header::CONTENT_TYPE, "text/event-stream")], TOOL_STREAM).into_response()
                     }
@@ -278,6 +295,37 @@ impl ToolUpstream {
     fn seen(&self) -> Vec<(String, Value)> {
         self.seen.lock().unwrap().clone()
     }
+}
+
+/// An answer a content filter cut short is served as the upstream sent it, and never stored:
+/// the next request for it, streamed or not, goes upstream again.
+#[tokio::test]
+async fn an_answer_cut_by_a_content_filter_is_never_cached() {
+    let up = ToolUpstream::spawn().await;
+    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    let body = |stream: bool| {
+        json!({
+            "model": "up-model",
+            "messages": [{"role": "user", "content": format!("Tell me something {FILTERED}")}],
+            "stream": stream,
+        })
+    };
+    for round in 0..2 {
+        let r = app.chat(&body(false), &[]).await;
+        assert_eq!(cache_status(&r), "miss", "round {round}");
+        let j: Value = r.json().await.unwrap();
+        assert_eq!(j["choices"][0]["finish_reason"], "content_filter");
+        assert_eq!(j["choices"][0]["message"]["content"], "The first half");
+        let r = app.chat(&body(true), &[]).await;
+        assert_eq!(cache_status(&r), "miss", "round {round}");
+        let data = sse_data(&r.text().await.unwrap());
+        assert_eq!(sse_text(&data), "The first half");
+        assert!(
+            data.iter().any(|d| d.contains("\"content_filter\"")),
+            "{data:?}"
+        );
+    }
+    assert_eq!(up.seen().len(), 4);
 }
 
 #[tokio::test]

@@ -207,7 +207,7 @@ pub(crate) fn revalidate(
         let prompt = Arc::from(reprise_policies::gate::capped(plan.read()));
         state
             .paraphrases
-            .register(partition, exact, prompt, embedding);
+            .register(&flight, partition, exact, prompt, embedding);
     }
     let id = plan.id;
     super::spawn(state.clone(), flight, Some(exact), req, Some(plan), None);

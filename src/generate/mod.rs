@@ -41,10 +41,16 @@ pub(crate) fn spawn(
     plan: Option<WritePlan>,
     fallback: Option<Fallback>,
 ) {
-    let paraphrase = plan
-        .as_ref()
-        .and_then(|p| p.partition.map(|partition| (partition, p.exact)));
+    let partition = plan.as_ref().and_then(|p| p.partition);
     tokio::spawn(async move {
+        // Whatever happens to this task (a panic included), the waiters learn of an end and
+        // the flight stops taking followers.
+        let settle = Settle {
+            state: state.clone(),
+            flight: flight.clone(),
+            key,
+            partition,
+        };
         let start = Instant::now();
         // The backend whose stream this is, once one started (calls and refusals before
         // that are counted by the router).
@@ -61,8 +67,10 @@ pub(crate) fn spawn(
             Ok((text, reason, usage)) => {
                 // Stored before the waiters learn of the end, so a request that arrives right
                 // after a client got its answer finds it (a moka insert is microseconds).
-                // A fallback's answer is not the model's the keys are for: not stored.
-                if let Some(mut plan) = plan.filter(|_| flight.fallback().is_none()) {
+                // A fallback's answer is not the model's the keys are for, and an answer a
+                // content filter cut short is not whole: neither is stored.
+                let whole = reason != FinishReason::ContentFilter;
+                if let Some(mut plan) = plan.filter(|_| flight.fallback().is_none() && whole) {
                     // The followers' tags too: a tag delete any of them asks for must reach
                     // the answer. Beyond the tag limit the answer is served, not stored (a
                     // delete could miss it).
@@ -92,13 +100,33 @@ pub(crate) fn spawn(
                 flight.end(End::Failed(e));
             }
         }
-        if let Some(key) = key {
-            state.flights.remove(&key, &flight);
-        }
-        if let Some((partition, exact)) = paraphrase {
-            state.paraphrases.remove(&partition, &exact);
-        }
+        drop(settle);
     });
+}
+
+/// Ends a generation's bookkeeping when its task ends, however it ends: a task that
+/// panicked tells its waiters it failed (else they would wait for ever, and new requests
+/// for the key would follow it), and the flight stops taking followers.
+struct Settle {
+    state: Arc<AppState>,
+    flight: Arc<Flight>,
+    key: Option<Digest>,
+    partition: Option<Digest>,
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        if !self.flight.has_ended() {
+            let e = BackendError::Internal("the generation stopped unexpectedly".into());
+            self.flight.end(End::Failed(e));
+        }
+        if let Some(key) = &self.key {
+            self.state.flights.remove(key, &self.flight);
+        }
+        if let Some(partition) = &self.partition {
+            self.state.paraphrases.remove(partition, &self.flight);
+        }
+    }
 }
 
 /// Runs the backend stream into the flight; returns the assembled answer only if a finish

@@ -108,7 +108,7 @@ pub async fn join(
                     let prompt = Arc::from(reprise_policies::gate::capped(plan.read()));
                     state
                         .paraphrases
-                        .register(partition, exact, prompt, embedding);
+                        .register(&flight, partition, exact, prompt, embedding);
                 }
                 crate::generate::spawn(
                     state.clone(),
