@@ -716,6 +716,42 @@ impl PrefetchConfig {
     }
 }
 
+/// `error` without the values it quotes: a value of the wrong type, or the source line of a
+/// syntax error, may be an API key or a token, and the error is logged (at start, and on
+/// every `SIGHUP`). The key's path and the line number say where to look.
+fn without_values(error: figment::Error) -> figment::Error {
+    use figment::error::{Actual, Kind};
+    const HIDDEN: &str = "(not shown)";
+    let mut errors: Vec<figment::Error> = error
+        .into_iter()
+        .map(|mut e| {
+            match &mut e.kind {
+                Kind::InvalidType(Actual::Str(v), _) | Kind::InvalidValue(Actual::Str(v), _) => {
+                    *v = HIDDEN.into();
+                }
+                Kind::Message(m) => {
+                    // A TOML syntax error shows its source line as `12 | text`.
+                    let lines = m.lines().map(|l| match l.split_once(" | ") {
+                        Some((n, _)) if n.trim().parse::<u64>().is_ok() => {
+                            format!("{n} | {HIDDEN}")
+                        }
+                        _ => l.to_string(),
+                    });
+                    *m = lines.collect::<Vec<_>>().join("\n");
+                }
+                _ => {}
+            }
+            e
+        })
+        .collect();
+    // Chained again, the newest at the head as before.
+    let first = errors.pop().expect("an error is at least one");
+    errors
+        .into_iter()
+        .rev()
+        .fold(first, |chain, e| chain.chain(e))
+}
+
 /// A configuration that could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -788,7 +824,7 @@ impl Config {
     }
 
     fn from_figment(fig: Figment) -> Result<Config, ConfigError> {
-        let config: Config = fig.extract().map_err(Box::new)?;
+        let config: Config = fig.extract().map_err(|e| Box::new(without_values(e)))?;
         config.validate()?;
         Ok(config)
     }
@@ -892,6 +928,24 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A configuration error names where the bad value is, never the value: it may be a
+    /// key, and the error is logged.
+    #[test]
+    fn a_config_error_does_not_show_the_value() {
+        let secret = "sk-live-0123456789";
+        let wrong_type = format!("[[tenants]]\nname = \"acme\"\napi_keys = \"{secret}\"\n");
+        let unclosed = format!("[[tenants]]\nname = \"acme\"\napi_keys = [\"{secret}\"\n");
+        let bad_value = format!("[server]\nlisten = \"{secret}\"\n");
+        for doc in [wrong_type, unclosed, bad_value] {
+            let e = Config::from_toml(&doc).unwrap_err().to_string();
+            assert!(!e.contains(secret), "{e}");
+            assert!(
+                e.contains("api_keys") || e.contains("line") || e.contains("listen"),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
     fn empty_file_gives_defaults() {
