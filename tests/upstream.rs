@@ -240,7 +240,7 @@ impl ToolUpstream {
                     )
                         .into_response(),
                     "/v1/embeddings" => (
-                        [(header::CONTENT_TYPE, "application/json")],
+                        [(header::CONTENT_TYPE, "application/json"), (header::HeaderName::from_static("x-ratelimit-remaining-tokens"), "149000")],
                         r#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.25,-0.5]}]}"#,
                     )
                         .into_response(),
@@ -489,7 +489,10 @@ async fn passthrough_keeps_a_tenant_to_its_models() {
         async move { req.json(&body).send().await.unwrap() }
     };
     let ok = json!({"model": "text-embedding-3-small", "input": "hello"});
-    assert_eq!(embed("sk-narrow", ok.clone()).await.status(), 200);
+    let r = embed("sk-narrow", ok.clone()).await;
+    assert_eq!(r.status(), 200);
+    // The account's rate-limit headers would tell a tenant how much the others use.
+    assert!(r.headers().get("x-ratelimit-remaining-tokens").is_none());
     assert_eq!(up.seen().pop().unwrap(), ("/v1/embeddings".into(), ok));
     let other = json!({"model": "text-embedding-3-large", "input": "hello"});
     assert_openai_error(embed("sk-narrow", other.clone()).await, 404, Some("model")).await;
@@ -584,6 +587,8 @@ async fn listed_api_endpoints_pass_through_to_the_upstream() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(cache_status(&r), "bypass");
+    // Without tenants, the one client sees the account's rate limits.
+    assert_eq!(r.headers()["x-ratelimit-remaining-tokens"], "149000");
     let j: Value = r.json().await.unwrap();
     assert_eq!(j["data"][0]["embedding"], json!([0.25, -0.5]));
     assert_eq!(

@@ -147,6 +147,7 @@ pub async fn forward(
     let answer = tokio::time::timeout_at(headers_by, state.backend.forward(req))
         .await
         .map_err(|_| ApiError::Timeout)??;
+    let answer = for_the_caller(state, answer);
     let book = book.take();
     // A stream's first chunk may follow its headers after the whole prefill.
     let limits = match deadline {
@@ -160,6 +161,21 @@ pub async fn forward(
 }
 
 /// The `model` a JSON body names, if it is one that names one.
+/// The upstream's answer as this caller may see it: with tenants, the upstream account's
+/// rate-limit headers (`x-ratelimit-*`) are dropped, since they tell one tenant how much the
+/// others use of the account they share.
+fn for_the_caller(
+    state: &AppState,
+    mut answer: reprise_backend::Forwarded,
+) -> reprise_backend::Forwarded {
+    if !state.policies.load().tenants.is_empty() {
+        answer
+            .headers
+            .retain(|(name, _)| !name.starts_with("x-ratelimit-"));
+    }
+    answer
+}
+
 fn model_named(body: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]
     struct Named {
@@ -253,7 +269,7 @@ pub async fn passthrough_for(
             .map_err(|_| ApiError::Timeout)??;
         // Not a completion: no request metrics, no request log.
         Ok(upstream_response(
-            answer,
+            for_the_caller(state, answer),
             BodyLimits::None,
             Bookkeeping::detached(),
         ))
