@@ -108,6 +108,7 @@ impl KeyHasher {
             stop,
             presence_penalty,
             frequency_penalty,
+            max_completion_tokens_named: _,
         } = params;
         self.str(model);
         self.u64(max_tokens.map(u64::from));

@@ -328,6 +328,29 @@ async fn an_answer_cut_by_a_content_filter_is_never_cached() {
     assert_eq!(up.seen().len(), 4);
 }
 
+/// A cap the client names `max_completion_tokens` goes up under that name (reasoning models
+/// refuse `max_tokens`), one named `max_tokens` as `max_tokens`.
+#[tokio::test]
+async fn the_answer_cap_goes_upstream_under_the_name_it_came_with() {
+    let up = ToolUpstream::spawn().await;
+    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    for (i, field) in ["max_completion_tokens", "max_tokens"]
+        .into_iter()
+        .enumerate()
+    {
+        let mut body = json!({
+            "model": "up-model",
+            "messages": [{"role": "user", "content": format!("Question {i} {FILTERED}")}],
+        });
+        body[field] = json!(9);
+        assert_eq!(app.chat(&body, &[]).await.status(), 200);
+        let (_, sent) = up.seen().pop().unwrap();
+        assert_eq!(sent[field], 9, "{sent}");
+        let other = ["max_tokens", "max_completion_tokens"][usize::from(i == 1)];
+        assert!(sent.get(other).is_none(), "{sent}");
+    }
+}
+
 #[tokio::test]
 async fn requests_beyond_text_go_upstream_unchanged_and_are_never_cached() {
     let up = ToolUpstream::spawn().await;

@@ -105,6 +105,11 @@ pub struct SamplingParams {
     pub presence_penalty: Option<f32>,
     /// OpenAI frequency penalty.
     pub frequency_penalty: Option<f32>,
+    /// The client named `max_tokens` `max_completion_tokens` (chat): an upstream is sent it
+    /// under that name (reasoning models refuse `max_tokens`). Not part of the answer: the
+    /// cache does not tell the two apart.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub max_completion_tokens_named: bool,
 }
 
 /// Scheduling class of a request, highest first (the order of the variants). Waiting

@@ -227,7 +227,11 @@ fn body(req: &GenRequest) -> Value {
             b.insert(k.into(), v);
         }
     };
-    opt(&mut b, "max_tokens", p.max_tokens.map(|v| json!(v)));
+    let cap = match p.max_completion_tokens_named {
+        true => "max_completion_tokens",
+        false => "max_tokens",
+    };
+    opt(&mut b, cap, p.max_tokens.map(|v| json!(v)));
     opt(&mut b, "temperature", p.temperature.map(|v| json!(v)));
     opt(&mut b, "top_p", p.top_p.map(|v| json!(v)));
     opt(&mut b, "seed", p.seed.map(|v| json!(v)));
@@ -268,7 +272,9 @@ fn status_error(status: reqwest::StatusCode, retry_after: Option<u64>, body: &st
         .and_then(Value::as_str);
     match status.as_u16() {
         404 | 400 if code == Some("model_not_found") => BackendError::UnknownModel(message),
-        404 => BackendError::UnknownModel(message),
+        // Any other 404 is a path the upstream does not serve (a wrong `base_url`, a chat
+        // model asked on `/completions`): the upstream's fault, not the client's.
+        404 => BackendError::Unavailable(format!("upstream answered {status}: {message}")),
         429 => BackendError::Overloaded {
             retry_after_secs: retry_after.unwrap_or(1),
         },
@@ -447,7 +453,15 @@ impl Backend for OpenAiBackend {
             .json(&body(&req));
         // Preempted while the request is sent or its headers awaited: the slot goes to the
         // user at once, so the upstream request must stop too (it would run past the limit).
-        let sending = self.send(http);
+        // An upstream that does not know the model says so; the client hears the model it
+        // asked for.
+        let model = req.model.clone();
+        let sending = async move {
+            self.send(http).await.map_err(|e| match e {
+                BackendError::UnknownModel(_) => BackendError::UnknownModel(model),
+                e => e,
+            })
+        };
         let resp = match &preemption {
             None => sending.await?,
             Some(token) => tokio::select! {
@@ -672,6 +686,51 @@ mod tests {
             status_error(reqwest::StatusCode::BAD_GATEWAY, None, "x"),
             BackendError::Unavailable(_)
         ));
+        // A model the upstream does not have, against a path it does not serve.
+        let missing =
+            r#"{"error":{"message":"The model `gpt-9` does not exist","code":"model_not_found"}}"#;
+        assert!(matches!(
+            status_error(reqwest::StatusCode::NOT_FOUND, None, missing),
+            BackendError::UnknownModel(_)
+        ));
+        assert!(matches!(
+            status_error(reqwest::StatusCode::NOT_FOUND, None, "404 page not found"),
+            BackendError::Unavailable(_)
+        ));
+    }
+
+    /// The cap goes up under the name the client gave it: reasoning models refuse
+    /// `max_tokens` on chat.
+    #[test]
+    fn the_cap_keeps_the_name_it_came_with() {
+        let mut req = GenRequest {
+            model: "m".into(),
+            input: Input::Chat(vec![crate::ChatMessage::new("user", "hi")]),
+            params: crate::SamplingParams {
+                max_tokens: Some(7),
+                ..Default::default()
+            },
+            priority: Priority::Interactive,
+            extra: Default::default(),
+            backend: None,
+        };
+        let sent = body(&req);
+        assert_eq!(
+            (
+                sent["max_tokens"].clone(),
+                sent.get("max_completion_tokens")
+            ),
+            (json!(7), None)
+        );
+        req.params.max_completion_tokens_named = true;
+        let sent = body(&req);
+        assert_eq!(
+            (
+                sent["max_completion_tokens"].clone(),
+                sent.get("max_tokens")
+            ),
+            (json!(7), None)
+        );
     }
 
     #[test]

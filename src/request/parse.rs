@@ -53,9 +53,10 @@ fn completion_forward_field(r: &CompletionRequest) -> Option<Uncacheable> {
 /// The fields both endpoints' requests share, as (the backend request, stream, include
 /// usage, user, n). A macro because the two request types are separate wire types.
 macro_rules! shared_fields {
-    ($r:ident, $input:expr, $max_tokens:expr) => {{
+    ($r:ident, $input:expr, $max_tokens:expr, $named:expr) => {{
         let params = SamplingParams {
             max_tokens: $max_tokens,
+            max_completion_tokens_named: $named,
             temperature: $r.temperature,
             top_p: $r.top_p,
             seed: $r.seed,
@@ -159,8 +160,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                     name: m.name,
                 });
             }
+            let named = r.max_completion_tokens.is_some();
             let max_tokens = r.max_completion_tokens.or(r.max_tokens);
-            shared_fields!(r, Input::Chat(msgs), max_tokens)
+            shared_fields!(r, Input::Chat(msgs), max_tokens, named)
         }
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
@@ -185,7 +187,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                     ))
                 }
             };
-            shared_fields!(r, Input::Prompt(prompt), r.max_tokens)
+            shared_fields!(r, Input::Prompt(prompt), r.max_tokens, false)
         }
     };
     // `n > 1` went to `Forward` above.
