@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use reprise_backend::{BackendError, GenEvent};
+use reprise_backend::{BackendError, GenEvent, Priority};
 use reprise_cache::{Digest, EntryId};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -39,11 +39,14 @@ pub struct Flight {
     /// Invalidation tags of the requests that followed it, stored with its answer beside the
     /// leader's (a tag delete any of them asks for reaches the answer they were served).
     tags: Mutex<Vec<String>>,
+    /// The priority its generation was asked at.
+    priority: Priority,
 }
 
 impl Flight {
-    fn new(entry: Option<EntryId>) -> Arc<Self> {
+    fn new(entry: Option<EntryId>, priority: Priority) -> Arc<Self> {
         Arc::new(Flight {
+            priority,
             events: Mutex::new(Vec::new()),
             progress: watch::channel((0, None)).0,
             subscribers: Mutex::new(0),
@@ -84,11 +87,6 @@ impl Flight {
         self.progress.send_modify(|p| p.1 = Some(end));
     }
 
-    /// Whether [`Flight::end`] was called.
-    pub fn has_ended(&self) -> bool {
-        self.progress.borrow().1.is_some()
-    }
-
     /// Cancelled when the last subscriber left before the end.
     pub fn cancelled(&self) -> &CancellationToken {
         &self.cancel
@@ -122,8 +120,16 @@ impl Flight {
         Some(self.subscriber())
     }
 
-    fn is_ended(&self) -> bool {
+    /// Whether [`Flight::end`] was called.
+    pub fn is_ended(&self) -> bool {
         self.progress.borrow().1.is_some()
+    }
+
+    /// Whether a request at `priority` may follow it: one at a higher priority waits behind
+    /// a lower one's place in the backend's queue only once it started answering (until
+    /// then it leads its own generation, served in its own turn).
+    fn followable_by(&self, priority: Priority) -> bool {
+        self.priority <= priority || self.progress.borrow().0 > 0
     }
 
     /// Whether the flight is still under way: someone follows it and it is neither ended
@@ -227,15 +233,18 @@ pub enum Joined {
 
 impl Flights {
     /// Joins the running flight for `key`, or registers a new one for the caller to drive,
-    /// whose answer will be stored as `entry`.
-    pub fn join(&self, key: Digest, entry: EntryId) -> Joined {
+    /// whose answer will be stored as `entry`, generated at `priority`. A flight of a lower
+    /// priority that has not started answering is not joined: the caller leads another
+    /// (the first goes on, unregistered).
+    pub fn join(&self, key: Digest, entry: EntryId, priority: Priority) -> Joined {
         let mut map = self.map.lock();
         // A cancelled (or abandoned) flight is on its way out; start afresh rather than join
         // a corpse.
-        if let Some(sub) = map.get(&key).and_then(|f| f.follow()) {
+        let running = map.get(&key).filter(|f| f.followable_by(priority));
+        if let Some(sub) = running.and_then(|f| f.follow()) {
             return Joined::Follower(sub);
         }
-        let f = Flight::new(Some(entry));
+        let f = Flight::new(Some(entry), priority);
         let sub = f.subscribe();
         map.insert(key, f.clone());
         Joined::Leader(f, sub)
@@ -249,28 +258,31 @@ impl Flights {
         &self,
         key: Digest,
         entry: EntryId,
+        priority: Priority,
         admit: impl FnOnce() -> bool,
     ) -> Option<(Arc<Flight>, Subscriber)> {
         let mut map = self.map.lock();
         if map.get(&key).is_some_and(|f| f.is_live()) || !admit() {
             return None;
         }
-        let f = Flight::new(Some(entry));
+        let f = Flight::new(Some(entry), priority);
         let sub = f.subscribe();
         map.insert(key, f.clone());
         Some((f, sub))
     }
 
-    /// Follows the running flight for `key`, if there is one.
-    pub fn follow(&self, key: &Digest) -> Option<Subscriber> {
+    /// Follows the running flight for `key`, if there is one a request at `priority` may
+    /// follow (see [`Flights::join`]).
+    pub fn follow(&self, key: &Digest, priority: Priority) -> Option<Subscriber> {
         let map = self.map.lock();
-        map.get(key)?.follow()
+        map.get(key).filter(|f| f.followable_by(priority))?.follow()
     }
 
     /// A flight that is not shared (requests that must not be joined: `no-store`, background
     /// generations), stored as `entry` when it is stored at all.
     pub fn solo(&self, entry: Option<EntryId>) -> (Arc<Flight>, Subscriber) {
-        let f = Flight::new(entry);
+        // Never registered: nobody follows it, whatever its priority.
+        let f = Flight::new(entry, Priority::Interactive);
         let sub = f.subscribe();
         (f, sub)
     }
@@ -393,7 +405,7 @@ mod tests {
         let mut admitted = 0;
         let led: Vec<_> = (0..5)
             .filter_map(|i| {
-                flights.lead(key, EntryId(i), || {
+                flights.lead(key, EntryId(i), Priority::Interactive, || {
                     admitted += 1;
                     true
                 })
@@ -401,12 +413,19 @@ mod tests {
             .collect();
         assert_eq!((led.len(), admitted), (1, 1));
         // An identical miss follows the flight being led.
-        assert!(flights.follow(&key).is_some());
+        assert!(flights.follow(&key, Priority::Interactive).is_some());
         let (flight, _sub) = led.into_iter().next().unwrap();
         flight.end(End::Finished);
-        assert!(flights.lead(key, EntryId(9), || false).is_none(), "refused");
         assert!(
-            flights.lead(key, EntryId(9), || true).is_some(),
+            flights
+                .lead(key, EntryId(9), Priority::Interactive, || false)
+                .is_none(),
+            "refused"
+        );
+        assert!(
+            flights
+                .lead(key, EntryId(9), Priority::Interactive, || true)
+                .is_some(),
             "free again"
         );
     }
@@ -420,7 +439,8 @@ mod tests {
         let mut followed_cancelled = 0;
         for i in 0..20_000u32 {
             let key = [(i % 251) as u8; 32];
-            let Joined::Leader(_, leader) = flights.join(key, EntryId(1)) else {
+            let Joined::Leader(_, leader) = flights.join(key, EntryId(1), Priority::Interactive)
+            else {
                 panic!("a fresh key leads")
             };
             let barrier = Arc::new(std::sync::Barrier::new(2));
@@ -430,7 +450,7 @@ mod tests {
                 drop(leader);
             });
             barrier.wait();
-            let joined = flights.join(key, EntryId(2));
+            let joined = flights.join(key, EntryId(2), Priority::Interactive);
             leaving.join().unwrap();
             match joined {
                 Joined::Follower(sub) => {
@@ -454,11 +474,13 @@ mod tests {
     #[tokio::test]
     async fn late_joiner_replays_everything() {
         let flights = Flights::default();
-        let Joined::Leader(f, mut a) = flights.join([1; 32], EntryId(1)) else {
+        let Joined::Leader(f, mut a) = flights.join([1; 32], EntryId(1), Priority::Interactive)
+        else {
             panic!("first must lead")
         };
         f.push(GenEvent::Delta("a".into()));
-        let Joined::Follower(mut b) = flights.join([1; 32], EntryId(1)) else {
+        let Joined::Follower(mut b) = flights.join([1; 32], EntryId(1), Priority::Interactive)
+        else {
             panic!("second must follow")
         };
         f.push(GenEvent::Delta("b".into()));
@@ -480,10 +502,10 @@ mod tests {
     #[tokio::test]
     async fn last_subscriber_leaving_cancels() {
         let flights = Flights::default();
-        let Joined::Leader(f, a) = flights.join([2; 32], EntryId(2)) else {
+        let Joined::Leader(f, a) = flights.join([2; 32], EntryId(2), Priority::Interactive) else {
             panic!()
         };
-        let Joined::Follower(b) = flights.join([2; 32], EntryId(2)) else {
+        let Joined::Follower(b) = flights.join([2; 32], EntryId(2), Priority::Interactive) else {
             panic!()
         };
         drop(a);
@@ -492,7 +514,7 @@ mod tests {
         assert!(f.cancelled().is_cancelled());
         // A new request for the same key starts a fresh flight.
         assert!(matches!(
-            flights.join([2; 32], EntryId(2)),
+            flights.join([2; 32], EntryId(2), Priority::Interactive),
             Joined::Leader(..)
         ));
     }
@@ -501,7 +523,9 @@ mod tests {
     fn similar_questions_come_most_similar_first_and_only_from_their_partition() {
         let p = InFlightParaphrases::default();
         let v = |x: f32, y: f32| -> Arc<[f32]> { Arc::from(vec![x, y]) };
-        let flights: Vec<_> = (0..4).map(|i| Flight::new(Some(EntryId(i)))).collect();
+        let flights: Vec<_> = (0..4)
+            .map(|i| Flight::new(Some(EntryId(i)), Priority::Interactive))
+            .collect();
         p.register(&flights[0], [1; 32], [10; 32], "a".into(), v(1.0, 0.0));
         p.register(&flights[1], [1; 32], [11; 32], "b".into(), v(0.6, 0.8));
         p.register(&flights[2], [1; 32], [12; 32], "c".into(), v(0.0, 1.0));
@@ -516,12 +540,48 @@ mod tests {
         assert!(p.similar(&[3; 32], &[0.8, 0.6], 0.0).is_empty());
     }
 
+    /// A request does not wait in a lower priority's place: it leads its own generation
+    /// until the lower one started answering; one of the same or a lower priority follows.
+    #[test]
+    fn a_request_follows_a_lower_priority_flight_only_once_it_answers() {
+        let flights = Flights::default();
+        let Joined::Leader(batch, _leader) = flights.join([1; 32], EntryId(1), Priority::Batch)
+        else {
+            panic!("leads")
+        };
+        assert!(matches!(
+            flights.join([1; 32], EntryId(2), Priority::Background),
+            Joined::Follower(_)
+        ));
+        assert!(flights.follow(&[1; 32], Priority::Batch).is_some());
+        assert!(flights.follow(&[1; 32], Priority::Interactive).is_none());
+        batch.push(GenEvent::Delta("a".into()));
+        assert!(flights.follow(&[1; 32], Priority::Interactive).is_some());
+        // Before it answers, an interactive request leads; the batch flight goes on alone.
+        let flights = Flights::default();
+        let Joined::Leader(batch, _leader) = flights.join([2; 32], EntryId(3), Priority::Batch)
+        else {
+            panic!("leads")
+        };
+        let Joined::Leader(user, _user) = flights.join([2; 32], EntryId(4), Priority::Interactive)
+        else {
+            panic!("an interactive request leads its own")
+        };
+        flights.remove(&[2; 32], &batch);
+        assert!(flights.follow(&[2; 32], Priority::Interactive).is_some());
+        flights.remove(&[2; 32], &user);
+        assert!(flights.follow(&[2; 32], Priority::Interactive).is_none());
+    }
+
     /// A flight for a key whose earlier flight is still being written back keeps its
     /// registration when the earlier one ends.
     #[test]
     fn an_ending_flight_forgets_only_its_own_registration() {
         let p = InFlightParaphrases::default();
-        let (old, new) = (Flight::new(None), Flight::new(None));
+        let (old, new) = (
+            Flight::new(None, Priority::Interactive),
+            Flight::new(None, Priority::Interactive),
+        );
         let v: Arc<[f32]> = Arc::from(vec![1.0, 0.0]);
         p.register(&old, [1; 32], [10; 32], "a".into(), v.clone());
         p.register(&new, [1; 32], [10; 32], "a".into(), v);
@@ -534,7 +594,8 @@ mod tests {
     #[tokio::test]
     async fn failure_reaches_subscribers() {
         let flights = Flights::default();
-        let Joined::Leader(f, mut a) = flights.join([3; 32], EntryId(3)) else {
+        let Joined::Leader(f, mut a) = flights.join([3; 32], EntryId(3), Priority::Interactive)
+        else {
             panic!()
         };
         f.end(End::Failed(BackendError::Timeout));

@@ -199,7 +199,7 @@ pub(crate) fn revalidate(
     admit: impl FnOnce() -> bool,
 ) -> bool {
     let exact = plan.exact;
-    let Some((flight, mut sub)) = state.flights.lead(exact, plan.id, admit) else {
+    let Some((flight, mut sub)) = state.flights.lead(exact, plan.id, req.priority, admit) else {
         return false;
     };
     // A paraphrase asked meanwhile follows it, as it would follow a miss.

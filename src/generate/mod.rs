@@ -116,7 +116,7 @@ struct Settle {
 
 impl Drop for Settle {
     fn drop(&mut self) {
-        if !self.flight.has_ended() {
+        if !self.flight.is_ended() {
             let e = BackendError::Internal("the generation stopped unexpectedly".into());
             self.flight.end(End::Failed(e));
         }

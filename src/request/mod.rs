@@ -285,7 +285,15 @@ async fn serve(
     };
     // A generation already running for this question answers it at no cost to the backend:
     // followed before anything is degraded or charged.
-    let following = single_flight::follow(state, &found.plan, found.policy.as_ref(), access, book);
+    let priority = parsed.req.priority;
+    let following = single_flight::follow(
+        state,
+        &found.plan,
+        found.policy.as_ref(),
+        priority,
+        access,
+        book,
+    );
     let joined = match Box::pin(following).await {
         Some(joined) => joined,
         None => {

@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use reprise_backend::Priority;
 use reprise_cache::Digest;
 use reprise_policies::cache::Access;
 use reprise_policies::semantic::SemanticPolicy;
@@ -30,25 +31,27 @@ pub struct Joining {
 /// Follows a generation already running for the request's exact key, or for a paraphrase
 /// of it in its partition, if there is one: such a request costs the backend nothing, so it
 /// is neither degraded nor charged to the tenant's budget. Only a request that may write
-/// follows (one that may not runs its own generation).
+/// follows (one that may not runs its own generation), and only a generation of its own
+/// priority or higher, or one already answering (see [`crate::flight::Flights::join`]).
 pub async fn follow(
     state: &Arc<AppState>,
     plan: &WritePlan,
     policy: Option<&SemanticPolicy>,
+    priority: Priority,
     access: Access,
     book: &mut Bookkeeping,
 ) -> Option<Joining> {
     if !access.write {
         return None;
     }
-    if let Some(subscriber) = state.flights.follow(&plan.exact) {
+    if let Some(subscriber) = state.flights.follow(&plan.exact, priority) {
         state.metrics.singleflight_joins.increment(1);
         return Some(Joining {
             subscriber,
             similarity: None,
         });
     }
-    follow_paraphrase(state, plan, policy, access, book).await
+    follow_paraphrase(state, plan, policy, priority, access, book).await
 }
 
 /// A paraphrase of a question being generated right now waits for that answer.
@@ -56,6 +59,7 @@ async fn follow_paraphrase(
     state: &Arc<AppState>,
     plan: &WritePlan,
     policy: Option<&SemanticPolicy>,
+    priority: Priority,
     access: Access,
     book: &mut Bookkeeping,
 ) -> Option<Joining> {
@@ -69,7 +73,7 @@ async fn follow_paraphrase(
     };
     let found = paraphrase_in_flight(state, plan, policy, &partition, embedding).await;
     let (subscriber, sim) =
-        found.and_then(|(key, sim)| state.flights.follow(&key).map(|s| (s, sim)))?;
+        found.and_then(|(key, sim)| state.flights.follow(&key, priority).map(|s| (s, sim)))?;
     state.metrics.singleflight_joins.increment(1);
     book.outcome = Outcome::Semantic;
     book.record.similarity = Some(sim);
@@ -92,12 +96,15 @@ pub async fn join(
     book: &mut Bookkeeping,
 ) -> Joining {
     // A paraphrase in flight may have started since [`follow`] looked.
-    if let Some(joined) = follow_paraphrase(state, &plan, policy.as_ref(), access, book).await {
+    let priority = parsed.req.priority;
+    if let Some(joined) =
+        follow_paraphrase(state, &plan, policy.as_ref(), priority, access, book).await
+    {
         return joined;
     }
     let subscriber = if access.write {
         let exact = plan.exact;
-        match state.flights.join(exact, plan.id) {
+        match state.flights.join(exact, plan.id, priority) {
             Joined::Follower(sub) => {
                 state.metrics.singleflight_joins.increment(1);
                 sub
