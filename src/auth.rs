@@ -209,7 +209,7 @@ fn retry_after(not_until: &NotUntil<QuantaInstant>) -> u64 {
 }
 
 /// The scoped namespace `sub` of tenant `tenant`.
-fn scope(tenant: &str, sub: &str) -> String {
+pub(crate) fn scope(tenant: &str, sub: &str) -> String {
     format!("{tenant}{SCOPE_SEP}{sub}")
 }
 

@@ -49,6 +49,10 @@ const MAX_NODES: usize = 20_000;
 const MAX_CLUSTERS: usize = 4096;
 /// Namespaces kept; beyond this the least recently touched one is forgotten.
 const MAX_NAMESPACES: usize = 1024;
+/// Namespaces kept of one tenant while others' are held too (namespaces are picked by a
+/// header): beyond this its own least recently touched one is forgotten, so one tenant
+/// naming new namespaces cannot push the others' learned follow-ups out.
+const MAX_TENANT_NAMESPACES: usize = 256;
 /// Follow-ups kept per node and per cluster; beyond this the weakest is forgotten.
 const MAX_NEXT: usize = 64;
 /// Wordings kept per cluster; beyond this the least used one (never the representative)
@@ -256,14 +260,21 @@ impl Model {
     }
 
     fn namespace(&mut self, ns: &str, now_ms: u64) -> &mut Namespace {
-        if !self.namespaces.contains_key(ns) && self.namespaces.len() >= MAX_NAMESPACES {
-            if let Some(oldest) = self
-                .namespaces
-                .iter()
-                .min_by_key(|(_, n)| n.touched_ms)
-                .map(|(k, _)| k.clone())
-            {
-                self.namespaces.remove(&oldest);
+        if !self.namespaces.contains_key(ns) {
+            let tenant = crate::auth::scope_of(ns);
+            let own = |name: &&String| crate::auth::scope_of(name) == tenant;
+            let mine = self.namespaces.keys().filter(own).count();
+            let full = mine >= MAX_TENANT_NAMESPACES && mine < self.namespaces.len();
+            if full || self.namespaces.len() >= MAX_NAMESPACES {
+                if let Some(oldest) = self
+                    .namespaces
+                    .iter()
+                    .filter(|(name, _)| !full || own(name))
+                    .min_by_key(|(_, n)| n.touched_ms)
+                    .map(|(k, _)| k.clone())
+                {
+                    self.namespaces.remove(&oldest);
+                }
             }
         }
         let n = self.namespaces.entry(ns.to_string()).or_default();
@@ -436,6 +447,45 @@ fn forget_oldest(nodes: &mut HashMap<EntryId, Node>, n: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tenant naming ever new namespaces forgets its own oldest once it holds its share,
+    /// never another tenant's; alone, it may use them all.
+    #[test]
+    fn one_tenants_namespaces_never_push_anothers_out() {
+        let scoped = |tenant: &str, sub: usize| crate::auth::scope(tenant, &format!("n{sub}"));
+        let mut m = Model::with_budget(3600.0, 64 << 20);
+        m.observe(&scoped("beta", 0), EntryId(1), "q", None, 0, same_text);
+        for i in 0..MAX_NAMESPACES * 2 {
+            let now = 1 + i as u64;
+            m.observe(
+                &scoped("acme", i),
+                EntryId(2 + i as u128),
+                "q",
+                None,
+                now,
+                same_text,
+            );
+        }
+        assert!(m.namespaces.contains_key(&scoped("beta", 0)));
+        let acme = m
+            .namespaces
+            .keys()
+            .filter(|n| crate::auth::scope_of(n) == "acme");
+        assert_eq!(acme.count(), MAX_TENANT_NAMESPACES);
+        let mut alone = Model::with_budget(3600.0, 64 << 20);
+        for i in 0..MAX_NAMESPACES * 2 {
+            let now = i as u64;
+            alone.observe(
+                &scoped("acme", i),
+                EntryId(1 + i as u128),
+                "q",
+                None,
+                now,
+                same_text,
+            );
+        }
+        assert_eq!(alone.namespaces.len(), MAX_NAMESPACES);
+    }
 
     /// However many questions arrive, over however many namespaces, the model stays within
     /// its byte budget, keeping the most recently used.
