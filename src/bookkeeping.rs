@@ -100,11 +100,6 @@ impl Bookkeeping {
         self.detailed
     }
 
-    /// Whether the first token was recorded.
-    pub fn has_first_token(&self) -> bool {
-        self.first_token.is_some()
-    }
-
     /// Notes the first token (or the whole answer of a hit) as sent now; later calls do
     /// nothing.
     pub fn first_token(&mut self) {

@@ -189,6 +189,9 @@ const TOOL_STREAM: &str = concat!(
     "data: [DONE]\n\n",
 );
 
+/// What makes it answer a stream with comments only, for ever.
+const KEEP_ALIVE_ONLY: &str = "KEEP-ALIVE-ONLY";
+
 /// What it answers a question containing [`FILTERED`]: the start of an answer, cut by a
 /// content filter.
 const FILTERED: &str = "FILTERED";
@@ -227,6 +230,7 @@ impl ToolUpstream {
                 let body: Value = serde_json::from_slice(&body).unwrap_or(json!({"bytes": size}));
                 let stream = body["stream"] == json!(true);
                 let filtered = body.to_string().contains(FILTERED);
+                let idle = body.to_string().contains(KEEP_ALIVE_ONLY);
                 let path = uri.path().to_string();
                 record.lock().unwrap().push((uri.to_string(), body));
                 let given = headers
@@ -261,6 +265,18 @@ impl ToolUpstream {
                         r#"{"error":{"message":"input is required","type":"invalid_request_error","param":"input","code":null}}"#,
                     )
                         .into_response(),
+                    // Comments every 50 ms, and never an event.
+                    _ if idle && stream => {
+                        let comments = futures::stream::unfold((), |()| async {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            Some((Ok::<_, std::io::Error>(": keep-alive\n\n"), ()))
+                        });
+                        (
+                            [(header::CONTENT_TYPE, "text/event-stream")],
+                            axum::body::Body::from_stream(comments),
+                        )
+                            .into_response()
+                    }
                     _ if filtered => match stream {
                         true => ([(header::CONTENT_TYPE, "text/event-stream")], FILTER_STREAM).into_response(),
                         false => ([(header::CONTENT_TYPE, "application/json")], FILTER_ANSWER).into_response(),
@@ -349,6 +365,29 @@ async fn the_answer_cap_goes_upstream_under_the_name_it_came_with() {
         let other = ["max_tokens", "max_completion_tokens"][usize::from(i == 1)];
         assert!(sent.get(other).is_none(), "{sent}");
     }
+}
+
+/// A forwarded stream whose upstream only sends keep-alive comments is cut off at the
+/// first-token timeout: comments pass, but are no token.
+#[tokio::test]
+async fn a_forwarded_stream_of_comments_only_is_cut_off() {
+    let up = ToolUpstream::spawn().await;
+    let mut config = openai_config(up.base_url.clone());
+    config.server.first_token_timeout_secs = 1.0;
+    config.server.token_timeout_secs = 1.0;
+    let app = proxy_to(config).await;
+    let body = json!({
+        "model": "up-model",
+        "stream": true,
+        "messages": [{"role": "user", "content": format!("Weather? {KEEP_ALIVE_ONLY}")}],
+        // Forwarded (audio), by a field no other test here counts.
+        "modalities": ["text", "audio"],
+    });
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "bypass");
+    let read = tokio::time::timeout(Duration::from_secs(20), r.bytes()).await;
+    let body = read.expect("the stream ends");
+    assert!(body.is_err(), "cut off: {body:?}");
 }
 
 #[tokio::test]

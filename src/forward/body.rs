@@ -36,12 +36,22 @@ pub(super) enum BodyLimits {
     None,
     /// The whole body by then.
     Deadline(tokio::time::Instant),
-    /// A stream: its first chunk (its first token) by `first_by`, then at most `gap` between
-    /// two chunks.
+    /// A stream: its first event with data (its first token) by `first_by`, then at most
+    /// `gap` between two such events. Comment lines (`: keep-alive`) are passed on but meet
+    /// neither: an upstream that only keeps the connection open is cut off.
     Stream {
         first_by: tokio::time::Instant,
         gap: std::time::Duration,
     },
+}
+
+/// Whether a chunk of an event stream holds more than comment lines (`: keep-alive`) and
+/// blank ones. A line cut between two chunks counts as data in the second.
+fn carries_data(chunk: &[u8]) -> bool {
+    chunk
+        .split(|b| *b == b'\n')
+        .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
+        .any(|line| !line.is_empty() && !line.starts_with(b":"))
 }
 
 /// The client's response to a forwarded or passed-through request: the upstream's status,
@@ -67,19 +77,24 @@ pub(super) fn upstream_response(
     };
     let mut upstream = answer.body;
     let body = async_stream::stream! {
+        // When the stream's last data came (its first: the first token).
+        let mut data_at = None::<tokio::time::Instant>;
         loop {
-            let next = match limits {
-                BodyLimits::None => Ok(upstream.next().await),
-                BodyLimits::Deadline(d) => tokio::time::timeout_at(d, upstream.next()).await,
-                BodyLimits::Stream { first_by, .. } if !book.has_first_token() => {
+            let next = match (limits, data_at) {
+                (BodyLimits::None, _) => Ok(upstream.next().await),
+                (BodyLimits::Deadline(d), _) => tokio::time::timeout_at(d, upstream.next()).await,
+                (BodyLimits::Stream { first_by, .. }, None) => {
                     tokio::time::timeout_at(first_by, upstream.next()).await
                 }
-                BodyLimits::Stream { gap, .. } => tokio::time::timeout(gap, upstream.next()).await,
+                (BodyLimits::Stream { gap, .. }, Some(at)) => {
+                    tokio::time::timeout_at(at + gap, upstream.next()).await
+                }
             };
             match next {
                 Ok(Some(Ok(chunk))) => {
-                    if stream {
+                    if stream && carries_data(&chunk) {
                         book.first_token();
+                        data_at = Some(tokio::time::Instant::now());
                     }
                     yield Ok::<Bytes, std::io::Error>(chunk);
                 }
