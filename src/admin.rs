@@ -311,13 +311,18 @@ pub async fn delete_tag(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let deleted = match authorize(&state, &headers)? {
         Admin::Global => state.store.delete_tag(&tag).await.map_err(redis_error)?,
-        Admin::Tenant(t) => state
-            .store
-            .delete_where(|e| {
-                crate::auth::scope_of(&e.namespace) == t.name() && e.tags.contains(&tag)
-            })
-            .await
-            .map_err(redis_error)?,
+        Admin::Tenant(t) => {
+            // Answers of the tenant on their way with the tag are not stored after it.
+            let prefix = crate::auth::scope(t.name(), "");
+            state.store.fence_tag_within(&prefix, &tag);
+            state
+                .store
+                .delete_where(|e| {
+                    crate::auth::scope_of(&e.namespace) == t.name() && e.tags.contains(&tag)
+                })
+                .await
+                .map_err(redis_error)?
+        }
     };
     Ok(deleted_json(&state, deleted))
 }

@@ -499,6 +499,51 @@ async fn misses_spend_the_tenants_token_budget_and_hits_are_free() {
 }
 
 /// A tenant's admin token reaches its own tenant only.
+/// A tenant admin's tag delete wins over the tenant's answers with the tag that were being
+/// generated when it came: they are served, never stored. Another tenant's are stored.
+#[tokio::test]
+async fn a_tenants_tag_delete_wins_over_its_answers_on_their_way() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_ACME_TAG_ADMIN_TOKEN", "acme-tagger");
+    let mut config = tenants_config(true);
+    config.tenants[0].admin_token_env = Some("REPRISE_TEST_ACME_TAG_ADMIN_TOKEN".into());
+    let script = ScriptConfig {
+        first_token_delay: std::time::Duration::from_millis(800),
+        ..ScriptConfig::default()
+    };
+    let (app, _backend) = spawn_fake(config, script).await;
+    let ask = |key: &'static str, cache: Option<&'static str>| {
+        let app = &app;
+        async move {
+            let key = bearer(key);
+            let mut h = vec![
+                ("authorization", key.as_str()),
+                ("x-reprise-tags", "pricing"),
+            ];
+            if let Some(c) = cache {
+                h.push(("cache-control", c));
+            }
+            cache_status(&app.chat(&chat_body("What does the plan cost?"), &h).await)
+        }
+    };
+    let delete = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        app.client
+            .delete(app.url("/admin/tags/pricing"))
+            .bearer_auth("acme-tagger")
+            .send()
+            .await
+            .unwrap()
+            .status()
+    };
+    let (acme, beta, deleted) = tokio::join!(ask("sk-acme", None), ask("sk-beta", None), delete);
+    assert_eq!((acme.as_str(), beta.as_str()), ("miss", "miss"));
+    assert_eq!(deleted, 200);
+    // Only if cached: an error where nothing is stored.
+    assert_eq!(ask("sk-acme", Some("only-if-cached")).await, "error");
+    assert_eq!(ask("sk-beta", Some("only-if-cached")).await, "exact");
+}
+
 #[tokio::test]
 async fn a_tenants_admin_token_reaches_only_its_tenant() {
     // The variable names are unique to this test, so no other test reads or writes them.

@@ -48,6 +48,9 @@ const FENCES_MAX: u64 = 10_000;
 struct Fences {
     namespaces: moka::sync::Cache<String, u64>,
     tags: moka::sync::Cache<String, u64>,
+    /// Tags deleted within the namespaces that start with a prefix (one tenant's), by tag:
+    /// the prefixes and when.
+    scoped_tags: moka::sync::Cache<String, Arc<Vec<(String, u64)>>>,
 }
 
 impl Default for Fences {
@@ -61,6 +64,10 @@ impl Default for Fences {
         Fences {
             namespaces: cache(),
             tags: cache(),
+            scoped_tags: moka::sync::Cache::builder()
+                .max_capacity(FENCES_MAX)
+                .time_to_live(FENCE_TTL)
+                .build(),
         }
     }
 }
@@ -208,6 +215,23 @@ impl Store {
         self.fences.tags.insert(tag.to_string(), now_ms());
     }
 
+    /// [`Store::fence_tag`] within the namespaces that start with `prefix` (a tenant's tag
+    /// delete: another tenant's answers with the tag are not held back).
+    pub fn fence_tag_within(&self, prefix: &str, tag: &str) {
+        let now = now_ms();
+        self.fences
+            .scoped_tags
+            .entry(tag.to_string())
+            .and_upsert_with(|held| {
+                let mut fences: Vec<(String, u64)> = held
+                    .map(|e| e.into_value().as_ref().clone())
+                    .unwrap_or_default();
+                fences.retain(|(p, _)| p != prefix);
+                fences.push((prefix.to_string(), now));
+                Arc::new(fences)
+            });
+    }
+
     /// Whether `entry`'s generation started before a delete of its namespace or of one of its
     /// tags: the delete must win over an answer that was on its way.
     fn fenced(&self, entry: &Entry) -> bool {
@@ -215,11 +239,18 @@ impl Store {
         // Strictly after: at millisecond resolution, a question asked right after a delete
         // may start in the delete's own millisecond, and its answer is a new one.
         let after = |at: Option<u64>| at.is_some_and(|at| at > started);
+        let scoped = |tag: &str| {
+            self.fences.scoped_tags.get(tag).is_some_and(|fences| {
+                fences
+                    .iter()
+                    .any(|(prefix, at)| entry.namespace.starts_with(prefix) && after(Some(*at)))
+            })
+        };
         after(self.fences.namespaces.get(entry.namespace.as_str()))
             || entry
                 .tags
                 .iter()
-                .any(|t| after(self.fences.tags.get(t.as_str())))
+                .any(|t| after(self.fences.tags.get(t.as_str())) || scoped(t))
     }
 
     /// How long expired entries are kept past their expiry, to be served stale.
