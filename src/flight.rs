@@ -109,15 +109,22 @@ impl Flight {
     }
 
     /// A new subscriber, unless the flight is over: ended, cancelled, or left by its last
-    /// subscriber (about to be cancelled). Decided under the lock a leaving subscriber takes,
-    /// so a request never follows a flight its last client is leaving.
+    /// subscriber before its answer was whole (about to be cancelled). Decided under the lock
+    /// a leaving subscriber takes, so a request never follows a flight its last client is
+    /// leaving. A whole answer being written back is followed (replayed at once), so a
+    /// request arriving then is not generated again.
     fn follow(self: &Arc<Self>) -> Option<Subscriber> {
         let mut n = self.subscribers.lock();
-        if *n == 0 || self.cancel.is_cancelled() || self.is_ended() {
+        if self.cancel.is_cancelled() || self.is_ended() || (*n == 0 && !self.answered()) {
             return None;
         }
         *n += 1;
         Some(self.subscriber())
+    }
+
+    /// Whether its answer is whole (the finish event is recorded), written back or not.
+    fn answered(&self) -> bool {
+        matches!(self.events.lock().last(), Some(GenEvent::Finish { .. }))
     }
 
     /// Whether [`Flight::end`] was called.
@@ -211,7 +218,8 @@ impl Drop for Subscriber {
     fn drop(&mut self) {
         let mut n = self.flight.subscribers.lock();
         *n -= 1;
-        if *n == 0 && !self.flight.is_ended() {
+        // A whole answer is written back whoever is left to read it.
+        if *n == 0 && !self.flight.is_ended() && !self.flight.answered() {
             self.flight.cancel.cancel();
         }
     }
@@ -538,6 +546,46 @@ mod tests {
         p.remove(&[1; 32], &flights[0]);
         assert_eq!(p.similar(&[1; 32], &[0.8, 0.6], 0.5).len(), 2);
         assert!(p.similar(&[3; 32], &[0.8, 0.6], 0.0).is_empty());
+    }
+
+    /// The last client leaving once the answer is whole cancels nothing, and a request
+    /// arriving while it is written back follows it instead of generating it again.
+    #[tokio::test]
+    async fn a_whole_answer_is_followed_while_it_is_written_back() {
+        let flights = Flights::default();
+        let Joined::Leader(f, mut leader) =
+            flights.join([1; 32], EntryId(1), Priority::Interactive)
+        else {
+            panic!("leads")
+        };
+        f.push(GenEvent::Delta("answer".into()));
+        f.push(GenEvent::Finish {
+            reason: FinishReason::Stop,
+            usage: Usage::default(),
+        });
+        assert!(matches!(leader.next().await, Some(Ok(GenEvent::Delta(_)))));
+        drop(leader);
+        assert!(!f.cancelled().is_cancelled());
+        let mut late = flights
+            .follow(&[1; 32], Priority::Interactive)
+            .expect("follows");
+        assert!(matches!(late.next().await, Some(Ok(GenEvent::Delta(_)))));
+        assert!(matches!(
+            late.next().await,
+            Some(Ok(GenEvent::Finish { .. }))
+        ));
+        drop(late);
+        f.end(End::Finished);
+        assert!(flights.follow(&[1; 32], Priority::Interactive).is_none());
+        // Left before its answer was whole: cancelled, and not followed.
+        let Joined::Leader(g, leader) = flights.join([2; 32], EntryId(2), Priority::Interactive)
+        else {
+            panic!("leads")
+        };
+        g.push(GenEvent::Delta("half".into()));
+        drop(leader);
+        assert!(g.cancelled().is_cancelled());
+        assert!(flights.follow(&[2; 32], Priority::Interactive).is_none());
     }
 
     /// A request does not wait in a lower priority's place: it leads its own generation
