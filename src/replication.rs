@@ -17,11 +17,14 @@ use tokio_util::task::TaskTracker;
 
 use crate::state::AppState;
 
-/// Reads of the shared policies tried before giving up until the next event or resync: the
-/// first commands after Redis comes back may still fail.
-const POLICY_READS: u32 = 5;
-/// Wait before the second read; doubled for each further one.
-const POLICY_RETRY: Duration = Duration::from_millis(100);
+/// Wait before a second try of a catch-up or a policy read that Redis did not answer (the
+/// first commands after Redis comes back may still fail, and its circuit breaker may still
+/// be open); doubled for each further try, up to [`RETRY_MAX`]. They are tried until they
+/// succeed: a replica that gave up would serve what other replicas deleted, or keys they
+/// revoked, until the next event.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// Longest wait between two tries.
+const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Starts the replication task of `state` (which must have a Redis tier); it ends when `stop`
 /// is cancelled or the state is dropped.
@@ -81,38 +84,51 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
 }
 
 /// Applies the shared policies if they are newer (a version published before the
-/// subscription, or while events were missed), then rebuilds.
+/// subscription, or while events were missed), then rebuilds; the rebuild is tried again
+/// until it went through (the events it stands for are gone from the stream).
 async fn catch_up(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<String>) {
     sync_policies(weak).await;
-    rebuild(weak, redis, epoch).await;
+    let mut wait = RETRY_FIRST;
+    while weak.strong_count() > 0 && !rebuild(weak, redis, epoch).await {
+        tracing::warn!(
+            retry_in_ms = wait.as_millis() as u64,
+            "catching up with redis failed; trying again"
+        );
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(RETRY_MAX);
+    }
 }
 
-/// [`crate::policy::sync`], tried again a few times while Redis does not answer.
+/// [`crate::policy::sync`], tried again while Redis does not answer.
 async fn sync_policies(weak: &Weak<AppState>) {
-    let mut wait = POLICY_RETRY;
-    for _ in 0..POLICY_READS {
+    let mut wait = RETRY_FIRST;
+    loop {
         let Some(state) = weak.upgrade() else { return };
         if crate::policy::sync(&state).await {
             return;
         }
         drop(state);
         tokio::time::sleep(wait).await;
-        wait *= 2;
+        wait = (wait * 2).min(RETRY_MAX);
     }
 }
 
 /// Drops what Redis no longer holds (deletes this replica may have missed), then loads every
 /// live entry from Redis into memory and the index. When Redis lost its data since the last
 /// look (its epoch changed: a restart without persistence), nothing it lacks was deleted:
-/// this replica writes what it holds back instead of dropping it.
-async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<String>) {
+/// this replica writes what it holds back instead of dropping it. Whether it went through
+/// (`false`: Redis failed a step; the caller tries again).
+async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<String>) -> bool {
     let started = std::time::Instant::now();
     tracing::info!("rebuilding the index from redis");
-    let now = redis.epoch().await.ok();
-    let wiped = matches!((&*epoch, &now), (Some(before), Some(now)) if before != now);
-    if now.is_some() {
-        *epoch = now;
-    }
+    let now = match redis.epoch().await {
+        Ok(now) => now,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read redis's epoch");
+            return false;
+        }
+    };
+    let wiped = matches!(&*epoch, Some(before) if *before != now);
     if let Some(state) = weak.upgrade() {
         if wiped {
             match state.store.reseed().await {
@@ -120,17 +136,27 @@ async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<St
                     entries = n,
                     "redis lost its data; wrote back what this replica holds"
                 ),
-                Err(e) => tracing::warn!(error = %e, "could not write entries back to redis"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not write entries back to redis");
+                    return false;
+                }
             }
         } else {
             match state.store.drop_absent().await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(entries = n, "dropped entries deleted in redis meanwhile"),
-                Err(e) => tracing::warn!(error = %e, "could not check held entries against redis"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not check held entries against redis");
+                    return false;
+                }
             }
         }
     }
-    let Some(state) = weak.upgrade() else { return };
+    // Only once what it stands for is done: a failed write-back is tried again as one.
+    *epoch = Some(now);
+    let Some(state) = weak.upgrade() else {
+        return true;
+    };
     // Streamed: one page of entries at a time from Redis into memory, up to what memory
     // holds (the rest stays in Redis, found there on demand).
     let (pages, receive) = tokio::sync::mpsc::channel(2);
@@ -144,8 +170,8 @@ async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<St
     let total = match scanned {
         Ok(n) => n,
         Err(e) => {
-            tracing::warn!(error = %e, "index rebuild from redis failed; will retry on resync");
-            return;
+            tracing::warn!(error = %e, "index rebuild from redis failed");
+            return false;
         }
     };
     if loaded.stopped_at_budget {
@@ -164,4 +190,5 @@ async fn rebuild(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<St
         seconds = started.elapsed().as_secs_f64(),
         "index rebuilt from redis"
     );
+    true
 }

@@ -126,6 +126,102 @@ async fn a_replica_lagging_past_the_trimmed_stream_honours_every_delete() {
     assert_eq!(backend.calls(), 3);
 }
 
+/// A replica whose catch-up fails (its circuit breaker still open when it learns it missed
+/// events) tries again until it goes through: the deletes it missed are honoured.
+#[tokio::test]
+async fn a_catch_up_that_fails_is_tried_again() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let a = spawn_replica(redis_config(redis.url()), Arc::new(backend.clone())).await;
+    let mut slow = redis_config(redis.url());
+    slow.redis.breaker_cooldown_ms = 15_000;
+    let b = spawn_replica(slow, Arc::new(backend.clone())).await;
+    let (deleted, kept) = (
+        "How do I reset my password?",
+        "What is the capital of France?",
+    );
+    for q in [deleted, kept] {
+        assert_eq!(cache_status(&a.chat(&chat_body(q), &[]).await), "miss");
+    }
+    assert!(
+        eventually(Duration::from_secs(20), || held(&b, deleted).is_some()
+            && held(&b, kept).is_some())
+        .await
+    );
+    // B's consumer stalls while its events are trimmed away behind a delete (as above).
+    let guard = b.state.policy_change.lock().await;
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut pipe = redis::pipe();
+    pipe.add_command(
+        redis::cmd("XADD")
+            .arg("reprise:events")
+            .arg("*")
+            .arg("op")
+            .arg("policies")
+            .arg("version")
+            .arg("1000000")
+            .arg("ns")
+            .arg("")
+            .arg("origin")
+            .arg("another-replica")
+            .clone(),
+    );
+    for _ in 0..1_400 {
+        pipe.add_command(
+            redis::cmd("XADD")
+                .arg("reprise:events")
+                .arg("*")
+                .arg("op")
+                .arg("put")
+                .arg("id")
+                .arg(reprise_cache::EntryId::random().to_string())
+                .arg("ns")
+                .arg("elsewhere")
+                .arg("origin")
+                .arg("another-replica")
+                .clone(),
+        );
+    }
+    let _: Vec<String> = pipe.query_async(&mut c).await.unwrap();
+    assert!(a
+        .state
+        .store
+        .delete(held(&a, deleted).unwrap())
+        .await
+        .unwrap());
+    let _: u64 = redis::cmd("XTRIM")
+        .arg("reprise:events")
+        .arg("MAXLEN")
+        .arg(0)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    // Redis stops answering for a moment: B's reads time out and its breaker opens, for
+    // longer than a few quick tries would wait.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1_500)
+        .arg("ALL")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let tier = b.state.store.redis().unwrap().clone();
+    for _ in 0..6 {
+        assert!(tier.get(reprise_cache::EntryId::random()).await.is_err());
+    }
+    drop(guard);
+    assert!(
+        eventually(Duration::from_secs(40), || held(&b, deleted).is_none()).await,
+        "B still serves the deleted entry (rebuilds {})",
+        b.state.rebuilds.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    assert!(held(&b, kept).is_some());
+}
+
 /// Redis killed and restarted while clients send requests concurrently: every request is
 /// answered (200, a complete body), and writes reach Redis again once it is back.
 #[tokio::test]
