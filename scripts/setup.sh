@@ -12,8 +12,15 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 # cmake + clang/libclang build llama.cpp and its bindings; redis-server is started by the tests;
 # procps gives `kill`, with which one test sends SIGHUP; prometheus brings promtool, which
 # checks the metrics exposition (tests/metrics.rs); chromium is the headless browser the
-# dashboard's tests drive (tests/dashboard.rs; `CHROME` names another Chrome or Chromium).
-PKGS="cmake clang libclang-dev redis-server redis-tools python3-pip procps prometheus chromium"
+# dashboard's tests drive (tests/dashboard.rs; `CHROME` names another Chrome or Chromium):
+# Debian's package is `chromium`, Ubuntu's `chromium-browser`; none is installed when one is
+# there already or `CHROME` names one.
+BROWSER=chromium
+if [ -r /etc/os-release ] && grep -qx 'ID=ubuntu' /etc/os-release; then BROWSER=chromium-browser; fi
+if [ -n "${CHROME:-}" ] || command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then
+  BROWSER=""
+fi
+PKGS="cmake clang libclang-dev redis-server redis-tools python3-pip procps prometheus $BROWSER"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -93,7 +93,7 @@ pub struct ServerConfig {
     /// Largest accepted request body in bytes; larger bodies get 413.
     pub max_body_bytes: usize,
     /// Longest a client may take to send a request body, in seconds (408 after that). The
-    /// body is read only once the caller is known (a missing or unknown key is a 401 before
+    /// body is read only once the caller is known (with `[auth] required`, a missing or unknown key is a 401 before
     /// it), and a client that trickles its body holds a connection at most this long.
     pub body_timeout_secs: f64,
     /// Longest a request may take, in seconds, counted from its arrival: a non-streaming

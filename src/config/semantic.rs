@@ -109,9 +109,11 @@ pub struct SemanticConfig {
     /// Answers at least this similar are judged the same answer.
     pub answer_threshold: f32,
     /// The share of semantic hits checked in the background: the backend answers the
-    /// question afresh (at background priority, only while no client request is running,
-    /// one at a time, within `verify_tokens_per_minute`; a check that does not fit is
-    /// skipped, never queued) and a judge decides whether the cached answer serves it.
+    /// question afresh (at background priority, on a spare slot within
+    /// `prefetch.max_capacity_share`, or only while no client request is running where the
+    /// backend does not tell its capacity; one at a time, within `verify_tokens_per_minute`;
+    /// a check that does not fit is skipped, never queued) and a judge decides whether the
+    /// cached answer serves it.
     pub verify_hits: f64,
     /// The judge: `similarity` (the two answers' embeddings, `answer_threshold`) or `prompt`
     /// (the backend is asked whether the cached answer serves the question as well as its
