@@ -107,6 +107,34 @@ async fn a_change_against_an_old_version_is_refused() {
     );
 }
 
+/// Every `[semantic]` key the README lists changes live, and `GET` shows it.
+#[tokio::test]
+async fn the_context_keys_of_semantic_change_live() {
+    let mut config = admin_config();
+    config.semantic.enabled = true;
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let doc =
+        "[semantic]\nstandalone = false\ncontext_equivalence = true\nfollowup_threshold = 0.8\n";
+    assert_eq!(put(&app, doc).await.status(), 200);
+    let semantic = policies(&app).await["semantic"].clone();
+    assert_eq!(semantic["standalone"], false, "{semantic}");
+    assert_eq!(semantic["context_equivalence"], true, "{semantic}");
+    assert_eq!(semantic["followup_threshold"].as_f64().unwrap() as f32, 0.8);
+    let running = app.state.policies.load();
+    assert!(!running.semantic.standalone && running.semantic.context_equivalence);
+    drop(running);
+    // Back to `threshold`; the rest stays.
+    assert_eq!(
+        put(&app, "[semantic]\nfollowup_threshold = -1\n")
+            .await
+            .status(),
+        200
+    );
+    let semantic = policies(&app).await["semantic"].clone();
+    assert!(semantic["followup_threshold"].is_null(), "{semantic}");
+    assert_eq!(semantic["context_equivalence"], true, "{semantic}");
+}
+
 #[tokio::test]
 async fn a_threshold_change_takes_effect_on_the_next_request_and_keeps_the_cache() {
     let mut config = admin_config();

@@ -81,6 +81,14 @@ impl Policies {
             c.semantic.threshold = s.threshold.unwrap_or(c.semantic.threshold);
             c.semantic.top_k = s.top_k.unwrap_or(c.semantic.top_k);
             c.semantic.gate = s.gate.unwrap_or(c.semantic.gate);
+            c.semantic.standalone = s.standalone.unwrap_or(c.semantic.standalone);
+            c.semantic.context_equivalence = s
+                .context_equivalence
+                .unwrap_or(c.semantic.context_equivalence);
+            if let Some(t) = s.followup_threshold {
+                // A negative number takes it back to `threshold`.
+                c.semantic.followup_threshold = (t >= 0.0).then_some(t);
+            }
             c.semantic.rules = s.rules.unwrap_or(c.semantic.rules);
         }
         c.auth = doc.auth.unwrap_or(c.auth);
@@ -165,6 +173,9 @@ impl Policies {
                 "threshold": p.threshold,
                 "top_k": p.top_k,
                 "gate": p.gate,
+                "standalone": p.standalone,
+                "context_equivalence": p.context_equivalence,
+                "followup_threshold": self.config.semantic.followup_threshold,
                 "rules": self.rules.iter().map(rule_view).collect::<Vec<_>>(),
             },
             "auth": {"required": self.config.auth.required},
@@ -271,6 +282,12 @@ pub struct SemanticDocument {
     pub top_k: Option<usize>,
     /// `semantic.gate`.
     pub gate: Option<bool>,
+    /// `semantic.standalone`.
+    pub standalone: Option<bool>,
+    /// `semantic.context_equivalence`.
+    pub context_equivalence: Option<bool>,
+    /// `semantic.followup_threshold` (a negative number: none, `threshold` applies).
+    pub followup_threshold: Option<f32>,
     /// `[[semantic.rules]]` (the whole list).
     pub rules: Option<Vec<Rule>>,
 }
@@ -290,6 +307,9 @@ impl PolicyDocument {
                 threshold: Some(s.threshold),
                 top_k: Some(s.top_k),
                 gate: Some(s.gate),
+                standalone: Some(s.standalone),
+                context_equivalence: Some(s.context_equivalence),
+                followup_threshold: Some(s.followup_threshold.unwrap_or(-1.0)),
                 rules: Some(s.rules.clone()),
             }),
             auth: Some(c.auth.clone()),
