@@ -516,9 +516,19 @@ impl Store {
             // Only over the entry Redis still holds (one another replica deleted meanwhile,
             // its event not read here yet, stays deleted), merged with the refusals it has.
             match redis.update(&entry).await {
-                Ok(_) => {}
+                Ok(true) => {}
+                // Gone from Redis: deleted elsewhere (or expired, or evicted there). Put back
+                // here, its keys would serve it again; it goes here too.
+                Ok(false) => {
+                    self.remove_local(entry.id).await;
+                    return;
+                }
                 Err(e) => tracing::warn!(error = %e, id = %entry.id, "redis: update not written"),
             }
+        }
+        // Deleted here while Redis was asked (its delete event read meanwhile).
+        if self.was_deleted(entry.id) {
+            return;
         }
         self.memory.insert_entry(entry).await;
     }

@@ -941,6 +941,24 @@ async fn replica(
     )
 }
 
+/// A changed copy (a refusal added) of an entry another replica deleted meanwhile is not put
+/// back: the replica drops it too, so its keys do not serve it again.
+#[tokio::test]
+async fn an_update_of_an_entry_deleted_elsewhere_drops_it() {
+    let server = RedisServer::start();
+    let (a, b) = (
+        replica(&server, "a", None, Duration::ZERO).await,
+        replica(&server, "b", None, Duration::ZERO).await,
+    );
+    let e = Arc::new(entry("ns", "an answer", 60_000));
+    a.insert(e.clone(), &[digest(1)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    assert!(b.delete(e.id).await.unwrap());
+    a.update(e.clone()).await;
+    let (found, _) = a.find(&digest(1), |_| true).await;
+    assert!(found.fresh().is_none(), "the deleted entry came back");
+}
+
 /// An alias to a key no answer claims yet does not overwrite, in Redis, an answer another
 /// replica holds for it (that replica's answer was generated for the key), but takes a key
 /// whose answer is gone.
