@@ -159,10 +159,10 @@ impl Responses {
             return Some(s);
         }
         let redis = state.store.redis()?;
-        let bytes = redis.get_blob(&blob_name(id)).await.ok()??;
-        if bytes.len() > MAX_RECORD_BYTES {
-            return None;
-        }
+        let bytes = redis
+            .get_blob(&blob_name(id), MAX_RECORD_BYTES)
+            .await
+            .ok()??;
         serde_json::from_slice(&bytes).ok().map(Arc::new)
     }
 }

@@ -527,7 +527,7 @@ async fn refresh_ahead_renews_a_hot_entry_before_expiry() {
 /// The counts saved in Redis, if any.
 async fn saved_counts(tier: &RedisTier) -> Option<Snapshot> {
     let bytes = tier
-        .get_blob(reprise::prefetch::BLOB_NAME)
+        .get_blob(reprise::prefetch::BLOB_NAME, usize::MAX)
         .await
         .expect("redis answers")?;
     Some(serde_json::from_slice(&bytes).expect("saved counts decode"))

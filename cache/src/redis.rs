@@ -467,16 +467,29 @@ return redis.call('GET', KEYS[1])";
         .await
     }
 
-    /// The value stored by [`RedisTier::put_blob`] under `name`, if any.
-    pub async fn get_blob(&self, name: &str) -> Result<Option<Vec<u8>>, RedisError> {
+    /// The value stored by [`RedisTier::put_blob`] under `name`, if any and at most
+    /// `max_bytes` long (a longer one is absent: skipped and counted, never read).
+    pub async fn get_blob(
+        &self,
+        name: &str,
+        max_bytes: usize,
+    ) -> Result<Option<Vec<u8>>, RedisError> {
         let key = self.shared.keys.blob(name);
-        let cmd = ::redis::cmd("GET").arg(&key).clone();
+        let cmd = ::redis::cmd("EVAL")
+            .arg(shared::CAPPED_GET)
+            .arg(1)
+            .arg(&key)
+            .arg(max_bytes)
+            .clone();
         match self
             .shared
-            .run(Op::Get, |c| async move { c.query(&cmd).await })
+            .run(
+                Op::Get,
+                |c| async move { c.query::<shared::Capped>(&cmd).await },
+            )
             .await
         {
-            Ok(raw) => Ok(raw),
+            Ok(got) => Ok(self.shared.uncap(&key, got)),
             Err(e) if is_wrong_type(&e) => {
                 self.shared.skip(&key, "not a string");
                 Ok(None)

@@ -289,6 +289,29 @@ async fn values_over_the_size_cap_read_as_absent() {
     let scanned = t.scan_entries(|_| {}).await.unwrap();
     assert_eq!(scanned.len(), 1, "a scan skips it too");
 
+    // Named values: read within the caller's cap; taken within the tier's (and spent
+    // either way).
+    assert!(t.put_blob("model", vec![b'm'; 100]));
+    assert!(t.put_blob("record", vec![b'r'; 10_000]));
+    t.flush().await.unwrap();
+    assert_eq!(t.get_blob("model", 10).await.unwrap(), None);
+    assert_eq!(
+        t.get_blob("model", 100).await.unwrap(),
+        Some(vec![b'm'; 100])
+    );
+    assert_eq!(
+        t.take_blob("record", b"spent".to_vec()).await.unwrap(),
+        None
+    );
+    assert_eq!(
+        t.get_blob("record", 4096).await.unwrap(),
+        Some(b"spent".to_vec())
+    );
+    assert_eq!(
+        t.take_blob("model", b"spent".to_vec()).await.unwrap(),
+        Some(vec![b'm'; 100])
+    );
+
     // A key holding something longer than an id.
     let mut c = raw(&server.url()).await;
     let key = format!("reprise:k:{}", blake3::Hash::from(digest(3)).to_hex());

@@ -405,7 +405,9 @@ impl Shared {
     }
 
     async fn restore(&self, tier: &RedisTier) -> Result<usize, RedisError> {
-        let Some(bytes) = tier.get_blob(BLOB_NAME).await? else {
+        // Saved as JSON: a few times the model's own budget at most.
+        let max = usize::try_from(self.cfg.model_bytes.saturating_mul(4)).unwrap_or(usize::MAX);
+        let Some(bytes) = tier.get_blob(BLOB_NAME, max).await? else {
             return Ok(0);
         };
         match serde_json::from_slice::<Snapshot>(&bytes) {

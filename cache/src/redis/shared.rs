@@ -18,7 +18,7 @@ use crate::entry::{Entry, EntryId};
 
 /// Reads a value only when it is at most `ARGV[1]` bytes long: returns the value, nil when
 /// absent, or its length when longer (never sent). One key, so it runs on a cluster too.
-const CAPPED_GET: &str = "\
+pub(super) const CAPPED_GET: &str = "\
 local n = redis.call('STRLEN', KEYS[1])
 if n == 0 then return false end
 if n > tonumber(ARGV[1]) then return n end

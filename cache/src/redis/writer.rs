@@ -165,11 +165,16 @@ pub(super) enum Admin {
 }
 
 /// Replaces a value that is there with `ARGV[1]`, keeping its lifetime, and returns what it
-/// was (`false`: nothing there, nothing written). One key.
+/// was (`false`: nothing there, nothing written; its length when over `ARGV[2]` bytes: taken,
+/// never sent). One key.
 const TAKE_SCRIPT: &str = "\
-local held = redis.call('GET', KEYS[1])
-if held then redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL') end
-return held";
+local n = redis.call('STRLEN', KEYS[1])
+if n == 0 then return false end
+local held = false
+if n <= tonumber(ARGV[2]) then held = redis.call('GET', KEYS[1]) end
+redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
+if held then return held end
+return n";
 
 /// Replaces an entry's value only if it is still the one read (`ARGV[1]`), keeping its
 /// lifetime: `1` when written, `0` when it changed meanwhile or is gone. One key.
@@ -629,16 +634,20 @@ impl Shared {
                     .arg(1)
                     .arg(&key)
                     .arg(replacement)
+                    .arg(self.max_value_bytes)
                     .clone();
                 let result = match self
-                    .run(Op::Put, |c| async move { c.query(&cmd).await })
+                    .run(Op::Put, |c| async move {
+                        c.query::<super::shared::Capped>(&cmd).await
+                    })
                     .await
                 {
+                    Ok(got) => Ok(self.uncap(&key, got)),
                     Err(e) if is_wrong_type(&e) => {
                         self.skip(&key, "not a string");
                         Ok(None)
                     }
-                    other => other,
+                    Err(e) => Err(e),
                 };
                 let _ = reply.send(result);
             }
