@@ -20,8 +20,8 @@ use crate::state::AppState;
 /// Wait before a second try of a catch-up or a policy read that Redis did not answer (the
 /// first commands after Redis comes back may still fail, and its circuit breaker may still
 /// be open); doubled for each further try, up to [`RETRY_MAX`]. They are tried until they
-/// succeed: a replica that gave up would serve what other replicas deleted, or keys they
-/// revoked, until the next event.
+/// succeed, events applied in between: a replica that gave up would serve what other
+/// replicas deleted, or keys they revoked, until the next event.
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 /// Longest wait between two tries.
 const RETRY_MAX: Duration = Duration::from_secs(5);
@@ -38,13 +38,39 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
         let mut events = redis.subscribe(true);
         // Redis's epoch as last seen: a different one at a resync means it lost its data.
         let mut epoch = None;
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = catch_up(&weak, &redis, &mut epoch) => {}
-        }
+        // What is still to catch up with (at start: both), and when to try it next. A try
+        // that Redis fails is made again later, and the events that arrive meanwhile are
+        // applied in between.
+        let mut owed = Owed {
+            policies: true,
+            rebuild: true,
+        };
+        let mut due = Some(tokio::time::Instant::now());
+        let mut wait = RETRY_FIRST;
         loop {
             let ev = tokio::select! {
                 _ = stop.cancelled() => break,
+                _ = sleep_until(due), if due.is_some() => {
+                    let tried = catch_up(&weak, &redis, &mut epoch, &mut owed);
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tried => {}
+                    }
+                    if weak.strong_count() == 0 {
+                        break;
+                    }
+                    if owed.any() {
+                        tracing::warn!(
+                            retry_in_ms = wait.as_millis() as u64,
+                            "catching up with redis failed; trying again"
+                        );
+                        due = Some(tokio::time::Instant::now() + wait);
+                        wait = (wait * 2).min(RETRY_MAX);
+                    } else {
+                        (due, wait) = (None, RETRY_FIRST);
+                    }
+                    continue;
+                }
                 ev = events.next() => match ev {
                     Some(ev) => ev,
                     None => break,
@@ -65,51 +91,60 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                 // Each entry has its own delete event; the fence is what this one adds.
                 ReplicationEvent::DeleteTag { tag } => store.fence_tag(&tag),
                 ReplicationEvent::Policies { .. } => {
-                    drop(state);
-                    tokio::select! {
-                        _ = stop.cancelled() => break,
-                        _ = sync_policies(&weak) => {}
-                    }
+                    owed.policies = true;
+                    due = Some(tokio::time::Instant::now());
                 }
                 ReplicationEvent::Resync => {
-                    drop(state);
-                    tokio::select! {
-                        _ = stop.cancelled() => break,
-                        _ = catch_up(&weak, &redis, &mut epoch) => {}
-                    }
+                    owed = Owed {
+                        policies: true,
+                        rebuild: true,
+                    };
+                    due = Some(tokio::time::Instant::now());
                 }
             }
         }
     });
 }
 
-/// Applies the shared policies if they are newer (a version published before the
-/// subscription, or while events were missed), then rebuilds; the rebuild is tried again
-/// until it went through (the events it stands for are gone from the stream).
-async fn catch_up(weak: &Weak<AppState>, redis: &RedisTier, epoch: &mut Option<String>) {
-    sync_policies(weak).await;
-    let mut wait = RETRY_FIRST;
-    while weak.strong_count() > 0 && !rebuild(weak, redis, epoch).await {
-        tracing::warn!(
-            retry_in_ms = wait.as_millis() as u64,
-            "catching up with redis failed; trying again"
-        );
-        tokio::time::sleep(wait).await;
-        wait = (wait * 2).min(RETRY_MAX);
+/// What a replica still has to catch up with.
+struct Owed {
+    /// The shared policies (a policy event, a gap).
+    policies: bool,
+    /// The entries (a gap, the start).
+    rebuild: bool,
+}
+
+impl Owed {
+    fn any(&self) -> bool {
+        self.policies || self.rebuild
     }
 }
 
-/// [`crate::policy::sync`], tried again while Redis does not answer.
-async fn sync_policies(weak: &Weak<AppState>) {
-    let mut wait = RETRY_FIRST;
-    loop {
+/// Sleeps until `due` (for ever without one).
+async fn sleep_until(due: Option<tokio::time::Instant>) {
+    match due {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// One try at what is `owed`: the shared policies, applied if they are newer (a version
+/// published before the subscription, or while events were missed), then the rebuild; what
+/// went through is cleared (the caller tries the rest again later: the events a rebuild
+/// stands for are gone from the stream, so giving up would leave deletes and revoked keys
+/// unapplied).
+async fn catch_up(
+    weak: &Weak<AppState>,
+    redis: &RedisTier,
+    epoch: &mut Option<String>,
+    owed: &mut Owed,
+) {
+    if owed.policies {
         let Some(state) = weak.upgrade() else { return };
-        if crate::policy::sync(&state).await {
-            return;
-        }
-        drop(state);
-        tokio::time::sleep(wait).await;
-        wait = (wait * 2).min(RETRY_MAX);
+        owed.policies = !crate::policy::sync(&state).await;
+    }
+    if owed.rebuild {
+        owed.rebuild = !rebuild(weak, redis, epoch).await;
     }
 }
 

@@ -132,7 +132,11 @@ async fn reload(
     path: &std::path::Path,
 ) -> anyhow::Result<crate::policy::Applied> {
     let config = crate::config::Config::load(Some(path))?;
-    crate::policy::apply(state, crate::policy::PolicyDocument::of_config(&config)).await
+    crate::policy::apply(
+        state,
+        crate::policy::PolicyDocument::of_config(&config).whole(),
+    )
+    .await
 }
 
 #[cfg(not(unix))]

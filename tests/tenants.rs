@@ -498,7 +498,6 @@ async fn misses_spend_the_tenants_token_budget_and_hits_are_free() {
     assert_eq!(backend.calls(), 2);
 }
 
-/// A tenant's admin token reaches its own tenant only.
 /// A tenant admin's tag delete wins over the tenant's answers with the tag that were being
 /// generated when it came: they are served, never stored. Another tenant's are stored.
 #[tokio::test]
@@ -544,6 +543,7 @@ async fn a_tenants_tag_delete_wins_over_its_answers_on_their_way() {
     assert_eq!(ask("sk-beta", Some("only-if-cached")).await, "exact");
 }
 
+/// A tenant's admin token reaches its own tenant only.
 #[tokio::test]
 async fn a_tenants_admin_token_reaches_only_its_tenant() {
     // The variable names are unique to this test, so no other test reads or writes them.

@@ -272,8 +272,10 @@ fn status_error(status: reqwest::StatusCode, retry_after: Option<u64>, body: &st
         .and_then(Value::as_str);
     match status.as_u16() {
         404 | 400 if code == Some("model_not_found") => BackendError::UnknownModel(message),
-        // Any other 404 is a path the upstream does not serve (a wrong `base_url`, a chat
-        // model asked on `/completions`): the upstream's fault, not the client's.
+        // A 404 with an error body is the upstream's word on the model (vLLM's and Ollama's
+        // carry no `model_not_found` code); one without is a path it does not serve (a wrong
+        // `base_url`): the upstream's fault, not the client's.
+        404 if parsed.is_some() => BackendError::UnknownModel(message),
         404 => BackendError::Unavailable(format!("upstream answered {status}: {message}")),
         429 => BackendError::Overloaded {
             retry_after_secs: retry_after.unwrap_or(1),
@@ -696,6 +698,11 @@ mod tests {
         assert!(matches!(
             status_error(reqwest::StatusCode::NOT_FOUND, None, "404 page not found"),
             BackendError::Unavailable(_)
+        ));
+        let vllm = r#"{"object":"error","message":"The model `x` does not exist.","type":"NotFoundError","code":404}"#;
+        assert!(matches!(
+            status_error(reqwest::StatusCode::NOT_FOUND, None, vllm),
+            BackendError::UnknownModel(_)
         ));
     }
 

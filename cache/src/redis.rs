@@ -82,6 +82,18 @@ pub use error::{RedisError, RedisHealth};
 pub use events::{ReplicationEvent, ReplicationStream};
 pub use policies::{PolicyPublish, SharedPolicies};
 
+/// What [`RedisTier::update`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Updated {
+    /// The changed copy replaced the one Redis held.
+    Written,
+    /// Redis holds no such entry (deleted, expired or evicted there).
+    Gone,
+    /// Redis holds it, and it was not replaced (over the size cap, not serialisable, or
+    /// changed by others on every try).
+    NotWritten,
+}
+
 /// Keys asked for per SCAN call.
 const SCAN_COUNT: usize = 500;
 /// Hashes read per round by [`RedisTier::get_fields`] (each round is bounded by the command
@@ -331,8 +343,8 @@ return redis.call('GET', KEYS[1])";
     /// replica may have added one meanwhile: neither is lost) and swapped in only if that
     /// copy did not change meanwhile (read again if it did), keeping its lifetime; then a put
     /// event. Nothing is written when Redis does not hold the entry (deleted meanwhile: it
-    /// stays so). Returns whether it was written.
-    pub async fn update(&self, entry: &Entry) -> Result<bool, RedisError> {
+    /// stays so). Returns what became of it.
+    pub async fn update(&self, entry: &Entry) -> Result<Updated, RedisError> {
         let entry = Box::new(entry.clone());
         self.admin(|reply| Admin::Update { entry, reply }).await
     }

@@ -28,7 +28,7 @@ use moka::notification::RemovalCause;
 
 use crate::entry::{now_ms, Digest, Entry, EntryId};
 use crate::memory::{EvictionHook, IndexCharge, MemoryTier};
-use crate::redis::{RedisError, RedisTier};
+use crate::redis::{RedisError, RedisTier, Updated};
 use crate::semantic::{Candidate, IndexItem, MaintainReport, SemanticIndex};
 use crate::shares::MemoryShares;
 use crate::vector::Vector;
@@ -516,10 +516,10 @@ impl Store {
             // Only over the entry Redis still holds (one another replica deleted meanwhile,
             // its event not read here yet, stays deleted), merged with the refusals it has.
             match redis.update(&entry).await {
-                Ok(true) => {}
+                Ok(Updated::Written | Updated::NotWritten) => {}
                 // Gone from Redis: deleted elsewhere (or expired, or evicted there). Put back
                 // here, its keys would serve it again; it goes here too.
-                Ok(false) => {
+                Ok(Updated::Gone) => {
                     self.remove_local(entry.id).await;
                     return;
                 }

@@ -638,12 +638,18 @@ async fn cluster_round_trip() {
     // An update writes over a held entry only, merged with the refusals it holds (its
     // script touches one key, so it runs on a cluster).
     assert!(t.delete(entries[1].id).await.unwrap());
-    assert!(!t.update(&entries[1]).await.unwrap(), "stays deleted");
+    assert_eq!(
+        t.update(&entries[1]).await.unwrap(),
+        reprise_cache::redis::Updated::Gone,
+        "stays deleted"
+    );
     assert_eq!(t.get(entries[1].id).await.unwrap(), None);
     let (mut first, mut second) = (entries[2].clone(), entries[2].clone());
     first.refuse(refusal(9001));
     second.refuse(refusal(9002));
-    assert!(t.update(&first).await.unwrap() && t.update(&second).await.unwrap());
+    use reprise_cache::redis::Updated;
+    assert_eq!(t.update(&first).await.unwrap(), Updated::Written);
+    assert_eq!(t.update(&second).await.unwrap(), Updated::Written);
     let held = t.get(entries[2].id).await.unwrap().unwrap();
     assert_eq!(held.refusals.len(), 2, "neither refusal lost");
     assert_eq!(t.delete_namespace("ns0").await.unwrap(), 20);

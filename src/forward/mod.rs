@@ -160,7 +160,6 @@ pub async fn forward(
     Ok(upstream_response(answer, limits, book))
 }
 
-/// The `model` a JSON body names, if it is one that names one.
 /// The upstream's answer as this caller may see it: with tenants, the upstream account's
 /// rate-limit headers (`x-ratelimit-*`) are dropped, since they tell one tenant how much the
 /// others use of the account they share.
@@ -176,6 +175,7 @@ fn for_the_caller(
     answer
 }
 
+/// The `model` a JSON body names, if it is one that names one.
 fn model_named(body: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]
     struct Named {

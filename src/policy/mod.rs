@@ -283,33 +283,54 @@ pub struct SemanticDocument {
     /// `semantic.gate`.
     pub gate: Option<bool>,
     /// `semantic.standalone`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub standalone: Option<bool>,
     /// `semantic.context_equivalence`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_equivalence: Option<bool>,
     /// `semantic.followup_threshold` (a negative number: none, `threshold` applies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub followup_threshold: Option<f32>,
     /// `[[semantic.rules]]` (the whole list).
     pub rules: Option<Vec<Rule>>,
 }
 
 impl PolicyDocument {
+    /// A document of whole sections ([`PolicyDocument::of_config`]'s, read back): a
+    /// `[semantic]` key left out is at its default, not unchanged.
+    pub fn whole(mut self) -> PolicyDocument {
+        let d = crate::config::SemanticConfig::default();
+        if let Some(s) = &mut self.semantic {
+            s.standalone.get_or_insert(d.standalone);
+            s.context_equivalence.get_or_insert(d.context_equivalence);
+            s.followup_threshold
+                .get_or_insert(d.followup_threshold.unwrap_or(-1.0));
+        }
+        self
+    }
+
     /// Parses a TOML document.
     pub fn from_toml(text: &str) -> Result<PolicyDocument, String> {
         toml::from_str(text).map_err(|e| e.to_string())
     }
 
-    /// The policy sections of a whole configuration (a re-read configuration file).
+    /// The policy sections of a whole configuration (a re-read configuration file). The
+    /// keys added to `[semantic]` later are written only where they differ from their
+    /// defaults, so a replica of an earlier release still reads the document (see
+    /// [`PolicyDocument::whole`] for the reading side).
     pub fn of_config(c: &Config) -> PolicyDocument {
         let s = &c.semantic;
+        let d = crate::config::SemanticConfig::default();
         PolicyDocument {
             semantic: Some(SemanticDocument {
                 enabled: Some(s.enabled),
                 threshold: Some(s.threshold),
                 top_k: Some(s.top_k),
                 gate: Some(s.gate),
-                standalone: Some(s.standalone),
-                context_equivalence: Some(s.context_equivalence),
-                followup_threshold: Some(s.followup_threshold.unwrap_or(-1.0)),
+                standalone: (s.standalone != d.standalone).then_some(s.standalone),
+                context_equivalence: (s.context_equivalence != d.context_equivalence)
+                    .then_some(s.context_equivalence),
+                followup_threshold: s.followup_threshold,
                 rules: Some(s.rules.clone()),
             }),
             auth: Some(c.auth.clone()),

@@ -254,7 +254,8 @@ fn decode(bytes: &[u8], version: u64, key: Option<&PolicyKey>) -> anyhow::Result
             "the shared policy document is not signed with this replica's policy key"
         );
     }
-    serde_json::from_slice(doc)
+    serde_json::from_slice::<PolicyDocument>(doc)
+        .map(PolicyDocument::whole)
         .map_err(|e| anyhow::anyhow!("the shared policy document does not decode: {e}"))
 }
 
@@ -282,6 +283,48 @@ mod tests {
         let mut c = Config::default();
         c.semantic.enabled = false;
         c
+    }
+
+    /// A document shared at the defaults is one an earlier release reads (its `[semantic]`
+    /// refuses keys it does not know); read back, a key left out is at its default, so a
+    /// change back to the default reaches every replica.
+    #[test]
+    fn keys_at_their_defaults_are_left_out_and_read_back_as_defaults() {
+        let mut c = config();
+        let policies = Policies::build(&c, 1, None).unwrap();
+        let bytes = encode(&policies, 1, None).unwrap();
+        let text = String::from_utf8(bytes.clone()).unwrap();
+        for key in ["standalone", "context_equivalence", "followup_threshold"] {
+            assert!(!text.contains(key), "{text}");
+        }
+        let read = decode(&bytes, 1, None).unwrap().semantic.unwrap();
+        assert_eq!(read.standalone, Some(c.semantic.standalone));
+        assert_eq!(read.followup_threshold, Some(-1.0));
+        // Changed: written, and read as written.
+        c.semantic.context_equivalence = !c.semantic.context_equivalence;
+        c.semantic.followup_threshold = Some(0.8);
+        let policies = Policies::build(&c, 2, None).unwrap();
+        let bytes = encode(&policies, 2, None).unwrap();
+        let read = decode(&bytes, 2, None).unwrap().semantic.unwrap();
+        assert_eq!(
+            read.context_equivalence,
+            Some(c.semantic.context_equivalence)
+        );
+        assert_eq!(read.followup_threshold, Some(0.8));
+        // Applied on a replica that runs another value: back to what the document says.
+        let elsewhere = Policies::build(&c, 3, None).unwrap();
+        let default_doc = decode(
+            &encode(&Policies::build(&config(), 4, None).unwrap(), 4, None).unwrap(),
+            4,
+            None,
+        )
+        .unwrap();
+        let next = elsewhere.next(default_doc, false).unwrap();
+        assert_eq!(next.config.semantic.followup_threshold, None);
+        assert_eq!(
+            next.config.semantic.context_equivalence,
+            config().semantic.context_equivalence
+        );
     }
 
     fn tenant(keys: &[&str]) -> TenantConfig {

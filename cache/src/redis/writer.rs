@@ -16,7 +16,7 @@ use super::events;
 use super::metrics::Op;
 use super::shared::Capped;
 use super::shared::Shared;
-use super::RedisTier;
+use super::{RedisTier, Updated};
 use crate::entry::{now_ms, Digest, Entry, EntryId};
 
 /// How much longer than its longest-lived entry an index set lives. Redis computes each
@@ -154,7 +154,7 @@ pub(super) enum Admin {
     /// A changed copy of an entry (see [`RedisTier::update`]).
     Update {
         entry: Box<Entry>,
-        reply: oneshot::Sender<Result<bool, RedisError>>,
+        reply: oneshot::Sender<Result<Updated, RedisError>>,
     },
     /// A named value taken (see [`RedisTier::take_blob`]).
     TakeBlob {
@@ -519,15 +519,18 @@ impl Shared {
     /// held one has and this copy lacks (another replica's, written meanwhile): read, merge,
     /// then swap only if the value is still the one read, again on a change. `false` when
     /// Redis does not hold the entry (deleted: it stays so) or kept changing.
-    async fn update(&self, mut entry: Entry) -> Result<bool, RedisError> {
+    async fn update(&self, mut entry: Entry) -> Result<Updated, RedisError> {
         let name = self.keys.entry(entry.id);
         for _ in 0..UPDATE_ROUNDS {
             let read = self.capped_get(&name);
             let got = self
                 .run(Op::Put, |c| async move { c.query::<Capped>(&read).await })
                 .await?;
+            if matches!(got, Capped::Absent) {
+                return Ok(Updated::Gone);
+            }
             let Some(raw) = self.uncap(&name, got) else {
-                return Ok(false);
+                return Ok(Updated::NotWritten);
             };
             if let Some(held) = self.decode(&name, entry.id, &raw) {
                 entry.merge_refusals(&held);
@@ -539,7 +542,7 @@ impl Shared {
             .ok();
             let Some(bytes) = bytes else {
                 tracing::warn!(id = %entry.id, "redis: entry not serialisable; not updated");
-                return Ok(false);
+                return Ok(Updated::NotWritten);
             };
             let swap = ::redis::cmd("EVAL")
                 .arg(SWAP_SCRIPT)
@@ -555,10 +558,10 @@ impl Shared {
                 let event = self.event(events::OP_PUT, Some(entry.id), &entry.namespace);
                 self.run(Op::Put, |c| async move { c.query::<Value>(&event).await })
                     .await?;
-                return Ok(true);
+                return Ok(Updated::Written);
             }
         }
-        Ok(false)
+        Ok(Updated::NotWritten)
     }
 
     /// Applies a delete or flush and answers its caller.
@@ -637,9 +640,7 @@ impl Shared {
                     .arg(self.max_value_bytes)
                     .clone();
                 let result = match self
-                    .run(Op::Put, |c| async move {
-                        c.query::<super::shared::Capped>(&cmd).await
-                    })
+                    .run(Op::Put, |c| async move { c.query::<Capped>(&cmd).await })
                     .await
                 {
                     Ok(got) => Ok(self.uncap(&key, got)),
