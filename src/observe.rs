@@ -135,37 +135,10 @@ impl Observer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reprise_cache::Entry;
 
     fn observation(text_bytes: usize) -> Observation {
-        let entry = Entry {
-            id: EntryId(1),
-            namespace: "n".into(),
-            model: "m".into(),
-            text: "t".into(),
-            finish_reason: "stop".into(),
-            prompt_tokens: 1,
-            completion_tokens: 1,
-            prompt: "p".into(),
-            partition: [0; 32],
-            embedding: None,
-            embedder: None,
-            origin: Default::default(),
-            tags: Vec::new(),
-            refusals: Vec::new(),
-            created_ms: 1,
-            expires_ms: u64::MAX,
-            gen_ms: 0,
-        };
-        Observation {
-            namespace: "n".into(),
-            endpoint: Endpoint::Chat,
-            request: crate::test_support::chat(&[("user", &"q".repeat(text_bytes))]),
-            session: None,
-            prev_entry: None,
-            entry: Arc::new(entry),
-            may_store: true,
-        }
+        let request = crate::test_support::chat(&[("user", &"q".repeat(text_bytes))]);
+        crate::test_support::observation(request, "p", |_| {})
     }
 
     /// Observations wait within a byte budget as well as a count: big requests are dropped

@@ -30,6 +30,56 @@ fn held(app: &TestApp, question: &str) -> Option<reprise_cache::EntryId> {
         .map(|e| e.id)
 }
 
+/// A connection of the test's own to `redis`.
+async fn connect(redis: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// A policy event (which stalls a consumer holding the policy lock), then 1,400 other
+/// events: more than a reader buffers, so a stalled replica's reader stops reading too.
+async fn flood_events(c: &mut redis::aio::MultiplexedConnection) {
+    let xadd = |op: &str, field: &str, value: String| {
+        redis::cmd("XADD")
+            .arg("reprise:events")
+            .arg("*")
+            .arg("op")
+            .arg(op)
+            .arg(field)
+            .arg(value)
+            .arg("ns")
+            .arg("elsewhere")
+            .arg("origin")
+            .arg("another-replica")
+            .clone()
+    };
+    let mut pipe = redis::pipe();
+    pipe.add_command(xadd("policies", "version", "1000000".into()));
+    for _ in 0..1_400 {
+        pipe.add_command(xadd(
+            "put",
+            "id",
+            reprise_cache::EntryId::random().to_string(),
+        ));
+    }
+    let _: Vec<String> = pipe.query_async(c).await.unwrap();
+}
+
+/// Trims the event stream to nothing (as the writers' `MAXLEN` does once enough events
+/// follow); how many events went.
+async fn trim_events(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    redis::cmd("XTRIM")
+        .arg("reprise:events")
+        .arg("MAXLEN")
+        .arg(0)
+        .query_async(c)
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_replica_lagging_past_the_trimmed_stream_honours_every_delete() {
     let redis = RedisServer::start();
@@ -59,50 +109,14 @@ async fn a_replica_lagging_past_the_trimmed_stream_honours_every_delete() {
     // B's consumer stalls (on the policy lock, behind a policy event) while 1,400 other events
     // arrive: more than its reader buffers, so the reader stops reading too.
     let guard = b.state.policy_change.lock().await;
-    let mut c = redis::Client::open(redis.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let xadd = |op: &str, field: &str, value: String| {
-        redis::cmd("XADD")
-            .arg("reprise:events")
-            .arg("*")
-            .arg("op")
-            .arg(op)
-            .arg(field)
-            .arg(value)
-            .arg("ns")
-            .arg("elsewhere")
-            .arg("origin")
-            .arg("another-replica")
-            .clone()
-    };
-    let _: String = xadd("policies", "version", "1000000".into())
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let mut pipe = redis::pipe();
-    for _ in 0..1_400 {
-        pipe.add_command(xadd(
-            "put",
-            "id",
-            reprise_cache::EntryId::random().to_string(),
-        ));
-    }
-    let _: Vec<String> = pipe.query_async(&mut c).await.unwrap();
+    let mut c = connect(&redis).await;
+    flood_events(&mut c).await;
 
     // A deletes one entry and a tag; then the stream is trimmed past both events (as the
     // writers' `MAXLEN` does once enough events follow).
     assert!(a.state.store.delete(deleted_id).await.unwrap());
     assert_eq!(a.state.store.delete_tag("doc-1").await.unwrap(), 1);
-    let trimmed: u64 = redis::cmd("XTRIM")
-        .arg("reprise:events")
-        .arg("MAXLEN")
-        .arg(0)
-        .query_async(&mut c)
-        .await
-        .unwrap();
+    let trimmed = trim_events(&mut c).await;
     assert!(trimmed > 1_400, "{trimmed}");
     assert!(held(&b, deleted).is_some() && held(&b, tagged).is_some());
 
@@ -150,56 +164,15 @@ async fn a_catch_up_that_fails_is_tried_again() {
     );
     // B's consumer stalls while its events are trimmed away behind a delete (as above).
     let guard = b.state.policy_change.lock().await;
-    let mut c = redis::Client::open(redis.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let mut pipe = redis::pipe();
-    pipe.add_command(
-        redis::cmd("XADD")
-            .arg("reprise:events")
-            .arg("*")
-            .arg("op")
-            .arg("policies")
-            .arg("version")
-            .arg("1000000")
-            .arg("ns")
-            .arg("")
-            .arg("origin")
-            .arg("another-replica")
-            .clone(),
-    );
-    for _ in 0..1_400 {
-        pipe.add_command(
-            redis::cmd("XADD")
-                .arg("reprise:events")
-                .arg("*")
-                .arg("op")
-                .arg("put")
-                .arg("id")
-                .arg(reprise_cache::EntryId::random().to_string())
-                .arg("ns")
-                .arg("elsewhere")
-                .arg("origin")
-                .arg("another-replica")
-                .clone(),
-        );
-    }
-    let _: Vec<String> = pipe.query_async(&mut c).await.unwrap();
+    let mut c = connect(&redis).await;
+    flood_events(&mut c).await;
     assert!(a
         .state
         .store
         .delete(held(&a, deleted).unwrap())
         .await
         .unwrap());
-    let _: u64 = redis::cmd("XTRIM")
-        .arg("reprise:events")
-        .arg("MAXLEN")
-        .arg(0)
-        .query_async(&mut c)
-        .await
-        .unwrap();
+    trim_events(&mut c).await;
     // Redis stops answering for a moment: B's reads time out and its breaker opens, for
     // longer than a few quick tries would wait.
     let _: () = redis::cmd("CLIENT")

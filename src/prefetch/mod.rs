@@ -504,34 +504,15 @@ mod tests {
         let learned_vectors = |made_by: [u8; 32]| {
             let p = Prefetcher::new(PrefetchConfig::default());
             p.set_embedder([1; 32]);
-            let entry = reprise_cache::Entry {
-                id: EntryId(1),
-                namespace: "n".into(),
-                model: "m".into(),
-                text: "an answer".into(),
-                finish_reason: "stop".into(),
-                prompt_tokens: 1,
-                completion_tokens: 1,
-                prompt: "a question".into(),
-                partition: [0; 32],
-                embedding: Some(reprise_cache::Vector::new(&[0.6, 0.8])),
-                embedder: Some(made_by),
-                origin: Default::default(),
-                tags: Vec::new(),
-                refusals: Vec::new(),
-                created_ms: 1,
-                expires_ms: u64::MAX,
-                gen_ms: 0,
-            };
-            p.shared.learn(crate::observe::Observation {
-                namespace: "n".into(),
-                endpoint: crate::openai::Endpoint::Chat,
-                request: crate::test_support::chat(&[("user", "a question")]),
-                session: None,
-                prev_entry: None,
-                entry: Arc::new(entry),
-                may_store: true,
-            });
+            let request = crate::test_support::chat(&[("user", "a question")]);
+            p.shared.learn(crate::test_support::observation(
+                request,
+                "a question",
+                |e| {
+                    e.embedding = Some(reprise_cache::Vector::new(&[0.6, 0.8]));
+                    e.embedder = Some(made_by);
+                },
+            ));
             let snap = p.export();
             assert_eq!(snap.namespaces[0].nodes.len(), 1);
             snap.namespaces[0].nodes[0].embedding.is_some()
