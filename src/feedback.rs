@@ -123,48 +123,62 @@ impl Responses {
     /// on however many replicas. A record shared through Redis is taken there (swapped for
     /// "spent" in one step, after the queued write that stored it); one kept here only, by
     /// removing it from memory.
-    async fn take(&self, state: &AppState, id: &str) -> Option<Arc<Served>> {
+    async fn take(&self, state: &AppState, id: &str) -> Result<Option<Arc<Served>>, ApiError> {
         let here = self.memory.remove(id);
         let Some(redis) = state
             .store
             .redis()
             .filter(|_| here.as_ref().is_none_or(|s| s.is_shared()))
         else {
-            return here;
+            return Ok(here);
         };
-        match redis.take_blob(&blob_name(id), SPENT.to_vec()).await {
-            Ok(Some(bytes)) if bytes.as_slice() != SPENT && bytes.len() <= MAX_RECORD_BYTES => {
-                here.or_else(|| serde_json::from_slice(&bytes).ok().map(Arc::new))
-            }
-            // Never reached Redis (a dropped queued write, an eviction): the copy held here
-            // counts; without one, the id is unknown.
-            Ok(None) => here,
-            // Spent already (on another replica), or not a record.
-            Ok(Some(_)) => None,
-            // Redis unreachable: the copy held here counts (the other replicas cannot read
-            // the record meanwhile either); it is marked spent when Redis is back.
-            Err(e) => {
-                tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
-                if here.is_some() {
-                    redis.put_blob_for(&blob_name(id), SPENT.to_vec(), self.config.window());
+        Ok(
+            match redis.take_blob(&blob_name(id), SPENT.to_vec()).await {
+                Ok(Some(bytes)) if bytes.as_slice() != SPENT && bytes.len() <= MAX_RECORD_BYTES => {
+                    here.or_else(|| serde_json::from_slice(&bytes).ok().map(Arc::new))
                 }
-                here
-            }
-        }
+                // Never reached Redis (a dropped queued write, an eviction): the copy held here
+                // counts; without one, the id is unknown.
+                Ok(None) => here,
+                // Spent already (on another replica), or not a record.
+                Ok(Some(_)) => None,
+                // Redis unreachable: counted here, the verdict could be counted again by a
+                // replica that takes the record once Redis is back. Refused (the record kept for
+                // a retry): one verdict a response holds over every replica.
+                Err(e) => {
+                    tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
+                    if let Some(s) = here {
+                        self.memory.insert(id.to_string(), s);
+                    }
+                    return Err(records_unreachable());
+                }
+            },
+        )
     }
 
-    /// What response `id` served, if it is remembered here or in Redis.
-    async fn find(&self, state: &AppState, id: &str) -> Option<Arc<Served>> {
+    /// What response `id` served, if it is remembered here or in Redis (an error when Redis
+    /// cannot tell).
+    async fn find(&self, state: &AppState, id: &str) -> Result<Option<Arc<Served>>, ApiError> {
         if let Some(s) = self.memory.get(id) {
-            return Some(s);
+            return Ok(Some(s));
         }
-        let redis = state.store.redis()?;
+        let Some(redis) = state.store.redis() else {
+            return Ok(None);
+        };
         let bytes = redis
             .get_blob(&blob_name(id), MAX_RECORD_BYTES)
             .await
-            .ok()??;
-        serde_json::from_slice(&bytes).ok().map(Arc::new)
+            .map_err(|_| records_unreachable())?;
+        Ok(bytes.and_then(|b| serde_json::from_slice(&b).ok().map(Arc::new)))
     }
+}
+
+/// The answer to a verdict while Redis, where the response records are shared, cannot be
+/// reached: try again (503).
+fn records_unreachable() -> ApiError {
+    ApiError::Backend(reprise_backend::BackendError::Unavailable(
+        "the shared response records cannot be reached; retry the verdict".into(),
+    ))
 }
 
 /// What a record taken in Redis is replaced with.
@@ -218,14 +232,14 @@ pub async fn handle(
         return Err(unknown());
     }
     // Another tenant's response is as unknown as one never sent (and stays unspent).
-    let mine = state.responses.find(state, &v.id).await;
+    let mine = state.responses.find(state, &v.id).await?;
     if mine.is_none_or(|s| s.tenant != tenant.name()) {
         return Err(unknown());
     }
     let served = state
         .responses
         .take(state, &v.id)
-        .await
+        .await?
         .ok_or_else(unknown)?;
     let verdict = match v.verdict {
         Kind::Wrong => "wrong",

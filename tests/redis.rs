@@ -455,6 +455,51 @@ async fn a_response_takes_one_verdict_across_replicas_even_at_once() {
     );
 }
 
+/// A verdict on a shared response record that Redis cannot take (the tier's breaker open) is
+/// refused and the record kept: given again once Redis answers it counts, once.
+#[tokio::test]
+async fn a_verdict_redis_cannot_take_is_refused_then_counts_once() {
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let mut config = redis_config(redis.url());
+    config.redis.breaker_cooldown_ms = 2_000;
+    let a = spawn_replica(config, Arc::new(backend.clone())).await;
+    assert_eq!(
+        cache_status(&a.chat(&chat_body("How do I reset my password?"), &[]).await),
+        "miss"
+    );
+    let asked = chat_body("I forgot my password, how can I change it?");
+    expect_status(&a, &asked, &[], "semantic").await;
+    let r = a.chat(&asked, &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    let id = r.json::<Value>().await.unwrap()["id"].clone();
+    // Redis stops answering: the replica's reads time out and its breaker opens.
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(1_000)
+        .arg("ALL")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let tier = a.state.store.redis().unwrap().clone();
+    for _ in 0..6 {
+        assert!(tier.get(reprise_cache::EntryId::random()).await.is_err());
+    }
+    let verdict = json!({"id": id, "verdict": "wrong"});
+    let r = feedback(&a, verdict.clone(), None).await;
+    assert!(r.status().is_server_error(), "{}", r.status());
+    let taken = eventually_async(Duration::from_secs(20), || async {
+        feedback(&a, verdict.clone(), None).await.status() == 200
+    });
+    assert!(taken.await);
+    assert_eq!(feedback(&a, verdict, None).await.status(), 404, "spent");
+}
+
 /// Verdicts taken on one replica tighten the learned threshold of the others, and of a
 /// replica started after the first one stopped (its evidence outlives it in Redis).
 #[tokio::test]
