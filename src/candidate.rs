@@ -193,6 +193,10 @@ pub struct Candidate {
     rolled_back: AtomicBool,
     /// Names its configuration on every replica (see [`Candidate::fingerprint`]).
     fingerprint: u64,
+    /// The share of each side's requests whose latency it keeps (control, candidate): the
+    /// smaller side's share of all requests over its own, so both keep latencies at one pace
+    /// and their kept samples span the same time.
+    keep: (f64, f64),
 }
 
 impl Candidate {
@@ -202,8 +206,14 @@ impl Candidate {
             let hash = blake3::hash(&bytes);
             u64::from_le_bytes(hash.as_bytes()[..8].try_into().expect("eight bytes"))
         });
+        let p = (config.percent / 100.0).clamp(0.0, 1.0);
+        let keep = |mine: f64, other: f64| match mine > 0.0 {
+            true => (other / mine).min(1.0),
+            false => 1.0,
+        };
         Candidate {
             fingerprint,
+            keep: (keep(1.0 - p, p), keep(p, 1.0 - p)),
             config,
             assigned: ExactShare::default(),
             control: Mutex::default(),
@@ -266,18 +276,10 @@ impl Candidate {
         } else {
             &self.control
         };
-        // Both sides keep latencies at the same pace (the smaller side's share of all
-        // requests), so their kept samples span the same time and number alike.
-        let p = (self.config.percent / 100.0).clamp(0.0, 1.0);
-        let (mine, other) = if on_candidate {
-            (p, 1.0 - p)
+        let keep = if on_candidate {
+            self.keep.1
         } else {
-            (1.0 - p, p)
-        };
-        let keep = if mine > 0.0 {
-            (other / mine).min(1.0)
-        } else {
-            1.0
+            self.keep.0
         };
         side.lock().record(outcome, secs, keep);
         self.judged()

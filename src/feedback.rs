@@ -132,28 +132,26 @@ impl Responses {
         else {
             return Ok(here);
         };
-        Ok(
-            match redis.take_blob(&blob_name(id), SPENT.to_vec()).await {
-                Ok(Some(bytes)) if bytes.as_slice() != SPENT && bytes.len() <= MAX_RECORD_BYTES => {
-                    here.or_else(|| serde_json::from_slice(&bytes).ok().map(Arc::new))
+        match redis.take_blob(&blob_name(id), SPENT.to_vec()).await {
+            Ok(Some(bytes)) if bytes.as_slice() != SPENT && bytes.len() <= MAX_RECORD_BYTES => {
+                Ok(here.or_else(|| serde_json::from_slice(&bytes).ok().map(Arc::new)))
+            }
+            // Never reached Redis (a dropped queued write, an eviction): the copy held here
+            // counts; without one, the id is unknown.
+            Ok(None) => Ok(here),
+            // Spent already (on another replica), or not a record.
+            Ok(Some(_)) => Ok(None),
+            // Redis unreachable: counted here, the verdict could be counted again by a
+            // replica that takes the record once Redis is back. Refused (the record kept for
+            // a retry): one verdict a response holds over every replica.
+            Err(e) => {
+                tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
+                if let Some(s) = here {
+                    self.memory.insert(id.to_string(), s);
                 }
-                // Never reached Redis (a dropped queued write, an eviction): the copy held here
-                // counts; without one, the id is unknown.
-                Ok(None) => here,
-                // Spent already (on another replica), or not a record.
-                Ok(Some(_)) => None,
-                // Redis unreachable: counted here, the verdict could be counted again by a
-                // replica that takes the record once Redis is back. Refused (the record kept for
-                // a retry): one verdict a response holds over every replica.
-                Err(e) => {
-                    tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
-                    if let Some(s) = here {
-                        self.memory.insert(id.to_string(), s);
-                    }
-                    return Err(records_unreachable());
-                }
-            },
-        )
+                Err(records_unreachable())
+            }
+        }
     }
 
     /// What response `id` served, if it is remembered here or in Redis (an error when Redis

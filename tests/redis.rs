@@ -474,22 +474,7 @@ async fn a_verdict_redis_cannot_take_is_refused_then_counts_once() {
     assert_eq!(cache_status(&r), "semantic");
     let id = r.json::<Value>().await.unwrap()["id"].clone();
     // Redis stops answering: the replica's reads time out and its breaker opens.
-    let mut c = redis::Client::open(redis.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(1_000)
-        .arg("ALL")
-        .query_async(&mut c)
-        .await
-        .unwrap();
-    let tier = a.state.store.redis().unwrap().clone();
-    for _ in 0..6 {
-        assert!(tier.get(reprise_cache::EntryId::random()).await.is_err());
-    }
+    open_breaker(&redis.url(), a.state.store.redis().unwrap(), 1_000).await;
     let verdict = json!({"id": id, "verdict": "wrong"});
     let r = feedback(&a, verdict.clone(), None).await;
     assert!(r.status().is_server_error(), "{}", r.status());

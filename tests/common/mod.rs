@@ -212,3 +212,24 @@ pub fn background_for(model: &str) -> reprise_backend::GenRequest {
         backend: None,
     }
 }
+
+/// Makes the Redis at `url` stop answering every client for `pause_ms` and lets `tier`'s
+/// reads time out meanwhile until its circuit breaker opens (it stays open for the tier's
+/// `breaker_cooldown_ms`).
+pub async fn open_breaker(url: &str, tier: &reprise_cache::redis::RedisTier, pause_ms: u64) {
+    let mut c = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(pause_ms)
+        .arg("ALL")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    for _ in 0..6 {
+        assert!(tier.get(reprise_cache::EntryId::random()).await.is_err());
+    }
+}
