@@ -424,9 +424,19 @@ async fn deletes_are_not_counted_as_evictions() {
     c.server.admin_token_env = Some(ADMIN_VAR.into());
     let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
     for q in ["First question?", "Second question?", "Third question?"] {
-        assert_eq!(cache_status(&app.chat(&chat_body(q), &[]).await), "miss");
+        let r = app.chat(&chat_body(q), &[]).await;
+        assert_eq!(cache_status(&r), "miss");
+        content(r).await;
     }
-    app.state.store.run_pending_tasks().await;
+    // Answers are written once generated, which may be after the response is sent.
+    let store = &app.state.store;
+    assert!(
+        eventually_async(Duration::from_secs(10), || async {
+            store.run_pending_tasks().await;
+            store.entry_count() == 3
+        })
+        .await
+    );
     let evictions = |m: &str| sample(m, "reprise_cache_evictions_total", &[]).unwrap_or(0.0);
     let before = evictions(&app.metrics_text().await);
     let r = app
