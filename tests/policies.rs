@@ -492,6 +492,42 @@ async fn a_change_on_one_replica_reaches_the_others_and_later_ones() {
     assert!(runs(&c, version, 0.99).await, "{}", policies(&c).await);
 }
 
+/// A document larger than the replicas read from Redis (`redis.max_value_bytes`) is refused
+/// (400), and neither this replica nor Redis changes.
+#[tokio::test]
+async fn a_document_the_others_could_not_read_is_refused() {
+    let server = RedisServer::start();
+    let mut config = replica_config(server.url(), false);
+    config.redis.max_value_bytes = 4096;
+    let a = spawn_replica(config, std::sync::Arc::new(scripted())).await;
+    let before = policies(&a).await;
+    let r = put(&a, "[semantic]\nthreshold = 0.91\n").await;
+    assert_eq!(r.status(), 200);
+    let version = r.json::<Value>().await.unwrap()["version"].clone();
+    let stored = stored_policies(&server.url()).await;
+    // Forty tenants with long names: the document grows past 4 KiB.
+    let mut doc = String::new();
+    for i in 0..40 {
+        let name = format!("tenant-{i:02}-{}", "x".repeat(50));
+        doc.push_str(&format!(
+            "[[tenants]]\nname = \"{name}\"\napi_keys = [\"sk-{i}\"]\n"
+        ));
+    }
+    let r = put(&a, &doc).await;
+    let err = assert_openai_error(r, 400, None).await;
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_value_bytes"),
+        "{err}"
+    );
+    let after = policies(&a).await;
+    assert_eq!(after["version"], version, "{after}");
+    assert_eq!(after["tenants"], before["tenants"], "{after}");
+    assert_eq!(stored_policies(&server.url()).await, stored);
+}
+
 /// A plain key in a document is stored in Redis only as its digest, and still names the
 /// tenant on every replica.
 #[tokio::test]

@@ -492,6 +492,57 @@ async fn policy_versions_only_grow_and_stale_publications_are_refused() {
     assert_eq!(version, "11");
 }
 
+/// The shared policy document is read only within `max_value_bytes`: a larger one, a value
+/// that is not a hash, or a version that is not a number reads as none and is counted.
+#[tokio::test]
+async fn shared_policies_are_read_within_the_cap_and_validated() {
+    let server = RedisServer::start();
+    let a = tier(config(server.url()), "replica-a").await;
+    let mut small = config(server.url());
+    small.max_value_bytes = 100;
+    let b = tier(small, "replica-b").await;
+    assert_eq!(
+        a.publish_policies(Some(0), 2, &[b'x'; 100]).await.unwrap(),
+        PolicyPublish::Stored(2)
+    );
+    assert_eq!(b.get_policies().await.unwrap().unwrap().doc.len(), 100);
+    assert_eq!(
+        a.publish_policies(Some(2), 3, &[b'y'; 101]).await.unwrap(),
+        PolicyPublish::Stored(3)
+    );
+    let before = counter("reprise_redis_skipped_total");
+    assert_eq!(b.get_policies().await.unwrap(), None, "over the cap");
+    assert!(counter("reprise_redis_skipped_total") > before);
+    assert_eq!(a.get_policies().await.unwrap().unwrap().version, 3);
+
+    let mut c = raw(&server.url()).await;
+    let _: () = redis::cmd("HSET")
+        .arg("reprise:policies")
+        .arg("version")
+        .arg("three")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let before = counter("reprise_redis_skipped_total");
+    assert_eq!(a.get_policies().await.unwrap(), None, "not a number");
+    assert!(counter("reprise_redis_skipped_total") > before);
+    let _: () = redis::cmd("DEL")
+        .arg("reprise:policies")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("reprise:policies")
+        .arg("x")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let before = counter("reprise_redis_skipped_total");
+    assert_eq!(a.get_policies().await.unwrap(), None, "not a hash");
+    assert!(counter("reprise_redis_skipped_total") > before);
+    assert!(a.health().up);
+}
+
 #[tokio::test]
 async fn delete_namespace_and_tag_invalidation() {
     let server = RedisServer::start();

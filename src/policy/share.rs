@@ -51,6 +51,13 @@ pub(super) async fn publish(
         // refuses it): the number is signed with the document.
         let version = current.version.max(known) + 1;
         let published = match encode(&next, version, state.policy_key.as_ref()) {
+            // The other replicas read at most this much: refused, so none drifts.
+            Ok(bytes) if bytes.len() > redis.max_value_bytes() => anyhow::bail!(
+                "the policy document takes {} bytes, over `redis.max_value_bytes` ({}): \
+                 the other replicas could not read it",
+                bytes.len(),
+                redis.max_value_bytes()
+            ),
             Ok(bytes) => redis
                 .publish_policies(Some(known), version, &bytes)
                 .await

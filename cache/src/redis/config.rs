@@ -33,8 +33,9 @@ pub struct RedisConfig {
     pub breaker_cooldown_ms: u64,
     /// Approximate length the replication event stream is trimmed to (`XADD MAXLEN ~`).
     pub events_maxlen: usize,
-    /// Largest entry value read from Redis, bytes. A larger value is never fetched: it reads
-    /// as absent and counts in `reprise_redis_skipped_total`.
+    /// Largest value read from Redis (an entry, a record, the shared policy document),
+    /// bytes. A larger value is never fetched: it reads as absent and counts in
+    /// `reprise_redis_skipped_total`.
     pub max_value_bytes: usize,
 }
 

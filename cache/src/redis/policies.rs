@@ -7,9 +7,8 @@
 //! not yet seen another replica's change does not silently undo it. Each stored version is
 //! above every earlier one, whichever replica stored it.
 
-use ::redis::Value;
+use ::redis::{FromRedisValue, Value};
 
-use super::error::is_wrong_type;
 use super::events;
 use super::metrics::Op;
 use super::{RedisError, RedisTier};
@@ -28,6 +27,18 @@ if cur > tonumber(ARGV[1]) or cur >= v then
 end
 redis.call('HSET', KEYS[1], 'version', v, 'doc', ARGV[3], 'origin', ARGV[4])
 return {1, v}";
+
+/// Reads the document unless it is over the size cap (ARGV[1]): `false` when nothing is
+/// stored, `"WRONGTYPE"` when the key is not a hash, `{version, doc}`, or `{version, n}` with
+/// the document's length when it is over the cap (never sent).
+const CAPPED_READ_SCRIPT: &str = "\
+local t = redis.call('TYPE', KEYS[1]).ok
+if t == 'none' then return false end
+if t ~= 'hash' then return {ok = 'WRONGTYPE'} end
+local n = redis.call('HSTRLEN', KEYS[1], 'doc')
+local v = redis.call('HGET', KEYS[1], 'version')
+if n > tonumber(ARGV[1]) then return {v, n} end
+return {v, redis.call('HGET', KEYS[1], 'doc')}";
 
 /// What [`RedisTier::publish_policies`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,32 +103,61 @@ impl RedisTier {
         Ok(PolicyPublish::Stored(version))
     }
 
-    /// The shared policies, if any replica published some.
+    /// The shared policies, if any replica published some. A document over
+    /// `max_value_bytes` is never sent: it is skipped (counted) and read as none, like a
+    /// value that is not a hash or a version that is not a number.
     pub async fn get_policies(&self) -> Result<Option<SharedPolicies>, RedisError> {
         let shared = &self.shared;
         let key = shared.keys.policies();
-        let cmd = ::redis::cmd("HMGET")
+        let cmd = ::redis::cmd("EVAL")
+            .arg(CAPPED_READ_SCRIPT)
+            .arg(1)
             .arg(&key)
-            .arg("version")
-            .arg("doc")
+            .arg(shared.max_value_bytes)
             .clone();
-        let reply: Result<(Option<String>, Option<Vec<u8>>), _> = shared
+        let reply: Value = shared
             .run(Op::Policies, |c| async move { c.query(&cmd).await })
-            .await;
-        match reply {
-            Ok((Some(version), Some(doc))) => match version.parse() {
-                Ok(version) => Ok(Some(SharedPolicies { version, doc })),
+            .await?;
+        let (version, doc) = match reply {
+            Value::Array(fields) => {
+                match <(Option<String>, Value)>::from_redis_value(Value::Array(fields)) {
+                    Ok(fields) => fields,
+                    Err(_) => {
+                        shared.skip(&key, "not a policy document");
+                        return Ok(None);
+                    }
+                }
+            }
+            Value::SimpleString(s) if s == "WRONGTYPE" => {
+                shared.skip(&key, "not a hash");
+                return Ok(None);
+            }
+            _ => return Ok(None),
+        };
+        let (Some(version), doc) = (version, doc) else {
+            return Ok(None);
+        };
+        let doc = match doc {
+            Value::Int(n) => {
+                tracing::warn!(bytes = n, "redis: shared policies over max_value_bytes");
+                shared.skip(&key, "over max_value_bytes");
+                return Ok(None);
+            }
+            Value::Nil => return Ok(None),
+            other => match Vec::<u8>::from_redis_value(other) {
+                Ok(doc) => doc,
                 Err(_) => {
-                    shared.skip(&key, "version is not a number");
-                    Ok(None)
+                    shared.skip(&key, "not a policy document");
+                    return Ok(None);
                 }
             },
-            Ok(_) => Ok(None),
-            Err(e) if is_wrong_type(&e) => {
-                shared.skip(&key, "not a hash");
+        };
+        match version.parse() {
+            Ok(version) => Ok(Some(SharedPolicies { version, doc })),
+            Err(_) => {
+                shared.skip(&key, "version is not a number");
                 Ok(None)
             }
-            Err(e) => Err(e),
         }
     }
 }
