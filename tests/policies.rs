@@ -928,6 +928,46 @@ async fn shadow_counts_match_a_replay_under_the_candidate() {
     );
 }
 
+/// A shadow candidate with the running rules agrees with what is served on a follow-up
+/// question matched at its own (lower) threshold: the candidate is judged at the threshold
+/// it would serve at, follow-up or learned, not at the plain one.
+#[tokio::test]
+async fn a_shadow_candidate_like_the_running_policy_agrees_on_follow_ups() {
+    let rules = "threshold = 0.97\nfollowup_threshold = 0.5";
+    let policy = format!("[[tenants.policy.semantic_rules]]\n{rules}");
+    let shadow = format!("mode = \"shadow\"\n[[tenants.candidate.semantic_rules]]\n{rules}");
+    let config = tenants_config(&tenants_doc(&[("alike", &policy, &shadow)]), true);
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let auth = [("authorization", "Bearer sk-alike")];
+    let turn = |question: &str| {
+        convo(&[
+            ("user", "How do I reset my password?"),
+            ("assistant", "Open the settings and choose Reset password."),
+            ("user", question),
+        ])
+    };
+    let r = app
+        .chat(&turn("How do I do that on my phone?"), &auth)
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    content(r).await;
+    let counts = |view: &Value| candidate_view(view, "alike")["shadow"].clone();
+    let before = counts(&policies(&app).await);
+    let r = app
+        .chat(&turn("And how would I do that from my phone?"), &auth)
+        .await;
+    assert_eq!(cache_status(&r), "semantic", "matched as a follow-up");
+    let sim = similarity(&r);
+    assert!(sim < 0.97, "below the plain threshold: {sim}");
+    let after = counts(&policies(&app).await);
+    assert_eq!(
+        after["agree_hit"].as_u64().unwrap(),
+        before["agree_hit"].as_u64().unwrap() + 1,
+        "{after}"
+    );
+    assert_eq!(after["would_miss"], before["would_miss"], "{after}");
+}
+
 /// Canary mode: a share of requests is served under the candidate; a candidate worse than the
 /// rest (here it turns the semantic tier off while the backend fails, so its side errs where
 /// the other is answered from the cache) is rolled back by itself, for every replica; a good

@@ -1023,6 +1023,17 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
         ),
         "miss"
     );
+    // A client's own threshold raises what it is served at, not what the scope shows.
+    let strict = [
+        ("x-reprise-threshold", "0.99"),
+        ("cache-control", "only-if-cached"),
+    ];
+    app.chat(&chat_body("Where do I reset my password?"), &strict)
+        .await;
+    let m = app.metrics_text().await;
+    let series = [("tenant", "anonymous"), ("scope", "*/*")];
+    let gauge = sample(&m, "reprise_semantic_threshold", &series);
+    assert_eq!(gauge, Some(f64::from(0.86f32)), "{m}");
     let r = app
         .chat(
             &chat_body("I forgot my password, how can I change it?"),
@@ -1048,7 +1059,6 @@ async fn learned_thresholds_tighten_after_wrong_verdicts_and_loosen_after_right_
     app.chat(&chat_body("Where can I change my password?"), &[])
         .await;
     let m = app.metrics_text().await;
-    let series = [("tenant", "anonymous"), ("scope", "*/*")];
     let gauge = sample(&m, "reprise_semantic_threshold", &series);
     assert_eq!(gauge, Some(f64::from(after.threshold)), "{m}");
     let share = |m: &str, estimate| {

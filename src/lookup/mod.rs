@@ -130,6 +130,10 @@ pub struct Lookup {
     /// The embedder's queue was full (the seconds it asks callers to wait): the semantic
     /// lookup did not run.
     pub embed_overloaded: Option<u64>,
+    /// Looked up under the tenant's candidate policy (a canary's side): a hit by meaning is
+    /// served but never linked to this phrasing's keys, so requests under the running policy
+    /// (and all of them after a rollback) do not inherit what only the candidate matched.
+    pub on_candidate: bool,
     /// What the lookup saw.
     pub notes: Notes,
 }
@@ -149,6 +153,7 @@ impl Lookup {
             exact_taken: false,
             stale: None,
             embed_overloaded: None,
+            on_candidate: false,
             notes: Notes::default(),
         }
     }
@@ -213,6 +218,7 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
         ..
     } = ask;
     let mut found = Lookup::unmatched(namespace, endpoint, req);
+    found.on_candidate = wants.arm == Arm::Candidate;
     let exact = found.plan.exact;
     // 4. Exact first: a hit needs no conversation analysis (the hot path), unless the
     // prefetcher wants to know which earlier answer this turn followed.
@@ -303,40 +309,47 @@ async fn beyond_exact(
     // ones; rules name namespaces inside the tenant.
     let policies = state.policies.load();
     let tenant = policies.tenants.for_namespace(namespace);
-    let resolve = |rules: &[reprise_policies::semantic::Rule]| {
-        semantic_policy(&policies, rules, namespace, &req.model, wants.threshold)
-    };
-    let rules = tenant.semantic_rules(wants.arm);
-    let mut policy = resolve(rules);
-    let scope = crate::bounds::scope(
-        reprise_policies::semantic::matching(
-            rules.iter().chain(&policies.rules),
-            crate::auth::sub_namespace(namespace),
-            &req.model,
-        ),
-        wants.arm,
-    );
     let delta = crate::bounds::delta_of(state, tenant);
-    if followup && delta == 0.0 {
-        // A follow-up is matched within its context only, where the content it acts on is
-        // already the same: its own threshold (a learned one is kept as learned).
-        policy.threshold = policy.followup();
-    }
-    if delta > 0.0 {
-        let floor = state.config.semantic.min_threshold;
-        let learned = state
-            .bounds
-            .threshold(tenant.name(), &scope, delta, policy.threshold, floor);
-        // A client's `x-reprise-threshold` only ever raises it.
-        policy.threshold = learned.threshold.max(wants.threshold.unwrap_or(0.0));
-        if counted {
-            let m = &state.metrics;
-            m.learned(tenant.name(), &scope, &learned);
+    // The policy a side of the tenant serves under, and the scope of its learned threshold:
+    // its threshold is its own (a follow-up's, for a follow-up), or learned under the error
+    // bound from its own configured one; a client's `x-reprise-threshold` only ever raises
+    // it. The running policy and a shadow candidate are judged alike.
+    let serving = |rules: &[reprise_policies::semantic::Rule], arm: Arm| {
+        let mut policy = semantic_policy(&policies, rules, namespace, &req.model, None);
+        let scope = crate::bounds::scope(
+            reprise_policies::semantic::matching(
+                rules.iter().chain(&policies.rules),
+                crate::auth::sub_namespace(namespace),
+                &req.model,
+            ),
+            arm,
+        );
+        let mut learned = None;
+        if delta > 0.0 {
+            let floor = state.config.semantic.min_threshold;
+            let l = state
+                .bounds
+                .threshold(tenant.name(), &scope, delta, policy.threshold, floor);
+            policy.threshold = l.threshold;
+            learned = Some(l);
+        } else if followup {
+            // A follow-up is matched within its context only, where the content it acts on
+            // is already the same: its own threshold.
+            policy.threshold = policy.followup();
         }
+        if let Some(t) = wants.threshold {
+            policy.threshold = policy.threshold.max(t);
+            policy.followup_threshold = policy.followup_threshold.map(|f| f.max(t));
+        }
+        (policy, scope, learned)
+    };
+    let (policy, scope, learned) = serving(tenant.semantic_rules(wants.arm), wants.arm);
+    if let (Some(learned), true) = (&learned, counted) {
+        state.metrics.learned(tenant.name(), &scope, learned);
     }
     let shadow = match (wants.arm, tenant.candidate()) {
         (Arm::Shadow, Some(c)) if counted => Some(Shadow {
-            policy: resolve(&c.config().semantic_rules),
+            policy: serving(&c.config().semantic_rules, Arm::Candidate).0,
             candidate: c.clone(),
             tenant: tenant.name().to_string(),
         }),
@@ -792,6 +805,37 @@ mod tests {
             found.notes.gate
         );
         assert!(found.notes.similarity.unwrap() > 0.99);
+    }
+
+    /// A hit matched under a canary's candidate policy is served but not linked: the same
+    /// wording under the running policy is matched by meaning again (where its own rules
+    /// decide), never served as an exact repeat of the candidate's match.
+    #[tokio::test]
+    async fn a_candidate_sides_hit_is_not_linked_to_the_wording() {
+        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let (y, x) = (
+            "How do I reset my password?",
+            "How can I reset my password?",
+        );
+        let s = state_with(FakeEmbedder::new(8).pin(y, &v).pin(x, &v), false);
+        store(&s, "ns", &ask(y), "E").await;
+        let candidate = Wants {
+            arm: Arm::Candidate,
+            ..Wants::default()
+        };
+        let found = find(&s, "ns", &ask(x), candidate).await;
+        let hit = found.hit.as_ref().expect("a paraphrase hit");
+        assert_eq!(hit.outcome, Outcome::Semantic);
+        crate::request::write_back::link_hit(&s, &found, hit, true, None).await;
+        assert!(s.store.get_by_key(&found.plan.exact).await.is_none());
+        let again = find(&s, "ns", &ask(x), Wants::default()).await;
+        assert_eq!(again.hit.map(|h| h.outcome), Some(Outcome::Semantic));
+        // Under the running policy the same hit is linked.
+        let found = find(&s, "ns", &ask(x), Wants::default()).await;
+        let hit = found.hit.as_ref().unwrap();
+        crate::request::write_back::link_hit(&s, &found, hit, true, None).await;
+        let again = find(&s, "ns", &ask(x), Wants::default()).await;
+        assert_eq!(again.hit.map(|h| h.outcome), Some(Outcome::Exact));
     }
 
     #[tokio::test]

@@ -19,8 +19,9 @@ pub fn has_work(state: &AppState, hit: &Hit, write: bool) -> bool {
 }
 
 /// After a hit: an exact repeat of this phrasing, and the next turn of this conversation,
-/// find the entry directly next time (an exact hit found it by these keys already); a
-/// prefetched entry becomes a normal one on its first use; the prefetcher learns of the hit.
+/// find the entry directly next time (an exact hit found it by these keys already; a hit
+/// matched under a canary's candidate policy is not linked); a prefetched entry becomes a
+/// normal one on its first use; the prefetcher learns of the hit.
 pub async fn link_hit(
     state: &AppState,
     found: &Lookup,
@@ -28,7 +29,7 @@ pub async fn link_hit(
     write: bool,
     observe: Option<ObserveLater>,
 ) {
-    if write && hit.outcome != Outcome::Exact {
+    if write && hit.outcome != Outcome::Exact && !found.on_candidate {
         let mut keys = Vec::new();
         if !found.exact_taken {
             keys.push(found.plan.exact);
