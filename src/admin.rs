@@ -57,7 +57,9 @@ pub async fn gate(
     }
 }
 
-/// A query string as `T`; a bad one is a 400 in the OpenAI error shape.
+/// A query string as `T`; a bad one is a 400 in the OpenAI error shape, and so is an
+/// unknown parameter (the admin queries deny them: a misspelt filter must not widen a
+/// delete).
 pub struct ApiQuery<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
@@ -219,6 +221,7 @@ fn deleted_json(state: &AppState, n: u64) -> Json<serde_json::Value> {
 
 /// The filters of `DELETE /admin/entries`.
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct EntryFilter {
     /// Entries of this configured tenant (`-`: the anonymous tenant's).
     tenant: Option<String>,
@@ -265,6 +268,7 @@ pub async fn delete_entries(
 
 /// `?tenant=NAME` of `DELETE /admin/namespaces/{namespace}`.
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TenantQuery {
     /// The namespace is one of this configured tenant's (none: the anonymous tenant's).
     tenant: Option<String>,
@@ -329,6 +333,7 @@ pub async fn delete_tag(
 
 /// `?tenant=NAME&endpoint=completions` of `POST /admin/explain`.
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ExplainQuery {
     /// The configured tenant asking (none: the anonymous tenant).
     tenant: Option<String>,
@@ -364,6 +369,7 @@ pub async fn explain(
 
 /// `?minutes=N&tenant=NAME` of `GET /admin/stats`.
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StatsQuery {
     /// Minutes back from now (default 60; at most the span of `[stats] intervals`). Read as
     /// text so that a bad value gets the OpenAI error shape.

@@ -155,10 +155,15 @@ pub struct Subscriber {
 }
 
 impl Subscriber {
-    /// Adds a follower's invalidation tags to those stored with the answer (each once).
+    /// Adds a follower's invalidation tags to those stored with the answer (each once). At
+    /// most one beyond [`crate::request::MAX_TAGS`] are held: that many already keep the
+    /// answer from being stored, so more followers cost nothing more.
     pub fn add_tags(&self, tags: &[String]) {
         let mut held = self.flight.tags.lock();
         for t in tags {
+            if held.len() > crate::request::MAX_TAGS {
+                break;
+            }
             if !held.contains(t) {
                 held.push(t.clone());
             }
@@ -637,6 +642,26 @@ mod tests {
         assert_eq!(p.similar(&[1; 32], &[1.0, 0.0], 0.9).len(), 1);
         p.remove(&[1; 32], &new);
         assert!(p.similar(&[1; 32], &[1.0, 0.0], 0.9).is_empty());
+    }
+
+    /// Followers' tags are held only up to one beyond the limit (enough to keep the answer
+    /// from being stored), however many followers bring new ones.
+    #[test]
+    fn followers_tags_are_held_up_to_one_beyond_the_limit() {
+        let flights = Flights::default();
+        let Joined::Leader(f, leader) = flights.join([4; 32], EntryId(5), Priority::Interactive)
+        else {
+            panic!("leads")
+        };
+        let few: Vec<String> = (0..3).map(|i| format!("t{i}")).collect();
+        leader.add_tags(&few);
+        leader.add_tags(&few);
+        assert_eq!(f.take_tags(), few, "each once");
+        for follower in 0..100 {
+            let tags: Vec<String> = (0..32).map(|i| format!("f{follower}-{i}")).collect();
+            leader.add_tags(&tags);
+        }
+        assert_eq!(f.take_tags().len(), crate::request::MAX_TAGS + 1);
     }
 
     #[tokio::test]

@@ -651,6 +651,13 @@ async fn an_operator_deletes_by_tenant_model_and_age() {
         assert_eq!(cache_status(&r), "miss");
     }
     app.chat(&chat_body("anonymous"), &[]).await;
+    // Answers are written once generated, which may be after the response is sent.
+    let store = &app.state.store;
+    let written = eventually_async(std::time::Duration::from_secs(10), || async {
+        store.run_pending_tasks().await;
+        store.entry_count() == 4
+    });
+    assert!(written.await);
     let delete = |q: &str| {
         app.client
             .delete(app.url(&format!("/admin/entries{q}")))
@@ -668,6 +675,18 @@ async fn an_operator_deletes_by_tenant_model_and_age() {
         400,
         "no filter: nothing"
     );
+    // A misspelt filter is refused, not ignored (which would widen the delete).
+    let r = delete("?tenant=acme&older_than=3600").await.unwrap();
+    assert_openai_error(r, 400, None).await;
+    let r = app
+        .client
+        .delete(app.url("/admin/namespaces/default?tenat=acme"))
+        .bearer_auth("filter-admin")
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 400, None).await;
+    assert_eq!(app.state.store.entry_count(), 4);
     assert_eq!(count(delete("?model=another").await.unwrap()).await, 0);
     assert_eq!(
         count(delete("?older_than_secs=3600").await.unwrap()).await,
