@@ -64,6 +64,7 @@ pub(crate) async fn loosely(
         text: found.plan.read(),
         embedding: &embedding,
         partition: &partition,
+        key: &found.plan.exact,
         scope: crate::auth::scope_of(namespace),
     };
     let loose = SemanticPolicy {
@@ -426,10 +427,12 @@ async fn beyond_exact(
     if !read {
         return found;
     }
+    let exact = found.plan.exact;
     let question = || semantic::Question {
         text: matched,
         embedding: &embedding,
         partition: &partition,
+        key: &exact,
         scope: crate::auth::scope_of(namespace),
     };
     let served = match policy.enabled {
@@ -805,6 +808,31 @@ mod tests {
             found.notes.gate
         );
         assert!(found.notes.similarity.unwrap() > 0.99);
+    }
+
+    /// A refusal of a question whose neighbourhood could not be embedded (its key only)
+    /// still keeps the entry from that very question by meaning.
+    #[tokio::test]
+    async fn a_refusal_by_key_alone_keeps_the_question_from_the_entry() {
+        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let (y, x) = (
+            "How do I reset my password?",
+            "How can I reset my password?",
+        );
+        let s = state_with(FakeEmbedder::new(8).pin(y, &v).pin(x, &v), false);
+        store(&s, "ns", &ask(y), "E").await;
+        let found = find(&s, "ns", &ask(x), Wants::default()).await;
+        let hit = found.hit.expect("a paraphrase hit");
+        let mut refusing = (*hit.entry).clone();
+        assert!(refusing.refuse(reprise_cache::entry::Refusal {
+            key: found.plan.exact,
+            around: None,
+        }));
+        s.store.update(Arc::new(refusing)).await;
+        let again = find(&s, "ns", &ask(x), Wants::default()).await;
+        assert!(again.hit.is_none(), "refused for this question");
+        let own = find(&s, "ns", &ask(y), Wants::default()).await;
+        assert_eq!(own.hit.map(|h| h.outcome), Some(Outcome::Exact));
     }
 
     /// A hit matched under a canary's candidate policy is served but not linked: the same

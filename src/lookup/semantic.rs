@@ -22,6 +22,8 @@ pub struct Question<'a> {
     pub embedding: &'a [f32],
     /// Everything that must match exactly.
     pub partition: &'a Digest,
+    /// The request's exact key (what a refusal of this very question names).
+    pub key: &'a Digest,
     /// The tenant asking (the embedder's cache scope).
     pub scope: &'a str,
 }
@@ -82,7 +84,11 @@ pub async fn judge(
     if !wants.fresh(&entry) {
         return (Verdict::TooOld, Some(entry));
     }
-    if entry.refuses(q.partition, q.embedding, state.config.feedback.radius) {
+    // This very question (a refusal made when its neighbourhood could not be embedded has
+    // its key only), or one like it.
+    if entry.refuses_key(q.key)
+        || entry.refuses(q.partition, q.embedding, state.config.feedback.radius)
+    {
         return (Verdict::Refused, Some(entry));
     }
     if policy.gate {

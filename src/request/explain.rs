@@ -82,6 +82,7 @@ pub async fn explain(
             text: plan.read(),
             embedding,
             partition,
+            key: &plan.exact,
             scope: crate::auth::scope_of(&ctl.namespace),
         };
         for c in state.store.search(partition, embedding, policy.top_k) {
