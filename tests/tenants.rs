@@ -316,6 +316,15 @@ async fn a_tenant_over_its_rate_is_told_when_to_retry_and_others_are_not() {
     let j = assert_openai_error(r, 429, None).await;
     assert_eq!(j["error"]["code"], "rate_limit_exceeded");
     assert_eq!(ask(&app, "free", &body, &[]).await.status(), 200);
+    // The refusal counts under its tenant (the metrics, the statistics and the request log
+    // all read the same record).
+    let m = app.metrics_text().await;
+    let refused = [("tenant", "slow"), ("outcome", "error"), ("model", "other")];
+    assert_eq!(
+        sample(&m, "reprise_requests_total", &refused),
+        Some(1.0),
+        "{m}"
+    );
 }
 
 #[tokio::test]

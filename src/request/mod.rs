@@ -100,7 +100,10 @@ async fn serve(
     let deadline = tokio::time::Instant::now() + state.config.server.request_timeout();
     // 0. Who is asking: the API key names the tenant (401 before anything else is read),
     //    within its rate limit (429).
-    let tenant = state.policies.load().tenants.admit(headers)?;
+    let tenant = state.policies.load().tenants.identify(headers)?;
+    // Counted under its tenant from here on, its refusals (429, a bad body) included.
+    book.record.tenant = tenant.name().to_string();
+    tenant.take_request()?;
     // 1. Read (only now: an unknown caller never makes the server hold a body) and parse.
     let server = &state.config.server;
     let timeout = server.body_timeout().min(server.request_timeout());
