@@ -86,7 +86,7 @@ fn admin_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
 }
 
 /// A known path asked with a method it does not take: 405 in the OpenAI error shape.
-async fn method_not_allowed() -> Response {
+pub(crate) async fn method_not_allowed() -> Response {
     ApiError::MethodNotAllowed.into_response()
 }
 

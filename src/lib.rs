@@ -83,6 +83,7 @@ fn serve_until_loaded(
     let slot = loaded.clone();
     let router = Router::new()
         .route("/healthz", get(http::healthz))
+        .method_not_allowed_fallback(http::method_not_allowed)
         .fallback(move |req: Request| {
             let slot = slot.clone();
             async move {

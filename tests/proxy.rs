@@ -615,6 +615,12 @@ async fn run_serves_health_while_loading_and_fails_on_bad_model() {
         .expect("/healthz answers while loading");
     assert_eq!(r.status(), 200);
     let r = client
+        .post(format!("http://{addr}/healthz"))
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 405, None).await;
+    let r = client
         .get(format!("http://{addr}/readyz"))
         .send()
         .await

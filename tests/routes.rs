@@ -163,7 +163,7 @@ async fn a_tenant_route_sends_its_requests_elsewhere() {
     let mut c = config(&[]);
     c.tenants = vec![
         TenantConfig::with_key("acme", "acme-key"),
-        TenantConfig::with_key("other", "other-key"),
+        TenantConfig::with_key("others", "other-key"),
     ];
     c.routes = vec![route(&format!(
         "tenant = \"acme\"\nmodel = \"{SMALL}\"\nbackend = \"large\""
@@ -191,7 +191,7 @@ async fn a_route_to_one_of_two_any_model_backends_reaches_that_one() {
     let mut c = config(&[]);
     c.tenants = vec![
         TenantConfig::with_key("acme", "acme-key"),
-        TenantConfig::with_key("other", "other-key"),
+        TenantConfig::with_key("others", "other-key"),
     ];
     c.routes = vec![route("tenant = \"acme\"\nbackend = \"large\"")];
     c.validate().unwrap();

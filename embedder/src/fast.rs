@@ -194,9 +194,13 @@ impl FastEmbedder {
             })?;
 
         let cache = (cfg.cache_bytes > 0).then(|| {
+            // Least recently used goes first: a text is most often embedded again soon
+            // (a retry, a feedback verdict re-embedding its question), and moka's default
+            // (frequency-based admission) would turn a new text away from a full cache.
             moka::sync::Cache::builder()
                 .weigher(entry_bytes)
                 .max_capacity(cfg.cache_bytes)
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .build()
         });
         let queue = Queue {

@@ -302,6 +302,12 @@ async fn the_text_cache_is_bounded_by_bytes() {
         bytes >= entries * (400 + 384 * 4),
         "{bytes} bytes for {entries} entries"
     );
+    // Least recently used first: the texts embedded last are the ones held.
+    let hits = e.stats().cache_hits;
+    for t in &texts[texts.len() - 5..] {
+        e.embed(t).await.unwrap();
+    }
+    assert_eq!(e.stats().cache_hits, hits + 5);
 }
 
 /// A text of about `tokens` tokens (ordinary words: one token each).

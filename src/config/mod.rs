@@ -918,6 +918,41 @@ impl Config {
                 ));
             }
         }
+        // Periods and waits added to a clock: one beyond a year is a mistake, and one near
+        // the integer's range would overflow it.
+        let (sem, redis) = (&self.semantic, &self.redis);
+        for (key, secs) in [
+            (
+                "cache.snapshot_interval_secs",
+                self.cache.snapshot_interval_secs,
+            ),
+            (
+                "semantic.maintain_interval_secs",
+                sem.maintain_interval_secs,
+            ),
+            ("semantic.evidence_sync_secs", sem.evidence_sync_secs),
+            (
+                "semantic.embedder_queue_wait_ms",
+                sem.embedder_queue_wait_ms / 1000,
+            ),
+            ("redis.timeout_ms", redis.timeout_ms / 1000),
+            ("redis.connect_timeout_ms", redis.connect_timeout_ms / 1000),
+            (
+                "redis.breaker_cooldown_ms",
+                redis.breaker_cooldown_ms / 1000,
+            ),
+            (
+                "backend.fake_token_delay_ms",
+                self.backend.fake_token_delay_ms / 1000,
+            ),
+        ] {
+            if secs as f64 > MAX_TIMEOUT_SECS {
+                return Err(invalid(
+                    key,
+                    format!("must be at most {MAX_TIMEOUT_SECS} seconds (a year)"),
+                ));
+            }
+        }
         if let Err((key, reason)) = self.prefetch.validate() {
             return Err(invalid(key, reason));
         }
@@ -928,6 +963,27 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A period or wait beyond a year is refused, by name, before anything adds it to a
+    /// clock.
+    #[test]
+    fn periods_beyond_a_year_are_refused() {
+        for (section, key) in [
+            ("cache", "snapshot_interval_secs"),
+            ("semantic", "maintain_interval_secs"),
+            ("semantic", "evidence_sync_secs"),
+            ("semantic", "embedder_queue_wait_ms"),
+            ("redis", "timeout_ms"),
+            ("redis", "connect_timeout_ms"),
+            ("redis", "breaker_cooldown_ms"),
+        ] {
+            let toml = format!("[{section}]\n{key} = 9223372036854775807\n");
+            let err = Config::from_toml(&toml).unwrap_err().to_string();
+            assert!(err.contains(&format!("{section}.{key}")), "{err}");
+        }
+        let ok = Config::from_toml("[cache]\nsnapshot_interval_secs = 86400\n");
+        assert!(ok.is_ok());
+    }
 
     /// A configuration error names where the bad value is, never the value: it may be a
     /// key, and the error is logged.
@@ -1064,6 +1120,7 @@ mod tests {
             ("[[tenants]]\nname = \"-\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[cache]\nsnapshot_path = \"/var/lib/reprise/cache.tmp\"\n", "cache.snapshot_path"),
             ("[[tenants]]\nname = \"anonymous\"\napi_keys = [\"k\"]\n", "tenants.name"),
+            ("[[tenants]]\nname = \"other\"\napi_keys = [\"k\"]\n", "tenants.name"),
             (
                 "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n[[tenants]]\nname = \"a\"\napi_keys = [\"j\"]\n",
                 "tenants.name",

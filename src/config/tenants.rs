@@ -26,7 +26,7 @@ pub struct AuthConfig {
 #[derive(Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantConfig {
-    /// Name (1 to 64 letters, digits, `-`, `_`, `.`); unique.
+    /// Name (1 to 64 letters, digits, `-`, `_`, `.`; not `-`, `anonymous` or `other`); unique.
     pub name: String,
     /// Its API keys: the key itself, or `sha256:<64 hex digits>` of it (so the file holds no
     /// secret).
@@ -326,8 +326,9 @@ pub const STATEFUL_ROOTS: &[&str] = &[
     "vector_stores",
 ];
 
-/// Names no tenant may take: how the admin API and the metrics name the anonymous tenant.
-pub const RESERVED_TENANT_NAMES: [&str; 2] = ["-", "anonymous"];
+/// Names no tenant may take: how the admin API and the metrics name the anonymous tenant,
+/// and how the statistics name the tenants past their bound.
+pub const RESERVED_TENANT_NAMES: [&str; 3] = ["-", "anonymous", crate::stats::rollup::OTHER];
 
 /// Validates `[auth]` and `[[tenants]]` (names, controls, lifetimes, rules, keys, candidates,
 /// shares) against the rest of `config`.
@@ -375,10 +376,11 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
         }
         if RESERVED_TENANT_NAMES.contains(&t.name.as_str()) {
             // `-` names the anonymous tenant in the admin API, `anonymous` is its label in
-            // the metrics and statistics: a tenant by either name would share its views.
+            // the metrics and statistics, `other` the statistics' row of the tenants past
+            // their bound: a tenant by any of them would share those views.
             return Err(invalid(
                 "tenants.name",
-                format!("`{}` is reserved for the anonymous tenant", t.name),
+                format!("`{}` is a reserved name", t.name),
             ));
         }
         if !names.insert(t.name.as_str()) {

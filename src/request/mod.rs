@@ -445,7 +445,8 @@ fn backend_failed(e: &ApiError) -> bool {
 }
 
 /// The tags of a regenerated entry: those of the entry it replaces (so a tag delete still
-/// reaches it) and the request's, at most [`controls::MAX_TAGS`].
+/// reaches it) and the request's, every one. Beyond [`controls::MAX_TAGS`] the regenerated
+/// answer is not stored (as on a miss): dropping any would let a delete of it miss the answer.
 fn merged_tags(old: &[String], asked: &[String]) -> Vec<String> {
     let mut tags = old.to_vec();
     for t in asked {
@@ -453,8 +454,20 @@ fn merged_tags(old: &[String], asked: &[String]) -> Vec<String> {
             tags.push(t.clone());
         }
     }
-    tags.truncate(controls::MAX_TAGS);
     tags
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refresh_keeps_every_tag_of_the_old_entry_and_the_request() {
+        let old: Vec<String> = (0..controls::MAX_TAGS).map(|i| format!("old{i}")).collect();
+        let merged = merged_tags(&old, &["old0".into(), "gdpr-user-1".into()]);
+        assert_eq!(merged.len(), controls::MAX_TAGS + 1);
+        assert!(merged.contains(&"gdpr-user-1".to_string()));
+    }
 }
 
 /// The question of a request, as people read it: the last user turn, or the raw prompt.
