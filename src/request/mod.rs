@@ -457,19 +457,6 @@ fn merged_tags(old: &[String], asked: &[String]) -> Vec<String> {
     tags
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_refresh_keeps_every_tag_of_the_old_entry_and_the_request() {
-        let old: Vec<String> = (0..controls::MAX_TAGS).map(|i| format!("old{i}")).collect();
-        let merged = merged_tags(&old, &["old0".into(), "gdpr-user-1".into()]);
-        assert_eq!(merged.len(), controls::MAX_TAGS + 1);
-        assert!(merged.contains(&"gdpr-user-1".to_string()));
-    }
-}
-
 /// The question of a request, as people read it: the last user turn, or the raw prompt.
 fn question_of(req: &reprise_backend::GenRequest) -> &str {
     match &req.input {
@@ -517,4 +504,17 @@ fn near_miss_to_check(
         candidate,
         similarity,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refresh_keeps_every_tag_of_the_old_entry_and_the_request() {
+        let old: Vec<String> = (0..controls::MAX_TAGS).map(|i| format!("old{i}")).collect();
+        let merged = merged_tags(&old, &["old0".into(), "gdpr-user-1".into()]);
+        assert_eq!(merged.len(), controls::MAX_TAGS + 1);
+        assert!(merged.contains(&"gdpr-user-1".to_string()));
+    }
 }
