@@ -398,9 +398,15 @@ impl Store {
         out
     }
 
-    /// An entry this replica holds in memory.
+    /// An entry this replica holds in memory (a read: it becomes recently used).
     pub async fn get(&self, id: EntryId) -> Option<Arc<Entry>> {
         self.memory.get(id).await
+    }
+
+    /// Whether this replica holds entry `id` in memory now, expired or not. Not a read: its
+    /// recency is untouched, so a bookkeeping scan does not keep entries nobody reads.
+    pub fn holds(&self, id: EntryId) -> bool {
+        self.memory.holds(id)
     }
 
     /// An entry held by any tier, expired ones kept for stale serving included: memory,

@@ -460,3 +460,58 @@ async fn an_entry_its_share_refuses_leaves_no_vector_behind() {
     assert!(store.get(fits.id).await.is_some());
     assert_eq!(store.indexed(), 1);
 }
+
+/// `Store::holds` tells whether an entry is held without reading it: an entry only asked
+/// about is evicted as the tier fills, one read all along is kept.
+#[tokio::test]
+async fn asking_whether_an_entry_is_held_does_not_keep_it() {
+    use reprise_cache::{now_ms, Entry, Origin, Store};
+    use std::time::Duration;
+
+    let answer = |i: usize| {
+        Arc::new(Entry {
+            id: EntryId::random(),
+            namespace: "ns".into(),
+            model: "m".into(),
+            text: format!("{i} {}", "a".repeat(8 * 1024)),
+            finish_reason: "stop".into(),
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            prompt: format!("question {i}"),
+            partition: key(1),
+            embedding: None,
+            embedder: None,
+            origin: Origin::Prefetch,
+            tags: Vec::new(),
+            refusals: Vec::new(),
+            created_ms: now_ms(),
+            expires_ms: now_ms() + 3_600_000,
+            gen_ms: 1,
+        })
+    };
+    let store = Store::new(
+        1 << 20,
+        Duration::from_secs(3600),
+        Duration::ZERO,
+        None,
+        None,
+        None,
+    );
+    let (asked, read) = (answer(0), answer(1));
+    store.insert(asked.clone(), &[]).await;
+    store.insert(read.clone(), &[]).await;
+    // Four times the budget of other answers, each read twice (as hits would); both are
+    // looked at before each one.
+    for i in 2..500 {
+        assert!(store.holds(read.id));
+        store.holds(asked.id);
+        store.get(read.id).await;
+        let other = answer(i);
+        store.insert(other.clone(), &[]).await;
+        store.get(other.id).await;
+        store.get(other.id).await;
+        store.run_pending_tasks().await;
+    }
+    assert!(!store.holds(asked.id), "evicted: asking is not reading");
+    assert!(store.holds(read.id), "kept: read all along");
+}

@@ -77,7 +77,7 @@ impl Shared {
     }
 
     /// Counts prefetched entries that left the cache without being used.
-    pub(super) async fn scan_wasted(&self, state: &AppState) {
+    pub(super) fn scan_wasted(&self, state: &AppState) {
         let now = now_ms();
         let ids: Vec<(EntryId, u64)> = self
             .prefetched
@@ -85,13 +85,13 @@ impl Shared {
             .iter()
             .map(|(k, v)| (*k, *v))
             .collect();
-        let mut wasted = Vec::new();
-        for (id, expires) in ids {
-            let gone = expires <= now || state.store.get(id).await.is_none();
-            if gone {
-                wasted.push(id);
-            }
-        }
+        // Whether each is still held, without reading it: a read would make every unused
+        // prefetched entry recently used at each scan, and keep it from being evicted.
+        let wasted: Vec<EntryId> = ids
+            .into_iter()
+            .filter(|&(id, expires)| expires <= now || !state.store.holds(id))
+            .map(|(id, _)| id)
+            .collect();
         if wasted.is_empty() {
             return;
         }

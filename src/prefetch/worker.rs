@@ -114,7 +114,7 @@ pub(super) async fn worker(
             if shared.cfg.refresh_ahead {
                 shared.scan_hot(&state).await;
             }
-            shared.scan_wasted(&state).await;
+            shared.scan_wasted(&state);
         }
         if shared.cfg.enabled || shared.cfg.refresh_ahead {
             shared.dispatch(&state, &mut quiet_since);
