@@ -46,10 +46,7 @@ pub async fn view(
     let now = reprise_cache::now_ms();
     let interval_ms = cfg.interval_secs * 1000;
     let current = now - now % interval_ms;
-    let n = (minutes * 60)
-        .div_ceil(cfg.interval_secs)
-        .clamp(1, cfg.intervals as u64);
-    let first = current - (n - 1) * interval_ms;
+    let first = window_start(now, interval_ms, minutes, cfg.intervals as u64);
     let totals = super::prefetch_totals(state);
     let mut series = {
         let ring = state.stats.ring();
@@ -124,6 +121,16 @@ pub fn top_missed(r: &Rollup) -> Vec<Value> {
         .collect()
 }
 
+/// The start of the oldest interval of the window of the last `minutes` at `now_ms`: the
+/// interval holding `now_ms - minutes`, so the window covers every one of those minutes (and
+/// up to one interval more, the intervals being whole), and at most `intervals` intervals.
+fn window_start(now_ms: u64, interval_ms: u64, minutes: u64, intervals: u64) -> u64 {
+    let current = now_ms - now_ms % interval_ms;
+    let since = now_ms.saturating_sub(minutes.saturating_mul(60_000));
+    let oldest = current.saturating_sub(intervals.saturating_sub(1).saturating_mul(interval_ms));
+    (since - since % interval_ms).max(oldest)
+}
+
 /// The most served (question, matched) pairs, most first.
 pub fn top_pairs(r: &Rollup) -> Vec<Value> {
     r.top_pairs
@@ -140,6 +147,25 @@ pub fn top_pairs(r: &Rollup) -> Vec<Value> {
 mod tests {
     use super::*;
     use crate::reqlog::LogRecord;
+
+    /// A window of N minutes covers every one of the last N minutes, whatever the time in
+    /// the current interval, and never more intervals than are kept.
+    #[test]
+    fn a_window_covers_all_its_minutes() {
+        let minute = 60_000;
+        // Two seconds into an interval of a minute: the last minute began in the one before.
+        let now = 10 * minute + 2_000;
+        assert_eq!(window_start(now, minute, 1, 60), 9 * minute);
+        assert_eq!(window_start(now, minute, 2, 60), 8 * minute);
+        // At an interval's first millisecond, the minute before is exactly the one before.
+        assert_eq!(window_start(10 * minute, minute, 1, 60), 9 * minute);
+        // Hour-long intervals: the last hour reaches into the previous one.
+        let hour = 60 * minute;
+        assert_eq!(window_start(5 * hour + minute, hour, 60, 24), 4 * hour);
+        // Never more intervals than the ring keeps.
+        assert_eq!(window_start(now, minute, 60, 3), 8 * minute);
+        assert_eq!(window_start(now, minute, 60, 1), 10 * minute);
+    }
 
     #[test]
     fn a_summary_has_the_dashboards_names() {
