@@ -484,7 +484,9 @@ async fn forwarded_requests_keep_to_the_tenants_cap_and_budget() {
     let mut config = openai_config(up.base_url.clone());
     config.auth.required = true;
     let doc = "[[tenants]]\nname = \"capped\"\napi_keys = [\"sk-capped\"]\n\
-               [tenants.policy]\nmax_tokens = 64\ntokens_per_minute = 200\n";
+               [tenants.policy]\nmax_tokens = 64\ntokens_per_minute = 200\n\
+               [[tenants]]\nname = \"budgeted\"\napi_keys = [\"sk-budgeted\"]\n\
+               [tenants.policy]\ntokens_per_minute = 10000\n";
     config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
         .unwrap()
         .tenants
@@ -522,6 +524,26 @@ async fn forwarded_requests_keep_to_the_tenants_cap_and_budget() {
     assert!(r.headers().contains_key("retry-after"));
     assert_openai_error(r, 429, None).await;
     assert_eq!(up.seen().len(), 2);
+
+    // A tenant with a budget and no cap: a request asking for no bound is given what it is
+    // charged (`backend.default_max_tokens`), forwarded or not, never the upstream's default.
+    let budgeted = [("authorization", "Bearer sk-budgeted")];
+    let default = u64::from(reprise::Config::default().backend.default_max_tokens);
+    assert_eq!(app.chat(&asked, &budgeted).await.status(), 200);
+    let (_, body) = up.seen().pop().unwrap();
+    assert_eq!(body["max_tokens"], default, "{body}");
+    let plain = json!({
+        "model": "up-model",
+        "messages": [{"role": "user", "content": "A question of its own"}],
+    });
+    // (This upstream answers every chat with a tool call, which a streamed miss does not
+    // take: what matters is what went up.)
+    app.chat(&plain, &budgeted).await;
+    let (_, body) = up.seen().pop().unwrap();
+    let bound = body["max_tokens"]
+        .as_u64()
+        .or(body["max_completion_tokens"].as_u64());
+    assert_eq!(bound, Some(default), "{body}");
 }
 
 /// A tenant kept to some models is kept to them on the passthrough endpoints too: an

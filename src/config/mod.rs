@@ -260,7 +260,9 @@ pub struct BackendConfig {
     pub default_max_tokens: u32,
     /// The largest `max_tokens` (or `max_completion_tokens`) any request may ask for; above
     /// it 400. One request cannot reserve a whole context or an unbounded upstream answer.
-    /// A request without one is not given it (its key and the backend's default stay).
+    /// A request without one is not given it (its key and the backend's default stay),
+    /// unless its tenant has a token budget (`tokens_per_minute`): then it is given what it
+    /// is charged.
     pub max_tokens_cap: u32,
     /// fake: reply template; `{prompt}` is replaced by the last user message.
     pub fake_reply: String,
@@ -1121,6 +1123,18 @@ mod tests {
             ("[cache]\nsnapshot_path = \"/var/lib/reprise/cache.tmp\"\n", "cache.snapshot_path"),
             ("[[tenants]]\nname = \"anonymous\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[[tenants]]\nname = \"other\"\napi_keys = [\"k\"]\n", "tenants.name"),
+            (
+                "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n[tenants.policy]\nmax_tokens = 5000\n",
+                "tenants.policy.max_tokens",
+            ),
+            (
+                "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n[tenants.policy]\ntokens_per_minute = 100\n",
+                "tenants.policy.tokens_per_minute",
+            ),
+            (
+                "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n[tenants.policy]\nmax_tokens = 64\ntokens_per_minute = 60\n",
+                "tenants.policy.tokens_per_minute",
+            ),
             (
                 "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n[[tenants]]\nname = \"a\"\napi_keys = [\"j\"]\n",
                 "tenants.name",

@@ -123,7 +123,7 @@ pub struct TenantPolicy {
     /// Models it may ask for (empty: every model served); others get 404 `model_not_found`.
     pub models: Vec<String>,
     /// Largest `max_tokens` it may ask for; a request without one gets this (0: no cap). A
-    /// larger request gets 400.
+    /// larger request gets 400. At most `backend.max_tokens_cap`.
     pub max_tokens: u32,
     /// Lifetime of the answers it stores, in seconds, at most `cache.ttl_secs` (absent:
     /// `cache.ttl_secs`).
@@ -145,9 +145,11 @@ pub struct TenantPolicy {
     /// Requests per minute (0: unlimited); beyond it 429 with `Retry-After`.
     pub requests_per_minute: u32,
     /// Tokens per minute its misses may ask the backend for (0: unlimited): each request
-    /// that goes to the backend is charged its `max_tokens` (or `backend.default_max_tokens`)
-    /// up front; beyond the budget 429 with `Retry-After`, and a request larger than a whole
-    /// minute's budget 400. Cache hits cost nothing.
+    /// that goes to the backend is charged its `max_tokens` up front; one without is given
+    /// (and charged) this tenant's `max_tokens` cap, else `backend.default_max_tokens`, so no
+    /// answer is longer than it was charged for. Beyond the budget 429 with `Retry-After`, and
+    /// a request larger than a whole minute's budget 400. Cache hits cost nothing. At least
+    /// what a request without `max_tokens` is charged.
     pub tokens_per_minute: u32,
     /// Semantic overrides for this tenant, before the global `[[semantic.rules]]`: the first
     /// rule whose `namespace` (inside the tenant) and `model` match sets `enabled`,
@@ -431,6 +433,32 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
                     ),
                 ));
             }
+        }
+        let global_cap = config.backend.max_tokens_cap;
+        if t.policy.max_tokens > global_cap {
+            return Err(invalid(
+                "tenants.policy.max_tokens",
+                format!(
+                    "tenant `{}`: above backend.max_tokens_cap ({global_cap})",
+                    t.name
+                ),
+            ));
+        }
+        let unasked = match t.policy.max_tokens {
+            0 => config.backend.default_max_tokens,
+            cap => cap,
+        };
+        if t.policy.tokens_per_minute > 0 && t.policy.tokens_per_minute < unasked {
+            // Every request without `max_tokens` would be refused, naming a field it never
+            // sent.
+            return Err(invalid(
+                "tenants.policy.tokens_per_minute",
+                format!(
+                    "tenant `{}`: below what a request without `max_tokens` is charged \
+                     ({unasked}: its max_tokens, else backend.default_max_tokens)",
+                    t.name
+                ),
+            ));
         }
         if t.policy.priority.is_some_and(|p| p < t.policy.max_priority) {
             return Err(invalid(

@@ -41,7 +41,9 @@ pub fn cap_max_tokens(
 }
 
 /// The `max_tokens` a request of `tenant` asking for `asked` gets: the cap when it asked for
-/// none, 400 when it asked for more.
+/// none, 400 when it asked for more. A tenant with a token budget is charged what a request
+/// may generate, so one asking for none gets `backend.default_max_tokens` (what it is
+/// charged) rather than whatever an upstream's default is.
 fn capped(state: &AppState, tenant: &Tenant, asked: Option<u32>) -> Result<Option<u32>, ApiError> {
     let global = state.config.backend.max_tokens_cap;
     if asked.is_some_and(|n| n > global) {
@@ -50,8 +52,12 @@ fn capped(state: &AppState, tenant: &Tenant, asked: Option<u32>) -> Result<Optio
             Some("max_tokens"),
         ));
     }
-    let cap = tenant.policy().max_tokens;
+    let policy = tenant.policy();
+    let cap = policy.max_tokens;
     match asked {
+        None if cap == 0 && policy.tokens_per_minute > 0 => {
+            Ok(Some(state.config.backend.default_max_tokens))
+        }
         _ if cap == 0 => Ok(asked),
         None => Ok(Some(cap)),
         Some(n) if n > cap => Err(ApiError::invalid(
