@@ -143,7 +143,7 @@ async fn stats_add_up_what_was_served_and_tenants_see_their_own() {
     // The one-minute intervals covering the last five minutes (six, unless now is an
     // interval's first millisecond), oldest first, the empty ones as zeros; they add up.
     let series = view["series"].as_array().unwrap();
-    let whole = n(&view, "/now_ms") % 60_000 == 0;
+    let whole = n(&view, "/now_ms").is_multiple_of(60_000);
     assert_eq!(series.len(), if whole { 5 } else { 6 });
     let starts: Vec<u64> = series.iter().map(|s| n(s, "/start_ms")).collect();
     assert!(
@@ -246,7 +246,7 @@ async fn replicas_sharing_redis_serve_the_sum_of_their_stats() {
         assert_eq!(n(t, "/by_tier/memory"), 2, "{name}");
         assert_eq!(n(t, "/latency/miss/count"), 3, "{name}");
         // One-second intervals covering the last two minutes.
-        let whole = n(&view, "/now_ms") % 1_000 == 0;
+        let whole = n(&view, "/now_ms").is_multiple_of(1_000);
         let len = view["series"].as_array().unwrap().len();
         assert_eq!(len, if whole { 120 } else { 121 }, "{name}");
         assert_eq!(view["top_missed"].as_array().unwrap().len(), 3, "{name}");
