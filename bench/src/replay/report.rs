@@ -27,13 +27,24 @@ impl Summary {
         self.exact + self.semantic + self.prefetch
     }
 
+    /// Turns answered (the shares are over these: a failed turn is neither a hit nor a
+    /// miss).
+    fn answered(&self) -> usize {
+        self.turns - self.errors
+    }
+
+    /// `n` turns as a share of those answered.
+    fn share(&self, n: usize) -> f64 {
+        n as f64 / self.answered().max(1) as f64
+    }
+
     fn hit_rate(&self) -> f64 {
-        self.hits() as f64 / self.turns.max(1) as f64
+        self.share(self.hits())
     }
 
     /// Correct hits only (a false hit served the wrong answer).
     fn correct_rate(&self) -> f64 {
-        (self.hits() - self.false_hits) as f64 / self.turns.max(1) as f64
+        self.share(self.hits() - self.false_hits)
     }
 
     /// Prefetches generated in the measured part less the turns a prefetch served there
@@ -81,6 +92,9 @@ fn summarise(side: &Side) -> Summary {
             Served::Error => s.errors += 1,
         }
         s.false_hits += usize::from(r.false_hit);
+        if r.served == Served::Error {
+            continue;
+        }
         let d = r.depth;
         if s.by_depth.len() < d {
             s.by_depth.resize(d, (0, 0, 0));
@@ -163,9 +177,9 @@ pub(super) fn report(
         println!(
             "hit rate {}  (exact {}, semantic {}, prefetch {})  misses {}  errors {}",
             pct(s.hit_rate()),
-            pct(s.exact as f64 / s.turns.max(1) as f64),
-            pct(s.semantic as f64 / s.turns.max(1) as f64),
-            pct(s.prefetch as f64 / s.turns.max(1) as f64),
+            pct(s.share(s.exact)),
+            pct(s.share(s.semantic)),
+            pct(s.share(s.prefetch)),
             s.misses,
             s.errors
         );
@@ -255,4 +269,23 @@ pub(super) fn report(
         std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shares are over the turns answered: a failed turn is neither a hit nor a miss.
+    #[test]
+    fn shares_leave_failed_turns_out() {
+        let s = Summary {
+            turns: 3,
+            exact: 1,
+            misses: 1,
+            errors: 1,
+            ..Summary::default()
+        };
+        assert_eq!(s.hit_rate(), 0.5);
+        assert_eq!(s.correct_rate(), 0.5);
+    }
 }
