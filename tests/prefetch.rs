@@ -1210,7 +1210,10 @@ async fn a_background_generation_that_never_starts_times_out() {
     assert!(
         matches!(
             got,
-            reprise::generate::Background::Failed(BackendError::Timeout)
+            reprise::generate::Background::Failed {
+                error: BackendError::Timeout,
+                decoded: 0
+            }
         ),
         "{got:?}"
     );
@@ -1218,6 +1221,43 @@ async fn a_background_generation_that_never_starts_times_out() {
     // The abandoned flight stopped the backend's stream.
     let stopped = eventually(WAIT, || backend.active() == 0).await;
     assert!(stopped, "the backend still generates");
+}
+
+/// A background generation cut off midway reports what it decoded (what the prefetch token
+/// budget is charged for it), and stores nothing.
+#[tokio::test]
+async fn a_cut_off_background_generation_reports_what_it_decoded() {
+    let (app, backend) = spawn_fake(prefetch_config(false), ScriptConfig::default()).await;
+    backend.set_failure(reprise_backend::fake::Failure::AfterChunks(3));
+    let req = GenRequest {
+        model: "fake".into(),
+        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage::new(
+            "user",
+            "What will I ask after this one?",
+        )]),
+        params: Default::default(),
+        priority: Priority::Background,
+        extra: Default::default(),
+        backend: None,
+    };
+    let got = reprise::generate::generate_in_background(
+        &app.state,
+        reprise::headers::DEFAULT_NAMESPACE,
+        reprise::openai::Endpoint::Chat,
+        req,
+        Origin::Prefetch,
+        true,
+    )
+    .await;
+    assert!(
+        matches!(
+            got,
+            reprise::generate::Background::Failed { decoded: 3, .. }
+        ),
+        "{got:?}"
+    );
+    app.state.store.run_pending_tasks().await;
+    assert_eq!(app.state.store.entry_count(), 0);
 }
 
 /// A prefetched follow-up carries the invalidation tags of the answer it follows: a tag

@@ -80,7 +80,12 @@ pub enum Background {
         usage: Usage,
     },
     /// The backend failed, was preempted, or the answer was incomplete; nothing stored.
-    Failed(BackendError),
+    Failed {
+        /// Why.
+        error: BackendError,
+        /// The pieces of answer it decoded before (a token each, near enough): what it spent.
+        decoded: u64,
+    },
 }
 
 /// Generates `req` at background priority and stores the answer as an entry of `origin`,
@@ -128,10 +133,13 @@ pub async fn generate_tagged(
         .read_only
     {
         // Nothing may be stored for a read-only tenant, so nothing is generated for it.
-        return Background::Failed(BackendError::InvalidRequest {
-            message: "the tenant is read-only".into(),
-            param: None,
-        });
+        return Background::Failed {
+            error: BackendError::InvalidRequest {
+                message: "the tenant is read-only".into(),
+                param: None,
+            },
+            decoded: 0,
+        };
     }
     req.priority = Priority::Background;
     // Not client traffic: kept out of the lookup metrics analysts read.
@@ -147,7 +155,10 @@ pub async fn generate_tagged(
     let looking = lookup::lookup(state, ask);
     let Ok(found) = tokio::time::timeout(state.config.server.lookup_timeout(), looking).await
     else {
-        return Background::Failed(BackendError::Timeout);
+        return Background::Failed {
+            error: BackendError::Timeout,
+            decoded: 0,
+        };
     };
     if let Some(hit) = found.hit {
         return Background::Cached(hit.entry);
@@ -158,14 +169,14 @@ pub async fn generate_tagged(
     let exact = plan.exact;
     let (flight, mut sub) = state.flights.solo(Some(plan.id));
     super::spawn(state.clone(), flight, None, req, Some(plan), None);
-    let mut usage = None;
+    let (mut usage, mut decoded) = (None, 0);
     // Past a deadline the subscriber is dropped: the flight, abandoned, stops the backend.
     let mut deadlines = super::Deadlines::new(&state.config.server);
     loop {
         match deadlines.next(sub.next()).await {
             Ok(Some(Ok(GenEvent::Finish { usage: u, .. }))) => usage = Some(u),
-            Ok(Some(Ok(GenEvent::Delta(_)))) => {}
-            Ok(Some(Err(e))) | Err(e) => return Background::Failed(e),
+            Ok(Some(Ok(GenEvent::Delta(_)))) => decoded += 1,
+            Ok(Some(Err(error))) | Err(error) => return Background::Failed { error, decoded },
             Ok(None) => break,
         }
     }
@@ -174,7 +185,10 @@ pub async fn generate_tagged(
             id: entry.id,
             usage,
         },
-        _ => Background::Failed(BackendError::Internal("no entry after generation".into())),
+        (usage, _) => Background::Failed {
+            error: BackendError::Internal("no entry after generation".into()),
+            decoded: usage.map_or(decoded, |u| u64::from(u.completion_tokens)),
+        },
     }
 }
 

@@ -199,7 +199,14 @@ impl Shared {
                 });
                 let job = found.and_then(|i| q.remove(i));
                 if let Some(j) = &job {
-                    budgets.start(pool_of(&j.namespace), n, Instant::now());
+                    // The most it may generate is held against the token budget while it
+                    // runs.
+                    let reserve = j
+                        .request
+                        .params
+                        .max_tokens
+                        .unwrap_or(state.config.backend.default_max_tokens);
+                    budgets.start(pool_of(&j.namespace), n, Instant::now(), u64::from(reserve));
                 }
                 job
             };
@@ -328,7 +335,7 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
     let answer = match &result {
         Background::Generated { id, .. } => state.store.get(*id).await,
         Background::Cached(entry) => Some(entry.clone()),
-        Background::Failed(_) => None,
+        Background::Failed { .. } => None,
     };
     if let (JobKind::Prefetch, Some(entry)) = (&job.kind, answer) {
         state.store.alias_unclaimed(&job.aliases, &entry).await;
@@ -368,7 +375,9 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
                 }
             }
         }
-        Background::Failed(e) => {
+        Background::Failed { error: e, decoded } => {
+            // What it decoded before it stopped was spent all the same.
+            tokens = decoded;
             tracing::debug!(error = %e, "prefetch: background generation failed");
             if matches!(e, reprise_backend::BackendError::Overloaded { .. }) {
                 bump(&shared.counts.preempted, 1);

@@ -80,6 +80,12 @@ pub(super) async fn worker(
             .chain(std::iter::from_fn(|| rx.try_recv()))
             .take(LEARN_BATCH)
         {
+            if matches!(ev, Event::Served(_)) {
+                // A user request just ended: a backend of unknown capacity is quiet only
+                // from now (the same client's next request often follows at once), whether
+                // or not a job was waiting to see it run.
+                quiet_since.clear();
+            }
             shared.apply(ev);
         }
         let tier = shared.redis.lock().clone();
