@@ -125,6 +125,12 @@ impl Worker {
     }
 
     fn run_round(&mut self, round: Vec<Job>) {
+        // A caller that gave up waiting (its request ended, or a text of the same call was
+        // refused) wants nothing: its text is not embedded, and its room is freed now.
+        let round: Vec<Job> = round.into_iter().filter(|j| !j.reply.is_closed()).collect();
+        if round.is_empty() {
+            return;
+        }
         self.counters.rounds.fetch_add(1, Ordering::Relaxed);
         // Several callers may wait on the same text: embed it once.
         let mut unique: Vec<String> = Vec::with_capacity(round.len());

@@ -277,9 +277,14 @@ impl FastEmbedder {
         hit
     }
 
-    /// Queues a text for the batching thread once the queue has room for it (waiting at
-    /// most `queue_wait_ms`); the receiver yields its vector.
-    async fn submit(&self, text: &str) -> Result<Pending, EmbedError> {
+    /// Queues a text for the batching thread once the queue has room for it (waiting until
+    /// `deadline` at most: a caller's texts share one wait of `queue_wait_ms`); the receiver
+    /// yields its vector.
+    async fn submit(
+        &self,
+        text: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<Pending, EmbedError> {
         let q = &self.queue;
         // A text longer than the whole byte budget takes all of it (and waits for an empty
         // queue) rather than never fitting.
@@ -289,7 +294,7 @@ impl FastEmbedder {
             let bytes = Arc::clone(&q.bytes).acquire_many_owned(bytes).await;
             (texts, bytes)
         };
-        let (texts, bytes) = match tokio::time::timeout(q.wait, room).await {
+        let (texts, bytes) = match tokio::time::timeout_at(deadline, room).await {
             Ok((Ok(texts), Ok(bytes))) => (texts, bytes),
             // The semaphores are never closed.
             Ok(_) => return Err(EmbedError::Closed),
@@ -332,7 +337,9 @@ impl Embedder for FastEmbedder {
         if let Some(v) = self.cached(scope, text) {
             return Ok(v);
         }
-        let rx = self.submit(text).await?;
+        let rx = self
+            .submit(text, tokio::time::Instant::now() + self.queue.wait)
+            .await?;
         let v = rx.await.map_err(|_| EmbedError::Closed)??;
         self.remember(scope, text, &v);
         Ok(v)
@@ -343,12 +350,15 @@ impl Embedder for FastEmbedder {
         scope: &str,
         texts: &[String],
     ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
-        // Submit every miss before awaiting any, so they can share batches.
+        // Submit every miss before awaiting any, so they can share batches; all within one
+        // wait for room. Refused midway, the texts already queued are dropped with their
+        // receivers, and the batching thread skips them.
+        let deadline = tokio::time::Instant::now() + self.queue.wait;
         let mut pending = Vec::with_capacity(texts.len());
         for text in texts {
             match self.cached(scope, text) {
                 Some(v) => pending.push(Ok(v)),
-                None => pending.push(Err(self.submit(text).await?)),
+                None => pending.push(Err(self.submit(text, deadline).await?)),
             }
         }
         let mut out = Vec::with_capacity(texts.len());

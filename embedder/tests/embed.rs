@@ -321,6 +321,26 @@ fn sentence(tokens: usize, salt: usize) -> String {
         .join(" ")
 }
 
+/// A text whose caller gave up before its round ran is not embedded (its room is freed);
+/// a text asked meanwhile is.
+#[tokio::test]
+async fn a_text_nobody_waits_for_is_not_embedded() {
+    let e = load(EmbedderConfig {
+        cache_bytes: 0,
+        // The round stays open long enough for the caller below to give up first.
+        batch_wait_us: 500_000,
+        ..common::config()
+    });
+    let gave_up = tokio::time::timeout(
+        std::time::Duration::from_millis(20),
+        e.embed("a question nobody waits for"),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the round was still open");
+    e.embed("a question someone waits for").await.unwrap();
+    assert_eq!(e.stats().texts_embedded, 1);
+}
+
 #[tokio::test]
 async fn a_mixed_round_is_split_by_length_and_every_vector_is_its_own() {
     let e = load(EmbedderConfig {
