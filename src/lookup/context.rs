@@ -216,7 +216,8 @@ fn with_pending(ctx: &Digest, pending: &[&ChatMessage]) -> Digest {
 /// unrelated to in meaning. `None` when the question refers back (`refers_back`, from
 /// [`reprise_policies::standalone::refers_back`]), a message is pending before it, an
 /// earlier message is not the user's (a system or developer message within the
-/// conversation), an earlier user message was not a plain question, or one of the last two exchanges has more
+/// conversation, or an assistant message that answers no question), an earlier user message
+/// was not a plain question, or one of the last two exchanges has more
 /// than [`MAX_EXCHANGE_MESSAGES`] messages (its answer included).
 pub fn standalone(conv: &Conversation<'_>, refers_back: bool) -> Option<(Digest, Vec<String>)> {
     use reprise_policies::standalone::conversation_is_plain;
@@ -224,8 +225,10 @@ pub fn standalone(conv: &Conversation<'_>, refers_back: bool) -> Option<(Digest,
         return None;
     }
     let asked = || conv.turns.iter().flat_map(|(msgs, _)| msgs.iter());
-    // A system, developer or tool message within the conversation may shape what follows.
-    if asked().any(|m| m.role != "user") {
+    // A system, developer or tool message within the conversation may shape what follows;
+    // so may an assistant message that answers nothing (a greeting the client seeded, "I
+    // answer in French"), which is a standing instruction in the assistant's voice.
+    if asked().any(|m| m.role != "user") || conv.turns.iter().any(|(msgs, _)| msgs.is_empty()) {
         return None;
     }
     if !conversation_is_plain(asked().map(|m| m.content.as_str())) {
@@ -308,6 +311,19 @@ mod tests {
         let conv = split_conversation(&msgs).unwrap();
         assert_eq!(standalone(&conv, false).map(|(_, r)| r.len()), Some(4));
         let msgs = messages(&[(&asked, "Yes.")], "How do volcanoes form?");
+        let conv = split_conversation(&msgs).unwrap();
+        assert!(standalone(&conv, false).is_none());
+    }
+
+    /// An assistant message that answers nothing (a seeded greeting that sets the
+    /// language) is read as a standing instruction: the question keeps its context.
+    #[test]
+    fn a_seeded_assistant_message_keeps_the_context() {
+        let msgs = vec![
+            ChatMessage::new("system", "You are a helpful assistant."),
+            ChatMessage::new("assistant", "Bonjour ! Je réponds en français."),
+            ChatMessage::new("user", "What is the capital of Australia?"),
+        ];
         let conv = split_conversation(&msgs).unwrap();
         assert!(standalone(&conv, false).is_none());
     }
