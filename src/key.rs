@@ -121,11 +121,22 @@ impl KeyHasher {
         }
         self.f32(*presence_penalty);
         self.f32(*frequency_penalty);
-        // serde_json's Map is ordered by key, so this serialisation is canonical.
-        let extra = serde_json::to_string(extra).unwrap_or_default();
+        // Ordered by key, so this serialisation is canonical (and, without unkeyed fields,
+        // the same as the whole map's).
+        let keyed: std::collections::BTreeMap<&String, &serde_json::Value> = extra
+            .iter()
+            .filter(|(k, _)| !UNKEYED_FIELDS.contains(&k.as_str()))
+            .collect();
+        let extra = serde_json::to_string(&keyed).unwrap_or_default();
         self.str(&extra)
     }
 }
+
+/// Request fields that name the caller or what the upstream keeps, never what is answered:
+/// passed through, left out of every key (like `user`), so they do not split the cache per
+/// end user.
+pub const UNKEYED_FIELDS: [&str; 4] =
+    ["safety_identifier", "prompt_cache_key", "metadata", "store"];
 
 /// The exact-tier key: namespace, endpoint and the whole request (not the stream flag, so
 /// stream and non-stream requests share one entry; not the priority or the `user` field).
@@ -240,6 +251,29 @@ mod tests {
     use super::*;
     use crate::test_support::chat;
     use reprise_backend::Priority;
+
+    /// Fields that name the caller split no key; a field the answer depends on does.
+    #[test]
+    fn caller_identifiers_split_no_key() {
+        let base = chat(&[("user", "hi")]);
+        let k = exact_key("ns", Endpoint::Chat, &base);
+        for (field, value) in [
+            ("safety_identifier", serde_json::json!("user-123")),
+            ("prompt_cache_key", serde_json::json!("session-9")),
+            ("metadata", serde_json::json!({"customer": "acme"})),
+            ("store", serde_json::json!(true)),
+        ] {
+            let mut r = base.clone();
+            r.extra.insert(field.into(), value);
+            assert_eq!(k, exact_key("ns", Endpoint::Chat, &r), "{field}");
+        }
+        let mut r = base.clone();
+        r.extra.insert(
+            "response_format".into(),
+            serde_json::json!({"type": "json_object"}),
+        );
+        assert_ne!(k, exact_key("ns", Endpoint::Chat, &r));
+    }
 
     #[test]
     fn keys_differ_on_every_output_affecting_field() {

@@ -3,7 +3,10 @@
 //!
 //! Requests keep every field they do not interpret in `extra`: those fields are part of the
 //! cache key (so an unknown field can only make two requests different, never the same) and
-//! are passed through to upstream backends verbatim.
+//! are passed through to upstream backends verbatim. The exceptions are the fields that name
+//! the caller or what the upstream keeps, never what is answered
+//! ([`crate::key::UNKEYED_FIELDS`]: `safety_identifier`, `prompt_cache_key`, `metadata`,
+//! `store`): passed through, left out of the key like `user`.
 
 use reprise_backend::{FinishReason, Usage};
 use serde::{Deserialize, Serialize};
