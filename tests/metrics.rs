@@ -220,6 +220,10 @@ async fn hits_by_meaning_record_their_pair_and_rejections_their_reason() {
     let sum = sample(&text, "reprise_miss_similarity_sum", &sem).unwrap();
     let logged = lines[2]["similarity"].as_f64().unwrap();
     assert!((sum - logged).abs() < 1e-3, "{sum} vs {logged}");
+    // Buckets reach below 0.5, where most misses' best similarity is (else a quantile there
+    // is only interpolated).
+    let low = [("tenant", "sem"), ("le", "0.3")];
+    assert!(sample(&text, "reprise_miss_similarity_bucket", &low).is_some());
     for stage in ["exact", "embed", "search", "first_token"] {
         let n = sample(
             &text,

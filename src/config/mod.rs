@@ -433,7 +433,8 @@ pub struct CacheConfig {
     pub snapshot_interval_secs: u64,
     /// Earlier exchanges of a conversation looked up by their turn links (so differently
     /// worded turns that reprise answered with the same entry share later hits); the ones
-    /// after join the context by their raw text.
+    /// after join the context by their raw text (and an answer past them is stored without
+    /// turn links, which nothing would read).
     pub context_turns: usize,
     /// Stale-while-revalidate (RFC 5861): for this many seconds after an entry expired, a
     /// request for it (by its exact key) is answered from it at once, marked stale, while

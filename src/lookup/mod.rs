@@ -276,8 +276,12 @@ async fn beyond_exact(
                 Some(conv) => {
                     let turns = state.config.cache.context_turns;
                     let ctx = context::resolve(state, namespace, &req.model, &conv, turns).await;
-                    found.plan.turn = Some((ctx.turn, ctx.query));
-                    found.plan.raw_turn = Some(ctx.raw);
+                    // The next turn looks up the links of its first `turns` exchanges only:
+                    // an answer past them gets none (they would be written, never read).
+                    if conv.turns.len() < turns {
+                        found.plan.turn = Some((ctx.turn, ctx.query));
+                        found.plan.raw_turn = Some(ctx.raw);
+                    }
                     found.prev_entry = ctx.prev_entry;
                     let refers = reprise_policies::standalone::refers_back(&conv.last.content);
                     let alone = context::standalone(&conv, refers);
@@ -659,6 +663,26 @@ mod tests {
             held <= 64 << 10,
             "{held} bytes held over a budget of 64 KiB"
         );
+    }
+
+    /// The next turn looks up the links of its first `context_turns` exchanges: an answer
+    /// past them is given no turn link (it would be written and never read).
+    #[tokio::test]
+    async fn no_turn_link_past_the_turns_looked_up() {
+        let mut config = Config::default();
+        config.semantic.enabled = true;
+        config.cache.context_turns = 2;
+        let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+        let s = AppState::new(config, backend, Some(Arc::new(FakeEmbedder::new(64)))).unwrap();
+        let mut msgs = Vec::new();
+        let mut linked = Vec::new();
+        for _ in 0..4 {
+            msgs.push(("user", "Why is the sky blue today?"));
+            let found = find(&s, "ns", &chat(&msgs), Wants::default()).await;
+            linked.push(found.plan.turn.is_some());
+            msgs.push(("assistant", "Because of scattering."));
+        }
+        assert_eq!(linked, [true, true, false, false]);
     }
 
     #[tokio::test]

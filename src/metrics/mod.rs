@@ -178,7 +178,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 /// Buckets for cosine similarities.
 const SIMILARITY_BUCKETS: &[f64] = &[
-    0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98, 1.0,
+    0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.88, 0.9, 0.92, 0.94, 0.96, 0.98, 1.0,
 ];
 
 /// Buckets for decode rates, tokens per second (a CPU decodes a few to tens, a GPU hundreds
