@@ -323,7 +323,7 @@ pub fn check_near_miss(state: &Arc<AppState>, near: NearMiss, answer: String) {
             return;
         };
         let texts = [answer, entry.text.clone()];
-        let Ok(v) = embedder.embed_many_in(&near.tenant, &texts).await else {
+        let Ok(v) = embedder.embed_many_spare(&near.tenant, &texts).await else {
             return;
         };
         let same = reprise_embedder::cosine(&v[0], &v[1]) >= state.config.semantic.answer_threshold;

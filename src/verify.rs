@@ -157,7 +157,10 @@ async fn judge(
         VerifyJudge::Similarity => {
             let embedder = state.embedder.as_ref()?;
             let texts = [fresh.to_string(), entry.text.clone()];
-            let v = embedder.embed_many_in(&served.tenant, &texts).await.ok()?;
+            let v = embedder
+                .embed_many_spare(&served.tenant, &texts)
+                .await
+                .ok()?;
             let same = reprise_embedder::cosine(&v[0], &v[1]);
             Some(same < state.config.semantic.answer_threshold)
         }

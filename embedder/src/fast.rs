@@ -71,9 +71,19 @@ fn entry_bytes(key: &(String, String), vector: &Arc<[f32]>) -> u32 {
 struct Queue {
     texts: Arc<Semaphore>,
     bytes: Arc<Semaphore>,
+    /// Permits of `texts`.
+    texts_total: usize,
     /// Permits of `bytes` (what one text takes at most).
     bytes_total: usize,
     wait: Duration,
+}
+
+impl Queue {
+    /// Whether at least half of the queue (texts and bytes) is free.
+    fn half_free(&self) -> bool {
+        self.texts.available_permits() * 2 >= self.texts_total
+            && self.bytes.available_permits() * 2 >= self.bytes_total
+    }
 }
 
 /// all-MiniLM-L6-v2 (384 dimensions) run locally, with micro-batching and an LRU.
@@ -207,6 +217,7 @@ impl FastEmbedder {
             texts: Arc::new(Semaphore::new(cfg.queue_texts.min(Semaphore::MAX_PERMITS))),
             bytes: Arc::new(Semaphore::new(cfg.queue_bytes.min(Semaphore::MAX_PERMITS))),
             bytes_total: cfg.queue_bytes.min(Semaphore::MAX_PERMITS),
+            texts_total: cfg.queue_texts.min(Semaphore::MAX_PERMITS),
             wait: Duration::from_millis(cfg.queue_wait_ms),
         };
         tracing::info!(
@@ -250,6 +261,11 @@ impl FastEmbedder {
             cache_misses: load(&c.cache_misses),
             refused: load(&c.refused),
         }
+    }
+
+    /// Texts in the queue now (waiting for, or in, a round).
+    pub fn queued(&self) -> usize {
+        self.queue.texts_total - self.queue.texts.available_permits()
     }
 
     /// Entries and weighed bytes held by the text cache, once its pending evictions have run.
@@ -316,6 +332,37 @@ impl FastEmbedder {
         Ok(rx)
     }
 
+    /// Embeds `texts`, every miss submitted before any is awaited (so they can share
+    /// batches), waiting for queue room until `deadline` at most. Refused midway, the texts
+    /// already queued are dropped with their receivers, and the batching thread skips them.
+    async fn embed_many_by(
+        &self,
+        scope: &str,
+        texts: &[String],
+        deadline: tokio::time::Instant,
+    ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
+        let mut pending = Vec::with_capacity(texts.len());
+        for text in texts {
+            match self.cached(scope, text) {
+                Some(v) => pending.push(Ok(v)),
+                None => pending.push(Err(self.submit(text, deadline).await?)),
+            }
+        }
+        let mut out = Vec::with_capacity(texts.len());
+        for (text, p) in texts.iter().zip(pending) {
+            let v = match p {
+                Ok(v) => v,
+                Err(rx) => {
+                    let v = rx.await.map_err(|_| EmbedError::Closed)??;
+                    self.remember(scope, text, &v);
+                    v
+                }
+            };
+            out.push(v);
+        }
+        Ok(out)
+    }
+
     fn remember(&self, scope: &str, text: &str, vector: &Arc<[f32]>) {
         if let Some(cache) = &self.cache {
             cache.insert((scope.to_owned(), text.to_owned()), Arc::clone(vector));
@@ -350,30 +397,28 @@ impl Embedder for FastEmbedder {
         scope: &str,
         texts: &[String],
     ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
-        // Submit every miss before awaiting any, so they can share batches; all within one
-        // wait for room. Refused midway, the texts already queued are dropped with their
-        // receivers, and the batching thread skips them.
         let deadline = tokio::time::Instant::now() + self.queue.wait;
-        let mut pending = Vec::with_capacity(texts.len());
-        for text in texts {
-            match self.cached(scope, text) {
-                Some(v) => pending.push(Ok(v)),
-                None => pending.push(Err(self.submit(text, deadline).await?)),
-            }
+        self.embed_many_by(scope, texts, deadline).await
+    }
+
+    async fn embed_many_spare(
+        &self,
+        scope: &str,
+        texts: &[String],
+    ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
+        let all_cached = self.cache.as_ref().is_some_and(|c| {
+            texts
+                .iter()
+                .all(|t| c.contains_key(&(scope.to_owned(), t.to_owned())))
+        });
+        if !(all_cached || self.queue.half_free()) {
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(EmbedError::Overloaded {
+                retry_after_secs: 1,
+            });
         }
-        let mut out = Vec::with_capacity(texts.len());
-        for (text, p) in texts.iter().zip(pending) {
-            let v = match p {
-                Ok(v) => v,
-                Err(rx) => {
-                    let v = rx.await.map_err(|_| EmbedError::Closed)??;
-                    self.remember(scope, text, &v);
-                    v
-                }
-            };
-            out.push(v);
-        }
-        Ok(out)
+        self.embed_many_by(scope, texts, tokio::time::Instant::now())
+            .await
     }
 
     fn dim(&self) -> usize {

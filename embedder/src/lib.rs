@@ -58,6 +58,18 @@ pub trait Embedder: Send + Sync + 'static {
         self.embed_many(texts).await
     }
 
+    /// [`Embedder::embed_many_in`] for work nobody waits on (background checks of answers):
+    /// never waits for queue room, and refuses (`Overloaded`) unless at least half of the
+    /// queue is free, so it never takes the room a client's request would need. The default
+    /// has no queue to leave room in.
+    async fn embed_many_spare(
+        &self,
+        scope: &str,
+        texts: &[String],
+    ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
+        self.embed_many_in(scope, texts).await
+    }
+
     /// Number of components of every vector this embedder returns.
     fn dim(&self) -> usize;
 

@@ -321,6 +321,43 @@ fn sentence(tokens: usize, salt: usize) -> String {
         .join(" ")
 }
 
+/// Background embedding never takes the room clients need: refused while less than half of
+/// the queue is free, served once it is.
+#[tokio::test]
+async fn spare_embedding_leaves_the_queue_to_clients() {
+    let e = std::sync::Arc::new(load(EmbedderConfig {
+        cache_bytes: 0,
+        queue_texts: 4,
+        // The round stays open while the clients' texts hold the queue.
+        batch_wait_us: 500_000,
+        ..common::config()
+    }));
+    let clients: Vec<_> = (0..3)
+        .map(|i| {
+            let e = e.clone();
+            tokio::spawn(async move { e.embed(&format!("client question {i}")).await })
+        })
+        .collect();
+    let queued = async {
+        while e.queued() < 3 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(10), queued)
+        .await
+        .expect("the clients' texts are queued");
+    let texts = ["an answer".to_string(), "another answer".to_string()];
+    let refused = e.embed_many_spare("", &texts).await;
+    assert!(
+        matches!(refused, Err(EmbedError::Overloaded { .. })),
+        "{refused:?}"
+    );
+    for c in clients {
+        c.await.unwrap().unwrap();
+    }
+    assert_eq!(e.embed_many_spare("", &texts).await.unwrap().len(), 2);
+}
+
 /// A text whose caller gave up before its round ran is not embedded (its room is freed);
 /// a text asked meanwhile is.
 #[tokio::test]
