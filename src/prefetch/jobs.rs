@@ -144,14 +144,15 @@ impl Shared {
                 // nothing generated for it may be stored, so nothing is generated.
                 let mut q = self.queue.lock();
                 let mut stale = Vec::new();
-                while q.back().is_some_and(|j| j.queued_at + JOB_TTL < now) {
-                    stale.extend(q.pop_back());
-                }
+                // Anywhere in the queue: most jobs are queued at the front (newest first), but
+                // proposals and their follow-ups go to the back, so the back is not always
+                // the oldest.
                 let tenants = &state.policies.load().tenants;
                 let read_only = |j: &Job| tenants.for_namespace(&j.namespace).policy().read_only;
-                if q.iter().any(read_only) {
+                let dropped = |j: &Job| j.queued_at + JOB_TTL < now || read_only(j);
+                if q.iter().any(dropped) {
                     let (refused, kept): (VecDeque<Job>, VecDeque<Job>) =
-                        std::mem::take(&mut *q).into_iter().partition(read_only);
+                        std::mem::take(&mut *q).into_iter().partition(dropped);
                     *q = kept;
                     stale.extend(refused);
                 }
@@ -420,6 +421,31 @@ mod tests {
     fn queued(p: &Prefetcher, pool: &str) -> usize {
         let q = p.shared.queue.lock();
         q.iter().filter(|j| pool_of(&j.namespace) == pool).count()
+    }
+
+    /// A job past its time is dropped wherever it waits: a fresh one queued behind it
+    /// (proposals go to the back) does not shield it.
+    #[tokio::test]
+    async fn a_stale_job_is_dropped_wherever_it_waits() {
+        let state = crate::state::AppState::new(
+            crate::config::Config::default(),
+            std::sync::Arc::new(reprise_backend::fake::ScriptedBackend::new(
+                reprise_backend::fake::ScriptConfig::default(),
+            )),
+            None,
+        )
+        .unwrap();
+        let p = Prefetcher::new(PrefetchConfig::default());
+        let mut old = job("ns", 1);
+        old.queued_at = Instant::now()
+            .checked_sub(JOB_TTL + Duration::from_secs(1))
+            .unwrap();
+        let old_key = old.key;
+        p.shared.enqueue_at(old, true);
+        p.shared.enqueue_at(job("ns", 2), false);
+        p.shared.dispatch(&state, &mut HashMap::new());
+        assert!(!p.shared.queue.lock().iter().any(|j| j.key == old_key));
+        assert_eq!(p.stats().cancelled, 1);
     }
 
     #[test]
