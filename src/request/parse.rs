@@ -168,7 +168,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
             let r: CompletionRequest = de(body)?;
             check_model(&r.model)?;
             if let Some(found) = completion_forward_field(&r) {
-                let answers = completion_answers(&r);
+                let answers = completion_answers(&r)?;
                 return Ok(Request::Forward(Forward::new(
                     r.model,
                     r.stream,
@@ -243,20 +243,26 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
 }
 
 /// How many answers a completions request asks the upstream to generate: `max(n, best_of)`
-/// for each of its prompts.
-fn completion_answers(r: &CompletionRequest) -> u32 {
-    let best_of = r
-        .extra
-        .get("best_of")
-        .and_then(serde_json::Value::as_u64)
-        .map_or(1, |b| u32::try_from(b).unwrap_or(u32::MAX));
+/// for each of its prompts. A `best_of` that is not a positive whole number is refused (an
+/// upstream that reads `3.0` or `"20"` as a count would generate what was never charged).
+fn completion_answers(r: &CompletionRequest) -> Result<u32, ApiError> {
+    let best_of = match r.extra.get("best_of") {
+        None | Some(serde_json::Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .filter(|&b| b >= 1)
+            .map(|b| u32::try_from(b).unwrap_or(u32::MAX))
+            .ok_or_else(|| {
+                ApiError::invalid("`best_of` must be a positive whole number", Some("best_of"))
+            })?,
+    };
     let prompts = match &r.prompt {
         Prompt::Many(v) => v.len(),
         Prompt::Tokens(crate::openai::TokenPrompt::Many(v)) => v.len(),
         _ => 1,
     };
     let per_prompt = r.n.unwrap_or(1).max(best_of).max(1);
-    per_prompt.saturating_mul(u32::try_from(prompts.max(1)).unwrap_or(u32::MAX))
+    Ok(per_prompt.saturating_mul(u32::try_from(prompts.max(1)).unwrap_or(u32::MAX)))
 }
 
 /// Longest model name taken (OpenAI's are a few dozen bytes): a name is a cache key part, a
@@ -438,5 +444,11 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "f"}}],
             "max_completion_tokens": 5, "max_tokens": 900});
         assert_eq!(forward(Endpoint::Chat, chat), (1, Some(900)));
+        // A count that is not a whole number is refused, not charged as one answer.
+        for best_of in [json!(20.0), json!("20"), json!(0), json!(-3)] {
+            let body = prompt(json!("a"), json!({"best_of": best_of}));
+            let refused = parse(Endpoint::Completion, body.to_string().as_bytes());
+            assert!(refused.is_err(), "{body}");
+        }
     }
 }
