@@ -73,6 +73,12 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
     }
 }
 
+/// The query of a call that takes no parameter: any is a 400 (`DELETE
+/// /admin/tags/t?tenant=acme` must not delete the tag of every tenant).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoQuery {}
+
 /// A path parameter as `T`; a bad one is a 400 in the OpenAI error shape.
 pub struct ApiPath<T>(pub T);
 
@@ -192,6 +198,7 @@ pub async fn delete_entry(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     ApiPath(id): ApiPath<String>,
+    _: ApiQuery<NoQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let admin = authorize(&state, &headers)?;
     let id: reprise_cache::EntryId = id
@@ -312,6 +319,7 @@ pub async fn delete_tag(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     ApiPath(tag): ApiPath<String>,
+    _: ApiQuery<NoQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let deleted = match authorize(&state, &headers)? {
         Admin::Global => state.store.delete_tag(&tag).await.map_err(redis_error)?,
@@ -397,6 +405,7 @@ pub async fn stats(
 pub async fn get_policies(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
+    _: ApiQuery<NoQuery>,
 ) -> Result<impl IntoResponse, ApiError> {
     global_only(&authorize(&state, &headers)?)?;
     let policies = state.policies.load();
@@ -446,6 +455,7 @@ pub async fn promote(
 pub async fn put_policies(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
+    _: ApiQuery<NoQuery>,
     body: Body,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     global_only(&authorize(&state, &headers)?)?;

@@ -79,7 +79,7 @@ pub struct Tenant {
     name: Option<String>,
     /// Whether `x-reprise-namespace` may pick a sub-namespace.
     sub_namespaces: bool,
-    /// What it may do (the anonymous tenant: the defaults).
+    /// What it may do (the anonymous tenant: `[auth.anonymous]`).
     policy: TenantPolicy,
     /// `policy.requests_per_minute`, when set (kept across policy versions that keep it).
     limiter: Option<Arc<DefaultDirectRateLimiter>>,
@@ -328,7 +328,12 @@ impl Tenants {
         Ok(Tenants {
             by_key,
             by_name,
-            anonymous: Arc::new(Tenant::new(None, true, TenantPolicy::default(), None)),
+            anonymous: Arc::new(Tenant::new(
+                None,
+                true,
+                config.auth.anonymous.clone(),
+                before.map(|b| &*b.anonymous),
+            )),
             required: config.auth.required,
         })
     }

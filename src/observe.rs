@@ -31,6 +31,8 @@ pub struct Observation {
     /// Answers may be stored for it (not a read-only tenant's, not `no-store`): without,
     /// it is learned from, and nothing is generated in the background for it.
     pub may_store: bool,
+    /// The backend generated its answer (a miss): the backend was just busy with a user.
+    pub generated: bool,
 }
 
 impl Observation {

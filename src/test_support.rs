@@ -49,5 +49,6 @@ pub fn observation(
         prev_entry: None,
         entry: std::sync::Arc::new(e),
         may_store: true,
+        generated: false,
     }
 }

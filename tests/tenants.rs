@@ -327,6 +327,51 @@ async fn a_tenant_over_its_rate_is_told_when_to_retry_and_others_are_not() {
     );
 }
 
+/// Callers without a known key are held to `[auth.anonymous]`: over its rate they get 429
+/// while a tenant's key is unaffected, and a read-only anonymous policy stores nothing.
+#[tokio::test]
+async fn the_anonymous_tenant_keeps_to_its_own_policy() {
+    let mut c = tenants_config(false);
+    c.auth.anonymous = TenantPolicy {
+        requests_per_minute: 2,
+        ..TenantPolicy::default()
+    };
+    let (app, _backend) = spawn_fake(c, ScriptConfig::default()).await;
+    let body = chat_body("Anyone may ask this");
+    for _ in 0..2 {
+        assert_eq!(app.chat(&body, &[]).await.status(), 200);
+    }
+    let r = app.chat(&body, &[]).await;
+    assert!(r.headers().contains_key("retry-after"));
+    assert_openai_error(r, 429, None).await;
+    // An unknown key is the anonymous tenant too; a known one has its own rate.
+    let unknown = bearer("sk-nobody");
+    let r = app.chat(&body, &[("authorization", &unknown)]).await;
+    assert_openai_error(r, 429, None).await;
+    let acme = bearer("sk-acme");
+    assert_eq!(
+        app.chat(&body, &[("authorization", &acme)]).await.status(),
+        200
+    );
+
+    let mut c = tenants_config(false);
+    c.auth.anonymous = TenantPolicy {
+        read_only: true,
+        ..TenantPolicy::default()
+    };
+    let (app, backend) = spawn_fake(c, ScriptConfig::default()).await;
+    for _ in 0..2 {
+        let r = app.chat(&body, &[]).await;
+        assert_eq!(cache_status(&r), "bypass");
+        content(r).await;
+    }
+    assert_eq!(
+        backend.calls(),
+        2,
+        "nothing stored for the anonymous tenant"
+    );
+}
+
 #[tokio::test]
 async fn tenant_policies_bound_what_a_key_may_do() {
     let (app, backend) = policy_app(
@@ -690,6 +735,15 @@ async fn an_operator_deletes_by_tenant_model_and_age() {
     let r = app
         .client
         .delete(app.url("/admin/namespaces/default?tenat=acme"))
+        .bearer_auth("filter-admin")
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 400, None).await;
+    // A call that takes no parameter refuses one (a tag delete is every tenant's).
+    let r = app
+        .client
+        .delete(app.url("/admin/tags/t?tenant=acme"))
         .bearer_auth("filter-admin")
         .send()
         .await

@@ -328,8 +328,9 @@ async fn spare_embedding_leaves_the_queue_to_clients() {
     let e = std::sync::Arc::new(load(EmbedderConfig {
         cache_bytes: 0,
         queue_texts: 4,
-        // The round stays open while the clients' texts hold the queue.
-        batch_wait_us: 500_000,
+        // The round stays open while the clients' texts hold the queue (long enough for a
+        // busy machine to reach the refused call first).
+        batch_wait_us: 2_000_000,
         ..common::config()
     }));
     let clients: Vec<_> = (0..3)

@@ -123,9 +123,11 @@ impl Budget {
         done + running
     }
 
-    /// Whether the budgets allow starting another job at `now`: fewer than
-    /// `max_tokens_per_minute` tokens generated within the window, and the backend busy
-    /// with background work for less than `max_backend_share` of it. Prunes first.
+    /// Whether the budgets allow starting another job at `now`, `reserve` tokens reserved
+    /// for it: the tokens generated within the window and reserved for running jobs leave
+    /// room for its reserve (a job larger than the whole budget runs only when nothing else
+    /// was spent or reserved), and the backend busy with background work for less than
+    /// `max_backend_share` of it. Prunes first.
     ///
     /// The token budget is per window; with the default window that is per minute.
     pub fn allows(
@@ -133,9 +135,13 @@ impl Budget {
         now: Instant,
         max_tokens_per_minute: u64,
         max_backend_share: f64,
+        reserve: u64,
     ) -> bool {
         self.prune(now);
-        if self.tokens() >= max_tokens_per_minute {
+        let spent = self.tokens();
+        if spent >= max_tokens_per_minute
+            || (spent > 0 && spent.saturating_add(reserve) > max_tokens_per_minute)
+        {
             return false;
         }
         self.busy_secs(now) < max_backend_share * self.window.as_secs_f64()
@@ -240,18 +246,20 @@ impl Budgets {
         self.shares.get(name).copied().unwrap_or(self.rest)
     }
 
-    /// Whether a job of pool `name` may start at `now`: the budgets as a whole allow it
-    /// ([`Budget::allows`]), and so do the pool's share of them.
+    /// Whether a job of pool `name`, `reserve` tokens reserved for it, may start at `now`:
+    /// the budgets as a whole allow it ([`Budget::allows`]), and so do the pool's share of
+    /// them.
     pub fn allows(
         &mut self,
         name: &str,
         now: Instant,
         max_tokens_per_minute: u64,
         max_backend_share: f64,
+        reserve: u64,
     ) -> bool {
         if !self
             .all
-            .allows(now, max_tokens_per_minute, max_backend_share)
+            .allows(now, max_tokens_per_minute, max_backend_share, reserve)
         {
             return false;
         }
@@ -268,13 +276,20 @@ impl Budgets {
             now,
             (max_tokens_per_minute as f64 * share) as u64,
             max_backend_share * share,
+            reserve,
         )
     }
 
     /// Whether a job of pool `name` may start at `now` under the token budget alone (the
     /// backend's slots bound the rest, see [`spare_slots`]).
-    pub fn allows_tokens(&mut self, name: &str, now: Instant, max_tokens_per_minute: u64) -> bool {
-        self.allows(name, now, max_tokens_per_minute, f64::INFINITY)
+    pub fn allows_tokens(
+        &mut self,
+        name: &str,
+        now: Instant,
+        max_tokens_per_minute: u64,
+        reserve: u64,
+    ) -> bool {
+        self.allows(name, now, max_tokens_per_minute, f64::INFINITY, reserve)
     }
 
     /// Jobs of pool `name` running now (every pool's when the budgets are not shared out).
@@ -372,10 +387,10 @@ mod slot_tests {
         assert_eq!(b.slot_share("a", 1), 1);
         b.start("a", 2, t0, 0);
         assert_eq!((b.running_in("a"), b.running_in("b")), (1, 0));
-        assert!(b.allows_tokens("a", t0, 10));
+        assert!(b.allows_tokens("a", t0, 10, 0));
         b.finish(2, t0, t0, 10);
-        assert!(!b.allows_tokens("a", t0, 10));
-        assert!(b.allows_tokens("b", t0, 100));
+        assert!(!b.allows_tokens("a", t0, 10, 0));
+        assert!(b.allows_tokens("b", t0, 100, 0));
     }
 }
 
@@ -400,22 +415,34 @@ mod tests {
         assert_eq!(b.running(), 1);
     }
 
-    /// Running jobs hold their reserve against the token budget, so several started at once
+    /// Running jobs hold their reserve against the token budget, so jobs started at once
     /// cannot together pass it; at the end what they decoded counts instead.
     #[test]
     fn running_jobs_hold_their_reserve_against_the_tokens() {
         let mut b = Budgets::new(Duration::from_secs(60));
         let now = Instant::now();
-        assert!(b.allows_tokens("a", now, 100));
+        assert!(b.allows_tokens("a", now, 100, 64));
         b.start("a", 1, now, 64);
-        assert!(b.allows_tokens("a", now, 100), "64 of 100 reserved");
-        b.start("a", 2, now, 64);
-        assert!(!b.allows_tokens("a", now, 100), "128 reserved");
+        assert!(b.allows_tokens("a", now, 100, 36), "64 of 100 reserved");
+        assert!(
+            !b.allows_tokens("a", now, 100, 64),
+            "64 more would pass 100"
+        );
+        b.start("a", 2, now, 36);
+        assert!(!b.allows_tokens("a", now, 100, 1), "all of it reserved");
         // Preempted after 5 tokens, finished after 20: those count, the reserves go.
         b.finish(1, now, now, 5);
         b.finish(2, now, now, 20);
         assert_eq!(b.all.tokens(), 25);
-        assert!(b.allows_tokens("a", now, 100));
+        assert!(b.allows_tokens("a", now, 100, 64));
+        // A job larger than the whole budget runs only when nothing was spent.
+        let mut fresh = Budgets::new(Duration::from_secs(60));
+        assert!(fresh.allows_tokens("a", now, 100, 500));
+        assert!(!b.allows_tokens("a", now, 100, 500));
+        assert!(
+            !fresh.allows_tokens("a", now, 0, 1),
+            "a budget of 0 allows nothing"
+        );
     }
 
     #[test]
@@ -452,26 +479,26 @@ mod tests {
         let t0 = Instant::now();
         // A 64 s window makes the shares below exact in binary.
         let mut b = Budget::new(secs(64));
-        assert!(b.allows(t0, 100, 0.5));
+        assert!(b.allows(t0, 100, 0.5, 0));
         // Nothing is allowed with a zero token budget.
-        assert!(!b.allows(t0, 0, 0.5));
+        assert!(!b.allows(t0, 0, 0.5, 0));
         b.start(1, t0, 0);
         b.finish(1, t0, t0 + secs(16), 100);
         let now = t0 + secs(16);
         // The token budget is reached: tokens >= max.
-        assert!(!b.allows(now, 100, 1.0));
-        assert!(b.allows(now, 101, 1.0));
+        assert!(!b.allows(now, 100, 1.0, 0));
+        assert!(b.allows(now, 101, 1.0, 0));
         // 16 s busy against a quarter of 64 s: allowed only strictly below.
-        assert!(!b.allows(now, 1000, 0.25));
-        assert!(b.allows(now, 1000, 0.3));
+        assert!(!b.allows(now, 1000, 0.25, 0));
+        assert!(b.allows(now, 1000, 0.3, 0));
         // A running job counts too: 32 s at `later`.
         b.start(2, now, 0);
         let later = now + secs(16);
-        assert!(!b.allows(later, 1000, 0.5));
-        assert!(b.allows(later, 1000, 0.6));
+        assert!(!b.allows(later, 1000, 0.5, 0));
+        assert!(b.allows(later, 1000, 0.6, 0));
         // Once everything left the window, both budgets are free again.
         b.abandon(2);
-        assert!(b.allows(t0 + secs(81), 100, 0.01));
+        assert!(b.allows(t0 + secs(81), 100, 0.01, 0));
     }
 
     #[test]
@@ -482,7 +509,7 @@ mod tests {
         // Not shared out: one pool may spend everything.
         b.start("a", 1, t0, 0);
         b.finish(1, t0, t0 + secs(1), 90);
-        assert!(b.allows("a", t0 + secs(1), 100, 1.0));
+        assert!(b.allows("a", t0 + secs(1), 100, 1.0, 0));
         assert_eq!(b.queue_share("a", 32), 32);
 
         let mut b = Budgets::new(secs(64));
@@ -493,28 +520,28 @@ mod tests {
         b.start("a", 1, t0, 0);
         b.finish(1, t0, t0 + secs(1), 25);
         let now = t0 + secs(1);
-        assert!(!b.allows("a", now, 100, 1.0));
-        assert!(b.allows("b", now, 100, 1.0));
-        assert!(b.allows("", now, 100, 1.0));
+        assert!(!b.allows("a", now, 100, 1.0, 0));
+        assert!(b.allows("b", now, 100, 1.0, 0));
+        assert!(b.allows("", now, 100, 1.0, 0));
         // With 200 tokens a minute, the pools not named share 150: b spending them stops c
         // too, while a (25 of its 50) and the whole (175 of 200) could go on.
         b.start("b", 2, now, 0);
         b.finish(2, now, now + secs(1), 150);
         let later = now + secs(1);
-        assert!(!b.allows("c", later, 200, 1.0));
-        assert!(!b.allows("b", later, 200, 1.0));
-        assert!(b.allows("a", later, 200, 1.0));
+        assert!(!b.allows("c", later, 200, 1.0, 0));
+        assert!(!b.allows("b", later, 200, 1.0, 0));
+        assert!(b.allows("a", later, 200, 1.0, 0));
         // Backend time too: a running job of a's takes a's quarter of the window (16 s).
         let mut b = Budgets::new(secs(64));
         b.set_shares(HashMap::from([("a".to_string(), 0.25)]), 0.75);
         b.start("a", 7, t0, 0);
-        assert!(!b.allows("a", t0 + secs(16), 1000, 1.0));
-        assert!(b.allows("b", t0 + secs(16), 1000, 1.0));
+        assert!(!b.allows("a", t0 + secs(16), 1000, 1.0, 0));
+        assert!(b.allows("b", t0 + secs(16), 1000, 1.0, 0));
         // The whole budget still binds everyone.
-        assert!(!b.allows("b", t0 + secs(16), 1000, 0.2));
+        assert!(!b.allows("b", t0 + secs(16), 1000, 0.2, 0));
         // A change of shares while a job runs: its end is still accounted for.
         b.set_shares(HashMap::from([("a".to_string(), 0.5)]), 0.5);
         b.abandon(7);
-        assert!(b.allows("a", t0 + secs(16), 1000, 1.0));
+        assert!(b.allows("a", t0 + secs(16), 1000, 1.0, 0));
     }
 }

@@ -1124,6 +1124,9 @@ mod tests {
             ("[cache]\nsnapshot_path = \"/var/lib/reprise/cache.tmp\"\n", "cache.snapshot_path"),
             ("[[tenants]]\nname = \"anonymous\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[[tenants]]\nname = \"other\"\napi_keys = [\"k\"]\n", "tenants.name"),
+            ("[auth.anonymous]\nmemory_share = 0.1\n", "auth.anonymous.memory_share"),
+            ("[auth.anonymous]\ncontrols = [\"bogus\"]\n", "auth.anonymous.controls"),
+            ("[auth.anonymous]\ntokens_per_minute = 10\n", "auth.anonymous.tokens_per_minute"),
             (
                 "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\n[tenants.policy]\nmax_tokens = 5000\n",
                 "tenants.policy.max_tokens",

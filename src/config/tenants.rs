@@ -15,6 +15,10 @@ pub struct AuthConfig {
     /// with no key or an unknown one is served as the anonymous tenant, which shares nothing
     /// with the configured tenants. Needs at least one `[[tenants]]`.
     pub required: bool,
+    /// `[auth.anonymous]`: the anonymous tenant's policy (the fields of `[tenants.policy]`
+    /// but the shares: it shares what the tenants with one leave), so callers without a
+    /// known key can be held to a rate, a token budget, read-only... Absent: no limits.
+    pub anonymous: TenantPolicy,
 }
 
 /// `[[tenants]]`: one application (or customer) and the API keys that name it. The tenant of
@@ -332,9 +336,113 @@ pub const STATEFUL_ROOTS: &[&str] = &[
 /// and how the statistics name the tenants past their bound.
 pub const RESERVED_TENANT_NAMES: [&str; 3] = ["-", "anonymous", crate::stats::rollup::OTHER];
 
+/// Validates one policy (a tenant's at `tenants.policy`, `tenant` its name; or the
+/// anonymous tenant's at `auth.anonymous`) against the rest of `config`.
+fn check_policy(
+    config: &Config,
+    policy: &TenantPolicy,
+    at: &'static str,
+    tenant: Option<&str>,
+) -> Result<(), ConfigError> {
+    let key = |field: &str| format!("{at}.{field}");
+    let who = match tenant {
+        Some(name) => format!("tenant `{name}`"),
+        None => "the anonymous tenant".to_string(),
+    };
+    if let Some(c) = policy
+        .controls
+        .iter()
+        .find(|c| !CLIENT_CONTROLS.contains(&c.as_str()))
+    {
+        return Err(invalid(
+            key("controls"),
+            format!("{who}: unknown control `{c}`"),
+        ));
+    }
+    if policy
+        .ttl_secs
+        .is_some_and(|ttl| ttl == 0 || ttl > config.cache.ttl_secs)
+    {
+        // Keys live at most cache.ttl_secs in memory: a longer lifetime would leave
+        // answers no key leads to.
+        return Err(invalid(
+            key("ttl_secs"),
+            format!("{who}: must be positive and at most cache.ttl_secs"),
+        ));
+    }
+    for (field, window, global) in [
+        (
+            "stale_while_revalidate_secs",
+            policy.stale_while_revalidate_secs,
+            config.cache.stale_while_revalidate_secs,
+        ),
+        (
+            "stale_if_error_secs",
+            policy.stale_if_error_secs,
+            config.cache.stale_if_error_secs,
+        ),
+    ] {
+        // Expired entries are kept only as long as the global windows say.
+        if window.is_some_and(|w| w > global) {
+            return Err(invalid(
+                key(field),
+                format!("{who}: must be at most cache.{field}"),
+            ));
+        }
+    }
+    let global_cap = config.backend.max_tokens_cap;
+    if policy.max_tokens > global_cap {
+        return Err(invalid(
+            key("max_tokens"),
+            format!("{who}: above backend.max_tokens_cap ({global_cap})"),
+        ));
+    }
+    let unasked = match policy.max_tokens {
+        0 => config.backend.default_max_tokens,
+        cap => cap,
+    };
+    if policy.tokens_per_minute > 0 && policy.tokens_per_minute < unasked {
+        // Every request without `max_tokens` would be refused, naming a field it never
+        // sent.
+        return Err(invalid(
+            key("tokens_per_minute"),
+            format!(
+                "{who}: below what a request without `max_tokens` is charged \
+                 ({unasked}: its max_tokens, else backend.default_max_tokens)"
+            ),
+        ));
+    }
+    if policy.priority.is_some_and(|p| p < policy.max_priority) {
+        return Err(invalid(
+            key("priority"),
+            format!("{who}: above its max_priority (interactive is above batch)"),
+        ));
+    }
+    if tenant.is_none() {
+        // The anonymous tenant shares what the tenants with a share leave.
+        for (field, share) in [
+            ("memory_share", policy.memory_share),
+            ("prefetch_share", policy.prefetch_share),
+        ] {
+            if share.is_some() {
+                return Err(invalid(
+                    key(field),
+                    format!("{who} shares what the tenants with a share leave"),
+                ));
+            }
+        }
+    }
+    let rules_at = match tenant {
+        Some(_) => "tenants.policy.semantic_rules",
+        None => "auth.anonymous.semantic_rules",
+    };
+    super::check_rules(&policy.semantic_rules, rules_at, tenant)
+}
+
 /// Validates `[auth]` and `[[tenants]]` (names, controls, lifetimes, rules, keys, candidates,
 /// shares) against the rest of `config`.
 pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
+    check_policy(config, &config.auth.anonymous, "auth.anonymous", None)?;
     if config.auth.required && config.tenants.is_empty() {
         return Err(invalid(
             "auth.required",
@@ -388,93 +496,8 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
         if !names.insert(t.name.as_str()) {
             return Err(invalid("tenants.name", format!("`{}` twice", t.name)));
         }
-        if let Some(c) = t
-            .policy
-            .controls
-            .iter()
-            .find(|c| !CLIENT_CONTROLS.contains(&c.as_str()))
-        {
-            return Err(invalid(
-                "tenants.policy.controls",
-                format!("tenant `{}`: unknown control `{c}`", t.name),
-            ));
-        }
-        if t.policy
-            .ttl_secs
-            .is_some_and(|ttl| ttl == 0 || ttl > config.cache.ttl_secs)
-        {
-            // Keys live at most cache.ttl_secs in memory: a longer lifetime would leave
-            // answers no key leads to.
-            return Err(invalid(
-                "tenants.policy.ttl_secs",
-                "must be positive and at most cache.ttl_secs",
-            ));
-        }
-        for (key, window, global) in [
-            (
-                "tenants.policy.stale_while_revalidate_secs",
-                t.policy.stale_while_revalidate_secs,
-                config.cache.stale_while_revalidate_secs,
-            ),
-            (
-                "tenants.policy.stale_if_error_secs",
-                t.policy.stale_if_error_secs,
-                config.cache.stale_if_error_secs,
-            ),
-        ] {
-            // Expired entries are kept only as long as the global windows say.
-            if window.is_some_and(|w| w > global) {
-                return Err(invalid(
-                    key,
-                    format!(
-                        "tenant `{}`: must be at most cache.{}",
-                        t.name,
-                        key.trim_start_matches("tenants.policy.")
-                    ),
-                ));
-            }
-        }
-        let global_cap = config.backend.max_tokens_cap;
-        if t.policy.max_tokens > global_cap {
-            return Err(invalid(
-                "tenants.policy.max_tokens",
-                format!(
-                    "tenant `{}`: above backend.max_tokens_cap ({global_cap})",
-                    t.name
-                ),
-            ));
-        }
-        let unasked = match t.policy.max_tokens {
-            0 => config.backend.default_max_tokens,
-            cap => cap,
-        };
-        if t.policy.tokens_per_minute > 0 && t.policy.tokens_per_minute < unasked {
-            // Every request without `max_tokens` would be refused, naming a field it never
-            // sent.
-            return Err(invalid(
-                "tenants.policy.tokens_per_minute",
-                format!(
-                    "tenant `{}`: below what a request without `max_tokens` is charged \
-                     ({unasked}: its max_tokens, else backend.default_max_tokens)",
-                    t.name
-                ),
-            ));
-        }
-        if t.policy.priority.is_some_and(|p| p < t.policy.max_priority) {
-            return Err(invalid(
-                "tenants.policy.priority",
-                format!(
-                    "tenant `{}`: above its max_priority (interactive is above batch)",
-                    t.name
-                ),
-            ));
-        }
+        check_policy(config, &t.policy, "tenants.policy", Some(&t.name))?;
         let name = Some(t.name.as_str());
-        super::check_rules(
-            &t.policy.semantic_rules,
-            "tenants.policy.semantic_rules",
-            name,
-        )?;
         if let Some(c) = &t.candidate {
             let bad = |key, reason: &str| invalid(key, format!("tenant `{}`: {reason}", t.name));
             if c.mode == CandidateMode::Canary && !(c.percent > 0.0 && c.percent < 100.0) {

@@ -65,6 +65,7 @@ pub(crate) async fn write_back(
             prev_entry: o.prev_entry,
             entry,
             may_store: true,
+            generated: true,
         });
     }
     state.metrics.cache_writes.increment(1);

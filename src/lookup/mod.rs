@@ -354,7 +354,10 @@ async fn beyond_exact(
     }
     let shadow = match (wants.arm, tenant.candidate()) {
         (Arm::Shadow, Some(c)) if counted => Some(Shadow {
-            policy: serving(&c.config().semantic_rules, Arm::Candidate).0,
+            // A shadow candidate serves nothing, so no verdict is ever taken on its side:
+            // under the bound it reads the evidence of the scope its rules match, taken on
+            // the same traffic (the candidate's own scope is a canary's).
+            policy: serving(&c.config().semantic_rules, Arm::Shadow).0,
             candidate: c.clone(),
             tenant: tenant.name().to_string(),
         }),

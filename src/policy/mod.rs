@@ -178,25 +178,16 @@ impl Policies {
                 "followup_threshold": self.config.semantic.followup_threshold,
                 "rules": self.rules.iter().map(rule_view).collect::<Vec<_>>(),
             },
-            "auth": {"required": self.config.auth.required},
+            "auth": {
+                "required": self.config.auth.required,
+                "anonymous": policy_view(&self.config.auth.anonymous),
+            },
             "tenants": self.config.tenants.iter().map(|t| {
-                let p = &t.policy;
                 serde_json::json!({
                     "name": t.name,
                     "api_keys": self.tenants.key_count(&t.name),
                     "sub_namespaces": t.sub_namespaces,
-                    "policy": {
-                        "read_only": p.read_only,
-                        "models": p.models,
-                        "max_tokens": p.max_tokens,
-                        "ttl_secs": p.ttl_secs,
-                        "controls": p.controls,
-                        "requests_per_minute": p.requests_per_minute,
-                        "tokens_per_minute": p.tokens_per_minute,
-                        "semantic_rules": p.semantic_rules.iter().map(rule_view).collect::<Vec<_>>(),
-                        "memory_share": p.memory_share,
-                        "prefetch_share": p.prefetch_share,
-                    },
+                    "policy": policy_view(&t.policy),
                     "candidate": self
                         .tenants
                         .named(&t.name)
@@ -205,6 +196,22 @@ impl Policies {
             }).collect::<Vec<_>>(),
         })
     }
+}
+
+/// A tenant's policy as `GET /admin/policies` shows it.
+fn policy_view(p: &crate::config::TenantPolicy) -> serde_json::Value {
+    serde_json::json!({
+        "read_only": p.read_only,
+        "models": p.models,
+        "max_tokens": p.max_tokens,
+        "ttl_secs": p.ttl_secs,
+        "controls": p.controls,
+        "requests_per_minute": p.requests_per_minute,
+        "tokens_per_minute": p.tokens_per_minute,
+        "semantic_rules": p.semantic_rules.iter().map(rule_view).collect::<Vec<_>>(),
+        "memory_share": p.memory_share,
+        "prefetch_share": p.prefetch_share,
+    })
 }
 
 /// The tenants' shares of one budget: the tenants given a share, by name, and what is left

@@ -181,33 +181,27 @@ impl Shared {
                 let mut openings: HashMap<String, Opening> = HashMap::new();
                 let found = q.iter().position(|j| {
                     // Per backend (the one the job's generation goes to).
-                    let key = state
-                        .router
-                        .target_for(&j.request)
-                        .map_or_else(|| j.request.model.clone(), |t| t.name.clone());
+                    let key = backend_of(state, &j.request);
                     let opening = *openings.entry(key.clone()).or_insert_with(|| {
                         opening(state, &j.request, &key, active, quiet_since, now)
                     });
                     let pool = pool_of(&j.namespace);
+                    let reserve = reserve_of(state, j);
                     match opening {
                         Opening::Closed => false,
                         Opening::Slots(room) => {
-                            budgets.allows_tokens(pool, now, tokens)
+                            budgets.allows_tokens(pool, now, tokens, reserve)
                                 && budgets.running_in(pool) < budgets.slot_share(pool, room.slots)
                         }
-                        Opening::Idle => budgets.allows(pool, now, tokens, share),
+                        Opening::Idle => budgets.allows(pool, now, tokens, share, reserve),
                     }
                 });
                 let job = found.and_then(|i| q.remove(i));
                 if let Some(j) = &job {
                     // The most it may generate is held against the token budget while it
                     // runs.
-                    let reserve = j
-                        .request
-                        .params
-                        .max_tokens
-                        .unwrap_or(state.config.backend.default_max_tokens);
-                    budgets.start(pool_of(&j.namespace), n, Instant::now(), u64::from(reserve));
+                    let reserve = reserve_of(state, j);
+                    budgets.start(pool_of(&j.namespace), n, Instant::now(), reserve);
                 }
                 job
             };
@@ -221,6 +215,22 @@ impl Shared {
             tokio::spawn(run_job(self.clone(), state.clone(), job, n, permit));
         }
     }
+}
+
+/// The tokens a job may generate at most (its `max_tokens`, else the backend's default):
+/// held against the token budget while it runs.
+pub(super) fn reserve_of(state: &AppState, job: &Job) -> u64 {
+    let max = job.request.params.max_tokens;
+    u64::from(max.unwrap_or(state.config.backend.default_max_tokens))
+}
+
+/// The name of the backend `req` goes to (its model's when no configured one serves it):
+/// what the quiet periods are kept by.
+pub(super) fn backend_of(state: &AppState, req: &GenRequest) -> String {
+    state
+        .router
+        .target_for(req)
+        .map_or_else(|| req.model.clone(), |t| t.name.clone())
 }
 
 /// Whether a background generation for one model may start now on its backend.

@@ -69,7 +69,8 @@ impl Shared {
             Err(e) => {
                 tracing::debug!(error = %e, "prefetch: proposal failed");
                 self.cancel(job);
-                return (true, 0);
+                // What it decoded before it failed is not known: charged its reserve.
+                return (true, super::jobs::reserve_of(state, job));
             }
         };
         bump(&self.counts.proposals, 1);

@@ -80,11 +80,17 @@ pub(super) async fn worker(
             .chain(std::iter::from_fn(|| rx.try_recv()))
             .take(LEARN_BATCH)
         {
-            if matches!(ev, Event::Served(_)) {
-                // A user request just ended: a backend of unknown capacity is quiet only
-                // from now (the same client's next request often follows at once), whether
-                // or not a job was waiting to see it run.
-                quiet_since.clear();
+            if let Event::Served(obs) = &ev {
+                if obs.generated {
+                    // A user request just ended on its backend: one of unknown capacity is
+                    // quiet only from now (the same client's next request often follows at
+                    // once), whether or not a job was waiting to see it run. A hit used no
+                    // backend, and another backend's users hold back none of this one's.
+                    quiet_since.insert(
+                        super::jobs::backend_of(&state, &obs.request),
+                        Instant::now(),
+                    );
+                }
             }
             shared.apply(ev);
         }

@@ -255,9 +255,11 @@ async fn serve(
         .clone()
         .filter(|e| stale_windows.while_revalidate(e.expires_ms, now))
     {
-        if access.write && access.generate {
+        let tags = merged_tags(&entry.tags, &ctl.tags);
+        // Beyond the tag limit the renewed answer could not be stored: not generated.
+        if access.write && access.generate && tags.len() <= controls::MAX_TAGS {
             let mut plan = found.plan;
-            plan.tags = merged_tags(&entry.tags, &ctl.tags);
+            plan.tags = tags;
             plan.observe = observe;
             let charge = parsed
                 .req
@@ -445,8 +447,9 @@ fn backend_failed(e: &ApiError) -> bool {
 }
 
 /// The tags of a regenerated entry: those of the entry it replaces (so a tag delete still
-/// reaches it) and the request's, every one. Beyond [`controls::MAX_TAGS`] the regenerated
-/// answer is not stored (as on a miss): dropping any would let a delete of it miss the answer.
+/// reaches it) and the request's, every one. Beyond [`controls::MAX_TAGS`] nothing is
+/// regenerated (its answer could not be stored, as on a miss: dropping a tag would let a
+/// delete of it miss the answer).
 fn merged_tags(old: &[String], asked: &[String]) -> Vec<String> {
     let mut tags = old.to_vec();
     for t in asked {

@@ -57,6 +57,7 @@ pub async fn link_hit(
             prev_entry: o.prev_entry,
             entry: hit.entry.clone(),
             may_store: write,
+            generated: false,
         });
     }
 }
