@@ -458,6 +458,64 @@ mod tests {
         assert_eq!(p.stats().cancelled, 1);
     }
 
+    /// The scan for wasted prefetches does not keep them: an unused prefetched answer is
+    /// evicted as the tier fills with answers that are read, and is then counted wasted.
+    #[tokio::test]
+    async fn an_unused_prefetch_is_evicted_and_counted_wasted() {
+        use reprise_cache::{Entry, EntryId, Origin};
+        let mut config = crate::config::Config::default();
+        config.cache.memory_bytes = 1 << 20;
+        let state = crate::state::AppState::new(
+            config,
+            std::sync::Arc::new(reprise_backend::fake::ScriptedBackend::new(
+                reprise_backend::fake::ScriptConfig::default(),
+            )),
+            None,
+        )
+        .unwrap();
+        let answer = |i: usize, origin| {
+            std::sync::Arc::new(Entry {
+                id: EntryId::random(),
+                namespace: "ns".into(),
+                model: "m".into(),
+                text: format!("{i} {}", "a".repeat(8 * 1024)),
+                finish_reason: "stop".into(),
+                prompt_tokens: 1,
+                completion_tokens: 1,
+                prompt: format!("question {i}"),
+                partition: [1; 32],
+                embedding: None,
+                embedder: None,
+                origin,
+                tags: Vec::new(),
+                refusals: Vec::new(),
+                created_ms: reprise_cache::now_ms(),
+                expires_ms: reprise_cache::now_ms() + 3_600_000,
+                gen_ms: 1,
+            })
+        };
+        let p = Prefetcher::new(PrefetchConfig::default());
+        let unused = answer(0, Origin::Prefetch);
+        state.store.insert(unused.clone(), &[]).await;
+        p.shared
+            .prefetched
+            .lock()
+            .insert(unused.id, unused.expires_ms);
+        // Four times the budget of answers, each read twice (as hits would be), the scan
+        // running between them.
+        for i in 1..500 {
+            p.shared.scan_wasted(&state);
+            let other = answer(i, Origin::Live);
+            state.store.insert(other.clone(), &[]).await;
+            state.store.get(other.id).await;
+            state.store.get(other.id).await;
+            state.store.run_pending_tasks().await;
+        }
+        p.shared.scan_wasted(&state);
+        assert!(!state.store.holds(unused.id), "evicted");
+        assert_eq!(p.stats().wasted, 1);
+    }
+
     #[test]
     fn a_tenants_flood_of_jobs_keeps_to_its_share_of_the_queue() {
         let p = Prefetcher::new(PrefetchConfig::default());
