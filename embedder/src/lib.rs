@@ -60,7 +60,7 @@ pub trait Embedder: Send + Sync + 'static {
 
     /// [`Embedder::embed_many_in`] for work nobody waits on (background checks of answers):
     /// never waits for queue room, and refuses (`Overloaded`) unless at least half of the
-    /// queue is free, so it never takes the room a client's request would need. The default
+    /// queue is free when it asks, so it leaves clients about half the queue. The default
     /// has no queue to leave room in.
     async fn embed_many_spare(
         &self,

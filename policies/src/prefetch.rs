@@ -124,10 +124,11 @@ impl Budget {
     }
 
     /// Whether the budgets allow starting another job at `now`, `reserve` tokens reserved
-    /// for it: the tokens generated within the window and reserved for running jobs leave
-    /// room for its reserve (a job larger than the whole budget runs only when nothing else
-    /// was spent or reserved), and the backend busy with background work for less than
-    /// `max_backend_share` of it. Prunes first.
+    /// for it: fewer tokens generated within the window and reserved for running jobs than
+    /// the budget, and, while another job runs, room for its reserve beside them (so jobs
+    /// running together cannot pass the budget; one running alone may, by its own reserve,
+    /// so a job larger than a small pool's budget is not starved); and the backend busy with
+    /// background work for less than `max_backend_share` of the window. Prunes first.
     ///
     /// The token budget is per window; with the default window that is per minute.
     pub fn allows(
@@ -140,7 +141,7 @@ impl Budget {
         self.prune(now);
         let spent = self.tokens();
         if spent >= max_tokens_per_minute
-            || (spent > 0 && spent.saturating_add(reserve) > max_tokens_per_minute)
+            || (!self.running.is_empty() && spent.saturating_add(reserve) > max_tokens_per_minute)
         {
             return false;
         }
@@ -435,12 +436,14 @@ mod tests {
         b.finish(2, now, now, 20);
         assert_eq!(b.all.tokens(), 25);
         assert!(b.allows_tokens("a", now, 100, 64));
-        // A job larger than the whole budget runs only when nothing was spent.
-        let mut fresh = Budgets::new(Duration::from_secs(60));
-        assert!(fresh.allows_tokens("a", now, 100, 500));
+        // A job larger than what is left runs alone (not starved by a small budget), never
+        // beside another.
+        assert!(b.allows_tokens("a", now, 100, 500));
+        b.start("a", 3, now, 10);
         assert!(!b.allows_tokens("a", now, 100, 500));
+        let mut none = Budgets::new(Duration::from_secs(60));
         assert!(
-            !fresh.allows_tokens("a", now, 0, 1),
+            !none.allows_tokens("a", now, 0, 1),
             "a budget of 0 allows nothing"
         );
     }

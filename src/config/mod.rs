@@ -847,6 +847,14 @@ impl Config {
         {
             return Err(invalid("tenants.policy.delta", "must be in [0, 0.5)"));
         }
+        if self
+            .auth
+            .anonymous
+            .delta
+            .is_some_and(|d| !(0.0..0.5).contains(&d))
+        {
+            return Err(invalid("auth.anonymous.delta", "must be in [0, 0.5)"));
+        }
         let f = &self.feedback;
         if f.window_secs == 0 || f.window_secs > 30 * 24 * 3600 {
             return Err(invalid(
@@ -966,6 +974,21 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `[auth]` without an anonymous policy is written as before it had one, so replicas of
+    /// an earlier release read the shared documents of this one; with one, it travels.
+    #[test]
+    fn an_unset_anonymous_policy_is_left_out_of_shared_documents() {
+        let auth = AuthConfig::default();
+        assert_eq!(
+            serde_json::to_value(&auth).unwrap(),
+            serde_json::json!({"required": false})
+        );
+        let mut auth = AuthConfig::default();
+        auth.anonymous.requests_per_minute = 60;
+        let v = serde_json::to_value(&auth).unwrap();
+        assert_eq!(v["anonymous"]["requests_per_minute"], 60);
+    }
 
     /// A period or wait beyond a year is refused, by name, before anything adds it to a
     /// clock.
@@ -1125,6 +1148,7 @@ mod tests {
             ("[[tenants]]\nname = \"anonymous\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[[tenants]]\nname = \"other\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[auth.anonymous]\nmemory_share = 0.1\n", "auth.anonymous.memory_share"),
+            ("[auth.anonymous]\ndelta = 0.9\n", "auth.anonymous.delta"),
             ("[auth.anonymous]\ncontrols = [\"bogus\"]\n", "auth.anonymous.controls"),
             ("[auth.anonymous]\ntokens_per_minute = 10\n", "auth.anonymous.tokens_per_minute"),
             (

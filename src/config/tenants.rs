@@ -18,6 +18,9 @@ pub struct AuthConfig {
     /// `[auth.anonymous]`: the anonymous tenant's policy (the fields of `[tenants.policy]`
     /// but the shares: it shares what the tenants with one leave), so callers without a
     /// known key can be held to a rate, a token budget, read-only... Absent: no limits.
+    /// Left out of a shared policy document when it sets nothing, so replicas of an earlier
+    /// release (which know no such field) still read the documents of this one.
+    #[serde(skip_serializing_if = "TenantPolicy::is_unlimited")]
     pub anonymous: TenantPolicy,
 }
 
@@ -119,7 +122,7 @@ impl CandidateConfig {
 }
 
 /// `[tenants.policy]`: one tenant's overrides of the global policy.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TenantPolicy {
     /// Read-only: its requests are answered from the cache or generated, never stored.
@@ -239,6 +242,13 @@ pub const CLIENT_CONTROLS: &[&str] = &[
     "threshold",
     "tags",
 ];
+
+impl TenantPolicy {
+    /// Whether it is the default policy (no limit, no override).
+    pub fn is_unlimited(&self) -> bool {
+        *self == TenantPolicy::default()
+    }
+}
 
 impl Default for TenantPolicy {
     fn default() -> Self {
