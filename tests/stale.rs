@@ -324,3 +324,33 @@ async fn the_request_log_names_the_degraded_answer() {
         "first"
     );
 }
+
+/// An expired answer that already carries the most tags is served stale to a request that
+/// brings a new tag, but not regenerated: the renewed answer could not be stored with every
+/// tag (a delete by the new one must reach it), so generating it would be waste.
+#[tokio::test]
+async fn a_refresh_past_the_tag_limit_is_not_generated() {
+    let (app, backend) = spawn_fake(stale_config(1, 60, 0), script("first")).await;
+    let body = chat_body("How many tags can it carry?");
+    let full: Vec<String> = (0..32).map(|i| format!("t{i}")).collect();
+    let r = app
+        .chat(&body, &[("x-reprise-tags", &full.join(","))])
+        .await;
+    assert_eq!(cache_status(&r), "miss");
+    let old = entry_of(&r);
+    wait_past_expiry(&app, old, 0).await;
+    let r = app.chat(&body, &[("x-reprise-tags", "one-more")]).await;
+    assert_eq!(
+        assert_stale(r, "stale-while-revalidate", old).await,
+        "first"
+    );
+    // A request carrying no new tag renews it.
+    let r = app.chat(&body, &[("x-reprise-tags", "t0")]).await;
+    assert_stale(r, "stale-while-revalidate", old).await;
+    assert!(eventually(Duration::from_secs(10), || backend.calls() == 2).await);
+    assert_eq!(
+        backend.calls(),
+        2,
+        "only the second stale answer regenerated"
+    );
+}
