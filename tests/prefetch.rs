@@ -1095,26 +1095,7 @@ async fn a_follow_up_the_cache_answers_semantically_is_not_generated_and_names_t
     let y = entry_asked(&app, Y);
     let calls = probe.inner.calls();
     // The paraphrase as a prefetch would ask it: the semantic tier already answers it.
-    let req = GenRequest {
-        model: "fake".into(),
-        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage::new(
-            "user",
-            Y_PARAPHRASE,
-        )]),
-        params: Default::default(),
-        priority: Priority::Background,
-        extra: Default::default(),
-        backend: None,
-    };
-    let got = reprise::generate::generate_in_background(
-        &app.state,
-        reprise::headers::DEFAULT_NAMESPACE,
-        reprise::openai::Endpoint::Chat,
-        req,
-        Origin::Prefetch,
-        true,
-    )
-    .await;
+    let got = in_background(&app, Y_PARAPHRASE).await;
     match got {
         // The entry it would be served: the prefetcher points the question's other
         // wordings at it.
@@ -1183,30 +1164,9 @@ async fn a_background_generation_that_never_starts_times_out() {
         ..ScriptConfig::default()
     };
     let (app, backend) = spawn_fake(config, script).await;
-    let req = GenRequest {
-        model: "fake".into(),
-        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage::new(
-            "user",
-            "What will I ask next?",
-        )]),
-        params: Default::default(),
-        priority: Priority::Background,
-        extra: Default::default(),
-        backend: None,
-    };
-    let got = tokio::time::timeout(
-        WAIT,
-        reprise::generate::generate_in_background(
-            &app.state,
-            reprise::headers::DEFAULT_NAMESPACE,
-            reprise::openai::Endpoint::Chat,
-            req,
-            Origin::Prefetch,
-            true,
-        ),
-    )
-    .await
-    .expect("the background generation waited for a token that never came");
+    let got = tokio::time::timeout(WAIT, in_background(&app, "What will I ask next?"))
+        .await
+        .expect("the background generation waited for a token that never came");
     assert!(
         matches!(
             got,
@@ -1229,26 +1189,7 @@ async fn a_background_generation_that_never_starts_times_out() {
 async fn a_cut_off_background_generation_reports_what_it_decoded() {
     let (app, backend) = spawn_fake(prefetch_config(false), ScriptConfig::default()).await;
     backend.set_failure(reprise_backend::fake::Failure::AfterChunks(3));
-    let req = GenRequest {
-        model: "fake".into(),
-        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage::new(
-            "user",
-            "What will I ask after this one?",
-        )]),
-        params: Default::default(),
-        priority: Priority::Background,
-        extra: Default::default(),
-        backend: None,
-    };
-    let got = reprise::generate::generate_in_background(
-        &app.state,
-        reprise::headers::DEFAULT_NAMESPACE,
-        reprise::openai::Endpoint::Chat,
-        req,
-        Origin::Prefetch,
-        true,
-    )
-    .await;
+    let got = in_background(&app, "What will I ask after this one?").await;
     assert!(
         matches!(
             got,
@@ -1298,4 +1239,28 @@ async fn a_prefetched_follow_up_carries_the_tags_of_the_answer_it_follows() {
     assert_eq!(r.status(), 200);
     app.state.store.run_pending_tasks().await;
     assert!(app.state.store.get(prefetched).await.is_none());
+}
+
+/// Generates the one-turn chat `question` in the background in the default namespace, as
+/// a prefetch job does (cached answers first).
+async fn in_background(app: &TestApp, question: &str) -> reprise::generate::Background {
+    let req = GenRequest {
+        model: "fake".into(),
+        input: reprise_backend::Input::Chat(vec![reprise_backend::ChatMessage::new(
+            "user", question,
+        )]),
+        params: Default::default(),
+        priority: Priority::Background,
+        extra: Default::default(),
+        backend: None,
+    };
+    reprise::generate::generate_in_background(
+        &app.state,
+        reprise::headers::DEFAULT_NAMESPACE,
+        reprise::openai::Endpoint::Chat,
+        req,
+        Origin::Prefetch,
+        true,
+    )
+    .await
 }

@@ -642,6 +642,19 @@ mod tests {
         chat(&[("user", q)])
     }
 
+    /// A state whose embedder reads two wordings of one question as the same vector, with
+    /// an answer ("E") stored for the first; and the two wordings.
+    async fn stored_paraphrase() -> (Arc<AppState>, &'static str, &'static str) {
+        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let (y, x) = (
+            "How do I reset my password?",
+            "How can I reset my password?",
+        );
+        let s = state_with(FakeEmbedder::new(8).pin(y, &v).pin(x, &v), false);
+        store(&s, "ns", &ask(y), "E").await;
+        (s, y, x)
+    }
+
     #[tokio::test]
     async fn canonical_context_forms_keep_within_their_byte_budget() {
         let mut config = Config::default();
@@ -841,13 +854,7 @@ mod tests {
     /// still keeps the entry from that very question by meaning.
     #[tokio::test]
     async fn a_refusal_by_key_alone_keeps_the_question_from_the_entry() {
-        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
-        let (y, x) = (
-            "How do I reset my password?",
-            "How can I reset my password?",
-        );
-        let s = state_with(FakeEmbedder::new(8).pin(y, &v).pin(x, &v), false);
-        store(&s, "ns", &ask(y), "E").await;
+        let (s, y, x) = stored_paraphrase().await;
         let found = find(&s, "ns", &ask(x), Wants::default()).await;
         let hit = found.hit.expect("a paraphrase hit");
         let mut refusing = (*hit.entry).clone();
@@ -867,13 +874,7 @@ mod tests {
     /// decide), never served as an exact repeat of the candidate's match.
     #[tokio::test]
     async fn a_candidate_sides_hit_is_not_linked_to_the_wording() {
-        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
-        let (y, x) = (
-            "How do I reset my password?",
-            "How can I reset my password?",
-        );
-        let s = state_with(FakeEmbedder::new(8).pin(y, &v).pin(x, &v), false);
-        store(&s, "ns", &ask(y), "E").await;
+        let (s, _, x) = stored_paraphrase().await;
         let candidate = Wants {
             arm: Arm::Candidate,
             ..Wants::default()
@@ -895,13 +896,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_hit_never_repoints_a_key_that_got_its_own_answer_meanwhile() {
-        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
-        let (y, x) = (
-            "How do I reset my password?",
-            "How can I reset my password?",
-        );
-        let s = state_with(FakeEmbedder::new(8).pin(y, &v).pin(x, &v), false);
-        store(&s, "ns", &ask(y), "E").await;
+        let (s, _, x) = stored_paraphrase().await;
         let found = find(&s, "ns", &ask(x), Wants::default()).await;
         let hit = found.hit.as_ref().expect("a paraphrase hit");
         assert_eq!(hit.outcome, Outcome::Semantic);
