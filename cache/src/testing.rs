@@ -358,3 +358,27 @@ pub fn unit_vector(dim: usize, random: usize, seed: &mut u64) -> Vec<f32> {
     let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
     v.iter().map(|x| x / norm).collect()
 }
+
+/// The `i`-th of a run of test answers: about 8 KiB of text, no embedding, of `origin`,
+/// living an hour (in partition `[1; 32]`).
+pub fn big_answer(i: usize, origin: crate::Origin) -> std::sync::Arc<crate::Entry> {
+    std::sync::Arc::new(crate::Entry {
+        id: crate::EntryId::random(),
+        namespace: "ns".into(),
+        model: "m".into(),
+        text: format!("{i} {}", "a".repeat(8 * 1024)),
+        finish_reason: "stop".into(),
+        prompt_tokens: 1,
+        completion_tokens: 1,
+        prompt: format!("question {i}"),
+        partition: [1; 32],
+        embedding: None,
+        embedder: None,
+        origin,
+        tags: Vec::new(),
+        refusals: Vec::new(),
+        created_ms: crate::now_ms(),
+        expires_ms: crate::now_ms() + 3_600_000,
+        gen_ms: 1,
+    })
+}

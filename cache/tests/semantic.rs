@@ -465,30 +465,10 @@ async fn an_entry_its_share_refuses_leaves_no_vector_behind() {
 /// about is evicted as the tier fills, one read all along is kept.
 #[tokio::test]
 async fn asking_whether_an_entry_is_held_does_not_keep_it() {
-    use reprise_cache::{now_ms, Entry, Origin, Store};
+    use reprise_cache::{Origin, Store};
     use std::time::Duration;
 
-    let answer = |i: usize| {
-        Arc::new(Entry {
-            id: EntryId::random(),
-            namespace: "ns".into(),
-            model: "m".into(),
-            text: format!("{i} {}", "a".repeat(8 * 1024)),
-            finish_reason: "stop".into(),
-            prompt_tokens: 1,
-            completion_tokens: 1,
-            prompt: format!("question {i}"),
-            partition: key(1),
-            embedding: None,
-            embedder: None,
-            origin: Origin::Prefetch,
-            tags: Vec::new(),
-            refusals: Vec::new(),
-            created_ms: now_ms(),
-            expires_ms: now_ms() + 3_600_000,
-            gen_ms: 1,
-        })
-    };
+    let answer = |i: usize| reprise_cache::testing::big_answer(i, Origin::Prefetch);
     let store = Store::new(
         1 << 20,
         Duration::from_secs(3600),

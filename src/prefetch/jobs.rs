@@ -462,7 +462,7 @@ mod tests {
     /// evicted as the tier fills with answers that are read, and is then counted wasted.
     #[tokio::test]
     async fn an_unused_prefetch_is_evicted_and_counted_wasted() {
-        use reprise_cache::{Entry, EntryId, Origin};
+        use reprise_cache::Origin;
         let mut config = crate::config::Config::default();
         config.cache.memory_bytes = 1 << 20;
         let state = crate::state::AppState::new(
@@ -473,27 +473,7 @@ mod tests {
             None,
         )
         .unwrap();
-        let answer = |i: usize, origin| {
-            std::sync::Arc::new(Entry {
-                id: EntryId::random(),
-                namespace: "ns".into(),
-                model: "m".into(),
-                text: format!("{i} {}", "a".repeat(8 * 1024)),
-                finish_reason: "stop".into(),
-                prompt_tokens: 1,
-                completion_tokens: 1,
-                prompt: format!("question {i}"),
-                partition: [1; 32],
-                embedding: None,
-                embedder: None,
-                origin,
-                tags: Vec::new(),
-                refusals: Vec::new(),
-                created_ms: reprise_cache::now_ms(),
-                expires_ms: reprise_cache::now_ms() + 3_600_000,
-                gen_ms: 1,
-            })
-        };
+        let answer = reprise_cache::testing::big_answer;
         let p = Prefetcher::new(PrefetchConfig::default());
         let unused = answer(0, Origin::Prefetch);
         state.store.insert(unused.clone(), &[]).await;
