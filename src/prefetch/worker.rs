@@ -1,6 +1,7 @@
 //! The worker: one task that learns from the observations, starts the waiting jobs when the
 //! backend is free, regroups clusters, scans for refresh and waste, and saves the counts.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -32,6 +33,18 @@ impl Shared {
     }
 }
 
+/// Keeps the quiet periods: a miss just answered ends on its backend, which (of unknown
+/// capacity) is quiet only from now (the same client's next request often follows at once),
+/// whether or not a job was waiting to see it run. A hit used no backend, and another
+/// backend's users hold back none of this one's.
+fn heard(state: &AppState, quiet_since: &mut HashMap<String, Instant>, ev: &Event) {
+    if let Event::Served(obs) = ev {
+        if obs.generated {
+            quiet_since.insert(super::jobs::backend_of(state, &obs.request), Instant::now());
+        }
+    }
+}
+
 /// The worker: learns from observations, starts jobs, scans for refresh and waste, saves
 /// the counts.
 pub(super) async fn worker(
@@ -40,7 +53,7 @@ pub(super) async fn worker(
     state: Weak<AppState>,
     stop: CancellationToken,
 ) {
-    let mut quiet_since = std::collections::HashMap::new();
+    let mut quiet_since = HashMap::new();
     let mut last_scan = Instant::now();
     let mut last_persist = Instant::now();
     let mut last_regroup = Instant::now();
@@ -80,18 +93,7 @@ pub(super) async fn worker(
             .chain(std::iter::from_fn(|| rx.try_recv()))
             .take(LEARN_BATCH)
         {
-            if let Event::Served(obs) = &ev {
-                if obs.generated {
-                    // A user request just ended on its backend: one of unknown capacity is
-                    // quiet only from now (the same client's next request often follows at
-                    // once), whether or not a job was waiting to see it run. A hit used no
-                    // backend, and another backend's users hold back none of this one's.
-                    quiet_since.insert(
-                        super::jobs::backend_of(&state, &obs.request),
-                        Instant::now(),
-                    );
-                }
-            }
+            heard(&state, &mut quiet_since, &ev);
             shared.apply(ev);
         }
         let tier = shared.redis.lock().clone();
@@ -131,5 +133,44 @@ pub(super) async fn worker(
         if shared.cfg.enabled || shared.cfg.refresh_ahead {
             shared.dispatch(&state, &mut quiet_since);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::observe::Observation;
+    use crate::test_support::{chat, observation};
+
+    /// Only a miss restarts a quiet period, and only its own backend's.
+    #[test]
+    fn a_miss_restarts_its_backends_quiet_period_and_a_hit_none() {
+        let state = AppState::new(
+            crate::config::Config::default(),
+            Arc::new(reprise_backend::fake::ScriptedBackend::new(
+                reprise_backend::fake::ScriptConfig::default(),
+            )),
+            None,
+        )
+        .unwrap();
+        let req = chat(&[("user", "q")]);
+        let backend = super::super::jobs::backend_of(&state, &req);
+        let long_ago = Instant::now() - Duration::from_secs(60);
+        let mut quiet = HashMap::from([
+            (backend.clone(), long_ago),
+            ("another".to_string(), long_ago),
+        ]);
+        let served = |generated| {
+            let obs = Observation {
+                generated,
+                ..observation(req.clone(), "q", |_| {})
+            };
+            Event::Served(Box::new(obs))
+        };
+        heard(&state, &mut quiet, &served(false));
+        assert_eq!(quiet[&backend], long_ago, "a hit used no backend");
+        heard(&state, &mut quiet, &served(true));
+        assert!(quiet[&backend] > long_ago, "quiet from the miss on");
+        assert_eq!(quiet["another"], long_ago, "another backend's stays");
     }
 }
