@@ -357,6 +357,7 @@ async fn the_anonymous_tenant_keeps_to_its_own_policy() {
     let mut c = tenants_config(false);
     c.auth.anonymous = TenantPolicy {
         read_only: true,
+        max_tokens: 64,
         ..TenantPolicy::default()
     };
     let (app, backend) = spawn_fake(c, ScriptConfig::default()).await;
@@ -370,6 +371,17 @@ async fn the_anonymous_tenant_keeps_to_its_own_policy() {
         2,
         "nothing stored for the anonymous tenant"
     );
+    // Its cap: a request asking for more is refused, one asking for none gets the cap.
+    let mut long = chat_body("Tell me everything");
+    long["max_tokens"] = 100.into();
+    assert_openai_error(app.chat(&long, &[]).await, 400, Some("max_tokens")).await;
+    assert_eq!(backend.calls(), 2);
+    content(app.chat(&chat_body("Tell me a little"), &[]).await).await;
+    let asked = backend.requests().pop().unwrap();
+    assert_eq!(asked.params.max_tokens, Some(64));
+    // The running policies show it.
+    let view = app.state.policies.load().view();
+    assert_eq!(view["auth"]["anonymous"]["max_tokens"], 64, "{view}");
 }
 
 #[tokio::test]
