@@ -382,6 +382,10 @@ async fn the_anonymous_tenant_keeps_to_its_own_policy() {
     // The running policies show it.
     let view = app.state.policies.load().view();
     assert_eq!(view["auth"]["anonymous"]["max_tokens"], 64, "{view}");
+    assert_eq!(
+        view["auth"]["anonymous"]["max_priority"], "interactive",
+        "{view}"
+    );
 }
 
 #[tokio::test]

@@ -211,6 +211,11 @@ fn policy_view(p: &crate::config::TenantPolicy) -> serde_json::Value {
         "semantic_rules": p.semantic_rules.iter().map(rule_view).collect::<Vec<_>>(),
         "memory_share": p.memory_share,
         "prefetch_share": p.prefetch_share,
+        "delta": p.delta,
+        "priority": p.priority,
+        "max_priority": p.max_priority,
+        "stale_while_revalidate_secs": p.stale_while_revalidate_secs,
+        "stale_if_error_secs": p.stale_if_error_secs,
     })
 }
 
