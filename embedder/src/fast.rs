@@ -406,12 +406,15 @@ impl Embedder for FastEmbedder {
         scope: &str,
         texts: &[String],
     ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
-        let all_cached = self.cache.as_ref().is_some_and(|c| {
-            texts
-                .iter()
-                .all(|t| c.contains_key(&(scope.to_owned(), t.to_owned())))
-        });
-        if !(all_cached || self.queue.half_free()) {
+        // Only a busy queue asks whether every text is cached (each probe copies its key).
+        let all_cached = || {
+            self.cache.as_ref().is_some_and(|c| {
+                texts
+                    .iter()
+                    .all(|t| c.contains_key(&(scope.to_owned(), t.to_owned())))
+            })
+        };
+        if !self.queue.half_free() && !all_cached() {
             self.counters.refused.fetch_add(1, Ordering::Relaxed);
             return Err(EmbedError::Overloaded {
                 retry_after_secs: 1,
