@@ -29,6 +29,16 @@ pub struct SemanticPolicy {
 }
 
 impl SemanticPolicy {
+    /// This policy with a client's threshold (`x-reprise-threshold`), which only ever
+    /// raises its thresholds.
+    pub fn raised(mut self, requested: Option<f32>) -> SemanticPolicy {
+        if let Some(t) = requested {
+            self.threshold = self.threshold.max(t);
+            self.followup_threshold = self.followup_threshold.map(|f| f.max(t));
+        }
+        self
+    }
+
     /// The threshold a follow-up is served at: `followup_threshold`, never above
     /// `threshold` (which a client's own threshold has already raised).
     pub fn followup(&self) -> f32 {
@@ -154,11 +164,7 @@ pub fn resolve<'a>(
         p.context_equivalence = r.context_equivalence.unwrap_or(p.context_equivalence);
         p.followup_threshold = r.followup_threshold.or(p.followup_threshold);
     }
-    if let Some(t) = requested_threshold {
-        p.threshold = p.threshold.max(t);
-        p.followup_threshold = p.followup_threshold.map(|f| f.max(t));
-    }
-    p
+    p.raised(requested_threshold)
 }
 
 #[cfg(test)]

@@ -342,11 +342,7 @@ async fn beyond_exact(
             // is already the same: its own threshold.
             policy.threshold = policy.followup();
         }
-        if let Some(t) = wants.threshold {
-            policy.threshold = policy.threshold.max(t);
-            policy.followup_threshold = policy.followup_threshold.map(|f| f.max(t));
-        }
-        (policy, scope, learned)
+        (policy.raised(wants.threshold), scope, learned)
     };
     let (policy, scope, learned) = serving(tenant.semantic_rules(wants.arm), wants.arm);
     if let (Some(learned), true) = (&learned, counted) {
