@@ -237,7 +237,10 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
     } else {
         None
     };
-    if exact_hit.is_some() && state.prefetch.is_none() {
+    // A client that asks its own threshold is served an exact hit on another wording (an
+    // alias a looser match linked) only when it also passes that threshold by meaning:
+    // decided once the question is known.
+    if exact_hit.is_some() && state.prefetch.is_none() && wants.threshold.is_none() {
         found.hit = exact_hit.map(|entry| hit(entry, Outcome::Exact, None));
         shadow_exact_hit(state, namespace, wants, counted);
         return found;
@@ -292,6 +295,11 @@ async fn beyond_exact(
             }
         }
     };
+    // An alias stands for "this wording was answered" under the configured threshold; a
+    // client asking its own is matched by meaning instead, at its threshold (it finds the
+    // same entry there when the two wordings are that close).
+    let exact_hit = exact_hit
+        .filter(|e| wants.threshold.is_none() || query.as_deref() == Some(e.prompt.as_str()));
     if let Some(entry) = exact_hit {
         if entry.origin == Origin::Prefetch {
             // Where a predicted wording was asked: what feedback on it would refuse.
@@ -948,6 +956,46 @@ mod tests {
         // 0.1 does not lower the configured 0.86: the same outcome as asking nothing.
         let default = find(&s, "ns", &q, Wants::default()).await.hit.is_some();
         assert_eq!(find(&s, "ns", &q, lax).await.hit.is_some(), default);
+    }
+
+    /// A wording linked to an entry by a match under the configured threshold is served
+    /// that entry as an exact repeat, except to a client asking a stricter threshold, which
+    /// is matched by meaning at its own; the entry's own wording stays an exact hit for it.
+    #[tokio::test]
+    async fn a_stricter_client_is_not_served_a_looser_matchs_alias() {
+        // Two wordings about 0.95 apart: above the configured 0.86, below a strict 0.97.
+        let v: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let mut w = v.clone();
+        w[0] += 4.0;
+        w[1] -= 2.0;
+        let (y, x) = (
+            "How do I reset my password?",
+            "How can I reset my password?",
+        );
+        let s = state_with(FakeEmbedder::new(8).pin(y, &v).pin(x, &w), false);
+        store(&s, "ns", &ask(y), "E").await;
+        let found = find(&s, "ns", &ask(x), Wants::default()).await;
+        let hit = found.hit.as_ref().expect("a paraphrase hit");
+        let similarity = hit.similarity.unwrap();
+        crate::request::write_back::link_hit(&s, &found, hit, true, None).await;
+        let linked = find(&s, "ns", &ask(x), Wants::default()).await;
+        assert_eq!(linked.hit.map(|h| h.outcome), Some(Outcome::Exact));
+        let strict = Wants {
+            threshold: Some((similarity + 1.0) / 2.0),
+            ..Wants::default()
+        };
+        assert!(similarity < 0.999, "a paraphrase, not the same text");
+        let found = find(&s, "ns", &ask(x), strict).await;
+        assert!(found.hit.is_none(), "below the client's threshold");
+        let own = find(&s, "ns", &ask(y), strict).await;
+        assert_eq!(own.hit.map(|h| h.outcome), Some(Outcome::Exact));
+        // At a threshold the two wordings pass, the entry is found by meaning.
+        let passes = Wants {
+            threshold: Some(similarity - 0.001),
+            ..Wants::default()
+        };
+        let found = find(&s, "ns", &ask(x), passes).await;
+        assert_eq!(found.hit.map(|h| h.outcome), Some(Outcome::Semantic));
     }
 
     #[tokio::test]
