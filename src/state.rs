@@ -380,6 +380,7 @@ async fn build_one(b: &crate::config::BackendConfig) -> anyhow::Result<Arc<dyn B
                 max_concurrent: b.max_concurrent,
                 max_queue: b.max_queue,
                 priority_aging: b.priority_aging(),
+                bound_field: b.max_tokens_field,
             })?)
         }
         BackendKind::Llama => {

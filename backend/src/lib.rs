@@ -112,6 +112,29 @@ pub struct SamplingParams {
     pub max_completion_tokens_named: bool,
 }
 
+/// The field a chat completion's token bound is sent upstream as. OpenAI's reasoning models
+/// refuse `max_tokens`; most other OpenAI-compatible servers read it. The legacy completions
+/// endpoint only knows `max_tokens`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BoundField {
+    /// `max_tokens`.
+    #[default]
+    MaxTokens,
+    /// `max_completion_tokens`.
+    MaxCompletionTokens,
+}
+
+impl BoundField {
+    /// The field's name in a request body.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BoundField::MaxTokens => "max_tokens",
+            BoundField::MaxCompletionTokens => "max_completion_tokens",
+        }
+    }
+}
+
 /// Scheduling class of a request, highest first (the order of the variants). Waiting
 /// requests are served interactive first, then batch, then background; a batch request that
 /// waited longer than the backend's aging time is served as interactive, so a steady
@@ -386,6 +409,12 @@ pub trait Backend: Send + Sync + 'static {
     /// when it is unlimited or unknown.
     fn load(&self) -> Load {
         Load::default()
+    }
+
+    /// The field a chat completion's token bound that the client did not name is sent
+    /// upstream as (a bound reprise sets: a tenant's cap, a budget's charge).
+    fn bound_field(&self) -> BoundField {
+        BoundField::MaxTokens
     }
 
     /// Whether [`Backend::forward`] works: only an HTTP upstream can answer what reprise does

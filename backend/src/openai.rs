@@ -30,8 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::slots::{Permit, Slots};
 use crate::{
-    Backend, BackendError, FinishReason, ForwardRequest, Forwarded, GenEvent, GenRequest,
-    GenStream, Input, Load, Priority, Usage,
+    Backend, BackendError, BoundField, FinishReason, ForwardRequest, Forwarded, GenEvent,
+    GenRequest, GenStream, Input, Load, Priority, Usage,
 };
 
 /// Most bytes of one generation's upstream stream (its SSE framing included): an upstream
@@ -61,6 +61,9 @@ pub struct OpenAiConfig {
     /// With `max_concurrent`: a batch request waiting this long is served as interactive;
     /// `None`: never.
     pub priority_aging: Option<Duration>,
+    /// The field a chat completion's bound is sent as, unless the client named
+    /// `max_completion_tokens` (then always that).
+    pub bound_field: BoundField,
 }
 
 // Hand-written so the API key never reaches logs.
@@ -196,8 +199,9 @@ const PASSED_BACK_HEADERS: &[&str] = &[
     "openai-processing-ms",
 ];
 
-/// The upstream request body.
-fn body(req: &GenRequest) -> Value {
+/// The upstream request body; a chat completion's bound goes as `field` unless the client
+/// named `max_completion_tokens`.
+fn body(req: &GenRequest, field: BoundField) -> Value {
     let mut b = Map::new();
     // Extra fields first so that the interpreted ones below always win.
     for (k, v) in &req.extra {
@@ -227,10 +231,12 @@ fn body(req: &GenRequest) -> Value {
             b.insert(k.into(), v);
         }
     };
-    let cap = match p.max_completion_tokens_named {
-        true => "max_completion_tokens",
-        false => "max_tokens",
-    };
+    let cap = match (&req.input, p.max_completion_tokens_named) {
+        (Input::Prompt(_), _) => BoundField::MaxTokens,
+        (Input::Chat(_), true) => BoundField::MaxCompletionTokens,
+        (Input::Chat(_), false) => field,
+    }
+    .as_str();
     opt(&mut b, cap, p.max_tokens.map(|v| json!(v)));
     opt(&mut b, "temperature", p.temperature.map(|v| json!(v)));
     opt(&mut b, "top_p", p.top_p.map(|v| json!(v)));
@@ -452,7 +458,7 @@ impl Backend for OpenAiBackend {
             .client
             .post(self.url(&req.input))
             .header("accept", "text/event-stream")
-            .json(&body(&req));
+            .json(&body(&req, self.cfg.bound_field));
         // Preempted while the request is sent or its headers awaited: the slot goes to the
         // user at once, so the upstream request must stop too (it would run past the limit).
         // An upstream that does not know the model says so; the client hears the model it
@@ -518,6 +524,10 @@ impl Backend for OpenAiBackend {
 
     fn forwards(&self) -> bool {
         true
+    }
+
+    fn bound_field(&self) -> BoundField {
+        self.cfg.bound_field
     }
 
     async fn forward(&self, req: ForwardRequest) -> Result<Forwarded, BackendError> {
@@ -721,7 +731,7 @@ mod tests {
             extra: Default::default(),
             backend: None,
         };
-        let sent = body(&req);
+        let sent = body(&req, BoundField::MaxTokens);
         assert_eq!(
             (
                 sent["max_tokens"].clone(),
@@ -729,8 +739,24 @@ mod tests {
             ),
             (json!(7), None)
         );
+        // An upstream that reads `max_completion_tokens` gets the bound as that.
+        let sent = body(&req, BoundField::MaxCompletionTokens);
+        assert_eq!(
+            (
+                sent["max_completion_tokens"].clone(),
+                sent.get("max_tokens")
+            ),
+            (json!(7), None)
+        );
+        // The legacy completions endpoint knows only `max_tokens`.
+        let prompt = GenRequest {
+            input: Input::Prompt("hi".into()),
+            ..req.clone()
+        };
+        let sent = body(&prompt, BoundField::MaxCompletionTokens);
+        assert_eq!(sent["max_tokens"], json!(7));
         req.params.max_completion_tokens_named = true;
-        let sent = body(&req);
+        let sent = body(&req, BoundField::MaxTokens);
         assert_eq!(
             (
                 sent["max_completion_tokens"].clone(),
@@ -751,6 +777,7 @@ mod tests {
             max_concurrent: 0,
             max_queue: 64,
             priority_aging: None,
+            bound_field: BoundField::MaxTokens,
         };
         assert!(!format!("{cfg:?}").contains("sk-secret"));
     }

@@ -227,6 +227,11 @@ pub struct BackendConfig {
     /// the upstream's list when no model is configured. The model list applies to the
     /// completion endpoints only. `[]` closes them all.
     pub passthrough: Vec<String>,
+    /// openai: the field a chat completion's token bound is sent as when the client named
+    /// neither (`max_tokens` or `max_completion_tokens`; reasoning models refuse
+    /// `max_tokens`): a bound reprise sets (a tenant's cap, a budget's charge) and a client's
+    /// `max_tokens`. A client's `max_completion_tokens` is always sent as that.
+    pub max_tokens_field: reprise_backend::BoundField,
     /// openai: TCP connect timeout in seconds.
     pub connect_timeout_secs: f64,
     /// openai: idle keep-alive connections kept per upstream host.
@@ -283,6 +288,7 @@ impl Default for BackendConfig {
             passthrough: ["embeddings", "moderations", "models"]
                 .map(String::from)
                 .to_vec(),
+            max_tokens_field: Default::default(),
             connect_timeout_secs: 5.0,
             pool_max_idle: 64,
             n_ctx: 4096,

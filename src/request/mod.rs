@@ -127,7 +127,13 @@ async fn serve(
             }
             let body = crate::forward::with_model(body, &mut f, &choice.model)?;
             f.backend = Some(choice.primary.name.clone());
-            let body = policy::cap_forward(state, &tenant, &mut f, body)?;
+            // A chat completion's bound as the upstream reads it; the legacy endpoint's as
+            // `max_tokens`.
+            let field = match endpoint {
+                Endpoint::Chat => choice.primary.backend.bound_field(),
+                _ => reprise_backend::BoundField::MaxTokens,
+            };
+            let body = policy::cap_forward(state, &tenant, &mut f, body, field)?;
             let forwarding =
                 crate::forward::forward(state, endpoint, headers, body, f, ctl.priority, book);
             return Box::pin(forwarding).await;

@@ -3,7 +3,7 @@
 //! [`reprise_policies::cache`]), and the tenant's `max_tokens` cap.
 
 use axum::body::Bytes;
-use reprise_backend::GenRequest;
+use reprise_backend::{BoundField, GenRequest};
 use reprise_policies::cache::{Access, StaleWindows};
 
 use crate::auth::Tenant;
@@ -70,12 +70,14 @@ fn capped(state: &AppState, tenant: &Tenant, asked: Option<u32>) -> Result<Optio
 
 /// The tenant's `max_tokens` cap and token budget for a request sent upstream as it came:
 /// one above the cap is refused, one without `max_tokens` gets the cap written into its
-/// body, and the budget is charged `max_tokens` (or the default) for each answer asked.
+/// body (as `field`), and the budget is charged `max_tokens` (or the default) for each
+/// answer asked.
 pub fn cap_forward(
     state: &AppState,
     tenant: &Tenant,
     f: &mut Forward,
     body: Bytes,
+    field: BoundField,
 ) -> Result<Bytes, ApiError> {
     let max_tokens = capped(state, tenant, f.max_tokens)?;
     let charge = max_tokens.unwrap_or(state.config.backend.default_max_tokens);
@@ -84,5 +86,5 @@ pub fn cap_forward(
         return Ok(body);
     }
     f.max_tokens = max_tokens;
-    crate::forward::set_field(&body, "max_tokens", max_tokens.into())
+    crate::forward::set_field(&body, field.as_str(), max_tokens.into())
 }
