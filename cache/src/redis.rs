@@ -312,6 +312,7 @@ impl RedisTier {
             id: entry.id,
             namespace: entry.namespace.clone(),
             expires_ms: entry.expires_ms,
+            started_ms: entry.created_ms.saturating_sub(u64::from(entry.gen_ms)),
             bytes,
             keys: keys.to_vec(),
             tags: tags.to_vec(),

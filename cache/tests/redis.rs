@@ -706,6 +706,14 @@ async fn cluster_round_trip() {
     assert_eq!(t.delete_namespace("ns0").await.unwrap(), 20);
     // ns0's 20 and the one deleted above are gone.
     assert_eq!(b.scan_entries(|_| {}).await.unwrap().len(), 39);
+    // An answer generated before the delete, written after it, is refused by the fence
+    // (the sets and the entry live on different masters here).
+    let mut late = entry("ns0", "late", 60_000);
+    late.gen_ms = 5_000;
+    assert!(b.put_with_tags(&late, &[digest(2000)], &["t".into()]));
+    b.flush().await.unwrap();
+    assert_eq!(t.get(late.id).await.unwrap(), None);
+    assert_eq!(t.get_by_key(&digest(2000)).await.unwrap(), None);
 
     // The policies' script touches one key, so it runs on a cluster.
     assert_eq!(
@@ -950,23 +958,43 @@ async fn deletes_win_over_answers_generated_across_them() {
     // B generated one across A's namespace delete and wrote it before the delete's event
     // reached it; once fenced (the event), B drops it and A never installs it from Redis.
     let across = slow("docs", "old faq", &[]);
+    let tagged_across = slow("elsewhere", "old notes", &["release-1"]);
     b.insert(across.clone(), &[digest(3)]).await;
+    b.insert(tagged_across.clone(), &[digest(5)]).await;
     b.redis().unwrap().flush().await.unwrap();
     assert!(matches!(
         a.find(&digest(3), |_| true).await.0,
         ByKey::Absent
     ));
+    // Redis refused both puts (the deletes fenced their sets), so no replica, nor one that
+    // starts later and reads Redis, ever gets them.
+    let shared = a.redis().unwrap();
+    assert_eq!(shared.get(across.id).await.unwrap(), None);
+    assert_eq!(shared.get(tagged_across.id).await.unwrap(), None);
+    assert_eq!(shared.get_by_key(&digest(5)).await.unwrap(), None);
     b.remove_local_namespace("docs").await;
     assert!(matches!(
         b.find(&digest(3), |_| true).await.0,
         ByKey::Absent
     ));
 
-    // An answer generated after the deletes (a later millisecond) is stored as ever.
+    // An answer generated after the deletes (a later millisecond) is stored as ever, on
+    // either replica and in Redis; the fences leave the sets' later deletes working.
     tokio::time::sleep(Duration::from_millis(5)).await;
     let fresh = Arc::new(entry("docs", "new manual", 60_000));
     a.insert(fresh.clone(), &[digest(4)]).await;
     assert_eq!(a.get(fresh.id).await.map(|e| e.id), Some(fresh.id));
+    let mut fresh_tagged = entry("elsewhere", "new notes", 60_000);
+    fresh_tagged.tags = vec!["release-1".into()];
+    b.insert(Arc::new(fresh_tagged.clone()), &[digest(6)]).await;
+    b.redis().unwrap().flush().await.unwrap();
+    assert_eq!(shared.get(fresh.id).await.unwrap().map(|e| e.id), Some(fresh.id));
+    let held = shared.get(fresh_tagged.id).await.unwrap();
+    assert_eq!(held.map(|e| e.id), Some(fresh_tagged.id));
+    b.delete_tag("release-1").await.unwrap();
+    a.delete_namespace("docs").await.unwrap();
+    assert_eq!(shared.get(fresh.id).await.unwrap(), None);
+    assert_eq!(shared.get(fresh_tagged.id).await.unwrap(), None);
 }
 
 /// A refusal of question `n` (its exact key only).

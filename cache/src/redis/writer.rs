@@ -32,7 +32,11 @@ const INDEX_MARGIN_MS: u64 = 60_000;
 /// [`INDEX_MARGIN_MS`]). One script so the three steps see one state; it
 /// touches a single key, so it runs on a cluster too. `PTTL` is -1 for a set without expiry,
 /// which is below any TTL, so a fresh set always gets one.
+/// A set fenced by a delete after the answer's generation started (`ARGV[5]`: its start plus
+/// [`FENCE_MS`]) is left alone and `0` returned: the entry must not be written.
 const INDEX_SCRIPT: &str = "\
+local f = redis.call('ZSCORE', KEYS[1], 'fence')
+if f and tonumber(f) > tonumber(ARGV[5]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
 if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then
@@ -40,17 +44,46 @@ if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then
 end
 return 1";
 
+/// How long a namespace or tag delete fences, in Redis, the puts of answers whose generation
+/// started before it: a put queued on another replica when the delete ran, or generated
+/// across it, would otherwise bring the answer back for every replica. As long as a replica
+/// fences them in memory ([`crate::store::FENCE_TTL`]).
+const FENCE_MS: u64 = crate::store::FENCE_TTL.as_millis() as u64;
+/// The member of an index set that is its fence, scored with when the fence ends (the
+/// delete's time plus [`FENCE_MS`]): the sets' pruning of members no longer kept drops it
+/// then. Never an entry id (those are 32 hex digits).
+const FENCE_MEMBER: &str = "fence";
+
+/// Fences an index set (see [`FENCE_MS`]): its fence ends at `ARGV[1]` at the earliest, and
+/// the set lives at least `ARGV[2]` milliseconds. One key.
+const FENCE_SCRIPT: &str = "\
+local f = redis.call('ZSCORE', KEYS[1], 'fence')
+if not f or tonumber(f) < tonumber(ARGV[1]) then
+  redis.call('ZADD', KEYS[1], ARGV[1], 'fence')
+end
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 1";
+
 /// A whole put on a single server, in one step: index sets first (as [`INDEX_SCRIPT`]), then
-/// the entry, its exact keys and the event. A failing index (say, a foreign value under an
+/// the entry, its exact keys and the event. Nothing is written, and `0` returned, when a set
+/// is fenced by a delete after the answer's generation started (`ARGV[11]`: its start plus
+/// [`FENCE_MS`]). A failing index (say, a foreign value under an
 /// index key) aborts the script before the entry is written, so no entry is ever stored
 /// without its index entries, where a namespace or tag delete could not find it; and nothing
 /// else runs between the steps. `KEYS`: entry, events, `ARGV[6]` index sets, exact keys.
 /// `ARGV`: value, ttl, expiry, id, now, index count, events maxlen, namespace, origin, the
-/// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]).
+/// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]), the fence bound.
 const PUT_SCRIPT: &str = "\
 local ttl = tonumber(ARGV[2])
 local set_ttl = tonumber(ARGV[10])
 local nidx = tonumber(ARGV[6])
+local started = tonumber(ARGV[11])
+for i = 3, 2 + nidx do
+  local f = redis.call('ZSCORE', KEYS[i], 'fence')
+  if f and tonumber(f) > started then return 0 end
+end
 for i = 3, 2 + nidx do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[5])
@@ -82,6 +115,9 @@ struct Put<'a> {
     now: u64,
     /// Milliseconds from `now` to `kept_until`.
     ttl: u64,
+    /// When the answer's generation started (ms since the epoch): a namespace or tag
+    /// delete after it fences the put out.
+    started: u64,
     keys: &'a [Digest],
     tags: &'a [String],
 }
@@ -100,6 +136,8 @@ pub(super) enum Write {
         id: EntryId,
         namespace: String,
         expires_ms: u64,
+        /// When the answer's generation started (its creation less its generation time).
+        started_ms: u64,
         bytes: Vec<u8>,
         keys: Vec<Digest>,
         tags: Vec<String>,
@@ -328,6 +366,7 @@ impl Shared {
                 id,
                 namespace,
                 expires_ms,
+                started_ms,
                 bytes,
                 keys,
                 tags,
@@ -346,6 +385,7 @@ impl Shared {
                     kept_until: until,
                     now,
                     ttl,
+                    started: started_ms,
                     keys: &keys,
                     tags: &tags,
                 };
@@ -425,9 +465,11 @@ impl Shared {
             kept_until,
             now,
             ttl,
+            started,
             keys,
             tags,
         } = put;
+        let fence_bound = started.saturating_add(FENCE_MS);
         let id_str = id.to_string();
         let indexes: Vec<String> = std::iter::once(self.keys.namespace(namespace))
             .chain(tags.iter().map(|t| self.keys.tag(t)))
@@ -452,11 +494,15 @@ impl Shared {
                 .arg(self.events_maxlen)
                 .arg(namespace)
                 .arg(&self.replica_id)
-                .arg(ttl + INDEX_MARGIN_MS);
-            return self
-                .run(Op::Put, |c| async move { c.query::<Value>(&cmd).await })
-                .await
-                .map(drop);
+                .arg(ttl + INDEX_MARGIN_MS)
+                .arg(fence_bound);
+            let written = self
+                .run(Op::Put, |c| async move { c.query::<i64>(&cmd).await })
+                .await?;
+            if written == 0 {
+                tracing::debug!(%id, "redis: put fenced by a delete after its generation began");
+            }
+            return Ok(());
         }
         // After the entry is written, each index set must still hold it: a namespace or tag
         // delete that ran between the two (it read the set, deleted an entry not yet there,
@@ -477,6 +523,7 @@ impl Shared {
                     .arg(&id_str)
                     .arg(now)
                     .arg(ttl + INDEX_MARGIN_MS)
+                    .arg(fence_bound)
                     .clone()
             })
             .collect();
@@ -501,7 +548,11 @@ impl Shared {
         }
         let event = self.event(events::OP_PUT, Some(id), namespace);
         self.run(Op::Put, |c| async move {
-            run_all(c.clone(), index).await?;
+            let indexed = run_all(c.clone(), index).await?;
+            if indexed.iter().any(|v| matches!(v, Value::Int(0))) {
+                // Fenced: the entry is not written (an id left in another set leads nowhere).
+                return Ok(Value::Nil);
+            }
             run_all(c.clone(), sets).await?;
             for check in &still_indexed {
                 if c.query::<Option<f64>>(check).await?.is_none() {
@@ -658,12 +709,23 @@ impl Shared {
     /// Deletes the entries listed in an index sorted set, a batch at a time, removing them
     /// from the index as it goes (ids added meanwhile by concurrent puts stay). Returns how
     /// many entries were present. `per_entry_events`: publish a delete event per entry.
+    /// First the set is fenced ([`FENCE_MS`]), so a put of an answer generated before the
+    /// delete, arriving from another replica during it or after, is not written.
     async fn delete_indexed(
         &self,
         op: Op,
         index: &str,
         per_entry_events: bool,
     ) -> Result<u64, RedisError> {
+        let fence = ::redis::cmd("EVAL")
+            .arg(FENCE_SCRIPT)
+            .arg(1)
+            .arg(index)
+            .arg(now_ms().saturating_add(FENCE_MS))
+            .arg(FENCE_MS)
+            .clone();
+        self.run(op, |c| async move { c.query::<Value>(&fence).await })
+            .await?;
         let mut deleted = 0;
         loop {
             let range = ::redis::cmd("ZRANGE")
@@ -674,6 +736,11 @@ impl Shared {
             let members: Vec<String> = self
                 .run(op, |c| async move { c.query(&range).await })
                 .await?;
+            // The set's fence (placed before this delete began) stays.
+            let members: Vec<String> = members
+                .into_iter()
+                .filter(|m| m != FENCE_MEMBER)
+                .collect();
             if members.is_empty() {
                 return Ok(deleted);
             }
