@@ -22,7 +22,7 @@ use futures::StreamExt;
 use reprise::config::BackendKind;
 use reprise::prefetch::{PrefetchStats, Snapshot};
 use reprise::Config;
-use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+use reprise_backend::fake::{Failure, ScriptConfig, ScriptedBackend};
 use reprise_backend::llama::{LlamaBackend, LlamaConfig};
 use reprise_backend::{Backend, BackendError, GenRequest, GenStream, Priority};
 use reprise_cache::redis::{RedisConfig, RedisTier};
@@ -887,6 +887,39 @@ async fn the_model_proposes_follow_ups_that_traffic_has_not_shown() {
     assert_eq!(cache_status(&r), "exact");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(proposals(), 4);
+}
+
+/// A proposal that fails is charged its reserve against the token budget (what it decoded
+/// is not known) but not counted as tokens generated: the tokens metric counts what the
+/// backend is known to have decoded.
+#[tokio::test]
+async fn a_failed_proposal_counts_no_tokens_generated() {
+    let mut config = prefetch_config(false);
+    config.prefetch.propose = true;
+    let script = ScriptConfig {
+        rules: vec![(PROPOSAL_MARK.into(), format!("1. {Y}"))],
+        ..ScriptConfig::default()
+    };
+    let (app, probe) = spawn_probe(config, script).await;
+    // Background work waits for a quiet backend: the failure is in place before it starts.
+    let r = app.chat(&convo(&[("user", X)]), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    content(r).await;
+    probe
+        .inner
+        .set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
+    assert!(
+        eventually(WAIT, || {
+            let s = stats(&app);
+            s.cancelled >= 1 && s.active == 0
+        })
+        .await,
+        "{:?}",
+        stats(&app)
+    );
+    let s = stats(&app);
+    assert_eq!((s.proposals, s.proposed, s.tokens), (0, 0, 0), "{s:?}");
+    assert!(proposals_asked(&probe) >= 1, "the proposal was asked");
 }
 
 /// Names the admin token of this test binary (the value is set by [`admin_tenant_config`]).

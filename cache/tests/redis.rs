@@ -988,7 +988,10 @@ async fn deletes_win_over_answers_generated_across_them() {
     fresh_tagged.tags = vec!["release-1".into()];
     b.insert(Arc::new(fresh_tagged.clone()), &[digest(6)]).await;
     b.redis().unwrap().flush().await.unwrap();
-    assert_eq!(shared.get(fresh.id).await.unwrap().map(|e| e.id), Some(fresh.id));
+    assert_eq!(
+        shared.get(fresh.id).await.unwrap().map(|e| e.id),
+        Some(fresh.id)
+    );
     let held = shared.get(fresh_tagged.id).await.unwrap();
     assert_eq!(held.map(|e| e.id), Some(fresh_tagged.id));
     b.delete_tag("release-1").await.unwrap();

@@ -288,7 +288,11 @@ async fn run_job(
     permit: OwnedSemaphorePermit,
 ) {
     let start = Instant::now();
-    let (generated, tokens) = match &job.kind {
+    let Ran {
+        generated,
+        decoded,
+        charged,
+    } = match &job.kind {
         JobKind::Propose(p) => shared.propose(&state, &job, p).await,
         JobKind::Prefetch | JobKind::Refresh(_) => generate_job(&shared, &state, &job).await,
     };
@@ -297,14 +301,14 @@ async fn run_job(
     {
         let mut b = shared.budget.lock();
         if generated {
-            b.finish(n, start, end, tokens);
+            b.finish(n, start, end, charged);
         } else {
             b.abandon(n);
         }
     }
     if generated {
-        bump(&shared.counts.tokens, tokens);
-        shared.handles.tokens.increment(tokens);
+        bump(&shared.counts.tokens, decoded);
+        shared.handles.tokens.increment(decoded);
         bump(&shared.counts.backend_micros, (secs * 1e6) as u64);
         shared.handles.backend_seconds.increment(secs);
     }
@@ -314,9 +318,31 @@ async fn run_job(
     shared.wake.notify_one();
 }
 
-/// Runs a prefetch or refresh job. Returns whether the backend generated (or tried to) and
-/// the tokens it generated.
-async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (bool, u64) {
+/// What running a job spent.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct Ran {
+    /// The backend generated (or tried to).
+    pub generated: bool,
+    /// Tokens known to be decoded (the tokens metric).
+    pub decoded: u64,
+    /// Tokens charged to the budget: those decoded, or the job's reserve where what it
+    /// decoded is not known.
+    pub charged: u64,
+}
+
+impl Ran {
+    /// Generated, `tokens` decoded and charged.
+    pub(super) fn decoded(tokens: u64) -> Self {
+        Ran {
+            generated: true,
+            decoded: tokens,
+            charged: tokens,
+        }
+    }
+}
+
+/// Runs a prefetch or refresh job.
+async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> Ran {
     let (origin, check_cache) = match job.kind {
         JobKind::Refresh(_) => (Origin::Refresh, false),
         _ => (Origin::Prefetch, true),
@@ -326,7 +352,7 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
     if let JobKind::Refresh(old) = job.kind {
         if state.store.get(old).await.is_none() {
             shared.cancel(job);
-            return (false, 0);
+            return Ran::default();
         }
     }
     let result = generate_tagged(
@@ -402,7 +428,10 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> (boo
             shared.handles.cancelled.increment(1);
         }
     }
-    (generated, tokens)
+    Ran {
+        generated,
+        ..Ran::decoded(tokens)
+    }
 }
 
 #[cfg(test)]

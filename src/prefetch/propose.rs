@@ -10,7 +10,7 @@ use reprise_backend::{
 };
 use reprise_cache::EntryId;
 
-use super::jobs::{Job, JobKind};
+use super::jobs::{Job, JobKind, Ran};
 use super::learn::{follow_up, last_user_text};
 use super::{bump, Shared};
 use crate::observe::Observation;
@@ -61,16 +61,20 @@ impl Shared {
     }
 
     /// Runs a proposal job: asks the model, queues its questions as prefetch jobs (behind
-    /// everything waiting: observed follow-ups go first). Returns whether the backend
-    /// generated and the tokens it generated.
-    pub(super) async fn propose(&self, state: &AppState, job: &Job, p: &Proposal) -> (bool, u64) {
+    /// everything waiting: observed follow-ups go first).
+    pub(super) async fn propose(&self, state: &AppState, job: &Job, p: &Proposal) -> Ran {
         let (text, tokens) = match ask_backend(state, job.request.clone()).await {
             Ok((text, usage)) => (text, u64::from(usage.completion_tokens)),
             Err(e) => {
                 tracing::debug!(error = %e, "prefetch: proposal failed");
                 self.cancel(job);
-                // What it decoded before it failed is not known: charged its reserve.
-                return (true, super::jobs::reserve_of(state, job));
+                // What it decoded before it failed is not known: its reserve is charged to
+                // the budget, nothing to the tokens decoded.
+                return Ran {
+                    generated: true,
+                    decoded: 0,
+                    charged: super::jobs::reserve_of(state, job),
+                };
             }
         };
         bump(&self.counts.proposals, 1);
@@ -98,7 +102,7 @@ impl Shared {
             };
             self.enqueue_at(job, false);
         }
-        (true, tokens)
+        Ran::decoded(tokens)
     }
 }
 

@@ -737,10 +737,7 @@ impl Shared {
                 .run(op, |c| async move { c.query(&range).await })
                 .await?;
             // The set's fence (placed before this delete began) stays.
-            let members: Vec<String> = members
-                .into_iter()
-                .filter(|m| m != FENCE_MEMBER)
-                .collect();
+            let members: Vec<String> = members.into_iter().filter(|m| m != FENCE_MEMBER).collect();
             if members.is_empty() {
                 return Ok(deleted);
             }
