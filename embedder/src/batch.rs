@@ -35,8 +35,16 @@ pub(crate) type Reply = oneshot::Sender<Result<Arc<[f32]>, EmbedError>>;
 pub(crate) struct Job {
     pub(crate) text: String,
     pub(crate) reply: Reply,
-    /// The queue room this text takes (texts and bytes), given back once it is embedded.
-    pub(crate) room: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+    /// The queue room this text takes, given back once it is embedded.
+    pub(crate) room: Room,
+}
+
+/// Room in the queue: one text and its bytes, and for work nobody waits on, the same in the
+/// share of the queue such work may hold. Held for its drop, which gives the room back.
+pub(crate) struct Room {
+    pub(crate) _texts: OwnedSemaphorePermit,
+    pub(crate) _bytes: OwnedSemaphorePermit,
+    pub(crate) _spare: Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
 }
 
 /// Counters shared by the embedder and its thread.

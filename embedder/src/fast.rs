@@ -23,7 +23,7 @@ use fastembed::{
 };
 use tokio::sync::{oneshot, Semaphore};
 
-use crate::batch::{Counters, Job, Limits, Worker};
+use crate::batch::{Counters, Job, Limits, Room, Worker};
 use crate::memory::CallMemory;
 use crate::window::Window;
 use crate::{EmbedError, Embedder, EmbedderConfig};
@@ -71,6 +71,11 @@ fn entry_bytes(key: &(String, String), vector: &Arc<[f32]>) -> u32 {
 struct Queue {
     texts: Arc<Semaphore>,
     bytes: Arc<Semaphore>,
+    /// The half of `texts` and of `bytes` that work nobody waits on may hold at once
+    /// ([`Embedder::embed_many_spare`]): taken besides the queue room, so such work leaves
+    /// clients half the queue however many callers ask at once.
+    spare_texts: Arc<Semaphore>,
+    spare_bytes: Arc<Semaphore>,
     /// Permits of `texts`.
     texts_total: usize,
     /// Permits of `bytes` (what one text takes at most).
@@ -213,11 +218,17 @@ impl FastEmbedder {
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .build()
         });
+        let (texts_total, bytes_total) = (
+            cfg.queue_texts.min(Semaphore::MAX_PERMITS),
+            cfg.queue_bytes.min(Semaphore::MAX_PERMITS),
+        );
         let queue = Queue {
-            texts: Arc::new(Semaphore::new(cfg.queue_texts.min(Semaphore::MAX_PERMITS))),
-            bytes: Arc::new(Semaphore::new(cfg.queue_bytes.min(Semaphore::MAX_PERMITS))),
-            bytes_total: cfg.queue_bytes.min(Semaphore::MAX_PERMITS),
-            texts_total: cfg.queue_texts.min(Semaphore::MAX_PERMITS),
+            texts: Arc::new(Semaphore::new(texts_total)),
+            bytes: Arc::new(Semaphore::new(bytes_total)),
+            spare_texts: Arc::new(Semaphore::new(texts_total / 2)),
+            spare_bytes: Arc::new(Semaphore::new(bytes_total / 2)),
+            bytes_total,
+            texts_total,
             wait: Duration::from_millis(cfg.queue_wait_ms),
         };
         tracing::info!(
@@ -295,16 +306,35 @@ impl FastEmbedder {
 
     /// Queues a text for the batching thread once the queue has room for it (waiting until
     /// `deadline` at most: a caller's texts share one wait of `queue_wait_ms`); the receiver
-    /// yields its vector.
+    /// yields its vector. `spare`: work nobody waits on, which also takes room in the
+    /// spare half of the queue, without waiting.
     async fn submit(
         &self,
         text: &str,
         deadline: tokio::time::Instant,
+        spare: bool,
     ) -> Result<Pending, EmbedError> {
         let q = &self.queue;
         // A text longer than the whole byte budget takes all of it (and waits for an empty
         // queue) rather than never fitting.
         let bytes = u32::try_from(text.len().clamp(1, q.bytes_total)).unwrap_or(u32::MAX);
+        let spare = match spare {
+            false => None,
+            true => {
+                let texts = Arc::clone(&q.spare_texts).try_acquire_owned();
+                let half = u32::try_from(q.bytes_total / 2).unwrap_or(u32::MAX);
+                let bytes = Arc::clone(&q.spare_bytes).try_acquire_many_owned(bytes.min(half));
+                match (texts, bytes) {
+                    (Ok(t), Ok(b)) => Some((t, b)),
+                    _ => {
+                        self.counters.refused.fetch_add(1, Ordering::Relaxed);
+                        return Err(EmbedError::Overloaded {
+                            retry_after_secs: 1,
+                        });
+                    }
+                }
+            }
+        };
         let room = async {
             let texts = Arc::clone(&q.texts).acquire_owned().await;
             let bytes = Arc::clone(&q.bytes).acquire_many_owned(bytes).await;
@@ -326,26 +356,32 @@ impl FastEmbedder {
             .send(Job {
                 text: text.to_owned(),
                 reply,
-                room: (texts, bytes),
+                room: Room {
+                    _texts: texts,
+                    _bytes: bytes,
+                    _spare: spare,
+                },
             })
             .map_err(|_| EmbedError::Closed)?;
         Ok(rx)
     }
 
     /// Embeds `texts`, every miss submitted before any is awaited (so they can share
-    /// batches), waiting for queue room until `deadline` at most. Refused midway, the texts
-    /// already queued are dropped with their receivers, and the batching thread skips them.
+    /// batches), waiting for queue room until `deadline` at most (`spare`: see
+    /// [`FastEmbedder::submit`]). Refused midway, the texts already queued are dropped with
+    /// their receivers, and the batching thread skips them.
     async fn embed_many_by(
         &self,
         scope: &str,
         texts: &[String],
         deadline: tokio::time::Instant,
+        spare: bool,
     ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
         let mut pending = Vec::with_capacity(texts.len());
         for text in texts {
             match self.cached(scope, text) {
                 Some(v) => pending.push(Ok(v)),
-                None => pending.push(Err(self.submit(text, deadline).await?)),
+                None => pending.push(Err(self.submit(text, deadline, spare).await?)),
             }
         }
         let mut out = Vec::with_capacity(texts.len());
@@ -385,7 +421,7 @@ impl Embedder for FastEmbedder {
             return Ok(v);
         }
         let rx = self
-            .submit(text, tokio::time::Instant::now() + self.queue.wait)
+            .submit(text, tokio::time::Instant::now() + self.queue.wait, false)
             .await?;
         let v = rx.await.map_err(|_| EmbedError::Closed)??;
         self.remember(scope, text, &v);
@@ -398,7 +434,7 @@ impl Embedder for FastEmbedder {
         texts: &[String],
     ) -> Result<Vec<Arc<[f32]>>, EmbedError> {
         let deadline = tokio::time::Instant::now() + self.queue.wait;
-        self.embed_many_by(scope, texts, deadline).await
+        self.embed_many_by(scope, texts, deadline, false).await
     }
 
     async fn embed_many_spare(
@@ -420,7 +456,7 @@ impl Embedder for FastEmbedder {
                 retry_after_secs: 1,
             });
         }
-        self.embed_many_by(scope, texts, tokio::time::Instant::now())
+        self.embed_many_by(scope, texts, tokio::time::Instant::now(), true)
             .await
     }
 

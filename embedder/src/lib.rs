@@ -60,8 +60,9 @@ pub trait Embedder: Send + Sync + 'static {
 
     /// [`Embedder::embed_many_in`] for work nobody waits on (background checks of answers):
     /// never waits for queue room, and refuses (`Overloaded`) unless at least half of the
-    /// queue is free when it asks, so it leaves clients about half the queue. The default
-    /// has no queue to leave room in.
+    /// queue is free when it asks and such work holds less than half of it (all callers
+    /// together), so it leaves clients half the queue. The default has no queue to leave
+    /// room in.
     async fn embed_many_spare(
         &self,
         scope: &str,

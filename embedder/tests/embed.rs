@@ -359,6 +359,40 @@ async fn spare_embedding_leaves_the_queue_to_clients() {
     assert_eq!(e.embed_many_spare("", &texts).await.unwrap().len(), 2);
 }
 
+/// Background callers asking at once hold at most half of the queue together (each alone
+/// would find half of it free), so a client always finds room.
+#[tokio::test]
+async fn spare_embedding_holds_at_most_half_the_queue_together() {
+    let e = std::sync::Arc::new(load(EmbedderConfig {
+        cache_bytes: 0,
+        queue_texts: 8,
+        // The round stays open while the background texts hold the queue.
+        batch_wait_us: 1_500_000,
+        ..common::config()
+    }));
+    let spare: Vec<_> = (0..4)
+        .map(|i| {
+            let e = e.clone();
+            let texts = vec![format!("answer {i} a"), format!("answer {i} b")];
+            tokio::spawn(async move { e.embed_many_spare("", &texts).await })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let held = e.queued();
+    assert!(held <= 4, "background work holds {held} of 8");
+    // A client finds room at once beside them.
+    e.embed("a client question").await.unwrap();
+    let mut refused = 0;
+    for s in spare {
+        match s.await.unwrap() {
+            Ok(v) => assert_eq!(v.len(), 2),
+            Err(EmbedError::Overloaded { .. }) => refused += 1,
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(refused, 2, "two calls of two texts fill the spare half");
+}
+
 /// A text whose caller gave up before its round ran is not embedded (its room is freed);
 /// a text asked meanwhile is.
 #[tokio::test]
