@@ -968,6 +968,57 @@ async fn a_shadow_candidate_like_the_running_policy_agrees_on_follow_ups() {
     assert_eq!(after["would_miss"], before["would_miss"], "{after}");
 }
 
+/// Under an error bound (`delta`), a shadow candidate with the running rules is judged at
+/// the threshold learned from the verdicts of the scope its rules match (a shadow serves
+/// nothing, so no verdict is ever taken on its side): where wrong verdicts raised the
+/// running threshold above a paraphrase, the candidate agrees that it is a miss.
+#[tokio::test]
+async fn a_shadow_candidate_under_a_bound_reads_the_evidence_of_its_scope() {
+    let rules = "[[tenants.policy.semantic_rules]]\nthreshold = 0.8";
+    let policy = format!("delta = 0.05\n{rules}");
+    let shadow = "mode = \"shadow\"\n[[tenants.candidate.semantic_rules]]\nthreshold = 0.8";
+    let config = tenants_config(&tenants_doc(&[("bounded", &policy, shadow)]), true);
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let (original, paraphrase) = (ORIGINALS[0], PROBES[1]);
+    let r = ask_as(&app, "bounded", original).await;
+    assert_eq!(cache_status(&r), "miss");
+    content(r).await;
+    let embedder = app.state.embedder.clone().unwrap();
+    let (a, b) = (
+        embedder.embed(original).await.unwrap(),
+        embedder.embed(paraphrase).await.unwrap(),
+    );
+    let sim = reprise_embedder::cosine(&a, &b);
+    assert!(sim >= 0.8, "a paraphrase the rules match: {sim}");
+    // Wrong verdicts at that similarity in the running scope (the rule's, "*/*").
+    for _ in 0..6 {
+        app.state.bounds.record(
+            &app.state,
+            "bounded",
+            "*/*",
+            sim,
+            true,
+            reprise::bounds::Source::Feedback,
+        );
+    }
+    let counts = |view: &Value| candidate_view(view, "bounded")["shadow"].clone();
+    let before = counts(&policies(&app).await);
+    let r = ask_as(&app, "bounded", paraphrase).await;
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "the learned threshold rose above {sim}"
+    );
+    let after = counts(&policies(&app).await);
+    let n = |v: &Value, k: &str| v[k].as_u64().unwrap();
+    assert_eq!(
+        n(&after, "agree_miss"),
+        n(&before, "agree_miss") + 1,
+        "{after}"
+    );
+    assert_eq!(n(&after, "would_hit"), n(&before, "would_hit"), "{after}");
+}
+
 /// Canary mode: a share of requests is served under the candidate; a candidate worse than the
 /// rest (here it turns the semantic tier off while the backend fails, so its side errs where
 /// the other is answered from the cache) is rolled back by itself, for every replica; a good
