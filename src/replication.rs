@@ -88,8 +88,11 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                 ReplicationEvent::DeleteNamespace { namespace } => {
                     store.remove_local_namespace(&namespace).await;
                 }
-                // Each entry has its own delete event; the fence is what this one adds.
-                ReplicationEvent::DeleteTag { tag } => store.fence_tag(&tag),
+                // Besides each entry's own delete event: the fence, and what this replica
+                // holds with the tag that Redis never had (a put dropped or still queued).
+                ReplicationEvent::DeleteTag { tag } => {
+                    store.remove_local_tag(&tag).await;
+                }
                 ReplicationEvent::Policies { .. } => {
                     owed.policies = true;
                     due = Some(tokio::time::Instant::now());

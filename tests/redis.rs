@@ -269,6 +269,42 @@ async fn invalidation_reaches_every_replica_and_needs_the_token() {
     expect_status(&b, &chat_body("third question"), &[], "error").await;
 }
 
+/// A tag delete reaches the answers another replica holds with the tag that Redis never got
+/// (its puts dropped: a full write queue, an open breaker), which the delete could not find
+/// in Redis: that replica drops them on the delete's event.
+#[tokio::test]
+async fn a_tag_delete_reaches_answers_redis_never_held() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_TAG_SWEEP_TOKEN", "t4gs");
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let mut cfg = redis_config(redis.url());
+    cfg.server.admin_token_env = Some("REPRISE_TEST_TAG_SWEEP_TOKEN".into());
+    let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    let mut dropping = cfg.clone();
+    // Every write of this replica is dropped (no write fits the queue).
+    dropping.redis.write_queue_bytes = 1;
+    let b = spawn_replica(dropping, Arc::new(backend.clone())).await;
+    let q = chat_body("a tagged question");
+    let r = b.chat(&q, &[("x-reprise-tags", "docs-v2")]).await;
+    assert_eq!(cache_status(&r), "miss");
+    expect_status(&b, &q, &[], "exact").await;
+    assert_eq!(
+        poll_status(&a, &q, &[], "error").await,
+        "error",
+        "not in Redis"
+    );
+    let r = a
+        .client
+        .delete(a.url("/admin/tags/docs-v2"))
+        .bearer_auth("t4gs")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    expect_status(&b, &q, &[], "error").await;
+}
+
 #[tokio::test]
 async fn ttl_is_respected_in_both_tiers() {
     let redis = RedisServer::start();

@@ -11,6 +11,7 @@
 //! |----------------------------|-----------------------------------------|-----------------|
 //! | `{prefix}:e:{<id>}`        | `{"v":1,"entry":{...}}` (JSON envelope) | entry's own +   |
 //! | `{prefix}:k:<hex digest>`  | entry id (32 hex chars)                 | entry's / alias |
+//! | `{prefix}:d:{<id>}`        | `1`: the entry was deleted              | 15 minutes      |
 //! | `{prefix}:ns:{<ns>}`       | sorted set of ids, score = kept until   | longest member  |
 //! | `{prefix}:tag:{<tag>}`     | sorted set of ids, score = kept until   | longest member  |
 //! | `{prefix}:events`          | stream of `op`, `id`, `ns`, `origin`    | `MAXLEN ~`      |
@@ -24,6 +25,12 @@
 //! return such an expired entry like any other; callers tell them apart by
 //! `Entry::is_expired` (the [`crate::Store`] never treats one as fresh). Namespace and tag
 //! deletes reach kept entries too, since their index entries last as long.
+//!
+//! Deletes fence what was generated before them, so a put another replica had queued (or an
+//! answer it generated across the delete) does not bring a deleted answer back: a deleted id
+//! is marked (`d:`), a deleted namespace or tag gets a member `fence` in its index set, scored
+//! with when the fence ends (so the sets' pruning drops it then); the put scripts refuse an
+//! entry so marked, or one whose generation started before a fence of one of its sets.
 //!
 //! A policy event carries `version` instead of `id` and `ns`. The policy document is the
 //! server's (JSON); the tier only keeps its version rule (see `policies.rs`).

@@ -391,7 +391,10 @@ impl Store {
             let Some(l2) = l2.filter(usable) else {
                 continue;
             };
-            let entry = self.install(l2).await;
+            // Deleted or fenced here: not served, not linked.
+            let Some(entry) = self.promote(l2).await else {
+                continue;
+            };
             self.memory.alias(keys[i], entry.id).await;
             out[i] = Some(entry);
         }
@@ -896,13 +899,19 @@ impl Store {
         Ok(local.max(shared))
     }
 
+    /// Drops every entry stored with `tag` from this replica and fences the tag (another
+    /// replica deleted it: this one may hold answers with the tag whose puts never reached
+    /// Redis, which that delete could not find); returns how many were dropped.
+    pub async fn remove_local_tag(&self, tag: &str) -> u64 {
+        self.fence_tag(tag);
+        self.remove_local_where(|e| e.tags.iter().any(|t| t == tag))
+            .await
+    }
+
     /// Deletes every entry stored with `tag` everywhere, and fences it against answers being
     /// generated meanwhile; returns how many the fuller tier held.
     pub async fn delete_tag(&self, tag: &str) -> Result<u64, RedisError> {
-        self.fence_tag(tag);
-        let local = self
-            .remove_local_where(|e| e.tags.iter().any(|t| t == tag))
-            .await;
+        let local = self.remove_local_tag(tag).await;
         let shared = match &self.redis {
             Some(r) => r.delete_tag(tag).await?,
             None => 0,

@@ -703,6 +703,11 @@ async fn cluster_round_trip() {
     assert_eq!(t.update(&second).await.unwrap(), Updated::Written);
     let held = t.get(entries[2].id).await.unwrap().unwrap();
     assert_eq!(held.refusals.len(), 2, "neither refusal lost");
+    // A put of the deleted entry (another replica's, queued when it was deleted) is refused
+    // by its mark, in the entry's slot.
+    assert!(b.put(&entries[1], &[digest(3000)]));
+    b.flush().await.unwrap();
+    assert_eq!(t.get(entries[1].id).await.unwrap(), None);
     assert_eq!(t.delete_namespace("ns0").await.unwrap(), 20);
     // ns0's 20 and the one deleted above are gone.
     assert_eq!(b.scan_entries(|_| {}).await.unwrap().len(), 39);
@@ -998,6 +1003,51 @@ async fn deletes_win_over_answers_generated_across_them() {
     a.delete_namespace("docs").await.unwrap();
     assert_eq!(shared.get(fresh.id).await.unwrap(), None);
     assert_eq!(shared.get(fresh_tagged.id).await.unwrap(), None);
+}
+
+/// An entry deleted by id before another replica's put of it reached Redis (a client may
+/// delete an answer by the id it was announced with while it still streams) is never
+/// written back: the delete marks the id, and the put is refused.
+#[tokio::test]
+async fn a_deleted_id_is_never_written_back() {
+    use reprise_cache::ByKey;
+
+    let server = RedisServer::start();
+    let store = |name| replica(&server, name, None, Duration::ZERO);
+    let (a, b) = (store("a").await, store("b").await);
+    let x = Arc::new(entry("docs", "streamed", 60_000));
+    assert!(!a.delete(x.id).await.unwrap(), "nothing held yet");
+    b.insert(x.clone(), &[digest(1)]).await;
+    b.redis().unwrap().flush().await.unwrap();
+    assert_eq!(a.redis().unwrap().get(x.id).await.unwrap(), None);
+    // A replica that starts later does not find it either.
+    let c = store("c").await;
+    assert!(matches!(
+        c.find(&digest(1), |_| true).await.0,
+        ByKey::Absent
+    ));
+    // Another entry is written as ever.
+    let y = Arc::new(entry("docs", "kept", 60_000));
+    b.insert(y.clone(), &[digest(2)]).await;
+    b.redis().unwrap().flush().await.unwrap();
+    assert!(a.redis().unwrap().get(y.id).await.unwrap().is_some());
+}
+
+/// Keys read in one batch (a conversation's turns) never lead to an entry this replica
+/// deleted: it is neither served nor linked, like a single key's read.
+#[tokio::test]
+async fn a_batched_read_skips_what_this_replica_deleted() {
+    let server = RedisServer::start();
+    let a = replica(&server, "a", None, Duration::ZERO).await;
+    let x = Arc::new(entry("docs", "turn", 60_000));
+    a.insert(x.clone(), &[digest(1)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    // Removed here only (say, another replica's delete event): Redis still has it.
+    a.remove_local(x.id).await;
+    assert!(a.redis().unwrap().get(x.id).await.unwrap().is_some());
+    let found = a.find_many(&[digest(1)], |_| true).await;
+    assert!(found[0].is_none(), "deleted here");
+    assert!(a.get(x.id).await.is_none());
 }
 
 /// A refusal of question `n` (its exact key only).

@@ -16,6 +16,11 @@ impl Keys {
         format!("{}:e:{{{id}}}", self.prefix)
     }
 
+    /// Marks an entry deleted (see `writer::FENCE_MS`): in the entry's slot.
+    pub(super) fn deleted(&self, id: EntryId) -> String {
+        format!("{}:d:{{{id}}}", self.prefix)
+    }
+
     pub(super) fn key(&self, digest: &Digest) -> String {
         let mut s = String::with_capacity(self.prefix.len() + 3 + 64);
         s.push_str(&self.prefix);

@@ -67,12 +67,13 @@ end
 return 1";
 
 /// A whole put on a single server, in one step: index sets first (as [`INDEX_SCRIPT`]), then
-/// the entry, its exact keys and the event. Nothing is written, and `0` returned, when a set
-/// is fenced by a delete after the answer's generation started (`ARGV[11]`: its start plus
-/// [`FENCE_MS`]). A failing index (say, a foreign value under an
+/// the entry, its exact keys and the event. Nothing is written, and `0` returned, when the
+/// entry was deleted (`KEYS[3]`, its mark) or a set is fenced by a delete after the answer's
+/// generation started (`ARGV[11]`: its start plus [`FENCE_MS`]). A failing index (say, a foreign value under an
 /// index key) aborts the script before the entry is written, so no entry is ever stored
 /// without its index entries, where a namespace or tag delete could not find it; and nothing
-/// else runs between the steps. `KEYS`: entry, events, `ARGV[6]` index sets, exact keys.
+/// else runs between the steps. `KEYS`: entry, events, the entry's deleted mark, `ARGV[6]`
+/// index sets, exact keys.
 /// `ARGV`: value, ttl, expiry, id, now, index count, events maxlen, namespace, origin, the
 /// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]), the fence bound.
 const PUT_SCRIPT: &str = "\
@@ -80,11 +81,12 @@ local ttl = tonumber(ARGV[2])
 local set_ttl = tonumber(ARGV[10])
 local nidx = tonumber(ARGV[6])
 local started = tonumber(ARGV[11])
-for i = 3, 2 + nidx do
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+for i = 4, 3 + nidx do
   local f = redis.call('ZSCORE', KEYS[i], 'fence')
   if f and tonumber(f) > started then return 0 end
 end
-for i = 3, 2 + nidx do
+for i = 4, 3 + nidx do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[5])
   if redis.call('PTTL', KEYS[i]) < set_ttl then
@@ -92,10 +94,17 @@ for i = 3, 2 + nidx do
   end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
-for i = 3 + nidx, #KEYS do
+for i = 4 + nidx, #KEYS do
   redis.call('SET', KEYS[i], ARGV[4], 'PX', ttl)
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'op', 'put', 'id', ARGV[4], 'ns', ARGV[8], 'origin', ARGV[9])
+return 1";
+
+/// Stores an entry (`KEYS[1]`, `ARGV`: value, ttl) unless its deleted mark (`KEYS[2]`, the
+/// same slot) is there: `1` when written, `0` when not.
+const STORE_UNLESS_DELETED: &str = "\
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1";
 
 /// Writes taken from the queue at once; puts and aliases of one batch run concurrently.
@@ -478,9 +487,10 @@ impl Shared {
         if !cluster {
             let mut cmd = ::redis::cmd("EVAL");
             cmd.arg(PUT_SCRIPT)
-                .arg(2 + indexes.len() + keys.len())
+                .arg(3 + indexes.len() + keys.len())
                 .arg(self.keys.entry(id))
                 .arg(self.keys.events())
+                .arg(self.keys.deleted(id))
                 .arg(&indexes);
             for key in keys {
                 cmd.arg(self.keys.key(key));
@@ -527,15 +537,16 @@ impl Shared {
                     .clone()
             })
             .collect();
-        let mut sets = Vec::with_capacity(keys.len() + 1);
-        sets.push(
-            ::redis::cmd("SET")
-                .arg(self.keys.entry(id))
-                .arg(bytes)
-                .arg("PX")
-                .arg(ttl)
-                .clone(),
-        );
+        // The entry, unless it was deleted (its mark shares its slot), then its keys.
+        let store = ::redis::cmd("EVAL")
+            .arg(STORE_UNLESS_DELETED)
+            .arg(2)
+            .arg(self.keys.entry(id))
+            .arg(self.keys.deleted(id))
+            .arg(bytes)
+            .arg(ttl)
+            .clone();
+        let mut sets = Vec::with_capacity(keys.len());
         for key in keys {
             sets.push(
                 ::redis::cmd("SET")
@@ -551,6 +562,9 @@ impl Shared {
             let indexed = run_all(c.clone(), index).await?;
             if indexed.iter().any(|v| matches!(v, Value::Int(0))) {
                 // Fenced: the entry is not written (an id left in another set leads nowhere).
+                return Ok(Value::Nil);
+            }
+            if c.query::<i64>(&store).await? == 0 {
                 return Ok(Value::Nil);
             }
             run_all(c.clone(), sets).await?;
@@ -619,10 +633,19 @@ impl Shared {
     async fn apply_admin(&self, op: Admin) {
         match op {
             Admin::Delete { id, reply } => {
+                // Marked first: a put of it from another replica, queued or generated when
+                // the delete ran, is refused.
+                let mark = ::redis::cmd("SET")
+                    .arg(self.keys.deleted(id))
+                    .arg(1)
+                    .arg("PX")
+                    .arg(FENCE_MS)
+                    .clone();
                 let del = ::redis::cmd("DEL").arg(self.keys.entry(id)).clone();
                 let event = self.event(events::OP_DEL, Some(id), "");
                 let result = self
                     .run(Op::Delete, |c| async move {
+                        c.query::<Value>(&mark).await?;
                         let (n, _): (u64, Value) =
                             futures::try_join!(c.query(&del), c.query(&event))?;
                         Ok(n > 0)
@@ -632,43 +655,24 @@ impl Shared {
             }
             Admin::DeleteNamespace { namespace, reply } => {
                 let index = self.keys.namespace(&namespace);
-                let mut result = self
-                    .delete_indexed(Op::DeleteNamespace, &index, false)
+                let event = self.event(events::OP_DEL_NS, None, &namespace);
+                let result = self
+                    .delete_indexed(Op::DeleteNamespace, &index, event, false)
                     .await;
-                if result.is_ok() {
-                    let event = self.event(events::OP_DEL_NS, None, &namespace);
-                    let sent = self
-                        .run(Op::DeleteNamespace, |c| async move {
-                            c.query::<Value>(&event).await
-                        })
-                        .await;
-                    if let Err(e) = sent {
-                        result = Err(e);
-                    }
-                }
                 let _ = reply.send(result);
             }
             Admin::DeleteTag { tag, reply } => {
                 let index = self.keys.tag(&tag);
-                let mut result = self.delete_indexed(Op::DeleteTag, &index, true).await;
-                if result.is_ok() {
-                    // Besides each entry's delete: replicas fence the tag against answers
-                    // being generated when it was deleted.
-                    let event = self
-                        .event(events::OP_DEL_TAG, None, "")
-                        .arg("tag")
-                        .arg(&tag)
-                        .clone();
-                    let sent = self
-                        .run(
-                            Op::DeleteTag,
-                            |c| async move { c.query::<Value>(&event).await },
-                        )
-                        .await;
-                    if let Err(e) = sent {
-                        result = Err(e);
-                    }
-                }
+                // Besides each entry's delete: replicas fence the tag against answers being
+                // generated when it was deleted, and drop what they hold with it.
+                let event = self
+                    .event(events::OP_DEL_TAG, None, "")
+                    .arg("tag")
+                    .arg(&tag)
+                    .clone();
+                let result = self
+                    .delete_indexed(Op::DeleteTag, &index, event, true)
+                    .await;
                 let _ = reply.send(result);
             }
             Admin::Flush { reply } => {
@@ -710,11 +714,14 @@ impl Shared {
     /// from the index as it goes (ids added meanwhile by concurrent puts stay). Returns how
     /// many entries were present. `per_entry_events`: publish a delete event per entry.
     /// First the set is fenced ([`FENCE_MS`]), so a put of an answer generated before the
-    /// delete, arriving from another replica during it or after, is not written.
+    /// delete, arriving from another replica during it or after, is not written; then
+    /// `event` tells the replicas (before the rounds: a delete that fails midway has already
+    /// emptied part of the set, and the replicas must drop and fence it all the same).
     async fn delete_indexed(
         &self,
         op: Op,
         index: &str,
+        event: ::redis::Cmd,
         per_entry_events: bool,
     ) -> Result<u64, RedisError> {
         let fence = ::redis::cmd("EVAL")
@@ -725,6 +732,8 @@ impl Shared {
             .arg(FENCE_MS)
             .clone();
         self.run(op, |c| async move { c.query::<Value>(&fence).await })
+            .await?;
+        self.run(op, |c| async move { c.query::<Value>(&event).await })
             .await?;
         let mut deleted = 0;
         loop {
@@ -753,7 +762,13 @@ impl Shared {
                         .map(|id| self.event(events::OP_DEL, Some(*id), "")),
                 );
             }
-            cmds.push(::redis::cmd("ZREM").arg(index).arg(&members).clone());
+            // Out of the set first, then deleted: a cluster put that wrote its entry after the
+            // round read the set finds its id gone (and unstores itself), or its entry is
+            // deleted after it was written. Concurrently, the set's server could take the
+            // id out after the put checked it, and the entry outlive its delete.
+            let zrem = ::redis::cmd("ZREM").arg(index).arg(&members).clone();
+            self.run(op, |c| async move { c.query::<Value>(&zrem).await })
+                .await?;
             let replies = self.run(op, |c| run_all(c, cmds)).await;
             let replies = replies?;
             deleted += replies[..dels]
