@@ -1015,11 +1015,19 @@ async fn a_deleted_id_is_never_written_back() {
     let server = RedisServer::start();
     let store = |name| replica(&server, name, None, Duration::ZERO);
     let (a, b) = (store("a").await, store("b").await);
+    let mut events = a.redis().unwrap().subscribe(false);
     let x = Arc::new(entry("docs", "streamed", 60_000));
     assert!(!a.delete(x.id).await.unwrap(), "nothing held yet");
     b.insert(x.clone(), &[digest(1)]).await;
     b.redis().unwrap().flush().await.unwrap();
     assert_eq!(a.redis().unwrap().get(x.id).await.unwrap(), None);
+    // The refusal is announced as a delete of no replica's, so the replica that generated
+    // it drops its copy too (A reads it: its own delete's event it skips).
+    match next_event(&mut events).await {
+        ReplicationEvent::Delete { id } => assert_eq!(id, x.id),
+        other => panic!("{other:?}"),
+    }
+
     // A replica that starts later does not find it either.
     let c = store("c").await;
     assert!(matches!(

@@ -69,7 +69,8 @@ return 1";
 /// A whole put on a single server, in one step: index sets first (as [`INDEX_SCRIPT`]), then
 /// the entry, its exact keys and the event. Nothing is written, and `0` returned, when the
 /// entry was deleted (`KEYS[3]`, its mark) or a set is fenced by a delete after the answer's
-/// generation started (`ARGV[11]`: its start plus [`FENCE_MS`]). A failing index (say, a foreign value under an
+/// generation started (`ARGV[11]`: its start plus [`FENCE_MS`]); then a delete event of no
+/// replica's tells every replica, the writer too, to drop it (see [`Shared::refused`]). A failing index (say, a foreign value under an
 /// index key) aborts the script before the entry is written, so no entry is ever stored
 /// without its index entries, where a namespace or tag delete could not find it; and nothing
 /// else runs between the steps. `KEYS`: entry, events, the entry's deleted mark, `ARGV[6]`
@@ -81,10 +82,14 @@ local ttl = tonumber(ARGV[2])
 local set_ttl = tonumber(ARGV[10])
 local nidx = tonumber(ARGV[6])
 local started = tonumber(ARGV[11])
-if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+local function refuse()
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'op', 'del', 'id', ARGV[4], 'ns', '', 'origin', '')
+  return 0
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then return refuse() end
 for i = 4, 3 + nidx do
   local f = redis.call('ZSCORE', KEYS[i], 'fence')
-  if f and tonumber(f) > started then return 0 end
+  if f and tonumber(f) > started then return refuse() end
 end
 for i = 4, 3 + nidx do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
@@ -308,6 +313,27 @@ impl Shared {
             .arg(namespace)
             .arg("origin")
             .arg(&self.replica_id)
+            .clone()
+    }
+
+    /// The event of a put refused by a delete's fence or mark: a delete of no replica's
+    /// (`origin` empty), so every replica drops the entry, the one that generated it too
+    /// (it kept it in memory; its delete event may never reach it, past a trimmed stream).
+    fn refused(&self, id: EntryId) -> ::redis::Cmd {
+        ::redis::cmd("XADD")
+            .arg(self.keys.events())
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(self.events_maxlen)
+            .arg("*")
+            .arg("op")
+            .arg(events::OP_DEL)
+            .arg("id")
+            .arg(id.to_string())
+            .arg("ns")
+            .arg("")
+            .arg("origin")
+            .arg("")
             .clone()
     }
 
@@ -558,14 +584,15 @@ impl Shared {
             );
         }
         let event = self.event(events::OP_PUT, Some(id), namespace);
+        let refused = self.refused(id);
         self.run(Op::Put, |c| async move {
             let indexed = run_all(c.clone(), index).await?;
-            if indexed.iter().any(|v| matches!(v, Value::Int(0))) {
-                // Fenced: the entry is not written (an id left in another set leads nowhere).
-                return Ok(Value::Nil);
-            }
-            if c.query::<i64>(&store).await? == 0 {
-                return Ok(Value::Nil);
+            // Fenced or deleted: the entry is not written (an id left in another set leads
+            // nowhere), and the replicas are told to drop it.
+            if indexed.iter().any(|v| matches!(v, Value::Int(0)))
+                || c.query::<i64>(&store).await? == 0
+            {
+                return c.query::<Value>(&refused).await;
             }
             run_all(c.clone(), sets).await?;
             for check in &still_indexed {
