@@ -34,8 +34,9 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
     };
     let weak = Arc::downgrade(state);
     tracker.spawn(async move {
-        // Subscribe before the rebuild so nothing written during the scan is missed.
-        let mut events = redis.subscribe(true);
+        // Subscribed (its start resolved) before the rebuild, so nothing written during or
+        // after the scan is missed.
+        let mut events = redis.subscribe_from_now().await;
         // Redis's epoch as last seen: a different one at a resync means it lost its data.
         let mut epoch = None;
         // What is still to catch up with (at start: both), and when to try it next. A try

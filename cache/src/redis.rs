@@ -635,6 +635,21 @@ return redis.call('GET', KEYS[1])";
     /// with backoff and emits [`ReplicationEvent::Resync`] when events may have been lost.
     /// Dropping the stream stops the task.
     pub fn subscribe(&self, from_last: bool) -> ReplicationStream {
+        self.subscriber(from_last).spawn()
+    }
+
+    /// [`RedisTier::subscribe`] from the newest event, resolved before it returns (within the
+    /// command timeout): every event written after it returns is delivered, so a scan that
+    /// starts after it misses nothing (a lazily resolved start could skip a delete written
+    /// between the scan and the reader's first command). When Redis cannot be reached, the
+    /// stream starts with [`ReplicationEvent::Resync`] once it can.
+    pub async fn subscribe_from_now(&self) -> ReplicationStream {
+        let mut subscriber = self.subscriber(true);
+        subscriber.resolve_start().await;
+        subscriber.spawn()
+    }
+
+    fn subscriber(&self, from_last: bool) -> events::Subscriber {
         events::Subscriber {
             connector: self.shared.connector.clone(),
             stream_key: self.shared.keys.events(),
@@ -643,8 +658,9 @@ return redis.call('GET', KEYS[1])";
             timeout: self.shared.timeout,
             from_last,
             errors: self.shared.metrics.errors(Op::Events).clone(),
+            start: None,
+            start_failed: false,
         }
-        .spawn()
     }
 
     /// The tier's state now.

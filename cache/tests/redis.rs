@@ -141,6 +141,39 @@ async fn events_reach_other_replicas_but_not_their_writer() {
     assert!(a_more.is_err(), "unexpected event for a: {a_more:?}");
 }
 
+/// A subscription from now has its start resolved when it returns: an event written right
+/// after (before its reader task ever ran) is delivered, an older one is not. A replica's
+/// start-up scan begins after it subscribes, so no delete written during or after the scan
+/// is skipped.
+#[tokio::test]
+async fn a_subscription_from_now_misses_nothing_written_after_it() {
+    let server = RedisServer::start();
+    let b = tier(config(server.url()), "replica-b").await;
+    let mut c = raw(&server.url()).await;
+    let xadd = |id: u128| {
+        redis::cmd("XADD")
+            .arg("reprise:events")
+            .arg("*")
+            .arg("op")
+            .arg("del")
+            .arg("id")
+            .arg(format!("{id:032x}"))
+            .arg("ns")
+            .arg("")
+            .arg("origin")
+            .arg("replica-a")
+            .clone()
+    };
+    let _: String = xadd(1).query_async(&mut c).await.unwrap();
+    let mut events = b.subscribe_from_now().await;
+    // Written at once, on a connection already open, before the reader task could run.
+    let _: String = xadd(2).query_async(&mut c).await.unwrap();
+    assert_eq!(
+        next_event(&mut events).await,
+        ReplicationEvent::Delete { id: EntryId(2) }
+    );
+}
+
 /// A reader that had read no event yet when Redis restarted empty asks for a resync too: it
 /// cannot tell a wiped Redis from one that never held a stream.
 #[tokio::test]

@@ -105,7 +105,7 @@ const CHANNEL: usize = 1024;
 
 /// A position in a Redis stream (`<ms>-<seq>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct StreamPos(u64, u64);
+pub(crate) struct StreamPos(u64, u64);
 
 impl StreamPos {
     const ZERO: StreamPos = StreamPos(0, 0);
@@ -152,6 +152,11 @@ pub(crate) struct Subscriber {
     pub(crate) from_last: bool,
     /// `reprise_redis_errors_total{op="events"}`.
     pub(crate) errors: metrics::Counter,
+    /// Where to start, resolved before the task started ([`Subscriber::resolve_start`]);
+    /// `None`: resolved by the task when it first reaches Redis.
+    pub(crate) start: Option<StreamPos>,
+    /// Resolving the start failed before the task started.
+    pub(crate) start_failed: bool,
 }
 
 /// Where the reader stands.
@@ -165,6 +170,25 @@ struct ReadState {
 }
 
 impl Subscriber {
+    /// Resolves where to start now (the newest event, with `from_last`), so that every event
+    /// written after this returns is delivered; when Redis cannot be reached, the task
+    /// resolves it later and reports a [`ReplicationEvent::Resync`] first.
+    pub(crate) async fn resolve_start(&mut self) {
+        let start = match self.connector.connect(self.connect_timeout, self.timeout) {
+            Ok(c) if self.from_last => self.last(&c).await.map(|p| p.unwrap_or(StreamPos::ZERO)),
+            Ok(_) => Ok(StreamPos::ZERO),
+            Err(e) => Err(RedisError::Connection(e)),
+        };
+        match start {
+            Ok(p) => self.start = Some(p),
+            Err(e) => {
+                tracing::debug!(error = %e, "redis events: start not resolved yet");
+                self.errors.increment(1);
+                self.start_failed = true;
+            }
+        }
+    }
+
     /// Starts the reader task and returns its stream.
     pub(crate) fn spawn(self) -> ReplicationStream {
         let (tx, rx) = mpsc::channel(CHANNEL);
@@ -175,9 +199,9 @@ impl Subscriber {
     async fn run(self, tx: mpsc::Sender<ReplicationEvent>) {
         let mut conn: Option<Conn> = None;
         let mut state = ReadState {
-            cursor: None,
+            cursor: self.start,
             lost: false,
-            start_failed: false,
+            start_failed: self.start_failed,
         };
         let mut backoff = MIN_BACKOFF;
         loop {
