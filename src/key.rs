@@ -109,8 +109,11 @@ impl KeyHasher {
             presence_penalty,
             frequency_penalty,
             max_completion_tokens_named: _,
+            max_tokens_is_default,
         } = params;
         self.str(model);
+        // The backend's own default is keyed as no bound: the same answer.
+        let max_tokens = max_tokens.filter(|_| !max_tokens_is_default);
         self.u64(max_tokens.map(u64::from));
         self.f32(*temperature);
         self.f32(*top_p);

@@ -106,6 +106,7 @@ fn start(
     let most = MAX_CHECK_TOKENS.min(state.config.semantic.verify_tokens_per_minute);
     let max = fresh.params.max_tokens.unwrap_or(most).min(most);
     fresh.params.max_tokens = Some(max);
+    fresh.params.max_tokens_is_default = false;
     let within = match (&v.tokens, NonZeroU32::new(max)) {
         (Some(l), Some(n)) => matches!(l.check_n(n), Ok(Ok(()))),
         _ => false,
@@ -168,6 +169,7 @@ async fn judge(
             let question = served.question.as_ref().map(|(_, q)| q.as_str())?;
             let mut ask = req.clone();
             ask.params.max_tokens = Some(4);
+            ask.params.max_tokens_is_default = false;
             ask.params.temperature = Some(0.0);
             ask.input = Input::Chat(vec![
                 ChatMessage::new(

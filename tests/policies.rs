@@ -1019,6 +1019,26 @@ async fn a_shadow_candidate_under_a_bound_reads_the_evidence_of_its_scope() {
     assert_eq!(n(&after, "would_hit"), n(&before, "would_hit"), "{after}");
 }
 
+/// A tenant given a token budget keeps its entries: a request without `max_tokens` is then
+/// given the bound it is charged, which is the bound the backend applies anyway, and is
+/// keyed as before; an explicit other bound is another answer.
+#[tokio::test]
+async fn a_token_budget_keeps_the_tenants_entries() {
+    let config = tenants_config(&tenants_doc(&[("metered", "", "")]), false);
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let auth = [("authorization", "Bearer sk-metered")];
+    let q = chat_body(ORIGINALS[0]);
+    assert_eq!(cache_status(&app.chat(&q, &auth).await), "miss");
+    expect_status(&app, &q, &auth, "exact").await;
+    let budget = tenants_doc(&[("metered", "tokens_per_minute = 100000", "")]);
+    assert_eq!(put(&app, &budget).await.status(), 200);
+    assert_eq!(cache_status(&app.chat(&q, &auth).await), "exact");
+    let mut shorter = q.clone();
+    shorter["max_tokens"] = 9.into();
+    assert_eq!(cache_status(&app.chat(&shorter, &auth).await), "miss");
+    assert_eq!(backend.calls(), 2);
+}
+
 /// Canary mode: a share of requests is served under the candidate; a candidate worse than the
 /// rest (here it turns the semantic tier off while the backend fails, so its side errs where
 /// the other is answered from the cache) is rolled back by itself, for every replica; a good

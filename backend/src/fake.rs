@@ -226,6 +226,10 @@ impl Drop for ActiveGuard {
 
 #[async_trait::async_trait]
 impl Backend for ScriptedBackend {
+    fn default_max_tokens(&self) -> Option<u32> {
+        Some(self.inner.cfg.lock().default_max_tokens)
+    }
+
     async fn generate(&self, req: GenRequest) -> Result<GenStream, BackendError> {
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
         let keep = self.inner.cfg.lock().log_len;

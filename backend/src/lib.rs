@@ -110,6 +110,12 @@ pub struct SamplingParams {
     /// cache does not tell the two apart.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub max_completion_tokens_named: bool,
+    /// `max_tokens` is the bound the backend applies to a request without one
+    /// ([`Backend::default_max_tokens`]): the same answer as asking for none, so the cache
+    /// keys it alike (a tenant given a token budget, which writes the bound in, keeps its
+    /// entries).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub max_tokens_is_default: bool,
 }
 
 /// The field a chat completion's token bound is sent upstream as. OpenAI's reasoning models
@@ -409,6 +415,13 @@ pub trait Backend: Send + Sync + 'static {
     /// when it is unlimited or unknown.
     fn load(&self) -> Load {
         Load::default()
+    }
+
+    /// The `max_tokens` it generates to for a request without one, when it applies one
+    /// itself (llama, scripted); `None` where the answer's length is another's to decide
+    /// (an upstream's default).
+    fn default_max_tokens(&self) -> Option<u32> {
+        None
     }
 
     /// The field a chat completion's token bound that the client did not name is sent

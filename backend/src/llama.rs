@@ -770,6 +770,10 @@ fn build_sampler(
 
 #[async_trait::async_trait]
 impl Backend for LlamaBackend {
+    fn default_max_tokens(&self) -> Option<u32> {
+        Some(self.default_max_tokens)
+    }
+
     async fn generate(&self, mut req: GenRequest) -> Result<GenStream, BackendError> {
         if req.model != self.name {
             return Err(BackendError::UnknownModel(req.model));

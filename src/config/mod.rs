@@ -267,7 +267,8 @@ pub struct BackendConfig {
     /// it 400. One request cannot reserve a whole context or an unbounded upstream answer.
     /// A request without one is not given it (its key and the backend's default stay),
     /// unless its tenant has a token budget (`tokens_per_minute`): then it is given what it
-    /// is charged.
+    /// is charged (keyed as no bound where that is the backend's own default: the same
+    /// answer).
     pub max_tokens_cap: u32,
     /// fake: reply template; `{prompt}` is replaced by the last user message.
     pub fake_reply: String,

@@ -43,14 +43,16 @@ pub async fn explain(
     // Looked up as the model its route serves it as, as the request path does.
     let input = &parsed.req.input;
     let chars = || crate::routes::prompt_chars(input);
-    let backend = match state.router.choose(&parsed.req.model, tenant.name(), chars) {
+    let (backend, own_default) = match state.router.choose(&parsed.req.model, tenant.name(), chars)
+    {
         Some(choice) => {
             parsed.req.model = choice.model;
-            Some(choice.primary.name.clone())
+            let own_default = choice.primary.backend.default_max_tokens();
+            (Some(choice.primary.name.clone()), own_default)
         }
-        None => None,
+        None => (None, None),
     };
-    policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
+    policy::cap_max_tokens(state, &tenant, &mut parsed.req, own_default)?;
     let access = policy::access(state, &tenant, &ctl);
     let stale = policy::stale_windows(state, &tenant, &ctl);
     let wants = Wants {

@@ -150,7 +150,8 @@ async fn serve(
     })?;
     parsed.req.model = choice.model.clone();
     parsed.req.backend = Some(choice.primary.name.clone());
-    policy::cap_max_tokens(state, &tenant, &mut parsed.req)?;
+    let own_default = choice.primary.backend.default_max_tokens();
+    policy::cap_max_tokens(state, &tenant, &mut parsed.req, own_default)?;
     // 3. Policy.
     let access = policy::access(state, &tenant, &ctl);
     let renderer = Renderer::new(endpoint, &parsed.req.model);

@@ -57,6 +57,8 @@ macro_rules! shared_fields {
         let params = SamplingParams {
             max_tokens: $max_tokens,
             max_completion_tokens_named: $named,
+            // Known once routed (see `request::serve`).
+            max_tokens_is_default: false,
             temperature: $r.temperature,
             top_p: $r.top_p,
             seed: $r.seed,

@@ -30,13 +30,18 @@ pub fn stale_windows(state: &AppState, tenant: &Tenant, ctl: &Controls) -> Stale
 }
 
 /// Applies the tenant's `max_tokens` cap: a request without `max_tokens` gets the cap, one
-/// above it is refused (400) rather than silently cut short.
+/// above it is refused (400) rather than silently cut short. `own_default`: the bound the
+/// backend that answers applies to a request without one; a request bounded by it is keyed
+/// as one without.
 pub fn cap_max_tokens(
     state: &AppState,
     tenant: &Tenant,
     req: &mut GenRequest,
+    own_default: Option<u32>,
 ) -> Result<(), ApiError> {
-    req.params.max_tokens = capped(state, tenant, req.params.max_tokens)?;
+    let p = &mut req.params;
+    p.max_tokens = capped(state, tenant, p.max_tokens)?;
+    p.max_tokens_is_default = p.max_tokens.is_some() && p.max_tokens == own_default;
     Ok(())
 }
 
