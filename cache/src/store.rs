@@ -662,7 +662,9 @@ impl Store {
     /// [`Store::load`] of entries arriving in pages (a replica's rebuild streaming from
     /// Redis), never more than the memory tier holds: once the entries loaded weigh its
     /// capacity, the rest is left where it is (`stopped_at_budget`; Redis still serves them
-    /// on demand) and `pages` is dropped, which stops the sender.
+    /// on demand), except that entries this replica already holds still take the refusals
+    /// their Redis copies have (a question reported wrong elsewhere is not served them
+    /// again here); with none held, `pages` is dropped then, which stops the sender.
     pub async fn load_pages(
         &self,
         mut pages: tokio::sync::mpsc::Receiver<Vec<Entry>>,
@@ -671,14 +673,27 @@ impl Store {
         let mut loaded = Loaded::default();
         let mut vectors = Vec::new();
         let (budget, mut bytes, mut seen) = (self.memory.capacity(), 0u64, 0usize);
+        self.memory.run_pending_tasks().await;
+        let held_before = self.memory.entry_count() > 0;
         'pages: while let Some(page) = pages.recv().await {
             // Expired entries kept in Redis to be served stale are not loaded (nor counted
             // against the budget): found there on demand.
             for entry in page.into_iter().filter(|e| !e.is_expired()) {
+                if loaded.stopped_at_budget {
+                    if self.memory.holds(entry.id) {
+                        if let Some(held) = self.memory.get(entry.id).await {
+                            self.merge_refusals(held, &entry).await;
+                        }
+                    }
+                    continue;
+                }
                 bytes += u64::from(self.memory.weight_of(&entry));
                 if bytes > budget {
                     loaded.stopped_at_budget = true;
-                    break 'pages;
+                    if !held_before {
+                        break 'pages;
+                    }
+                    continue;
                 }
                 self.load_one(entry, &mut loaded, &mut vectors).await;
                 seen += 1;

@@ -415,3 +415,50 @@ async fn a_rebuild_streams_and_stops_at_the_memory_budget() {
     store.run_pending_tasks().await;
     assert!(store.weighted_size() <= capacity);
 }
+
+/// A rebuild that stops at the budget still gives the entries this replica holds the
+/// refusals their Redis copies have (a question reported wrong on another replica while
+/// this one held the entry is not served it again here); it reads the whole keyspace for
+/// that.
+#[tokio::test]
+async fn a_rebuild_stopped_at_the_budget_still_merges_refusals_into_held_entries() {
+    let server = RedisServer::start();
+    let writer = tier(config(server.url()), "a").await;
+    let n = 2_000;
+    for i in 0..n {
+        assert!(writer.put(&entry("ns", &format!("answer {i}"), 600_000), &[]));
+    }
+    writer.flush().await.unwrap();
+    let one = u64::from(entry("ns", "answer 1000", 600_000).weight()) + u64::from(ITEM_OVERHEAD);
+    let redis = tier(config(server.url()), "b").await;
+    let store = Store::new(
+        one * 40,
+        Duration::from_secs(60),
+        Duration::ZERO,
+        Some(redis.clone()),
+        None,
+        None,
+    );
+    let held = entry("ns", "held here", 600_000);
+    store.insert(Arc::new(held.clone()), &[digest(1)]).await;
+    redis.flush().await.unwrap();
+    // Another replica refuses a question to it.
+    let mut refused = held.clone();
+    refused.refuse(reprise_cache::entry::Refusal {
+        key: digest(7),
+        around: None,
+    });
+    assert_eq!(
+        writer.update(&refused).await.unwrap(),
+        reprise_cache::redis::Updated::Written
+    );
+    let (pages, receive) = tokio::sync::mpsc::channel(2);
+    let (sent, loaded) = tokio::join!(
+        redis.scan_pages(pages, |_| {}),
+        store.load_pages(receive, |_| {})
+    );
+    assert!(loaded.stopped_at_budget, "{loaded:?}");
+    assert_eq!(sent.unwrap(), n + 1, "the whole keyspace read");
+    let got = store.get(held.id).await.expect("still held");
+    assert_eq!(got.refusals.len(), 1, "the refusal taken");
+}
