@@ -647,6 +647,20 @@ async fn passthrough_keeps_a_tenant_to_its_models() {
     assert_eq!(up.seen().len(), 1, "neither went up");
     // Another tenant, without a list, is not held back.
     assert_eq!(embed("sk-wide", other).await.status(), 200);
+    // The account's models are shared: read, never deleted, by a tenant (a fine-tune
+    // another tenant's routes serve, say).
+    let seen = up.seen().len();
+    for key in ["sk-wide", "sk-narrow"] {
+        let r = app
+            .client
+            .delete(app.url("/v1/models/up-model"))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap();
+        assert_openai_error(r, 403, None).await;
+    }
+    assert_eq!(up.seen().len(), seen, "nothing went up");
 
     let models = |key: &'static str| {
         let req = app.client.get(app.url("/v1/models")).bearer_auth(key);

@@ -219,6 +219,14 @@ pub async fn passthrough_for(
         if !state.accepting() {
             return Err(ApiError::NotReady);
         }
+        // With tenants the upstream account is shared: its models (fine-tunes among them)
+        // are read through reprise, never deleted by one tenant for all.
+        let reads = matches!(method, axum::http::Method::GET | axum::http::Method::HEAD);
+        if endpoint == "models" && !reads && !state.policies.load().tenants.is_empty() {
+            return Err(ApiError::Forbidden(
+                "with tenants, the upstream's models may only be read through reprise".into(),
+            ));
+        }
         // A tenant kept to some models is kept to them here too: the body is read (within
         // `server.max_body_bytes`) for the model it names.
         let body = match tenant.policy().models.as_slice() {
