@@ -759,10 +759,17 @@ fn build_sampler(
             chain.push(LlamaSampler::top_p(top_p, 1));
         }
         chain.push(LlamaSampler::temp(temperature));
-        // llama.cpp seeds are 32-bit; fold the 64-bit seed so both halves matter.
-        let seed = params
-            .seed
-            .map_or_else(rand::random::<u32>, |s| (s ^ (s >> 32)) as u32);
+        // llama.cpp seeds are 32-bit; fold the 64-bit seed so both halves matter. u32::MAX is
+        // llama.cpp's "a random seed": a seed that folds to it is moved next to it, or the
+        // same seed would give different text.
+        let seed = params.seed.map_or_else(rand::random::<u32>, |s| {
+            let folded = (s ^ (s >> 32)) as u32;
+            if folded == u32::MAX {
+                folded ^ 1
+            } else {
+                folded
+            }
+        });
         chain.push(LlamaSampler::dist(seed));
     }
     Ok(LlamaSampler::chain_simple(chain))

@@ -251,6 +251,16 @@ async fn same_seed_same_text() {
     let b = run(&backend, chat("Tell me a short story.", seeded())).await;
     a.finished();
     assert_eq!(a.text, b.text);
+    // A seed that folds to llama.cpp's "random seed" value is a seed like any other.
+    let edge = || SamplingParams {
+        max_tokens: Some(48),
+        temperature: Some(1.5),
+        seed: Some(u64::from(u32::MAX)),
+        ..Default::default()
+    };
+    let a = run(&backend, chat("Tell me a short story.", edge())).await;
+    let b = run(&backend, chat("Tell me a short story.", edge())).await;
+    assert_eq!(a.text, b.text);
 
     let g1 = run(&backend, chat("Name three colours.", greedy(24))).await;
     let g2 = run(&backend, chat("Name three colours.", greedy(24))).await;

@@ -379,7 +379,12 @@ impl<'a> Engine<'a> {
     pub(crate) fn run(mut self) {
         let _alive = AliveGuard(self.shared.clone());
         let mut batch = LlamaBatch::new(self.limits.n_batch, 1);
-        while self.schedule() {
+        // Sequences whose client left are let go before admission too, so a slot they hold
+        // is not taken from background work for a new arrival.
+        while {
+            self.reap_closed();
+            self.schedule()
+        } {
             self.reap_closed();
             if self.live() > 0 {
                 self.step(&mut batch);
