@@ -324,9 +324,17 @@ pub async fn delete_tag(
     let deleted = match authorize(&state, &headers)? {
         Admin::Global => state.store.delete_tag(&tag).await.map_err(redis_error)?,
         Admin::Tenant(t) => {
-            // Answers of the tenant on their way with the tag are not stored after it.
+            // Answers of the tenant on their way with the tag are not stored after it, here
+            // and (told first) on every replica, which drops what it holds with the tag.
             let prefix = crate::auth::scope(t.name(), "");
             state.store.fence_tag_within(&prefix, &tag);
+            if let Some(redis) = state.store.redis() {
+                redis
+                    .announce_tag_within(&prefix, &tag)
+                    .await
+                    .map_err(redis_error)?;
+            }
+            // Each entry by id (here and in Redis, marked there against late puts).
             state
                 .store
                 .delete_where(|e| {

@@ -94,6 +94,9 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                 ReplicationEvent::DeleteTag { tag } => {
                     store.remove_local_tag(&tag).await;
                 }
+                ReplicationEvent::DeleteTagWithin { prefix, tag } => {
+                    store.remove_local_tag_within(&prefix, &tag).await;
+                }
                 ReplicationEvent::Policies { .. } => {
                     owed.policies = true;
                     due = Some(tokio::time::Instant::now());

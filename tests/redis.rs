@@ -305,6 +305,63 @@ async fn a_tag_delete_reaches_answers_redis_never_held() {
     expect_status(&b, &q, &[], "error").await;
 }
 
+/// A tenant admin's tag delete, sent to one replica, wins on every replica over the
+/// tenant's answers with the tag still on their way there (the other replicas fence the tag
+/// within the tenant on the delete's event); another tenant's answers with the tag stay.
+#[tokio::test]
+async fn a_tenants_tag_delete_reaches_answers_on_their_way_on_other_replicas() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_REPLICA_TAG_TOKEN", "acme-tags");
+    let redis = RedisServer::start();
+    let backend =
+        reprise_backend::fake::ScriptedBackend::new(reprise_backend::fake::ScriptConfig {
+            first_token_delay: Duration::from_millis(800),
+            ..Default::default()
+        });
+    let mut cfg = redis_config(redis.url());
+    cfg.semantic.enabled = false;
+    cfg.auth.required = true;
+    let doc = "[[tenants]]\nname = \"acme\"\napi_keys = [\"sk-acme\"]\n\
+               admin_token_env = \"REPRISE_TEST_REPLICA_TAG_TOKEN\"\n\
+               [[tenants]]\nname = \"beta\"\napi_keys = [\"sk-beta\"]\n";
+    cfg.tenants = reprise::policy::PolicyDocument::from_toml(doc)
+        .unwrap()
+        .tenants
+        .unwrap();
+    let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    let b = spawn_replica(cfg, Arc::new(backend.clone())).await;
+    let q = chat_body("What does the plan cost?");
+    let ask = |key: &'static str, cache: Option<&'static str>| {
+        let (b, q) = (&b, &q);
+        async move {
+            let auth = format!("Bearer {key}");
+            let mut h = vec![
+                ("authorization", auth.as_str()),
+                ("x-reprise-tags", "pricing"),
+            ];
+            if let Some(c) = cache {
+                h.push(("cache-control", c));
+            }
+            cache_status(&b.chat(q, &h).await)
+        }
+    };
+    let delete = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        a.client
+            .delete(a.url("/admin/tags/pricing"))
+            .bearer_auth("acme-tags")
+            .send()
+            .await
+            .unwrap()
+            .status()
+    };
+    let (acme, beta, deleted) = tokio::join!(ask("sk-acme", None), ask("sk-beta", None), delete);
+    assert_eq!((acme.as_str(), beta.as_str()), ("miss", "miss"));
+    assert_eq!(deleted, 200);
+    assert_eq!(ask("sk-acme", Some("only-if-cached")).await, "error");
+    assert_eq!(ask("sk-beta", Some("only-if-cached")).await, "exact");
+}
+
 #[tokio::test]
 async fn ttl_is_respected_in_both_tiers() {
     let redis = RedisServer::start();

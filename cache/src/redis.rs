@@ -539,6 +539,25 @@ return redis.call('GET', KEYS[1])";
         self.admin(|reply| Admin::DeleteTag { tag, reply }).await
     }
 
+    /// Tells the other replicas that the entries with `tag` in the namespaces starting with
+    /// `prefix` are being deleted (a tenant's tag delete, which deletes entry by entry): they
+    /// fence the tag there and drop what they hold with it, answers whose puts never reached
+    /// Redis included.
+    pub async fn announce_tag_within(&self, prefix: &str, tag: &str) -> Result<(), RedisError> {
+        let event = self
+            .shared
+            .event(events::OP_DEL_TAG_WITHIN, None, prefix)
+            .arg("tag")
+            .arg(tag)
+            .clone();
+        self.shared
+            .run(Op::DeleteTag, |c| async move {
+                c.query::<::redis::Value>(&event).await
+            })
+            .await
+            .map(drop)
+    }
+
     /// Waits until every write queued before this call has been applied (or dropped).
     pub async fn flush(&self) -> Result<(), RedisError> {
         self.admin(|reply| Admin::Flush { reply }).await

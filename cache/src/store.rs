@@ -923,6 +923,16 @@ impl Store {
             .await
     }
 
+    /// [`Store::remove_local_tag`] within the namespaces that start with `prefix` (a tenant's
+    /// tag delete, here or on another replica).
+    pub async fn remove_local_tag_within(&self, prefix: &str, tag: &str) -> u64 {
+        self.fence_tag_within(prefix, tag);
+        self.remove_local_where(|e| {
+            e.namespace.starts_with(prefix) && e.tags.iter().any(|t| t == tag)
+        })
+        .await
+    }
+
     /// Deletes every entry stored with `tag` everywhere, and fences it against answers being
     /// generated meanwhile; returns how many the fuller tier held.
     pub async fn delete_tag(&self, tag: &str) -> Result<u64, RedisError> {

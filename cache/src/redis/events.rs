@@ -54,6 +54,14 @@ pub enum ReplicationEvent {
         /// The tag.
         tag: String,
     },
+    /// Every entry with a tag in the namespaces starting with a prefix (one tenant's) is
+    /// being deleted, entry by entry (each with its own [`ReplicationEvent::Delete`]).
+    DeleteTagWithin {
+        /// The namespaces' prefix.
+        prefix: String,
+        /// The tag.
+        tag: String,
+    },
     /// A new version of the shared policies was stored; read it with
     /// [`super::RedisTier::get_policies`] (a later one may have replaced it meanwhile).
     Policies {
@@ -70,6 +78,9 @@ pub(crate) const OP_PUT: &str = "put";
 pub(crate) const OP_DEL: &str = "del";
 pub(crate) const OP_DEL_NS: &str = "del_ns";
 pub(crate) const OP_DEL_TAG: &str = "del_tag";
+/// A tag deleted within the namespaces of a prefix (`ns`): a replica of an earlier release
+/// skips the unknown op rather than taking it for a delete of the tag everywhere.
+pub(crate) const OP_DEL_TAG_WITHIN: &str = "del_tag_in";
 pub(crate) const OP_POLICIES: &str = "policies";
 
 /// One read: the stream's state and the events after position `ARGV[2]` (at most `ARGV[1]`),
@@ -430,6 +441,10 @@ impl Subscriber {
                 namespace: namespace()?,
             },
             OP_DEL_TAG => ReplicationEvent::DeleteTag {
+                tag: item.get::<String>("tag")?,
+            },
+            OP_DEL_TAG_WITHIN => ReplicationEvent::DeleteTagWithin {
+                prefix: namespace().filter(|p| !p.is_empty())?,
                 tag: item.get::<String>("tag")?,
             },
             OP_POLICIES => ReplicationEvent::Policies {

@@ -298,7 +298,7 @@ impl RedisTier {
 impl Shared {
     /// An `XADD` of one event, trimmed approximately (`~` lets Redis trim whole nodes,
     /// which is much cheaper than an exact length).
-    fn event(&self, op: &str, id: Option<EntryId>, namespace: &str) -> ::redis::Cmd {
+    pub(super) fn event(&self, op: &str, id: Option<EntryId>, namespace: &str) -> ::redis::Cmd {
         ::redis::cmd("XADD")
             .arg(self.keys.events())
             .arg("MAXLEN")
