@@ -64,6 +64,15 @@ pub fn set_cache_status(resp: &mut Response, outcome: Outcome, entry: Option<&En
     }
 }
 
+/// A miss whose answer is not stored (nothing may be written, a fallback or a content
+/// filter answered): `Cache-Status` without `stored`.
+pub fn set_not_stored(resp: &mut Response) {
+    resp.headers_mut().insert(
+        "cache-status",
+        HeaderValue::from_static("reprise; fwd=miss"),
+    );
+}
+
 /// Marks a hit on an expired entry as stale: `x-reprise-cache: stale`, `Cache-Status` with
 /// the (negative) seconds since it expired as its `ttl` (RFC 9211) and the kind as detail,
 /// and `x-reprise-degraded`. `Age` and `x-reprise-entry` are set as for any hit.

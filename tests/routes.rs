@@ -244,6 +244,10 @@ async fn a_saturated_primary_sends_the_next_request_to_the_fallback() {
         Some("fallback")
     );
     assert!(header(&r, "x-reprise-entry").is_none(), "not stored");
+    assert_eq!(
+        header(&r, "cache-status").as_deref(),
+        Some("reprise; fwd=miss")
+    );
     let (model, text) = answer(r).await;
     assert_eq!(model, LARGE);
     assert!(text.starts_with("large-model says:"), "{text}");

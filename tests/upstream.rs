@@ -329,6 +329,10 @@ async fn an_answer_cut_by_a_content_filter_is_never_cached() {
     for round in 0..2 {
         let r = app.chat(&body(false), &[]).await;
         assert_eq!(cache_status(&r), "miss", "round {round}");
+        // Not said to be stored, nor given an entry id nothing is stored under.
+        let status = r.headers()["cache-status"].to_str().unwrap().to_string();
+        assert_eq!(status, "reprise; fwd=miss");
+        assert!(r.headers().get("x-reprise-entry").is_none());
         let j: Value = r.json().await.unwrap();
         assert_eq!(j["choices"][0]["finish_reason"], "content_filter");
         assert_eq!(j["choices"][0]["message"]["content"], "The first half");

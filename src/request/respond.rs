@@ -121,6 +121,9 @@ pub async fn generation(
         }
         None => renderer,
     };
+    // Whether the answer is stored: it has an entry to be stored as, no fallback answered,
+    // and (known before answering a whole response) no content filter cut it short.
+    let mut stored = entry.is_some() && fallback.is_none();
     let mut resp = if parsed.stream {
         let mut sse = SseState::new(renderer, parsed.include_usage);
         let mut book = book.take();
@@ -143,7 +146,10 @@ pub async fn generation(
         let (reason, usage) = loop {
             match ev {
                 Some(Ok(GenEvent::Delta(d))) => text.push_str(&d),
-                Some(Ok(GenEvent::Finish { reason, usage })) => break (reason, usage),
+                Some(Ok(GenEvent::Finish { reason, usage })) => {
+                    stored &= reason != reprise_backend::FinishReason::ContentFilter;
+                    break (reason, usage);
+                }
                 Some(Err(e)) => return Err(e.into()),
                 None => {
                     return Err(ApiError::Backend(BackendError::Unavailable(
@@ -158,9 +164,12 @@ pub async fn generation(
         axum::Json(renderer.full(&text, reason, usage)).into_response()
     };
     set_cache_status(&mut resp, outcome, None);
+    if outcome == Outcome::Miss && !stored {
+        crate::headers::set_not_stored(&mut resp);
+    }
     if fallback.is_some() {
         set_degraded(&mut resp, Degraded::Fallback);
-    } else if let Some(id) = entry {
+    } else if let Some(id) = entry.filter(|_| stored) {
         set_entry(&mut resp, id);
     }
     Ok(resp)
