@@ -567,6 +567,7 @@ mod tests {
             queued: 21,
             queued_interactive: 1,
             queued_batch: 20,
+            kept_free: 0,
         };
         assert_eq!(users_ahead(&load, Priority::Interactive), 3);
         assert_eq!(users_ahead(&load, Priority::Batch), 23);

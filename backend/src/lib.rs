@@ -192,6 +192,9 @@ pub struct Load {
     pub queued_interactive: usize,
     /// Of `queued`, those of batch requests.
     pub queued_batch: usize,
+    /// Free slots it never gives background work (llama with more than one slot keeps
+    /// one for the next user request): background work started beyond them would wait.
+    pub kept_free: usize,
 }
 
 impl Load {

@@ -190,6 +190,7 @@ impl Slots {
             queued: st.waiting.len(),
             queued_interactive: waiting(Priority::Interactive),
             queued_batch: waiting(Priority::Batch),
+            kept_free: 0,
         }
     }
 

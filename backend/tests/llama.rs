@@ -279,6 +279,9 @@ async fn same_seed_same_text() {
 #[tokio::test]
 async fn concurrent_requests_are_batched_together() {
     let backend = std::sync::Arc::new(load(config(4, 8)));
+    // With more than one slot, the last free one is kept from background work, and said so
+    // (background work started for it would only wait).
+    assert_eq!(backend.load().kept_free, 1);
     let mut tasks = Vec::new();
     for i in 0..4 {
         let backend = backend.clone();
@@ -524,6 +527,8 @@ async fn a_waiting_interactive_request_is_admitted_before_an_earlier_batch_one()
     let interactive = drain_noting("interactive", interactive, log.clone());
     let load = backend.load();
     assert_eq!((load.capacity, load.running), (1, 1), "{load:?}");
+    // One slot: background work may take it when it is free (none kept from it).
+    assert_eq!(load.kept_free, 0);
     assert_eq!(
         (load.queued, load.queued_interactive, load.queued_batch),
         (2, 1, 1),

@@ -160,6 +160,8 @@ pub struct Slots {
     pub background: usize,
     /// User requests (interactive and batch) waiting for a slot.
     pub queued_user: usize,
+    /// Free slots the backend never gives background work.
+    pub kept_free: usize,
 }
 
 /// The slots background work may hold at once: `share` of `capacity`, rounded down, at least
@@ -173,12 +175,14 @@ pub fn background_slots(capacity: usize, share: f64) -> usize {
 }
 
 /// How many more background generations may start now: slots free beyond what waiting user
-/// requests need, and no more than the background share leaves.
+/// requests need and what the backend keeps free of background work, and no more than the
+/// background share leaves.
 pub fn spare_slots(s: Slots, share: f64) -> usize {
     let free = s
         .capacity
         .saturating_sub(s.running)
-        .saturating_sub(s.queued_user);
+        .saturating_sub(s.queued_user)
+        .saturating_sub(s.kept_free);
     let room = background_slots(s.capacity, share).saturating_sub(s.background);
     free.min(room)
 }
@@ -358,6 +362,7 @@ mod slot_tests {
             running,
             background,
             queued_user,
+            kept_free: 0,
         };
         // One of two slots free while a user request runs: background may take it.
         assert_eq!(spare_slots(slots(1, 0, 0), 0.5), 1);
@@ -373,6 +378,13 @@ mod slot_tests {
         assert_eq!(background_slots(4, 0.5), 2);
         assert_eq!(background_slots(3, 0.5), 1);
         assert_eq!(background_slots(0, 0.5), 0);
+        // A slot the backend keeps free of background work is not spare.
+        let keeping = |running| Slots {
+            kept_free: 1,
+            ..slots(running, 0, 0)
+        };
+        assert_eq!(spare_slots(keeping(1), 1.0), 0);
+        assert_eq!(spare_slots(keeping(0), 1.0), 1);
     }
 
     #[test]

@@ -44,6 +44,7 @@ pub fn room(state: &AppState, req: &GenRequest, starting: usize) -> Option<Room>
         running: load.running + load.queued_background() + unseen,
         background: seen + unseen,
         queued_user: load.queued_user(),
+        kept_free: load.kept_free,
     };
     // A user request found its backend too slow for its SLO (`[degrade]`): background work
     // is shed first, no new generation starts.

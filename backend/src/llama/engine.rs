@@ -226,6 +226,8 @@ impl Shared {
             queued: q.len(),
             queued_interactive: q.interactive.len(),
             queued_batch: q.batch.len(),
+            // `schedule` starts background work only beyond the last free slot.
+            kept_free: usize::from(parallel > 1),
         }
     }
 
