@@ -480,7 +480,16 @@ impl LlamaBackend {
             .set(gpu.as_ref().map_or(0.0, |g| g.weight_bytes as f64));
         let model = Arc::new(model);
         let template = match model.chat_template(None) {
-            Ok(t) => Some(t),
+            // A template llama.cpp cannot apply, or one that does not keep each message's
+            // content as it is, would fail every chat request with a server error: tried
+            // once here, and chat requests are refused (400) instead.
+            Ok(t) => match tokenize(&model, Some(&t), &template_check()) {
+                Ok(_) => Some(t),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the model's chat template cannot be used; chat requests will be refused");
+                    None
+                }
+            },
             Err(e) => {
                 tracing::warn!(error = %e, "model has no chat template; chat requests will be refused");
                 None
@@ -621,6 +630,21 @@ impl LlamaBackend {
             .await
             .map_err(|e| BackendError::Internal(format!("tokenizing failed: {e}")))?
     }
+}
+
+/// A conversation of every role, which a usable chat template renders.
+fn template_check() -> Input {
+    Input::Chat(
+        [
+            ("system", "Be brief."),
+            ("user", "Hello?"),
+            ("assistant", "Hello."),
+            ("user", "Bye?"),
+        ]
+        .into_iter()
+        .map(|(role, content)| crate::ChatMessage::new(role, content))
+        .collect(),
+    )
 }
 
 /// Inputs up to this size are tokenized in place: a blocking thread costs more than they do.
