@@ -204,6 +204,16 @@ const FILTER_STREAM: &str = concat!(
     "data: [DONE]\n\n",
 );
 
+/// What makes it decline (structured outputs' `refusal`, content null).
+const REFUSED: &str = "REFUSED";
+const REFUSAL_STREAM: &str = concat!(
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{"role":"assistant","content":null,"refusal":"I can't help with that."},"finish_reason":null}]}"#,
+    "\n\n",
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+    "\n\n",
+    "data: [DONE]\n\n",
+);
+
 /// An OpenAI-compatible upstream that records every request (path with query, and body) and
 /// answers completions with a tool call, plus fixed embeddings, models and moderation (422)
 /// answers: the parts of a model API that a scripted backend behind a second reprise cannot
@@ -230,6 +240,7 @@ impl ToolUpstream {
                 let body: Value = serde_json::from_slice(&body).unwrap_or(json!({"bytes": size}));
                 let stream = body["stream"] == json!(true);
                 let filtered = body.to_string().contains(FILTERED);
+                let refused = body.to_string().contains(REFUSED);
                 let idle = body.to_string().contains(KEEP_ALIVE_ONLY);
                 let path = uri.path().to_string();
                 record.lock().unwrap().push((uri.to_string(), body));
@@ -276,6 +287,9 @@ impl ToolUpstream {
                             axum::body::Body::from_stream(comments),
                         )
                             .into_response()
+                    }
+                    _ if refused && stream => {
+                        ([(header::CONTENT_TYPE, "text/event-stream")], REFUSAL_STREAM).into_response()
                     }
                     _ if filtered => match stream {
                         true => ([(header::CONTENT_TYPE, "text/event-stream")], FILTER_STREAM).into_response(),
@@ -346,6 +360,30 @@ async fn an_answer_cut_by_a_content_filter_is_never_cached() {
         );
     }
     assert_eq!(up.seen().len(), 4);
+}
+
+/// A model that declines (a `refusal` instead of content) is not cached as an empty answer:
+/// its refusal reaches the client as the text, ended as a filter would, and the next ask
+/// goes to the upstream again.
+#[tokio::test]
+async fn a_refusal_is_passed_on_and_never_cached() {
+    let up = ToolUpstream::spawn().await;
+    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    let body = json!({
+        "model": "up-model",
+        "messages": [{"role": "user", "content": format!("Fill this schema {REFUSED}")}],
+    });
+    for round in 0..2 {
+        let r = app.chat(&body, &[]).await;
+        assert_eq!(cache_status(&r), "miss", "round {round}");
+        let j: Value = r.json().await.unwrap();
+        assert_eq!(
+            j["choices"][0]["message"]["content"],
+            "I can't help with that."
+        );
+        assert_eq!(j["choices"][0]["finish_reason"], "content_filter");
+    }
+    assert_eq!(up.seen().len(), 2);
 }
 
 /// A cap the client names `max_completion_tokens` goes up under that name (reasoning models

@@ -298,6 +298,9 @@ fn status_error(status: reqwest::StatusCode, retry_after: Option<u64>, body: &st
 struct ChunkState {
     finish: Option<FinishReason>,
     usage: Usage,
+    /// The model declined (`delta.refusal`, structured outputs): its refusal is passed on as
+    /// the text, and the answer ends as one a filter stopped, never stored as an answer.
+    refused: bool,
 }
 
 impl ChunkState {
@@ -340,11 +343,19 @@ impl ChunkState {
                 }
             });
         }
+        let refusal = choice
+            .pointer("/delta/refusal")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty());
+        if refusal.is_some() {
+            self.refused = true;
+        }
         let text = choice
             .pointer("/delta/content")
             .or_else(|| choice.get("text"))
             .and_then(Value::as_str)
             .filter(|s| !s.is_empty())
+            .or(refusal)
             .map(str::to_string);
         Ok(text)
     }
@@ -353,7 +364,10 @@ impl ChunkState {
     fn finish(&self) -> Result<GenEvent, BackendError> {
         match self.finish {
             Some(reason) => Ok(GenEvent::Finish {
-                reason,
+                reason: match self.refused {
+                    true => FinishReason::ContentFilter,
+                    false => reason,
+                },
                 usage: self.usage,
             }),
             None => Err(BackendError::Unavailable(
