@@ -162,7 +162,12 @@ async fn models(
     // A tenant kept to some models sees those it may use (of those served, when listed).
     let allowed = &tenant.policy().models;
     let listed: Vec<&String> = match allowed.is_empty() {
-        true => state.models.iter().collect(),
+        // Another tenant's route aliases are its own business.
+        true => state
+            .models
+            .iter()
+            .filter(|m| !state.router.alias_of_others(m, tenant.name()))
+            .collect(),
         false => allowed
             .iter()
             .filter(|m| state.models.is_empty() || state.models.contains(m))

@@ -295,6 +295,23 @@ impl Router {
         names
     }
 
+    /// Whether `name` is a route alias only other tenants' routes know (not a served model):
+    /// not listed to `tenant`, whose requests for it find no route.
+    pub fn alias_of_others(&self, name: &str, tenant: &str) -> bool {
+        let served = self
+            .targets
+            .iter()
+            .any(|t| t.models.iter().any(|m| m == name));
+        let mut naming = self
+            .routes
+            .iter()
+            .filter(|r| r.config.model.as_deref() == Some(name))
+            .peekable();
+        !served
+            && naming.peek().is_some()
+            && naming.all(|r| r.config.tenant.as_deref().is_some_and(|t| t != tenant))
+    }
+
     /// Which backend answers a request for `model` from `tenant` with a prompt of
     /// `prompt_chars` characters: the first route that matches, else the backend serving
     /// the model by name, else the first that serves any model. `None`: nothing serves it.

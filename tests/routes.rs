@@ -165,9 +165,12 @@ async fn a_tenant_route_sends_its_requests_elsewhere() {
         TenantConfig::with_key("acme", "acme-key"),
         TenantConfig::with_key("others", "other-key"),
     ];
-    c.routes = vec![route(&format!(
-        "tenant = \"acme\"\nmodel = \"{SMALL}\"\nbackend = \"large\""
-    ))];
+    c.routes = vec![
+        route(&format!(
+            "tenant = \"acme\"\nmodel = \"{SMALL}\"\nbackend = \"large\""
+        )),
+        route("tenant = \"acme\"\nmodel = \"acme-special\"\nbackend = \"large\""),
+    ];
     c.validate().unwrap();
     let (small, large) = (
         scripted(SMALL, Default::default()),
@@ -181,6 +184,21 @@ async fn a_tenant_route_sends_its_requests_elsewhere() {
     let (model, _) = answer(app.chat(&chat_for(SMALL, "hello there"), &other).await).await;
     assert_eq!(model, SMALL);
     assert_eq!((small.calls(), large.calls()), (1, 1));
+    // A tenant's own alias is listed to it only.
+    let listed = |key: &'static str| {
+        let req = app.client.get(app.url("/v1/models")).bearer_auth(key);
+        async move {
+            let v: Value = req.send().await.unwrap().json().await.unwrap();
+            v["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["id"].as_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(listed("acme-key").await, [SMALL, LARGE, "acme-special"]);
+    assert_eq!(listed("other-key").await, [SMALL, LARGE]);
 }
 
 /// Backends that serve any model (upstreams without a model list) are told apart by the

@@ -17,7 +17,8 @@ pub const MAX_ROUTES: usize = 256;
 #[serde(deny_unknown_fields, default)]
 pub struct RouteConfig {
     /// The model the request names: one a backend serves, or an alias such as `auto` that
-    /// only routes know (clients see it in `/v1/models`). Absent: any model.
+    /// only routes know (clients see it in `/v1/models`; an alias only routes of other
+    /// tenants name is not listed to a tenant). Absent: any model.
     pub model: Option<String>,
     /// The tenant the request comes from (a `[[tenants]]` name). Absent: any tenant.
     pub tenant: Option<String>,
