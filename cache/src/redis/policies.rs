@@ -165,14 +165,7 @@ impl RedisTier {
 impl super::shared::Shared {
     /// The `XADD` announcing a new version of the shared policies.
     fn policies_event(&self, version: u64) -> ::redis::Cmd {
-        ::redis::cmd("XADD")
-            .arg(self.keys.events())
-            .arg("MAXLEN")
-            .arg("~")
-            .arg(self.events_maxlen)
-            .arg("*")
-            .arg("op")
-            .arg(events::OP_POLICIES)
+        self.xadd(events::OP_POLICIES)
             .arg("version")
             .arg(version)
             .arg("origin")

@@ -296,9 +296,9 @@ impl RedisTier {
 }
 
 impl Shared {
-    /// An `XADD` of one event, trimmed approximately (`~` lets Redis trim whole nodes,
-    /// which is much cheaper than an exact length).
-    pub(super) fn event(&self, op: &str, id: Option<EntryId>, namespace: &str) -> ::redis::Cmd {
+    /// An `XADD` of an event, its fields (`op` first) to follow, trimmed approximately (`~`
+    /// lets Redis trim whole nodes, which is much cheaper than an exact length).
+    pub(super) fn xadd(&self, op: &str) -> ::redis::Cmd {
         ::redis::cmd("XADD")
             .arg(self.keys.events())
             .arg("MAXLEN")
@@ -307,6 +307,12 @@ impl Shared {
             .arg("*")
             .arg("op")
             .arg(op)
+            .clone()
+    }
+
+    /// An `XADD` of one event of this replica's.
+    pub(super) fn event(&self, op: &str, id: Option<EntryId>, namespace: &str) -> ::redis::Cmd {
+        self.xadd(op)
             .arg("id")
             .arg(id.map(|id| id.to_string()).unwrap_or_default())
             .arg("ns")
@@ -320,14 +326,7 @@ impl Shared {
     /// (`origin` empty), so every replica drops the entry, the one that generated it too
     /// (it kept it in memory; its delete event may never reach it, past a trimmed stream).
     fn refused(&self, id: EntryId) -> ::redis::Cmd {
-        ::redis::cmd("XADD")
-            .arg(self.keys.events())
-            .arg("MAXLEN")
-            .arg("~")
-            .arg(self.events_maxlen)
-            .arg("*")
-            .arg("op")
-            .arg(events::OP_DEL)
+        self.xadd(events::OP_DEL)
             .arg("id")
             .arg(id.to_string())
             .arg("ns")
