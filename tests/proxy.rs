@@ -82,6 +82,11 @@ async fn stream_and_non_stream_share_one_entry() {
     assert!(usage["usage"]["completion_tokens"].as_u64().unwrap() > 0);
     let fin: Value = serde_json::from_str(&data[data.len() - 3]).unwrap();
     assert_eq!(fin["choices"][0]["finish_reason"], "stop");
+    // Every chunk before the usage chunk says `"usage": null`, as OpenAI's do.
+    for d in &data[..data.len() - 2] {
+        let chunk: Value = serde_json::from_str(d).unwrap();
+        assert_eq!(chunk.get("usage"), Some(&Value::Null), "{d}");
+    }
 
     // The non-stream form of the same request is an exact hit.
     let plain = chat_body("tell me about rust");

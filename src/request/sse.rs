@@ -32,6 +32,15 @@ impl SseState {
         Event::default().data(v.to_string())
     }
 
+    /// A chunk before the usage chunk: with `stream_options.include_usage`, every such chunk
+    /// carries `"usage": null` (OpenAI's shape: clients may read the field on each).
+    fn chunk(&self, mut v: serde_json::Value) -> Event {
+        if let (true, Some(o)) = (self.include_usage, v.as_object_mut()) {
+            o.insert("usage".into(), serde_json::Value::Null);
+        }
+        Self::json(v)
+    }
+
     /// The SSE events for one generation event; a finish ends with `[DONE]` (whether or not
     /// any text came before it: an empty answer is a complete one).
     pub fn push(&mut self, ev: Result<GenEvent, BackendError>) -> Vec<Event> {
@@ -39,13 +48,13 @@ impl SseState {
         if !self.sent_role {
             self.sent_role = true;
             if let Some(role) = self.renderer.role_chunk() {
-                out.push(Self::json(role));
+                out.push(self.chunk(role));
             }
         }
         match ev {
-            Ok(GenEvent::Delta(d)) => out.push(Self::json(self.renderer.delta_chunk(&d))),
+            Ok(GenEvent::Delta(d)) => out.push(self.chunk(self.renderer.delta_chunk(&d))),
             Ok(GenEvent::Finish { reason, usage }) => {
-                out.push(Self::json(self.renderer.finish_chunk(reason)));
+                out.push(self.chunk(self.renderer.finish_chunk(reason)));
                 if self.include_usage {
                     out.push(Self::json(self.renderer.usage_chunk(usage)));
                 }
