@@ -22,7 +22,7 @@ use futures::StreamExt;
 use reprise::config::BackendKind;
 use reprise::prefetch::{PrefetchStats, Snapshot};
 use reprise::Config;
-use reprise_backend::fake::{Failure, ScriptConfig, ScriptedBackend};
+use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use reprise_backend::llama::{LlamaBackend, LlamaConfig};
 use reprise_backend::{Backend, BackendError, GenRequest, GenStream, Priority};
 use reprise_cache::redis::{RedisConfig, RedisTier};
@@ -49,6 +49,8 @@ fn prefetch_config(semantic: bool) -> Config {
 /// Counts what the background does, around a scripted backend.
 #[derive(Default)]
 struct ProbeCounts {
+    /// Background requests are refused (user requests are answered).
+    fail_background: std::sync::atomic::AtomicBool,
     background_started: AtomicUsize,
     background_beside_interactive: AtomicUsize,
     background_active: AtomicUsize,
@@ -85,6 +87,9 @@ impl Backend for Probe {
             if background {
                 let c = &self.counts;
                 c.background_started.fetch_add(1, Ordering::SeqCst);
+                if c.fail_background.load(Ordering::SeqCst) {
+                    return Err(BackendError::Unavailable("background refused".into()));
+                }
                 if self.inner.interactive_load() > 0 {
                     c.background_beside_interactive
                         .fetch_add(1, Ordering::SeqCst);
@@ -901,13 +906,11 @@ async fn a_failed_proposal_counts_no_tokens_generated() {
         ..ScriptConfig::default()
     };
     let (app, probe) = spawn_probe(config, script).await;
-    // Background work waits for a quiet backend: the failure is in place before it starts.
+    // Only background requests fail: the user's is answered, the proposal is refused.
+    probe.counts.fail_background.store(true, Ordering::SeqCst);
     let r = app.chat(&convo(&[("user", X)]), &[]).await;
     assert_eq!(cache_status(&r), "miss");
     content(r).await;
-    probe
-        .inner
-        .set_failure(Failure::AtStart(BackendError::Unavailable("down".into())));
     assert!(
         eventually(WAIT, || {
             let s = stats(&app);
@@ -919,7 +922,8 @@ async fn a_failed_proposal_counts_no_tokens_generated() {
     );
     let s = stats(&app);
     assert_eq!((s.proposals, s.proposed, s.tokens), (0, 0, 0), "{s:?}");
-    assert!(proposals_asked(&probe) >= 1, "the proposal was asked");
+    let asked = probe.counts.background_started.load(Ordering::SeqCst);
+    assert!(asked >= 1, "the proposal was asked");
 }
 
 /// Names the admin token of this test binary (the value is set by [`admin_tenant_config`]).

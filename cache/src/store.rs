@@ -679,19 +679,18 @@ impl Store {
             // Expired entries kept in Redis to be served stale are not loaded (nor counted
             // against the budget): found there on demand.
             for entry in page.into_iter().filter(|e| !e.is_expired()) {
+                if !loaded.stopped_at_budget {
+                    bytes += u64::from(self.memory.weight_of(&entry));
+                    loaded.stopped_at_budget = bytes > budget;
+                    if loaded.stopped_at_budget && !held_before {
+                        break 'pages;
+                    }
+                }
                 if loaded.stopped_at_budget {
                     if self.memory.holds(entry.id) {
                         if let Some(held) = self.memory.get(entry.id).await {
                             self.merge_refusals(held, &entry).await;
                         }
-                    }
-                    continue;
-                }
-                bytes += u64::from(self.memory.weight_of(&entry));
-                if bytes > budget {
-                    loaded.stopped_at_budget = true;
-                    if !held_before {
-                        break 'pages;
                     }
                     continue;
                 }

@@ -462,3 +462,48 @@ async fn a_rebuild_stopped_at_the_budget_still_merges_refusals_into_held_entries
     let got = store.get(held.id).await.expect("still held");
     assert_eq!(got.refusals.len(), 1, "the refusal taken");
 }
+
+/// A namespace delete whose entry deletes fail midway leaves the ids of that round in the
+/// index set (put back), so the delete asked again finds them: taken out of the set and
+/// left undeleted, they would outlive every later delete.
+#[tokio::test]
+async fn a_failed_delete_round_puts_its_ids_back() {
+    let server = RedisServer::start();
+    let writer = tier(config(server.url()), "a").await;
+    let entries: Vec<_> = (0..3)
+        .map(|i| entry("docs", &format!("answer {i}"), 600_000))
+        .collect();
+    for e in &entries {
+        assert!(writer.put(e, &[]));
+    }
+    writer.flush().await.unwrap();
+    // A user that may do everything but delete keys.
+    let mut admin = raw(&server.url()).await;
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("nodel")
+        .arg("on")
+        .arg("nopass")
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .arg("-del")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = server.url().replacen("redis://", "redis://nodel:any@", 1);
+    let cfg = RedisConfig {
+        breaker_failures: 1000,
+        ..config(url)
+    };
+    let limited = tier(cfg, "b").await;
+    assert!(limited.delete_namespace("docs").await.is_err());
+    // Every entry is still there, and still in the set: a full delete reaches them all.
+    for e in &entries {
+        assert!(writer.get(e.id).await.unwrap().is_some());
+    }
+    assert_eq!(writer.delete_namespace("docs").await.unwrap(), 3);
+    for e in &entries {
+        assert_eq!(writer.get(e.id).await.unwrap(), None);
+    }
+}

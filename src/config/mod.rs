@@ -227,10 +227,11 @@ pub struct BackendConfig {
     /// the upstream's list when no model is configured. The model list applies to the
     /// completion endpoints only. `[]` closes them all.
     pub passthrough: Vec<String>,
-    /// openai: the field a chat completion's token bound is sent as when the client named
-    /// neither (`max_tokens` or `max_completion_tokens`; reasoning models refuse
-    /// `max_tokens`): a bound reprise sets (a tenant's cap, a budget's charge) and a client's
-    /// `max_tokens`. A client's `max_completion_tokens` is always sent as that.
+    /// openai: the field a chat completion's token bound is sent as (`max_tokens` or
+    /// `max_completion_tokens`; reasoning models refuse `max_tokens`): a bound reprise writes
+    /// in (a tenant's cap, a budget's charge) and, on answers reprise generates, a client's
+    /// `max_tokens` (a request forwarded as it came keeps the client's own field). A client's
+    /// `max_completion_tokens` is always sent as that.
     pub max_tokens_field: reprise_backend::BoundField,
     /// openai: TCP connect timeout in seconds.
     pub connect_timeout_secs: f64,

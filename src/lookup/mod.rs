@@ -298,8 +298,12 @@ async fn beyond_exact(
     // An alias stands for "this wording was answered" under the configured threshold; a
     // client asking its own is matched by meaning instead, at its threshold (it finds the
     // same entry there when the two wordings are that close).
-    let exact_hit = exact_hit
-        .filter(|e| wants.threshold.is_none() || query.as_deref() == Some(e.prompt.as_str()));
+    let exact_hit = exact_hit.filter(|e| match (wants.threshold, query.as_deref()) {
+        // Only another wording, both known, is matched again (an entry stored without the
+        // semantic tier records no wording: it answers its own key only).
+        (Some(_), Some(q)) if !e.prompt.is_empty() => q == e.prompt,
+        _ => true,
+    });
     if let Some(entry) = exact_hit {
         if entry.origin == Origin::Prefetch {
             // Where a predicted wording was asked: what feedback on it would refuse.
@@ -996,6 +1000,15 @@ mod tests {
         };
         let found = find(&s, "ns", &ask(x), passes).await;
         assert_eq!(found.hit.map(|h| h.outcome), Some(Outcome::Semantic));
+        // Without the semantic tier an entry records no wording: its own key stays an exact
+        // hit for a client asking a threshold.
+        let mut config = Config::default();
+        config.semantic.enabled = false;
+        let backend = Arc::new(ScriptedBackend::new(ScriptConfig::default()));
+        let s = AppState::new(config, backend, None).unwrap();
+        store(&s, "ns", &ask(y), "E").await;
+        let found = find(&s, "ns", &ask(y), strict).await;
+        assert_eq!(found.hit.map(|h| h.outcome), Some(Outcome::Exact));
     }
 
     #[tokio::test]

@@ -767,15 +767,20 @@ impl Shared {
                 .arg(index)
                 .arg(0)
                 .arg(DELETE_BATCH - 1)
+                .arg("WITHSCORES")
                 .clone();
-            let members: Vec<String> = self
+            let scored: Vec<(String, f64)> = self
                 .run(op, |c| async move { c.query(&range).await })
                 .await?;
             // The set's fence (placed before this delete began) stays.
-            let members: Vec<String> = members.into_iter().filter(|m| m != FENCE_MEMBER).collect();
-            if members.is_empty() {
+            let scored: Vec<(String, f64)> = scored
+                .into_iter()
+                .filter(|(m, _)| m != FENCE_MEMBER)
+                .collect();
+            if scored.is_empty() {
                 return Ok(deleted);
             }
+            let members: Vec<&String> = scored.iter().map(|(m, _)| m).collect();
             let ids: Vec<EntryId> = members.iter().filter_map(|m| m.parse().ok()).collect();
             let mut cmds: Vec<::redis::Cmd> = ids
                 .iter()
@@ -795,8 +800,24 @@ impl Shared {
             let zrem = ::redis::cmd("ZREM").arg(index).arg(&members).clone();
             self.run(op, |c| async move { c.query::<Value>(&zrem).await })
                 .await?;
-            let replies = self.run(op, |c| run_all(c, cmds)).await;
-            let replies = replies?;
+            let replies = match self.run(op, |c| run_all(c, cmds)).await {
+                Ok(replies) => replies,
+                Err(e) => {
+                    // Back into the set (best effort), so the delete asked again finds them.
+                    let mut zadd = ::redis::cmd("ZADD");
+                    zadd.arg(index);
+                    for (m, score) in &scored {
+                        zadd.arg(*score).arg(m);
+                    }
+                    let restored = self
+                        .run(op, |c| async move { c.query::<Value>(&zadd).await })
+                        .await;
+                    if let Err(r) = restored {
+                        tracing::warn!(error = %r, index, "redis: ids of a failed delete not put back");
+                    }
+                    return Err(e);
+                }
+            };
             deleted += replies[..dels]
                 .iter()
                 .map(|v| match v {
