@@ -214,6 +214,15 @@ const REFUSAL_STREAM: &str = concat!(
     "data: [DONE]\n\n",
 );
 
+/// Keys required, and the tenants of the policy document `doc`.
+fn require_tenants(config: &mut reprise::Config, doc: &str) {
+    config.auth.required = true;
+    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
+        .unwrap()
+        .tenants
+        .unwrap();
+}
+
 /// An OpenAI-compatible upstream that records every request (path with query, and body) and
 /// answers completions with a tool call, plus fixed embeddings, models and moderation (422)
 /// answers: the parts of a model API that a scripted backend behind a second reprise cannot
@@ -524,15 +533,11 @@ async fn requests_beyond_text_go_upstream_unchanged_and_are_never_cached() {
 async fn forwarded_requests_keep_to_the_tenants_cap_and_budget() {
     let up = ToolUpstream::spawn().await;
     let mut config = openai_config(up.base_url.clone());
-    config.auth.required = true;
     let doc = "[[tenants]]\nname = \"capped\"\napi_keys = [\"sk-capped\"]\n\
                [tenants.policy]\nmax_tokens = 64\ntokens_per_minute = 200\n\
                [[tenants]]\nname = \"budgeted\"\napi_keys = [\"sk-budgeted\"]\n\
                [tenants.policy]\ntokens_per_minute = 10000\n";
-    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
-        .unwrap()
-        .tenants
-        .unwrap();
+    require_tenants(&mut config, doc);
     let app = proxy_to(config).await;
     let auth = [("authorization", "Bearer sk-capped")];
     let tools = |extra: Value| {
@@ -597,13 +602,9 @@ async fn bounds_go_up_as_the_field_the_upstream_reads() {
     let up = ToolUpstream::spawn().await;
     let mut config = openai_config(up.base_url.clone());
     config.backend.max_tokens_field = reprise_backend::BoundField::MaxCompletionTokens;
-    config.auth.required = true;
     let doc = "[[tenants]]\nname = \"capped\"\napi_keys = [\"sk-capped\"]\n\
                [tenants.policy]\nmax_tokens = 64\n";
-    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
-        .unwrap()
-        .tenants
-        .unwrap();
+    require_tenants(&mut config, doc);
     let app = proxy_to(config).await;
     let auth = [("authorization", "Bearer sk-capped")];
     let bound = |body: &Value| {
@@ -658,14 +659,10 @@ async fn bounds_go_up_as_the_field_the_upstream_reads() {
 async fn passthrough_keeps_a_tenant_to_its_models() {
     let up = ToolUpstream::spawn().await;
     let mut config = openai_config(up.base_url.clone());
-    config.auth.required = true;
     let doc = "[[tenants]]\nname = \"narrow\"\napi_keys = [\"sk-narrow\"]\n\
                [tenants.policy]\nmodels = [\"up-model\", \"text-embedding-3-small\"]\n\
                [[tenants]]\nname = \"wide\"\napi_keys = [\"sk-wide\"]\n";
-    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
-        .unwrap()
-        .tenants
-        .unwrap();
+    require_tenants(&mut config, doc);
     let mut stateful = config.clone();
     stateful.backend.passthrough.push("files".into());
     let err = stateful.validate().unwrap_err().to_string();
@@ -1090,13 +1087,9 @@ async fn a_background_generation_on_the_upstream_is_preempted_for_a_user_request
 async fn the_upstreams_model_list_counts_once_against_the_rate() {
     let up = ToolUpstream::spawn().await;
     let mut config = openai_config(up.base_url.clone());
-    config.auth.required = true;
     let doc = "[[tenants]]\nname = \"slow\"\napi_keys = [\"sk-slow\"]\n\
                [tenants.policy]\nrequests_per_minute = 1\n";
-    config.tenants = reprise::policy::PolicyDocument::from_toml(doc)
-        .unwrap()
-        .tenants
-        .unwrap();
+    require_tenants(&mut config, doc);
     let app = proxy_to(config).await;
     let list = || {
         app.client
