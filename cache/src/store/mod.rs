@@ -26,53 +26,24 @@ use std::time::Duration;
 
 use moka::notification::RemovalCause;
 
-use crate::entry::{now_ms, Digest, Entry, EntryId};
+use crate::entry::{Digest, Entry, EntryId};
 use crate::memory::{EvictionHook, IndexCharge, MemoryTier};
-use crate::redis::{RedisError, RedisTier, Updated};
-use crate::semantic::{Candidate, IndexItem, MaintainReport, SemanticIndex};
+use crate::redis::{RedisTier, Updated};
+use crate::semantic::{Candidate, MaintainReport, SemanticIndex};
 use crate::shares::MemoryShares;
 use crate::vector::Vector;
+
+mod fence;
+mod load;
+mod removal;
+
+use fence::Fences;
+pub use fence::FENCE_TTL;
+pub use load::Loaded;
 
 /// How long a deletion is remembered, so that a read of Redis that started before it cannot
 /// put the entry back into memory. Far longer than a Redis command may take.
 pub const DELETED_TTL: Duration = Duration::from_secs(120);
-/// How long a namespace or tag delete fences out answers that were being generated when it
-/// happened ([`Store::fence_namespace`]): longer than any generation runs by default
-/// (`server.request_timeout_secs`, 300 s).
-pub const FENCE_TTL: Duration = Duration::from_secs(900);
-/// Namespaces, and tags, fenced at once at most.
-const FENCES_MAX: u64 = 10_000;
-
-/// The namespaces and tags deleted within [`FENCE_TTL`], with when.
-#[derive(Clone)]
-struct Fences {
-    namespaces: moka::sync::Cache<String, u64>,
-    tags: moka::sync::Cache<String, u64>,
-    /// Tags deleted within the namespaces that start with a prefix (one tenant's), by tag:
-    /// the prefixes and when.
-    scoped_tags: moka::sync::Cache<String, Arc<Vec<(String, u64)>>>,
-}
-
-impl Default for Fences {
-    fn default() -> Self {
-        let cache = || {
-            moka::sync::Cache::builder()
-                .max_capacity(FENCES_MAX)
-                .time_to_live(FENCE_TTL)
-                .build()
-        };
-        Fences {
-            namespaces: cache(),
-            tags: cache(),
-            scoped_tags: moka::sync::Cache::builder()
-                .max_capacity(FENCES_MAX)
-                .time_to_live(FENCE_TTL)
-                .build(),
-        }
-    }
-}
-/// Entries asked about per round by [`Store::drop_absent`].
-const RECONCILE_BATCH: usize = 500;
 /// Deletions remembered at most (the oldest are forgotten first).
 const DELETED_MAX: u64 = 200_000;
 
@@ -120,20 +91,6 @@ impl Expired {
             self.0 = Some(e);
         }
     }
-}
-
-/// What a bulk load ([`Store::load`]) installed.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Loaded {
-    /// Entries put into memory (expired ones and ones already held are skipped).
-    pub entries: usize,
-    /// Vectors added to the index.
-    pub vectors: usize,
-    /// Keys pointed at entries.
-    pub keys: usize,
-    /// Loading stopped at the memory tier's capacity: the rest was left in Redis (found
-    /// there on demand).
-    pub stopped_at_budget: bool,
 }
 
 /// The cache's tiers behind one type. Cloning is cheap (handles to the same tiers).
@@ -199,58 +156,6 @@ impl Store {
             fences: Fences::default(),
             retain,
         }
-    }
-
-    /// Fences namespace `namespace` from now: answers whose generation started before are
-    /// not stored or installed (see [`FENCE_TTL`]). Deleting a namespace does it; a replica
-    /// does it on another's delete event.
-    pub fn fence_namespace(&self, namespace: &str) {
-        self.fences
-            .namespaces
-            .insert(namespace.to_string(), now_ms());
-    }
-
-    /// [`Store::fence_namespace`] for a tag.
-    pub fn fence_tag(&self, tag: &str) {
-        self.fences.tags.insert(tag.to_string(), now_ms());
-    }
-
-    /// [`Store::fence_tag`] within the namespaces that start with `prefix` (a tenant's tag
-    /// delete: another tenant's answers with the tag are not held back).
-    pub fn fence_tag_within(&self, prefix: &str, tag: &str) {
-        let now = now_ms();
-        self.fences
-            .scoped_tags
-            .entry(tag.to_string())
-            .and_upsert_with(|held| {
-                let mut fences: Vec<(String, u64)> = held
-                    .map(|e| e.into_value().as_ref().clone())
-                    .unwrap_or_default();
-                fences.retain(|(p, _)| p != prefix);
-                fences.push((prefix.to_string(), now));
-                Arc::new(fences)
-            });
-    }
-
-    /// Whether `entry`'s generation started before a delete of its namespace or of one of its
-    /// tags: the delete must win over an answer that was on its way.
-    fn fenced(&self, entry: &Entry) -> bool {
-        let started = entry.created_ms.saturating_sub(u64::from(entry.gen_ms));
-        // Strictly after: at millisecond resolution, a question asked right after a delete
-        // may start in the delete's own millisecond, and its answer is a new one.
-        let after = |at: Option<u64>| at.is_some_and(|at| at > started);
-        let scoped = |tag: &str| {
-            self.fences.scoped_tags.get(tag).is_some_and(|fences| {
-                fences
-                    .iter()
-                    .any(|(prefix, at)| entry.namespace.starts_with(prefix) && after(Some(*at)))
-            })
-        };
-        after(self.fences.namespaces.get(entry.namespace.as_str()))
-            || entry
-                .tags
-                .iter()
-                .any(|t| after(self.fences.tags.get(t.as_str())) || scoped(t))
     }
 
     /// How long expired entries are kept past their expiry, to be served stale.
@@ -635,312 +540,6 @@ impl Store {
         let merged = Arc::new(merged);
         self.memory.insert_entry(merged.clone()).await;
         merged
-    }
-
-    /// Bulk load (replica rebuild, snapshot): entries into memory, then keys, then every
-    /// vector into the index off the async workers; big partitions' graphs are built after
-    /// this returns, in the background. Entries already held and
-    /// expired ones are skipped. `progress` is called with the count of entries handled
-    /// every 10,000.
-    pub async fn load(
-        &self,
-        entries: impl IntoIterator<Item = Entry>,
-        keys: Vec<(Digest, EntryId)>,
-        progress: impl Fn(usize),
-    ) -> Loaded {
-        let mut loaded = Loaded::default();
-        let mut vectors = Vec::new();
-        for (i, entry) in entries.into_iter().enumerate() {
-            if (i + 1) % 10_000 == 0 {
-                progress(i + 1);
-            }
-            self.load_one(entry, &mut loaded, &mut vectors).await;
-        }
-        self.finish_load(keys, loaded, vectors).await
-    }
-
-    /// [`Store::load`] of entries arriving in pages (a replica's rebuild streaming from
-    /// Redis), never more than the memory tier holds: once the entries loaded weigh its
-    /// capacity, the rest is left where it is (`stopped_at_budget`; Redis still serves them
-    /// on demand), except that entries this replica already holds still take the refusals
-    /// their Redis copies have (a question reported wrong elsewhere is not served them
-    /// again here); with none held, `pages` is dropped then, which stops the sender.
-    pub async fn load_pages(
-        &self,
-        mut pages: tokio::sync::mpsc::Receiver<Vec<Entry>>,
-        progress: impl Fn(usize),
-    ) -> Loaded {
-        let mut loaded = Loaded::default();
-        let mut vectors = Vec::new();
-        let (budget, mut bytes, mut seen) = (self.memory.capacity(), 0u64, 0usize);
-        self.memory.run_pending_tasks().await;
-        let held_before = self.memory.entry_count() > 0;
-        'pages: while let Some(page) = pages.recv().await {
-            // Expired entries kept in Redis to be served stale are not loaded (nor counted
-            // against the budget): found there on demand.
-            for entry in page.into_iter().filter(|e| !e.is_expired()) {
-                if !loaded.stopped_at_budget {
-                    bytes += u64::from(self.memory.weight_of(&entry));
-                    loaded.stopped_at_budget = bytes > budget;
-                    if loaded.stopped_at_budget && !held_before {
-                        break 'pages;
-                    }
-                }
-                if loaded.stopped_at_budget {
-                    if self.memory.holds(entry.id) {
-                        if let Some(held) = self.memory.get(entry.id).await {
-                            self.merge_refusals(held, &entry).await;
-                        }
-                    }
-                    continue;
-                }
-                self.load_one(entry, &mut loaded, &mut vectors).await;
-                seen += 1;
-                if seen % 10_000 == 0 {
-                    progress(seen);
-                }
-            }
-        }
-        drop(pages);
-        self.finish_load(Vec::new(), loaded, vectors).await
-    }
-
-    /// One entry of a bulk load into memory; its vector is indexed by [`Store::finish_load`].
-    async fn load_one(&self, entry: Entry, loaded: &mut Loaded, vectors: &mut Vec<IndexItem>) {
-        if entry.is_expired() || self.was_deleted(entry.id) || self.fenced(&entry) {
-            return;
-        }
-        if let Some(held) = self.memory.get(entry.id).await {
-            // Held already: only refusals it may have missed are taken.
-            self.merge_refusals(held, &entry).await;
-            return;
-        }
-        let entry = Arc::new(entry);
-        let vector = self.indexable(&entry);
-        if !self.memory.insert_entry(entry.clone()).await {
-            return;
-        }
-        if let Some(v) = vector {
-            vectors.push((entry.partition, entry.id, v));
-        }
-        loaded.entries += 1;
-    }
-
-    /// The end of a bulk load: keys, then the vectors placed in the index (graphs after).
-    async fn finish_load(
-        &self,
-        keys: Vec<(Digest, EntryId)>,
-        mut loaded: Loaded,
-        vectors: Vec<IndexItem>,
-    ) -> Loaded {
-        loaded.keys = self.load_keys(keys).await;
-        if let Some(index) = self.index.clone() {
-            // The vectors are searchable (exact scans) once placed; the graphs of big
-            // partitions are built after, in the background (CPU work, one parallel pass per
-            // partition), so lookups need not wait for them. Entries the load itself evicted
-            // (each insert runs memory's housekeeping) lose their vector again: their
-            // eviction hook ran before the vector was placed.
-            let placed = index.clone();
-            let memory = self.memory.clone();
-            loaded.vectors = tokio::task::spawn_blocking(move || {
-                let ids: Vec<EntryId> = vectors.iter().map(|(_, id, _)| *id).collect();
-                placed.insert_many(vectors);
-                let gone = ids.iter().filter(|id| !memory.holds(**id));
-                ids.len() - gone.filter(|id| placed.remove(**id)).count()
-            })
-            .await
-            .unwrap_or(0);
-            tokio::task::spawn_blocking(move || index.build_graphs());
-        }
-        loaded
-    }
-
-    /// The keys of a bulk load, each pointed at its entry when memory holds that entry (a key
-    /// of an entry the load did not keep would only take room); returns how many.
-    pub async fn load_keys(&self, keys: Vec<(Digest, EntryId)>) -> usize {
-        let mut n = 0;
-        for (k, id) in keys {
-            if self.memory.holds(id) {
-                self.memory.alias(k, id).await;
-                n += 1;
-            }
-        }
-        n
-    }
-
-    // ---- removal ----
-
-    /// Tombstones an entry's vector (it is never a semantic candidate again).
-    pub fn tombstone(&self, id: EntryId) {
-        if let Some(index) = &self.index {
-            index.remove(id);
-        }
-    }
-
-    /// Drops an entry from this replica (memory and index); Redis is not touched. The id is
-    /// remembered for [`DELETED_TTL`] so that no read that started earlier brings it back.
-    pub async fn remove_local(&self, id: EntryId) {
-        self.deleted.insert(id, ());
-        self.memory.remove(id).await;
-        self.tombstone(id);
-    }
-
-    /// Drops every entry of this replica that `pred` selects; returns how many.
-    pub async fn remove_local_where(&self, pred: impl Fn(&Entry) -> bool) -> u64 {
-        let mut n = 0;
-        for e in self.memory.iter_entries() {
-            if pred(&e) {
-                self.remove_local(e.id).await;
-                n += 1;
-            }
-        }
-        n
-    }
-
-    /// Drops from this replica every entry Redis no longer holds (deleted by another replica
-    /// in events this one missed); returns how many. Writes this replica queued before are
-    /// applied first, so its own recent entries are found. Only a definite absence drops an
-    /// entry: a Redis error ends the pass (`Err`, nothing more dropped).
-    pub async fn drop_absent(&self) -> Result<u64, RedisError> {
-        let Some(redis) = &self.redis else {
-            return Ok(0);
-        };
-        let ids: Vec<EntryId> = self.memory.iter_entries().iter().map(|e| e.id).collect();
-        redis.flush().await?;
-        let mut dropped = 0;
-        for chunk in ids.chunks(RECONCILE_BATCH) {
-            let present = redis.exists_many(chunk).await?;
-            for (id, present) in chunk.iter().zip(present) {
-                if !present {
-                    self.remove_local(*id).await;
-                    dropped += 1;
-                }
-            }
-        }
-        Ok(dropped)
-    }
-
-    /// Writes every unexpired entry this replica holds, with its keys and tags, back to
-    /// Redis (after Redis lost its data), a batch at a time, waiting for each so the write
-    /// queue's budget is not overrun; returns how many. A Redis error ends it (`Err`).
-    pub async fn reseed(&self) -> Result<u64, RedisError> {
-        const BATCH: usize = 256;
-        let Some(redis) = &self.redis else {
-            return Ok(0);
-        };
-        let mut keys: std::collections::HashMap<EntryId, Vec<Digest>> = Default::default();
-        for (k, id) in self.memory.iter_keys() {
-            keys.entry(id).or_default().push(k);
-        }
-        let entries: Vec<Arc<Entry>> = self
-            .memory
-            .iter_entries()
-            .into_iter()
-            .filter(|e| !e.is_expired())
-            .collect();
-        for batch in entries.chunks(BATCH) {
-            for e in batch {
-                let keys = keys.get(&e.id).map_or(&[][..], Vec::as_slice);
-                redis.put_with_tags(e, keys, &e.tags);
-            }
-            redis.flush().await?;
-        }
-        Ok(entries.len() as u64)
-    }
-
-    /// Deletes an entry everywhere (this replica, Redis and through it every replica).
-    /// Returns whether any tier held it.
-    pub async fn delete(&self, id: EntryId) -> Result<bool, RedisError> {
-        let local = self.memory.get_kept(id).await.is_some();
-        self.remove_local(id).await;
-        let shared = match &self.redis {
-            Some(r) => r.delete(id).await?,
-            None => false,
-        };
-        Ok(local || shared)
-    }
-
-    /// Deletes every entry that `pred` selects, each everywhere (Redis and through it every
-    /// replica); returns how many were deleted. Meant for rare operator requests: it scans
-    /// every entry held here, then every entry Redis keeps (page by page), since this
-    /// replica may not hold them all (evicted, left in Redis by a rebuild that stopped at
-    /// the budget, an event missed).
-    pub async fn delete_where(&self, pred: impl Fn(&Entry) -> bool) -> Result<u64, RedisError> {
-        let mut n = 0;
-        let mut done = std::collections::HashSet::new();
-        for e in self.memory.iter_entries() {
-            if pred(&e) {
-                n += u64::from(self.delete(e.id).await?);
-                done.insert(e.id);
-            }
-        }
-        let Some(redis) = &self.redis else {
-            return Ok(n);
-        };
-        let (pages, mut rx) = tokio::sync::mpsc::channel(4);
-        let matching = async {
-            let mut ids = Vec::new();
-            while let Some(page) = rx.recv().await {
-                let page: Vec<Entry> = page;
-                let new = page.iter().filter(|e| !done.contains(&e.id) && pred(e));
-                ids.extend(new.map(|e| e.id));
-            }
-            ids
-        };
-        let (scanned, ids) = tokio::join!(redis.scan_pages(pages, |_| {}), matching);
-        scanned?;
-        for id in ids {
-            n += u64::from(self.delete(id).await?);
-        }
-        Ok(n)
-    }
-
-    /// Drops every entry of `namespace` from this replica and fences the namespace (another
-    /// replica deleted it); returns how many were dropped.
-    pub async fn remove_local_namespace(&self, namespace: &str) -> u64 {
-        self.fence_namespace(namespace);
-        self.remove_local_where(|e| e.namespace == namespace).await
-    }
-
-    /// Deletes every entry of `namespace` everywhere, and fences it against answers being
-    /// generated meanwhile; returns how many the fuller tier held.
-    pub async fn delete_namespace(&self, namespace: &str) -> Result<u64, RedisError> {
-        let local = self.remove_local_namespace(namespace).await;
-        let shared = match &self.redis {
-            Some(r) => r.delete_namespace(namespace).await?,
-            None => 0,
-        };
-        Ok(local.max(shared))
-    }
-
-    /// Drops every entry stored with `tag` from this replica and fences the tag (another
-    /// replica deleted it: this one may hold answers with the tag whose puts never reached
-    /// Redis, which that delete could not find); returns how many were dropped.
-    pub async fn remove_local_tag(&self, tag: &str) -> u64 {
-        self.fence_tag(tag);
-        self.remove_local_where(|e| e.tags.iter().any(|t| t == tag))
-            .await
-    }
-
-    /// [`Store::remove_local_tag`] within the namespaces that start with `prefix` (a tenant's
-    /// tag delete, here or on another replica).
-    pub async fn remove_local_tag_within(&self, prefix: &str, tag: &str) -> u64 {
-        self.fence_tag_within(prefix, tag);
-        self.remove_local_where(|e| {
-            e.namespace.starts_with(prefix) && e.tags.iter().any(|t| t == tag)
-        })
-        .await
-    }
-
-    /// Deletes every entry stored with `tag` everywhere, and fences it against answers being
-    /// generated meanwhile; returns how many the fuller tier held.
-    pub async fn delete_tag(&self, tag: &str) -> Result<u64, RedisError> {
-        let local = self.remove_local_tag(tag).await;
-        let shared = match &self.redis {
-            Some(r) => r.delete_tag(tag).await?,
-            None => 0,
-        };
-        Ok(local.max(shared))
     }
 
     /// Rebuilds index partitions that collected many tombstones (blocking: call it from

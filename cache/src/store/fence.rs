@@ -1,0 +1,98 @@
+//! Fences: a namespace or tag delete wins over the answers that were on their way when it
+//! ran (generated before it, stored or installed after).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Store;
+use crate::entry::{now_ms, Entry};
+
+/// How long a namespace or tag delete fences out answers that were being generated when it
+/// happened ([`Store::fence_namespace`]): longer than any generation runs by default
+/// (`server.request_timeout_secs`, 300 s).
+pub const FENCE_TTL: Duration = Duration::from_secs(900);
+/// Namespaces, and tags, fenced at once at most.
+const FENCES_MAX: u64 = 10_000;
+
+/// The namespaces and tags deleted within [`FENCE_TTL`], with when.
+#[derive(Clone)]
+pub(super) struct Fences {
+    namespaces: moka::sync::Cache<String, u64>,
+    tags: moka::sync::Cache<String, u64>,
+    /// Tags deleted within the namespaces that start with a prefix (one tenant's), by tag:
+    /// the prefixes and when.
+    scoped_tags: moka::sync::Cache<String, Arc<Vec<(String, u64)>>>,
+}
+
+impl Default for Fences {
+    fn default() -> Self {
+        let cache = || {
+            moka::sync::Cache::builder()
+                .max_capacity(FENCES_MAX)
+                .time_to_live(FENCE_TTL)
+                .build()
+        };
+        Fences {
+            namespaces: cache(),
+            tags: cache(),
+            scoped_tags: moka::sync::Cache::builder()
+                .max_capacity(FENCES_MAX)
+                .time_to_live(FENCE_TTL)
+                .build(),
+        }
+    }
+}
+
+impl Store {
+    /// Fences namespace `namespace` from now: answers whose generation started before are
+    /// not stored or installed (see [`FENCE_TTL`]). Deleting a namespace does it; a replica
+    /// does it on another's delete event.
+    pub fn fence_namespace(&self, namespace: &str) {
+        self.fences
+            .namespaces
+            .insert(namespace.to_string(), now_ms());
+    }
+
+    /// [`Store::fence_namespace`] for a tag.
+    pub fn fence_tag(&self, tag: &str) {
+        self.fences.tags.insert(tag.to_string(), now_ms());
+    }
+
+    /// [`Store::fence_tag`] within the namespaces that start with `prefix` (a tenant's tag
+    /// delete: another tenant's answers with the tag are not held back).
+    pub fn fence_tag_within(&self, prefix: &str, tag: &str) {
+        let now = now_ms();
+        self.fences
+            .scoped_tags
+            .entry(tag.to_string())
+            .and_upsert_with(|held| {
+                let mut fences: Vec<(String, u64)> = held
+                    .map(|e| e.into_value().as_ref().clone())
+                    .unwrap_or_default();
+                fences.retain(|(p, _)| p != prefix);
+                fences.push((prefix.to_string(), now));
+                Arc::new(fences)
+            });
+    }
+
+    /// Whether `entry`'s generation started before a delete of its namespace or of one of its
+    /// tags: the delete must win over an answer that was on its way.
+    pub(super) fn fenced(&self, entry: &Entry) -> bool {
+        let started = entry.created_ms.saturating_sub(u64::from(entry.gen_ms));
+        // Strictly after: at millisecond resolution, a question asked right after a delete
+        // may start in the delete's own millisecond, and its answer is a new one.
+        let after = |at: Option<u64>| at.is_some_and(|at| at > started);
+        let scoped = |tag: &str| {
+            self.fences.scoped_tags.get(tag).is_some_and(|fences| {
+                fences
+                    .iter()
+                    .any(|(prefix, at)| entry.namespace.starts_with(prefix) && after(Some(*at)))
+            })
+        };
+        after(self.fences.namespaces.get(entry.namespace.as_str()))
+            || entry
+                .tags
+                .iter()
+                .any(|t| after(self.fences.tags.get(t.as_str())) || scoped(t))
+    }
+}

@@ -1,0 +1,186 @@
+//! Removal: from this replica only (another replica's delete, a resync) or everywhere
+//! (admin deletes by id, namespace, tag or filter).
+
+use std::sync::Arc;
+
+use super::Store;
+use crate::entry::{Digest, Entry, EntryId};
+use crate::redis::RedisError;
+
+/// Entries asked about per round by [`Store::drop_absent`].
+const RECONCILE_BATCH: usize = 500;
+
+impl Store {
+    /// Tombstones an entry's vector (it is never a semantic candidate again).
+    pub fn tombstone(&self, id: EntryId) {
+        if let Some(index) = &self.index {
+            index.remove(id);
+        }
+    }
+
+    /// Drops an entry from this replica (memory and index); Redis is not touched. The id is
+    /// remembered for [`DELETED_TTL`](super::DELETED_TTL) so that no read that started earlier brings it back.
+    pub async fn remove_local(&self, id: EntryId) {
+        self.deleted.insert(id, ());
+        self.memory.remove(id).await;
+        self.tombstone(id);
+    }
+
+    /// Drops every entry of this replica that `pred` selects; returns how many.
+    pub async fn remove_local_where(&self, pred: impl Fn(&Entry) -> bool) -> u64 {
+        let mut n = 0;
+        for e in self.memory.iter_entries() {
+            if pred(&e) {
+                self.remove_local(e.id).await;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Drops from this replica every entry Redis no longer holds (deleted by another replica
+    /// in events this one missed); returns how many. Writes this replica queued before are
+    /// applied first, so its own recent entries are found. Only a definite absence drops an
+    /// entry: a Redis error ends the pass (`Err`, nothing more dropped).
+    pub async fn drop_absent(&self) -> Result<u64, RedisError> {
+        let Some(redis) = &self.redis else {
+            return Ok(0);
+        };
+        let ids: Vec<EntryId> = self.memory.iter_entries().iter().map(|e| e.id).collect();
+        redis.flush().await?;
+        let mut dropped = 0;
+        for chunk in ids.chunks(RECONCILE_BATCH) {
+            let present = redis.exists_many(chunk).await?;
+            for (id, present) in chunk.iter().zip(present) {
+                if !present {
+                    self.remove_local(*id).await;
+                    dropped += 1;
+                }
+            }
+        }
+        Ok(dropped)
+    }
+
+    /// Writes every unexpired entry this replica holds, with its keys and tags, back to
+    /// Redis (after Redis lost its data), a batch at a time, waiting for each so the write
+    /// queue's budget is not overrun; returns how many. A Redis error ends it (`Err`).
+    pub async fn reseed(&self) -> Result<u64, RedisError> {
+        const BATCH: usize = 256;
+        let Some(redis) = &self.redis else {
+            return Ok(0);
+        };
+        let mut keys: std::collections::HashMap<EntryId, Vec<Digest>> = Default::default();
+        for (k, id) in self.memory.iter_keys() {
+            keys.entry(id).or_default().push(k);
+        }
+        let entries: Vec<Arc<Entry>> = self
+            .memory
+            .iter_entries()
+            .into_iter()
+            .filter(|e| !e.is_expired())
+            .collect();
+        for batch in entries.chunks(BATCH) {
+            for e in batch {
+                let keys = keys.get(&e.id).map_or(&[][..], Vec::as_slice);
+                redis.put_with_tags(e, keys, &e.tags);
+            }
+            redis.flush().await?;
+        }
+        Ok(entries.len() as u64)
+    }
+
+    /// Deletes an entry everywhere (this replica, Redis and through it every replica).
+    /// Returns whether any tier held it.
+    pub async fn delete(&self, id: EntryId) -> Result<bool, RedisError> {
+        let local = self.memory.get_kept(id).await.is_some();
+        self.remove_local(id).await;
+        let shared = match &self.redis {
+            Some(r) => r.delete(id).await?,
+            None => false,
+        };
+        Ok(local || shared)
+    }
+
+    /// Deletes every entry that `pred` selects, each everywhere (Redis and through it every
+    /// replica); returns how many were deleted. Meant for rare operator requests: it scans
+    /// every entry held here, then every entry Redis keeps (page by page), since this
+    /// replica may not hold them all (evicted, left in Redis by a rebuild that stopped at
+    /// the budget, an event missed).
+    pub async fn delete_where(&self, pred: impl Fn(&Entry) -> bool) -> Result<u64, RedisError> {
+        let mut n = 0;
+        let mut done = std::collections::HashSet::new();
+        for e in self.memory.iter_entries() {
+            if pred(&e) {
+                n += u64::from(self.delete(e.id).await?);
+                done.insert(e.id);
+            }
+        }
+        let Some(redis) = &self.redis else {
+            return Ok(n);
+        };
+        let (pages, mut rx) = tokio::sync::mpsc::channel(4);
+        let matching = async {
+            let mut ids = Vec::new();
+            while let Some(page) = rx.recv().await {
+                let page: Vec<Entry> = page;
+                let new = page.iter().filter(|e| !done.contains(&e.id) && pred(e));
+                ids.extend(new.map(|e| e.id));
+            }
+            ids
+        };
+        let (scanned, ids) = tokio::join!(redis.scan_pages(pages, |_| {}), matching);
+        scanned?;
+        for id in ids {
+            n += u64::from(self.delete(id).await?);
+        }
+        Ok(n)
+    }
+
+    /// Drops every entry of `namespace` from this replica and fences the namespace (another
+    /// replica deleted it); returns how many were dropped.
+    pub async fn remove_local_namespace(&self, namespace: &str) -> u64 {
+        self.fence_namespace(namespace);
+        self.remove_local_where(|e| e.namespace == namespace).await
+    }
+
+    /// Deletes every entry of `namespace` everywhere, and fences it against answers being
+    /// generated meanwhile; returns how many the fuller tier held.
+    pub async fn delete_namespace(&self, namespace: &str) -> Result<u64, RedisError> {
+        let local = self.remove_local_namespace(namespace).await;
+        let shared = match &self.redis {
+            Some(r) => r.delete_namespace(namespace).await?,
+            None => 0,
+        };
+        Ok(local.max(shared))
+    }
+
+    /// Drops every entry stored with `tag` from this replica and fences the tag (another
+    /// replica deleted it: this one may hold answers with the tag whose puts never reached
+    /// Redis, which that delete could not find); returns how many were dropped.
+    pub async fn remove_local_tag(&self, tag: &str) -> u64 {
+        self.fence_tag(tag);
+        self.remove_local_where(|e| e.tags.iter().any(|t| t == tag))
+            .await
+    }
+
+    /// [`Store::remove_local_tag`] within the namespaces that start with `prefix` (a tenant's
+    /// tag delete, here or on another replica).
+    pub async fn remove_local_tag_within(&self, prefix: &str, tag: &str) -> u64 {
+        self.fence_tag_within(prefix, tag);
+        self.remove_local_where(|e| {
+            e.namespace.starts_with(prefix) && e.tags.iter().any(|t| t == tag)
+        })
+        .await
+    }
+
+    /// Deletes every entry stored with `tag` everywhere, and fences it against answers being
+    /// generated meanwhile; returns how many the fuller tier held.
+    pub async fn delete_tag(&self, tag: &str) -> Result<u64, RedisError> {
+        let local = self.remove_local_tag(tag).await;
+        let shared = match &self.redis {
+            Some(r) => r.delete_tag(tag).await?,
+            None => 0,
+        };
+        Ok(local.max(shared))
+    }
+}
