@@ -132,6 +132,15 @@ pub enum BoundField {
 }
 
 impl BoundField {
+    /// The field of a chat completion's bound (`chat`), or of a legacy completion's, which
+    /// knows only `max_tokens`.
+    pub fn on(self, chat: bool) -> BoundField {
+        match chat {
+            true => self,
+            false => BoundField::MaxTokens,
+        }
+    }
+
     /// The field's name in a request body.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -427,8 +436,9 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
-    /// The field a chat completion's token bound that the client did not name is sent
-    /// upstream as (a bound reprise sets: a tenant's cap, a budget's charge).
+    /// The field a chat completion's token bound is sent upstream as, unless the client named
+    /// `max_completion_tokens` (a bound reprise writes in, a client's `max_tokens` on an
+    /// answer reprise generates).
     fn bound_field(&self) -> BoundField {
         BoundField::MaxTokens
     }

@@ -231,11 +231,11 @@ fn body(req: &GenRequest, field: BoundField) -> Value {
             b.insert(k.into(), v);
         }
     };
-    let cap = match (&req.input, p.max_completion_tokens_named) {
-        (Input::Prompt(_), _) => BoundField::MaxTokens,
-        (Input::Chat(_), true) => BoundField::MaxCompletionTokens,
-        (Input::Chat(_), false) => field,
+    let cap = match p.max_completion_tokens_named {
+        true => BoundField::MaxCompletionTokens,
+        false => field,
     }
+    .on(matches!(req.input, Input::Chat(_)))
     .as_str();
     opt(&mut b, cap, p.max_tokens.map(|v| json!(v)));
     opt(&mut b, "temperature", p.temperature.map(|v| json!(v)));

@@ -679,6 +679,7 @@ return redis.call('GET', KEYS[1])";
             errors: self.shared.metrics.errors(Op::Events).clone(),
             start: None,
             start_failed: false,
+            conn: None,
         }
     }
 

@@ -127,12 +127,8 @@ async fn serve(
             }
             let body = crate::forward::with_model(body, &mut f, &choice.model)?;
             f.backend = Some(choice.primary.name.clone());
-            // A chat completion's bound as the upstream reads it; the legacy endpoint's as
-            // `max_tokens`.
-            let field = match endpoint {
-                Endpoint::Chat => choice.primary.backend.bound_field(),
-                _ => reprise_backend::BoundField::MaxTokens,
-            };
+            let chat = endpoint == Endpoint::Chat;
+            let field = choice.primary.backend.bound_field().on(chat);
             let body = policy::cap_forward(state, &tenant, &mut f, body, field)?;
             let forwarding =
                 crate::forward::forward(state, endpoint, headers, body, f, ctl.priority, book);

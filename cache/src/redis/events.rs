@@ -168,6 +168,8 @@ pub(crate) struct Subscriber {
     pub(crate) start: Option<StreamPos>,
     /// Resolving the start failed before the task started.
     pub(crate) start_failed: bool,
+    /// The connection that resolved the start, which the task reads on.
+    pub(crate) conn: Option<Conn>,
 }
 
 /// Where the reader stands.
@@ -185,13 +187,20 @@ impl Subscriber {
     /// written after this returns is delivered; when Redis cannot be reached, the task
     /// resolves it later and reports a [`ReplicationEvent::Resync`] first.
     pub(crate) async fn resolve_start(&mut self) {
-        let start = match self.connector.connect(self.connect_timeout, self.timeout) {
-            Ok(c) if self.from_last => self.last(&c).await.map(|p| p.unwrap_or(StreamPos::ZERO)),
+        // Made as the task makes its own (its reads block), and handed to it.
+        let conn = self
+            .connector
+            .connect(self.connect_timeout, BLOCK + self.timeout);
+        let start = match &conn {
+            Ok(c) if self.from_last => self.last(c).await.map(|p| p.unwrap_or(StreamPos::ZERO)),
             Ok(_) => Ok(StreamPos::ZERO),
-            Err(e) => Err(RedisError::Connection(e)),
+            Err(e) => Err(RedisError::Connection(e.clone())),
         };
         match start {
-            Ok(p) => self.start = Some(p),
+            Ok(p) => {
+                self.start = Some(p);
+                self.conn = conn.ok();
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "redis events: start not resolved yet");
                 self.errors.increment(1);
@@ -208,7 +217,7 @@ impl Subscriber {
     }
 
     async fn run(self, tx: mpsc::Sender<ReplicationEvent>) {
-        let mut conn: Option<Conn> = None;
+        let mut conn: Option<Conn> = self.conn.clone();
         let mut state = ReadState {
             cursor: self.start,
             lost: false,
