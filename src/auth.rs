@@ -150,6 +150,24 @@ impl Tenant {
     /// Charges `tokens` against its token budget (a request about to go to the backend): 429
     /// with the seconds until they fit, or 400 when they never fit in a minute's budget.
     pub fn take_tokens(&self, tokens: u32) -> Result<(), ApiError> {
+        self.charge(tokens, "`max_tokens`", "max_tokens")
+    }
+
+    /// Whether it has a token budget (`tokens_per_minute`).
+    pub fn has_token_budget(&self) -> bool {
+        self.token_limiter.is_some()
+    }
+
+    /// Charges what a passthrough request's body of `bytes` bytes is estimated to cost: a
+    /// token for every [`BYTES_PER_TOKEN`] bytes (the estimate OpenAI's own rate limits make
+    /// of a request's input). 429 or 400 as [`Tenant::take_tokens`].
+    pub fn take_body_tokens(&self, bytes: usize) -> Result<(), ApiError> {
+        let tokens = u32::try_from(bytes.div_ceil(BYTES_PER_TOKEN).max(1)).unwrap_or(u32::MAX);
+        self.charge(tokens, "the request body's estimated", "input")
+    }
+
+    /// Charges `tokens`; `what` and `param` name them in a refusal that can never fit.
+    fn charge(&self, tokens: u32, what: &str, param: &str) -> Result<(), ApiError> {
         let Some(limiter) = &self.token_limiter else {
             return Ok(());
         };
@@ -163,10 +181,10 @@ impl Tenant {
             }),
             Err(_) => Err(ApiError::invalid(
                 format!(
-                    "`max_tokens` {tokens} exceeds this API key's budget of {} tokens a minute",
+                    "{what} {tokens} tokens exceed this API key's budget of {} tokens a minute",
                     self.policy.tokens_per_minute
                 ),
-                Some("max_tokens"),
+                Some(param),
             )),
         }
     }
@@ -201,6 +219,9 @@ impl Tenant {
         Ok(scope(name, header.unwrap_or(DEFAULT_NAMESPACE)))
     }
 }
+
+/// Bytes of a passthrough request's body charged as one token against a token budget.
+pub const BYTES_PER_TOKEN: usize = 4;
 
 /// Whole seconds (at least 1) until a refused rate-limited request may be tried again.
 fn retry_after(not_until: &NotUntil<QuantaInstant>) -> u64 {

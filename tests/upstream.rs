@@ -732,6 +732,91 @@ async fn passthrough_keeps_a_tenant_to_its_models() {
     assert_openai_error(r, 404, Some("model")).await;
 }
 
+/// A tenant with a token budget is charged a passthrough request's input (a token for every
+/// 4 bytes of body): one larger than a minute's budget is a 400, one beyond what is left a
+/// 429, and neither reaches the upstream; a read is not charged.
+#[tokio::test]
+async fn passthrough_is_charged_to_a_token_budget() {
+    let up = ToolUpstream::spawn().await;
+    let mut config = openai_config(up.base_url.clone());
+    let doc = "[[tenants]]\nname = \"budgeted\"\napi_keys = [\"sk-budgeted\"]\n\
+               [tenants.policy]\nmax_tokens = 64\ntokens_per_minute = 100\n";
+    require_tenants(&mut config, doc);
+    let app = proxy_to(config).await;
+    let embed = |input: String| {
+        let req = app
+            .client
+            .post(app.url("/v1/embeddings"))
+            .bearer_auth("sk-budgeted");
+        let body = json!({"model": "text-embedding-3-small", "input": input});
+        async move { req.json(&body).send().await.unwrap() }
+    };
+    // About 500 bytes: 125 tokens, more than a minute's 100.
+    let j = assert_openai_error(embed("x".repeat(450)).await, 400, Some("input")).await;
+    let message = j["error"]["message"].as_str().unwrap();
+    assert!(message.contains("100 tokens a minute"), "{message}");
+    // About 300 bytes (75 tokens) fits once, not twice.
+    assert_eq!(embed("y".repeat(250)).await.status(), 200);
+    let r = embed("y".repeat(250)).await;
+    let retry = r.headers().get("retry-after").cloned();
+    assert_openai_error(r, 429, None).await;
+    assert!(retry.is_some(), "429 says when to retry");
+    assert_eq!(up.seen().len(), 1, "only the one that fitted went up");
+    // Reading the model list costs nothing.
+    let r = app
+        .client
+        .get(app.url("/v1/models"))
+        .bearer_auth("sk-budgeted")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// A passthrough request other than a read takes one of the upstream's slots
+/// (`backend.max_concurrent`) like a completion: while a forwarded stream holds the only
+/// slot, an embedding waits for it, one more is refused (the line holds one), and the model
+/// list is read meanwhile.
+#[tokio::test]
+async fn passthrough_takes_an_upstream_slot() {
+    let up = ToolUpstream::spawn().await;
+    let mut config = openai_config(up.base_url.clone());
+    config.backend.max_concurrent = 1;
+    config.backend.max_queue = 1;
+    config.server.first_token_timeout_secs = 60.0;
+    config.server.token_timeout_secs = 60.0;
+    let app = proxy_to(config).await;
+    let holder = json!({
+        "model": "up-model",
+        "stream": true,
+        "messages": [{"role": "user", "content": format!("Weather? {KEEP_ALIVE_ONLY}")}],
+        "modalities": ["text", "audio"],
+    });
+    let held = app.chat(&holder, &[]).await;
+    assert_eq!(cache_status(&held), "bypass");
+    let embed = || {
+        let req = app.client.post(app.url("/v1/embeddings"));
+        let body = json!({"model": "text-embedding-3-small", "input": "hello"});
+        async move { req.json(&body).send().await.unwrap() }
+    };
+    let waiting = tokio::spawn(embed());
+    let state = app.state.clone();
+    assert!(
+        eventually(Duration::from_secs(10), || state.backend.load().queued == 1).await,
+        "the embedding waits for the slot"
+    );
+    assert_openai_error(embed().await, 429, None).await;
+    let models = app.client.get(app.url("/v1/models")).send().await.unwrap();
+    assert_eq!(models.status(), 200, "a read takes no slot");
+    assert!(!waiting.is_finished());
+    drop(held);
+    let r = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("the slot is freed")
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
 #[tokio::test]
 async fn requests_beyond_text_are_refused_by_a_text_only_backend() {
     let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;

@@ -371,10 +371,10 @@ pub struct ForwardRequest {
     /// The client's body, streamed as it arrives (uploads are not buffered); a forwarded
     /// completion's carries the tenant's `max_tokens` cap when it asked for none.
     pub body: reqwest::Body,
-    /// A completion a user waits for, at this priority: it counts as interactive load
-    /// (background work backs off) and takes one of the upstream's slots
-    /// (`backend.max_concurrent`) until its answer is read. `None` for the API's other
-    /// endpoints, which are neither counted nor limited.
+    /// A request a user waits for (a completion, or another endpoint's request that is not a
+    /// read), at this priority: it counts as interactive load (background work backs off)
+    /// and takes one of the upstream's slots (`backend.max_concurrent`) until its answer is
+    /// read. `None` for reads (`GET /v1/models`), which are neither counted nor limited.
     pub priority: Option<Priority>,
     /// The backend a route chose for it, by its configured name (`None`: the upstream
     /// serving `model`). Read only by a router of several backends.

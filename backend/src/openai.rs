@@ -548,8 +548,8 @@ impl Backend for OpenAiBackend {
         if let Some(model) = &req.model {
             self.check_model(model)?;
         }
-        // A completion a user waits for takes a slot like a generation (until its body is
-        // read); the API's other endpoints are neither counted nor limited.
+        // A request a user waits for takes a slot like a generation (until its body is read);
+        // reads (`priority` None) are neither counted nor limited.
         let guard = req.priority.map(|p| self.load_guard(p));
         let permit = match req.priority {
             Some(p) => self.slot(p).await?,

@@ -227,14 +227,23 @@ pub async fn passthrough_for(
                 "with tenants, the upstream's models may only be read through reprise".into(),
             ));
         }
-        // A tenant kept to some models is kept to them here too: the body is read (within
-        // `server.max_body_bytes`) for the model it names.
-        let body = match tenant.policy().models.as_slice() {
-            [] => reqwest::Body::wrap_stream(body.into_data_stream()),
-            allowed => {
-                let server = &state.config.server;
-                let (limit, timeout) = (server.max_body_bytes, server.body_timeout());
-                let bytes = crate::http::read_body(headers, body, limit, timeout).await?;
+        // What is not a read takes one of the upstream's slots at the caller's priority, as a
+        // completion does: embeddings or images cannot get round `backend.max_concurrent`.
+        let priority = match reads {
+            true => None,
+            false => Some(crate::request::priority_of(headers, &tenant)?),
+        };
+        // A tenant kept to some models is kept to them here too, and one with a token budget
+        // is charged its input: the body is read (within `server.max_body_bytes`).
+        let allowed = tenant.policy().models.as_slice();
+        let charged = tenant.has_token_budget() && !reads;
+        let body = if allowed.is_empty() && !charged {
+            reqwest::Body::wrap_stream(body.into_data_stream())
+        } else {
+            let server = &state.config.server;
+            let (limit, timeout) = (server.max_body_bytes, server.body_timeout());
+            let bytes = crate::http::read_body(headers, body, limit, timeout).await?;
+            if !allowed.is_empty() {
                 let named = match path.strip_prefix("models/") {
                     Some(id) => Some(id.to_string()),
                     None => model_named(&bytes),
@@ -248,8 +257,11 @@ pub async fn passthrough_for(
                         ))
                     }
                 }
-                reqwest::Body::from(bytes)
             }
+            if charged {
+                tenant.take_body_tokens(bytes.len())?;
+            }
+            reqwest::Body::from(bytes)
         };
         let label = crate::openai::API_ROOTS
             .iter()
@@ -265,10 +277,11 @@ pub async fn passthrough_for(
             },
             headers: upstream_headers(headers, ""),
             model: None,
-            // Streamed, not buffered (but for a tenant kept to some models): uploads (files,
-            // audio) can be large, and the upstream enforces its own limits.
+            // Streamed, not buffered (but for a tenant kept to some models or charged its
+            // input): uploads (files, audio) can be large, and the upstream enforces its own
+            // limits.
             body,
-            priority: None,
+            priority,
             backend: None,
         };
         let server = &state.config.server;

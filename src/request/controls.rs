@@ -95,12 +95,11 @@ impl Controls {
                 Some(t)
             }
         };
-        let asked = headers.get(PRIORITY_HEADER).map(priority).transpose()?;
         Ok(Controls {
             namespace,
             cache,
             threshold,
-            priority: tenant.policy().priority(asked).class(),
+            priority: priority_of(headers, tenant)?,
             tags: tags(headers)?,
             session: headers
                 .get(SESSION_HEADER)
@@ -117,6 +116,13 @@ pub const MAX_SESSION_BYTES: usize = 256;
 /// `id` as a session id, when it is one: not empty, at most [`MAX_SESSION_BYTES`].
 pub fn session_id(id: &str) -> Option<String> {
     (!id.is_empty() && id.len() <= MAX_SESSION_BYTES).then(|| id.to_string())
+}
+
+/// The scheduling class a request of `tenant` is served at: `x-reprise-priority`, else the
+/// tenant's `priority`, never above its `max_priority`; a value that is no class is a 400.
+pub fn priority_of(headers: &HeaderMap, tenant: &Tenant) -> Result<Priority, ApiError> {
+    let asked = headers.get(PRIORITY_HEADER).map(priority).transpose()?;
+    Ok(tenant.policy().priority(asked).class())
 }
 
 /// The class `x-reprise-priority` asks for: `interactive` or `batch`, else a 400.

@@ -61,7 +61,7 @@ use crate::openai::{Endpoint, Renderer};
 use crate::routes::Fallback;
 use crate::state::AppState;
 use controls::admit;
-pub use controls::{session_id, Controls, MAX_SESSION_BYTES, MAX_TAGS};
+pub use controls::{priority_of, session_id, Controls, MAX_SESSION_BYTES, MAX_TAGS};
 use degrade::Degradation;
 pub use parse::{parse, Parsed, Request};
 
