@@ -276,6 +276,20 @@ impl AppState {
         self.metrics
             .cache_bytes
             .set(self.store.weighted_size() as f64);
+        // Read from each backend as it is now, by name (two backends' lines set from inside
+        // them, unnamed, overwrote each other).
+        for t in self.router.targets() {
+            let load = t.backend.load();
+            let background = load.queued.saturating_sub(load.queued_user());
+            for (class, n) in [
+                ("interactive", load.queued_interactive),
+                ("batch", load.queued_batch),
+                ("background", background),
+            ] {
+                metrics::gauge!(crate::metrics::QUEUE_LENGTH, "backend" => t.name.clone(), "class" => class)
+                    .set(n as f64);
+            }
+        }
     }
 }
 

@@ -176,7 +176,7 @@ async fn chat_miss_then_exact_hit_without_the_engine() {
     for name in [
         "reprise_backend_prompt_tokens_total",
         "reprise_backend_generated_tokens_total",
-        "reprise_backend_queue_length{class=\"interactive\"}",
+        "reprise_backend_queue_length{backend=\"default\",class=\"interactive\"}",
         "reprise_backend_queue_wait_seconds_bucket{class=\"interactive\"",
         "reprise_backend_batch_occupancy_bucket",
         "reprise_backend_time_to_first_token_seconds_bucket",

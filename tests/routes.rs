@@ -347,6 +347,50 @@ async fn degraded_fallbacks(app: &TestApp) -> f64 {
     series(app, "reprise_degraded_total{kind=\"fallback\"}").await
 }
 
+/// Each backend's waiting line is its own series (`backend` and `class`): requests queued
+/// for one backend's only slot show under its name, not under the other's.
+#[tokio::test]
+async fn each_backend_reports_its_own_queue() {
+    let mut c = test_config();
+    c.backends = vec![
+        table("queued-small", BackendKind::Fake),
+        table("queued-large", BackendKind::Fake),
+    ];
+    c.routes = vec![route("model = \"auto\"\nbackend = \"queued-small\"")];
+    c.validate().expect("valid");
+    let small = slotted(SMALL, 1);
+    let large = scripted(LARGE, Default::default());
+    let backends: Vec<(&str, Arc<dyn Backend>)> = vec![
+        ("queued-small", Arc::new(small.clone())),
+        ("queued-large", Arc::new(large.clone())),
+    ];
+    let app = spawn_routed(c, backends).await;
+    small.set_token_delay(Duration::from_millis(200));
+    let ask = |text: &str| {
+        let (client, url) = (app.client.clone(), app.chat_url());
+        let mut body = chat_for("auto", text);
+        body["stream"] = json!(true);
+        tokio::spawn(async move { client.post(url).json(&body).send().await.unwrap() })
+    };
+    let holder = ask("Tell me a long story about queues.");
+    assert!(eventually(Duration::from_secs(30), || small.active() == 1).await);
+    let waiting = ask("Which backend answers me?");
+    assert!(eventually(Duration::from_secs(30), || small.load().queued == 1).await);
+    let line = |backend: &str| {
+        format!("reprise_backend_queue_length{{backend=\"{backend}\",class=\"interactive\"}}")
+    };
+    assert_eq!(series(&app, &line("queued-small")).await, 1.0);
+    let text = app.metrics_text().await;
+    assert!(
+        text.contains(&format!("{} 0", line("queued-large"))),
+        "{text}"
+    );
+    small.set_token_delay(Duration::ZERO);
+    assert_eq!(holder.await.unwrap().status(), 200);
+    assert_eq!(waiting.await.unwrap().status(), 200);
+    assert_eq!(series(&app, &line("queued-small")).await, 0.0);
+}
+
 /// The value of one series of the exposition (0 when absent).
 async fn series(app: &TestApp, name: &str) -> f64 {
     let text = app.metrics_text().await;

@@ -35,7 +35,6 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::llama::metric_names::QUEUE_LENGTH;
 use crate::{BackendError, Load, Priority};
 
 /// What a preempted holder or an evicted waiter gets: capacity went to user requests; a
@@ -161,7 +160,6 @@ impl Slots {
                 }
             }
         }
-        self.shared.publish(&st);
         drop(st);
         decisions.carry_out();
         if refused {
@@ -267,13 +265,6 @@ impl Shared {
         out
     }
 
-    fn publish(&self, st: &State) {
-        for p in [Priority::Interactive, Priority::Batch, Priority::Background] {
-            let n = st.waiting.iter().filter(|w| w.priority == p).count();
-            metrics::gauge!(QUEUE_LENGTH, "class" => p.as_str()).set(n as f64);
-        }
-    }
-
     /// Frees the slot of holder `id` (if it still holds one) or its place in the line.
     fn leave(self: &Arc<Self>, id: u64) {
         let mut st = self.state.lock();
@@ -284,7 +275,6 @@ impl Shared {
             return;
         }
         let decisions = self.schedule(&mut st);
-        self.publish(&st);
         drop(st);
         decisions.carry_out();
     }

@@ -192,6 +192,9 @@ const OCCUPANCY_BUCKETS: &[f64] = &[
     1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0, 128.0, 256.0,
 ];
 
+/// Requests waiting for a backend's slot, by backend and class (read at each scrape).
+pub const QUEUE_LENGTH: &str = "reprise_backend_queue_length";
+
 /// How often the recorder's pending histogram samples are folded into their buckets.
 pub const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -289,6 +292,11 @@ fn describe() {
         "reprise_saved_backend_seconds",
         Unit::Seconds,
         "Backend seconds hits saved (the recorded generation time of each entry served), by tenant and model; only grows."
+    );
+    describe_gauge!(
+        QUEUE_LENGTH,
+        Unit::Count,
+        "Requests waiting for a backend's slot (llama sequences, an upstream's max_concurrent), by backend and class, as of the scrape."
     );
     describe_gauge!(
         "reprise_saved_cost",

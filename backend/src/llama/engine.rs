@@ -148,16 +148,6 @@ impl Queues {
         }
     }
 
-    fn publish_lengths(&self) {
-        for (class, line) in [
-            (Priority::Interactive, &self.interactive),
-            (Priority::Batch, &self.batch),
-            (Priority::Background, &self.background),
-        ] {
-            metrics::gauge!(m::QUEUE_LENGTH, "class" => class.as_str()).set(line.len() as f64);
-        }
-    }
-
     /// Fails every waiting request with `err`.
     fn fail_all(&mut self, err: &BackendError) {
         let lines = self
@@ -168,7 +158,6 @@ impl Queues {
         for job in lines {
             let _ = job.tx.try_send(Err(err.clone()));
         }
-        self.publish_lengths();
     }
 }
 
@@ -264,7 +253,6 @@ impl Shared {
             Priority::Batch => q.batch.push_back(job),
             Priority::Background => q.background.push_back(job),
         }
-        q.publish_lengths();
         drop(q);
         self.wake.notify_one();
         Ok(())
@@ -454,7 +442,6 @@ impl<'a> Engine<'a> {
                 self.admit(job);
             }
         }
-        q.publish_lengths();
         true
     }
 
