@@ -97,13 +97,22 @@ impl Responses {
     /// An empty memory of responses.
     pub fn new(config: &FeedbackConfig) -> Responses {
         Responses {
+            // The oldest responses are forgotten first (moka's default admission would turn
+            // away every new response id, never read before, once the memory is full).
             memory: Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(config.memory_bytes)
                 .weigher(|k: &String, v: &Arc<Served>| v.weight().saturating_add(k.len() as u32))
                 .time_to_live(config.window())
                 .build(),
             config: config.clone(),
         }
+    }
+
+    /// Carries out pending evictions now (moka defers them), so the memory is within its
+    /// budget when this returns.
+    pub fn run_pending_tasks(&self) {
+        self.memory.run_pending_tasks();
     }
 
     /// Remembers what response `id` served (in Redis too, queued, when configured).

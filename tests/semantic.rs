@@ -837,6 +837,35 @@ async fn feedback(app: &TestApp, body: Value, key: Option<&str>) -> reqwest::Res
     req.send().await.unwrap()
 }
 
+/// A full memory of responses forgets the oldest, never the newest: a verdict on the last
+/// answer of many is taken.
+#[tokio::test]
+async fn a_full_response_memory_keeps_the_newest_responses() {
+    let mut config = test_config();
+    config.feedback.memory_bytes = 8 * 1024;
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let mut ids = Vec::new();
+    for i in 0..80 {
+        let r = app
+            .chat(&chat_body(&format!("Question number {i}?")), &[])
+            .await;
+        assert_eq!(r.status(), 200);
+        ids.push(
+            r.json::<Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    app.state.responses.run_pending_tasks();
+    let last = ids.pop().unwrap();
+    let said = feedback(&app, json!({"id": last, "verdict": "right"}), None).await;
+    assert_eq!(said.status(), 200, "the newest response is remembered");
+    let first = ids.remove(0);
+    let said = feedback(&app, json!({"id": first, "verdict": "right"}), None).await;
+    assert_eq!(said.status(), 404, "the oldest is forgotten");
+}
+
 /// A verdict given over HTTP is a line of the request log, which `reprise tune --log` joins
 /// to the hit it judges.
 #[tokio::test]

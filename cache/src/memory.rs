@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwapOption;
 use moka::future::Cache;
 use moka::notification::RemovalCause;
+use moka::policy::EvictionPolicy;
 
 use crate::entry::{Digest, Entry, EntryId};
 use crate::shares::{Evicted, EvictedQueue, Ledgers, MemoryShares};
@@ -134,7 +135,11 @@ impl MemoryTier {
         let forget = ledgers.clone();
         let pool_evicting: Arc<parking_lot::Mutex<HashSet<EntryId>>> = Arc::default();
         let by_pool = pool_evicting.clone();
+        // Least recently used first (moka's default admission turns away a newcomer no more
+        // often read than its victim: every new answer, once the tier is full of answers
+        // nobody read again).
         let entries = Cache::builder()
+            .eviction_policy(EvictionPolicy::lru())
             .max_capacity(max_bytes)
             .weigher(move |_k: &EntryId, v: &Arc<Entry>| held_weight(v, index_charge))
             .expire_after(EntryExpiry(retain_ms))
@@ -157,6 +162,7 @@ impl MemoryTier {
             })
             .build();
         let keys = Cache::builder()
+            .eviction_policy(EvictionPolicy::lru())
             .max_capacity((max_bytes / 8).max(u64::from(KEY_WEIGHT)))
             .weigher(|_k: &Digest, _v: &EntryId| KEY_WEIGHT)
             .time_to_live(key_ttl)
@@ -564,6 +570,28 @@ mod tests {
         t.run_pending_tasks().await;
         assert!(t.weighted_size() <= one * 10, "{}", t.weighted_size());
         assert!(evicted.load(Ordering::SeqCst) >= 40);
+    }
+
+    /// A full tier makes room for a new answer by evicting the least recently used, never by
+    /// turning the new one away (moka's default admission refuses a newcomer no more often
+    /// read than the entry it would evict: every new answer, in a tier of answers never
+    /// read again).
+    #[tokio::test]
+    async fn a_full_tier_keeps_the_newest_answers() {
+        let one = (entry(&"x".repeat(1000), 60_000).weight() + ITEM_OVERHEAD) as u64;
+        let t = MemoryTier::new(one * 10, Duration::from_secs(60), Duration::ZERO, None);
+        let mut ids = Vec::new();
+        for i in 0..50u8 {
+            let e = entry(&"x".repeat(1000), 60_000);
+            ids.push(e.id);
+            t.insert([i; 32], e).await;
+            t.run_pending_tasks().await;
+        }
+        for (i, id) in ids.iter().enumerate().skip(45) {
+            assert!(t.get(*id).await.is_some(), "answer {i} of 50 is held");
+            assert!(t.get_by_key(&[i as u8; 32]).await.is_some(), "and its key");
+        }
+        assert!(t.get(ids[0]).await.is_none(), "the oldest went");
     }
 
     /// The pool of a namespace `pool/rest`.

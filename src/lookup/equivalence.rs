@@ -83,6 +83,7 @@ impl Forms {
     pub fn new(bytes: u64) -> Self {
         Forms {
             groups: moka::sync::Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(bytes)
                 .weigher(|_, g: &Arc<Mutex<Group>>| g.lock().bytes())
                 .build(),

@@ -238,7 +238,9 @@ impl Prefetcher {
         let (observer, rx) = Observer::channel(OBSERVATION_QUEUE, OBSERVATION_BYTES);
         let shared = Arc::new(Shared {
             model: Mutex::new(Model::with_budget(cfg.half_life_secs, cfg.model_bytes)),
+            // Least recently used first, in every bounded store (see `reprise_cache::memory`).
             sessions: moka::sync::Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(SESSIONS_BYTES)
                 .weigher(|(namespace, session): &(String, String), _: &SessionLast| {
                     let bytes =
@@ -250,6 +252,7 @@ impl Prefetcher {
                 .time_to_idle(SESSION_IDLE)
                 .build(),
             hot: moka::sync::Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(HOT_BYTES)
                 .weigher(|_: &EntryId, hot: &Arc<Hot>| {
                     u32::try_from(hot.bytes())
@@ -258,6 +261,7 @@ impl Prefetcher {
                 })
                 .build(),
             proposed_for: moka::sync::Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(MAX_PROPOSED)
                 .build(),
             queue: Mutex::new(VecDeque::new()),

@@ -26,8 +26,10 @@ pub(super) struct Fences {
 
 impl Default for Fences {
     fn default() -> Self {
+        // The oldest fences go first (a newcomer, never read, is never turned away).
         let cache = || {
             moka::sync::Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(FENCES_MAX)
                 .time_to_live(FENCE_TTL)
                 .build()
@@ -36,6 +38,7 @@ impl Default for Fences {
             namespaces: cache(),
             tags: cache(),
             scoped_tags: moka::sync::Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(FENCES_MAX)
                 .time_to_live(FENCE_TTL)
                 .build(),

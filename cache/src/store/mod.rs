@@ -149,7 +149,10 @@ impl Store {
             ),
             redis,
             index,
+            // The oldest deletes are forgotten first (a newcomer, never read, is never
+            // turned away).
             deleted: moka::sync::Cache::builder()
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(DELETED_MAX)
                 .time_to_live(DELETED_TTL)
                 .build(),
