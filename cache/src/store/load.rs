@@ -92,7 +92,7 @@ impl Store {
 
     /// One entry of a bulk load into memory; its vector is indexed by [`Store::finish_load`].
     async fn load_one(&self, entry: Entry, loaded: &mut Loaded, vectors: &mut Vec<IndexItem>) {
-        if entry.is_expired() || self.was_deleted(entry.id) || self.fenced(&entry) {
+        if entry.is_expired() || self.gone(&entry) {
             return;
         }
         if let Some(held) = self.memory.get(entry.id).await {
@@ -102,7 +102,7 @@ impl Store {
         }
         let entry = Arc::new(entry);
         let vector = self.indexable(&entry);
-        if !self.memory.insert_entry(entry.clone()).await {
+        if !self.memory.insert_entry(entry.clone()).await || !self.undo_if_gone(&entry).await {
             return;
         }
         if let Some(v) = vector {

@@ -405,15 +405,43 @@ impl Store {
         }
         // A delete that ran between the check above and the memory insert found nothing
         // to remove: look again, as a promotion does.
-        if self.was_deleted(id) || self.fenced(&entry) {
-            self.remove_local(id).await;
+        self.undo_if_gone(&entry).await;
+    }
+
+    /// Whether the entry was deleted here lately, by its id, namespace or tag.
+    fn gone(&self, entry: &Entry) -> bool {
+        self.was_deleted(entry.id) || self.fenced(entry)
+    }
+
+    /// After a memory insert: takes the entry out again when it was deleted meanwhile (a
+    /// delete between a check and the insert found nothing to remove). Whether it stays.
+    async fn undo_if_gone(&self, entry: &Entry) -> bool {
+        if self.gone(entry) {
+            self.remove_local(entry.id).await;
+            return false;
         }
+        true
     }
 
     /// Replaces the memory copy of an entry with one whose metadata changed (same id, same
-    /// answer): its keys and vector stay.
+    /// answer): its keys and vector stay. Only while memory still holds the entry, and
+    /// keeping the refusals the held copy gained since `entry` was read: a copy read before
+    /// a delete or a verdict never brings the entry back nor drops the refusal.
     pub async fn replace(&self, entry: Arc<Entry>) {
-        self.memory.insert_entry(entry).await;
+        self.put_back(entry).await;
+    }
+
+    /// Puts a changed copy of an entry memory holds back in its place, with the refusals the
+    /// held copy has and it lacks; nothing when memory no longer holds the entry or it was
+    /// deleted. The copy kept, if any.
+    async fn put_back(&self, entry: Arc<Entry>) -> Option<Arc<Entry>> {
+        let held = self.memory.get_kept(entry.id).await?;
+        if self.gone(&entry) {
+            return None;
+        }
+        let entry = self.merge_refusals_into(entry, &held);
+        self.memory.insert_entry(entry.clone()).await;
+        self.undo_if_gone(&entry).await.then_some(entry)
     }
 
     /// Stores a changed copy of a held entry (same id and answer; say, a refusal added) here
@@ -444,10 +472,11 @@ impl Store {
             }
         }
         // Deleted here while Redis was asked (its delete event read meanwhile).
-        if self.was_deleted(entry.id) {
+        if self.gone(&entry) {
             return;
         }
-        self.memory.insert_entry(entry).await;
+        self.memory.insert_entry(entry.clone()).await;
+        self.undo_if_gone(&entry).await;
     }
 
     /// Points `key` at `entry`, in memory and (queued, for the entry's remaining lifetime)
@@ -495,10 +524,10 @@ impl Store {
             return self.merge_refusals(held, &entry).await;
         }
         let entry = Arc::new(entry);
-        if entry.is_expired() || self.was_deleted(entry.id) || self.fenced(&entry) {
+        if entry.is_expired() || self.gone(&entry) {
             return entry;
         }
-        if self.memory.insert_entry(entry.clone()).await {
+        if self.memory.insert_entry(entry.clone()).await && self.undo_if_gone(&entry).await {
             self.index_entry(&entry);
         }
         entry
@@ -507,17 +536,13 @@ impl Store {
     /// An entry read from Redis for a lookup, installed here; `None` when this replica
     /// deleted it meanwhile (the read started before the deletion reached it).
     async fn promote(&self, entry: Entry) -> Option<Arc<Entry>> {
-        if self.was_deleted(entry.id) || self.fenced(&entry) {
+        if self.gone(&entry) {
             return None;
         }
         let entry = self.install(entry).await;
         // A deletion between the check and the insertion removed it from memory after it
         // was put there, or before: look again so that it is not served either way.
-        if self.was_deleted(entry.id) {
-            self.remove_local(entry.id).await;
-            return None;
-        }
-        Some(entry)
+        self.undo_if_gone(&entry).await.then_some(entry)
     }
 
     /// Whether this replica removed the entry within [`DELETED_TTL`].
@@ -534,14 +559,15 @@ impl Store {
         }
     }
 
-    /// `held` with `incoming`'s refusals it lacks (stored in memory when there were any).
+    /// `held` with `incoming`'s refusals it lacks (stored in memory when there were any, and
+    /// memory still holds it undeleted).
     async fn merge_refusals(&self, held: Arc<Entry>, incoming: &Entry) -> Arc<Entry> {
         let mut merged = (*held).clone();
         if !merged.merge_refusals(incoming) {
             return held;
         }
         let merged = Arc::new(merged);
-        self.memory.insert_entry(merged.clone()).await;
+        self.put_back(merged.clone()).await;
         merged
     }
 
@@ -689,6 +715,54 @@ mod tests {
         assert!(matches!(s.find(&[1; 32], |_| false).await.0, ByKey::Stale));
         let c = s.search(&[9; 32], &[1.0, 0.0], 1);
         assert_eq!(c.first().map(|c| c.id), Some(e.id));
+    }
+
+    /// A copy read before a delete or a verdict (a hit's entry, relinked after the answer)
+    /// never brings the entry back nor drops the refusal given meanwhile.
+    #[tokio::test]
+    async fn a_copy_read_earlier_never_undoes_a_delete_or_a_refusal() {
+        let s = store();
+        let e = Arc::new(entry("a", now_ms()));
+        s.insert(e.clone(), &[[1; 32]]).await;
+        let read = s.get_by_key(&[1; 32]).await.unwrap();
+        // A verdict meanwhile: the held copy gains a refusal.
+        let mut refused = (*read).clone();
+        refused.refuse(crate::entry::Refusal {
+            key: [5; 32],
+            around: None,
+        });
+        s.update(Arc::new(refused)).await;
+        let mut relinked = (*read).clone();
+        relinked.origin = Origin::Live;
+        relinked.gen_ms = 7;
+        s.replace(Arc::new(relinked)).await;
+        let held = s.get_by_key(&[1; 32]).await.unwrap();
+        assert_eq!(held.gen_ms, 7, "the change is taken");
+        assert!(held.refuses_key(&[5; 32]), "the refusal is kept");
+        // Deleted meanwhile: the earlier copy does not bring it back.
+        s.remove_local(e.id).await;
+        s.replace(read.clone()).await;
+        assert!(!s.memory.holds(e.id));
+        assert!(s.get_by_key(&[1; 32]).await.is_none());
+        // Nor do the refusals of a copy another replica sent.
+        let mut other = (*read).clone();
+        other.refuse(crate::entry::Refusal {
+            key: [6; 32],
+            around: None,
+        });
+        assert!(s
+            .merge_refusals(read.clone(), &other)
+            .await
+            .refuses_key(&[6; 32]));
+        assert!(!s.memory.holds(e.id));
+        // Nor a delete by tag.
+        let t = Arc::new(entry("b", now_ms()));
+        s.insert(t.clone(), &[[2; 32]]).await;
+        let read = s.get_by_key(&[2; 32]).await.unwrap();
+        s.fence_tag("t");
+        s.remove_local(t.id).await;
+        s.replace(read).await;
+        assert!(s.get_by_key(&[2; 32]).await.is_none());
     }
 
     #[tokio::test]
