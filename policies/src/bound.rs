@@ -25,7 +25,10 @@
 //!   that bin's right verdicts do not vouch for it, its wrong ones count against it.
 //! - With more right verdicts the bound narrows and the threshold may fall below the
 //!   configured one, but never below a floor, and only down to similarities where verdicts
-//!   exist: evidence above the configured threshold says nothing of the band below it.
+//!   exist: evidence above the configured threshold says nothing of the band below it, so
+//!   the band a lower threshold opens must keep the bound on its own verdicts (and every
+//!   verdict from there up with them). Many right verdicts on served hits never outweigh
+//!   wrong ones under the threshold.
 //!
 //! The idea of learning thresholds online under a user-set error bound comes from vCache
 //! (arXiv 2502.03771), which fits one curve per cached entry; here the curve is per scope
@@ -133,8 +136,12 @@ impl Evidence {
         // Where what was served at the configured threshold starts.
         let served_bin = bin_from(configured);
         let (mut n, mut w) = (0.0, 0.0);
-        // The lowest bin (with verdicts of its own) whose verdicts from there up show at most
-        // delta wrong, for sure.
+        // The verdicts of the band a lower threshold would open: from the bin up to where
+        // what was served starts.
+        let (mut band_n, mut band_w) = (0.0, 0.0);
+        // The lowest bin under the configured one (with verdicts of its own) whose verdicts
+        // from there up, and those of the band it opens alone, show at most delta wrong, for
+        // sure.
         let mut lowest_safe = None;
         // At or above the configured threshold: the lowest bin from which up the verdicts do
         // not show more than delta wrong by more than the raising margin (a bin without
@@ -144,13 +151,19 @@ impl Evidence {
             let here = self.right[b] + self.wrong[b];
             n += here;
             w += self.wrong[b];
+            if b < served_bin {
+                band_n += here;
+                band_w += self.wrong[b];
+            }
             if b >= served_bin && wilson_lower(w, n, RAISE_Z) <= delta {
                 lowest_within = b;
             }
-            if here == 0.0 {
+            if here == 0.0 || b >= configured_bin || b < floor_bin {
                 continue;
             }
-            if b >= floor_bin && wilson_upper(w, n, z) <= delta {
+            // Right verdicts on what was served say nothing of the band under it: however
+            // many, they never vouch for its wrong ones.
+            if wilson_upper(w, n, z) <= delta && wilson_upper(band_w, band_n, z) <= delta {
                 lowest_safe = Some(b);
             }
         }
@@ -446,7 +459,7 @@ mod tests {
     fn right_verdicts_loosen_down_to_where_they_were_seen() {
         let mut e = Evidence::default();
         // Many right verdicts from 0.80 up, one wrong among them.
-        for i in 0..2000 {
+        for i in 0..8000 {
             let s = 0.80 + (i % 20) as f32 * 0.01;
             e.record(s, false);
         }
@@ -511,6 +524,41 @@ mod tests {
         e.record(1.0, true);
         let l = e.threshold(0.02, 0.05, 0.86, 0.7);
         assert!(l.threshold > 1.0, "{l:?}");
+    }
+
+    /// Right verdicts on served hits above the configured threshold, however many, never
+    /// vouch for a band under it whose own verdicts break the bound.
+    #[test]
+    fn right_verdicts_above_never_vouch_for_a_wrong_band_below() {
+        let mut e = Evidence::default();
+        for i in 0..100 {
+            e.record(0.80, i < 30);
+        }
+        for _ in 0..20_000 {
+            e.record(0.95, false);
+        }
+        let l = e.threshold(0.02, 0.05, 0.86, 0.7);
+        assert_eq!(l.threshold, 0.86, "{l:?}");
+        assert!(!l.learned);
+        // A clean band with enough verdicts of its own opens, whatever lies above.
+        let mut e = Evidence::default();
+        for _ in 0..1000 {
+            e.record(0.83, false);
+        }
+        for _ in 0..20_000 {
+            e.record(0.95, false);
+        }
+        let l = e.threshold(0.02, 0.05, 0.86, 0.7);
+        assert!((l.threshold - 0.83).abs() < 1e-6, "{l:?}");
+        // Too few of its own: shut, though the verdicts from there up would pass.
+        let mut e = Evidence::default();
+        for _ in 0..50 {
+            e.record(0.83, false);
+        }
+        for _ in 0..20_000 {
+            e.record(0.95, false);
+        }
+        assert_eq!(e.threshold(0.02, 0.05, 0.86, 0.7).threshold, 0.86);
     }
 
     #[test]
