@@ -193,7 +193,9 @@ fn redis_error(e: reprise_cache::redis::RedisError) -> ApiError {
 }
 
 /// `DELETE /admin/entries/{id}`: everywhere; a tenant's admin only reaches its own entries
-/// (another tenant's entry counts as not found).
+/// (another tenant's entry counts as not found). An id no tier holds is marked deleted all
+/// the same, for any admin: the answer it names may still be generating (its id is
+/// announced with the first byte), and is then never stored.
 pub async fn delete_entry(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -205,11 +207,10 @@ pub async fn delete_entry(
         .parse()
         .map_err(|_| ApiError::invalid("not an entry id", Some("id")))?;
     if let Admin::Tenant(t) = &admin {
-        // Expired entries kept for stale answers are the tenant's to delete too.
-        let Some(entry) = state.store.get_kept(id).await else {
-            return Ok(Json(json!({"deleted": 0})));
-        };
-        if crate::auth::scope_of(&entry.namespace) != t.name() {
+        // Expired entries kept for stale answers are the tenant's to delete too. Redis not
+        // answering is an error, not a "not found" (the entry may be there).
+        let held = state.store.get_kept(id).await.map_err(redis_error)?;
+        if held.is_some_and(|e| crate::auth::scope_of(&e.namespace) != t.name()) {
             return Ok(Json(json!({"deleted": 0})));
         }
     }

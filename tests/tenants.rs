@@ -707,6 +707,63 @@ async fn a_tenants_admin_token_reaches_only_its_tenant() {
     assert_eq!(status("sk-beta", "beta one").await, "error");
 }
 
+/// A tenant's admin deletes an answer still streaming by the id announced with it: it is
+/// never stored, while an answer streamed beside it is.
+#[tokio::test]
+async fn a_tenants_admin_deletes_an_answer_still_streaming() {
+    std::env::set_var("REPRISE_TEST_ACME_STREAM_ADMIN_TOKEN", "acme-stream-admin");
+    let mut config = tenants_config(true);
+    config.tenants[0].admin_token_env = Some("REPRISE_TEST_ACME_STREAM_ADMIN_TOKEN".into());
+    let script = ScriptConfig {
+        token_delay: std::time::Duration::from_millis(30),
+        ..ScriptConfig::default()
+    };
+    let (app, _backend) = spawn_fake(config, script).await;
+    let key = bearer("sk-acme");
+    let stream = |text: &str| {
+        let mut body = chat_body(text);
+        body["stream"] = serde_json::json!(true);
+        let h = [("authorization", key.as_str())];
+        let app = &app;
+        async move { app.chat(&body, &h).await }
+    };
+    let doomed = stream("an answer to take back").await;
+    let kept = stream("an answer to keep").await;
+    assert_eq!(cache_status(&doomed), "miss");
+    let id = doomed.headers()["x-reprise-entry"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let kept_id = kept.headers()["x-reprise-entry"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let r = app
+        .client
+        .delete(app.url(&format!("/admin/entries/{id}")))
+        .bearer_auth("acme-stream-admin")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let (a, b) = (doomed.text().await.unwrap(), kept.text().await.unwrap());
+    assert!(a.ends_with("data: [DONE]\n\n") && b.ends_with("data: [DONE]\n\n"));
+    let entry = |id: &str| id.parse::<reprise_cache::EntryId>().unwrap();
+    let store = &app.state.store;
+    let stored = eventually_async(std::time::Duration::from_secs(10), || async {
+        store.get_kept(entry(&kept_id)).await.unwrap().is_some()
+    })
+    .await;
+    assert!(stored, "the answer beside it is stored");
+    assert!(store.get_kept(entry(&id)).await.unwrap().is_none());
+    let h = [
+        ("authorization", key.as_str()),
+        ("cache-control", "only-if-cached"),
+    ];
+    let again = app.chat(&chat_body("an answer to take back"), &h).await;
+    assert_eq!(cache_status(&again), "error");
+}
+
 /// `DELETE /admin/entries` by tenant, model and age; never without a filter.
 #[tokio::test]
 async fn an_operator_deletes_by_tenant_model_and_age() {

@@ -28,7 +28,7 @@ use moka::notification::RemovalCause;
 
 use crate::entry::{Digest, Entry, EntryId};
 use crate::memory::{EvictionHook, IndexCharge, MemoryTier};
-use crate::redis::{RedisTier, Updated};
+use crate::redis::{RedisError, RedisTier, Updated};
 use crate::semantic::{Candidate, MaintainReport, SemanticIndex};
 use crate::shares::MemoryShares;
 use crate::vector::Vector;
@@ -321,14 +321,16 @@ impl Store {
     }
 
     /// An entry held by any tier, expired ones kept for stale serving included: memory,
-    /// else Redis (nothing promoted). For the admin API.
-    pub async fn get_kept(&self, id: EntryId) -> Option<Arc<Entry>> {
+    /// else Redis (nothing promoted); an error when Redis cannot say. For the admin API.
+    pub async fn get_kept(&self, id: EntryId) -> Result<Option<Arc<Entry>>, RedisError> {
         if let Some(e) = self.memory.get_kept(id).await {
-            return Some(e);
+            return Ok(Some(e));
         }
-        let redis = self.redis.as_ref()?;
-        let e = redis.get(id).await.ok().flatten()?;
-        (!self.was_deleted(e.id)).then(|| Arc::new(e))
+        let Some(redis) = self.redis.as_ref() else {
+            return Ok(None);
+        };
+        let e = redis.get(id).await?;
+        Ok(e.filter(|e| !self.was_deleted(e.id)).map(Arc::new))
     }
 
     /// An entry by id for serving a semantic candidate: memory, else Redis (promoted). Only
