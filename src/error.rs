@@ -58,6 +58,9 @@ pub enum ApiError {
     /// The backend or models are still loading.
     #[error("the server is not ready")]
     NotReady,
+    /// A store the request needs (Redis, for shared records) cannot be reached now: retry.
+    #[error("{0}")]
+    Unavailable(String),
     /// The embedder's queue stayed full: the semantic lookup this request needed could not run.
     #[error("the server is overloaded; retry in {retry_after_secs} s")]
     Overloaded {
@@ -117,6 +120,7 @@ impl ApiError {
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::NotCached => "not_cached",
             ApiError::NotReady => "not_ready",
+            ApiError::Unavailable(_) => "unavailable",
             ApiError::Overloaded { .. } => "overloaded",
             ApiError::Unauthorized => "unauthorized",
             ApiError::InvalidApiKey => "invalid_api_key",
@@ -137,7 +141,7 @@ impl ApiError {
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnknownModel(_) | ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Timeout | ApiError::NotCached => StatusCode::GATEWAY_TIMEOUT,
-            ApiError::NotReady => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::NotReady | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unauthorized | ApiError::InvalidApiKey => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
@@ -215,6 +219,7 @@ impl ApiError {
                 None,
                 Some("not_ready"),
             ),
+            ApiError::Unavailable(m) => (m.clone(), "server_error", None, Some("unavailable")),
             ApiError::Unauthorized => (
                 "missing or invalid admin token".into(),
                 "invalid_request_error",
@@ -317,7 +322,7 @@ impl IntoResponse for ApiError {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_secs));
         }
-        if let ApiError::NotReady = &self {
+        if let ApiError::NotReady | ApiError::Unavailable(_) = &self {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }

@@ -183,9 +183,7 @@ impl Responses {
 /// The answer to a verdict while Redis, where the response records are shared, cannot be
 /// reached: try again (503).
 fn records_unreachable() -> ApiError {
-    ApiError::Backend(reprise_backend::BackendError::Unavailable(
-        "the shared response records cannot be reached; retry the verdict".into(),
-    ))
+    ApiError::Unavailable("the shared response records cannot be reached; retry the verdict".into())
 }
 
 /// What a record taken in Redis is replaced with.

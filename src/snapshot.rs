@@ -76,12 +76,33 @@ pub struct Counts {
     pub skipped: usize,
 }
 
+/// A new file at `path` (truncated if there), readable by this user only: a snapshot holds
+/// every tenant's prompts and answers, and each save renames a new file into place, so a
+/// mode the operator set on the old one would not last.
+fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let file = options.open(path)?;
+    // A temporary file left by a crash keeps the mode it was created with: set it again.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(file)
+}
+
 /// Writes the memory tier to `path` (atomically: a temporary file renamed into place).
 pub fn save(state: &AppState, path: &Path) -> std::io::Result<Counts> {
     let tmp = path.with_extension("tmp");
     let mut counts = Counts::default();
     {
-        let mut w = BufWriter::new(std::fs::File::create(&tmp)?);
+        let mut w = BufWriter::new(private_file(&tmp)?);
         serde_json::to_writer(
             &mut w,
             &HeaderLine {

@@ -570,7 +570,11 @@ async fn a_verdict_redis_cannot_take_is_refused_then_counts_once() {
     open_breaker(&redis.url(), a.state.store.redis().unwrap(), 1_000).await;
     let verdict = json!({"id": id, "verdict": "wrong"});
     let r = feedback(&a, verdict.clone(), None).await;
-    assert!(r.status().is_server_error(), "{}", r.status());
+    assert!(r.headers().contains_key("retry-after"));
+    let j = assert_openai_error(r, 503, None).await;
+    assert_eq!(j["error"]["code"], "unavailable", "{j}");
+    let message = j["error"]["message"].as_str().unwrap();
+    assert!(message.contains("retry the verdict"), "{message}");
     let taken = eventually_async(Duration::from_secs(20), || async {
         feedback(&a, verdict.clone(), None).await.status() == 200
     });

@@ -235,6 +235,28 @@ async fn a_snapshot_loads_within_the_memory_budget() {
     assert!(app.state.store.weighted_size() <= 1 << 20);
 }
 
+/// A snapshot holds every tenant's prompts and answers: it is readable by its owner only,
+/// each save again (a save renames a new file into place).
+#[cfg(unix)]
+#[tokio::test]
+async fn a_snapshot_is_readable_by_its_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cache.snapshot");
+    let (app, _backend) = spawn_fake(test_config(), Default::default()).await;
+    app.chat(&chat_body("What is private?"), &[]).await;
+    // A temporary file a crash left behind, readable by all.
+    std::fs::write(path.with_extension("tmp"), "left").unwrap();
+    let all = std::fs::Permissions::from_mode(0o644);
+    std::fs::set_permissions(path.with_extension("tmp"), all.clone()).unwrap();
+    for _ in 0..2 {
+        reprise::snapshot::save(&app.state, &path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        std::fs::set_permissions(&path, all.clone()).unwrap();
+    }
+}
+
 #[tokio::test]
 async fn a_killed_replica_loses_nothing_redis_was_written() {
     let redis = RedisServer::start();
