@@ -247,6 +247,10 @@ impl Bounds {
         let now = now_ms();
         let policies = state.policies.load_full();
         let mut peers: Scoped = HashMap::new();
+        // Fields of replicas gone for good (every restart publishes under a new id, and each
+        // write keeps the hash): removed, so the hash holds live replicas only and reading
+        // at most MAX_REPLICAS of its fields reaches them.
+        let mut gone = Vec::new();
         for (replica, bytes) in fields {
             if replica == redis.replica_id() {
                 continue;
@@ -256,6 +260,7 @@ impl Bounds {
                 continue;
             };
             if now.saturating_sub(p.at_ms) > SHARED_TTL.as_millis() as u64 {
+                gone.push(replica);
                 continue;
             }
             for (tenant, scopes) in p.tenants {
@@ -277,6 +282,9 @@ impl Bounds {
             }
         }
         *self.peers.lock() = peers;
+        if let Err(e) = redis.del_fields(SHARED, &gone).await {
+            tracing::debug!(error = %e, "bounds: stale evidence not removed");
+        }
     }
 }
 

@@ -633,6 +633,63 @@ async fn verdicts_reach_the_thresholds_of_every_replica() {
     assert!(threshold(&b) > sim);
 }
 
+/// Evidence of replicas gone for good (published more than a week ago) is removed from the
+/// shared hash as it is read, so a hash of many past restarts still leads to the live
+/// replicas' evidence (at most 256 fields are read at a time).
+#[tokio::test]
+async fn stale_evidence_is_pruned_and_live_evidence_reached() {
+    let redis = RedisServer::start();
+    let mut config = redis_config(redis.url());
+    config.semantic.enabled = false;
+    config.semantic.delta = 0.05;
+    config.semantic.evidence_sync_secs = 0;
+    let app = spawn_replica(config, Arc::new(scripted())).await;
+    let key = "reprise:hash:{bounds:evidence}";
+    let published = |at_ms: u64| {
+        json!({"at_ms": at_ms, "tenants": {"": {"*/*": [[90, 0.0, 5.0]]}}}).to_string()
+    };
+    let mut args = vec![
+        "-p".to_string(),
+        redis.port().to_string(),
+        "hset".into(),
+        key.into(),
+    ];
+    for i in 0..300 {
+        args.extend([format!("gone-{i}"), published(1_000)]);
+    }
+    args.extend(["live".to_string(), published(reprise_cache::now_ms())]);
+    let out = std::process::Command::new("redis-cli")
+        .args(&args)
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "301");
+    let hlen = || {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &redis.port().to_string(), "hlen", key])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let threshold = || {
+        app.state
+            .bounds
+            .threshold("", "*/*", 0.05, 0.86, 0.7)
+            .threshold
+    };
+    for _ in 0..3 {
+        app.state.bounds.pull(&app.state).await;
+    }
+    assert_eq!(hlen(), 1, "only the live replica's field is left");
+    assert!(
+        threshold() > 0.90,
+        "its wrong verdicts at 0.90 count: {}",
+        threshold()
+    );
+}
+
 /// Retries `send` until it answers 200 (a queued Redis write may not have landed yet).
 async fn eventually_ok<F, Fut>(send: F) -> serde_json::Value
 where

@@ -487,6 +487,19 @@ return redis.call('GET', KEYS[1])";
         .await
     }
 
+    /// Removes `fields` from the named hash written by [`RedisTier::put_field`] (a writer
+    /// gone for good: its field would only take room). Returns how many were there.
+    pub async fn del_fields(&self, name: &str, fields: &[String]) -> Result<u64, RedisError> {
+        if fields.is_empty() {
+            return Ok(0);
+        }
+        let key = self.shared.keys.hash(name);
+        let cmd = ::redis::cmd("HDEL").arg(&key).arg(fields).clone();
+        self.shared
+            .run(Op::Delete, |c| async move { c.query::<u64>(&cmd).await })
+            .await
+    }
+
     /// The value stored by [`RedisTier::put_blob`] under `name`, if any and at most
     /// `max_bytes` long (a longer one is absent: skipped and counted, never read).
     pub async fn get_blob(
