@@ -101,8 +101,9 @@ pub struct SemanticIndex {
     maintaining: Mutex<()>,
     /// What the HNSW side did, for diagnostics and tests.
     graph: GraphCounters,
-    /// Told when a removal leaves a partition worn past the rebuild ratio, so maintenance
-    /// need not wait for its next period while tombstones hold memory.
+    /// Told when a removal leaves a partition worn past the rebuild ratio (tombstones hold
+    /// memory), or an insert takes one past exact scans (its searches scan every vector), so
+    /// maintenance need not wait for its next period.
     worn: tokio::sync::Notify,
 }
 
@@ -121,8 +122,8 @@ const SLOT_BYTES_PER_LINK: u32 = 16;
 /// Counts of the index's HNSW work since it was created ([`SemanticIndex::graph_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GraphStats {
-    /// Graphs built over a whole partition in one pass (inside an insert far past the
-    /// limit, by `build_graphs` after a bulk load, or by maintenance).
+    /// Graphs built over a whole partition in one pass (by `build_graphs` after a bulk load,
+    /// or by maintenance).
     pub builds: u64,
     /// Vectors inserted into a graph that already existed.
     pub inserts: u64,
@@ -206,8 +207,9 @@ impl SemanticIndex {
         bytes.ceil().min(f64::from(u32::MAX)) as u32
     }
 
-    /// Waits until a removal leaves some partition due for a rebuild (a wake-up left from
-    /// before the call counts): maintenance runs then as well as on its period.
+    /// Waits until some partition is due for a rebuild (a removal left it worn, or an insert
+    /// took it past exact scans; a wake-up left from before the call counts): maintenance
+    /// runs then as well as on its period.
     pub async fn worn(&self) {
         self.worn.notified().await;
     }
@@ -275,7 +277,9 @@ impl SemanticIndex {
     /// One vector into a partition, counted.
     fn push_one(&self, inner: &mut PartitionInner, id: EntryId, vector: Vector) {
         let had = inner.graph.is_some();
-        inner.push(id, vector, &self.cfg);
+        if inner.push(id, vector, &self.cfg) {
+            self.worn.notify_one();
+        }
         self.graph.pushed(had, inner.graph.is_some(), 1);
     }
 
@@ -526,10 +530,14 @@ impl SemanticIndex {
                 fresh.dead_count += 1;
             }
         }
+        let mut outgrew = false;
         for s in snapshot_len..inner.ids.len() {
             if !inner.dead[s] {
-                fresh.push(inner.ids[s], inner.vectors[s].clone(), &self.cfg);
+                outgrew |= fresh.push(inner.ids[s], inner.vectors[s].clone(), &self.cfg);
             }
+        }
+        if outgrew {
+            self.worn.notify_one();
         }
         let dropped = inner.ids.len() - fresh.ids.len();
         *inner = fresh;
@@ -567,8 +575,8 @@ struct PartitionInner {
     dead_count: usize,
     slot_of: HashMap<EntryId, usize>,
     graph: Option<Graph>,
-    /// A bulk load left the graph to be built in the background: inserts meanwhile do not
-    /// build it themselves (that would hold the partition's lock for the whole build).
+    /// Its graph is to be built in the background (a bulk load left it, or an insert took
+    /// the partition past exact scans and woke maintenance): asked once.
     graph_pending: bool,
 }
 
@@ -589,20 +597,24 @@ impl PartitionInner {
         slot
     }
 
-    fn push(&mut self, id: EntryId, vector: Vector, cfg: &IndexConfig) {
+    /// Appends; a graph takes the vector. Whether the partition just outgrew exact scans
+    /// (asked once; maintenance builds its graph).
+    fn push(&mut self, id: EntryId, vector: Vector, cfg: &IndexConfig) -> bool {
         let slot = self.push_flat(id, vector);
         match &self.graph {
-            Some(graph) => graph.insert_slice((&self.vectors[slot..=slot], slot)),
-            // Building a graph over thousands of vectors inside one request would stall it:
-            // the periodic `maintain` builds it off the request path, and exact scans serve
-            // meanwhile. Only a partition growing far past the limit between two passes gets
-            // its graph built here (never one whose build a bulk load left to the background).
-            None if !self.graph_pending
-                && self.ids.len() > cfg.exact_scan_max.saturating_mul(4) =>
-            {
-                self.build_graph(cfg)
+            Some(graph) => {
+                graph.insert_slice((&self.vectors[slot..=slot], slot));
+                false
             }
-            None => {}
+            // Building a graph over thousands of vectors inside an insert would stall the
+            // request and, under the partition's write lock, every search and removal of the
+            // partition: maintenance builds it off the request path (woken at once), and
+            // exact scans serve meanwhile.
+            None if !self.graph_pending && self.needs_graph(cfg) => {
+                self.graph_pending = true;
+                true
+            }
+            None => false,
         }
     }
 
@@ -803,6 +815,34 @@ mod tests {
         assert!(idx.worn().now_or_never().is_some(), "2 of 4 is half");
         assert_eq!(idx.maintain().rebuilt, 1);
         assert!(idx.worn().now_or_never().is_none(), "woken once");
+    }
+
+    /// An insert that takes a partition past exact scans builds no graph itself (that would
+    /// hold the partition's lock, searches and removals waiting, for the whole build): it
+    /// wakes maintenance, once, which builds it.
+    #[test]
+    fn an_insert_past_exact_scans_wakes_maintenance_and_builds_nothing() {
+        use futures::FutureExt;
+        let idx = SemanticIndex::new(
+            2,
+            IndexConfig {
+                exact_scan_max: 8,
+                ..IndexConfig::default()
+            },
+        );
+        let p = [2u8; 32];
+        for i in 0..8 {
+            idx.insert(p, EntryId(i), unit(&[1.0, i as f32]));
+        }
+        assert!(idx.worn().now_or_never().is_none(), "8 are scanned");
+        for i in 8..100 {
+            idx.insert(p, EntryId(i), unit(&[1.0, i as f32]));
+        }
+        assert_eq!(idx.graphs(), 0, "no insert built the graph");
+        assert!(idx.worn().now_or_never().is_some(), "maintenance is woken");
+        assert!(idx.worn().now_or_never().is_none(), "once");
+        assert_eq!(idx.maintain().rebuilt, 1);
+        assert_eq!(idx.graph_points(&p), Some(100));
     }
 
     #[test]
