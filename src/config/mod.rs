@@ -433,7 +433,8 @@ pub struct CacheConfig {
     /// Lifetime of an entry in seconds.
     pub ttl_secs: u64,
     /// Without Redis: save the memory tier here on shutdown and load it at start, so a restart
-    /// keeps the cache and the semantic index (off when absent).
+    /// keeps the cache and the semantic index (off when absent; with `[redis]` a config
+    /// error, since Redis keeps the cache then).
     pub snapshot_path: Option<PathBuf>,
     /// With `snapshot_path`: also save every this many seconds while running (written to a
     /// temporary file, then renamed over the last), so a crash loses at most one interval.
@@ -885,6 +886,14 @@ impl Config {
             // Saves write `<path>.tmp` and rename it over the path: they would be one file.
             return Err(invalid("cache.snapshot_path", "must not end in `.tmp`"));
         }
+        if self.cache.snapshot_path.is_some() && self.redis.is_enabled() {
+            // A snapshot loaded while Redis is down would serve answers other replicas
+            // deleted meanwhile, until Redis answers again.
+            return Err(invalid(
+                "cache.snapshot_path",
+                "is for a cache without Redis: with [redis], Redis keeps the cache across restarts",
+            ));
+        }
         if self.cache.context_turns > 1024 {
             return Err(invalid("cache.context_turns", "must be at most 1024"));
         }
@@ -1153,6 +1162,10 @@ mod tests {
             ("[[tenants]]\nname = \"a b\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[[tenants]]\nname = \"-\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[cache]\nsnapshot_path = \"/var/lib/reprise/cache.tmp\"\n", "cache.snapshot_path"),
+            (
+                "[cache]\nsnapshot_path = \"/var/lib/reprise/cache\"\n[redis]\nurl = \"redis://127.0.0.1:6379\"\n",
+                "cache.snapshot_path",
+            ),
             ("[[tenants]]\nname = \"anonymous\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[[tenants]]\nname = \"other\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[auth.anonymous]\nmemory_share = 0.1\n", "auth.anonymous.memory_share"),
