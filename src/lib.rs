@@ -269,10 +269,7 @@ pub async fn run_with(
             .shutdown(state.config.server.shutdown_timeout())
             .await;
     }
-    served??;
-    if let Some(s) = admin_served {
-        s??;
-    }
+    // Saved however the servers ended (one that failed ends the process too).
     if let Some(path) = &state.config.cache.snapshot_path {
         let st = state.clone();
         let p = path.clone();
@@ -282,6 +279,10 @@ pub async fn run_with(
             }
             Err(e) => tracing::warn!(error = %e, path = %path.display(), "snapshot not saved"),
         }
+    }
+    served??;
+    if let Some(s) = admin_served {
+        s??;
     }
     Ok(())
 }

@@ -222,8 +222,8 @@ fn snapshot_wait(last: Option<tokio::time::Instant>, now: tokio::time::Instant) 
 /// Saves the memory tier to `path` every `every` (the first save one interval after the
 /// start; `None`: never periodically), and soon after [`AppState::snapshot_wanted`] asks
 /// (after a delete or a refusal: at once, or [`SNAPSHOT_GAP`] after the last save), off the
-/// async workers; one save at a time, and the shutdown's own save comes after this task
-/// ended.
+/// async workers; a save that failed is tried again [`SNAPSHOT_GAP`] after. One save at a
+/// time, and the shutdown's own save comes after this task ended.
 fn start_snapshots(
     state: &Arc<AppState>,
     path: std::path::PathBuf,
@@ -268,10 +268,17 @@ fn start_snapshots(
             let p = path.clone();
             match tokio::task::spawn_blocking(move || crate::snapshot::save(&state, &p)).await {
                 Ok(Ok(c)) => tracing::debug!(entries = c.entries, keys = c.keys, "snapshot saved"),
+                // Tried again SNAPSHOT_GAP after this one (a full disk, say): a delete saved
+                // only at the next period, or never with no period, would come back at the
+                // restart.
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %e, path = %path.display(), "snapshot not saved")
+                    tracing::warn!(error = %e, path = %path.display(), "snapshot not saved; retrying");
+                    wanted.notify_one();
                 }
-                Err(e) => tracing::warn!(error = %e, "snapshot task failed"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "snapshot task failed; retrying");
+                    wanted.notify_one();
+                }
             }
         }
     });

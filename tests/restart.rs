@@ -235,6 +235,26 @@ async fn a_snapshot_loads_within_the_memory_budget() {
     assert!(app.state.store.weighted_size() <= 1 << 20);
 }
 
+/// A save that fails (its directory missing, a full disk) is tried again: a delete asked to
+/// be saved is saved once the disk takes it, with no periodic save to fall back on.
+#[tokio::test]
+async fn a_failed_save_is_tried_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("later").join("cache.snapshot");
+    let mut config = test_config();
+    config.cache.snapshot_path = Some(path.clone());
+    config.cache.snapshot_interval_secs = 0;
+    let (app, _backend) = spawn_fake(config, Default::default()).await;
+    app.chat(&chat_body("Saved at last?"), &[]).await;
+    // As a delete does: the save fails, the directory is not there yet.
+    app.state.snapshot_wanted.notify_one();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!path.exists());
+    std::fs::create_dir(dir.path().join("later")).unwrap();
+    let saved = eventually(Duration::from_secs(30), || path.exists()).await;
+    assert!(saved, "saved on a later try");
+}
+
 /// A snapshot holds every tenant's prompts and answers: it is readable by its owner only,
 /// each save again (a save renames a new file into place).
 #[cfg(unix)]
