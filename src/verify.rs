@@ -5,8 +5,10 @@
 //! exact), starts only on a spare slot (where the backend tells its capacity: a slot free
 //! beyond waiting user requests, within `prefetch.max_capacity_share`; elsewhere only while
 //! no client request is running on the backend), is preempted by the backend when a user
-//! request needs its slot, runs one at a time at background priority, and spends at most `verify_tokens_per_minute` (charged its
-//! `max_tokens` up front); a check that does not fit is skipped, not queued. Its verdict counts
+//! request needs its slot, runs one at a time at background priority, and spends at most
+//! `verify_tokens_per_minute` (charged its `max_tokens` up front, with the judge prompt's
+//! one-word reply); a check that does not fit is skipped, not queued. The judge prompt
+//! carries none of the client's settings (stop strings, penalties, `response_format`). Its verdict counts
 //! like a verdict from feedback: evidence for the learned threshold
 //! ([`crate::bounds`]) and, when wrong, a refusal of that question by the entry.
 //!
@@ -30,6 +32,8 @@ use crate::state::AppState;
 
 /// Longest answer a check waits for, in tokens.
 const MAX_CHECK_TOKENS: u32 = 512;
+/// Tokens the judge prompt's reply may take (one word).
+const JUDGE_TOKENS: u32 = 4;
 
 /// The checks' budget and sampling.
 pub struct Verifier {
@@ -102,12 +106,18 @@ fn start(
     };
     let mut fresh = req.clone();
     fresh.priority = Priority::Background;
+    // The judge prompt is a second generation, charged with the first.
+    let judged = match state.config.semantic.verify_judge {
+        VerifyJudge::Prompt => JUDGE_TOKENS,
+        VerifyJudge::Similarity => 0,
+    };
     // Never more than a minute's budget, or it could never be charged.
-    let most = MAX_CHECK_TOKENS.min(state.config.semantic.verify_tokens_per_minute);
+    let budget = state.config.semantic.verify_tokens_per_minute;
+    let most = MAX_CHECK_TOKENS.min(budget.saturating_sub(judged)).max(1);
     let max = fresh.params.max_tokens.unwrap_or(most).min(most);
     fresh.params.max_tokens = Some(max);
     fresh.params.max_tokens_is_default = false;
-    let within = match (&v.tokens, NonZeroU32::new(max)) {
+    let within = match (&v.tokens, NonZeroU32::new(max + judged)) {
         (Some(l), Some(n)) => matches!(l.check_n(n), Ok(Ok(()))),
         _ => false,
     };
@@ -167,10 +177,15 @@ async fn judge(
         }
         VerifyJudge::Prompt => {
             let question = served.question.as_ref().map(|(_, q)| q.as_str())?;
+            // The question's model and backend, none of its other settings: a stop string,
+            // a penalty or a `response_format` of the client's would garble the one word.
             let mut ask = req.clone();
-            ask.params.max_tokens = Some(4);
-            ask.params.max_tokens_is_default = false;
-            ask.params.temperature = Some(0.0);
+            ask.params = reprise_backend::SamplingParams {
+                max_tokens: Some(JUDGE_TOKENS),
+                temperature: Some(0.0),
+                ..Default::default()
+            };
+            ask.extra.clear();
             ask.input = Input::Chat(vec![
                 ChatMessage::new(
                     "system",

@@ -1334,6 +1334,51 @@ async fn text_beyond_what_the_embedder_reads_never_aliases() {
     assert_eq!(backend.calls(), 3);
 }
 
+/// The judge prompt (`verify_judge = "prompt"`) asks the backend with none of the client's
+/// settings (its stop strings, penalties and extra fields would garble the one word), and
+/// its one-word answer is a verdict.
+#[tokio::test]
+async fn the_judge_prompt_carries_none_of_the_clients_settings() {
+    let script = ScriptConfig {
+        rules: vec![("You judge answers".into(), "yes".into())],
+        ..ScriptConfig::default()
+    };
+    let mut config = semantic_config();
+    config.semantic.verify_hits = 1.0;
+    config.semantic.verify_judge = reprise::config::VerifyJudge::Prompt;
+    let (app, backend) = spawn_fake(config, script).await;
+    let ask = |text: &str| {
+        let mut b = chat_body(text);
+        b["max_tokens"] = 100.into();
+        b["stop"] = json!(["yes"]);
+        b["presence_penalty"] = json!(1.5);
+        b["response_format"] = json!({"type": "json_object"});
+        b
+    };
+    app.chat(&ask("How do I reset my password?"), &[]).await;
+    let r = app
+        .chat(&ask("I forgot my password, how can I change it?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    let b = backend.clone();
+    assert!(eventually(std::time::Duration::from_secs(10), || b.calls() == 3).await);
+    let judge = backend
+        .requests()
+        .into_iter()
+        .find(|r| format!("{:?}", r.input).contains("You judge answers"))
+        .expect("the judge was asked");
+    assert_eq!(judge.params.max_tokens, Some(4));
+    assert!(judge.params.stop.is_empty(), "{:?}", judge.params);
+    assert_eq!(judge.params.presence_penalty, None);
+    assert!(judge.extra.is_empty(), "{:?}", judge.extra);
+    // Its "yes" is a verdict: the hit was right.
+    let state = app.state.clone();
+    let judged = eventually(std::time::Duration::from_secs(10), || {
+        state.bounds.threshold("", "*/*", 0.02, 0.0, 0.0).verdicts >= 1.0
+    });
+    assert!(judged.await);
+}
+
 /// Sampled checks of hits run in the background, one at a time and within their token budget,
 /// never holding up the answer; a check that finds the cached answer wrong refuses it.
 #[tokio::test]
