@@ -117,9 +117,14 @@ pub struct Entry {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tags: Vec<String>,
     /// Questions this entry must not answer (reported wrong): each is a neighbourhood of a
-    /// question in one partition. At most [`MAX_REFUSALS`], the oldest dropped first.
+    /// question in one partition. At most [`MAX_REFUSALS`]; see `refused_by_meaning`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub refusals: Vec<Refusal>,
+    /// Reported wrong for more questions than `refusals` keeps: served by meaning to no
+    /// question any more (its exact keys still answer). Dropping the oldest refusal instead
+    /// would let one client's verdicts undo the others'.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub refused_by_meaning: bool,
     /// Creation time, milliseconds since the Unix epoch.
     pub created_ms: u64,
     /// Expiry time, milliseconds since the Unix epoch.
@@ -167,10 +172,13 @@ impl Entry {
     /// Whether the entry was reported wrong for a question like `query` (cosine similarity
     /// at least `radius`) in `partition`.
     pub fn refuses(&self, partition: &Digest, query: &[f32], radius: f32) -> bool {
-        self.refusals.iter().any(|r| match &r.around {
-            Some((p, e)) => p == partition && e.len() == query.len() && e.cosine(query) >= radius,
-            None => false,
-        })
+        self.refused_by_meaning
+            || self.refusals.iter().any(|r| match &r.around {
+                Some((p, e)) => {
+                    p == partition && e.len() == query.len() && e.cosine(query) >= radius
+                }
+                None => false,
+            })
     }
 
     /// Whether the entry was reported wrong for the question of exact key `key`.
@@ -178,14 +186,15 @@ impl Entry {
         self.refusals.iter().any(|r| r.key == *key)
     }
 
-    /// Adds a refusal (the oldest goes beyond [`MAX_REFUSALS`]); one for a key already
-    /// refused changes nothing. Whether it was added.
+    /// Adds a refusal; one for a key already refused changes nothing. Past [`MAX_REFUSALS`]
+    /// the entry is refused to every question by meaning instead (`refused_by_meaning`),
+    /// every refusal kept. Whether anything changed.
     pub fn refuse(&mut self, refusal: Refusal) -> bool {
         if self.refuses_key(&refusal.key) {
             return false;
         }
-        if self.refusals.len() == MAX_REFUSALS {
-            self.refusals.remove(0);
+        if self.refusals.len() >= MAX_REFUSALS {
+            return !std::mem::replace(&mut self.refused_by_meaning, true);
         }
         self.refusals.push(refusal);
         true
@@ -197,6 +206,10 @@ impl Entry {
         let mut added = false;
         for r in &other.refusals {
             added |= self.refuse(r.clone());
+        }
+        if other.refused_by_meaning && !self.refused_by_meaning {
+            self.refused_by_meaning = true;
+            added = true;
         }
         added
     }
@@ -258,6 +271,7 @@ mod tests {
             origin: Origin::Live,
             tags: Vec::new(),
             refusals: Vec::new(),
+            refused_by_meaning: false,
             created_ms: 0,
             expires_ms: 1,
             gen_ms: 0,
@@ -310,6 +324,19 @@ mod tests {
             });
         }
         assert_eq!(e.refusals.len(), MAX_REFUSALS);
-        assert!(!e.refuses_key(&[1; 32]), "the oldest went first");
+        // Past the limit no refusal is dropped (one client's verdicts cannot undo the
+        // others'): the entry is no longer served by meaning at all.
+        assert!(e.refuses_key(&[1; 32]), "the oldest is kept");
+        assert!(e.refused_by_meaning);
+        assert!(e.refuses(&[4; 32], &q, 0.9), "to no question by meaning");
+        assert!(!e.refuses_key(&[99; 32]), "its own question still answers");
+        assert!(!e.refuse(Refusal {
+            key: [200; 32],
+            around: None,
+        }));
+        // Copies of the entry on other replicas learn it.
+        let mut other = entry();
+        assert!(other.merge_refusals(&e));
+        assert!(other.refused_by_meaning);
     }
 }
