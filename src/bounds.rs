@@ -61,14 +61,18 @@ type Bins = Vec<(u8, f64, f64)>;
 
 /// The scope of a request's learned threshold: its semantic rule's (see
 /// [`reprise_policies::semantic::scope`]), marked when it was looked up under the canary's
-/// candidate.
+/// candidate with that candidate's fingerprint: a new candidate (its gate off, say) starts
+/// from no evidence, not from the verdicts on the one it replaced.
 pub fn scope(
     rule: Option<&reprise_policies::semantic::Rule>,
     arm: crate::candidate::Arm,
+    candidate: Option<u64>,
 ) -> String {
     let s = reprise_policies::semantic::scope(rule);
     match arm {
-        crate::candidate::Arm::Candidate => format!("candidate:{s}"),
+        crate::candidate::Arm::Candidate => {
+            format!("candidate:{:016x}:{s}", candidate.unwrap_or(0))
+        }
         _ => s,
     }
 }
@@ -345,4 +349,25 @@ pub fn check_near_miss(state: &Arc<AppState>, near: NearMiss, answer: String) {
             Source::NearMiss,
         );
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::candidate::Arm;
+
+    /// Each candidate learns from its own verdicts: one that replaced another (its gate off,
+    /// say) does not start from the verdicts on the first, nor from the running policy's.
+    #[test]
+    fn each_candidate_has_a_scope_of_its_own() {
+        let (first, second) = (
+            scope(None, Arm::Candidate, Some(1)),
+            scope(None, Arm::Candidate, Some(2)),
+        );
+        assert_ne!(first, second);
+        let running = scope(None, Arm::Current, Some(1));
+        assert_eq!(running, "*/*");
+        assert_eq!(scope(None, Arm::Shadow, Some(1)), running);
+        assert!(first != running && second != running);
+    }
 }

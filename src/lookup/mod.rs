@@ -340,6 +340,7 @@ async fn beyond_exact(
                 &req.model,
             ),
             arm,
+            tenant.candidate().map(|c| c.fingerprint()),
         );
         let mut learned = None;
         if delta > 0.0 {
