@@ -228,6 +228,11 @@ impl Candidate {
         &self.config
     }
 
+    /// Whether it was judged worse than the running policy (its rollback started).
+    pub fn is_rolled_back(&self) -> bool {
+        self.rolled_back.load(Ordering::Relaxed)
+    }
+
     /// A digest of its configuration, the same on every replica: a response remembers the
     /// candidate it was served beside, so a verdict given after the candidate was replaced
     /// does not count against its successor.

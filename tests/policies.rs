@@ -1123,6 +1123,39 @@ async fn a_canary_worse_than_the_rest_is_rolled_back_and_a_good_one_promoted() {
             .bearer_auth("p0licy")
             .send()
     };
+    // Judged worse, its rollback under way: promoting it would race the rollback.
+    let judged = app
+        .state
+        .policies
+        .load()
+        .tenants
+        .named("tried")
+        .unwrap()
+        .candidate()
+        .unwrap()
+        .clone();
+    let worse = (0..100).find_map(|_| {
+        use reprise::metrics::Outcome;
+        let control = judged.record(false, Outcome::Exact, 0.01);
+        control.or(judged.record(true, Outcome::Error, 0.01))
+    });
+    assert!(worse.is_some());
+    let r = promote("tried").await.unwrap();
+    let j = assert_openai_error(r, 400, Some("tenant")).await;
+    assert!(
+        j["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("rolled back"),
+        "{j}"
+    );
+    let good = good.replace("percent = 10", "percent = 11");
+    assert_eq!(
+        put(&app, &tenants_doc(&[("tried", "", &good)]))
+            .await
+            .status(),
+        200
+    );
     let r = promote("tried").await.unwrap();
     assert_eq!(r.status(), 200);
     let view = policies(&app).await;

@@ -145,8 +145,19 @@ impl Policies {
     }
 
     /// A document that makes tenant `tenant`'s candidate its policy: the candidate's
-    /// semantic rules become its own, and the candidate goes.
+    /// semantic rules become its own, and the candidate goes. Not a candidate judged worse
+    /// (its rollback under way): promoting it would race the rollback.
     pub fn promoting(&self, tenant: &str) -> Result<PolicyDocument, String> {
+        if self
+            .tenants
+            .named(tenant)
+            .and_then(|t| t.candidate().cloned())
+            .is_some_and(|c| c.is_rolled_back())
+        {
+            return Err(format!(
+                "tenant `{tenant}`'s candidate was judged worse and is being rolled back"
+            ));
+        }
         let mut tenants = self.config.tenants.clone();
         let t = tenants
             .iter_mut()
@@ -426,19 +437,25 @@ pub fn roll_back(state: Arc<AppState>, tenant: String, judged: CandidateConfig, 
         {
             return;
         }
-        tracing::warn!(tenant, reason, "canary policy rolled back");
-        state.metrics.canary_rollback(&tenant);
-        {
-            let mut log = state.rollbacks.lock();
-            if log.len() == MAX_ROLLBACKS {
-                log.pop_front();
-            }
-            log.push_back(serde_json::json!({
-                "tenant": tenant, "reason": reason, "time_ms": reprise_cache::now_ms(),
-            }));
-        }
+        // Recorded once it is done: a change that lost the race (an operator's promote or
+        // replacement first) rolled nothing back.
         match apply_change(&state, &change).await {
-            Ok(a) => tracing::info!(tenant, version = a.version, "canary removed"),
+            Ok(a) => {
+                tracing::warn!(
+                    tenant,
+                    reason,
+                    version = a.version,
+                    "canary policy rolled back"
+                );
+                state.metrics.canary_rollback(&tenant);
+                let mut log = state.rollbacks.lock();
+                if log.len() == MAX_ROLLBACKS {
+                    log.pop_front();
+                }
+                log.push_back(serde_json::json!({
+                    "tenant": tenant, "reason": reason, "time_ms": reprise_cache::now_ms(),
+                }));
+            }
             Err(e) => tracing::error!(tenant, error = %format!("{e:#}"), "canary not removed"),
         }
     });
