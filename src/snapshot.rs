@@ -151,13 +151,16 @@ pub fn save(state: &AppState, path: &Path) -> std::io::Result<Counts> {
     Ok(counts)
 }
 
-/// Longest line a load reads: an entry line longer than this (or than the memory tier, whose
-/// budget could not hold the entry) is skipped without being held, as is anything of a
-/// corrupt file without line ends.
+/// Longest line a load reads: an entry line longer than this (or than a quarter of the
+/// memory tier's budget) is skipped without being held, as is anything of a corrupt file
+/// without line ends.
 const MAX_LINE_BYTES: u64 = 64 << 20;
 
-/// Entries handed from the file's reader to the store at a time.
+/// Entries handed from the file's reader to the store at a time: at most this many, and a
+/// page is handed on once its lines reach [`PAGE_BYTES`].
 const PAGE: usize = 256;
+/// See [`PAGE`].
+const PAGE_BYTES: usize = 1 << 20;
 
 /// What the file's reader found besides the entries it handed on.
 #[derive(Default)]
@@ -166,12 +169,16 @@ struct Read {
     header: bool,
     keys: Vec<(Digest, EntryId)>,
     skipped: usize,
+    /// The error that stopped the reading midway (what came before it is loaded).
+    error: Option<std::io::Error>,
 }
 
 /// Loads a snapshot into memory and the index; a missing file loads nothing. Streams: the
-/// file is read off the async workers a page of entries at a time, and once the entries
-/// loaded weigh the memory tier's budget the rest is left unread (a snapshot of a bigger
-/// budget, or a corrupt one, never holds more than the budget, plus one line, in memory).
+/// file is read off the async workers a page of entries at a time (at most 256 entries or
+/// a megabyte of lines, or one line of at most a quarter of the budget; a longer line is
+/// skipped unread), and once the entries loaded weigh the memory tier's budget the rest is
+/// left unread: a snapshot of a bigger budget, or a corrupt one, never holds more than
+/// about twice the budget in memory (the entries loaded and four pages in flight).
 /// Keys are loaded for the entries held.
 pub async fn load(state: &AppState, path: &Path) -> std::io::Result<Counts> {
     let file = match std::fs::File::open(path) {
@@ -180,7 +187,9 @@ pub async fn load(state: &AppState, path: &Path) -> std::io::Result<Counts> {
         Err(e) => return Err(e),
     };
     let budget = state.config.cache.memory_bytes;
-    let cap = budget.clamp(1 << 16, MAX_LINE_BYTES);
+    // Four pages may be held at once (one read, two waiting, one loading), each of at most
+    // a megabyte or one line: lines within a quarter of the budget keep that within it.
+    let cap = (budget / 4).clamp(1 << 16, MAX_LINE_BYTES);
     // The key tier holds an eighth of the budget; a key read is 48 bytes here.
     let max_keys = usize::try_from(budget / 8 / 48).unwrap_or(usize::MAX);
     let (pages, taken) = tokio::sync::mpsc::channel(2);
@@ -190,6 +199,14 @@ pub async fn load(state: &AppState, path: &Path) -> std::io::Result<Counts> {
         .load_pages(taken, |n| tracing::info!(entries = n, "loading snapshot"))
         .await;
     let read = reader.await.map_err(std::io::Error::other)??;
+    if let Some(e) = &read.error {
+        tracing::warn!(
+            error = %e,
+            path = %path.display(),
+            entries = loaded.entries,
+            "the snapshot could not be read to its end: what came before is loaded"
+        );
+    }
     if !read.header {
         tracing::warn!(path = %path.display(), "not a snapshot of this version; ignored");
         return Ok(Counts::default());
@@ -211,7 +228,7 @@ pub async fn load(state: &AppState, path: &Path) -> std::io::Result<Counts> {
 /// Reads a snapshot's lines (each within `cap` bytes), handing its entries on in pages until
 /// the receiver is gone (the budget is full), and keeps up to `max_keys` keys.
 fn read(
-    file: std::fs::File,
+    file: impl std::io::Read,
     cap: u64,
     max_keys: usize,
     pages: tokio::sync::mpsc::Sender<Vec<Entry>>,
@@ -228,8 +245,19 @@ fn read(
         _ => return Ok(out),
     }
     let mut page = Vec::with_capacity(PAGE);
+    let mut page_bytes = 0;
     let mut taking = true;
-    while let Some(whole) = next_line(&mut r, &mut buf, cap)? {
+    loop {
+        let whole = match next_line(&mut r, &mut buf, cap) {
+            Ok(Some(whole)) => whole,
+            Ok(None) => break,
+            // What was read before is handed on and its keys loaded: entries already in
+            // memory would otherwise be held without their keys.
+            Err(e) => {
+                out.error = Some(e);
+                break;
+            }
+        };
         if !whole {
             out.skipped += 1;
             continue;
@@ -241,7 +269,9 @@ fn read(
         match parse_line(&buf) {
             Some(Line::Entry(entry)) if !entry.is_expired() => {
                 page.push(*entry);
-                if page.len() == PAGE {
+                page_bytes += buf.len();
+                if page.len() == PAGE || page_bytes >= PAGE_BYTES {
+                    page_bytes = 0;
                     taking = pages.blocking_send(std::mem::take(&mut page)).is_ok();
                 }
             }
@@ -296,6 +326,38 @@ mod tests {
             Some(Line::Key(_))
         ));
         assert!(parse_line(b"garbage").is_none());
+    }
+
+    /// A read error midway (a bad disk block) hands on what came before and says so: the
+    /// lines read are not lost, and the error is not a load of nothing.
+    #[test]
+    fn a_read_error_midway_keeps_what_came_before() {
+        struct Failing(std::io::Cursor<Vec<u8>>);
+        impl std::io::Read for Failing {
+            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+                match self.0.read(buf)? {
+                    0 => Err(std::io::Error::other("bad block")),
+                    n => Ok(n),
+                }
+            }
+        }
+        let mut text = format!("{{\"reprise_snapshot\":{VERSION}}}\n");
+        text.push_str(&format!(
+            "{{\"key\":\"{}\",\"id\":\"{}\"}}\n",
+            hex(&[7; 32]),
+            EntryId(9)
+        ));
+        let (tx, _rx) = tokio::sync::mpsc::channel(2);
+        let read = read(
+            Failing(std::io::Cursor::new(text.into_bytes())),
+            1 << 20,
+            10,
+            tx,
+        )
+        .unwrap();
+        assert!(read.header);
+        assert_eq!(read.keys, vec![([7; 32], EntryId(9))]);
+        assert!(read.error.is_some());
     }
 
     #[test]
