@@ -33,6 +33,9 @@ pub struct Bookkeeping {
     /// Whether something reads the whole line (the request log, traces): otherwise the
     /// strings only those read are not made.
     detailed: bool,
+    /// A response stream is being sent: dropped before it ended, the client left
+    /// (recorded as the error `client_closed`, not as an answer sent whole).
+    streaming: bool,
 }
 
 /// A request on one side of a tenant's canary: its outcome and latency are recorded there.
@@ -65,6 +68,7 @@ impl Bookkeeping {
             },
             canary: None,
             degraded: None,
+            streaming: false,
         }
     }
 
@@ -81,7 +85,18 @@ impl Bookkeeping {
             canary: None,
             degraded: None,
             detailed: false,
+            streaming: false,
         }
+    }
+
+    /// Notes that a response stream starts; [`Bookkeeping::stream_ended`] when it ends.
+    pub fn stream_started(&mut self) {
+        self.streaming = true;
+    }
+
+    /// Notes that the response stream ended (whole, or with an error it sent).
+    pub fn stream_ended(&mut self) {
+        self.streaming = false;
     }
 
     /// Moves the bookkeeping out (into a response stream), leaving a detached one behind.
@@ -180,6 +195,9 @@ impl Drop for Bookkeeping {
         let Some(state) = self.state.take() else {
             return;
         };
+        if self.streaming && self.error.is_none() {
+            self.error = Some("client_closed");
+        }
         let outcome = if self.error.is_some() {
             Outcome::Error
         } else {

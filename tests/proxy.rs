@@ -648,6 +648,46 @@ async fn run_serves_health_while_loading_and_fails_on_bad_model() {
     );
 }
 
+/// A client that leaves a streamed answer midway is recorded as gone (`client_closed`), not
+/// as served whole; one that reads it to the end is a miss.
+#[tokio::test]
+async fn a_client_leaving_a_stream_is_recorded_as_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("requests.jsonl");
+    let mut config = test_config();
+    config.log.request_log = Some(path.clone());
+    let script = ScriptConfig {
+        token_delay: Duration::from_millis(50),
+        ..ScriptConfig::default()
+    };
+    let (app, _backend) = spawn_fake(config, script).await;
+    let ask = |text: &str| {
+        let mut body = chat_body(text);
+        body["stream"] = json!(true);
+        body
+    };
+    let whole = app.chat(&ask("a short one"), &[]).await;
+    assert!(whole.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+    let long = format!("a long one {}", "word ".repeat(60));
+    let r = app.chat(&ask(&long), &[]).await;
+    let mut chunks = r.bytes_stream();
+    chunks.next().await.unwrap().unwrap();
+    drop(chunks);
+    let lines = || -> Vec<Value> {
+        std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    assert!(eventually(Duration::from_secs(10), || lines().len() == 2).await);
+    let lines = lines();
+    assert_eq!(lines[0]["outcome"], "miss", "{}", lines[0]);
+    assert!(lines[0]["error"].is_null(), "{}", lines[0]);
+    assert_eq!(lines[1]["outcome"], "error", "{}", lines[1]);
+    assert_eq!(lines[1]["error"], "client_closed", "{}", lines[1]);
+}
+
 #[tokio::test]
 async fn run_saves_a_snapshot_on_shutdown_and_loads_it_at_start() {
     let dir = tempfile::tempdir().unwrap();

@@ -127,14 +127,24 @@ pub async fn generation(
     let mut resp = if parsed.stream {
         let mut sse = SseState::new(renderer, parsed.include_usage);
         let mut book = book.take();
+        // Until its last events are handed over: a client that leaves before is recorded
+        // as gone (`client_closed`), not as served whole.
+        book.stream_started();
         let initial = sse.push(Ok(first));
+        if sse.done {
+            book.stream_ended();
+        }
         let stream = async_stream::stream! {
             for ev in initial {
                 yield Ok::<_, std::convert::Infallible>(ev);
             }
             while !sse.done {
                 let next = sub.next().await;
-                for ev in sse.push_next(next, &mut book) {
+                let events = sse.push_next(next, &mut book);
+                if sse.done {
+                    book.stream_ended();
+                }
+                for ev in events {
                     yield Ok(ev);
                 }
             }
