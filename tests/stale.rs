@@ -187,6 +187,32 @@ async fn stale_if_error_answers_instead_of_a_backend_failure() {
     assert_eq!(assert_stale(r, "stale-if-error", old).await, "first");
 }
 
+/// An expired answer deleted while the request waited for the backend is not served stale
+/// when the backend then fails: the failure is the answer.
+#[tokio::test]
+async fn an_answer_deleted_meanwhile_is_not_served_stale() {
+    let mut config = stale_config(1, 0, 60);
+    config.server.first_token_timeout_secs = 1.0;
+    let (app, backend) = spawn_fake(config, script("first")).await;
+    let body = chat_body("Is the ferry running?");
+    let old = entry_of(&app.chat(&body, &[("x-reprise-tags", "ferry")]).await);
+    wait_past_expiry(&app, old, 0).await;
+    backend.set_config(ScriptConfig {
+        first_token_delay: Duration::from_secs(5),
+        ..script("late")
+    });
+    let asking = {
+        let (client, url, body) = (app.client.clone(), app.chat_url(), body.clone());
+        tokio::spawn(async move { client.post(url).json(&body).send().await.unwrap() })
+    };
+    let b = backend.clone();
+    assert!(eventually(Duration::from_secs(10), || b.active() == 1).await);
+    assert_eq!(app.state.store.delete_tag("ferry").await.unwrap(), 1);
+    let r = asking.await.unwrap();
+    assert_eq!(header(&r, "x-reprise-degraded"), None);
+    assert_openai_error(r, 504, None).await;
+}
+
 /// Stale-if-error off, for a tenant (its window 0 while the global one keeps the entry) or
 /// for the whole server (the default): the backend's failure is the answer.
 #[tokio::test]

@@ -252,7 +252,8 @@ async fn serve(
     // Nothing fresh; an expired entry within the stale-while-revalidate window is served at
     // once while one regeneration replaces it (when this request may write and generate,
     // within the tenant's token budget; otherwise it is only served).
-    let stale = found.stale.take();
+    // Not one deleted since it was read (by id, namespace or tag).
+    let stale = found.stale.take().filter(|e| !state.store.gone(e));
     let now = reprise_cache::now_ms();
     if let Some(entry) = stale
         .clone()
@@ -387,8 +388,13 @@ async fn serve(
     let mut resp = match generated {
         // The backend failed before answering: an expired entry within the stale-if-error
         // window answers instead of the error.
+        // The entry was read before the generation: one deleted meanwhile is not served.
         Err(e) if backend_failed(&e) => {
-            match stale.filter(|e| stale_windows.if_error(e.expires_ms, reprise_cache::now_ms())) {
+            let now = reprise_cache::now_ms();
+            let servable = |e: &Arc<reprise_cache::Entry>| {
+                stale_windows.if_error(e.expires_ms, now) && !state.store.gone(e)
+            };
+            match stale.filter(servable) {
                 Some(entry) => {
                     tracing::debug!(error = %e, "generation failed; answered stale");
                     let s = served(Some(entry.id), Outcome::Exact, None, book);

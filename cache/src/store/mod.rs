@@ -248,7 +248,7 @@ impl Store {
         let l2 = redis.get_by_key(key).await.ok().flatten();
         let l2 = match l2.filter(|e| !e.refuses_key(key)) {
             Some(e) if e.is_expired() => {
-                if !self.was_deleted(e.id) {
+                if !self.gone(&e) {
                     expired.offer(Arc::new(e));
                 }
                 None
@@ -410,8 +410,9 @@ impl Store {
         self.undo_if_gone(&entry).await;
     }
 
-    /// Whether the entry was deleted here lately, by its id, namespace or tag.
-    fn gone(&self, entry: &Entry) -> bool {
+    /// Whether the entry was deleted here lately, by its id, namespace or tag: a copy read
+    /// before (an expired entry kept to answer stale) is not to be served.
+    pub fn gone(&self, entry: &Entry) -> bool {
         self.was_deleted(entry.id) || self.fenced(entry)
     }
 
