@@ -163,6 +163,15 @@ async fn a_wait_past_the_slo_degrades_to_the_fallback_then_refuses() {
     assert_eq!(at_risk(&rig.app, "fallback").await, fallbacks + 1.0);
     assert!(rig.app.state.router.shedding(), "background work shed");
 
+    // A fallback that is down is no way out: the next step (refused, with Retry-After).
+    rig.large.set_ready(false);
+    let r = rig
+        .app
+        .chat(&chat_for("auto", "Asked while both are out"), &[])
+        .await;
+    assert_openai_error(r, 429, None).await;
+    rig.large.set_ready(true);
+
     // No route, no fallback: refused rather than queued behind the holder.
     let r = rig
         .app

@@ -69,10 +69,11 @@ pub async fn degrade(
             DegradeStep::Fallback => choice
                 .fallback
                 .as_ref()
-                // A fallback at risk too is no way out.
+                // A fallback that is down, or at risk too, is no way out.
                 .filter(|f| {
-                    f.predict(priority)
-                        .is_none_or(|p| !choice.slo.broken_by(&p))
+                    f.backend.ready()
+                        && f.predict(priority)
+                            .is_none_or(|p| !choice.slo.broken_by(&p))
                 })
                 .map(|f| {
                     Degradation::Fallback(Fallback {
