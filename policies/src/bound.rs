@@ -151,8 +151,13 @@ impl Evidence {
             let here = self.right[b] + self.wrong[b];
             n += here;
             w += self.wrong[b];
-            if b < served_bin {
+            // The band under the configured threshold; of a threshold between two edges, its
+            // own bin's wrong verdicts too (its right ones may be of hits it served).
+            if b < configured_bin {
                 band_n += here;
+                band_w += self.wrong[b];
+            } else if b == configured_bin && served_bin != configured_bin {
+                band_n += self.wrong[b];
                 band_w += self.wrong[b];
             }
             if b >= served_bin && wilson_lower(w, n, RAISE_Z) <= delta {
@@ -550,6 +555,17 @@ mod tests {
         }
         let l = e.threshold(0.02, 0.05, 0.86, 0.7);
         assert!((l.threshold - 0.83).abs() < 1e-6, "{l:?}");
+        // A threshold between two edges: the right verdicts of hits it served in its own bin
+        // do not vouch for the band under it either.
+        let mut e = Evidence::default();
+        for i in 0..100 {
+            e.record(0.85, i < 30);
+        }
+        for _ in 0..20_000 {
+            e.record(0.868, false);
+        }
+        let l = e.threshold(0.02, 0.05, 0.865, 0.7);
+        assert_eq!(l.threshold, 0.865, "{l:?}");
         // Too few of its own: shut, though the verdicts from there up would pass.
         let mut e = Evidence::default();
         for _ in 0..50 {
