@@ -837,6 +837,46 @@ async fn feedback(app: &TestApp, body: Value, key: Option<&str>) -> reqwest::Res
     req.send().await.unwrap()
 }
 
+/// An entry wrong for more questions than it can keep refusing is deleted by the next
+/// wrong verdict (its own question is then answered afresh).
+#[tokio::test]
+async fn an_entry_refused_too_often_is_deleted() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let first = app
+        .chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    let id: reprise_cache::EntryId = header(&first, "x-reprise-entry").unwrap().parse().unwrap();
+    let r = app
+        .chat(
+            &chat_body("I forgot my password, how can I change it?"),
+            &[],
+        )
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    let response = r.json::<Value>().await.unwrap()["id"].clone();
+    // Wrong for as many other questions as it keeps.
+    let store = &app.state.store;
+    let mut full = (*store.get(id).await.unwrap()).clone();
+    let mut n = 0u32;
+    while !full.refusals_full() {
+        let mut key = [0u8; 32];
+        key[..4].copy_from_slice(&n.to_le_bytes());
+        full.refuse(reprise_cache::entry::Refusal { key, around: None });
+        n += 1;
+    }
+    store.update(std::sync::Arc::new(full)).await;
+    let said = feedback(&app, json!({"id": response, "verdict": "wrong"}), None).await;
+    assert_eq!(said.status(), 200);
+    assert_eq!(said.json::<Value>().await.unwrap()["refused"], true);
+    assert!(store.get_kept(id).await.unwrap().is_none(), "deleted");
+    let calls = backend.calls();
+    let again = app
+        .chat(&chat_body("How do I reset my password?"), &[])
+        .await;
+    assert_eq!(cache_status(&again), "miss");
+    assert_eq!(backend.calls(), calls + 1);
+}
+
 /// A full memory of responses forgets the oldest, never the newest: a verdict on the last
 /// answer of many is taken.
 #[tokio::test]

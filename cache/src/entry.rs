@@ -68,6 +68,10 @@ const MALLOC_CHUNK: usize = 16;
 /// Refusals kept per entry.
 pub const MAX_REFUSALS: usize = 32;
 
+/// Most questions an entry keeps refusing by their exact key alone, once it refuses every
+/// question by meaning (past [`MAX_REFUSALS`]): beyond, the entry is deleted.
+pub const MAX_KEY_REFUSALS: usize = 256;
+
 /// A question an entry was reported wrong for: it is never served again to that question
 /// (by its exact key), nor to the questions around it in the same partition (when the
 /// question was matched by meaning).
@@ -120,9 +124,10 @@ pub struct Entry {
     /// question in one partition. At most [`MAX_REFUSALS`]; see `refused_by_meaning`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub refusals: Vec<Refusal>,
-    /// Reported wrong for more questions than `refusals` keeps: served by meaning to no
-    /// question any more (its exact keys still answer). Dropping the oldest refusal instead
-    /// would let one client's verdicts undo the others'.
+    /// Reported wrong for more than [`MAX_REFUSALS`] questions: served by meaning to no
+    /// question any more (its exact keys still answer, but those of the questions refused);
+    /// the refusals then keep only their keys. Dropping the oldest refusal instead would let
+    /// one client's verdicts undo the others'.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub refused_by_meaning: bool,
     /// Creation time, milliseconds since the Unix epoch.
@@ -187,17 +192,35 @@ impl Entry {
     }
 
     /// Adds a refusal; one for a key already refused changes nothing. Past [`MAX_REFUSALS`]
-    /// the entry is refused to every question by meaning instead (`refused_by_meaning`),
-    /// every refusal kept. Whether anything changed.
+    /// the entry is refused to every question by meaning (`refused_by_meaning`) and keeps
+    /// refusing keys alone, up to [`MAX_KEY_REFUSALS`]; `false` when it can keep no more (see
+    /// [`Entry::refusals_full`]). Whether it was added.
     pub fn refuse(&mut self, refusal: Refusal) -> bool {
-        if self.refuses_key(&refusal.key) {
+        if self.refuses_key(&refusal.key) || self.refusals_full() {
             return false;
         }
-        if self.refusals.len() >= MAX_REFUSALS {
-            return !std::mem::replace(&mut self.refused_by_meaning, true);
+        if self.refusals.len() >= MAX_REFUSALS || self.refused_by_meaning {
+            if !self.refused_by_meaning {
+                self.refused_by_meaning = true;
+                // Every neighbourhood is refused now: their vectors would only take room.
+                for r in &mut self.refusals {
+                    r.around = None;
+                }
+            }
+            self.refusals.push(Refusal {
+                key: refusal.key,
+                around: None,
+            });
+            return true;
         }
         self.refusals.push(refusal);
         true
+    }
+
+    /// Whether it refuses as many questions as it can keep: one more wrong verdict deletes
+    /// it.
+    pub fn refusals_full(&self) -> bool {
+        self.refusals.len() >= MAX_KEY_REFUSALS
     }
 
     /// Takes in `other`'s refusals this copy lacks (copies of one entry on two replicas may
@@ -317,19 +340,36 @@ mod tests {
             }),
             "a key refused once is refused once"
         );
-        for i in 0..MAX_REFUSALS as u8 {
+        for i in 0..MAX_REFUSALS as u8 - 1 {
             e.refuse(Refusal {
                 key: [10 + i; 32],
-                around: None,
+                around: Some(([2; 32], Vector::new(&q))),
             });
         }
         assert_eq!(e.refusals.len(), MAX_REFUSALS);
+        assert!(!e.refused_by_meaning);
+        assert!(e.refuse(Refusal {
+            key: [100; 32],
+            around: Some(([2; 32], Vector::new(&q))),
+        }));
+        assert!(e.refuses_key(&[100; 32]), "the question refused last");
         // Past the limit no refusal is dropped (one client's verdicts cannot undo the
-        // others'): the entry is no longer served by meaning at all.
+        // others'): the entry is no longer served by meaning at all, and the question
+        // refused last is refused by its key.
         assert!(e.refuses_key(&[1; 32]), "the oldest is kept");
         assert!(e.refused_by_meaning);
         assert!(e.refuses(&[4; 32], &q, 0.9), "to no question by meaning");
         assert!(!e.refuses_key(&[99; 32]), "its own question still answers");
+        assert!(e.refusals.iter().all(|r| r.around.is_none()), "keys alone");
+        let mut n = 0u32;
+        while !e.refusals_full() {
+            let mut key = [0u8; 32];
+            key[..4].copy_from_slice(&(1000 + n).to_le_bytes());
+            assert!(e.refuse(Refusal { key, around: None }));
+            assert!(e.refuses_key(&key));
+            n += 1;
+        }
+        assert_eq!(e.refusals.len(), MAX_KEY_REFUSALS);
         assert!(!e.refuse(Refusal {
             key: [200; 32],
             around: None,

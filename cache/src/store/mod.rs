@@ -478,6 +478,11 @@ impl Store {
         if self.gone(&entry) {
             return;
         }
+        // Refusals the held copy gained while Redis was asked are kept too.
+        let entry = match self.memory.get_kept(entry.id).await {
+            Some(held) => self.merge_refusals_into(entry, &held),
+            None => entry,
+        };
         self.memory.insert_entry(entry.clone()).await;
         self.undo_if_gone(&entry).await;
     }
