@@ -762,6 +762,18 @@ async fn passthrough_is_charged_to_a_token_budget() {
     assert_openai_error(r, 429, None).await;
     assert!(retry.is_some(), "429 says when to retry");
     assert_eq!(up.seen().len(), 1, "only the one that fitted went up");
+    // An upload (not JSON) streams uncharged: its bytes are no measure of tokens.
+    let r = app
+        .client
+        .post(app.url("/v1/embeddings"))
+        .bearer_auth("sk-budgeted")
+        .header("content-type", "multipart/form-data; boundary=b")
+        .body(vec![b'z'; 4000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(up.seen().len(), 2);
     // Reading the model list costs nothing.
     let r = app
         .client

@@ -227,17 +227,24 @@ pub async fn passthrough_for(
                 "with tenants, the upstream's models may only be read through reprise".into(),
             ));
         }
-        // What is not a read takes one of the upstream's slots at the caller's priority, as a
-        // completion does: embeddings or images cannot get round `backend.max_concurrent`.
-        let priority = match reads {
-            true => None,
-            false => Some(crate::request::priority_of(headers, &tenant)?),
+        // A JSON request that is not a read (embeddings, moderations, image generation) is
+        // read whole (within `server.max_body_bytes`), then takes one of the upstream's slots
+        // at the caller's priority, as a completion does, and is charged its input to a
+        // token budget. Uploads (multipart: audio, files) stream as they come, uncharged and
+        // outside the slots: a slot held while a client sends its upload slowly would keep
+        // everyone's completions waiting.
+        let json = !reads
+            && headers
+                .get(axum::http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.trim_start().starts_with("application/json"));
+        let priority = match json {
+            true => Some(crate::request::priority_of(headers, &tenant)?),
+            false => None,
         };
-        // A tenant kept to some models is kept to them here too, and one with a token budget
-        // is charged its input: the body is read (within `server.max_body_bytes`).
         let allowed = tenant.policy().models.as_slice();
-        let charged = tenant.has_token_budget() && !reads;
-        let body = if allowed.is_empty() && !charged {
+        let charged = tenant.has_token_budget() && json;
+        let body = if allowed.is_empty() && !json {
             reqwest::Body::wrap_stream(body.into_data_stream())
         } else {
             let server = &state.config.server;
@@ -277,21 +284,27 @@ pub async fn passthrough_for(
             },
             headers: upstream_headers(headers, ""),
             model: None,
-            // Streamed, not buffered (but for a tenant kept to some models or charged its
-            // input): uploads (files, audio) can be large, and the upstream enforces its own
-            // limits.
+            // Uploads streamed, not buffered (but for a tenant kept to some models): they can
+            // be large, and the upstream enforces its own limits.
             body,
             priority,
             backend: None,
         };
         let server = &state.config.server;
-        let answer = tokio::time::timeout(server.request_timeout(), state.backend.forward(req))
+        let deadline = tokio::time::Instant::now() + server.request_timeout();
+        let answer = tokio::time::timeout_at(deadline, state.backend.forward(req))
             .await
             .map_err(|_| ApiError::Timeout)??;
+        // A request holding a slot holds it until its answer is read: within the request's
+        // deadline, so a stalled upstream or a client that stops reading cannot keep it.
+        let limits = match json {
+            true => BodyLimits::Deadline(deadline),
+            false => BodyLimits::None,
+        };
         // Not a completion: no request metrics, no request log.
         Ok(upstream_response(
             for_the_caller(state, answer),
-            BodyLimits::None,
+            limits,
             Bookkeeping::detached(),
         ))
     }
