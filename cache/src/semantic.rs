@@ -610,11 +610,14 @@ impl PartitionInner {
             // request and, under the partition's write lock, every search and removal of the
             // partition: maintenance builds it off the request path (woken at once), and
             // exact scans serve meanwhile.
-            None if !self.graph_pending && self.needs_graph(cfg) => {
-                self.graph_pending = true;
-                true
+            // Asked once per crossing: a partition that fell back under the limit (removals)
+            // asks again when it next crosses it.
+            None => {
+                let needs = self.needs_graph(cfg);
+                let ask = needs && !self.graph_pending;
+                self.graph_pending = needs;
+                ask
             }
-            None => false,
         }
     }
 
@@ -843,6 +846,22 @@ mod tests {
         assert!(idx.worn().now_or_never().is_none(), "once");
         assert_eq!(idx.maintain().rebuilt, 1);
         assert_eq!(idx.graph_points(&p), Some(100));
+        // Crossing, falling back under the limit before maintenance ran, crossing again:
+        // asked again.
+        let q = [3u8; 32];
+        for i in 200..210 {
+            idx.insert(q, EntryId(i), unit(&[1.0, i as f32]));
+        }
+        assert!(idx.worn().now_or_never().is_some());
+        for i in 200..205 {
+            idx.remove(EntryId(i));
+        }
+        idx.insert(q, EntryId(300), unit(&[1.0, 3.0]));
+        let _ = idx.worn().now_or_never();
+        for i in 301..310 {
+            idx.insert(q, EntryId(i), unit(&[1.0, i as f32]));
+        }
+        assert!(idx.worn().now_or_never().is_some(), "asked again");
     }
 
     #[test]

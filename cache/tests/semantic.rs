@@ -100,6 +100,9 @@ fn hnsw_finds_the_nearest() {
     let idx = SemanticIndex::new(DIM, small_cfg(100));
     let mut rng = Rng(2);
     let items = fill(&idx, key(2), 1500, &mut rng);
+    // Inserts leave the graph to maintenance.
+    assert_eq!(idx.maintain().rebuilt, 1);
+    assert_eq!(idx.graphs(), 1);
     let mut hits = 0;
     let probes: Vec<_> = items.iter().step_by(15).collect();
     for (id, v) in &probes {
@@ -111,6 +114,11 @@ fn hnsw_finds_the_nearest() {
         }
     }
     assert!(hits * 100 >= probes.len() * 95, "{hits}/{}", probes.len());
+    assert_eq!(
+        idx.graph_stats().searches as usize,
+        probes.len(),
+        "the graph answered"
+    );
 }
 
 #[test]
@@ -120,6 +128,8 @@ fn partitions_never_leak() {
     // One partition on the exact path, one on the graph path.
     let a = fill(&idx, key(10), 30, &mut rng);
     let b = fill(&idx, key(11), 300, &mut rng);
+    idx.maintain();
+    assert_eq!(idx.graphs(), 1);
     assert_eq!(idx.partitions(), 2);
     assert_eq!(idx.len(), 330);
     for (_, v) in a.iter().take(10) {
@@ -141,6 +151,8 @@ fn removed_ids_never_come_back() {
         let idx = SemanticIndex::new(DIM, small_cfg(exact_scan_max));
         let mut rng = Rng(4);
         let items = fill(&idx, key(4), 400, &mut rng);
+        idx.maintain();
+        assert_eq!(idx.graphs(), usize::from(exact_scan_max < 400));
         let removed: Vec<EntryId> = items.iter().step_by(3).map(|(id, _)| *id).collect();
         for id in &removed {
             assert!(idx.remove(*id));
@@ -208,8 +220,8 @@ fn maintain_drops_emptied_partitions() {
 
 #[test]
 fn crossing_the_threshold_keeps_recall() {
-    // Past the exact-scan limit (but under 4× it, so no insert builds a graph): exact scans
-    // serve until maintenance builds the graph, which then grows point by point.
+    // Past the exact-scan limit (no insert builds a graph): exact scans serve until
+    // maintenance builds the graph, which then grows point by point.
     let limit = 256;
     let idx = SemanticIndex::new(DIM, small_cfg(limit));
     let mut rng = Rng(7);
