@@ -264,7 +264,8 @@ impl Bounds {
                 continue;
             };
             if now.saturating_sub(p.at_ms) > SHARED_TTL.as_millis() as u64 {
-                gone.push(replica);
+                // Removed only as read: a replica that published again meanwhile keeps it.
+                gone.push((replica, bytes));
                 continue;
             }
             for (tenant, scopes) in p.tenants {

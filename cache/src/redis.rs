@@ -124,6 +124,16 @@ for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
   end
 end
 return out";
+/// Deletes each field `ARGV[2i-1]` of the hash whose value is still `ARGV[2i]`; returns how
+/// many went.
+const DEL_UNCHANGED_FIELDS: &str = "\
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    n = n + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return n";
 /// A scan logs its progress every this many entries.
 const SCAN_LOG_EVERY: usize = 10_000;
 
@@ -487,14 +497,23 @@ return redis.call('GET', KEYS[1])";
         .await
     }
 
-    /// Removes `fields` from the named hash written by [`RedisTier::put_field`] (a writer
-    /// gone for good: its field would only take room). Returns how many were there.
-    pub async fn del_fields(&self, name: &str, fields: &[String]) -> Result<u64, RedisError> {
+    /// Removes each of `fields` from the named hash written by [`RedisTier::put_field`] (a
+    /// writer gone for good: its field would only take room) if it still holds the value it
+    /// was read with (one its writer wrote again since stays). Returns how many went.
+    pub async fn del_fields(
+        &self,
+        name: &str,
+        fields: &[(String, Vec<u8>)],
+    ) -> Result<u64, RedisError> {
         if fields.is_empty() {
             return Ok(0);
         }
         let key = self.shared.keys.hash(name);
-        let cmd = ::redis::cmd("HDEL").arg(&key).arg(fields).clone();
+        let mut cmd = ::redis::cmd("EVAL");
+        cmd.arg(DEL_UNCHANGED_FIELDS).arg(1).arg(&key);
+        for (field, value) in fields {
+            cmd.arg(field).arg(value.as_slice());
+        }
         self.shared
             .run(Op::Delete, |c| async move { c.query::<u64>(&cmd).await })
             .await
