@@ -238,7 +238,7 @@ impl Prefetcher {
         let (observer, rx) = Observer::channel(OBSERVATION_QUEUE, OBSERVATION_BYTES);
         let shared = Arc::new(Shared {
             model: Mutex::new(Model::with_budget(cfg.half_life_secs, cfg.model_bytes)),
-            // Least recently used first, in every bounded store (see `reprise_cache::memory`).
+            // Least recently used first (a new session is never turned away).
             sessions: moka::sync::Cache::builder()
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(SESSIONS_BYTES)
@@ -251,8 +251,10 @@ impl Prefetcher {
                 })
                 .time_to_idle(SESSION_IDLE)
                 .build(),
+            // Frequency first (moka's default): a record is read on every hit of its entry
+            // (`get_with`), so records of entries hit often outlast a flood of misses' ones;
+            // a new record is admitted once its entry is hit again.
             hot: moka::sync::Cache::builder()
-                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .max_capacity(HOT_BYTES)
                 .weigher(|_: &EntryId, hot: &Arc<Hot>| {
                     u32::try_from(hot.bytes())

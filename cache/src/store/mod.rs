@@ -42,8 +42,9 @@ pub use fence::FENCE_TTL;
 pub use load::Loaded;
 
 /// How long a deletion is remembered, so that a read of Redis that started before it cannot
-/// put the entry back into memory. Far longer than a Redis command may take.
-pub const DELETED_TTL: Duration = Duration::from_secs(120);
+/// put the entry back into memory, and an answer still generating when its id was deleted
+/// is not stored (as long as a fence, and Redis's own mark of a deleted id).
+pub const DELETED_TTL: Duration = fence::FENCE_TTL;
 /// Deletions remembered at most (the oldest are forgotten first).
 const DELETED_MAX: u64 = 200_000;
 
