@@ -44,6 +44,9 @@ pub struct AppState {
     pub embedder: Option<Arc<dyn Embedder>>,
     /// Generations in flight, by exact key.
     pub flights: Flights,
+    /// Expired entries being regenerated (stale-while-revalidate): one regeneration per
+    /// entry, whichever of its keys asked.
+    pub revalidating: parking_lot::Mutex<std::collections::HashSet<reprise_cache::EntryId>>,
     /// Generations in flight, by semantic partition (paraphrases follow them).
     pub paraphrases: InFlightParaphrases,
     /// Where the request path's CPU-bound work runs (the false-hit gate, the embedder's
@@ -208,6 +211,7 @@ impl AppState {
             store,
             embedder,
             flights: Flights::default(),
+            revalidating: Default::default(),
             paraphrases: Default::default(),
             cpu: CpuPool::per_core(),
             metrics,

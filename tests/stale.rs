@@ -126,6 +126,39 @@ async fn stale_while_revalidate_answers_at_once_and_regenerates_once() {
     assert!(n >= 5.0, "{degraded}");
 }
 
+/// Every wording that leads to one expired entry (its own, and the aliases hits by meaning
+/// linked) starts one regeneration of it between them, not one each.
+#[tokio::test]
+async fn one_regeneration_per_entry_whatever_wording_asks() {
+    let mut config = stale_config(2, 60, 0);
+    config.semantic.enabled = true;
+    let (app, backend) = spawn_fake(config, script("first")).await;
+    let own = chat_body("How do I reset my password?");
+    let old = entry_of(&app.chat(&own, &[]).await);
+    let other = chat_body("I forgot my password, how can I change it?");
+    let r = app.chat(&other, &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    wait_past_expiry(&app, old, 0).await;
+    backend.set_config(ScriptConfig {
+        first_token_delay: Duration::from_secs(2),
+        ..script("second")
+    });
+    let calls = backend.calls();
+    // While background work is shed (the SLO at risk), the stale answer is served alone.
+    app.state.router.shed_background(Duration::from_millis(800));
+    assert_stale(app.chat(&own, &[]).await, "stale-while-revalidate", old).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(backend.calls(), calls, "not regenerated while shed");
+    let state = app.state.clone();
+    assert!(eventually(Duration::from_secs(5), || !state.router.shedding()).await);
+    let (a, b) = futures::future::join(app.chat(&own, &[]), app.chat(&other, &[])).await;
+    assert_stale(a, "stale-while-revalidate", old).await;
+    assert_stale(b, "stale-while-revalidate", old).await;
+    let b = backend.clone();
+    assert!(eventually(Duration::from_secs(10), || b.completed() == calls + 1).await);
+    assert_eq!(backend.calls(), calls + 1, "one regeneration");
+}
+
 /// Past the stale-while-revalidate window an expired answer is an ordinary miss (it is still
 /// kept, for the longer stale-if-error window, but the backend answers).
 #[tokio::test]

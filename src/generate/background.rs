@@ -199,8 +199,8 @@ pub async fn generate_tagged(
 /// then lead to the new entry (as refresh-ahead repoints them), so every wording served the
 /// old answer gets the new one.
 ///
-/// Once per exact key: the generation is a flight in the registry under that key, started
-/// only when none is under way for it (concurrent stale answers of one question start one
+/// Once per entry (whichever of its keys asked) and per exact key: the generation is a flight
+/// in the registry under that key, started only when none is under way for it (concurrent stale answers of one question start one
 /// regeneration; a miss of the same question that arrives meanwhile follows it). `admit`
 /// (the tenant's token budget) is asked under the registry's lock, only by the caller that
 /// would start it. It runs at the request's priority, since interactive requests may follow
@@ -214,6 +214,10 @@ pub(crate) fn revalidate(
     admit: impl FnOnce() -> bool,
 ) -> bool {
     let exact = plan.exact;
+    // One per entry too: the aliases a hit by meaning linked to it are other keys.
+    let Some(renewing) = Renewing::of(state, stale) else {
+        return false;
+    };
     let Some((flight, mut sub)) = state.flights.lead(exact, plan.id, req.priority, admit) else {
         return false;
     };
@@ -230,6 +234,7 @@ pub(crate) fn revalidate(
     // The only subscriber: it keeps the flight alive to the end, or drops it (and so stops
     // the backend) past a deadline.
     tokio::spawn(async move {
+        let _renewing = renewing;
         let mut deadlines = super::Deadlines::new(&state.config.server);
         loop {
             match deadlines.next(sub.next()).await {
@@ -246,4 +251,27 @@ pub(crate) fn revalidate(
         }
     });
     true
+}
+
+/// An expired entry being regenerated, registered in [`AppState::revalidating`] until this
+/// is dropped.
+struct Renewing {
+    state: Arc<AppState>,
+    entry: EntryId,
+}
+
+impl Renewing {
+    /// Registers `entry`; `None` when a regeneration of it is under way already.
+    fn of(state: &Arc<AppState>, entry: EntryId) -> Option<Renewing> {
+        state.revalidating.lock().insert(entry).then(|| Renewing {
+            state: state.clone(),
+            entry,
+        })
+    }
+}
+
+impl Drop for Renewing {
+    fn drop(&mut self) {
+        self.state.revalidating.lock().remove(&self.entry);
+    }
 }

@@ -260,8 +260,13 @@ async fn serve(
         .filter(|e| stale_windows.while_revalidate(e.expires_ms, now))
     {
         let tags = merged_tags(&entry.tags, &ctl.tags);
-        // Beyond the tag limit the renewed answer could not be stored: not generated.
-        if access.write && access.generate && tags.len() <= controls::MAX_TAGS {
+        // Beyond the tag limit the renewed answer could not be stored: not generated. Nor
+        // while background work is shed (the SLO at risk): the stale answer is served alone.
+        if access.write
+            && access.generate
+            && tags.len() <= controls::MAX_TAGS
+            && !state.router.shedding()
+        {
             let mut plan = found.plan;
             plan.tags = tags;
             plan.observe = observe;
