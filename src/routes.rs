@@ -132,8 +132,9 @@ impl Target {
 
 /// User requests served before a new one at `priority`: those holding a slot (background
 /// holders do not count: a user request preempts them), and those waiting that go first (an
-/// interactive request waits only behind interactive ones, the backends serving it before
-/// batch work that has not aged; a batch request behind every user request).
+/// interactive request waits only behind those served at interactive rank, aged batch work
+/// among them, the backends serving it before batch work that has not aged; a batch request
+/// behind every user request).
 fn users_ahead(load: &Load, priority: Priority) -> usize {
     let holding = load.running - load.running_background.min(load.running);
     let waiting = match priority {

@@ -197,9 +197,10 @@ pub struct Load {
     pub running_background: usize,
     /// Generations waiting for a slot.
     pub queued: usize,
-    /// Of `queued`, those of interactive requests.
+    /// Of `queued`, those served at interactive rank: interactive requests, and batch
+    /// requests waiting past the priority aging (served before a new interactive one).
     pub queued_interactive: usize,
-    /// Of `queued`, those of batch requests.
+    /// Of `queued`, batch requests not yet aged.
     pub queued_batch: usize,
     /// Free slots it never gives background work (llama with more than one slot keeps
     /// one for the next user request): background work started beyond them would wait.

@@ -173,10 +173,19 @@ impl Slots {
         })
     }
 
-    /// Capacity, holders and waiting requests by class.
+    /// Capacity, holders and waiting requests by the class they are served at: a batch
+    /// request aged into interactive rank counts as interactive (it goes before a new
+    /// interactive one), as in the llama engine's lines.
     pub(crate) fn load(&self) -> Load {
         let st = self.shared.state.lock();
-        let waiting = |p: Priority| st.waiting.iter().filter(|w| w.priority == p).count();
+        let now = Instant::now();
+        let waiting = |p: Priority| {
+            st.waiting
+                .iter()
+                .filter(|w| w.priority != Priority::Background)
+                .filter(|w| (self.shared.rank(w, now) == 0) == (p == Priority::Interactive))
+                .count()
+        };
         Load {
             capacity: self.shared.capacity,
             running: st.running.len(),
@@ -391,6 +400,10 @@ mod tests {
             .unwrap();
         let mut batch = s.enter(Priority::Batch).unwrap();
         let mut interactive = s.enter(Priority::Interactive).unwrap();
+        // Counted where it is served: ahead of a new interactive request (the wait a new one
+        // is predicted counts it).
+        let load = s.load();
+        assert_eq!((load.queued_interactive, load.queued_batch), (2, 0));
         drop(held);
         let _slot = granted(&mut batch)
             .expect("aged: served in arrival order")
