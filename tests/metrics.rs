@@ -32,14 +32,6 @@ fn config(tenant_name: &str, key: &str, log: &Path) -> Config {
     c
 }
 
-fn log_lines(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
 async fn wait_for_lines(path: &Path, n: usize) -> Vec<Value> {
     assert!(
         eventually(Duration::from_secs(10), || log_lines(path).len() >= n).await,

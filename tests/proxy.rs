@@ -673,15 +673,8 @@ async fn a_client_leaving_a_stream_is_recorded_as_gone() {
     let mut chunks = r.bytes_stream();
     chunks.next().await.unwrap().unwrap();
     drop(chunks);
-    let lines = || -> Vec<Value> {
-        std::fs::read_to_string(&path)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    };
-    assert!(eventually(Duration::from_secs(10), || lines().len() == 2).await);
-    let lines = lines();
+    assert!(eventually(Duration::from_secs(10), || log_lines(&path).len() == 2).await);
+    let lines = log_lines(&path);
     assert_eq!(lines[0]["outcome"], "miss", "{}", lines[0]);
     assert!(lines[0]["error"].is_null(), "{}", lines[0]);
     assert_eq!(lines[1]["outcome"], "error", "{}", lines[1]);

@@ -358,13 +358,7 @@ async fn the_request_log_names_the_degraded_answer() {
     let r = app.chat(&body, &[]).await;
     assert_eq!(cache_status(&r), "stale");
     drop(r);
-    let lines = || -> Vec<Value> {
-        std::fs::read_to_string(&path)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    };
+    let lines = || log_lines(&path);
     assert!(eventually(Duration::from_secs(10), || lines().len() >= 2).await);
     let lines = lines();
     assert_eq!(lines[0].get("degraded"), None, "omitted when not degraded");

@@ -18,6 +18,15 @@ pub fn header(r: &reqwest::Response, name: &str) -> Option<String> {
 }
 
 /// A chat body for `model` with one user message.
+/// The lines of a request log written so far, parsed.
+pub fn log_lines(path: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 pub fn chat_for(model: &str, text: &str) -> Value {
     serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})
 }
