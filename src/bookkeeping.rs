@@ -15,6 +15,9 @@ use crate::openai::Endpoint;
 use crate::reqlog::{cut, LogRecord};
 use crate::state::AppState;
 
+/// The error of a request whose client left its streamed answer before the end.
+pub const CLIENT_CLOSED: &str = "client_closed";
+
 /// The bookkeeping of one client request; recorded on drop.
 pub struct Bookkeeping {
     state: Option<Arc<AppState>>,
@@ -196,7 +199,7 @@ impl Drop for Bookkeeping {
             return;
         };
         if self.streaming && self.error.is_none() {
-            self.error = Some("client_closed");
+            self.error = Some(CLIENT_CLOSED);
         }
         let outcome = if self.error.is_some() {
             Outcome::Error
@@ -231,7 +234,9 @@ impl Drop for Bookkeeping {
         if let Some(kind) = self.degraded.filter(|_| rec.degraded.is_some()) {
             state.metrics.degraded(kind);
         }
-        if let Some(side) = self.canary.take() {
+        // A client that left says nothing of the policy that answered it: not judged.
+        let left = rec.error == Some(CLIENT_CLOSED);
+        if let Some(side) = self.canary.take().filter(|_| !left) {
             state
                 .metrics
                 .canary(&side.tenant, side.on_candidate, outcome);

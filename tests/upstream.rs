@@ -762,7 +762,20 @@ async fn passthrough_is_charged_to_a_token_budget() {
     assert_openai_error(r, 429, None).await;
     assert!(retry.is_some(), "429 says when to retry");
     assert_eq!(up.seen().len(), 1, "only the one that fitted went up");
-    // An upload (not JSON) streams uncharged: its bytes are no measure of tokens.
+    // A JSON body whose media type says otherwise, or nothing, is charged all the same.
+    for media in [Some("Application/JSON"), Some("text/plain"), None] {
+        let mut req = app
+            .client
+            .post(app.url("/v1/embeddings"))
+            .bearer_auth("sk-budgeted")
+            .body(json!({"model": "text-embedding-3-small", "input": "y".repeat(250)}).to_string());
+        if let Some(m) = media {
+            req = req.header("content-type", m);
+        }
+        assert_openai_error(req.send().await.unwrap(), 429, None).await;
+    }
+    assert_eq!(up.seen().len(), 1);
+    // An upload (multipart) streams uncharged: its bytes are no measure of tokens.
     let r = app
         .client
         .post(app.url("/v1/embeddings"))

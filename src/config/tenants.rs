@@ -155,9 +155,9 @@ pub struct TenantPolicy {
     /// that goes to the backend is charged its `max_tokens` up front; one without is given
     /// (and charged) this tenant's `max_tokens` cap, else `backend.default_max_tokens`, so no
     /// answer is longer than it was charged for. Beyond the budget 429 with `Retry-After`, and
-    /// a request larger than a whole minute's budget 400. Cache hits cost nothing. A JSON
+    /// a request larger than a whole minute's budget 400. Cache hits cost nothing. A
     /// passthrough request that is not a read (embeddings, moderations, ...) is charged its
-    /// input, a token for every 4 bytes of its body (uploads are not charged). At least
+    /// input, a token for every 4 bytes of its body (uploads, multipart, are not charged). At least
     /// what a request without `max_tokens` is charged.
     pub tokens_per_minute: u32,
     /// Semantic overrides for this tenant, before the global `[[semantic.rules]]`: the first

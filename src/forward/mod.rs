@@ -175,6 +175,35 @@ fn for_the_caller(
     answer
 }
 
+/// Whether a passthrough request's body is an upload (`multipart/*`,
+/// `application/octet-stream`; the media type read without regard to case).
+fn is_upload(headers: &HeaderMap) -> bool {
+    let Some(media) = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let media = media
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    media.starts_with("multipart/") || media == "application/octet-stream"
+}
+
+/// Whether an upstream's answer is an event stream.
+fn is_event_stream(answer: &reprise_backend::Forwarded) -> bool {
+    answer.headers.iter().any(|(name, value)| {
+        name.eq_ignore_ascii_case("content-type")
+            && value
+                .trim_start()
+                .to_ascii_lowercase()
+                .starts_with("text/event-stream")
+    })
+}
+
 /// The `model` a JSON body names, if it is one that names one.
 fn model_named(body: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]
@@ -227,17 +256,14 @@ pub async fn passthrough_for(
                 "with tenants, the upstream's models may only be read through reprise".into(),
             ));
         }
-        // A JSON request that is not a read (embeddings, moderations, image generation) is
-        // read whole (within `server.max_body_bytes`), then takes one of the upstream's slots
-        // at the caller's priority, as a completion does, and is charged its input to a
-        // token budget. Uploads (multipart: audio, files) stream as they come, uncharged and
-        // outside the slots: a slot held while a client sends its upload slowly would keep
-        // everyone's completions waiting.
-        let json = !reads
-            && headers
-                .get(axum::http::header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| v.trim_start().starts_with("application/json"));
+        // A request that is not a read (embeddings, moderations, image generation) is read
+        // whole (within `server.max_body_bytes`), then takes one of the upstream's slots at
+        // the caller's priority, as a completion does, and is charged its input to a token
+        // budget. Uploads (`multipart/*`, `application/octet-stream`: audio, files) stream as
+        // they come, uncharged and outside the slots: a slot held while a client sends its
+        // upload slowly would keep everyone's completions waiting. Any other body (a JSON
+        // one whatever its media type says, or none) counts as a request.
+        let json = !reads && !is_upload(headers);
         let priority = match json {
             true => Some(crate::request::priority_of(headers, &tenant)?),
             false => None,
@@ -295,11 +321,17 @@ pub async fn passthrough_for(
         let answer = tokio::time::timeout_at(deadline, state.backend.forward(req))
             .await
             .map_err(|_| ApiError::Timeout)??;
-        // A request holding a slot holds it until its answer is read: within the request's
-        // deadline, so a stalled upstream or a client that stops reading cannot keep it.
-        let limits = match json {
-            true => BodyLimits::Deadline(deadline),
-            false => BodyLimits::None,
+        // A request holding a slot holds it until its answer is read: a whole answer within
+        // the request's deadline, an event stream (`stream: true`) within the token
+        // timeouts, so a stalled upstream cannot keep it (a client that stops reading holds
+        // it until its connection ends).
+        let limits = match (json, is_event_stream(&answer)) {
+            (false, _) => BodyLimits::None,
+            (true, false) => BodyLimits::Deadline(deadline),
+            (true, true) => BodyLimits::Stream {
+                first_by: deadline.min(tokio::time::Instant::now() + server.first_token_timeout()),
+                gap: server.token_timeout(),
+            },
         };
         // Not a completion: no request metrics, no request log.
         Ok(upstream_response(

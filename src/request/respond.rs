@@ -127,7 +127,7 @@ pub async fn generation(
     let mut resp = if parsed.stream {
         let mut sse = SseState::new(renderer, parsed.include_usage);
         let mut book = book.take();
-        // Until its last events are handed over: a client that leaves before is recorded
+        // Until its last events are ready to send: a client that leaves before is recorded
         // as gone (`client_closed`), not as served whole.
         book.stream_started();
         let initial = sse.push(Ok(first));

@@ -17,7 +17,6 @@ pub fn header(r: &reqwest::Response, name: &str) -> Option<String> {
         .map(|v| v.to_str().unwrap().to_string())
 }
 
-/// A chat body for `model` with one user message.
 /// The lines of a request log written so far, parsed.
 pub fn log_lines(path: &std::path::Path) -> Vec<Value> {
     std::fs::read_to_string(path)
@@ -27,6 +26,7 @@ pub fn log_lines(path: &std::path::Path) -> Vec<Value> {
         .collect()
 }
 
+/// A chat body for `model` with one user message.
 pub fn chat_for(model: &str, text: &str) -> Value {
     serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})
 }
