@@ -311,7 +311,6 @@ mod tests {
             origin: Default::default(),
             tags: vec![],
             refusals: Vec::new(),
-            refused_by_meaning: false,
             created_ms: 1,
             expires_ms: u64::MAX,
             gen_ms: 0,

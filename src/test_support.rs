@@ -36,7 +36,6 @@ pub fn observation(
         origin: Default::default(),
         tags: Vec::new(),
         refusals: Vec::new(),
-        refused_by_meaning: false,
         created_ms: 1,
         expires_ms: u64::MAX,
         gen_ms: 0,

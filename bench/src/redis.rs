@@ -245,7 +245,6 @@ async fn rebuild(
             origin: Origin::Live,
             tags: Vec::new(),
             refusals: Vec::new(),
-            refused_by_meaning: false,
             created_ms: now,
             expires_ms: now + a.ttl_secs * 1000,
             gen_ms: 0,

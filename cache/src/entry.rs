@@ -121,15 +121,9 @@ pub struct Entry {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tags: Vec<String>,
     /// Questions this entry must not answer (reported wrong): each is a neighbourhood of a
-    /// question in one partition. At most [`MAX_REFUSALS`]; see `refused_by_meaning`.
+    /// question in one partition; past [`MAX_REFUSALS`], see [`Entry::refused_by_meaning`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub refusals: Vec<Refusal>,
-    /// Reported wrong for more than [`MAX_REFUSALS`] questions: served by meaning to no
-    /// question any more (its exact keys still answer, but those of the questions refused);
-    /// the refusals then keep only their keys. Dropping the oldest refusal instead would let
-    /// one client's verdicts undo the others'.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub refused_by_meaning: bool,
     /// Creation time, milliseconds since the Unix epoch.
     pub created_ms: u64,
     /// Expiry time, milliseconds since the Unix epoch.
@@ -177,7 +171,7 @@ impl Entry {
     /// Whether the entry was reported wrong for a question like `query` (cosine similarity
     /// at least `radius`) in `partition`.
     pub fn refuses(&self, partition: &Digest, query: &[f32], radius: f32) -> bool {
-        self.refused_by_meaning
+        self.refused_by_meaning()
             || self.refusals.iter().any(|r| match &r.around {
                 Some((p, e)) => {
                     p == partition && e.len() == query.len() && e.cosine(query) >= radius
@@ -191,29 +185,34 @@ impl Entry {
         self.refusals.iter().any(|r| r.key == *key)
     }
 
+    /// Reported wrong for more than [`MAX_REFUSALS`] questions: served by meaning to no
+    /// question any more (its exact keys still answer, but those of the questions refused),
+    /// its refusals keeping only their keys. Dropping the oldest refusal instead would let
+    /// one client's verdicts undo the others'.
+    pub fn refused_by_meaning(&self) -> bool {
+        self.refusals.len() > MAX_REFUSALS
+    }
+
     /// Adds a refusal; one for a key already refused changes nothing. Past [`MAX_REFUSALS`]
-    /// the entry is refused to every question by meaning (`refused_by_meaning`) and keeps
-    /// refusing keys alone, up to [`MAX_KEY_REFUSALS`]; `false` when it can keep no more (see
-    /// [`Entry::refusals_full`]). Whether it was added.
+    /// the entry is refused to every question by meaning ([`Entry::refused_by_meaning`]) and
+    /// keeps refusing keys alone, up to [`MAX_KEY_REFUSALS`]; `false` when it can keep no more
+    /// (see [`Entry::refusals_full`]). Whether it was added.
     pub fn refuse(&mut self, refusal: Refusal) -> bool {
         if self.refuses_key(&refusal.key) || self.refusals_full() {
             return false;
         }
-        if self.refusals.len() >= MAX_REFUSALS || self.refused_by_meaning {
-            if !self.refused_by_meaning {
-                self.refused_by_meaning = true;
-                // Every neighbourhood is refused now: their vectors would only take room.
-                for r in &mut self.refusals {
-                    r.around = None;
-                }
-            }
-            self.refusals.push(Refusal {
-                key: refusal.key,
-                around: None,
-            });
+        if self.refusals.len() < MAX_REFUSALS {
+            self.refusals.push(refusal);
             return true;
         }
-        self.refusals.push(refusal);
+        // Every neighbourhood is refused now: their vectors would only take room.
+        for r in &mut self.refusals {
+            r.around = None;
+        }
+        self.refusals.push(Refusal {
+            key: refusal.key,
+            around: None,
+        });
         true
     }
 
@@ -229,10 +228,6 @@ impl Entry {
         let mut added = false;
         for r in &other.refusals {
             added |= self.refuse(r.clone());
-        }
-        if other.refused_by_meaning && !self.refused_by_meaning {
-            self.refused_by_meaning = true;
-            added = true;
         }
         added
     }
@@ -294,7 +289,6 @@ mod tests {
             origin: Origin::Live,
             tags: Vec::new(),
             refusals: Vec::new(),
-            refused_by_meaning: false,
             created_ms: 0,
             expires_ms: 1,
             gen_ms: 0,
@@ -347,7 +341,7 @@ mod tests {
             });
         }
         assert_eq!(e.refusals.len(), MAX_REFUSALS);
-        assert!(!e.refused_by_meaning);
+        assert!(!e.refused_by_meaning());
         assert!(e.refuse(Refusal {
             key: [100; 32],
             around: Some(([2; 32], Vector::new(&q))),
@@ -357,7 +351,7 @@ mod tests {
         // others'): the entry is no longer served by meaning at all, and the question
         // refused last is refused by its key.
         assert!(e.refuses_key(&[1; 32]), "the oldest is kept");
-        assert!(e.refused_by_meaning);
+        assert!(e.refused_by_meaning());
         assert!(e.refuses(&[4; 32], &q, 0.9), "to no question by meaning");
         assert!(!e.refuses_key(&[99; 32]), "its own question still answers");
         assert!(e.refusals.iter().all(|r| r.around.is_none()), "keys alone");
@@ -377,6 +371,6 @@ mod tests {
         // Copies of the entry on other replicas learn it.
         let mut other = entry();
         assert!(other.merge_refusals(&e));
-        assert!(other.refused_by_meaning);
+        assert!(other.refused_by_meaning());
     }
 }

@@ -471,7 +471,6 @@ mod tests {
             origin: Origin::Live,
             tags: Vec::new(),
             refusals: Vec::new(),
-            refused_by_meaning: false,
             created_ms: now_ms(),
             expires_ms: now_ms() + ttl_ms,
             gen_ms: 0,

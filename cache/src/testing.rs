@@ -377,7 +377,6 @@ pub fn big_answer(i: usize, origin: crate::Origin) -> std::sync::Arc<crate::Entr
         origin,
         tags: Vec::new(),
         refusals: Vec::new(),
-        refused_by_meaning: false,
         created_ms: crate::now_ms(),
         expires_ms: crate::now_ms() + 3_600_000,
         gen_ms: 1,

@@ -458,7 +458,6 @@ async fn an_entry_its_share_refuses_leaves_no_vector_behind() {
         origin: Origin::Live,
         tags: Vec::new(),
         refusals: Vec::new(),
-        refused_by_meaning: false,
         created_ms: now_ms(),
         expires_ms: now_ms() + 3_600_000,
         gen_ms: 1,

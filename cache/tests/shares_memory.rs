@@ -30,7 +30,6 @@ fn answer(i: u64, namespace: &str, bytes: usize) -> Entry {
         origin: Origin::Live,
         tags: Vec::new(),
         refusals: Vec::new(),
-        refused_by_meaning: false,
         created_ms: now_ms(),
         expires_ms: now_ms() + 3_600_000,
         gen_ms: 100,

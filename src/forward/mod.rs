@@ -263,14 +263,14 @@ pub async fn passthrough_for(
         // they come, uncharged and outside the slots: a slot held while a client sends its
         // upload slowly would keep everyone's completions waiting. Any other body (a JSON
         // one whatever its media type says, or none) counts as a request.
-        let json = !reads && !is_upload(headers);
-        let priority = match json {
+        let request = !reads && !is_upload(headers);
+        let priority = match request {
             true => Some(crate::request::priority_of(headers, &tenant)?),
             false => None,
         };
         let allowed = tenant.policy().models.as_slice();
-        let charged = tenant.has_token_budget() && json;
-        let body = if allowed.is_empty() && !json {
+        let charged = tenant.has_token_budget() && request;
+        let body = if allowed.is_empty() && !request {
             reqwest::Body::wrap_stream(body.into_data_stream())
         } else {
             let server = &state.config.server;
@@ -325,7 +325,7 @@ pub async fn passthrough_for(
         // the request's deadline, an event stream (`stream: true`) within the token
         // timeouts, so a stalled upstream cannot keep it (a client that stops reading holds
         // it until its connection ends).
-        let limits = match (json, is_event_stream(&answer)) {
+        let limits = match (request, is_event_stream(&answer)) {
             (false, _) => BodyLimits::None,
             (true, false) => BodyLimits::Deadline(deadline),
             (true, true) => BodyLimits::Stream {

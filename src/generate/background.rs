@@ -199,11 +199,11 @@ pub async fn generate_tagged(
 /// then lead to the new entry (as refresh-ahead repoints them), so every wording served the
 /// old answer gets the new one.
 ///
-/// Once per entry (whichever of its keys asked) and per exact key: the generation is a flight
-/// in the registry under that key, started only when none is under way for it (concurrent stale answers of one question start one
-/// regeneration; a miss of the same question that arrives meanwhile follows it). `admit`
-/// (the tenant's token budget) is asked under the registry's lock, only by the caller that
-/// would start it. It runs at the request's priority, since interactive requests may follow
+/// Once per entry (whichever of its keys asked) and per exact key: the generation is a
+/// flight in the registry under that key, started only when none is under way for it
+/// (concurrent stale answers of one question start one regeneration; a miss of the same
+/// question that arrives meanwhile follows it). `admit` (the tenant's token budget) is
+/// asked under the registry's lock, only by the caller that would start it. It runs at the request's priority, since interactive requests may follow
 /// it, within the deadlines of work nobody waits on; a failure leaves the stale entry as it
 /// is. Returns whether a regeneration started.
 pub(crate) fn revalidate(

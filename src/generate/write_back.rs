@@ -50,7 +50,6 @@ pub(crate) async fn write_back(
         origin: plan.origin,
         tags: plan.tags,
         refusals: Vec::new(),
-        refused_by_meaning: false,
         created_ms: now,
         expires_ms: now + ttl,
         gen_ms,

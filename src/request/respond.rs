@@ -129,10 +129,9 @@ pub async fn generation(
         let mut book = book.take();
         // Until its last events are ready to send: a client that leaves before is recorded
         // as gone (`client_closed`), not as served whole.
-        book.stream_started();
         let initial = sse.push(Ok(first));
-        if sse.done {
-            book.stream_ended();
+        if !sse.done {
+            book.stream_started();
         }
         let stream = async_stream::stream! {
             for ev in initial {

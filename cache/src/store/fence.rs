@@ -26,24 +26,22 @@ pub(super) struct Fences {
 
 impl Default for Fences {
     fn default() -> Self {
-        // The oldest fences go first (a newcomer, never read, is never turned away).
-        let cache = || {
-            moka::sync::Cache::builder()
-                .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .max_capacity(FENCES_MAX)
-                .time_to_live(FENCE_TTL)
-                .build()
-        };
         Fences {
-            namespaces: cache(),
-            tags: cache(),
-            scoped_tags: moka::sync::Cache::builder()
-                .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .max_capacity(FENCES_MAX)
-                .time_to_live(FENCE_TTL)
-                .build(),
+            namespaces: fence_cache(),
+            tags: fence_cache(),
+            scoped_tags: fence_cache(),
         }
     }
+}
+
+/// A bounded cache of fences lasting [`FENCE_TTL`]; the oldest go first (a newcomer, never
+/// read, is never turned away).
+fn fence_cache<V: Clone + Send + Sync + 'static>() -> moka::sync::Cache<String, V> {
+    moka::sync::Cache::builder()
+        .eviction_policy(moka::policy::EvictionPolicy::lru())
+        .max_capacity(FENCES_MAX)
+        .time_to_live(FENCE_TTL)
+        .build()
 }
 
 impl Store {

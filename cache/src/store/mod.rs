@@ -698,7 +698,6 @@ mod tests {
             origin: Origin::Live,
             tags: vec!["t".into()],
             refusals: Vec::new(),
-            refused_by_meaning: false,
             created_ms,
             expires_ms: now_ms() + 60_000,
             gen_ms: 0,

@@ -100,7 +100,6 @@ pub fn entry(namespace: &str, text: &str, ttl_ms: u64) -> Entry {
         origin: Origin::Live,
         tags: Vec::new(),
         refusals: Vec::new(),
-        refused_by_meaning: false,
         created_ms: now_ms(),
         expires_ms: now_ms() + ttl_ms,
         gen_ms: 0,
