@@ -32,8 +32,10 @@ use crate::state::AppState;
 
 /// Longest response id accepted.
 const MAX_ID_BYTES: usize = 128;
-/// Longest question text remembered (the embedder reads less).
-pub const MAX_QUESTION_BYTES: usize = 4096;
+/// Longest question text remembered: as much as the embedder may read of one (its window
+/// ends within the tokenizer's longest scan), so a refusal's neighbourhood is centred on
+/// the vector the question was matched by.
+pub const MAX_QUESTION_BYTES: usize = reprise_embedder::SCAN_BYTES[1];
 /// Largest remembered response read back from Redis.
 const MAX_RECORD_BYTES: usize = 64 * 1024;
 

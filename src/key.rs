@@ -166,14 +166,16 @@ pub fn exact_key(namespace: &str, endpoint: Endpoint, req: &GenRequest) -> Diges
 /// served — namespace, endpoint, model, sampling parameters, pass-through fields, the
 /// conversation context and `unread`, the end of the matched text that the embedder does not
 /// read (see [`reprise_embedder::Embedder::window`]) — but not the text that is matched by
-/// meaning. An empty `unread` adds nothing, so texts the embedder reads whole keep the
-/// partitions they always had.
+/// meaning — and `unknown`, the words within the matched text the embedder reads as no word
+/// in particular ([`reprise_embedder::Reading::unknown`]). An empty `unread` and no unknown
+/// words add nothing, so texts the embedder reads whole keep the partitions they always had.
 pub fn partition_key(
     namespace: &str,
     endpoint: Endpoint,
     req: &GenRequest,
     context: &Digest,
     unread: &str,
+    unknown: &[&str],
 ) -> Digest {
     let GenRequest {
         model,
@@ -190,6 +192,13 @@ pub fn partition_key(
     if !unread.is_empty() {
         // Text beyond the embedder's window would otherwise never tell two prompts apart.
         h.str("unread").str(unread);
+    }
+    if !unknown.is_empty() {
+        // Words the vector cannot tell apart (🦄 from 🐉) must match as written.
+        h.str("unknown").u64(Some(unknown.len() as u64));
+        for w in unknown {
+            h.str(w);
+        }
     }
     h.finish()
 }
@@ -309,50 +318,60 @@ mod tests {
     fn partitions_isolate_namespace_model_params_and_context() {
         let base = chat(&[("user", "hi")]);
         let ctx = [7; 32];
-        let p = partition_key("ns", Endpoint::Chat, &base, &ctx, "");
+        let p = partition_key("ns", Endpoint::Chat, &base, &ctx, "", &[]);
         // The matched text itself is not part of the partition.
         let other_text = chat(&[("user", "hello there")]);
         assert_eq!(
             p,
-            partition_key("ns", Endpoint::Chat, &other_text, &ctx, "")
+            partition_key("ns", Endpoint::Chat, &other_text, &ctx, "", &[])
         );
         let mut m = base.clone();
         m.model = "other-model".into();
         assert_ne!(
             p,
-            partition_key("ns", Endpoint::Chat, &m, &ctx, ""),
+            partition_key("ns", Endpoint::Chat, &m, &ctx, "", &[]),
             "model"
         );
         assert_ne!(
             p,
-            partition_key("ns2", Endpoint::Chat, &base, &ctx, ""),
+            partition_key("ns2", Endpoint::Chat, &base, &ctx, "", &[]),
             "namespace"
         );
         assert_ne!(
             p,
-            partition_key("ns", Endpoint::Completion, &base, &ctx, ""),
+            partition_key("ns", Endpoint::Completion, &base, &ctx, "", &[]),
             "endpoint"
         );
         assert_ne!(
             p,
-            partition_key("ns", Endpoint::Chat, &base, &[8; 32], ""),
+            partition_key("ns", Endpoint::Chat, &base, &[8; 32], "", &[]),
             "context"
         );
         let mut t = base.clone();
         t.params.max_tokens = Some(5);
         assert_ne!(
             p,
-            partition_key("ns", Endpoint::Chat, &t, &ctx, ""),
+            partition_key("ns", Endpoint::Chat, &t, &ctx, "", &[]),
             "params"
         );
         // What the embedder does not read must match exactly.
-        let unread = partition_key("ns", Endpoint::Chat, &base, &ctx, "the end");
+        let unread = partition_key("ns", Endpoint::Chat, &base, &ctx, "the end", &[]);
         assert_ne!(p, unread, "unread text");
         assert_ne!(
             unread,
-            partition_key("ns", Endpoint::Chat, &base, &ctx, "the end!"),
+            partition_key("ns", Endpoint::Chat, &base, &ctx, "the end!", &[]),
             "unread text"
         );
+        // So must the words it reads as unknown.
+        let unknown = |w: &[&str]| partition_key("ns", Endpoint::Chat, &base, &ctx, "", w);
+        assert_ne!(p, unknown(&["🦄"]), "an unknown word");
+        assert_ne!(unknown(&["🦄"]), unknown(&["🐉"]), "another unknown word");
+        assert_ne!(
+            unknown(&["🦄", "🐉"]),
+            unknown(&["🦄🐉"]),
+            "two words, not one"
+        );
+        assert_eq!(unknown(&["🦄"]), unknown(&["🦄"]));
     }
 
     #[test]
@@ -415,7 +434,14 @@ mod tests {
         // Partitions too (entries carry theirs); a question the embedder reads whole has no
         // unread end.
         assert_eq!(
-            hex(partition_key("default", Endpoint::Chat, &req, &[7; 32], "")),
+            hex(partition_key(
+                "default",
+                Endpoint::Chat,
+                &req,
+                &[7; 32],
+                "",
+                &[]
+            )),
             "d534ea13f279da917014e3f99df3536f03af3dbbb2f77e5ea52d7827a84192e4"
         );
     }

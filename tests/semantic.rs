@@ -56,6 +56,32 @@ async fn paraphrase_is_a_semantic_hit_without_a_backend_call() {
     assert_eq!(backend.calls(), 1);
 }
 
+/// Words the embedder cannot spell (emoji, an overlong token) read alike, so they must match
+/// as written: a question that differs only there is a miss, while a paraphrase carrying
+/// the same ones is still a hit by meaning.
+#[tokio::test]
+async fn words_the_embedder_reads_as_unknown_must_match_exactly() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let ask = |text: &'static str| {
+        let app = &app;
+        async move { cache_status(&app.chat(&chat_body(text), &[]).await) }
+    };
+    assert_eq!(ask("What does 🦄 mean?").await, "miss");
+    assert_eq!(ask("What does 🐉 mean?").await, "miss", "another emoji");
+    assert_eq!(ask("How do I reset my password? 🙂").await, "miss");
+    assert_eq!(
+        ask("I forgot my password, how can I change it? 🙂").await,
+        "semantic",
+        "a paraphrase with the same emoji"
+    );
+    assert_eq!(
+        ask("I forgot my password, how can I change it? 😡").await,
+        "miss",
+        "a paraphrase with another emoji"
+    );
+    assert_eq!(backend.calls(), 4);
+}
+
 #[tokio::test]
 async fn unrelated_prompt_is_a_miss() {
     let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;

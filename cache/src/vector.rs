@@ -197,15 +197,29 @@ fn shortest_table() -> &'static [f32] {
     })
 }
 
+/// The largest squared length a stored vector may have: a unit vector's, with room for the
+/// rounding of its components to half floats.
+const MAX_SQUARED_NORM: f32 = 1.01;
+
 impl<'de> Deserialize<'de> for Vector {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         // What Redis or a snapshot holds is checked as what is stored: a component beyond a
         // half float's range would make every similarity with it infinite (served for any
         // question) or NaN (sorting before every real candidate).
+        // Nor may it be longer than a unit vector (the embedder's are normalised): one of
+        // finite but large components would reach any threshold with any question. A
+        // shorter one only lowers its similarities.
         let v = Vec::<f32>::deserialize(d)?;
-        Self::finite(&v).ok_or_else(|| {
+        let v = Self::finite(&v).ok_or_else(|| {
             serde::de::Error::custom("a vector component is not a finite half float")
-        })
+        })?;
+        let squared: f32 = v.to_f32().iter().map(|x| x * x).sum();
+        if squared > MAX_SQUARED_NORM {
+            return Err(serde::de::Error::custom(
+                "a vector is longer than a unit vector",
+            ));
+        }
+        Ok(v)
     }
 }
 
@@ -284,6 +298,11 @@ mod tests {
         assert!(serde_json::from_str::<Vector>("[-1e9, 0.5]").is_err());
         let v: Vector = serde_json::from_str("[0.5, -0.25]").unwrap();
         assert_eq!(v.len(), 2);
+        // Finite but longer than a unit vector: it would pass any threshold.
+        assert!(serde_json::from_str::<Vector>("[60000, 0]").is_err());
+        assert!(serde_json::from_str::<Vector>("[0.8, 0.8]").is_err());
+        let unit: Vector = serde_json::from_str("[0.6, 0.8]").unwrap();
+        assert_eq!(unit.len(), 2);
     }
 
     #[test]

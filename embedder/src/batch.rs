@@ -167,8 +167,26 @@ impl Worker {
         let mut start = 0;
         for end in groups(&lengths, &self.limits) {
             let members = &order[start..end];
+            // A round runs several calls: a group whose callers all gave up since it began
+            // is not embedded.
+            let wanted = members
+                .iter()
+                .any(|&(_, i)| waiting[i].iter().any(|j| !j.reply.is_closed()));
+            if !wanted {
+                for &(_, i) in members {
+                    waiting[i].clear();
+                }
+                start = end;
+                continue;
+            }
             let texts: Vec<&str> = members.iter().map(|&(_, i)| unique[i].as_str()).collect();
-            let result = self.embed(&texts, &lengths[start..end]);
+            // A panic in the runtime or the tokenizer fails this call, not the thread: the
+            // semantic tier would otherwise be gone until a restart.
+            let lengths_of = &lengths[start..end];
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.embed(&texts, lengths_of)
+            }))
+            .unwrap_or_else(|_| Err("the embedding call panicked".into()));
             // Each group's callers are answered as soon as it ran: a short text does not
             // wait for the longer groups of its round, nor holds its queue room meanwhile.
             for (k, &(_, i)) in members.iter().enumerate() {

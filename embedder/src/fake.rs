@@ -138,7 +138,17 @@ impl Embedder for FakeEmbedder {
         *h.finalize().as_bytes()
     }
 
-    fn window(&self, text: &str) -> usize {
+    fn reading(&self, text: &str) -> crate::Reading {
+        crate::Reading {
+            end: self.end(text),
+            unknown: Vec::new(),
+        }
+    }
+}
+
+impl FakeEmbedder {
+    /// Where its window of words ends in `text`.
+    fn end(&self, text: &str) -> usize {
         let Some(words) = self.window else {
             return text.len();
         };

@@ -152,7 +152,8 @@ impl FastEmbedder {
         let one = memory.per_text(cfg.max_tokens);
         if u64::try_from(one).map_or(true, |one| one > cfg.memory_bytes) {
             return Err(EmbedError::Config(format!(
-                "memory_bytes must hold one text of max_tokens ({}) tokens: at least {one} for this model",
+                "the embedder's working memory (`semantic.embedder_memory_bytes`) must hold one \
+                 text of {} tokens: at least {one} bytes for this model",
                 cfg.max_tokens
             )));
         }
@@ -470,8 +471,8 @@ impl Embedder for FastEmbedder {
 
     /// Tokenizes at most the first 16 KiB of `text` (see `window.rs`): CPU work that grows
     /// with the text up to that bound, for the caller to keep off its async workers.
-    fn window(&self, text: &str) -> usize {
-        self.window.end(text)
+    fn reading(&self, text: &str) -> crate::Reading {
+        self.window.read(text)
     }
 }
 

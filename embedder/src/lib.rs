@@ -81,17 +81,59 @@ pub trait Embedder: Send + Sync + 'static {
     /// embedder's), so a changed model, or replicas on different models, never match across.
     fn fingerprint(&self) -> [u8; 32];
 
-    /// The length in bytes of the start of `text` this embedder reads whole: it reads all of
-    /// `&text[..n]`, and `text.len()` means all of `text`. Always a character boundary. An
-    /// implementation that cannot tell exactly answers less, never more. Callers embed
-    /// `&text[..n]` and match the rest exactly: what the embedder does not read cannot tell
-    /// two texts apart. May tokenize a bounded start of `text`: CPU work, for a blocking
-    /// thread rather than an async worker.
-    fn window(&self, text: &str) -> usize;
+    /// What this embedder reads of `text` (see [`Reading`]): how far, and the words within
+    /// that it reads as no word in particular. Callers embed `&text[..end]` and match the
+    /// rest, and the unknown words, exactly: what the embedder does not read, or reads as
+    /// any word alike, cannot tell two texts apart. May tokenize a bounded start of `text`:
+    /// CPU work, for a blocking thread rather than an async worker.
+    fn reading(&self, text: &str) -> Reading;
+
+    /// The length in bytes of the start of `text` this embedder reads: it reads all of
+    /// `&text[..n]`, and `text.len()` means all of `text` ([`Reading::end`]).
+    fn window(&self, text: &str) -> usize {
+        self.reading(text).end
+    }
 
     /// `text` split where [`Embedder::window`] ends: what the embedder reads, and the rest.
     fn split<'t>(&self, text: &'t str) -> (&'t str, &'t str) {
         text.split_at(self.window(text).min(text.len()))
+    }
+}
+
+/// What an embedder reads of a text ([`Embedder::reading`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reading {
+    /// The length in bytes of the start of the text the embedder reads whole: it reads all
+    /// of `&text[..end]`, and the text's length means all of it. Always a character
+    /// boundary. An implementation that cannot tell exactly answers less, never more.
+    pub end: usize,
+    /// Byte ranges within `..end`, in order, of the words the embedder reads as its unknown
+    /// token (a character outside its vocabulary, such as most emoji, or an overlong word):
+    /// two texts that differ only there get the same vector.
+    pub unknown: Vec<std::ops::Range<usize>>,
+}
+
+impl Reading {
+    /// All of a text of `len` bytes, every word known.
+    pub fn whole(len: usize) -> Reading {
+        Reading {
+            end: len,
+            unknown: Vec::new(),
+        }
+    }
+
+    /// Whether the embedder reads all of a text of `len` bytes, every word known: its
+    /// vector tells it apart from any other text.
+    pub fn is_whole(&self, len: usize) -> bool {
+        self.end >= len && self.unknown.is_empty()
+    }
+
+    /// The unknown words of `text` (the text this reading is of).
+    pub fn unknown_words<'t>(&self, text: &'t str) -> Vec<&'t str> {
+        self.unknown
+            .iter()
+            .filter_map(|r| text.get(r.clone()))
+            .collect()
     }
 }
 

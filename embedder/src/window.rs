@@ -16,9 +16,17 @@
 //! first 16 KiB hold fewer (long runs of whitespace or of one unbroken word) is counted as read
 //! up to where the scan ended, which is less than the model reads: the rest is then matched
 //! exactly, which is the safe side.
+//!
+//! Within the window, a word the vocabulary cannot spell (a character outside it, such as
+//! most emoji and rare CJK characters, or a word of over 100 characters) is read as the one
+//! unknown token: "What does 🦄 mean?" and "What does 🐉 mean?" embed alike, and the gate,
+//! which reads letters and digits, sees the same words. [`Window::read`] names those words,
+//! and the server matches them exactly as it does the unread rest.
 
 use fastembed::TextEmbedding;
 use tokenizers::{PostProcessor, Tokenizer};
+
+use crate::Reading;
 
 /// How far into a text the tokenizer looks for the end of the window, in bytes: a short scan
 /// first, a longer one when the short one held too few tokens.
@@ -31,6 +39,9 @@ pub(crate) struct Window {
     /// Tokens of the text itself the model reads (its maximum minus the special tokens it
     /// adds around them).
     tokens: usize,
+    /// The vocabulary's unknown token: every word it stands for reads alike (a word with a
+    /// character outside the vocabulary, such as most emoji, or an overlong one).
+    unknown: Option<u32>,
 }
 
 impl Window {
@@ -48,9 +59,13 @@ impl Window {
         // Without truncation every token of the scanned start comes back with its offsets.
         let _ = tokenizer.with_truncation(None);
         tokenizer.with_padding(None);
+        let unknown = ["[UNK]", "<unk>"]
+            .iter()
+            .find_map(|t| tokenizer.token_to_id(t));
         Window {
             tokenizer,
             tokens: max_length.saturating_sub(added),
+            unknown,
         }
     }
 
@@ -59,10 +74,11 @@ impl Window {
         self.tokens
     }
 
-    /// How many bytes of the start of `text` the model reads whole (a character boundary).
-    /// Equal to `text.len()` when the model reads all of it; never more than it reads.
-    pub(crate) fn end(&self, text: &str) -> usize {
-        let mut read = 0;
+    /// What the model reads of `text`: how many bytes of its start (a character boundary;
+    /// `text.len()` when it reads all of it; never more than it reads), and where within
+    /// them it reads its unknown token.
+    pub(crate) fn read(&self, text: &str) -> Reading {
+        let mut read = Reading::whole(0);
         for limit in SCAN_BYTES {
             let whole = text.len() <= limit;
             let start = if whole {
@@ -80,6 +96,20 @@ impl Window {
                 return read;
             };
             let offsets = encoding.get_offsets();
+            // Offsets are of `start`, a prefix of `text`: they hold for `text`. A word read
+            // as the unknown token is one range (a run of them, one each).
+            let unknown = encoding.get_ids()[..offsets.len().min(self.tokens)]
+                .iter()
+                .zip(offsets)
+                .filter(|(id, _)| Some(**id) == self.unknown)
+                .map(|(_, &(from, to))| from..to)
+                .fold(Vec::<std::ops::Range<usize>>::new(), |mut all, r| {
+                    match all.last_mut() {
+                        Some(last) if last.end >= r.start => last.end = last.end.max(r.end),
+                        _ => all.push(r),
+                    }
+                    all
+                });
             if offsets.len() > self.tokens {
                 let end = offsets[..self.tokens]
                     .iter()
@@ -90,13 +120,21 @@ impl Window {
                 // into its jamo, say) gives each of them its whole span: when the model
                 // stops inside such a character, the character is not read whole.
                 let unread = offsets[self.tokens].0;
-                return text.floor_char_boundary(end.min(unread));
+                let end = text.floor_char_boundary(end.min(unread));
+                let unknown = unknown.into_iter().filter(|r| r.end <= end).collect();
+                return Reading { end, unknown };
             }
             // Every token of `start` is read.
             if whole {
-                return text.len();
+                return Reading {
+                    end: text.len(),
+                    unknown,
+                };
             }
-            read = start.len();
+            read = Reading {
+                end: start.len(),
+                unknown,
+            };
         }
         read
     }

@@ -242,6 +242,31 @@ async fn the_window_ends_where_the_model_stops_reading() {
     assert_eq!(e.window(&long), e.window(&long[..20 * 1024]));
 }
 
+/// Words outside the vocabulary (most emoji, an overlong word) read as one unknown token,
+/// so texts differing only there embed alike: the reading names them, in order.
+#[tokio::test]
+async fn the_reading_names_the_words_the_model_cannot_spell() {
+    let e = load(EmbedderConfig {
+        cache_bytes: 0,
+        ..common::config()
+    });
+    let (a, b) = ("What does 🦄 mean?", "What does 🐉 mean?");
+    assert_eq!(e.embed(a).await.unwrap(), e.embed(b).await.unwrap());
+    let r = e.reading(a);
+    assert_eq!(r.end, a.len());
+    assert_eq!(r.unknown_words(a), ["🦄"]);
+    assert!(!r.is_whole(a.len()));
+    let long = "y".repeat(150);
+    let text = format!("explain photosynthesis🌱 and {long} today");
+    assert_eq!(
+        e.reading(&text).unknown_words(&text),
+        ["photosynthesis🌱", long.as_str()]
+    );
+    // Known words only: nothing named, read whole.
+    let plain = "How do I reset my password?";
+    assert!(e.reading(plain).is_whole(plain.len()));
+}
+
 #[tokio::test]
 async fn a_character_the_model_reads_only_in_part_is_left_out_of_the_window() {
     let e = load(EmbedderConfig {

@@ -47,6 +47,7 @@ pub const MAX_FORM_BYTES: usize = 2048;
 pub const MAX_MESSAGES: usize = 64;
 
 /// One canonical form: its text and embedding.
+#[derive(Clone)]
 struct Form {
     text: Arc<str>,
     vector: Arc<[f32]>,
@@ -149,7 +150,7 @@ pub async fn canonical(
                 candidates
                     .into_iter()
                     .zip(texts)
-                    .filter(|(_, x)| e.window(x) >= x.len())
+                    .filter(|(_, x)| e.reading(x).is_whole(x.len()))
                     .unzip()
             })
             .await
@@ -158,21 +159,42 @@ pub async fn canonical(
         return None;
     }
     let vectors = embedder.embed_many_in(scope, &texts).await.ok()?;
+    // Each message's group, and its forms copied out of the lock (handles only); the scan
+    // for the best form above the threshold (up to 256 forms a message, 64 messages) runs on
+    // the CPU pool, holding no lock.
+    let (groups, forms): (Vec<_>, Vec<Vec<Form>>) = candidates
+        .iter()
+        .map(|&i| {
+            let key = group_key(scope, namespace, model, &msgs[i].role);
+            let group = state.context_forms.groups.get_with(key, Default::default);
+            let forms = group.lock().forms.clone();
+            ((key, group), forms)
+        })
+        .unzip();
+    let (bests, vectors) = {
+        state
+            .cpu
+            .run(move || {
+                let bests: Vec<Option<Arc<str>>> = forms
+                    .iter()
+                    .zip(&vectors)
+                    .map(|(forms, v)| {
+                        forms
+                            .iter()
+                            .map(|f| (cosine(&f.vector, v), f))
+                            .filter(|(c, _)| *c >= threshold)
+                            .max_by(|a, b| a.0.total_cmp(&b.0))
+                            .map(|(_, f)| f.text.clone())
+                    })
+                    .collect();
+                (bests, vectors)
+            })
+            .await
+    };
     let mut out: Option<Vec<ChatMessage>> = None;
-    for (&i, v) in candidates.iter().zip(vectors) {
+    let each = candidates.iter().zip(vectors).zip(groups).zip(bests);
+    for (((&i, v), (key, group)), best) in each {
         let m = &msgs[i];
-        let key = group_key(scope, namespace, model, &m.role);
-        let group = state.context_forms.groups.get_with(key, Default::default);
-        // The best form above the threshold, copied out of the lock.
-        let best = {
-            let g = group.lock();
-            g.forms
-                .iter()
-                .map(|f| (cosine(&f.vector, &v), f))
-                .filter(|(c, _)| *c >= threshold)
-                .max_by(|a, b| a.0.total_cmp(&b.0))
-                .map(|(_, f)| f.text.clone())
-        };
         let form = match best {
             Some(t) if *t == *m.content => Some(t),
             Some(t) => {

@@ -17,7 +17,7 @@ pub mod semantic;
 use std::sync::Arc;
 use std::time::Instant;
 
-use reprise_backend::{ChatMessage, GenRequest, Input};
+use reprise_backend::{ChatMessage, GenRequest, Input, Priority};
 use reprise_cache::{now_ms, ByKey, Entry, EntryId, Origin};
 use reprise_policies::cache::{Freshness, StaleWindows};
 use reprise_policies::semantic::SemanticPolicy;
@@ -386,23 +386,36 @@ async fn beyond_exact(
         found.bounded = delta > 0.0;
         found.notes.threshold = Some(policy.threshold);
     }
-    // The embedder reads a bounded start of the question; the rest must match exactly, so
-    // it joins the partition. Finding the end tokenizes up to 16 KiB: off the async workers.
-    let window = {
+    // The embedder reads a bounded start of the question; the rest, and the words it reads
+    // as its unknown token, must match exactly, so they join the partition. Finding them
+    // tokenizes up to 16 KiB: off the async workers.
+    let reading = {
         let (embedder, query) = (embedder.clone(), query.clone());
-        state.cpu.run(move || embedder.window(&query)).await
+        state.cpu.run(move || embedder.reading(&query)).await
     };
-    let (matched, unread) = query.split_at(query.floor_char_boundary(window));
+    let window = query.floor_char_boundary(reading.end);
+    let (matched, unread) = query.split_at(window);
+    let unknown = reading.unknown_words(&query);
     // Indexed also when only a shadow candidate matches by meaning: it needs the entries.
-    let mut partition = key::partition_key(namespace, endpoint, req, &context, unread);
+    let mut partition = key::partition_key(namespace, endpoint, req, &context, unread, &unknown);
     found.plan.partition = Some(partition);
     found.plan.prompt = query.clone();
     found.plan.window = window;
     let t = Instant::now();
-    let embedding = match embedder
-        .embed_in(crate::auth::scope_of(namespace), matched)
-        .await
-    {
+    let scope = crate::auth::scope_of(namespace);
+    // Background work (prefetch, refresh) embeds on the queue's spare room only, never
+    // waiting in line with clients: refused, it is skipped as when the queue is full.
+    let embedded = match req.priority {
+        Priority::Background => embedder
+            .embed_many_spare(scope, &[matched.to_string()])
+            .await
+            .and_then(|v| {
+                let missing = || reprise_embedder::EmbedError::Inference("no vector".into());
+                v.into_iter().next().ok_or_else(missing)
+            }),
+        _ => embedder.embed_in(scope, matched).await,
+    };
+    let embedding = match embedded {
         Ok(e) => e,
         Err(reprise_embedder::EmbedError::Overloaded { retry_after_secs }) => {
             // Too busy to embed: the caller decides (a client request that needed the read
@@ -420,13 +433,12 @@ async fn beyond_exact(
     if let Some((alone, recent)) = alone.filter(|_| policy.standalone) {
         // A question that stands on its own and is unrelated to the last exchanges is
         // stored and matched as if asked with the system prompt alone.
-        let scope = crate::auth::scope_of(namespace);
         let limit = state.config.semantic.standalone_max_related;
         if let Ok(v) = embedder.embed_many_in(scope, &recent).await {
             if v.iter()
                 .all(|r| reprise_embedder::cosine(r, &embedding) < limit)
             {
-                partition = key::partition_key(namespace, endpoint, req, &alone, unread);
+                partition = key::partition_key(namespace, endpoint, req, &alone, unread, &unknown);
                 found.plan.partition = Some(partition);
                 found.notes.standalone = true;
                 // No turn link: its entry answers the question asked alone, and the next

@@ -144,7 +144,17 @@ pub async fn find(
 ) -> Option<(Arc<Entry>, f32)> {
     let t = Instant::now();
     let mut found = None;
-    for c in state.store.search(q.partition, q.embedding, policy.top_k) {
+    // A partition waiting for its graph (after a bulk load) is scanned whole: CPU work that
+    // grows with it, off the async workers.
+    let candidates = {
+        let (store, partition, query) = (state.store.clone(), *q.partition, q.embedding.to_vec());
+        let k = policy.top_k;
+        state
+            .cpu
+            .run(move || store.search(&partition, &query, k))
+            .await
+    };
+    for c in candidates {
         if notes.similarity.is_none() {
             notes.similarity = Some(c.similarity);
         }
@@ -222,8 +232,8 @@ mod tests {
         fn fingerprint(&self) -> [u8; 32] {
             [4; 32]
         }
-        fn window(&self, text: &str) -> usize {
-            text.len()
+        fn reading(&self, text: &str) -> reprise_embedder::Reading {
+            reprise_embedder::Reading::whole(text.len())
         }
     }
 

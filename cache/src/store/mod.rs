@@ -45,8 +45,14 @@ pub use load::Loaded;
 /// put the entry back into memory, and an answer still generating when its id was deleted
 /// is not stored (as long as a fence, and Redis's own mark of a deleted id).
 pub const DELETED_TTL: Duration = fence::FENCE_TTL;
-/// Deletions remembered at most (the oldest are forgotten first).
-const DELETED_MAX: u64 = 200_000;
+/// The bytes remembering deletions may take, on top of a memory budget of `memory_bytes`:
+/// a thirty-second of it, and room for at least 1,024 ids. Each id weighs
+/// [`ITEM_OVERHEAD`](crate::ITEM_OVERHEAD) (moka's bookkeeping dwarfs the 16-byte id); the
+/// oldest are forgotten first. A namespace or tag delete is fenced besides (see
+/// [`FENCE_TTL`]), so forgetting its ids early lets none of them back.
+pub fn deleted_budget(memory_bytes: u64) -> u64 {
+    (memory_bytes / 32).max(1024 * u64::from(crate::ITEM_OVERHEAD))
+}
 
 /// What a key leads to, judged by the caller's freshness rule.
 #[derive(Debug)]
@@ -154,7 +160,8 @@ impl Store {
             // turned away).
             deleted: moka::sync::Cache::builder()
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .max_capacity(DELETED_MAX)
+                .max_capacity(deleted_budget(memory_bytes))
+                .weigher(|_: &EntryId, _: &()| crate::ITEM_OVERHEAD)
                 .time_to_live(DELETED_TTL)
                 .build(),
             fences: Fences::default(),
@@ -512,14 +519,29 @@ impl Store {
     }
 
     /// Points every key that led to `old` at `new` (here and in Redis), so aliases do not
-    /// turn into misses when `old` expires. Scans the keys off the async workers.
+    /// turn into misses when `old` expires; `new` answers the same question afresh, so the
+    /// questions `old` refused it refuses too (here and in Redis), and a key `old` refused is
+    /// left behind. Scans the keys off the async workers.
     pub async fn repoint(&self, old: EntryId, new: &Entry) {
         let memory = self.memory.clone();
         let Ok(keys) = tokio::task::spawn_blocking(move || memory.keys_of(old)).await else {
             return;
         };
+        let previous = self.memory.get_kept(old).await;
+        let mut new = Arc::new(new.clone());
+        if let Some(prev) = previous.as_ref().filter(|p| !p.refusals.is_empty()) {
+            let mut refusing = (*new).clone();
+            if refusing.merge_refusals(prev) {
+                let refusing = Arc::new(refusing);
+                self.update(refusing.clone()).await;
+                new = refusing;
+            }
+        }
         for k in keys {
-            self.alias(k, new).await;
+            if previous.as_ref().is_some_and(|p| p.refuses_key(&k)) {
+                continue;
+            }
+            self.alias(k, &new).await;
         }
     }
 
@@ -724,6 +746,50 @@ mod tests {
         assert!(matches!(s.find(&[1; 32], |_| false).await.0, ByKey::Stale));
         let c = s.search(&[9; 32], &[1.0, 0.0], 1);
         assert_eq!(c.first().map(|c| c.id), Some(e.id));
+    }
+
+    /// A renewed answer takes the keys that led to the old one, but not a key the old one
+    /// refused (a question reported wrong), and it refuses what the old one refused.
+    #[tokio::test]
+    async fn a_renewed_answer_keeps_the_refusals_of_the_old_one() {
+        let s = store();
+        let old = entry("a", now_ms());
+        s.insert(Arc::new(old.clone()), &[[1; 32], [2; 32]]).await;
+        let mut refused = old.clone();
+        refused.refuse(crate::entry::Refusal {
+            key: [2; 32],
+            around: None,
+        });
+        s.update(Arc::new(refused)).await;
+        let new = entry("a", now_ms());
+        s.insert(Arc::new(new.clone()), &[]).await;
+        s.repoint(old.id, &new).await;
+        let by = |k| s.get_by_key(k);
+        assert_eq!(by(&[1; 32]).await.map(|e| e.id), Some(new.id), "repointed");
+        assert!(
+            by(&[2; 32]).await.is_none_or(|e| e.id != new.id),
+            "the refused question is not led to the renewed answer"
+        );
+        let held = s.get(new.id).await.unwrap();
+        assert!(held.refuses_key(&[2; 32]), "the refusal carries over");
+    }
+
+    /// The deleted ids remembered weigh within their budget: past it the oldest are
+    /// forgotten, the newest kept.
+    #[tokio::test]
+    async fn remembered_deletes_stay_within_their_byte_budget() {
+        let s = store();
+        let budget = deleted_budget(1 << 20);
+        let room = budget / u64::from(crate::ITEM_OVERHEAD);
+        let ids: Vec<EntryId> = (0..room * 3).map(|_| EntryId::random()).collect();
+        for id in &ids {
+            s.remove_local(*id).await;
+        }
+        s.deleted.run_pending_tasks();
+        assert!(s.deleted.weighted_size() <= budget, "within the budget");
+        assert!(s.deleted.entry_count() >= room / 2, "the budget is used");
+        assert!(s.was_deleted(*ids.last().unwrap()), "the newest is kept");
+        assert!(!s.was_deleted(ids[0]), "the oldest is forgotten");
     }
 
     /// A copy read before a delete or a verdict (a hit's entry, relinked after the answer)
