@@ -28,7 +28,7 @@ done
 if [ -n "$missing" ]; then
   echo "installing Debian packages:$missing" >&2
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
 
 PY="$(command -v python3)"

@@ -171,9 +171,8 @@ impl Tenant {
         let Some(limiter) = &self.token_limiter else {
             return Ok(());
         };
-        let Some(n) = NonZeroU32::new(tokens) else {
-            return Ok(());
-        };
+        // Nothing is free: a charge of 0 (a bound that slipped through) costs one token.
+        let n = NonZeroU32::new(tokens).unwrap_or(NonZeroU32::MIN);
         match limiter.check_n(n) {
             Ok(Ok(())) => Ok(()),
             Ok(Err(not_until)) => Err(ApiError::RateLimited {

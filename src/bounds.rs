@@ -71,10 +71,18 @@ pub fn scope(
     let s = reprise_policies::semantic::scope(rule);
     match arm {
         crate::candidate::Arm::Candidate => {
-            format!("candidate:{:016x}:{s}", candidate.unwrap_or(0))
+            format!("{}{s}", candidate_prefix(candidate.unwrap_or(0)))
         }
         _ => s,
     }
+}
+
+/// What every candidate scope starts with.
+const CANDIDATE: &str = "candidate:";
+
+/// What the scopes of the candidate with `fingerprint` start with.
+fn candidate_prefix(fingerprint: u64) -> String {
+    format!("{CANDIDATE}{fingerprint:016x}:")
 }
 
 /// A miss whose best candidate was under the threshold, to be judged once the backend
@@ -154,8 +162,37 @@ impl Bounds {
         wrong: bool,
         source: Source,
     ) {
+        let verdict = if wrong { "wrong" } else { "right" };
+        state.metrics.verdict(tenant, source.as_str(), verdict);
+        // Only the tenant's candidate in force learns: a verdict on a replaced candidate's
+        // answer would learn for nobody, and each candidate's scope would stay for good.
+        let policies = state.policies.load();
+        let t = match tenant {
+            "" => Some(policies.tenants.anonymous()),
+            name => policies.tenants.named(name),
+        };
+        let Some(t) = t else {
+            return;
+        };
+        let current = t.candidate().map(|c| candidate_prefix(c.fingerprint()));
+        let live = |s: &str| {
+            !s.starts_with(CANDIDATE) || current.as_deref().is_some_and(|c| s.starts_with(c))
+        };
+        if !live(scope) {
+            return;
+        }
         {
             let mut all = self.evidence.lock();
+            let scopes = all.entry(tenant.to_string()).or_default();
+            if !scopes.contains_key(scope) {
+                // A new scope: the replaced candidates' go, and the tenants no longer
+                // configured (a scope is about 1.6 KB, and the map lives as long as the
+                // process).
+                scopes.retain(|s, _| live(s));
+                all.retain(|name, _| {
+                    name == tenant || name.is_empty() || policies.tenants.named(name).is_some()
+                });
+            }
             let e = all
                 .entry(tenant.to_string())
                 .or_default()
@@ -167,8 +204,6 @@ impl Bounds {
             }
         }
         self.unpublished.store(true, Ordering::Relaxed);
-        let verdict = if wrong { "wrong" } else { "right" };
-        state.metrics.verdict(tenant, source.as_str(), verdict);
     }
 
     /// The threshold `tenant` serves at in `scope` under `delta`, from `configured`

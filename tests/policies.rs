@@ -824,6 +824,56 @@ async fn a_verdict_counts_against_the_candidate_it_was_served_beside() {
     assert_eq!(sides["candidate"]["wrong_hit_rate"], 0.5, "{sides}");
 }
 
+/// A candidate's learned-threshold evidence lives as long as the candidate: once another
+/// takes its place, the first's verdicts are dropped (with the next new scope) and a late
+/// verdict on it learns nothing, so replaced candidates do not pile up in memory.
+#[tokio::test]
+async fn a_replaced_candidates_evidence_is_dropped() {
+    let canary = |min: u32| format!("mode = \"canary\"\npercent = 50\nmin_requests = {min}");
+    let (app, _backend) = spawn_fake(
+        tenants_config(&tenants_doc(&[("t", "delta = 0.05", &canary(1000))]), false),
+        ScriptConfig::default(),
+    )
+    .await;
+    let fingerprint = || {
+        let policies = app.state.policies.load();
+        let t = policies.tenants.named("t").unwrap();
+        t.candidate().unwrap().fingerprint()
+    };
+    use reprise::bounds::{scope, Source};
+    use reprise::candidate::Arm;
+    let scope_of = |f: u64| scope(None, Arm::Candidate, Some(f));
+    let verdicts = |s: &str| app.state.bounds.threshold("t", s, 0.05, 0.86, 0.7).verdicts;
+    let record = |s: &str| {
+        let source = Source::Feedback;
+        app.state
+            .bounds
+            .record(&app.state, "t", s, 0.9, false, source);
+    };
+    let first = scope_of(fingerprint());
+    record(&first);
+    record("*/*");
+    assert_eq!(verdicts(&first), 1.0);
+    let doc = tenants_doc(&[("t", "delta = 0.05", &canary(999))]);
+    assert_eq!(put(&app, &doc).await.status(), 200);
+    let second = scope_of(fingerprint());
+    assert_ne!(first, second, "another candidate");
+    record(&first);
+    assert_eq!(
+        verdicts(&first),
+        1.0,
+        "a late verdict on the first learns nothing"
+    );
+    record(&second);
+    assert_eq!(verdicts(&second), 1.0);
+    assert_eq!(
+        verdicts(&first),
+        0.0,
+        "the first candidate's evidence is gone"
+    );
+    assert_eq!(verdicts("*/*"), 1.0, "the running policy's stays");
+}
+
 fn candidate_view<'a>(view: &'a Value, tenant: &str) -> &'a Value {
     let tenants = view["tenants"].as_array().unwrap();
     &tenants.iter().find(|t| t["name"] == tenant).unwrap()["candidate"]

@@ -319,6 +319,10 @@ impl ToolUpstream {
             .route("/v1/models/old-name", axum::routing::get(handler.clone()))
             .route("/v1/models/busy", axum::routing::get(handler.clone()))
             .route("/v1/files", axum::routing::post(handler.clone()))
+            .route(
+                "/v1/audio/transcriptions",
+                axum::routing::post(handler.clone()),
+            )
             .route("/v1/models", axum::routing::get(handler))
             .layer(axum::extract::DefaultBodyLimit::disable());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -565,6 +569,12 @@ async fn forwarded_requests_keep_to_the_tenants_cap_and_budget() {
     let above = tools(json!({"max_tokens": 65}));
     assert_openai_error(app.chat(&above, &auth).await, 400, Some("max_tokens")).await;
     assert_eq!(up.seen().len(), 2);
+    // No bound of 0 either (an upstream may read it as none, and it would cost nothing).
+    for field in ["max_tokens", "max_completion_tokens"] {
+        let zero = tools(json!({ field: 0 }));
+        assert_openai_error(app.chat(&zero, &auth).await, 400, Some(field)).await;
+    }
+    assert_eq!(up.seen().len(), 2);
     // Two answers of 64 tokens do not fit in the 86 left this minute.
     let two = tools(json!({"n": 2}));
     let r = app.chat(&two, &auth).await;
@@ -742,6 +752,7 @@ async fn passthrough_is_charged_to_a_token_budget() {
     let doc = "[[tenants]]\nname = \"budgeted\"\napi_keys = [\"sk-budgeted\"]\n\
                [tenants.policy]\nmax_tokens = 64\ntokens_per_minute = 100\n";
     require_tenants(&mut config, doc);
+    config.backend.passthrough.push("audio".into());
     let app = proxy_to(config).await;
     let embed = |input: String| {
         let req = app
@@ -775,16 +786,27 @@ async fn passthrough_is_charged_to_a_token_budget() {
         assert_openai_error(req.send().await.unwrap(), 429, None).await;
     }
     assert_eq!(up.seen().len(), 1);
-    // An upload (multipart) streams uncharged: its bytes are no measure of tokens.
-    let r = app
-        .client
-        .post(app.url("/v1/embeddings"))
-        .bearer_auth("sk-budgeted")
-        .header("content-type", "multipart/form-data; boundary=b")
-        .body(vec![b'z'; 4000])
-        .send()
-        .await
-        .unwrap();
+    // So is one labelled as an upload to an endpoint that takes none (upstreams read JSON
+    // whatever the label says).
+    let upload = |path: &str, media: &str| {
+        app.client
+            .post(app.url(path))
+            .bearer_auth("sk-budgeted")
+            .header("content-type", media)
+            .body(vec![b'z'; 300])
+            .send()
+    };
+    for media in [
+        "multipart/form-data; boundary=b",
+        "application/octet-stream",
+    ] {
+        assert_openai_error(upload("/v1/embeddings", media).await.unwrap(), 429, None).await;
+    }
+    assert_eq!(up.seen().len(), 1);
+    // An upload (multipart) to an endpoint that takes files streams uncharged (75 tokens by
+    // the estimate, 25 left): its bytes are no measure of tokens.
+    let media = "multipart/form-data; boundary=b";
+    let r = upload("/v1/audio/transcriptions", media).await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(up.seen().len(), 2);
     // Reading the model list costs nothing.

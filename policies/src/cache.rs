@@ -68,7 +68,7 @@ impl Directives {
     /// Reads the directives of every `Cache-Control` header value of a request, in order.
     ///
     /// Directives are split on ',', trimmed and compared case-insensitively; unknown ones are
-    /// ignored. A `max-age`, `stale-while-revalidate` or `stale-if-error` value may be quoted;
+    /// ignored; `no-store`, `no-cache` and `only-if-cached` count with any value. A `max-age`, `stale-while-revalidate` or `stale-if-error` value may be quoted;
     /// one that is empty or not all digits is an error; one too large counts as
     /// [`MAX_AGE_CAP_SECS`]; of several of one name, the smallest wins.
     /// A value that is not visible ASCII (what `http::HeaderValue::to_str` refuses) is an
@@ -91,7 +91,26 @@ impl Directives {
                         let Some((name, value)) = other.split_once('=') else {
                             continue;
                         };
-                        let (slot, bad) = match name {
+                        // These take no value; one written with a value (`no-store=1`)
+                        // still says what it names: ignoring it would store what the client
+                        // asked to keep out.
+                        let flag = match name.trim_end() {
+                            f @ ("no-store" | "no-cache" | "only-if-cached") => f,
+                            _ => name,
+                        };
+                        let (slot, bad) = match flag {
+                            "no-store" => {
+                                d.no_store = true;
+                                continue;
+                            }
+                            "no-cache" => {
+                                d.no_cache = true;
+                                continue;
+                            }
+                            "only-if-cached" => {
+                                d.only_if_cached = true;
+                                continue;
+                            }
                             "max-age" => (&mut d.max_age_secs, CacheControlError::BadMaxAge),
                             "stale-while-revalidate" => (
                                 &mut d.stale_while_revalidate_secs,
@@ -262,6 +281,12 @@ mod tests {
         // A directive must stand alone between commas.
         assert_eq!(parse(&["no-cache-please"]), Ok(Directives::default()));
         assert_eq!(parse(&["max-age = 5"]), Ok(Directives::default()));
+        // One that takes no value, written with one, still counts (the safe side).
+        for v in ["no-store=1", "No-Store=\"true\"", "no-store =x"] {
+            assert!(parse(&[v]).unwrap().no_store, "{v}");
+        }
+        assert!(parse(&["no-cache=\"authorization\""]).unwrap().no_cache);
+        assert!(parse(&["only-if-cached=1"]).unwrap().only_if_cached);
     }
 
     #[test]

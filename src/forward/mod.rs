@@ -175,9 +175,28 @@ fn for_the_caller(
     answer
 }
 
-/// Whether a passthrough request's body is an upload (`multipart/*`,
-/// `application/octet-stream`; the media type read without regard to case).
-fn is_upload(headers: &HeaderMap) -> bool {
+/// Whether a passthrough request's body is an upload: sent to an endpoint that takes files
+/// (audio transcriptions and translations, image edits and variations, files and upload
+/// parts) as `multipart/*` or `application/octet-stream` (the media type read without regard
+/// to case). The path decides, not the client's media type alone: a JSON body labelled as an
+/// upload is read, slotted and charged like any other (upstreams parse JSON whatever the
+/// label says).
+fn is_upload(path: &str, headers: &HeaderMap) -> bool {
+    let path = path.trim_end_matches('/');
+    let segments: Vec<&str> = path.split('/').collect();
+    let takes_files = matches!(
+        segments.as_slice(),
+        ["audio", "transcriptions" | "translations"]
+            | ["images", "edits" | "variations"]
+            | ["files"]
+            | ["uploads", _, "parts"]
+            | ["containers", _, "files"]
+    );
+    takes_files && is_upload_media(headers)
+}
+
+/// Whether a request's media type is one an upload is sent as.
+fn is_upload_media(headers: &HeaderMap) -> bool {
     let Some(media) = headers
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -259,11 +278,11 @@ pub async fn passthrough_for(
         // A request that is not a read (embeddings, moderations, image generation) is read
         // whole (within `server.max_body_bytes`), then takes one of the upstream's slots at
         // the caller's priority, as a completion does, and is charged its input to a token
-        // budget. Uploads (`multipart/*`, `application/octet-stream`: audio, files) stream as
-        // they come, uncharged and outside the slots: a slot held while a client sends its
+        // budget. Uploads (`multipart/*`, `application/octet-stream` to an endpoint that
+        // takes files: audio, files) stream as they come, uncharged and outside the slots: a slot held while a client sends its
         // upload slowly would keep everyone's completions waiting. Any other body (a JSON
         // one whatever its media type says, or none) counts as a request.
-        let request = !reads && !is_upload(headers);
+        let request = !reads && !is_upload(path, headers);
         let priority = match request {
             true => Some(crate::request::priority_of(headers, &tenant)?),
             false => None,

@@ -461,7 +461,8 @@ fn describe() {
     );
     describe_counter!(
         "reprise_prefetch_hits_total",
-        "Prefetched entries served for the first time."
+        "Entries this replica prefetched, served for the first time (each once; with \
+         reprise_prefetch_wasted_total, what became of the completed ones)."
     );
     // A gauge only because the facade's counters count integers; it only ever grows.
     describe_gauge!(

@@ -217,11 +217,15 @@ impl Shared {
     }
 }
 
-/// The tokens a job may generate at most (its `max_tokens`, else the backend's default):
-/// held against the token budget while it runs.
+/// The tokens a job may generate at most (its `max_tokens`, else the bound its backend
+/// applies to a request without one, else, for an upstream that applies its own unknown
+/// one, `backend.max_tokens_cap`): held against the token budget while it runs.
 pub(super) fn reserve_of(state: &AppState, job: &Job) -> u64 {
-    let max = job.request.params.max_tokens;
-    u64::from(max.unwrap_or(state.config.backend.default_max_tokens))
+    let max = job.request.params.max_tokens.or_else(|| {
+        let target = state.router.target_for(&job.request);
+        target.and_then(|t| t.backend.default_max_tokens())
+    });
+    u64::from(max.unwrap_or(state.config.backend.max_tokens_cap))
 }
 
 /// The name of the backend `req` goes to (its model's when no configured one serves it):

@@ -34,9 +34,13 @@ pub(super) struct SessionLast {
 }
 
 impl Shared {
-    /// Records the first use of a prefetched entry.
+    /// Records the first use of an entry this replica prefetched: counted once, however
+    /// many first hits race (each finds the entry still marked prefetched), and never when
+    /// it was counted wasted already.
     pub(super) fn used(&self, id: EntryId) {
-        self.prefetched.lock().remove(&id);
+        if self.prefetched.lock().remove(&id).is_none() {
+            return;
+        }
         bump(&self.counts.hits, 1);
         self.handles.hits.increment(1);
     }

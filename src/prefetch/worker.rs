@@ -88,13 +88,23 @@ pub(super) async fn worker(
         };
         // A bounded batch: what arrives faster than it is learned waits for the next turn
         // (the channel is bounded too), so dispatch and the scans below always get theirs.
-        for ev in first
+        // Learning compares each question with its namespace's clusters: off the async
+        // threads, which serve the requests.
+        let batch: Vec<Event> = first
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv()))
             .take(LEARN_BATCH)
-        {
-            heard(&state, &mut quiet_since, &ev);
-            shared.apply(ev);
+            .collect();
+        for ev in &batch {
+            heard(&state, &mut quiet_since, ev);
+        }
+        if !batch.is_empty() {
+            let s = shared.clone();
+            let learning =
+                tokio::task::spawn_blocking(move || batch.into_iter().for_each(|ev| s.apply(ev)));
+            if let Err(e) = learning.await {
+                tracing::warn!(error = %e, "prefetch: learning failed");
+            }
         }
         let tier = shared.redis.lock().clone();
         if let Some(tier) = tier {

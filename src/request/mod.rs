@@ -308,7 +308,10 @@ async fn serve(
         access,
         book,
     );
-    let joined = match Box::pin(following).await {
+    // The steps after the lookup (the gate on paraphrases in flight, a looser search) wait
+    // for the CPU pool: within the request's deadline, past it not at all.
+    let following = tokio::time::timeout_at(deadline, following);
+    let joined = match Box::pin(following).await.ok().flatten() {
         Some(joined) => joined,
         None => {
             // The backend would answer too late for the route's SLO: answered another way.
@@ -324,7 +327,8 @@ async fn serve(
             let degraded = if choice.primary.backend.ready() {
                 let degrading =
                     degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok);
-                Box::pin(degrading).await
+                let degrading = tokio::time::timeout_at(deadline, degrading);
+                Box::pin(degrading).await.ok().flatten()
             } else {
                 // The route's backend is down (a stopped engine): its fallback answers when
                 // it is up, else an expired entry within stale-if-error, else a 503 before
@@ -369,7 +373,11 @@ async fn serve(
             plan.observe = observe;
             let policy = found.policy;
             let joining = single_flight::join(state, &parsed, plan, policy, access, fallback, book);
-            Box::pin(joining).await
+            // Cancelled only while it looks for a paraphrase in flight, before it starts
+            // anything: past the deadline there is no one to answer.
+            Box::pin(tokio::time::timeout_at(deadline, joining))
+                .await
+                .map_err(|_| ApiError::Timeout)?
         }
     };
     // A follower's tags go with the answer it is served (the leader's are in its plan).

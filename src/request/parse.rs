@@ -112,6 +112,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         Endpoint::Chat => {
             let r: ChatCompletionRequest = de(body)?;
             check_model(&r.model)?;
+            no_other_bound(&r.extra)?;
             if r.messages.is_empty() {
                 return Err(ApiError::invalid(
                     "`messages` must not be empty",
@@ -119,6 +120,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                 ));
             }
             if let Some(found) = chat_forward_field(&r) {
+                at_least_one(r.max_tokens, "max_tokens")?;
+                at_least_one(r.max_completion_tokens, "max_completion_tokens")?;
                 // Both fields go upstream as they are: the larger is what may be spent.
                 let max_tokens = r.max_completion_tokens.max(r.max_tokens);
                 return Ok(Request::Forward(Forward::new(
@@ -169,7 +172,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         Endpoint::Completion => {
             let r: CompletionRequest = de(body)?;
             check_model(&r.model)?;
+            no_other_bound(&r.extra)?;
             if let Some(found) = completion_forward_field(&r) {
+                at_least_one(r.max_tokens, "max_tokens")?;
                 let answers = completion_answers(&r)?;
                 return Ok(Request::Forward(Forward::new(
                     r.model,
@@ -209,12 +214,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
             Some("top_p"),
         ));
     }
-    if p.max_tokens == Some(0) {
-        return Err(ApiError::invalid(
-            "`max_tokens` must be at least 1",
-            Some("max_tokens"),
-        ));
-    }
+    at_least_one(p.max_tokens, "max_tokens")?;
     if p.stop.len() > 4
         || p.stop
             .iter()
@@ -281,6 +281,43 @@ fn check_model(model: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Fields some upstream servers read as a bound on the answer's length (llama.cpp's
+/// `n_predict`, TGI's `max_new_tokens`, vLLM's `min_tokens` and `ignore_eos`, Ollama's
+/// `num_predict`, the Responses API's `max_output_tokens`). Passed on, one would outrun the
+/// cap and the budget reprise keeps with `max_tokens`.
+const OTHER_BOUNDS: [&str; 6] = [
+    "n_predict",
+    "max_new_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "num_predict",
+    "max_output_tokens",
+];
+
+/// Refuses a request that bounds its answer otherwise than with `max_tokens` or
+/// `max_completion_tokens` ([`OTHER_BOUNDS`]).
+fn no_other_bound(extra: &serde_json::Map<String, serde_json::Value>) -> Result<(), ApiError> {
+    match OTHER_BOUNDS.iter().find(|f| extra.contains_key(**f)) {
+        Some(field) => Err(ApiError::invalid(
+            format!("`{field}` is not taken: bound the answer with `max_tokens`"),
+            Some(field),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A token bound, when given, must be at least 1 (an upstream may read 0 as no bound, and it
+/// would be charged nothing).
+fn at_least_one(bound: Option<u32>, field: &str) -> Result<(), ApiError> {
+    match bound {
+        Some(0) => Err(ApiError::invalid(
+            format!("`{field}` must be at least 1"),
+            Some(field),
+        )),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,6 +349,34 @@ mod tests {
         let mut chat = chat_with("tools", json!([{"type": "function"}]));
         chat["model"] = "m".repeat(100_000).into();
         assert!(classify(Endpoint::Chat, chat).is_err(), "forwarded too");
+    }
+
+    /// The answer is bounded by `max_tokens` (or `max_completion_tokens`) only: another
+    /// server's own bound is refused, forwarded or not, and a bound of 0 too.
+    #[test]
+    fn the_answer_is_bounded_by_max_tokens_only() {
+        for field in OTHER_BOUNDS {
+            let refused = |r: Result<_, String>| r.is_err_and(|e| e.contains(field));
+            assert!(refused(classify(
+                Endpoint::Chat,
+                chat_with(field, json!(-1))
+            )));
+            let mut forwarded = chat_with("tools", json!([{"type": "function"}]));
+            forwarded[field] = json!(true);
+            assert!(refused(classify(Endpoint::Chat, forwarded)), "{field}");
+            let completion = json!({"model": "m", "prompt": "hi", field: 9});
+            assert!(refused(classify(Endpoint::Completion, completion)));
+        }
+        for field in ["max_tokens", "max_completion_tokens"] {
+            let mut forwarded = chat_with("tools", json!([{"type": "function"}]));
+            forwarded[field] = json!(0);
+            let err = classify(Endpoint::Chat, forwarded).unwrap_err();
+            assert!(err.contains(field), "{err}");
+            assert!(classify(Endpoint::Chat, chat_with(field, json!(0))).is_err());
+        }
+        let mut completion = json!({"model": "m", "prompt": "hi", "max_tokens": 0});
+        completion["logprobs"] = json!(2);
+        assert!(classify(Endpoint::Completion, completion).is_err());
     }
 
     #[test]

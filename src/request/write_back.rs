@@ -43,7 +43,14 @@ pub async fn link_hit(
         // A prefetched entry says so on its first use; after that it is a normal entry.
         let mut used = (*hit.entry).clone();
         used.origin = Origin::Live;
-        state.store.replace(Arc::new(used)).await;
+        let used = Arc::new(used);
+        state.store.replace(used.clone()).await;
+        // In Redis too (off the answer's path): a replica reading it, or this one after an
+        // eviction, would serve a first use again.
+        if state.store.redis().is_some() {
+            let store = state.store.clone();
+            tokio::spawn(async move { store.update(used).await });
+        }
         if let Some(observer) = &state.observer {
             observer.prefetch_used(hit.entry.id);
         }

@@ -46,7 +46,7 @@ pub struct TuneArgs {
     #[arg(long, value_name = "SHARE", default_value_t = 0.02)]
     pub target_wrong: f64,
     /// Print the policy for this tenant (`[[tenants]]`); with --log, read only its requests
-    /// (`-`: the anonymous tenant's, whose policy is the global one). Without it, the global
+    /// (`anonymous` or `-`: the anonymous tenant's, whose policy is the global one). Without it, the global
     /// `[semantic] threshold` and, with --log, every tenant's requests.
     #[arg(long, value_name = "NAME")]
     pub tenant: Option<String>,
@@ -69,14 +69,15 @@ pub async fn run(args: TuneArgs) -> anyhow::Result<()> {
         anyhow::bail!("--target-wrong must be in [0, 1)");
     }
     // The anonymous tenant's policy is the global one.
-    let tenant = args.tenant.as_deref().filter(|t| *t != "-");
+    let anonymous = |t: &str| matches!(t, "-" | "anonymous");
+    let tenant = args.tenant.as_deref().filter(|t| !anonymous(t));
     let (gated, evidence) = match &args.log {
         Some(path) => {
             let filter = log::Filter {
                 tenant: args
                     .tenant
                     .as_deref()
-                    .map(|t| if t == "-" { "" } else { t }.to_string()),
+                    .map(|t| if anonymous(t) { "" } else { t }.to_string()),
                 since_ms: args.since,
                 until_ms: args.until,
             };
