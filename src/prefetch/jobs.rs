@@ -292,6 +292,12 @@ async fn run_job(
     permit: OwnedSemaphorePermit,
 ) {
     let start = Instant::now();
+    let mut unwinding = Unwinding {
+        shared: &shared,
+        n,
+        key: job.key,
+        armed: true,
+    };
     let Ran {
         generated,
         decoded,
@@ -316,10 +322,34 @@ async fn run_job(
         bump(&shared.counts.backend_micros, (secs * 1e6) as u64);
         shared.handles.backend_seconds.increment(secs);
     }
+    unwinding.armed = false;
     shared.pending.lock().remove(&job.key);
     shared.counts.active.fetch_sub(1, Ordering::Relaxed);
     drop(permit);
     shared.wake.notify_one();
+}
+
+/// Gives back what a running job holds (its budget reservation, its pending key, its place
+/// among the active jobs) when it ends without being accounted for: a panic in it, or its
+/// task dropped. Without it the reservation would count as busy time for ever, and prefetch
+/// would stop on a backend of unknown capacity.
+struct Unwinding<'a> {
+    shared: &'a Shared,
+    n: u64,
+    key: Digest,
+    armed: bool,
+}
+
+impl Drop for Unwinding<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        self.shared.budget.lock().abandon(self.n);
+        self.shared.pending.lock().remove(&self.key);
+        self.shared.counts.active.fetch_sub(1, Ordering::Relaxed);
+        self.shared.wake.notify_one();
+    }
 }
 
 /// What running a job spent.
@@ -464,6 +494,41 @@ mod tests {
     fn queued(p: &Prefetcher, pool: &str) -> usize {
         let q = p.shared.queue.lock();
         q.iter().filter(|j| pool_of(&j.namespace) == pool).count()
+    }
+
+    /// A job that ends unaccounted (it panicked, or its task was dropped) gives back its
+    /// reservation, its pending key and its place among the active jobs.
+    #[test]
+    fn a_job_that_never_finishes_gives_back_what_it_held() {
+        let p = Prefetcher::new(PrefetchConfig::default());
+        let s = &p.shared;
+        let j = job("ns", 7);
+        s.budget.lock().start("ns", 7, Instant::now(), 100);
+        s.pending.lock().insert(j.key);
+        s.counts.active.fetch_add(1, Ordering::Relaxed);
+        let held = Unwinding {
+            shared: s,
+            n: 7,
+            key: j.key,
+            armed: true,
+        };
+        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = held;
+            panic!("the job failed");
+        }));
+        assert!(done.is_err());
+        assert_eq!(s.budget.lock().running_in("ns"), 0);
+        assert!(s.pending.lock().is_empty());
+        assert_eq!(s.counts.active.load(Ordering::Relaxed), 0);
+        // Accounted for: nothing is given back twice.
+        s.counts.active.fetch_add(1, Ordering::Relaxed);
+        drop(Unwinding {
+            shared: s,
+            n: 7,
+            key: j.key,
+            armed: false,
+        });
+        assert_eq!(s.counts.active.load(Ordering::Relaxed), 1);
     }
 
     /// A job past its time is dropped wherever it waits: a fresh one queued behind it
