@@ -291,6 +291,16 @@ impl Flights {
         map.get(key).filter(|f| f.followable_by(priority))?.follow()
     }
 
+    /// [`Flights::follow`] for a paraphrase of the flight's question: only while its own
+    /// backend answers it. A fallback's answer is another model's, not stored, and a
+    /// paraphrase served it would be told it was a hit by meaning.
+    pub fn follow_by_meaning(&self, key: &Digest, priority: Priority) -> Option<Subscriber> {
+        let map = self.map.lock();
+        map.get(key)
+            .filter(|f| f.followable_by(priority) && f.fallback().is_none())?
+            .follow()
+    }
+
     /// A flight that is not shared (requests that must not be joined: `no-store`, background
     /// generations), stored as `entry` when it is stored at all.
     pub fn solo(&self, entry: Option<EntryId>) -> (Arc<Flight>, Subscriber) {
@@ -408,6 +418,26 @@ impl InFlightParaphrases {
 mod tests {
     use super::*;
     use reprise_backend::{FinishReason, Usage};
+
+    /// A fallback's answer is followed by identical requests (marked degraded) but not by
+    /// paraphrases, which would be told it was a hit by meaning on an answer never stored.
+    #[test]
+    fn a_paraphrase_never_follows_a_fallbacks_answer() {
+        let flights = Flights::default();
+        let key = [8; 32];
+        let Joined::Leader(flight, _sub) = flights.join(key, EntryId(1), Priority::Interactive)
+        else {
+            panic!("the first leads");
+        };
+        assert!(flights
+            .follow_by_meaning(&key, Priority::Interactive)
+            .is_some());
+        flight.fell_back("small".into());
+        assert!(flights
+            .follow_by_meaning(&key, Priority::Interactive)
+            .is_none());
+        assert!(flights.follow(&key, Priority::Interactive).is_some());
+    }
 
     /// Of several callers asking to lead one key, one leads (and only it is admitted); the
     /// key is free again once its flight ended, and a refused admission leads nothing.

@@ -131,6 +131,10 @@ pub fn cut(text: &str, chars: usize) -> Option<String> {
     })
 }
 
+/// Lines of the request log lost, by why: `queue` (the writer far behind) or `write` (the
+/// file could not be written).
+pub const DROPPED: &str = "reprise_request_log_dropped_total";
+
 /// Writes one line; whether it was written (false also when the writer panicked).
 fn write_line(w: &mut FileRotate<AppendCount>, line: &[u8]) -> bool {
     matches!(
@@ -211,6 +215,9 @@ impl RequestLog {
                     // it keeps failing, as on a full disk).
                     w = open();
                     let wrote = w.as_mut().is_some_and(|w| write_line(w, &line));
+                    if !wrote {
+                        metrics::counter!(DROPPED, "why" => "write").increment(1);
+                    }
                     if !wrote && !failing {
                         tracing::warn!("request log: a line could not be written");
                     }
@@ -226,9 +233,11 @@ impl RequestLog {
         Ok(RequestLog { tx })
     }
 
-    /// Queues a line; dropped if the writer is far behind.
+    /// Queues a line; dropped (and counted) if the writer is far behind.
     pub fn write(&self, rec: LogRecord) {
-        let _ = self.tx.try_send(rec);
+        if self.tx.try_send(rec).is_err() {
+            metrics::counter!(DROPPED, "why" => "queue").increment(1);
+        }
     }
 }
 

@@ -426,6 +426,39 @@ async fn slow_backend_times_out() {
     assert_eq!(backend.completed(), 0);
 }
 
+/// A generation stuck before its first token ends at the first-token timeout, however many
+/// identical requests keep joining it: later ones start afresh rather than wait on it for
+/// ever (and its backend slot is given back).
+#[tokio::test]
+async fn a_generation_stuck_before_its_first_token_is_not_joined_for_ever() {
+    let mut config = test_config();
+    config.server.first_token_timeout_secs = 0.4;
+    let script = ScriptConfig {
+        first_token_delay: Duration::from_secs(60),
+        ..ScriptConfig::default()
+    };
+    let (app, backend) = spawn_fake(config, script).await;
+    let app = std::sync::Arc::new(app);
+    // A request every 0.2 s for 2 s: each finds the last one's generation still in flight.
+    let mut asked = Vec::new();
+    for _ in 0..10 {
+        let app = app.clone();
+        asked.push(tokio::spawn(async move {
+            app.chat(&chat_body("stuck"), &[]).await.status()
+        }));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for a in asked {
+        assert_eq!(a.await.unwrap(), 504);
+    }
+    assert!(
+        backend.calls() >= 2,
+        "later requests started afresh: {} generations",
+        backend.calls()
+    );
+    assert!(eventually(Duration::from_secs(2), || backend.active() == 0).await);
+}
+
 #[tokio::test]
 async fn cut_off_stream_is_never_cached() {
     let (app, backend) = spawn_fake(test_config(), ScriptConfig::default()).await;

@@ -176,8 +176,8 @@ fn for_the_caller(
 }
 
 /// Whether a passthrough request's body is an upload: sent to an endpoint that takes files
-/// (audio transcriptions and translations, image edits and variations, files and upload
-/// parts) as `multipart/*` or `application/octet-stream` (the media type read without regard
+/// (audio transcriptions and translations, image edits and variations, videos, files, upload
+/// parts and container files) as `multipart/*` or `application/octet-stream` (the media type read without regard
 /// to case). The path decides, not the client's media type alone: a JSON body labelled as an
 /// upload is read, slotted and charged like any other (upstreams parse JSON whatever the
 /// label says).
@@ -189,6 +189,7 @@ fn is_upload(path: &str, headers: &HeaderMap) -> bool {
         ["audio", "transcriptions" | "translations"]
             | ["images", "edits" | "variations"]
             | ["files"]
+            | ["videos"]
             | ["uploads", _, "parts"]
             | ["containers", _, "files"]
     );

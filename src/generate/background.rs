@@ -164,10 +164,18 @@ pub async fn generate_tagged(
     if let Some(hit) = found.hit {
         return Background::Cached(hit.entry);
     }
+    // The embedder had no spare room for background work: nothing is generated (an entry
+    // stored without its vector could never be found by a paraphrase); tried again later.
+    if let Some(retry_after_secs) = found.embed_overloaded {
+        return Background::Failed {
+            error: BackendError::Overloaded { retry_after_secs },
+            decoded: 0,
+        };
+    }
     let mut plan = found.plan;
     plan.origin = origin;
     plan.tags = tags;
-    let exact = plan.exact;
+    let (exact, plan_id) = (plan.exact, plan.id);
     let (flight, mut sub) = state.flights.solo(Some(plan.id));
     super::spawn(state.clone(), flight, None, req, Some(plan), None);
     let (mut usage, mut decoded) = (None, 0);
@@ -181,7 +189,10 @@ pub async fn generate_tagged(
             Ok(None) => break,
         }
     }
-    match (usage, state.store.get_by_key(&exact).await) {
+    // Only the entry this generation stored: the key may still lead to the one it renews,
+    // or to one a client's miss stored meanwhile.
+    let stored = state.store.get_by_key(&exact).await;
+    match (usage, stored.filter(|e| e.id == plan_id)) {
         (Some(usage), Some(entry)) => Background::Generated {
             id: entry.id,
             usage,

@@ -139,17 +139,28 @@ async fn drive(
     streaming: &mut Option<Arc<Target>>,
 ) -> Result<(String, FinishReason, Usage), BackendError> {
     // A stall between tokens cuts a generation off (background ones too: a stalled upstream
-    // would hold a prefetch permit forever). The first token may wait in the backend's
-    // queue; clients bound that with the first-token timeout.
+    // would hold a prefetch permit forever). A user generation's first token comes within
+    // the first-token timeout of its start, queue included: past it its first client has
+    // been answered 504, and one stuck before its first token (an upstream that never
+    // answers) would otherwise live on, holding its slot, while identical requests keep
+    // joining it. Background ones have their own deadlines (`Deadlines`).
     let gap = state.config.server.token_timeout();
     let user = req.priority != reprise_backend::Priority::Background;
     let begun = Instant::now();
+    let first_by = tokio::time::Instant::now() + state.config.server.first_token_timeout();
+    let routing = state.router.generate_routed(req, fallback);
+    let routed = match user {
+        true => tokio::time::timeout_at(first_by, routing)
+            .await
+            .map_err(|_| BackendError::Timeout)?,
+        false => routing.await,
+    };
     let Routed {
         mut stream,
         target,
         fell_back,
         unqueued,
-    } = state.router.generate_routed(req, fallback).await?;
+    } = routed?;
     *streaming = Some(target.clone());
     if let Some(model) = fell_back {
         flight.fell_back(model);
@@ -160,6 +171,10 @@ async fn drive(
     loop {
         let next = if started {
             tokio::time::timeout(gap, stream.next())
+                .await
+                .map_err(|_| BackendError::Timeout)?
+        } else if user {
+            tokio::time::timeout_at(first_by, stream.next())
                 .await
                 .map_err(|_| BackendError::Timeout)?
         } else {

@@ -460,6 +460,10 @@ fn describe() {
         "Background jobs that failed, were preempted or were dropped from the queue."
     );
     describe_counter!(
+        crate::reqlog::DROPPED,
+        "Lines of the request log lost, by why (queue: the writer far behind; write: the file could not be written)."
+    );
+    describe_counter!(
         "reprise_prefetch_hits_total",
         "Entries this replica prefetched, served for the first time (each once; with \
          reprise_prefetch_wasted_total, what became of the completed ones)."

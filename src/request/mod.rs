@@ -364,6 +364,11 @@ async fn serve(
                 }
                 None => {}
             }
+            // Past the deadline (the steps above waited for the CPU pool): nothing is asked of
+            // the backend, nor charged.
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ApiError::Timeout);
+            }
             // The backend will be asked: charged against the tenant's token budget.
             let max_tokens = parsed.req.params.max_tokens;
             tenant.take_tokens(max_tokens.unwrap_or(state.config.backend.default_max_tokens))?;

@@ -113,6 +113,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
             let r: ChatCompletionRequest = de(body)?;
             check_model(&r.model)?;
             no_other_bound(&r.extra)?;
+            at_least_one(r.max_tokens, "max_tokens")?;
+            at_least_one(r.max_completion_tokens, "max_completion_tokens")?;
             if r.messages.is_empty() {
                 return Err(ApiError::invalid(
                     "`messages` must not be empty",
@@ -120,8 +122,6 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                 ));
             }
             if let Some(found) = chat_forward_field(&r) {
-                at_least_one(r.max_tokens, "max_tokens")?;
-                at_least_one(r.max_completion_tokens, "max_completion_tokens")?;
                 // Both fields go upstream as they are: the larger is what may be spent.
                 let max_tokens = r.max_completion_tokens.max(r.max_tokens);
                 return Ok(Request::Forward(Forward::new(
@@ -173,8 +173,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
             let r: CompletionRequest = de(body)?;
             check_model(&r.model)?;
             no_other_bound(&r.extra)?;
+            at_least_one(r.max_tokens, "max_tokens")?;
             if let Some(found) = completion_forward_field(&r) {
-                at_least_one(r.max_tokens, "max_tokens")?;
                 let answers = completion_answers(&r)?;
                 return Ok(Request::Forward(Forward::new(
                     r.model,
@@ -214,7 +214,6 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
             Some("top_p"),
         ));
     }
-    at_least_one(p.max_tokens, "max_tokens")?;
     if p.stop.len() > 4
         || p.stop
             .iter()
@@ -281,23 +280,23 @@ fn check_model(model: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Fields some upstream servers read as a bound on the answer's length (llama.cpp's
-/// `n_predict`, TGI's `max_new_tokens`, vLLM's `min_tokens` and `ignore_eos`, Ollama's
-/// `num_predict`, the Responses API's `max_output_tokens`). Passed on, one would outrun the
-/// cap and the budget reprise keeps with `max_tokens`.
-const OTHER_BOUNDS: [&str; 6] = [
+/// Fields some upstream servers read as the bound on the answer's length in place of
+/// `max_tokens` (llama.cpp's `n_predict`, TGI's `max_new_tokens`, Ollama's `num_predict`, the
+/// Responses API's `max_output_tokens`). Passed on, one would outrun the cap and the budget
+/// reprise keeps with `max_tokens`. (vLLM's `min_tokens` and `ignore_eos` stay within
+/// `max_tokens`, and pass.)
+const OTHER_BOUNDS: [&str; 4] = [
     "n_predict",
     "max_new_tokens",
-    "min_tokens",
-    "ignore_eos",
     "num_predict",
     "max_output_tokens",
 ];
 
 /// Refuses a request that bounds its answer otherwise than with `max_tokens` or
-/// `max_completion_tokens` ([`OTHER_BOUNDS`]).
+/// `max_completion_tokens` ([`OTHER_BOUNDS`]; `null` bounds nothing).
 fn no_other_bound(extra: &serde_json::Map<String, serde_json::Value>) -> Result<(), ApiError> {
-    match OTHER_BOUNDS.iter().find(|f| extra.contains_key(**f)) {
+    let given = |f: &&&str| extra.get(**f).is_some_and(|v| !v.is_null());
+    match OTHER_BOUNDS.iter().find(given) {
         Some(field) => Err(ApiError::invalid(
             format!("`{field}` is not taken: bound the answer with `max_tokens`"),
             Some(field),
@@ -355,6 +354,10 @@ mod tests {
     /// server's own bound is refused, forwarded or not, and a bound of 0 too.
     #[test]
     fn the_answer_is_bounded_by_max_tokens_only() {
+        // Null bounds nothing; vLLM's own fields stay within `max_tokens`.
+        for (field, value) in [("n_predict", json!(null)), ("ignore_eos", json!(true))] {
+            assert_eq!(classify(Endpoint::Chat, chat_with(field, value)), Ok(None));
+        }
         for field in OTHER_BOUNDS {
             let refused = |r: Result<_, String>| r.is_err_and(|e| e.contains(field));
             assert!(refused(classify(
@@ -372,7 +375,8 @@ mod tests {
             forwarded[field] = json!(0);
             let err = classify(Endpoint::Chat, forwarded).unwrap_err();
             assert!(err.contains(field), "{err}");
-            assert!(classify(Endpoint::Chat, chat_with(field, json!(0))).is_err());
+            let err = classify(Endpoint::Chat, chat_with(field, json!(0))).unwrap_err();
+            assert!(err.contains(field), "{err}");
         }
         let mut completion = json!({"model": "m", "prompt": "hi", "max_tokens": 0});
         completion["logprobs"] = json!(2);

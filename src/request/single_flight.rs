@@ -72,8 +72,10 @@ async fn follow_paraphrase(
         return None;
     };
     let found = paraphrase_in_flight(state, plan, policy, &partition, embedding).await;
-    let (subscriber, sim) =
-        found.and_then(|(key, sim)| state.flights.follow(&key, priority).map(|s| (s, sim)))?;
+    let (subscriber, sim) = found.and_then(|(key, sim)| {
+        let sub = state.flights.follow_by_meaning(&key, priority);
+        sub.map(|s| (s, sim))
+    })?;
     state.metrics.singleflight_joins.increment(1);
     book.outcome = Outcome::Semantic;
     book.record.similarity = Some(sim);

@@ -49,7 +49,7 @@ pub async fn link_hit(
         // eviction, would serve a first use again.
         if state.store.redis().is_some() {
             let store = state.store.clone();
-            tokio::spawn(async move { store.update(used).await });
+            tokio::spawn(async move { store.update_kept(used).await });
         }
         if let Some(observer) = &state.observer {
             observer.prefetch_used(hit.entry.id);

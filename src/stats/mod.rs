@@ -91,7 +91,9 @@ fn prefetch_totals(state: &AppState) -> PrefetchCounts {
         .map_or_else(PrefetchCounts::default, |p| {
             let s = p.stats();
             PrefetchCounts {
-                completed: s.completed,
+                // Refresh-ahead renewals are never counted used nor wasted: left out, so
+                // the share used and the share wasted are of prefetched answers.
+                completed: s.completed.saturating_sub(s.refreshed),
                 hits: s.hits,
                 wasted: s.wasted,
             }

@@ -261,9 +261,15 @@ pub fn files(log: &Path, rotated: bool) -> Vec<PathBuf> {
 /// Reads the log (and its rotated files) into a report, with progress on stderr.
 pub fn fold(opts: &Options) -> anyhow::Result<Report> {
     let mut report = Report::new(opts.interval_secs);
+    // Every file is opened before any is read: a live log that rotates meanwhile renames
+    // what the handles point at, so no file is read twice (as `FILE`, then as `FILE.1`).
+    let mut opened = Vec::new();
     for path in files(&opts.log, opts.rotated) {
         let file = std::fs::File::open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
+        opened.push((path, file));
+    }
+    for (path, file) in opened {
         let mut progress = |n: u64| eprintln!("{n} lines read ({})", path.display());
         report
             .read(std::io::BufReader::new(file), opts, &mut progress)

@@ -5,7 +5,8 @@
 //! counts it). A new interval is opened by the first request (or prefetch sample) that ends
 //! in it; intervals without traffic are not held (views fill them with zeros). Past
 //! `memory_bytes`, the oldest intervals' question lists go first (their counts stay; the open
-//! interval's last), and only if that is not enough the oldest intervals themselves. The
+//! interval's last), then their per-tenant rollups (the all-tenant one stays), and only if
+//! that is not enough the oldest intervals themselves. The
 //! budget is checked when an interval opens and every [`FIT_EVERY`] requests.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -53,6 +54,13 @@ impl Interval {
                 .iter()
                 .map(|(k, r)| k.len() as u64 + 32 + r.approx_bytes())
                 .sum::<u64>()
+    }
+
+    /// Drops the per-tenant rollups (the all-tenant one stays); whether there were any.
+    pub fn drop_tenants(&mut self) -> bool {
+        let had = !self.tenants.is_empty();
+        self.tenants.clear();
+        had
     }
 
     /// Drops every rollup's question lists (their counts stay); whether there were any.
@@ -246,16 +254,21 @@ impl Ring {
                 s.bytes
             })
             .sum();
-        let mut oldest = 0;
-        while total > self.bounds.memory_bytes && oldest < self.slots.len() {
-            let s = &mut self.slots[oldest];
-            if s.data.drop_detail() {
-                let before = s.bytes;
-                s.bytes = s.data.approx_bytes();
-                s.dirty = true;
-                total = total - before + s.bytes;
+        // Question lists first, then the oldest intervals' per-tenant rollups (the totals of
+        // every interval stay: a dashboard's day is still whole), the open interval's last.
+        let phases: [fn(&mut Interval) -> bool; 2] = [Interval::drop_detail, |i| i.drop_tenants()];
+        for drop in phases {
+            let mut oldest = 0;
+            while total > self.bounds.memory_bytes && oldest < self.slots.len() {
+                let s = &mut self.slots[oldest];
+                if drop(&mut s.data) {
+                    let before = s.bytes;
+                    s.bytes = s.data.approx_bytes();
+                    s.dirty = true;
+                    total = total - before + s.bytes;
+                }
+                oldest += 1;
             }
-            oldest += 1;
         }
         while total > self.bounds.memory_bytes && self.slots.len() > 1 {
             if let Some(s) = self.slots.pop_front() {
@@ -420,6 +433,45 @@ mod tests {
         assert!(w.iter().all(|(_, r)| r.requests > 0), "counts stay");
         assert!(!w[0].1.has_detail(), "oldest questions went first");
         assert!(w[8].1.has_detail(), "the newest kept theirs");
+    }
+
+    /// Many tenants fill the budget with their counts alone: the oldest intervals give up
+    /// their tenants' rollups before any interval goes, so the totals stay whole.
+    #[test]
+    fn tenants_rollups_go_before_any_interval() {
+        let tenants = 40;
+        let one = {
+            let mut r = Ring::new(Bounds {
+                tenants,
+                ..bounds(u64::MAX)
+            });
+            for t in 0..tenants {
+                r.add(&rec(0, &format!("t{t}"), ""));
+            }
+            r.approx_bytes()
+        };
+        let mut ring = Ring::new(Bounds {
+            tenants,
+            ..bounds(one * 4)
+        });
+        for i in 0..10u64 {
+            for t in 0..tenants {
+                ring.add(&rec(i * 1000, &format!("t{t}"), ""));
+            }
+        }
+        // The budget is checked as the next interval opens.
+        ring.add(&rec(10_000, "t0", ""));
+        assert!(ring.approx_bytes() <= one * 4, "{}", ring.approx_bytes());
+        let w = ring.window(1_000, 9_000, None);
+        let totals: Vec<u64> = w.iter().map(|(_, r)| r.requests).collect();
+        assert_eq!(totals, [tenants as u64; 9], "every interval's total stays");
+        let t0: Vec<u64> = ring
+            .window(1_000, 9_000, Some("t0"))
+            .iter()
+            .map(|(_, r)| r.requests)
+            .collect();
+        assert_eq!(t0[0], 0, "the oldest gave up its tenants");
+        assert_eq!(t0[8], 1, "the newest kept them");
     }
 
     #[test]

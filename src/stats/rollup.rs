@@ -210,7 +210,7 @@ impl Savings {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PrefetchCounts {
-    /// Background generations stored.
+    /// Prefetched answers stored (refresh-ahead renewals left out).
     pub completed: u64,
     /// Prefetched entries served for the first time.
     pub hits: u64,

@@ -457,8 +457,21 @@ impl Store {
 
     /// Stores a changed copy of a held entry (same id and answer; say, a refusal added) here
     /// and in Redis, whose replicas then take it in place of theirs (see
-    /// [`Store::install`]). Its keys and vector stay.
+    /// [`Store::install`]). Its keys and vector stay. An entry Redis no longer holds was
+    /// deleted elsewhere (or expired or evicted there): it goes here too, since its keys
+    /// would otherwise serve what a verdict or a delete meant to stop.
     pub async fn update(&self, entry: Arc<Entry>) {
+        self.write_change(entry, true).await;
+    }
+
+    /// [`Store::update`] for a change that stops nothing (a first use recorded, refusals
+    /// carried to a renewed answer): an entry Redis does not hold (a dropped put, an
+    /// eviction there) stays here.
+    pub async fn update_kept(&self, entry: Arc<Entry>) {
+        self.write_change(entry, false).await;
+    }
+
+    async fn write_change(&self, entry: Arc<Entry>, gone_goes: bool) {
         if self.was_deleted(entry.id) {
             // Deleted meanwhile: storing it again would bring it back everywhere.
             return;
@@ -475,10 +488,11 @@ impl Store {
                 Ok(Updated::Written | Updated::NotWritten) => {}
                 // Gone from Redis: deleted elsewhere (or expired, or evicted there). Put back
                 // here, its keys would serve it again; it goes here too.
-                Ok(Updated::Gone) => {
+                Ok(Updated::Gone) if gone_goes => {
                     self.remove_local(entry.id).await;
                     return;
                 }
+                Ok(Updated::Gone) => {}
                 Err(e) => tracing::warn!(error = %e, id = %entry.id, "redis: update not written"),
             }
         }
@@ -521,27 +535,33 @@ impl Store {
     /// Points every key that led to `old` at `new` (here and in Redis), so aliases do not
     /// turn into misses when `old` expires; `new` answers the same question afresh, so the
     /// questions `old` refused it refuses too (here and in Redis), and a key `old` refused is
-    /// left behind. Scans the keys off the async workers.
+    /// left behind. When the old entry cannot be read (gone from every tier, or Redis cannot
+    /// answer), which keys it refused is unknown: none is repointed. Scans the keys off the
+    /// async workers.
     pub async fn repoint(&self, old: EntryId, new: &Entry) {
         let memory = self.memory.clone();
         let Ok(keys) = tokio::task::spawn_blocking(move || memory.keys_of(old)).await else {
             return;
         };
-        let previous = self.memory.get_kept(old).await;
+        if keys.is_empty() {
+            return;
+        }
+        let Ok(Some(previous)) = self.get_kept(old).await else {
+            return;
+        };
         let mut new = Arc::new(new.clone());
-        if let Some(prev) = previous.as_ref().filter(|p| !p.refusals.is_empty()) {
+        if !previous.refusals.is_empty() {
             let mut refusing = (*new).clone();
-            if refusing.merge_refusals(prev) {
+            if refusing.merge_refusals(&previous) {
                 let refusing = Arc::new(refusing);
-                self.update(refusing.clone()).await;
+                self.update_kept(refusing.clone()).await;
                 new = refusing;
             }
         }
         for k in keys {
-            if previous.as_ref().is_some_and(|p| p.refuses_key(&k)) {
-                continue;
+            if !previous.refuses_key(&k) {
+                self.alias(k, &new).await;
             }
-            self.alias(k, &new).await;
         }
     }
 

@@ -95,7 +95,7 @@ pub fn entry(namespace: &str, text: &str, ttl_ms: u64) -> Entry {
         completion_tokens: 5,
         prompt: format!("prompt for {text}"),
         partition: [7; 32],
-        embedding: Some(Vector::from(vec![0.25f32, -1.5, 3.0e-7])),
+        embedding: Some(Vector::from(vec![0.6f32, -0.8, 3.0e-7])),
         embedder: None,
         origin: Origin::Live,
         tags: Vec::new(),
