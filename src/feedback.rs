@@ -68,6 +68,10 @@ pub struct Served {
     /// The scope of the threshold it was served under (see [`crate::bounds::scope`]).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub scope: String,
+    /// An exact hit through a key that leads to another wording's answer (linked by an
+    /// earlier hit by meaning, or by prefetch): wrong, it is refused as a hit by meaning is.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub aliased: bool,
 }
 
 impl Served {
@@ -76,7 +80,14 @@ impl Served {
     /// (refusals) and canary requests; the rest stay on their replica, so every response
     /// does not cost a Redis write.
     fn is_shared(&self) -> bool {
-        matches!(self.outcome, Outcome::Semantic | Outcome::Prefetch) || self.canary.is_some()
+        self.by_meaning() || self.canary.is_some()
+    }
+
+    /// Whether it answered another wording's question: matched by meaning or prefetched, or
+    /// an exact hit through a key such a match linked.
+    fn by_meaning(&self) -> bool {
+        matches!(self.outcome, Outcome::Semantic | Outcome::Prefetch)
+            || (self.aliased && self.outcome == Outcome::Exact)
     }
 
     fn weight(&self) -> u32 {
@@ -302,12 +313,11 @@ pub async fn handle(
     }))
 }
 
-/// A semantic or prefetch hit reported wrong: the entry refuses the question (its exact
-/// key no longer leads there, on any replica) and, when it was matched by meaning, the
-/// question's neighbourhood. Whether a refusal was added.
+/// A semantic or prefetch hit reported wrong (or an exact hit through a key one of them
+/// linked): the entry refuses the question (its exact key no longer leads there, on any
+/// replica) and, when it was matched by meaning, the question's neighbourhood. Whether a refusal was added.
 pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
-    let hit_by_meaning = matches!(served.outcome, Outcome::Semantic | Outcome::Prefetch);
-    let Some(id) = served.entry.filter(|_| hit_by_meaning) else {
+    let Some(id) = served.entry.filter(|_| served.by_meaning()) else {
         return false;
     };
     let Some(entry) = state.store.fetch(id).await else {
@@ -368,6 +378,7 @@ mod tests {
             candidate: None,
             similarity: Some(0.9),
             scope: String::new(),
+            aliased: false,
         };
         let json = serde_json::to_string(&served).unwrap();
         assert!(json.contains(r#""outcome":"semantic""#), "{json}");

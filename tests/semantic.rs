@@ -1087,6 +1087,39 @@ async fn a_hit_reported_wrong_is_not_served_to_that_question_again() {
     );
 }
 
+/// An exact repeat of a paraphrase reaches the answer its hit by meaning linked: reported
+/// wrong there (not only on the first hit), the link is refused all the same, while the
+/// entry still answers its own question and its own exact repeat.
+#[tokio::test]
+async fn a_wrong_verdict_on_a_linked_exact_repeat_refuses_it() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let original = chat_body("How do I reset my password?");
+    assert_eq!(cache_status(&app.chat(&original, &[]).await), "miss");
+    let asked = chat_body("I forgot my password, how can I change it?");
+    assert_eq!(cache_status(&app.chat(&asked, &[]).await), "semantic");
+    let r = app.chat(&asked, &[]).await;
+    assert_eq!(cache_status(&r), "exact", "linked by the hit by meaning");
+    let id = r.json::<Value>().await.unwrap()["id"].clone();
+    let r = feedback(&app, json!({"id": id, "verdict": "wrong"}), None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["refused"], json!(true));
+    let calls = backend.calls();
+    let r = app.chat(&asked, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(
+        content(r).await,
+        "You asked: I forgot my password, how can I change it?"
+    );
+    assert_eq!(backend.calls(), calls + 1);
+    // A verdict on the entry's own question, exact, refuses nothing.
+    let r = app.chat(&original, &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    let id = r.json::<Value>().await.unwrap()["id"].clone();
+    let r = feedback(&app, json!({"id": id, "verdict": "wrong"}), None).await;
+    assert_eq!(r.json::<Value>().await.unwrap()["refused"], json!(false));
+    assert_eq!(cache_status(&app.chat(&original, &[]).await), "exact");
+}
+
 /// Under `semantic.delta` the threshold is learned: a hit reported wrong raises it above the
 /// similarity it was served at, and near misses whose answers turn out the same lower it,
 /// down to where they were seen.

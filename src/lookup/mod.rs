@@ -135,6 +135,10 @@ pub struct Lookup {
     /// served but never linked to this phrasing's keys, so requests under the running policy
     /// (and all of them after a rollback) do not inherit what only the candidate matched.
     pub on_candidate: bool,
+    /// The exact hit came through a key that leads to another wording's answer (an alias
+    /// a hit by meaning or a prefetch linked): a verdict on it refuses as one on a hit by
+    /// meaning does.
+    pub aliased: bool,
     /// What the lookup saw.
     pub notes: Notes,
 }
@@ -155,6 +159,7 @@ impl Lookup {
             stale: None,
             embed_overloaded: None,
             on_candidate: false,
+            aliased: false,
             notes: Notes::default(),
         }
     }
@@ -241,6 +246,9 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
     // alias a looser match linked) only when it also passes that threshold by meaning:
     // decided once the question is known.
     if exact_hit.is_some() && state.prefetch.is_none() && wants.threshold.is_none() {
+        if let Some(entry) = &exact_hit {
+            note_alias(&mut found, entry, asked(req));
+        }
         found.hit = exact_hit.map(|entry| hit(entry, Outcome::Exact, None));
         shadow_exact_hit(state, namespace, wants, counted);
         return found;
@@ -249,6 +257,32 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
     // carry (and copy) along.
     let rest = beyond_exact(state, ask, found, exact_hit);
     Box::pin(rest).await
+}
+
+/// The question a request asks: its last user message, or its prompt.
+fn asked(req: &GenRequest) -> Option<&str> {
+    match &req.input {
+        Input::Prompt(p) => Some(p),
+        Input::Chat(msgs) => msgs
+            .iter()
+            .rev()
+            .find(|m| m.role == "user")
+            .map(|m| m.content.as_str()),
+    }
+}
+
+/// Marks an exact hit on another wording's answer (`asked` is not the entry's own
+/// question: the key was linked to it by a hit by meaning or a prefetch; both wordings
+/// known, since an entry stored without the semantic tier records none), and notes where
+/// it was asked: the entry's partition, which is what feedback on it refuses.
+fn note_alias(found: &mut Lookup, entry: &Entry, asked: Option<&str>) {
+    let Some(q) = asked.filter(|q| !entry.prompt.is_empty() && *q != entry.prompt) else {
+        return;
+    };
+    found.aliased = true;
+    found.plan.partition = Some(entry.partition);
+    found.plan.prompt = q.to_string();
+    found.plan.window = q.len();
 }
 
 /// The rest of [`lookup`] after the exact tier: the conversation, then the semantic lookup
@@ -305,9 +339,9 @@ async fn beyond_exact(
         _ => true,
     });
     if let Some(entry) = exact_hit {
-        if entry.origin == Origin::Prefetch {
+        note_alias(&mut found, &entry, query.as_deref());
+        if entry.origin == Origin::Prefetch && !found.aliased {
             // Where a predicted wording was asked: what feedback on it would refuse.
-            // (The entry was generated for this context and these parameters: its partition.)
             if let Some(q) = &query {
                 found.plan.partition = Some(entry.partition);
                 found.plan.prompt = q.clone();

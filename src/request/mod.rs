@@ -214,6 +214,7 @@ async fn serve(
         .flatten();
     let key = found.plan.exact;
     let scope = found.scope.clone();
+    let aliased = found.aliased;
     let served =
         |entry: Option<_>, outcome: Outcome, sim: Option<f32>, book: &Bookkeeping| Served {
             tenant: tenant.name().to_string(),
@@ -225,6 +226,7 @@ async fn serve(
             candidate: book.canary.as_ref().map(|c| c.candidate.fingerprint()),
             similarity: sim,
             scope: scope.clone(),
+            aliased: aliased && outcome == Outcome::Exact,
         };
     if let Some(hit) = found.hit.take() {
         // 8. Write-back of a hit: this phrasing's keys now lead to the entry (boxed: an exact
