@@ -969,7 +969,7 @@ async fn verdicts_reach_the_request_log_that_tune_reads() {
     assert_eq!(verdict["verdict"], "wrong", "{verdict}");
     assert_eq!(verdict["id"], id.as_str(), "{verdict}");
     let filter = reprise::tune::log::Filter::default();
-    let d = reprise::tune::log::read(&path, None, &filter).unwrap();
+    let d = reprise::tune::log::read(std::slice::from_ref(&path), None, &filter).unwrap();
     assert_eq!((d.verdicts, d.served, d.judged), (1, 1, 1));
     let judged: Vec<_> = d.samples.iter().filter_map(|s| s.wrong).collect();
     assert_eq!(judged, [true]);

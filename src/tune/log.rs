@@ -7,7 +7,7 @@
 //! counted, so logs written by other versions still read.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -81,11 +81,18 @@ fn verdict(v: Option<&str>) -> Option<bool> {
     }
 }
 
-/// Reads the log (and the extra verdicts, JSON lines of `{id, verdict}`): every request in
-/// `filter` that had a similarity becomes a sample, its verdict joined by id when it was
-/// served a semantic hit (the last verdict on an id counts). Verdicts are taken whatever
-/// their time: a verdict given after `until` may judge a request before it.
-pub fn read(log: &Path, verdicts: Option<&Path>, filter: &Filter) -> anyhow::Result<LogData> {
+/// Reads the log files `logs`, oldest first (the rotated ones, then the live one), and the
+/// extra verdicts (JSON lines of `{id, verdict}`): every request in `filter` that had a
+/// similarity becomes a sample, its verdict joined by id when it was served a semantic hit
+/// (the last verdict on an id counts), whichever file either is in. Verdicts are taken
+/// whatever their time: a verdict given after `until` may judge a request before it. Every
+/// file is opened before any is read: a live log that rotates meanwhile renames what the
+/// handles point at, so none is read twice.
+pub fn read(logs: &[PathBuf], verdicts: Option<&Path>, filter: &Filter) -> anyhow::Result<LogData> {
+    let opened = logs
+        .iter()
+        .map(|p| open(p).map(|f| (p.as_path(), f)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let mut data = LogData::default();
     // Requests with a candidate, and the served ones' ids, until the verdicts are known.
     let mut found: Vec<(LogSample, Option<String>)> = Vec::new();
@@ -98,7 +105,7 @@ pub fn read(log: &Path, verdicts: Option<&Path>, filter: &Filter) -> anyhow::Res
         }
     };
     let (mut requests, mut served_at) = (0, None::<(f32, f32)>);
-    read_lines(log, &mut data, |l| {
+    let mut each = |l: Line| {
         if l.outcome.as_deref() == Some("feedback") {
             take_verdict(&l);
             return;
@@ -126,9 +133,12 @@ pub fn read(log: &Path, verdicts: Option<&Path>, filter: &Filter) -> anyhow::Res
             wrong: None,
         };
         found.push((sample, l.id.filter(|_| served)));
-    })?;
+    };
+    for (path, file) in opened {
+        read_lines(path, file, &mut data, &mut each)?;
+    }
     if let Some(path) = verdicts {
-        read_lines(path, &mut data, |l| take_verdict(&l))?;
+        read_lines(path, open(path)?, &mut data, |l| take_verdict(&l))?;
     }
     (data.requests, data.served_at, data.verdicts) = (requests, served_at, verdict_count);
     for (mut sample, id) in found {
@@ -140,10 +150,20 @@ pub fn read(log: &Path, verdicts: Option<&Path>, filter: &Filter) -> anyhow::Res
     Ok(data)
 }
 
-/// Calls `each` with every readable line of `path`, counting lines and unreadable ones.
-fn read_lines(path: &Path, data: &mut LogData, mut each: impl FnMut(Line)) -> anyhow::Result<()> {
+/// Opens a file to read.
+fn open(path: &Path) -> anyhow::Result<std::fs::File> {
+    std::fs::File::open(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))
+}
+
+/// Calls `each` with every readable line of `file` (opened from `path`), counting lines and
+/// unreadable ones.
+fn read_lines(
+    path: &Path,
+    file: std::fs::File,
+    data: &mut LogData,
+    mut each: impl FnMut(Line),
+) -> anyhow::Result<()> {
     let cannot = |e: std::io::Error| anyhow::anyhow!("cannot read {}: {e}", path.display());
-    let file = std::fs::File::open(path).map_err(cannot)?;
     let mut reader = std::io::BufReader::new(file);
     let mut buf = Vec::new();
     while let Some(whole) =
@@ -235,6 +255,32 @@ mod tests {
         (log, verdicts)
     }
 
+    /// A log split by rotation reads as the whole one: requests in the rotated file are
+    /// judged by verdicts in the live one.
+    #[test]
+    fn a_rotated_log_reads_as_the_whole_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (log, verdicts) = fixture(dir.path());
+        let whole = read(
+            std::slice::from_ref(&log),
+            Some(&verdicts),
+            &Filter::default(),
+        )
+        .unwrap();
+        let text = std::fs::read(&log).unwrap();
+        let cut = text.iter().position(|&b| b == b'\n').unwrap() + 1;
+        let cut = cut + text[cut..].iter().position(|&b| b == b'\n').unwrap() + 1;
+        let older = dir.path().join("requests.jsonl.1");
+        std::fs::write(&older, &text[..cut]).unwrap();
+        std::fs::write(&log, &text[cut..]).unwrap();
+        let split = read(&[older, log], Some(&verdicts), &Filter::default()).unwrap();
+        assert_eq!(
+            (split.lines, split.requests, split.served, split.judged),
+            (whole.lines, whole.requests, whole.served, whole.judged)
+        );
+        assert_eq!(split.samples.len(), whole.samples.len());
+    }
+
     #[test]
     fn reads_requests_and_joins_verdicts() {
         let dir = tempfile::tempdir().unwrap();
@@ -243,7 +289,7 @@ mod tests {
             tenant: Some("acme".into()),
             ..Filter::default()
         };
-        let d = read(&log, Some(&verdicts), &acme).unwrap();
+        let d = read(std::slice::from_ref(&log), Some(&verdicts), &acme).unwrap();
         assert_eq!((d.lines, d.unreadable), (18, 2));
         assert_eq!((d.requests, d.samples.len()), (9, 7));
         assert_eq!((d.served, d.judged, d.verdicts), (4, 3, 5));
@@ -260,14 +306,19 @@ mod tests {
         assert_eq!(choose(&c, 0.02).map(|p| p.threshold), Some(0.94));
 
         // Without the verdict file c-2 is unjudged: nothing wrong from 0.90 up.
-        let d = read(&log, None, &acme).unwrap();
+        let d = read(std::slice::from_ref(&log), None, &acme).unwrap();
         assert_eq!(
             choose(&log_curve(&d.samples), 0.02).map(|p| p.threshold),
             Some(0.90)
         );
 
         // Every tenant: the anonymous tenant's wrong hit at 0.99 counts too.
-        let d = read(&log, Some(&verdicts), &Filter::default()).unwrap();
+        let d = read(
+            std::slice::from_ref(&log),
+            Some(&verdicts),
+            &Filter::default(),
+        )
+        .unwrap();
         assert_eq!((d.samples.len(), d.served, d.judged), (8, 5, 4));
         assert_eq!(d.served_at, Some((0.86, 0.9)));
         let c = log_curve(&d.samples);
@@ -277,7 +328,13 @@ mod tests {
             tenant: Some(String::new()),
             ..Filter::default()
         };
-        assert_eq!(read(&log, None, &anon).unwrap().samples.len(), 1);
+        assert_eq!(
+            read(std::slice::from_ref(&log), None, &anon)
+                .unwrap()
+                .samples
+                .len(),
+            1
+        );
 
         // A time window: c-1 and c-2 only (until is exclusive).
         let window = Filter {
@@ -285,7 +342,7 @@ mod tests {
             since_ms: Some(1000),
             until_ms: Some(1002),
         };
-        let d = read(&log, Some(&verdicts), &window).unwrap();
+        let d = read(std::slice::from_ref(&log), Some(&verdicts), &window).unwrap();
         assert_eq!((d.requests, d.served, d.judged), (2, 2, 2));
     }
 }

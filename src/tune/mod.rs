@@ -33,6 +33,10 @@ pub struct TuneArgs {
     /// (`"outcome": "feedback"`) included.
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
+    /// With --log: read its rotated files too (`FILE.1`, `FILE.2`, ... up to the first
+    /// missing one), oldest first.
+    #[arg(long, requires = "log")]
+    pub rotated: bool,
     /// With --log: more verdicts, JSON lines of {"id": "<response id>", "verdict": "wrong" |
     /// "right"}.
     #[arg(long, value_name = "FILE", requires = "log")]
@@ -81,7 +85,10 @@ pub async fn run(args: TuneArgs) -> anyhow::Result<()> {
                 since_ms: args.since,
                 until_ms: args.until,
             };
-            let data = log::read(path, args.verdicts.as_deref(), &filter)?;
+            // Oldest first: the rotated files from the highest number, then the live one.
+            let mut files = crate::stats::report::files(path, args.rotated);
+            files.reverse();
+            let data = log::read(&files, args.verdicts.as_deref(), &filter)?;
             print_log_summary(&data);
             let points = curve::log_curve(&data.samples);
             print!("{}", log_table(&points));
