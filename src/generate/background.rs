@@ -80,6 +80,9 @@ pub enum Background {
         /// Its token usage.
         usage: Usage,
     },
+    /// Nothing was asked of the backend: the embedder had no spare room for background
+    /// work (an answer stored without its vector could never be found by a paraphrase).
+    Skipped,
     /// The backend failed, was preempted, or the answer was incomplete; nothing stored.
     Failed {
         /// Why.
@@ -166,11 +169,8 @@ pub async fn generate_tagged(
     }
     // The embedder had no spare room for background work: nothing is generated (an entry
     // stored without its vector could never be found by a paraphrase); tried again later.
-    if let Some(retry_after_secs) = found.embed_overloaded {
-        return Background::Failed {
-            error: BackendError::Overloaded { retry_after_secs },
-            decoded: 0,
-        };
+    if found.embed_overloaded.is_some() {
+        return Background::Skipped;
     }
     let mut plan = found.plan;
     plan.origin = origin;

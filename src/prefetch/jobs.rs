@@ -406,16 +406,26 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> Ran 
     let answer = match &result {
         Background::Generated { id, .. } => state.store.get(*id).await,
         Background::Cached(entry) => Some(entry.clone()),
-        Background::Failed { .. } => None,
+        Background::Failed { .. } | Background::Skipped => None,
     };
     if let (JobKind::Prefetch, Some(entry)) = (&job.kind, answer) {
         state.store.alias_unclaimed(&job.aliases, &entry).await;
     }
     let mut tokens = 0;
-    let generated = !matches!(result, Background::Cached(_));
+    let generated = !matches!(result, Background::Cached(_) | Background::Skipped);
     match result {
         Background::Cached(_) => {
             bump(&shared.counts.skipped, 1);
+        }
+        Background::Skipped => {
+            // Tried again later, as a cancelled job: nothing was spent.
+            if let JobKind::Refresh(old) = job.kind {
+                if let Some(h) = shared.hot.get(&old) {
+                    h.refreshing.store(false, Ordering::Relaxed);
+                }
+            }
+            bump(&shared.counts.cancelled, 1);
+            shared.handles.cancelled.increment(1);
         }
         Background::Generated { id, usage } => {
             tokens = u64::from(usage.completion_tokens);

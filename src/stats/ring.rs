@@ -109,6 +109,9 @@ pub struct Ring {
     adds: u32,
 }
 
+/// Gives up part of an interval to keep the budget; whether there was anything to give up.
+type Shed = fn(&mut Interval) -> bool;
+
 /// Requests added between checks of the budget (a check measures the open interval: every
 /// tenant's rollup).
 const FIT_EVERY: u32 = 256;
@@ -254,12 +257,17 @@ impl Ring {
                 s.bytes
             })
             .sum();
-        // Question lists first, then the oldest intervals' per-tenant rollups (the totals of
-        // every interval stay: a dashboard's day is still whole), the open interval's last.
-        let phases: [fn(&mut Interval) -> bool; 2] = [Interval::drop_detail, |i| i.drop_tenants()];
-        for drop in phases {
+        // Question lists first (the open interval's last), then the oldest closed intervals'
+        // per-tenant rollups (the totals of every interval stay: a dashboard's day is still
+        // whole; the open interval keeps its own, which later requests would refill from
+        // zero).
+        let phases: [(Shed, usize); 2] = [
+            (Interval::drop_detail, n),
+            (Interval::drop_tenants, n.saturating_sub(1)),
+        ];
+        for (drop, upto) in phases {
             let mut oldest = 0;
-            while total > self.bounds.memory_bytes && oldest < self.slots.len() {
+            while total > self.bounds.memory_bytes && oldest < upto {
                 let s = &mut self.slots[oldest];
                 if drop(&mut s.data) {
                     let before = s.bytes;

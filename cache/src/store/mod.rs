@@ -543,9 +543,8 @@ impl Store {
         let Ok(keys) = tokio::task::spawn_blocking(move || memory.keys_of(old)).await else {
             return;
         };
-        if keys.is_empty() {
-            return;
-        }
+        // Read even when no key is left to move (the renewed answer took its own already):
+        // its refusals carry over all the same.
         let Ok(Some(previous)) = self.get_kept(old).await else {
             return;
         };
@@ -792,6 +791,21 @@ mod tests {
         );
         let held = s.get(new.id).await.unwrap();
         assert!(held.refuses_key(&[2; 32]), "the refusal carries over");
+
+        // With no key left to move (the renewed answer took its own already), the
+        // refusals carry over all the same.
+        let lone = entry("b", now_ms());
+        s.insert(Arc::new(lone.clone()), &[]).await;
+        let mut refused = lone.clone();
+        refused.refuse(crate::entry::Refusal {
+            key: [3; 32],
+            around: None,
+        });
+        s.update(Arc::new(refused)).await;
+        let renewed = entry("b", now_ms());
+        s.insert(Arc::new(renewed.clone()), &[]).await;
+        s.repoint(lone.id, &renewed).await;
+        assert!(s.get(renewed.id).await.unwrap().refuses_key(&[3; 32]));
     }
 
     /// The deleted ids remembered weigh within their budget: past it the oldest are
