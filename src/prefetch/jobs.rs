@@ -417,16 +417,8 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> Ran 
         Background::Cached(_) => {
             bump(&shared.counts.skipped, 1);
         }
-        Background::Skipped => {
-            // Tried again later, as a cancelled job: nothing was spent.
-            if let JobKind::Refresh(old) = job.kind {
-                if let Some(h) = shared.hot.get(&old) {
-                    h.refreshing.store(false, Ordering::Relaxed);
-                }
-            }
-            bump(&shared.counts.cancelled, 1);
-            shared.handles.cancelled.increment(1);
-        }
+        // Tried again later, as a cancelled job: nothing was spent.
+        Background::Skipped => cancelled(shared, &job.kind),
         Background::Generated { id, usage } => {
             tokens = u64::from(usage.completion_tokens);
             bump(&shared.counts.completed, 1);
@@ -463,19 +455,24 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> Ran 
             if matches!(e, reprise_backend::BackendError::Overloaded { .. }) {
                 bump(&shared.counts.preempted, 1);
             }
-            if let JobKind::Refresh(old) = job.kind {
-                if let Some(h) = shared.hot.get(&old) {
-                    h.refreshing.store(false, Ordering::Relaxed);
-                }
-            }
-            bump(&shared.counts.cancelled, 1);
-            shared.handles.cancelled.increment(1);
+            cancelled(shared, &job.kind);
         }
     }
     Ran {
         generated,
         ..Ran::decoded(tokens)
     }
+}
+
+/// Counts a job that stored nothing as cancelled; a refresh may be tried again.
+fn cancelled(shared: &Shared, kind: &JobKind) {
+    if let JobKind::Refresh(old) = kind {
+        if let Some(h) = shared.hot.get(old) {
+            h.refreshing.store(false, Ordering::Relaxed);
+        }
+    }
+    bump(&shared.counts.cancelled, 1);
+    shared.handles.cancelled.increment(1);
 }
 
 #[cfg(test)]
