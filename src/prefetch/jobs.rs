@@ -295,7 +295,7 @@ async fn run_job(
     let mut unwinding = Unwinding {
         shared: &shared,
         n,
-        key: job.key,
+        job: &job,
         armed: true,
     };
     let Ran {
@@ -330,13 +330,14 @@ async fn run_job(
 }
 
 /// Gives back what a running job holds (its budget reservation, its pending key, its place
-/// among the active jobs) when it ends without being accounted for: a panic in it, or its
-/// task dropped. Without it the reservation would count as busy time for ever, and prefetch
-/// would stop on a backend of unknown capacity.
+/// among the active jobs, a refresh's mark on its entry, a proposal's on the answer it
+/// asks about) when it ends without being accounted for: a panic in it, or its task
+/// dropped. Without it the reservation would count as busy time for ever, and prefetch
+/// would stop on a backend of unknown capacity; the entry would never be refreshed again.
 struct Unwinding<'a> {
     shared: &'a Shared,
     n: u64,
-    key: Digest,
+    job: &'a Job,
     armed: bool,
 }
 
@@ -346,7 +347,8 @@ impl Drop for Unwinding<'_> {
             return;
         }
         self.shared.budget.lock().abandon(self.n);
-        self.shared.pending.lock().remove(&self.key);
+        // Stored nothing: counted cancelled, its marks cleared, its key no longer pending.
+        self.shared.cancel(self.job);
         self.shared.counts.active.fetch_sub(1, Ordering::Relaxed);
         self.shared.wake.notify_one();
     }
@@ -509,14 +511,28 @@ mod tests {
     fn a_job_that_never_finishes_gives_back_what_it_held() {
         let p = Prefetcher::new(PrefetchConfig::default());
         let s = &p.shared;
-        let j = job("ns", 7);
+        let mut j = job("ns", 7);
+        // A refresh: its entry is marked while it runs.
+        let id = EntryId(7);
+        j.kind = JobKind::Refresh(id);
+        s.hot.insert(
+            id,
+            Arc::new(super::super::refresh::Hot {
+                namespace: "ns".into(),
+                endpoint: Endpoint::Chat,
+                request: chat(&[("user", "q")]),
+                expires_ms: u64::MAX,
+                hits: std::sync::atomic::AtomicU64::new(0),
+                refreshing: std::sync::atomic::AtomicBool::new(true),
+            }),
+        );
         s.budget.lock().start("ns", 7, Instant::now(), 100);
         s.pending.lock().insert(j.key);
         s.counts.active.fetch_add(1, Ordering::Relaxed);
         let held = Unwinding {
             shared: s,
             n: 7,
-            key: j.key,
+            job: &j,
             armed: true,
         };
         let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
@@ -527,15 +543,19 @@ mod tests {
         assert_eq!(s.budget.lock().running_in("ns"), 0);
         assert!(s.pending.lock().is_empty());
         assert_eq!(s.counts.active.load(Ordering::Relaxed), 0);
+        assert_eq!(s.counts.cancelled.load(Ordering::Relaxed), 1);
+        // The entry may be refreshed again.
+        assert!(!s.hot.get(&id).unwrap().refreshing.load(Ordering::Relaxed));
         // Accounted for: nothing is given back twice.
         s.counts.active.fetch_add(1, Ordering::Relaxed);
         drop(Unwinding {
             shared: s,
             n: 7,
-            key: j.key,
+            job: &j,
             armed: false,
         });
         assert_eq!(s.counts.active.load(Ordering::Relaxed), 1);
+        assert_eq!(s.counts.cancelled.load(Ordering::Relaxed), 1);
     }
 
     /// A job past its time is dropped wherever it waits: a fresh one queued behind it
