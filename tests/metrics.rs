@@ -451,3 +451,32 @@ async fn deletes_are_not_counted_as_evictions() {
     );
     assert_eq!(evictions(&app.metrics_text().await), before);
 }
+
+/// A request log that cannot be written loses lines, and says how many.
+#[tokio::test]
+async fn request_log_lines_that_cannot_be_written_are_counted() {
+    let full = Path::new("/dev/full");
+    if !full.exists() {
+        eprintln!("skipped: no /dev/full here");
+        return;
+    }
+    let mut c = test_config();
+    c.log.request_log = Some(full.to_path_buf());
+    let (app, _) = spawn_fake(c, ScriptConfig::default()).await;
+    let dropped = |m: &str| {
+        sample(m, "reprise_request_log_dropped_total", &[("why", "write")]).unwrap_or(0.0)
+    };
+    let before = dropped(&app.metrics_text().await);
+    for q in ["Is the log full?", "Is it still full?"] {
+        content(app.chat(&chat_body(q), &[]).await).await;
+    }
+    let mut now = before;
+    for _ in 0..100 {
+        now = dropped(&app.metrics_text().await);
+        if now >= before + 2.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(now >= before + 2.0, "{before} → {now}");
+}
