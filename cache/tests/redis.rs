@@ -875,6 +875,39 @@ async fn a_store_promotes_what_another_replica_wrote() {
     ));
 }
 
+/// An answer renewed on a replica that never held the old one (the old one only in Redis)
+/// takes the old one's refusals from Redis, here and in Redis.
+#[tokio::test]
+async fn a_renewal_takes_refusals_the_old_answer_has_in_redis_only() {
+    let server = RedisServer::start();
+    let store = |name| replica(&server, name, Some(3), Duration::ZERO);
+    let (a, b) = (store("a").await, store("b").await);
+    let old = entry("ns", "old answer", 60_000);
+    a.insert(Arc::new(old.clone()), &[digest(1)]).await;
+    let mut refused = old.clone();
+    refused.refuse(refusal(2));
+    a.update(Arc::new(refused)).await;
+    a.redis().unwrap().flush().await.unwrap();
+
+    assert!(b.get(old.id).await.is_none(), "B never held the old answer");
+    let new = entry("ns", "new answer", 60_000);
+    b.insert(Arc::new(new.clone()), &[digest(1)]).await;
+    b.repoint(old.id, &new).await;
+    assert!(
+        b.get(new.id).await.unwrap().refuses_key(&digest(2)),
+        "the refusal carries over on B"
+    );
+    b.redis().unwrap().flush().await.unwrap();
+    let shared = a
+        .redis()
+        .unwrap()
+        .get(new.id)
+        .await
+        .unwrap()
+        .expect("in redis");
+    assert!(shared.refuses_key(&digest(2)), "and in Redis");
+}
+
 /// With a retention, an expired entry stays in Redis (entry, key, index entries) for it: a
 /// second store that never held it finds it by key as `Expired`, never as fresh, and no other
 /// read hands it out (by id as a candidate, in a batch of turn links, a rebuild's load); a
