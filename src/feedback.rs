@@ -3,8 +3,9 @@
 //!
 //! Every response reprise answers from the cache or generates has a fresh `id`; what it
 //! served is remembered under that id for `[feedback] window_secs` ([`Responses`]: in memory
-//! within `memory_bytes`; hits matched by meaning and canary requests also in Redis when
-//! configured, so any replica takes their verdict). A verdict names a response of the
+//! within `memory_bytes`, each tenant within its own part of it, so one tenant's traffic never
+//! makes another's responses forgotten; hits matched by meaning and canary requests also in
+//! Redis when configured, so any replica takes their verdict). A verdict names a response of the
 //! caller's own tenant; another tenant's id is as unknown as one never sent (404). A response
 //! takes one verdict: a second is a 404.
 //!
@@ -16,10 +17,13 @@
 //! honours it. The entry still answers its own question. A verdict on a canary's request
 //! counts on its side. Every verdict is counted (`reprise_feedback_total`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
 use moka::sync::Cache;
+use parking_lot::RwLock;
 use reprise_cache::entry::Refusal;
 use reprise_cache::{Digest, EntryId, Vector};
 use serde::{Deserialize, Serialize};
@@ -100,32 +104,149 @@ impl Served {
     }
 }
 
+/// The bytes of response records each tenant may hold: a tenant with a `memory_share` that
+/// share of `[feedback] memory_bytes`, every other tenant (the anonymous one included) an
+/// equal part of what is left.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Budgets {
+    named: HashMap<String, u64>,
+    each: u64,
+}
+
+impl Budgets {
+    /// The parts of `bytes` under `policies`.
+    pub fn of(policies: &crate::policy::Policies, bytes: u64) -> Budgets {
+        let part = |s: f64| (bytes as f64 * s) as u64;
+        let shares = policies.memory_shares();
+        let named: HashMap<String, u64> = shares
+            .iter()
+            .flat_map(|s| s.pools.iter().map(|(n, s)| (n.clone(), part(*s))))
+            .collect();
+        let rest = shares.as_ref().map_or(1.0, |s| s.rest);
+        let unnamed = 1 + policies
+            .tenant_names()
+            .filter(|n| !named.contains_key(*n))
+            .count();
+        Budgets {
+            each: part(rest) / unnamed as u64,
+            named,
+        }
+    }
+
+    /// Tenant `tenant`'s part.
+    fn of_tenant(&self, tenant: &str) -> u64 {
+        self.named.get(tenant).copied().unwrap_or(self.each)
+    }
+}
+
+/// A remembered response and when it is forgotten.
+#[derive(Clone)]
+struct Record {
+    served: Arc<Served>,
+    until: Instant,
+}
+
+/// Forgets a record at its `until`, wherever it was inserted last (moved to a resized pool,
+/// put back after a failed take), so a response is never remembered past its window.
+struct Until;
+
+impl moka::Expiry<String, Record> for Until {
+    fn expire_after_create(&self, _: &String, r: &Record, now: Instant) -> Option<Duration> {
+        Some(r.until.saturating_duration_since(now))
+    }
+}
+
+/// One tenant's records, within `bytes`: the oldest forgotten first (moka's default admission
+/// would turn away every new response id, never read before, once the pool is full).
+fn pool(bytes: u64) -> Cache<String, Record> {
+    Cache::builder()
+        .eviction_policy(moka::policy::EvictionPolicy::lru())
+        .max_capacity(bytes)
+        .weigher(|k: &String, r: &Record| r.served.weight().saturating_add(k.len() as u32))
+        .expire_after(Until)
+        .build()
+}
+
+/// The tenants' pools of records and their budgets.
+struct Pools {
+    budgets: Budgets,
+    by_tenant: HashMap<String, Cache<String, Record>>,
+}
+
 /// The responses that can still be given a verdict.
 pub struct Responses {
-    memory: Cache<String, Arc<Served>>,
+    pools: RwLock<Pools>,
     config: FeedbackConfig,
 }
 
 impl Responses {
-    /// An empty memory of responses.
-    pub fn new(config: &FeedbackConfig) -> Responses {
+    /// An empty memory of responses, shared out by `budgets`.
+    pub fn new(config: &FeedbackConfig, budgets: Budgets) -> Responses {
         Responses {
-            // The oldest responses are forgotten first (moka's default admission would turn
-            // away every new response id, never read before, once the memory is full).
-            memory: Cache::builder()
-                .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .max_capacity(config.memory_bytes)
-                .weigher(|k: &String, v: &Arc<Served>| v.weight().saturating_add(k.len() as u32))
-                .time_to_live(config.window())
-                .build(),
+            pools: RwLock::new(Pools {
+                budgets,
+                by_tenant: HashMap::new(),
+            }),
             config: config.clone(),
         }
+    }
+
+    /// Shares the memory out anew (the tenants or their shares changed): a tenant's records
+    /// move to a pool of its new size (the oldest forgotten where it shrank), a gone tenant's
+    /// are dropped.
+    pub fn set_budgets(&self, budgets: Budgets, tenants: &[String]) {
+        let mut pools = self.pools.write();
+        if pools.budgets == budgets {
+            return;
+        }
+        let old = std::mem::take(&mut pools.by_tenant);
+        for (tenant, records) in old {
+            if !tenant.is_empty() && !tenants.contains(&tenant) {
+                continue;
+            }
+            let bytes = budgets.of_tenant(&tenant);
+            let records = if bytes == pools.budgets.of_tenant(&tenant) {
+                records
+            } else {
+                let resized = pool(bytes);
+                for (id, r) in records.iter() {
+                    resized.insert(String::clone(&id), r);
+                }
+                resized.run_pending_tasks();
+                resized
+            };
+            pools.by_tenant.insert(tenant, records);
+        }
+        pools.budgets = budgets;
+    }
+
+    /// Tenant `tenant`'s pool (made on its first response).
+    fn pool_of(&self, tenant: &str) -> Cache<String, Record> {
+        if let Some(p) = self.pools.read().by_tenant.get(tenant) {
+            return p.clone();
+        }
+        let mut pools = self.pools.write();
+        let bytes = pools.budgets.of_tenant(tenant);
+        pools
+            .by_tenant
+            .entry(tenant.to_string())
+            .or_insert_with(|| pool(bytes))
+            .clone()
     }
 
     /// Carries out pending evictions now (moka defers them), so the memory is within its
     /// budget when this returns.
     pub fn run_pending_tasks(&self) {
-        self.memory.run_pending_tasks();
+        for p in self.pools.read().by_tenant.values() {
+            p.run_pending_tasks();
+        }
+    }
+
+    /// The bytes of records held (all tenants).
+    #[cfg(test)]
+    fn weighted_size(&self) -> u64 {
+        let pools = self.pools.read();
+        pools.by_tenant.values().map(|p| p.weighted_size()).sum()
     }
 
     /// Remembers what response `id` served (in Redis too, queued, when configured).
@@ -138,15 +259,28 @@ impl Responses {
                 redis.put_blob_for(&blob_name(id), bytes, self.config.window());
             }
         }
-        self.memory.insert(id.to_string(), Arc::new(served));
+        let record = Record {
+            until: Instant::now() + self.config.window(),
+            served: Arc::new(served),
+        };
+        self.pool_of(&record.served.tenant)
+            .insert(id.to_string(), record);
     }
 
     /// Takes what response `id` served: one verdict a response, however many arrive at once
     /// on however many replicas. A record shared through Redis is taken there (swapped for
     /// "spent" in one step, after the queued write that stored it); one kept here only, by
     /// removing it from memory.
-    async fn take(&self, state: &AppState, id: &str) -> Result<Option<Arc<Served>>, ApiError> {
-        let here = self.memory.remove(id);
+    async fn take(
+        &self,
+        state: &AppState,
+        tenant: &str,
+        id: &str,
+    ) -> Result<Option<Arc<Served>>, ApiError> {
+        let memory = self.pool_of(tenant);
+        let held = memory.remove(id);
+        let until = held.as_ref().map(|r| r.until);
+        let here = held.map(|r| r.served);
         let Some(redis) = state
             .store
             .redis()
@@ -168,19 +302,24 @@ impl Responses {
             // a retry): one verdict a response holds over every replica.
             Err(e) => {
                 tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
-                if let Some(s) = here {
-                    self.memory.insert(id.to_string(), s);
+                if let (Some(served), Some(until)) = (here, until) {
+                    memory.insert(id.to_string(), Record { served, until });
                 }
                 Err(records_unreachable())
             }
         }
     }
 
-    /// What response `id` served, if it is remembered here or in Redis (an error when Redis
-    /// cannot tell).
-    async fn find(&self, state: &AppState, id: &str) -> Result<Option<Arc<Served>>, ApiError> {
-        if let Some(s) = self.memory.get(id) {
-            return Ok(Some(s));
+    /// What response `id` served, if it is remembered here (among tenant `tenant`'s
+    /// responses) or in Redis (an error when Redis cannot tell).
+    async fn find(
+        &self,
+        state: &AppState,
+        tenant: &str,
+        id: &str,
+    ) -> Result<Option<Arc<Served>>, ApiError> {
+        if let Some(r) = self.pool_of(tenant).get(id) {
+            return Ok(Some(r.served));
         }
         let Some(redis) = state.store.redis() else {
             return Ok(None);
@@ -250,13 +389,13 @@ pub async fn handle(
         return Err(unknown());
     }
     // Another tenant's response is as unknown as one never sent (and stays unspent).
-    let mine = state.responses.find(state, &v.id).await?;
+    let mine = state.responses.find(state, tenant.name(), &v.id).await?;
     if mine.is_none_or(|s| s.tenant != tenant.name()) {
         return Err(unknown());
     }
     let served = state
         .responses
-        .take(state, &v.id)
+        .take(state, tenant.name(), &v.id)
         .await?
         .ok_or_else(unknown)?;
     let verdict = match v.verdict {
@@ -387,5 +526,102 @@ mod tests {
         assert!(back.is_shared());
         let odd = json.replace(r#""semantic""#, r#""sideways""#);
         assert!(serde_json::from_str::<Served>(&odd).is_err());
+    }
+
+    fn served(tenant: &str) -> Served {
+        Served {
+            tenant: tenant.into(),
+            entry: None,
+            outcome: Outcome::Miss,
+            key: [1; 32],
+            question: None,
+            canary: None,
+            candidate: None,
+            similarity: None,
+            scope: String::new(),
+            aliased: false,
+        }
+    }
+
+    /// One tenant's flood of responses never makes another tenant's forgotten, and the
+    /// memory stays within its budget; a tenant given a share keeps to it.
+    #[tokio::test]
+    async fn one_tenants_responses_never_push_anothers_out() {
+        let mut config = crate::config::Config::default();
+        config.tenants = vec![
+            crate::config::TenantConfig::with_key("a", "ka"),
+            crate::config::TenantConfig::with_key("b", "kb"),
+        ];
+        config.feedback.memory_bytes = 64 * 1024;
+        let state = crate::state::AppState::new(
+            config.clone(),
+            Arc::new(reprise_backend::fake::ScriptedBackend::new(
+                reprise_backend::fake::ScriptConfig::default(),
+            )),
+            None,
+        )
+        .unwrap();
+        let r = &state.responses;
+        r.remember(&state, "b-1", served("b"));
+        for i in 0..2000 {
+            r.remember(&state, &format!("a-{i}"), served("a"));
+        }
+        r.run_pending_tasks();
+        assert!(r.weighted_size() <= 64 * 1024, "{}", r.weighted_size());
+        let found = r.find(&state, "b", "b-1").await.unwrap();
+        assert!(found.is_some(), "b's response is still remembered");
+        assert!(r.find(&state, "a", "a-1999").await.unwrap().is_some());
+        assert!(
+            r.find(&state, "a", "a-0").await.unwrap().is_none(),
+            "a's oldest"
+        );
+        assert!(
+            r.find(&state, "a", "b-1").await.unwrap().is_none(),
+            "another tenant's response is not among a's"
+        );
+
+        // Tenant a given three quarters: its pool grows (its records kept), b's shrinks.
+        let mut shared = config.clone();
+        shared.tenants[0].policy.memory_share = Some(0.75);
+        let policies = crate::policy::Policies::from_config(&shared, 2).unwrap();
+        let budgets = Budgets::of(&policies, shared.feedback.memory_bytes);
+        assert_eq!(budgets.of_tenant("a"), 48 * 1024);
+        assert_eq!(
+            budgets.of_tenant("b"),
+            8 * 1024,
+            "the rest, split with anonymous"
+        );
+        r.set_budgets(budgets, &["a".into(), "b".into()]);
+        assert!(r.find(&state, "a", "a-1999").await.unwrap().is_some());
+        assert!(r.find(&state, "b", "b-1").await.unwrap().is_some());
+        for i in 2000..6000 {
+            r.remember(&state, &format!("a-{i}"), served("a"));
+        }
+        r.run_pending_tasks();
+        assert!(r.weighted_size() <= 64 * 1024);
+        assert!(r.find(&state, "b", "b-1").await.unwrap().is_some());
+        // A tenant removed: its responses are dropped.
+        let policies = crate::policy::Policies::from_config(&config, 3).unwrap();
+        r.set_budgets(Budgets::of(&policies, 1 << 20), &["b".into()]);
+        assert!(r.find(&state, "a", "a-5999").await.unwrap().is_none());
+        assert!(r.find(&state, "b", "b-1").await.unwrap().is_some());
+    }
+
+    /// A record is forgotten at the end of its window, also when it was moved meanwhile.
+    #[test]
+    fn a_record_is_forgotten_at_its_own_time() {
+        let p = pool(1 << 20);
+        let record = Record {
+            served: Arc::new(served("a")),
+            until: Instant::now() + Duration::from_millis(100),
+        };
+        p.insert("x".into(), record.clone());
+        let moved = pool(1 << 20);
+        std::thread::sleep(Duration::from_millis(60));
+        moved.insert("x".into(), record);
+        assert!(moved.get("x").is_some());
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(p.get("x").is_none());
+        assert!(moved.get("x").is_none(), "moved, it keeps its own end");
     }
 }

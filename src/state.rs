@@ -185,7 +185,10 @@ impl AppState {
         if let Some(p) = &prefetch {
             p.set_shares(policies.prefetch_shares());
         }
-        let responses = crate::feedback::Responses::new(&config.feedback);
+        let responses = crate::feedback::Responses::new(
+            &config.feedback,
+            crate::feedback::Budgets::of(&policies, config.feedback.memory_bytes),
+        );
         let stats = crate::stats::Stats::new(&config.stats);
         let verifier = crate::verify::Verifier::new(&config.semantic);
         let policy_key = match &config.server.policy_key_env {

@@ -510,7 +510,9 @@ pub struct FeedbackConfig {
     pub enabled: bool,
     /// How long after it was sent a response can be given a verdict, in seconds.
     pub window_secs: u64,
-    /// Bytes of remembered responses held in memory (the oldest go first).
+    /// Bytes of remembered responses held in memory (the oldest go first): a tenant with a
+    /// `memory_share` holds that share of it, every other tenant (the anonymous one
+    /// included) an equal part of the rest.
     pub memory_bytes: u64,
     /// A semantic or prefetch hit reported wrong is never served again to its question, nor to
     /// questions at least this similar to it in the same context.

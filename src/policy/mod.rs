@@ -104,6 +104,11 @@ impl Policies {
         Ok(next)
     }
 
+    /// The configured tenants' names.
+    pub fn tenant_names(&self) -> impl Iterator<Item = &str> {
+        self.config.tenants.iter().map(|t| t.name.as_str())
+    }
+
     /// The tenants' shares of the memory tier (`None`: no tenant has one).
     pub fn memory_shares(&self) -> Option<Shares> {
         Shares::of(&self.config, |p| p.memory_share)
@@ -474,6 +479,9 @@ fn share_budgets(state: &AppState, memory_changed: bool) {
     if let Some(prefetch) = &state.prefetch {
         prefetch.set_shares(policies.prefetch_shares());
     }
+    let tenants: Vec<String> = policies.tenant_names().map(String::from).collect();
+    let feedback = crate::feedback::Budgets::of(&policies, state.config.feedback.memory_bytes);
+    state.responses.set_budgets(feedback, &tenants);
     if !memory_changed {
         return;
     }
