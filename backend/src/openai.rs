@@ -418,6 +418,45 @@ where
     })
 }
 
+/// `body` cut into whole lines (an item a line with its end, the last one as it ends), so the
+/// event parser reads each byte once: it parses its whole buffer again for every chunk that
+/// ends no line, and copies what follows each line it takes, which is quadratic in a long
+/// line sent in pieces, or in a chunk of many blank lines (an upstream could keep a worker
+/// thread busy for minutes within the stream's byte cap). Here each byte is looked at once;
+/// a line is held until its end comes (the cap before this bounds it).
+fn lines<S>(body: S) -> impl futures::Stream<Item = Result<bytes::Bytes, String>>
+where
+    S: futures::Stream<Item = Result<bytes::Bytes, String>>,
+{
+    async_stream::stream! {
+        let mut pending = bytes::BytesMut::new();
+        futures::pin_mut!(body);
+        while let Some(chunk) = body.next().await {
+            let mut rest = match chunk {
+                Ok(c) => c,
+                Err(e) => {
+                    yield Err(e);
+                    return;
+                }
+            };
+            // `\r`, `\n` or both end a line; "\r" then "\n" in two items is one end to the parser.
+            while let Some(end) = rest.iter().position(|b| *b == b'\n' || *b == b'\r') {
+                let line = rest.split_to(end + 1);
+                if pending.is_empty() {
+                    yield Ok(line);
+                } else {
+                    pending.extend_from_slice(&line);
+                    yield Ok(pending.split().freeze());
+                }
+            }
+            pending.extend_from_slice(&rest);
+        }
+        if !pending.is_empty() {
+            yield Ok(pending.freeze());
+        }
+    }
+}
+
 /// At most `limit` bytes of a response's body, as text (lossy); what comes after is not read.
 async fn read_capped(resp: reqwest::Response, limit: usize) -> String {
     let mut body = resp.bytes_stream();
@@ -492,7 +531,7 @@ impl Backend for OpenAiBackend {
                 resp = sending => resp?,
             },
         };
-        let mut events = capped(resp.bytes_stream(), MAX_STREAM_BYTES)
+        let mut events = Box::pin(lines(capped(resp.bytes_stream(), MAX_STREAM_BYTES)))
             .eventsource()
             .map(|ev| ev.map_err(|e| e.to_string()));
         let stream = async_stream::try_stream! {
@@ -675,6 +714,66 @@ mod tests {
             .collect()
             .await;
         assert_eq!(within.len(), 1);
+    }
+
+    /// Cut into lines, a stream gives the parser the same events however its chunks fell, and
+    /// each item holds one line at most: the parser never rescans what it has read.
+    #[tokio::test]
+    async fn lines_keep_the_events_and_hand_over_one_line_at_a_time() {
+        let text = "data: {\"a\": 1}\n\n: a comment\r\ndata: one\r\ndata: two\r\n\r\n\
+                    event: x\rdata: three\r\r\n\n\n\ndata: last";
+        let events = |chunks: Vec<Result<bytes::Bytes, String>>, cut: bool| async move {
+            let s = futures::stream::iter(chunks);
+            let events: Vec<_> = if cut {
+                lines(s).eventsource().collect().await
+            } else {
+                s.eventsource().collect().await
+            };
+            events
+                .into_iter()
+                .map(|e| e.map(|e| (e.event, e.data)).map_err(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let whole = vec![Ok(bytes::Bytes::from(text))];
+        let expected = events(whole, false).await;
+        assert_eq!(expected.len(), 3, "{expected:?}");
+        for size in 1..9 {
+            let chunks: Vec<Result<bytes::Bytes, String>> = text
+                .as_bytes()
+                .chunks(size)
+                .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
+                .collect();
+            let items: Vec<bytes::Bytes> = lines(futures::stream::iter(chunks.clone()))
+                .map(Result::unwrap)
+                .collect()
+                .await;
+            assert_eq!(
+                items.concat(),
+                text.as_bytes(),
+                "every byte, once, in order"
+            );
+            for item in &items {
+                let ends = item.iter().filter(|b| **b == b'\n' || **b == b'\r').count();
+                assert!(ends <= 1, "one line an item: {item:?}");
+                assert!(ends == 1 || item == items.last().unwrap(), "whole lines");
+            }
+            assert_eq!(events(chunks, true).await, expected, "chunks of {size}");
+        }
+        // Many blank lines in one chunk, then a line sent in small pieces: one event each.
+        let mut chunks = vec![Ok(bytes::Bytes::from(vec![b'\n'; 64 * 1024]))];
+        chunks.push(Ok(bytes::Bytes::from_static(b"data: ")));
+        chunks.extend((0..1024).map(|_| Ok(bytes::Bytes::from(vec![b'y'; 64]))));
+        chunks.push(Ok(bytes::Bytes::from_static(b"\n\n")));
+        let got = events(chunks, true).await;
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].as_ref().unwrap().1.len(), 64 * 1024);
+        // An error ends the lines.
+        let failing = vec![
+            Ok(bytes::Bytes::from_static(b"data: x")),
+            Err("cut".to_string()),
+        ];
+        let items: Vec<_> = lines(futures::stream::iter(failing)).collect().await;
+        assert_eq!(items, vec![Err("cut".to_string())]);
     }
 
     /// A failure body is read only up to its cap.
