@@ -78,17 +78,30 @@ impl KeyHasher {
         self
     }
 
-    /// Writes one message. A name is marked by a pseudo-role no real role can equal, so
-    /// messages without names keep the keys they always had.
+    /// Writes one message. A name and other fields are marked by pseudo-roles no real role
+    /// can equal, so messages without them keep the keys they always had.
     pub fn message(&mut self, m: &ChatMessage) -> &mut Self {
         let ChatMessage {
             role,
             content,
             name,
+            extra,
         } = m;
         self.str(role).str(content);
         if let Some(name) = name {
             self.str("\0name").str(name);
+        }
+        self.extras(extra)
+    }
+
+    /// Writes a message's other fields, if any, after a pseudo-role; ordered by key, so the
+    /// same fields are the same key whatever order they came in.
+    pub fn extras(&mut self, extra: &serde_json::Map<String, serde_json::Value>) -> &mut Self {
+        if !extra.is_empty() {
+            let keyed: std::collections::BTreeMap<&String, &serde_json::Value> =
+                extra.iter().collect();
+            self.str("\0extra")
+                .str(&serde_json::to_string(&keyed).unwrap_or_default());
         }
         self
     }
@@ -217,12 +230,13 @@ pub struct Conversation<'a> {
 }
 
 /// Splits a chat for semantic matching; `None` when the last message is not a user message
-/// (an assistant prefill is not a question to match by meaning) or carries a `name`.
+/// (an assistant prefill is not a question to match by meaning) or carries a `name` or
+/// other fields.
 pub fn split_conversation(msgs: &[ChatMessage]) -> Option<Conversation<'_>> {
     let (last, rest) = msgs.split_last()?;
     // A named speaker's question is only matched exactly: the name is not part of the text
     // matched by meaning, and who asks can change the answer.
-    if last.role != "user" || last.name.is_some() {
+    if last.role != "user" || !last.is_plain() {
         return None;
     }
     let mut preamble = Vec::new();

@@ -81,6 +81,8 @@ impl BackgroundTasks {
                 } else {
                     tracing::info!("prefetch counts saved");
                 }
+            } else {
+                tracing::warn!("prefetch counts not saved: the redis write was not queued");
             }
         }
     }

@@ -1301,3 +1301,60 @@ async fn in_background(app: &TestApp, question: &str) -> reprise::generate::Back
     )
     .await
 }
+
+/// Counts too large for the Redis write queue with their vectors are saved without them, and
+/// counts too large even then are not saved (and say so): never a write the queue drops
+/// while the worker believes it saved.
+#[tokio::test]
+async fn saved_counts_leave_their_vectors_out_rather_than_be_dropped() {
+    use reprise::prefetch::{NamespaceSnapshot, NodeSnapshot};
+    let server = RedisServer::start();
+    let redis = RedisConfig {
+        url: Some(server.url()),
+        write_queue_bytes: 256 * 1024,
+        ..RedisConfig::default()
+    };
+    let tier = RedisTier::connect(redis, "saver".into()).await.unwrap();
+    let model = |nodes: usize, prompt_bytes: usize| {
+        let p = reprise::prefetch::Prefetcher::new(prefetch_config(true).prefetch);
+        p.set_embedder([3; 32]);
+        let mut snap = p.export();
+        snap.embedder = Some(hex::encode([3; 32]));
+        snap.namespaces.push(NamespaceSnapshot {
+            name: "ns".into(),
+            multi: 0.0,
+            single: 0.0,
+            nodes: (0..nodes)
+                .map(|i| NodeSnapshot {
+                    id: EntryId::random().to_string(),
+                    prompt: format!("{i:0prompt_bytes$}"),
+                    embedding: Some(vec![0.05; 384]),
+                    seen: 2.0,
+                    next: Vec::new(),
+                    cluster: None,
+                })
+                .collect(),
+            clusters: Vec::new(),
+        });
+        assert_eq!(p.import(&snap), nodes);
+        p
+    };
+    // About 2.6 KB a node with its vector: 100 nodes pass half the queue, not without them.
+    let p = model(100, 16);
+    assert!(p.persist(&tier), "saved");
+    tier.flush().await.unwrap();
+    let saved = saved_counts(&tier).await.expect("saved");
+    let nodes: Vec<_> = saved.namespaces.iter().flat_map(|n| &n.nodes).collect();
+    assert_eq!(nodes.len(), 100, "every node's counts");
+    assert!(nodes.iter().all(|n| n.embedding.is_none()), "no vectors");
+
+    // Over half the queue without vectors too: not saved, and the save says so.
+    let big = model(300, 1024);
+    assert!(!big.persist(&tier));
+    tier.flush().await.unwrap();
+    let kept = saved_counts(&tier).await.expect("the earlier save stays");
+    assert_eq!(
+        kept.namespaces.iter().map(|n| n.nodes.len()).sum::<usize>(),
+        100
+    );
+}

@@ -40,7 +40,16 @@ impl Input {
                 .iter()
                 .map(|m| {
                     let name = m.name.as_ref().map_or(0, String::len);
-                    std::mem::size_of::<ChatMessage>() + m.role.len() + m.content.len() + name
+                    let extra: usize = m
+                        .extra
+                        .iter()
+                        .map(|(k, v)| k.len() + json_heap_bytes(v))
+                        .sum();
+                    std::mem::size_of::<ChatMessage>()
+                        + m.role.len()
+                        + m.content.len()
+                        + name
+                        + extra
                 })
                 .sum(),
         }
@@ -65,7 +74,7 @@ pub fn json_heap_bytes(v: &serde_json::Value) -> usize {
 }
 
 /// One chat message, reduced to the parts a text model consumes.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `developer`.
     pub role: String,
@@ -75,15 +84,39 @@ pub struct ChatMessage {
     /// upstreams; llama.cpp's chat templates have no place for it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The message's other fields, not null (`prefix`, `reasoning_content`, ...): part of the
+    /// cache key and sent to upstreams as they came; llama.cpp's chat templates read none.
+    #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl std::hash::Hash for ChatMessage {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.role.hash(state);
+        self.content.hash(state);
+        self.name.hash(state);
+        // Equal maps serialise alike only in one key order.
+        let keyed: std::collections::BTreeMap<_, _> = self.extra.iter().collect();
+        serde_json::to_string(&keyed)
+            .unwrap_or_default()
+            .hash(state);
+    }
 }
 
 impl ChatMessage {
+    /// Whether it is its role and text only (no participant name, no other field): what
+    /// can be compared by meaning or stand for an entry's answer as given.
+    pub fn is_plain(&self) -> bool {
+        self.name.is_none() && self.extra.is_empty()
+    }
+
     /// A message without a participant name.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         ChatMessage {
             role: role.into(),
             content: content.into(),
             name: None,
+            extra: serde_json::Map::new(),
         }
     }
 }

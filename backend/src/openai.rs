@@ -210,12 +210,10 @@ fn body(req: &GenRequest, field: BoundField) -> Value {
     b.insert("model".into(), json!(req.model));
     match &req.input {
         Input::Chat(msgs) => {
+            // Role, content, the name and the other fields the client gave, as given.
             let msgs: Vec<Value> = msgs
                 .iter()
-                .map(|m| match &m.name {
-                    Some(name) => json!({"role": m.role, "content": m.content, "name": name}),
-                    None => json!({"role": m.role, "content": m.content}),
-                })
+                .map(|m| serde_json::to_value(m).unwrap_or(Value::Null))
                 .collect();
             b.insert("messages".into(), Value::Array(msgs));
         }

@@ -261,6 +261,11 @@ impl RedisTier {
         self.shared.retain_ms.store(ms, Ordering::Relaxed);
     }
 
+    /// The write queue's budget (`write_queue_bytes`): a larger write is always dropped.
+    pub fn queue_budget(&self) -> u64 {
+        self.shared.queue_bytes
+    }
+
     /// Bytes of writes queued and not yet applied (at most `write_queue_bytes`).
     pub fn queued_bytes(&self) -> u64 {
         self.shared.queued_bytes.load(Ordering::Relaxed)

@@ -68,10 +68,11 @@ pub async fn resolve(
         .iter()
         .map(|(msgs, _)| key::messages_digest("query", msgs))
         .collect();
-    // An answer shown under a name (an assistant message's `name`) is not an entry's answer
-    // as given: the name reaches the model and can change the next answer. Such an exchange
-    // joins the context by its raw text, name included, never through a turn link.
-    let named = |k: usize| conv.turns[k].1.name.is_some();
+    // An answer shown under a name (an assistant message's `name`) or with other fields is
+    // not an entry's answer as given: they reach the model and can change the next answer.
+    // Such an exchange joins the context by its raw text, name and fields included, never
+    // through a turn link.
+    let named = |k: usize| !conv.turns[k].1.is_plain();
     let raw = |ctx: &Digest, k: usize| {
         let mut h = KeyHasher::new("ctx-raw");
         h.digest(ctx)
@@ -80,6 +81,7 @@ pub async fn resolve(
         if let Some(name) = &conv.turns[k].1.name {
             h.str("\0name").str(name);
         }
+        h.extras(&conv.turns[k].1.extra);
         h.finish()
     };
     let by_entry = |id: EntryId| {

@@ -124,7 +124,7 @@ pub async fn canonical(
     let candidates: Vec<usize> = (0..context_len)
         .filter(|&i| {
             let m = &msgs[i];
-            m.name.is_none()
+            m.is_plain()
                 && !m.content.trim().is_empty()
                 && m.content.len() <= MAX_FORM_BYTES
                 && matches!(

@@ -398,16 +398,39 @@ impl Prefetcher {
 }
 
 impl Shared {
+    /// Queues the counts' save; `false` when it was not queued. A save must leave half the
+    /// write queue to the answers (a larger one would be dropped, or crowd them out): past
+    /// that, the vectors are left out (rebuilt as questions come), and past it without them,
+    /// nothing is saved.
     fn persist(&self, tier: &RedisTier) -> bool {
         let mut snap = self.model.lock().export(now_ms());
         snap.embedder = self.embedder.get().map(hex::encode);
-        match serde_json::to_vec(&snap) {
-            Ok(bytes) => tier.put_blob(BLOB_NAME, bytes),
+        let room = usize::try_from(tier.queue_budget() / 2).unwrap_or(usize::MAX);
+        let mut bytes = match serde_json::to_vec(&snap) {
+            Ok(b) => b,
             Err(e) => {
                 tracing::warn!(error = %e, "prefetch: counts not serialisable");
-                false
+                return false;
             }
+        };
+        if bytes.len() > room {
+            snap.forget_vectors();
+            bytes = serde_json::to_vec(&snap).unwrap_or_default();
+            tracing::warn!(
+                room,
+                "prefetch: the saved counts leave their vectors out (over half the redis \
+                 write queue with them; raise redis.write_queue_bytes to keep them)"
+            );
         }
+        if bytes.is_empty() || bytes.len() > room {
+            tracing::warn!(
+                bytes = bytes.len(),
+                room,
+                "prefetch: counts not saved (over half the redis write queue)"
+            );
+            return false;
+        }
+        tier.put_blob(BLOB_NAME, bytes)
     }
 
     async fn restore(&self, tier: &RedisTier) -> Result<usize, RedisError> {

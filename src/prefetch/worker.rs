@@ -118,8 +118,9 @@ pub(super) async fn worker(
                 }
             } else if last_persist.elapsed() >= persist_every {
                 last_persist = Instant::now();
-                if shared.model.lock().take_changed() {
-                    shared.persist(&tier);
+                // Not queued (the queue full, Redis down): tried again next time.
+                if shared.model.lock().take_changed() && !shared.persist(&tier) {
+                    shared.model.lock().set_changed();
                 }
             }
         }

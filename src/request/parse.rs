@@ -159,10 +159,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                         text
                     }
                 };
+                // Fields read nowhere here still key the answer and go upstream (a
+                // continuation's `prefix`, a model's own reasoning): two messages that differ
+                // in one are different requests. A null is an absent field.
+                let mut extra = m.extra;
+                extra.retain(|_, v| !v.is_null());
                 msgs.push(ChatMessage {
                     role: m.role,
                     content,
                     name: m.name,
+                    extra,
                 });
             }
             let named = r.max_completion_tokens.is_some();
@@ -482,6 +488,56 @@ mod tests {
             panic!("chat input");
         };
         assert_eq!(msgs[0].name.as_deref(), Some("alice"));
+    }
+
+    /// A message's other fields key the answer (a continuation's `prefix` is another
+    /// request), in any order; a null one is an absent one; a question carrying one is not
+    /// matched by meaning; an upstream gets them as they came.
+    #[test]
+    fn a_messages_other_fields_key_the_answer_and_go_upstream() {
+        let key = |last: Value| {
+            let body = json!({"model": "m", "messages": [
+                {"role": "user", "content": "Write a haiku"},
+                last,
+            ]});
+            let Ok(Request::Cacheable(p)) = parse(Endpoint::Chat, body.to_string().as_bytes())
+            else {
+                panic!("cacheable: {body}");
+            };
+            let k = crate::key::exact_key("ns", Endpoint::Chat, &p.req);
+            (k, p.req)
+        };
+        let (plain, _) = key(json!({"role": "assistant", "content": "Autumn"}));
+        let (prefixed, req) =
+            key(json!({"role": "assistant", "content": "Autumn", "prefix": true}));
+        let (null, _) = key(json!({"role": "assistant", "content": "Autumn", "prefix": null}));
+        assert_ne!(plain, prefixed, "a continuation is another request");
+        assert_eq!(plain, null, "a null field is absent");
+        let (a, _) = key(json!({"role": "assistant", "content": "x", "p": 1, "q": 2}));
+        let (b, _) = key(json!({"role": "assistant", "content": "x", "q": 2, "p": 1}));
+        assert_eq!(a, b, "the fields' order does not matter");
+        let Input::Chat(msgs) = &req.input else {
+            panic!("chat input");
+        };
+        let sent = serde_json::to_value(&msgs[1]).unwrap();
+        assert_eq!(
+            sent,
+            json!({"role": "assistant", "content": "Autumn", "prefix": true})
+        );
+        let (_, asked) =
+            key(json!({"role": "user", "content": "More", "cache_control": {"type": "ephemeral"}}));
+        let Input::Chat(msgs) = &asked.input else {
+            panic!("chat input");
+        };
+        assert!(
+            crate::key::split_conversation(msgs).is_none(),
+            "a question with other fields is matched exactly only"
+        );
+        let (_, plain_question) = key(json!({"role": "user", "content": "More"}));
+        let Input::Chat(msgs) = &plain_question.input else {
+            panic!("chat input");
+        };
+        assert!(crate::key::split_conversation(msgs).is_some());
     }
 
     #[test]

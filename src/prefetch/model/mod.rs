@@ -259,6 +259,11 @@ impl Model {
         std::mem::take(&mut self.changed)
     }
 
+    /// Marks the counts changed again (a save that did not happen).
+    pub fn set_changed(&mut self) {
+        self.changed = true;
+    }
+
     fn namespace(&mut self, ns: &str, now_ms: u64) -> &mut Namespace {
         if !self.namespaces.contains_key(ns) {
             let tenant = crate::auth::scope_of(ns);
