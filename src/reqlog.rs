@@ -214,6 +214,9 @@ impl RequestLog {
                     // it expected. It starts over from the files there now (said once while
                     // it keeps failing, as on a full disk).
                     w = open();
+                    // The failed write may have left part of the line: the retry starts a
+                    // line of its own (readers skip a blank one), so only the part is lost.
+                    line.insert(0, b'\n');
                     let wrote = w.as_mut().is_some_and(|w| write_line(w, &line));
                     if !wrote {
                         metrics::counter!(DROPPED, "why" => "write").increment(1);

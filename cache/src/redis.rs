@@ -308,7 +308,7 @@ impl RedisTier {
 
     /// Queues an entry and the exact keys pointing at it, all expiring with the entry.
     /// Returns at once: `false` when the write was dropped (queue full, breaker open,
-    /// entry already expired).
+    /// entry already expired, larger than `max_value_bytes`, which no reader would take).
     pub fn put(&self, entry: &Entry, keys: &[Digest]) -> bool {
         self.put_with_tags(entry, keys, &[])
     }
@@ -330,6 +330,13 @@ impl RedisTier {
                 return false;
             }
         };
+        // No replica would read it (each skips a value over the cap): kept in this replica's
+        // memory only, and counted as a dropped write.
+        if bytes.len() > self.shared.max_value_bytes {
+            tracing::debug!(id = %entry.id, bytes = bytes.len(), "redis: entry over max_value_bytes not written");
+            self.shared.drop_write();
+            return false;
+        }
         self.enqueue(Write::Put {
             id: entry.id,
             namespace: entry.namespace.clone(),

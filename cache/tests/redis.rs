@@ -875,6 +875,39 @@ async fn a_store_promotes_what_another_replica_wrote() {
     ));
 }
 
+/// An entry larger than any replica would read back is not written (counted as a dropped
+/// write): it would cost the queue and Redis, and every other replica would miss on it.
+#[tokio::test]
+async fn an_entry_over_the_read_cap_is_not_written() {
+    let server = RedisServer::start();
+    let t = tier(
+        RedisConfig {
+            max_value_bytes: 2048,
+            ..config(server.url())
+        },
+        "a",
+    )
+    .await;
+    let small = entry("ns", "short", 60_000);
+    let large = entry("ns", &"x".repeat(4096), 60_000);
+    assert!(t.put(&small, &[digest(1)]));
+    assert!(!t.put(&large, &[digest(2)]));
+    t.flush().await.unwrap();
+    assert!(t.get(small.id).await.unwrap().is_some());
+    let mut c = raw(&server.url()).await;
+    let exists: u32 = redis::cmd("EXISTS")
+        .arg(format!("reprise:e:{{{}}}", large.id))
+        .arg(format!(
+            "reprise:k:{}",
+            blake3::Hash::from(digest(2)).to_hex()
+        ))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(exists, 0, "neither the entry nor its key");
+    assert_eq!(t.health().dropped_writes, 1);
+}
+
 /// An answer renewed on a replica that never held the old one (the old one only in Redis)
 /// takes the old one's refusals from Redis, here and in Redis.
 #[tokio::test]

@@ -565,7 +565,7 @@ pub struct PrefetchConfig {
     /// questions then prefetched like the others). Off by default: it spends a generation on
     /// every new answer, and the model's guesses are less often asked than observed ones.
     pub propose: bool,
-    /// Most follow-up questions taken from one proposal.
+    /// Most follow-up questions taken from one proposal (1 to 16).
     pub propose_questions: usize,
     /// Most observed wordings of a predicted follow-up (besides the one generated) whose
     /// requests, in the same context, are pointed at the prefetched answer; 0 points none.
@@ -710,6 +710,11 @@ impl PrefetchConfig {
                 "prefetch.propose_questions",
                 "must be at least 1 when prefetch.propose is on".into(),
             ));
+        }
+        // Each question is a generation queued for prefetch, and the proposal's own answer
+        // is bounded at 32 tokens a question.
+        if self.propose_questions > 16 {
+            return Err(("prefetch.propose_questions", "must be at most 16".into()));
         }
         if self.max_concurrent == 0 {
             return Err(("prefetch.max_concurrent", "must be at least 1".into()));
@@ -1191,6 +1196,10 @@ mod tests {
                 "tenants.name",
             ),
             ("[[tenants]]\nname = \"a\"\napi_keys = [\"sha256:xyz\"]\n", "tenants.api_keys"),
+            (
+                "[prefetch]\npropose = true\npropose_questions = 134217728\n",
+                "prefetch.propose_questions",
+            ),
             (
                 "[[tenants]]\nname = \"a\"\napi_keys = [\"k\"]\npolicy.memory_share = 0\n",
                 "tenants.policy.memory_share",

@@ -184,7 +184,7 @@ fn proposal_request(asked: &GenRequest, answer: &str, n: usize) -> GenRequest {
             msg("user", ask(&lines.join("\n"), n)),
         ]),
         params: SamplingParams {
-            max_tokens: Some(32 * n.max(1) as u32),
+            max_tokens: Some(32u32.saturating_mul(u32::try_from(n.max(1)).unwrap_or(u32::MAX))),
             temperature: Some(0.0),
             ..SamplingParams::default()
         },
