@@ -11,6 +11,7 @@
 
 mod body;
 mod paths;
+mod scrub;
 
 use std::sync::Arc;
 
@@ -160,19 +161,13 @@ pub async fn forward(
     Ok(upstream_response(answer, limits, book))
 }
 
-/// The upstream's answer as this caller may see it: with tenants, the upstream account's
-/// rate-limit headers (`x-ratelimit-*`) are dropped, since they tell one tenant how much the
-/// others use of the account they share.
+/// The upstream's answer as this caller may see it: with tenants, nothing of what the shared
+/// upstream account says about the others ([`scrub`]).
 fn for_the_caller(
     state: &AppState,
-    mut answer: reprise_backend::Forwarded,
+    answer: reprise_backend::Forwarded,
 ) -> reprise_backend::Forwarded {
-    if !state.policies.load().tenants.is_empty() {
-        answer
-            .headers
-            .retain(|(name, _)| !name.starts_with("x-ratelimit-"));
-    }
-    answer
+    scrub::for_the_caller(answer, !state.policies.load().tenants.is_empty())
 }
 
 /// Whether a passthrough request's body is an upload: sent to an endpoint that takes files
