@@ -103,6 +103,9 @@ pub enum Updated {
 
 /// Keys asked for per SCAN call.
 const SCAN_COUNT: usize = 500;
+/// Most bytes of values read at once by a scan (a larger value is read alone): a page of
+/// entries near `max_value_bytes` each would otherwise be hundreds of megabytes in flight.
+const SCAN_PAGE_BYTES: u64 = 1 << 20;
 /// Hashes read per round by [`RedisTier::get_fields`] (each round is bounded by the command
 /// timeout).
 pub const FIELDS_ROUND: usize = 32;
@@ -668,16 +671,32 @@ return redis.call('GET', KEYS[1])";
                     })
                     .filter(|(_, id)| seen.insert(*id))
                     .collect();
-                let values = shared.get_many(Op::Scan, &names).await?;
-                let page: Vec<Entry> = names
-                    .iter()
-                    .zip(values)
-                    .filter_map(|((name, id), raw)| shared.decode(name, *id, &raw?))
-                    .collect();
-                sent += page.len();
-                if !page.is_empty() && pages.send(page).await.is_err() {
-                    // The loader has what it can hold.
-                    return Ok(sent);
+                // Read in parts of at most `SCAN_PAGE_BYTES` of values (by their lengths,
+                // read first; one longer than the cap is skipped by the read itself).
+                let lengths = shared.lengths(Op::Scan, &names).await?;
+                let mut parts: Vec<std::ops::Range<usize>> = Vec::new();
+                let (mut start, mut bytes) = (0, 0u64);
+                for (i, n) in lengths.iter().enumerate() {
+                    if i > start && bytes + n > SCAN_PAGE_BYTES {
+                        parts.push(start..i);
+                        (start, bytes) = (i, 0);
+                    }
+                    bytes += n;
+                }
+                parts.push(start..names.len());
+                for part in parts {
+                    let names = &names[part];
+                    let values = shared.get_many(Op::Scan, names).await?;
+                    let page: Vec<Entry> = names
+                        .iter()
+                        .zip(values)
+                        .filter_map(|((name, id), raw)| shared.decode(name, *id, &raw?))
+                        .collect();
+                    sent += page.len();
+                    if !page.is_empty() && pages.send(page).await.is_err() {
+                        // The loader has what it can hold.
+                        return Ok(sent);
+                    }
                 }
                 progress(sent);
                 if sent >= next_log {

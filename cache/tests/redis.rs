@@ -875,6 +875,39 @@ async fn a_store_promotes_what_another_replica_wrote() {
     ));
 }
 
+/// A scan reads values a megabyte at a time at most, whatever a `SCAN` page holds: entries
+/// of 300 KB come four or fewer a page, and a single larger one alone.
+#[tokio::test]
+async fn a_scan_holds_about_a_megabyte_of_values_at_once() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let mut ids = std::collections::HashSet::new();
+    for i in 0..10 {
+        let e = entry("ns", &format!("{i}{}", "x".repeat(300_000)), 60_000);
+        ids.insert(e.id);
+        assert!(t.put(&e, &[digest(100 + i)]));
+    }
+    let big = entry("ns", &"y".repeat(1_500_000), 60_000);
+    ids.insert(big.id);
+    assert!(t.put(&big, &[digest(99)]));
+    t.flush().await.unwrap();
+
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    let sent = t.scan_pages(tx, |_| {}).await.unwrap();
+    let mut seen = std::collections::HashSet::new();
+    while let Some(page) = rx.recv().await {
+        let bytes: usize = page.iter().map(|e| e.text.len()).sum();
+        assert!(
+            page.len() == 1 || bytes <= 1 << 20,
+            "{} entries, {bytes} bytes in one page",
+            page.len()
+        );
+        seen.extend(page.iter().map(|e| e.id));
+    }
+    assert_eq!(sent, 11);
+    assert_eq!(seen, ids, "every entry, once");
+}
+
 /// An entry larger than any replica would read back is not written (counted as a dropped
 /// write): it would cost the queue and Redis, and every other replica would miss on it.
 #[tokio::test]

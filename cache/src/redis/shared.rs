@@ -227,4 +227,29 @@ impl Shared {
             })
             .collect())
     }
+
+    /// The lengths of string keys `names` (0 for an absent or non-string one), in one
+    /// round of pipelined `STRLEN`s; any outage fails the whole round.
+    pub(super) async fn lengths(
+        &self,
+        op: Op,
+        names: &[(String, EntryId)],
+    ) -> Result<Vec<u64>, RedisError> {
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
+        let results = self
+            .run(op, |c| async move {
+                let replies = join_all(names.iter().map(|(name, _)| {
+                    let c = c.clone();
+                    let cmd = ::redis::cmd("STRLEN").arg(name).clone();
+                    async move { c.query::<u64>(&cmd).await }
+                }))
+                .await;
+                first_outage(&replies)?;
+                Ok(replies)
+            })
+            .await?;
+        Ok(results.into_iter().map(|r| r.unwrap_or(0)).collect())
+    }
 }
