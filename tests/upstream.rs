@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use futures::StreamExt;
 use reprise_backend::fake::{Failure, ScriptConfig, ScriptedBackend};
 use serde_json::{json, Value};
 
@@ -191,6 +192,8 @@ const TOOL_STREAM: &str = concat!(
 
 /// What makes it answer a stream with comments only, for ever.
 const KEEP_ALIVE_ONLY: &str = "KEEP-ALIVE-ONLY";
+/// A prompt marker the tool upstream answers with data events that never end.
+const ENDLESS: &str = "[endless]";
 
 /// What it answers a question containing [`FILTERED`]: the start of an answer, cut by a
 /// content filter.
@@ -251,6 +254,7 @@ impl ToolUpstream {
                 let filtered = body.to_string().contains(FILTERED);
                 let refused = body.to_string().contains(REFUSED);
                 let idle = body.to_string().contains(KEEP_ALIVE_ONLY);
+                let endless = body.to_string().contains(ENDLESS);
                 let path = uri.path().to_string();
                 record.lock().unwrap().push((uri.to_string(), body));
                 let given = headers
@@ -294,6 +298,16 @@ impl ToolUpstream {
                         (
                             [(header::CONTENT_TYPE, "text/event-stream")],
                             axum::body::Body::from_stream(comments),
+                        )
+                            .into_response()
+                    }
+                    // Data events of 64 KiB, as fast as they are read, for ever.
+                    _ if endless && stream => {
+                        let event = format!("data: {{\"pad\":\"{}\"}}\n\n", "p".repeat(64 * 1024));
+                        let events = futures::stream::repeat(event).map(Ok::<_, std::io::Error>);
+                        (
+                            [(header::CONTENT_TYPE, "text/event-stream")],
+                            axum::body::Body::from_stream(events),
                         )
                             .into_response()
                     }
@@ -443,6 +457,40 @@ async fn a_forwarded_stream_of_comments_only_is_cut_off() {
     let read = tokio::time::timeout(Duration::from_secs(20), r.bytes()).await;
     let body = read.expect("the stream ends");
     assert!(body.is_err(), "cut off: {body:?}");
+}
+
+/// A forwarded stream that never ends is cut off at the generation's size cap (it would hold
+/// its upstream slot for as long as the client reads).
+#[tokio::test]
+async fn a_forwarded_stream_without_end_is_cut_off_at_its_cap() {
+    let up = ToolUpstream::spawn().await;
+    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    let body = json!({
+        "model": "up-model",
+        "stream": true,
+        "messages": [{"role": "user", "content": format!("Talk forever {ENDLESS}")}],
+        "modalities": ["text", "audio"],
+    });
+    let r = app.chat(&body, &[]).await;
+    assert_eq!(cache_status(&r), "bypass");
+    let mut body = r.bytes_stream();
+    let mut read = 0usize;
+    let ended = loop {
+        match body.next().await {
+            Some(Ok(chunk)) => read += chunk.len(),
+            Some(Err(e)) => break Some(e),
+            None => break None,
+        }
+        assert!(
+            read <= 2 * reprise_backend::openai::MAX_STREAM_BYTES,
+            "never cut off"
+        );
+    };
+    assert!(ended.is_some(), "cut off with an error");
+    assert!(
+        read <= reprise_backend::openai::MAX_STREAM_BYTES,
+        "{read} bytes"
+    );
 }
 
 #[tokio::test]

@@ -37,8 +37,10 @@ pub(super) enum BodyLimits {
     /// The whole body by then.
     Deadline(tokio::time::Instant),
     /// A stream: its first event with data (its first token) by `first_by`, then at most
-    /// `gap` between two such events. Comment lines (`: keep-alive`) are passed on but meet
-    /// neither: an upstream that only keeps the connection open is cut off.
+    /// `gap` between two such events, and at most `MAX_STREAM_BYTES` in all (a generation's
+    /// own cap: an upstream that never stops would hold its slot for as long as the client
+    /// reads). Comment lines (`: keep-alive`) are passed on but meet neither time limit: an
+    /// upstream that only keeps the connection open is cut off.
     Stream {
         first_by: tokio::time::Instant,
         gap: std::time::Duration,
@@ -79,6 +81,7 @@ pub(super) fn upstream_response(
     let body = async_stream::stream! {
         // When the stream's last data came (its first: the first token).
         let mut data_at = None::<tokio::time::Instant>;
+        let mut bytes = 0usize;
         loop {
             let next = match (limits, data_at) {
                 (BodyLimits::None, _) => Ok(upstream.next().await),
@@ -92,6 +95,12 @@ pub(super) fn upstream_response(
             };
             match next {
                 Ok(Some(Ok(chunk))) => {
+                    bytes = bytes.saturating_add(chunk.len());
+                    if stream && bytes > reprise_backend::openai::MAX_STREAM_BYTES {
+                        book.failed("unavailable");
+                        yield Err(std::io::Error::other("the upstream's stream is over its size cap"));
+                        break;
+                    }
                     if stream && carries_data(&chunk) {
                         book.first_token();
                         data_at = Some(tokio::time::Instant::now());
