@@ -11,7 +11,7 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderMap};
+use axum::http::{header, HeaderMap, Method};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
@@ -44,17 +44,40 @@ pub fn same_digest(a: &blake3::Hash, b: &blake3::Hash) -> bool {
     ))
 }
 
+/// Changes (any request but a read) a tenant's admin may make a minute, in bursts of up to
+/// as many: each delete fences or marks what it deleted on every replica, and a filtered or
+/// tag delete scans every entry, so one tenant's loop of them would push other tenants'
+/// fences out and load every replica. The global admin is not held to it.
+pub const TENANT_CHANGES_PER_MINUTE: u32 = 120;
+
+/// The limiter of tenant admins' changes.
+pub fn tenant_changes_limiter() -> governor::DefaultKeyedRateLimiter<String> {
+    let per_minute = std::num::NonZeroU32::new(TENANT_CHANGES_PER_MINUTE).expect("not zero");
+    governor::RateLimiter::keyed(governor::Quota::per_minute(per_minute))
+}
+
 /// Middleware of every `/admin` route: a caller without a valid admin token gets 401
-/// before its path, query or body is read (the handlers then find its scope again).
+/// before its path, query or body is read (the handlers then find its scope again); a
+/// tenant's admin past [`TENANT_CHANGES_PER_MINUTE`] changes gets 429 with `Retry-After`.
 pub async fn gate(
     State(state): State<Arc<AppState>>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    match authorize(&state, req.headers()) {
-        Ok(_) => next.run(req).await,
-        Err(e) => e.into_response(),
+    let admin = match authorize(&state, req.headers()) {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    let reads = matches!(*req.method(), Method::GET | Method::HEAD);
+    if let (Admin::Tenant(t), false) = (&admin, reads) {
+        if let Err(not_until) = state.admin_changes.check_key(&t.name().to_string()) {
+            use governor::clock::Clock;
+            let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
+            let retry_after_secs = wait.as_secs() + 1;
+            return ApiError::RateLimited { retry_after_secs }.into_response();
+        }
     }
+    next.run(req).await
 }
 
 /// A query string as `T`; a bad one is a 400 in the OpenAI error shape, and so is an

@@ -13,7 +13,7 @@
 //! - `harness` (feature `harness`) builds servers on loopback for the tests and the
 //!   benchmarks (the `reprise-bench` crate).
 
-mod admin;
+pub mod admin;
 pub mod auth;
 mod bookkeeping;
 pub mod bounds;

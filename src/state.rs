@@ -85,6 +85,9 @@ pub struct AppState {
     pub context_forms: crate::lookup::equivalence::Forms,
     /// Responses that can still be given a verdict (`POST /v1/feedback`).
     pub responses: crate::feedback::Responses,
+    /// Each tenant admin's changes (deletes, policy changes), within
+    /// [`crate::admin::TENANT_CHANGES_PER_MINUTE`].
+    pub admin_changes: governor::DefaultKeyedRateLimiter<String>,
     /// Canary candidates this replica rolled back (the latest
     /// [`crate::policy::MAX_ROLLBACKS`]), for `GET /admin/policies`.
     pub rollbacks: parking_lot::Mutex<std::collections::VecDeque<serde_json::Value>>,
@@ -227,6 +230,7 @@ impl AppState {
             policy_change: Default::default(),
             rollbacks: Default::default(),
             responses,
+            admin_changes: crate::admin::tenant_changes_limiter(),
             bounds: Default::default(),
             context_forms,
             verifier,

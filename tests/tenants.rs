@@ -1023,3 +1023,42 @@ async fn requests_that_follow_a_running_generation_are_not_charged_for_it() {
     assert_eq!(leader.await.unwrap().status(), 200);
     assert_eq!(backend.calls(), 1);
 }
+
+/// A tenant's admin makes at most its quota of changes a minute (429 with `Retry-After`
+/// past it), reads stay open, and the global admin is not held to it.
+#[tokio::test]
+async fn a_tenants_admin_changes_are_rate_limited() {
+    std::env::set_var("REPRISE_TEST_ACME_RATE_ADMIN_TOKEN", "acme-rate-admin");
+    std::env::set_var("REPRISE_TEST_GLOBAL_RATE_ADMIN_TOKEN", "global-rate-admin");
+    let mut config = tenants_config(true);
+    config.server.admin_token_env = Some("REPRISE_TEST_GLOBAL_RATE_ADMIN_TOKEN".into());
+    config.tenants[0].admin_token_env = Some("REPRISE_TEST_ACME_RATE_ADMIN_TOKEN".into());
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let delete = |token: &'static str| {
+        let path = format!("/admin/entries/{}", reprise_cache::EntryId::random());
+        let req = app.client.delete(app.url(&path)).bearer_auth(token);
+        async move { req.send().await.unwrap() }
+    };
+    let quota = reprise::admin::TENANT_CHANGES_PER_MINUTE as usize;
+    let mut refused = None;
+    for _ in 0..quota + 20 {
+        let r = delete("acme-rate-admin").await;
+        if r.status() == 429 {
+            refused = Some(r);
+            break;
+        }
+        assert_eq!(r.status(), 200);
+    }
+    let r = refused.expect("refused past the quota");
+    assert!(r.headers().contains_key("retry-after"));
+    assert_openai_error(r, 429, None).await;
+    let read = app
+        .client
+        .get(app.url("/admin/stats"))
+        .bearer_auth("acme-rate-admin")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 200, "reads are not changes");
+    assert_eq!(delete("global-rate-admin").await.status(), 200);
+}
