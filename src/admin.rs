@@ -68,7 +68,9 @@ pub async fn gate(
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
-    let reads = matches!(*req.method(), Method::GET | Method::HEAD);
+    // `POST /admin/explain` reads, with a body.
+    let reads = matches!(*req.method(), Method::GET | Method::HEAD)
+        || req.uri().path().trim_end_matches('/') == "/admin/explain";
     if let (Admin::Tenant(t), false) = (&admin, reads) {
         if let Err(not_until) = state.admin_changes.check_key(&t.name().to_string()) {
             use governor::clock::Clock;

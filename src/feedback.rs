@@ -105,11 +105,14 @@ impl Served {
 }
 
 /// The bytes of response records each tenant may hold: a tenant with a `memory_share` that
-/// share of `[feedback] memory_bytes`, every other tenant (the anonymous one included) an
-/// equal part of what is left.
+/// share of `[feedback] memory_bytes`, every other tenant (the anonymous one included, where
+/// keys are not required) an equal part of what is left; a tenant no longer configured
+/// none.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Budgets {
     named: HashMap<String, u64>,
+    /// The tenants without a share ("" the anonymous one, where it is admitted).
+    unnamed: std::collections::HashSet<String>,
     each: u64,
 }
 
@@ -123,19 +126,28 @@ impl Budgets {
             .flat_map(|s| s.pools.iter().map(|(n, s)| (n.clone(), part(*s))))
             .collect();
         let rest = shares.as_ref().map_or(1.0, |s| s.rest);
-        let unnamed = 1 + policies
+        let mut unnamed: std::collections::HashSet<String> = policies
             .tenant_names()
             .filter(|n| !named.contains_key(*n))
-            .count();
+            .map(String::from)
+            .collect();
+        if policies.admits_anonymous() {
+            unnamed.insert(String::new());
+        }
         Budgets {
-            each: part(rest) / unnamed as u64,
+            each: part(rest) / unnamed.len().max(1) as u64,
             named,
+            unnamed,
         }
     }
 
     /// Tenant `tenant`'s part.
     fn of_tenant(&self, tenant: &str) -> u64 {
-        self.named.get(tenant).copied().unwrap_or(self.each)
+        match self.named.get(tenant) {
+            Some(b) => *b,
+            None if self.unnamed.contains(tenant) => self.each,
+            None => 0,
+        }
     }
 }
 
@@ -175,7 +187,7 @@ struct Pools {
 
 /// The responses that can still be given a verdict.
 pub struct Responses {
-    pools: RwLock<Pools>,
+    pools: Arc<RwLock<Pools>>,
     config: FeedbackConfig,
 }
 
@@ -183,55 +195,40 @@ impl Responses {
     /// An empty memory of responses, shared out by `budgets`.
     pub fn new(config: &FeedbackConfig, budgets: Budgets) -> Responses {
         Responses {
-            pools: RwLock::new(Pools {
+            pools: Arc::new(RwLock::new(Pools {
                 budgets,
                 by_tenant: HashMap::new(),
-            }),
+            })),
             config: config.clone(),
         }
     }
 
     /// Shares the memory out anew (the tenants or their shares changed): a tenant's records
     /// move to a pool of its new size (the oldest forgotten where it shrank), a gone tenant's
-    /// are dropped.
-    pub fn set_budgets(&self, budgets: Budgets, tenants: &[String]) {
-        let mut pools = self.pools.write();
-        if pools.budgets == budgets {
-            return;
-        }
-        let old = std::mem::take(&mut pools.by_tenant);
-        for (tenant, records) in old {
-            if !tenant.is_empty() && !tenants.contains(&tenant) {
-                continue;
-            }
-            let bytes = budgets.of_tenant(&tenant);
-            let records = if bytes == pools.budgets.of_tenant(&tenant) {
-                records
-            } else {
-                let resized = pool(bytes);
-                for (id, r) in records.iter() {
-                    resized.insert(String::clone(&id), r);
-                }
-                resized.run_pending_tasks();
-                resized
-            };
-            pools.by_tenant.insert(tenant, records);
-        }
-        pools.budgets = budgets;
+    /// are dropped. On a blocking thread of the current runtime (the records are copied one
+    /// by one; requests wait for the pools meanwhile, as a policy change is rare).
+    pub fn set_budgets(&self, budgets: Budgets) -> tokio::task::JoinHandle<()> {
+        let pools = self.pools.clone();
+        tokio::task::spawn_blocking(move || reshare(&pools, budgets))
     }
 
-    /// Tenant `tenant`'s pool (made on its first response).
-    fn pool_of(&self, tenant: &str) -> Cache<String, Record> {
-        if let Some(p) = self.pools.read().by_tenant.get(tenant) {
-            return p.clone();
+    /// Runs `f` on tenant `tenant`'s pool (made on its first response) while the pools
+    /// cannot be shared out anew: a record is never put into, or taken from, a pool being
+    /// replaced.
+    fn with_pool<R>(&self, tenant: &str, f: impl FnOnce(&Cache<String, Record>) -> R) -> R {
+        {
+            let pools = self.pools.read();
+            if let Some(p) = pools.by_tenant.get(tenant) {
+                return f(p);
+            }
         }
         let mut pools = self.pools.write();
         let bytes = pools.budgets.of_tenant(tenant);
-        pools
+        let p = pools
             .by_tenant
             .entry(tenant.to_string())
-            .or_insert_with(|| pool(bytes))
-            .clone()
+            .or_insert_with(|| pool(bytes));
+        f(p)
     }
 
     /// Carries out pending evictions now (moka defers them), so the memory is within its
@@ -263,8 +260,8 @@ impl Responses {
             until: Instant::now() + self.config.window(),
             served: Arc::new(served),
         };
-        self.pool_of(&record.served.tenant)
-            .insert(id.to_string(), record);
+        let tenant = record.served.tenant.clone();
+        self.with_pool(&tenant, |p| p.insert(id.to_string(), record));
     }
 
     /// Takes what response `id` served: one verdict a response, however many arrive at once
@@ -277,8 +274,7 @@ impl Responses {
         tenant: &str,
         id: &str,
     ) -> Result<Option<Arc<Served>>, ApiError> {
-        let memory = self.pool_of(tenant);
-        let held = memory.remove(id);
+        let held = self.with_pool(tenant, |p| p.remove(id));
         let until = held.as_ref().map(|r| r.until);
         let here = held.map(|r| r.served);
         let Some(redis) = state
@@ -303,7 +299,8 @@ impl Responses {
             Err(e) => {
                 tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
                 if let (Some(served), Some(until)) = (here, until) {
-                    memory.insert(id.to_string(), Record { served, until });
+                    let record = Record { served, until };
+                    self.with_pool(tenant, |p| p.insert(id.to_string(), record));
                 }
                 Err(records_unreachable())
             }
@@ -318,7 +315,7 @@ impl Responses {
         tenant: &str,
         id: &str,
     ) -> Result<Option<Arc<Served>>, ApiError> {
-        if let Some(r) = self.pool_of(tenant).get(id) {
+        if let Some(r) = self.with_pool(tenant, |p| p.get(id)) {
             return Ok(Some(r.served));
         }
         let Some(redis) = state.store.redis() else {
@@ -330,6 +327,37 @@ impl Responses {
             .map_err(|_| records_unreachable())?;
         Ok(bytes.and_then(|b| serde_json::from_slice(&b).ok().map(Arc::new)))
     }
+}
+
+/// Shares `pools` out by `budgets`: each tenant's records, newest kept where its pool
+/// shrank, in a pool of its new size; a gone tenant's dropped.
+fn reshare(pools: &RwLock<Pools>, budgets: Budgets) {
+    let mut pools = pools.write();
+    if pools.budgets == budgets {
+        return;
+    }
+    let old = std::mem::take(&mut pools.by_tenant);
+    for (tenant, records) in old {
+        let bytes = budgets.of_tenant(&tenant);
+        if bytes == 0 {
+            continue;
+        }
+        let records = if bytes == pools.budgets.of_tenant(&tenant) {
+            records
+        } else {
+            let resized = pool(bytes);
+            let mut held: Vec<(Arc<String>, Record)> = records.iter().collect();
+            // Oldest first: the pool forgets the least recently put where it is full.
+            held.sort_by_key(|(_, r)| r.until);
+            for (id, r) in held {
+                resized.insert(String::clone(&id), r);
+            }
+            resized.run_pending_tasks();
+            resized
+        };
+        pools.by_tenant.insert(tenant, records);
+    }
+    pools.budgets = budgets;
 }
 
 /// The answer to a verdict while Redis, where the response records are shared, cannot be
@@ -591,7 +619,7 @@ mod tests {
             8 * 1024,
             "the rest, split with anonymous"
         );
-        r.set_budgets(budgets, &["a".into(), "b".into()]);
+        r.set_budgets(budgets).await.unwrap();
         assert!(r.find(&state, "a", "a-1999").await.unwrap().is_some());
         assert!(r.find(&state, "b", "b-1").await.unwrap().is_some());
         for i in 2000..6000 {
@@ -600,11 +628,35 @@ mod tests {
         r.run_pending_tasks();
         assert!(r.weighted_size() <= 64 * 1024);
         assert!(r.find(&state, "b", "b-1").await.unwrap().is_some());
-        // A tenant removed: its responses are dropped.
-        let policies = crate::policy::Policies::from_config(&config, 3).unwrap();
-        r.set_budgets(Budgets::of(&policies, 1 << 20), &["b".into()]);
+        // A tenant removed: its responses are dropped, and a late one of its is not kept.
+        let mut without_a = config.clone();
+        without_a.tenants.remove(0);
+        let policies = crate::policy::Policies::from_config(&without_a, 3).unwrap();
+        r.set_budgets(Budgets::of(&policies, 1 << 20))
+            .await
+            .unwrap();
         assert!(r.find(&state, "a", "a-5999").await.unwrap().is_none());
         assert!(r.find(&state, "b", "b-1").await.unwrap().is_some());
+        r.remember(&state, "a-late", served("a"));
+        r.run_pending_tasks();
+        assert!(r.find(&state, "a", "a-late").await.unwrap().is_none());
+    }
+
+    /// Where every request needs a known key, the anonymous tenant gets no part.
+    #[test]
+    fn no_part_for_an_anonymous_tenant_that_cannot_come() {
+        let mut config = crate::config::Config::default();
+        config.tenants = vec![
+            crate::config::TenantConfig::with_key("a", "ka"),
+            crate::config::TenantConfig::with_key("b", "kb"),
+        ];
+        config.auth.required = true;
+        let policies = crate::policy::Policies::from_config(&config, 1).unwrap();
+        let b = Budgets::of(&policies, 1000);
+        assert_eq!(
+            (b.of_tenant("a"), b.of_tenant("b"), b.of_tenant("")),
+            (500, 500, 0)
+        );
     }
 
     /// A record is forgotten at the end of its window, also when it was moved meanwhile.

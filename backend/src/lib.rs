@@ -84,8 +84,9 @@ pub struct ChatMessage {
     /// upstreams; llama.cpp's chat templates have no place for it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// The message's other fields, not null (`prefix`, `reasoning_content`, ...): part of the
-    /// cache key and sent to upstreams as they came; llama.cpp's chat templates read none.
+    /// The message's other fields, neither null nor empty (`prefix`, `reasoning_content`,
+    /// ...): part of the cache key and sent to upstreams as they came; llama.cpp's chat
+    /// templates read none.
     #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub extra: serde_json::Map<String, serde_json::Value>,
 }

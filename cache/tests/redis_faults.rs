@@ -279,8 +279,15 @@ async fn values_over_the_size_cap_read_as_absent() {
     let mut big = entry("ns", &"x".repeat(10_000), 60_000);
     big.prompt = "big".into();
     assert!(t.put(&small, &[digest(1)]));
-    assert!(t.put(&big, &[digest(2)]));
+    assert!(
+        !t.put(&big, &[digest(2)]),
+        "not written by a tier that would not read it"
+    );
     t.flush().await.unwrap();
+    // Written by a replica with a larger cap.
+    let other = tier(config(server.url()), "b").await;
+    assert!(other.put(&big, &[digest(2)]));
+    other.flush().await.unwrap();
     let skipped = counter("reprise_redis_skipped_total");
     assert_eq!(t.get(small.id).await.unwrap().map(|e| e.id), Some(small.id));
     assert_eq!(t.get(big.id).await.unwrap(), None, "over the cap");

@@ -69,11 +69,7 @@ fn without_cached_tokens(mut body: ByteStream) -> ByteStream {
             };
             pending.extend_from_slice(&chunk);
             pending = zero_cached_tokens(pending);
-            let end = if pending.len() > MAX_HELD + FIELD.len() {
-                pending.len()
-            } else {
-                safe_end(&pending)
-            };
+            let end = safe_end(&pending);
             if end > 0 {
                 let rest = pending.split_off(end);
                 yield Ok(Bytes::from(std::mem::replace(&mut pending, rest)));
@@ -111,29 +107,43 @@ fn safe_end(text: &[u8]) -> usize {
 }
 
 /// `text` with the number after each `"cached_tokens":` replaced by 0 (JSON stays JSON:
-/// a number for a number).
-fn zero_cached_tokens(mut text: Vec<u8>) -> Vec<u8> {
-    let mut at = 0;
-    while let Some(found) = text[at..].windows(FIELD.len()).position(|w| w == FIELD) {
-        let mut i = at + found + FIELD.len();
+/// a number for a number), in one pass.
+fn zero_cached_tokens(text: Vec<u8>) -> Vec<u8> {
+    let skip_space = |mut i: usize| {
         while text.get(i).is_some_and(|b| b.is_ascii_whitespace()) {
             i += 1;
         }
-        if text.get(i) != Some(&b':') {
-            at = i;
+        i
+    };
+    let mut out: Option<Vec<u8>> = None;
+    // `text[copied..]` is not yet in `out`.
+    let (mut at, mut copied) = (0, 0);
+    while let Some(found) = text[at..].windows(FIELD.len()).position(|w| w == FIELD) {
+        let colon = skip_space(at + found + FIELD.len());
+        if text.get(colon) != Some(&b':') {
+            at = colon.min(text.len());
             continue;
         }
-        i += 1;
-        while text.get(i).is_some_and(|b| b.is_ascii_whitespace()) {
-            i += 1;
+        let number = skip_space(colon + 1);
+        let digits = text[number..]
+            .iter()
+            .take_while(|b| b.is_ascii_digit())
+            .count();
+        if digits > 0 && !(digits == 1 && text[number] == b'0') {
+            let o = out.get_or_insert_with(|| Vec::with_capacity(text.len()));
+            o.extend_from_slice(&text[copied..number]);
+            o.push(b'0');
+            copied = number + digits;
         }
-        let digits = text[i..].iter().take_while(|b| b.is_ascii_digit()).count();
-        if digits > 0 {
-            text.splice(i..i + digits, [b'0']);
-        }
-        at = i + 1;
+        at = (number + digits).min(text.len());
     }
-    text
+    match out {
+        None => text,
+        Some(mut o) => {
+            o.extend_from_slice(&text[copied..]);
+            o
+        }
+    }
 }
 
 #[cfg(test)]
@@ -157,6 +167,13 @@ mod tests {
                 r#"{"content":"the word \"cached_tokens\" in text"}"#,
             ),
             (r#"{"cached_tokens":0}"#, r#"{"cached_tokens":0}"#),
+            // Cut right after the field, or its colon: nothing to change yet.
+            (r#"{"cached_tokens""#, r#"{"cached_tokens""#),
+            (r#"{"cached_tokens": "#, r#"{"cached_tokens": "#),
+            (
+                r#"[{"cached_tokens":12},{"cached_tokens":345}]"#,
+                r#"[{"cached_tokens":0},{"cached_tokens":0}]"#,
+            ),
         ];
         for (given, expected) in cases {
             let got = zero_cached_tokens(given.as_bytes().to_vec());

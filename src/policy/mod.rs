@@ -109,6 +109,11 @@ impl Policies {
         self.config.tenants.iter().map(|t| t.name.as_str())
     }
 
+    /// Whether requests without a known key are admitted (as the anonymous tenant).
+    pub fn admits_anonymous(&self) -> bool {
+        !self.config.auth.required
+    }
+
     /// The tenants' shares of the memory tier (`None`: no tenant has one).
     pub fn memory_shares(&self) -> Option<Shares> {
         Shares::of(&self.config, |p| p.memory_share)
@@ -479,9 +484,8 @@ fn share_budgets(state: &AppState, memory_changed: bool) {
     if let Some(prefetch) = &state.prefetch {
         prefetch.set_shares(policies.prefetch_shares());
     }
-    let tenants: Vec<String> = policies.tenant_names().map(String::from).collect();
     let feedback = crate::feedback::Budgets::of(&policies, state.config.feedback.memory_bytes);
-    state.responses.set_budgets(feedback, &tenants);
+    drop(state.responses.set_budgets(feedback));
     if !memory_changed {
         return;
     }

@@ -161,9 +161,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                 };
                 // Fields read nowhere here still key the answer and go upstream (a
                 // continuation's `prefix`, a model's own reasoning): two messages that differ
-                // in one are different requests. A null is an absent field.
+                // in one are different requests. A null or an empty value is an absent field
+                // (clients echo `"annotations": []`, `"refusal": null` back with an answer).
                 let mut extra = m.extra;
-                extra.retain(|_, v| !v.is_null());
+                extra.retain(|_, v| match v {
+                    serde_json::Value::Null => false,
+                    serde_json::Value::String(s) => !s.is_empty(),
+                    serde_json::Value::Array(a) => !a.is_empty(),
+                    serde_json::Value::Object(o) => !o.is_empty(),
+                    _ => true,
+                });
                 msgs.push(ChatMessage {
                     role: m.role,
                     content,
@@ -511,8 +518,12 @@ mod tests {
         let (prefixed, req) =
             key(json!({"role": "assistant", "content": "Autumn", "prefix": true}));
         let (null, _) = key(json!({"role": "assistant", "content": "Autumn", "prefix": null}));
+        let (empty, _) = key(
+            json!({"role": "assistant", "content": "Autumn", "annotations": [], "refusal": ""}),
+        );
         assert_ne!(plain, prefixed, "a continuation is another request");
         assert_eq!(plain, null, "a null field is absent");
+        assert_eq!(plain, empty, "an empty field is absent");
         let (a, _) = key(json!({"role": "assistant", "content": "x", "p": 1, "q": 2}));
         let (b, _) = key(json!({"role": "assistant", "content": "x", "q": 2, "p": 1}));
         assert_eq!(a, b, "the fields' order does not matter");
