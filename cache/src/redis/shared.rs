@@ -200,20 +200,8 @@ impl Shared {
         op: Op,
         names: &[(String, EntryId)],
     ) -> Result<Vec<Option<Vec<u8>>>, RedisError> {
-        if names.is_empty() {
-            return Ok(Vec::new());
-        }
         let results = self
-            .run(op, |c| async move {
-                let replies = join_all(names.iter().map(|(name, _)| {
-                    let c = c.clone();
-                    let cmd = self.capped_get(name);
-                    async move { c.query::<Capped>(&cmd).await }
-                }))
-                .await;
-                first_outage(&replies)?;
-                Ok(replies)
-            })
+            .each_key::<Capped>(op, names, |name| self.capped_get(name))
             .await?;
         Ok(results
             .into_iter()
@@ -235,21 +223,35 @@ impl Shared {
         op: Op,
         names: &[(String, EntryId)],
     ) -> Result<Vec<u64>, RedisError> {
+        let results = self
+            .each_key::<u64>(op, names, |name| ::redis::cmd("STRLEN").arg(name).clone())
+            .await?;
+        Ok(results.into_iter().map(|r| r.unwrap_or(0)).collect())
+    }
+
+    /// The command `cmd` makes for each key of `names`, sent concurrently in one bounded
+    /// round: each key's reply (a key of the wrong type is an error of its own); any outage
+    /// fails the whole round.
+    async fn each_key<T: ::redis::FromRedisValue + Send>(
+        &self,
+        op: Op,
+        names: &[(String, EntryId)],
+        cmd: impl Fn(&str) -> ::redis::Cmd + Sync,
+    ) -> Result<Vec<::redis::RedisResult<T>>, RedisError> {
         if names.is_empty() {
             return Ok(Vec::new());
         }
-        let results = self
-            .run(op, |c| async move {
-                let replies = join_all(names.iter().map(|(name, _)| {
-                    let c = c.clone();
-                    let cmd = ::redis::cmd("STRLEN").arg(name).clone();
-                    async move { c.query::<u64>(&cmd).await }
-                }))
-                .await;
-                first_outage(&replies)?;
-                Ok(replies)
-            })
-            .await?;
-        Ok(results.into_iter().map(|r| r.unwrap_or(0)).collect())
+        let cmd = &cmd;
+        self.run(op, |c| async move {
+            let replies = join_all(names.iter().map(|(name, _)| {
+                let c = c.clone();
+                let cmd = cmd(name);
+                async move { c.query::<T>(&cmd).await }
+            }))
+            .await;
+            first_outage(&replies)?;
+            Ok(replies)
+        })
+        .await
     }
 }
