@@ -47,7 +47,8 @@ const MAX_NODES: usize = 20_000;
 /// Clusters kept per namespace; beyond this the least recently touched tenth is forgotten.
 /// Assigning a new node scans them, so this also bounds that cost.
 const MAX_CLUSTERS: usize = 4096;
-/// Namespaces kept; beyond this the least recently touched one is forgotten.
+/// Namespaces kept; beyond this the least recently touched one of the tenant holding the
+/// most is forgotten.
 const MAX_NAMESPACES: usize = 1024;
 /// Namespaces kept of one tenant while others' are held too (namespaces are picked by a
 /// header): beyond this its own least recently touched one is forgotten, so one tenant
@@ -270,11 +271,27 @@ impl Model {
             let own = |name: &&String| crate::auth::scope_of(name) == tenant;
             let mine = self.namespaces.keys().filter(own).count();
             let full = mine >= MAX_TENANT_NAMESPACES && mine < self.namespaces.len();
-            if full || self.namespaces.len() >= MAX_NAMESPACES {
+            // Past its share, a tenant gives up its own least recently used namespace; with
+            // every namespace taken (one tenant, alone at first, may take them all), the
+            // tenant holding the most gives up one of its own, never one that holds fewer.
+            let giver = if full {
+                Some(tenant.to_string())
+            } else if self.namespaces.len() >= MAX_NAMESPACES {
+                let mut held: HashMap<&str, usize> = HashMap::new();
+                for name in self.namespaces.keys() {
+                    *held.entry(crate::auth::scope_of(name)).or_default() += 1;
+                }
+                held.into_iter()
+                    .max_by_key(|(t, n)| (*n, std::cmp::Reverse(*t)))
+                    .map(|(t, _)| t.to_string())
+            } else {
+                None
+            };
+            if let Some(giver) = giver {
                 if let Some(oldest) = self
                     .namespaces
                     .iter()
-                    .filter(|(name, _)| !full || own(name))
+                    .filter(|(name, _)| crate::auth::scope_of(name) == giver)
                     .min_by_key(|(_, n)| n.touched_ms)
                     .map(|(k, _)| k.clone())
                 {
@@ -488,6 +505,53 @@ mod tests {
                 now,
                 same_text,
             );
+        }
+        assert_eq!(alone.namespaces.len(), MAX_NAMESPACES);
+
+        // Alone first, acme took every namespace and keeps them in use; newcomers still get
+        // and keep theirs, out of acme's.
+        let mut t = MAX_NAMESPACES as u64 * 2;
+        let mut tick = || {
+            t += 1;
+            t
+        };
+        alone.observe(
+            &scoped("beta", 0),
+            EntryId(1 << 40),
+            "q",
+            None,
+            tick(),
+            same_text,
+        );
+        for i in MAX_NAMESPACES..MAX_NAMESPACES * 2 {
+            let now = tick();
+            alone.observe(
+                &scoped("acme", i),
+                EntryId(1 + i as u128),
+                "q",
+                None,
+                now,
+                same_text,
+            );
+        }
+        alone.observe(
+            &scoped("beta", 1),
+            EntryId((1 << 40) + 1),
+            "q",
+            None,
+            tick(),
+            same_text,
+        );
+        alone.observe(
+            &scoped("gamma", 0),
+            EntryId((1 << 40) + 2),
+            "q",
+            None,
+            tick(),
+            same_text,
+        );
+        for name in [scoped("beta", 0), scoped("beta", 1), scoped("gamma", 0)] {
+            assert!(alone.namespaces.contains_key(&name), "{name}");
         }
         assert_eq!(alone.namespaces.len(), MAX_NAMESPACES);
     }
