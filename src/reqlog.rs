@@ -136,11 +136,28 @@ pub fn cut(text: &str, chars: usize) -> Option<String> {
 pub const DROPPED: &str = "reprise_request_log_dropped_total";
 
 /// Writes one line; whether it was written (false also when the writer panicked).
-fn write_line(w: &mut FileRotate<AppendCount>, line: &[u8]) -> bool {
+fn write_line<W: Write>(w: &mut W, line: &[u8]) -> bool {
     matches!(
         catch_unwind(AssertUnwindSafe(|| w.write_all(line))),
         Ok(Ok(()))
     )
+}
+
+/// Writes `line` (ending in its newline) with `w`; where that fails, once more with a writer
+/// `open` makes anew, the line then starting a line of its own: the failed write may have
+/// left part of it, and the retry must not be glued to that part (readers skip a blank
+/// line). `None`: written at once; else whether the retry wrote it.
+fn write_or_retry<W: Write>(
+    w: &mut Option<W>,
+    open: impl FnOnce() -> Option<W>,
+    line: &mut Vec<u8>,
+) -> Option<bool> {
+    if w.as_mut().is_some_and(|w| write_line(w, line)) {
+        return None;
+    }
+    *w = open();
+    line.insert(0, b'\n');
+    Some(w.as_mut().is_some_and(|w| write_line(w, line)))
 }
 
 /// Handle to the log writer.
@@ -208,16 +225,11 @@ impl RequestLog {
                     continue;
                 }
                 line.push(b'\n');
-                if !w.as_mut().is_some_and(|w| write_line(w, &line)) {
-                    // The rotated files changed under the writer (one deleted by hand,
-                    // another process rotating the same path): the writer panics on a rename
-                    // it expected. It starts over from the files there now (said once while
-                    // it keeps failing, as on a full disk).
-                    w = open();
-                    // The failed write may have left part of the line: the retry starts a
-                    // line of its own (readers skip a blank one), so only the part is lost.
-                    line.insert(0, b'\n');
-                    let wrote = w.as_mut().is_some_and(|w| write_line(w, &line));
+                // Where the rotated files changed under the writer (one deleted by hand,
+                // another process rotating the same path), the writer panics on a rename it
+                // expected: it starts over from the files there now (said once while it
+                // keeps failing, as on a full disk).
+                if let Some(wrote) = write_or_retry(&mut w, &open, &mut line) {
                     if !wrote {
                         metrics::counter!(DROPPED, "why" => "write").increment(1);
                     }
@@ -261,6 +273,60 @@ mod tests {
                 v["time_ms"].as_u64().unwrap()
             })
             .collect()
+    }
+
+    /// A writer over a shared file that takes `room` bytes, then fails.
+    struct Partly {
+        file: std::rc::Rc<std::cell::RefCell<Vec<u8>>>,
+        room: usize,
+    }
+
+    impl std::io::Write for Partly {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.room == 0 {
+                return Err(std::io::Error::other("disk full"));
+            }
+            let n = buf.len().min(self.room);
+            self.room -= n;
+            self.file.borrow_mut().extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A line whose write failed midway is written again on a line of its own: the part
+    /// left is lost alone, the line reads whole.
+    #[test]
+    fn a_retried_line_is_not_glued_to_a_part_left_behind() {
+        let file = std::rc::Rc::new(std::cell::RefCell::new(b"{\"a\":1}\n".to_vec()));
+        let mut w = Some(Partly {
+            file: file.clone(),
+            room: 5,
+        });
+        let mut line = b"{\"b\":2}\n".to_vec();
+        let reopened = || {
+            Some(Partly {
+                file: file.clone(),
+                room: usize::MAX,
+            })
+        };
+        assert_eq!(
+            super::write_or_retry(&mut w, reopened, &mut line),
+            Some(true)
+        );
+        let text = String::from_utf8(file.borrow().clone()).unwrap();
+        let whole: Vec<&str> = text
+            .lines()
+            .filter(|l| serde_json::from_str::<serde_json::Value>(l).is_ok())
+            .collect();
+        assert_eq!(whole, [r#"{"a":1}"#, r#"{"b":2}"#], "{text:?}");
+        // Written at once: nothing else.
+        let mut next = b"{\"c\":3}\n".to_vec();
+        assert_eq!(super::write_or_retry(&mut w, || None, &mut next), None);
+        assert!(file.borrow().ends_with(b"}\n{\"c\":3}\n"));
     }
 
     #[tokio::test]
