@@ -74,7 +74,7 @@ pub async fn gate(
     if let (Admin::Tenant(t), false) = (&admin, reads) {
         if let Err(not_until) = state.admin_changes.check_key(&t.name().to_string()) {
             use governor::clock::Clock;
-            let wait = not_until.wait_time_from(governor::clock::DefaultClock::default().now());
+            let wait = not_until.wait_time_from(state.admin_changes.clock().now());
             let retry_after_secs = wait.as_secs() + 1;
             return ApiError::RateLimited { retry_after_secs }.into_response();
         }

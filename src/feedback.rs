@@ -119,13 +119,13 @@ pub struct Budgets {
 impl Budgets {
     /// The parts of `bytes` under `policies`.
     pub fn of(policies: &crate::policy::Policies, bytes: u64) -> Budgets {
-        let part = |s: f64| (bytes as f64 * s) as u64;
-        let shares = policies.memory_shares();
-        let named: HashMap<String, u64> = shares
-            .iter()
-            .flat_map(|s| s.pools.iter().map(|(n, s)| (n.clone(), part(*s))))
-            .collect();
-        let rest = shares.as_ref().map_or(1.0, |s| s.rest);
+        let (named, rest) = match policies.memory_shares() {
+            Some(s) => {
+                let parts = s.of_memory(bytes);
+                (parts.pools, parts.rest)
+            }
+            None => (HashMap::new(), bytes),
+        };
         let mut unnamed: std::collections::HashSet<String> = policies
             .tenant_names()
             .filter(|n| !named.contains_key(*n))
@@ -135,7 +135,7 @@ impl Budgets {
             unnamed.insert(String::new());
         }
         Budgets {
-            each: part(rest) / unnamed.len().max(1) as u64,
+            each: rest / unnamed.len().max(1) as u64,
             named,
             unnamed,
         }

@@ -98,10 +98,8 @@ impl KeyHasher {
     /// same fields are the same key whatever order they came in.
     pub fn extras(&mut self, extra: &serde_json::Map<String, serde_json::Value>) -> &mut Self {
         if !extra.is_empty() {
-            let keyed: std::collections::BTreeMap<&String, &serde_json::Value> =
-                extra.iter().collect();
             self.str("\0extra")
-                .str(&serde_json::to_string(&keyed).unwrap_or_default());
+                .str(&reprise_backend::canonical_json(extra));
         }
         self
     }

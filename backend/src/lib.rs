@@ -40,16 +40,11 @@ impl Input {
                 .iter()
                 .map(|m| {
                     let name = m.name.as_ref().map_or(0, String::len);
-                    let extra: usize = m
-                        .extra
-                        .iter()
-                        .map(|(k, v)| k.len() + json_heap_bytes(v))
-                        .sum();
                     std::mem::size_of::<ChatMessage>()
                         + m.role.len()
                         + m.content.len()
                         + name
-                        + extra
+                        + map_heap_bytes(&m.extra)
                 })
                 .sum(),
         }
@@ -63,12 +58,7 @@ pub fn json_heap_bytes(v: &serde_json::Value) -> usize {
     match v {
         Value::String(s) => NODE + s.len(),
         Value::Array(a) => NODE + a.iter().map(json_heap_bytes).sum::<usize>(),
-        Value::Object(m) => {
-            NODE + m
-                .iter()
-                .map(|(k, v)| k.len() + json_heap_bytes(v))
-                .sum::<usize>()
-        }
+        Value::Object(m) => NODE + map_heap_bytes(m),
         _ => NODE,
     }
 }
@@ -96,12 +86,20 @@ impl std::hash::Hash for ChatMessage {
         self.role.hash(state);
         self.content.hash(state);
         self.name.hash(state);
-        // Equal maps serialise alike only in one key order.
-        let keyed: std::collections::BTreeMap<_, _> = self.extra.iter().collect();
-        serde_json::to_string(&keyed)
-            .unwrap_or_default()
-            .hash(state);
+        canonical_json(&self.extra).hash(state);
     }
+}
+
+/// `map` as JSON with its keys in order: equal maps give equal text, whatever order their
+/// keys came in.
+pub fn canonical_json(map: &serde_json::Map<String, serde_json::Value>) -> String {
+    let keyed: std::collections::BTreeMap<_, _> = map.iter().collect();
+    serde_json::to_string(&keyed).unwrap_or_default()
+}
+
+/// About the heap bytes a JSON object's keys and values hold.
+fn map_heap_bytes(map: &serde_json::Map<String, serde_json::Value>) -> usize {
+    map.iter().map(|(k, v)| k.len() + json_heap_bytes(v)).sum()
 }
 
 impl ChatMessage {
@@ -276,12 +274,7 @@ impl GenRequest {
     /// passed through (`extra`, which a client fills up to the body limit).
     pub fn heap_bytes(&self) -> usize {
         let stops: usize = self.params.stop.iter().map(String::len).sum();
-        let extra: usize = self
-            .extra
-            .iter()
-            .map(|(k, v)| k.len() + json_heap_bytes(v))
-            .sum();
-        self.input.heap_bytes() + self.model.len() + stops + extra
+        self.input.heap_bytes() + self.model.len() + stops + map_heap_bytes(&self.extra)
     }
 }
 

@@ -116,18 +116,7 @@ impl Shared {
 
     pub(super) fn cancel(&self, job: &Job) {
         self.pending.lock().remove(&job.key);
-        match &job.kind {
-            JobKind::Refresh(id) => {
-                if let Some(h) = self.hot.get(id) {
-                    h.refreshing.store(false, Ordering::Relaxed);
-                }
-            }
-            // Not asked after all: the next time this answer is served may ask again.
-            JobKind::Propose(p) => self.proposed_for.invalidate(&p.entry),
-            JobKind::Prefetch => {}
-        }
-        bump(&self.counts.cancelled, 1);
-        self.handles.cancelled.increment(1);
+        cancelled(self, &job.kind);
     }
 
     /// Starts waiting jobs while the backend is free of interactive work and budgets allow.
@@ -466,12 +455,17 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> Ran 
     }
 }
 
-/// Counts a job that stored nothing as cancelled; a refresh may be tried again.
+/// Counts a job that stored nothing as cancelled; a refresh may be tried again, and a
+/// proposal asked again the next time its answer is served.
 fn cancelled(shared: &Shared, kind: &JobKind) {
-    if let JobKind::Refresh(old) = kind {
-        if let Some(h) = shared.hot.get(old) {
-            h.refreshing.store(false, Ordering::Relaxed);
+    match kind {
+        JobKind::Refresh(old) => {
+            if let Some(h) = shared.hot.get(old) {
+                h.refreshing.store(false, Ordering::Relaxed);
+            }
         }
+        JobKind::Propose(p) => shared.proposed_for.invalidate(&p.entry),
+        JobKind::Prefetch => {}
     }
     bump(&shared.counts.cancelled, 1);
     shared.handles.cancelled.increment(1);
