@@ -12,12 +12,13 @@
 //! | `{prefix}:e:{<id>}`        | `{"v":1,"entry":{...}}` (JSON envelope) | entry's own +   |
 //! | `{prefix}:k:<hex digest>`  | entry id (32 hex chars)                 | entry's / alias |
 //! | `{prefix}:d:{<id>}`        | `1`: the entry was deleted              | 15 minutes      |
-//! | `{prefix}:ns:{<ns>}`       | sorted set of ids, score = kept until   | longest member  |
-//! | `{prefix}:tag:{<tag>}`     | sorted set of ids, score = kept until   | longest member  |
+//! | `{prefix}:ns:{<ns>}`       | sorted set of ids, score = kept until   | none (swept)    |
+//! | `{prefix}:tag:{<tag>}`     | sorted set of ids, score = kept until   | none (swept)    |
 //! | `{prefix}:events`          | stream of `op`, `id`, `ns`, `origin`    | `MAXLEN ~`      |
 //! | `{prefix}:policies`        | hash: `version`, `doc`, `origin`        | none            |
 //! | `{prefix}:blob:{<name>}`   | a component's value (`put_blob`)        | none or given   |
 //! | `{prefix}:hash:{<name>}`   | hash of values by field (`put_field`)   | given, renewed  |
+//! | `{prefix}:sweep`           | the replica sweeping the index sets     | the interval    |
 //!
 //! `+`: entries, their keys and their index entries are kept past the entry's expiry for the
 //! retention of expired entries ([`RedisTier::retain_expired`], the longest stale window;
@@ -44,6 +45,9 @@
 //!
 //! Index sets are sorted by expiry so that each put can prune the ids that have expired
 //! (`ZREMRANGEBYSCORE`) and an index never grows without bound while its namespace is busy.
+//! They carry no TTL, so a `volatile-*` eviction policy never evicts one before the entries
+//! it lists (a namespace or tag delete would miss those); a sweep every [`SWEEP_INTERVAL`]
+//! ([`sweep`]) prunes every set and deletes the empty ones.
 //!
 //! A value that does not decode (corrupt, written by something else under the prefix, or a
 //! future envelope version) is skipped: the read is a miss, `reprise_redis_skipped_total`
@@ -60,6 +64,7 @@ mod keys;
 mod metrics;
 mod policies;
 mod shared;
+mod sweep;
 mod writer;
 
 use std::collections::HashSet;
@@ -88,6 +93,7 @@ pub use config::RedisConfig;
 pub use error::{RedisError, RedisHealth};
 pub use events::{ReplicationEvent, ReplicationStream};
 pub use policies::{PolicyPublish, SharedPolicies};
+pub use sweep::{Swept, SWEEP_INTERVAL};
 
 /// What [`RedisTier::update`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,6 +212,7 @@ impl RedisTier {
         });
         let (writes, rx) = mpsc::channel(cfg.write_queue.max(1));
         tokio::spawn(write_loop(shared.clone(), rx));
+        tokio::spawn(sweep::sweep_loop(Arc::downgrade(&shared)));
         // Dial now rather than on the first request, and set the `up` gauge early. The first
         // dial may take up to connect_timeout, longer than a command's bound, hence its own.
         let warm = shared.clone();
@@ -603,6 +610,13 @@ return redis.call('GET', KEYS[1])";
             })
             .await
             .map(drop)
+    }
+
+    /// Sweeps every namespace and tag index set now: prunes the ids no longer kept and
+    /// deletes the sets left empty (a background task does it every [`SWEEP_INTERVAL`], on
+    /// one replica at a time).
+    pub async fn sweep_indexes(&self) -> Result<Swept, RedisError> {
+        self.shared.sweep_indexes().await
     }
 
     /// Waits until every write queued before this call has been applied (or dropped).

@@ -1,7 +1,8 @@
 //! The store and the Redis tier under faults and races, against real `redis-server`
 //! processes: a Redis that cannot answer never tombstones a semantic candidate, a deletion
-//! wins over a promotion that read the entry before it, index sets outlive their entries, a
-//! put is all or nothing, values over the size cap are never used.
+//! wins over a promotion that read the entry before it, index sets outlive their entries (and
+//! are never evicted before them; the sweep prunes them), a put is all or nothing, values
+//! over the size cap are never used.
 
 mod common;
 
@@ -11,7 +12,8 @@ use std::time::Duration;
 use futures::StreamExt;
 
 use common::*;
-use reprise_cache::redis::{RedisConfig, ReplicationEvent};
+use reprise_cache::now_ms;
+use reprise_cache::redis::{RedisConfig, ReplicationEvent, Swept};
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::testing::RedisServer;
 use reprise_cache::{ByKey, Store, ITEM_OVERHEAD};
@@ -183,9 +185,8 @@ async fn a_reader_behind_the_trimmed_stream_is_told_to_resync() {
     }
 }
 
-/// When a key expires (`PEXPIRETIME`, Unix milliseconds; -1 without expiry): absolute, so
-/// two keys compare the same whenever they are read.
-async fn pttl(c: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+/// When a key expires (`PEXPIRETIME`, Unix milliseconds; -1 without expiry).
+async fn expire_time(c: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
     redis::cmd("PEXPIRETIME")
         .arg(key)
         .query_async(c)
@@ -193,33 +194,197 @@ async fn pttl(c: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
         .unwrap()
 }
 
-/// Namespace and tag index sets never expire before their entries: each put raises their
-/// lifetime to at least the entry's, and a shorter-lived entry does not lower it.
+/// Namespace and tag index sets never expire before their entries: they carry no TTL (one
+/// an older version gave a TTL loses it with the next put), while the entries keep theirs.
 #[tokio::test]
 async fn index_sets_outlive_their_entries() {
     let server = RedisServer::start();
     let t = tier(config(server.url()), "a").await;
     let tags = ["doc-1".to_string()];
-    let short = entry("ns", "short", 30_000);
-    let long = entry("ns", "long", 600_000);
-    let shorter = entry("ns", "shorter", 10_000);
     let mut c = raw(&server.url()).await;
-    for e in [&short, &long, &shorter] {
-        assert!(t.put_with_tags(e, &[], &tags));
+    // A set as an older version left it: with a TTL.
+    let _: () = redis::cmd("ZADD")
+        .arg("reprise:ns:{ns}")
+        .arg(now_ms() + 600_000)
+        .arg("0123456789abcdef0123456789abcdef")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("PEXPIRE")
+        .arg("reprise:ns:{ns}")
+        .arg(1_000)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    for e in [entry("ns", "short", 30_000), entry("ns", "long", 600_000)] {
+        assert!(t.put_with_tags(&e, &[], &tags));
         t.flush().await.unwrap();
+        assert!(expire_time(&mut c, &format!("reprise:e:{{{}}}", e.id)).await > 0);
         for set in ["reprise:ns:{ns}", "reprise:tag:{doc-1}"] {
-            // The set first: read later, an entry's time to live can only be smaller.
-            let set_ttl = pttl(&mut c, set).await;
-            let entry_ttl = pttl(&mut c, &format!("reprise:e:{{{}}}", long.id)).await;
-            assert!(set_ttl > 0, "{set} expires");
-            let longest = if e.id == short.id {
-                pttl(&mut c, &format!("reprise:e:{{{}}}", short.id)).await
-            } else {
-                entry_ttl
-            };
-            assert!(set_ttl >= longest, "{set}: {set_ttl} < {longest}");
+            assert_eq!(expire_time(&mut c, set).await, -1, "{set} expires");
         }
     }
+    // A delete's fence does not give one a TTL either.
+    t.delete_tag("doc-1").await.unwrap();
+    assert_eq!(expire_time(&mut c, "reprise:tag:{doc-1}").await, -1);
+}
+
+/// The sweep prunes the ids no longer kept (a minute past their score, for clocks that
+/// differ) and ended fences from every index set, deletes the sets left empty, leaves kept
+/// ids, running fences and foreign keys alone, and makes a set an older version gave a TTL
+/// persistent.
+#[tokio::test]
+async fn the_sweep_prunes_index_sets_and_deletes_empty_ones() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let mut c = raw(&server.url()).await;
+    let live = entry("busy", "kept", 600_000);
+    assert!(t.put_with_tags(&live, &[], &["kept-tag".to_string()]));
+    t.flush().await.unwrap();
+    let now = now_ms();
+    let old = |n: u8| format!("{:032x}", n);
+    let zadd = |key: &str, score: u64, member: String| {
+        redis::cmd("ZADD").arg(key).arg(score).arg(member).clone()
+    };
+    for cmd in [
+        // Long gone ids beside the live one, and in sets of their own.
+        zadd("reprise:ns:{busy}", now - 120_000, old(1)),
+        zadd("reprise:ns:{idle}", now - 120_000, old(2)),
+        zadd("reprise:tag:{idle-tag}", now - 3_600_000, old(3)),
+        // No longer kept, but within the margin: stays.
+        zadd("reprise:ns:{recent}", now - 1_000, old(4)),
+        // A fence that has ended, and one still running.
+        zadd("reprise:tag:{fenced}", now - 120_000, "fence".into()),
+        zadd("reprise:tag:{fencing}", now + 600_000, "fence".into()),
+    ] {
+        let _: () = cmd.query_async(&mut c).await.unwrap();
+    }
+    let _: () = redis::cmd("PEXPIRE")
+        .arg("reprise:ns:{recent}")
+        .arg(600_000)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("reprise:ns:{foreign}")
+        .arg("not a set")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+
+    let swept = t.sweep_indexes().await.unwrap();
+    assert_eq!(
+        swept,
+        Swept {
+            sets: 7,
+            pruned: 4,
+            deleted: 3
+        }
+    );
+    let exists = |key: &'static str| redis::cmd("EXISTS").arg(key).clone();
+    for (key, there) in [
+        ("reprise:ns:{busy}", true),
+        ("reprise:tag:{kept-tag}", true),
+        ("reprise:ns:{idle}", false),
+        ("reprise:tag:{idle-tag}", false),
+        ("reprise:ns:{recent}", true),
+        ("reprise:tag:{fenced}", false),
+        ("reprise:tag:{fencing}", true),
+        ("reprise:ns:{foreign}", true),
+    ] {
+        let n: u64 = exists(key).query_async(&mut c).await.unwrap();
+        assert_eq!(n == 1, there, "{key}");
+    }
+    let members: Vec<String> = redis::cmd("ZRANGE")
+        .arg("reprise:ns:{busy}")
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(members, vec![live.id.to_string()]);
+    assert_eq!(expire_time(&mut c, "reprise:ns:{recent}").await, -1);
+    // The live entry is still found by its namespace's delete.
+    assert_eq!(t.delete_namespace("busy").await.unwrap(), 1);
+}
+
+/// Under the recommended `maxmemory-policy volatile-lru`, Redis evicts entries but never an
+/// index set: every entry still in Redis once it has evicted is found by its namespace's
+/// delete.
+#[tokio::test]
+async fn evictions_never_hide_an_entry_from_its_delete() {
+    let server = RedisServer::start();
+    let t = tier(config(server.url()), "a").await;
+    let mut c = raw(&server.url()).await;
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let used: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    for (name, value) in [
+        ("maxmemory", (used + (2 << 20)).to_string()),
+        ("maxmemory-policy", "volatile-lru".to_string()),
+    ] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    // One namespace per entry, so that each set is as cold as its entry.
+    let padding = "x".repeat(1024);
+    let mut ids = Vec::new();
+    for i in 0..4000 {
+        let e = entry(&format!("n{i}"), &format!("{i} {padding}"), 600_000);
+        ids.push(e.id);
+        t.put(&e, &[]);
+        if i % 100 == 99 {
+            t.flush().await.unwrap();
+        }
+    }
+    t.flush().await.unwrap();
+    let stats: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let evicted: u64 = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("evicted_keys:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(evicted > 100, "Redis evicted {evicted} keys");
+    let held = t.exists_many(&ids).await.unwrap();
+    assert!(held.iter().any(|h| *h), "some entries are still held");
+    for i in 0..ids.len() {
+        t.delete_namespace(&format!("n{i}")).await.unwrap();
+    }
+    let left: Vec<usize> = t
+        .exists_many(&ids)
+        .await
+        .unwrap()
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| **h)
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        left.is_empty(),
+        "{} entries outlived their namespace's delete, first {:?}",
+        left.len(),
+        &left[..left.len().min(10)]
+    );
 }
 
 /// A put whose index entry cannot be written (a foreign value under the tag's index key)

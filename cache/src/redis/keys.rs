@@ -60,16 +60,31 @@ impl Keys {
         format!("{}:hash:{{{name}}}", self.prefix)
     }
 
+    /// Held by the replica sweeping the index sets ([`super::sweep`]) for one interval.
+    pub(super) fn sweep_lock(&self) -> String {
+        format!("{}:sweep", self.prefix)
+    }
+
     /// SCAN pattern matching every entry key; glob characters of the prefix are escaped.
     pub(super) fn entry_pattern(&self) -> String {
-        let mut s = String::with_capacity(self.prefix.len() + 4);
+        self.pattern(":e:*")
+    }
+
+    /// SCAN patterns matching every namespace and every tag index set.
+    pub(super) fn index_patterns(&self) -> [String; 2] {
+        [self.pattern(":ns:*"), self.pattern(":tag:*")]
+    }
+
+    /// The prefix, its glob characters escaped, then `rest`.
+    fn pattern(&self, rest: &str) -> String {
+        let mut s = String::with_capacity(self.prefix.len() + rest.len() + 2);
         for c in self.prefix.chars() {
             if matches!(c, '*' | '?' | '[' | ']' | '\\') {
                 s.push('\\');
             }
             s.push(c);
         }
-        s.push_str(":e:*");
+        s.push_str(rest);
         s
     }
 
@@ -97,6 +112,7 @@ mod tests {
         assert_eq!(keys.key(&[0xff; 32]), format!("p*x:k:{}", "ff".repeat(32)));
         assert_eq!(keys.namespace("acme"), "p*x:ns:{acme}");
         assert_eq!(keys.entry_pattern(), "p\\*x:e:*");
+        assert_eq!(keys.index_patterns(), ["p\\*x:ns:*", "p\\*x:tag:*"]);
         assert_eq!(keys.policies(), "p*x:policies");
         assert_eq!(keys.hash("stats:60:0"), "p*x:hash:{stats:60:0}");
     }

@@ -45,10 +45,11 @@ pub(super) enum Op {
     Scan,
     Events,
     Policies,
+    Sweep,
 }
 
 impl Op {
-    const ALL: [Op; 10] = [
+    const ALL: [Op; 11] = [
         Op::Get,
         Op::GetByKey,
         Op::Put,
@@ -59,6 +60,7 @@ impl Op {
         Op::Scan,
         Op::Events,
         Op::Policies,
+        Op::Sweep,
     ];
 
     pub(super) fn as_str(self) -> &'static str {
@@ -73,6 +75,7 @@ impl Op {
             Op::Scan => "scan",
             Op::Events => "events",
             Op::Policies => "policies",
+            Op::Sweep => "sweep",
         }
     }
 }

@@ -19,29 +19,27 @@ use super::shared::Shared;
 use super::{RedisTier, Updated};
 use crate::entry::{now_ms, Digest, Entry, EntryId};
 
-/// How much longer than its longest-lived entry an index set lives. Redis computes each
-/// expiry from its clock when the command runs, and the clock moves between the set's
-/// `PEXPIRE` and the entry's `SET` (within one script too, before Redis 7.2; and on a cluster
-/// they are different servers' clocks): without a margin a set can expire a millisecond
-/// before its entry, which a namespace or tag delete would then not find.
-const INDEX_MARGIN_MS: u64 = 60_000;
+/// How long after an id is no longer kept (its score) it is pruned from an index set. Redis
+/// expires the entry by its own clock, the pruning goes by this replica's: without a margin
+/// a replica whose clock runs ahead would prune an id before its entry expires, and a
+/// namespace or tag delete would then not find it.
+pub(super) const INDEX_MARGIN_MS: u64 = 60_000;
 
 /// Adds an id to an index sorted set (score = its expiry plus the retention of expired
-/// entries: until when it is kept), prunes ids no longer kept and makes the
-/// set outlive its longest-lived member (`ARGV[4]`: that member's ttl plus
-/// [`INDEX_MARGIN_MS`]). One script so the three steps see one state; it
-/// touches a single key, so it runs on a cluster too. `PTTL` is -1 for a set without expiry,
-/// which is below any TTL, so a fresh set always gets one.
-/// A set fenced by a delete after the answer's generation started (`ARGV[5]`: its start plus
+/// entries: until when it is kept) and prunes ids no longer kept (`ARGV[3]`: now less
+/// [`INDEX_MARGIN_MS`]). One script so the steps see one state; it touches a single key,
+/// so it runs on a cluster too. Index sets never expire (`PERSIST`, for a set an older
+/// version gave a TTL): under a `volatile-*` eviction policy Redis then never evicts one
+/// before its entries (a delete would miss the entries only it listed); the ids pruned
+/// here and by the sweep ([`super::sweep`]) bound them, and the sweep deletes the empty ones.
+/// A set fenced by a delete after the answer's generation started (`ARGV[4]`: its start plus
 /// [`FENCE_MS`]) is left alone and `0` returned: the entry must not be written.
 const INDEX_SCRIPT: &str = "\
 local f = redis.call('ZSCORE', KEYS[1], 'fence')
-if f and tonumber(f) > tonumber(ARGV[5]) then return 0 end
+if f and tonumber(f) > tonumber(ARGV[4]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-end
+redis.call('PERSIST', KEYS[1])
 return 1";
 
 /// How long a namespace or tag delete fences, in Redis, the puts of answers whose generation
@@ -54,16 +52,15 @@ const FENCE_MS: u64 = crate::store::FENCE_TTL.as_millis() as u64;
 /// then. Never an entry id (those are 32 hex digits).
 const FENCE_MEMBER: &str = "fence";
 
-/// Fences an index set (see [`FENCE_MS`]): its fence ends at `ARGV[1]` at the earliest, and
-/// the set lives at least `ARGV[2]` milliseconds. One key.
+/// Fences an index set (see [`FENCE_MS`]): its fence ends at `ARGV[1]` at the earliest. The
+/// set never expires (see [`INDEX_SCRIPT`]); the sweep prunes the fence once it has ended.
+/// One key.
 const FENCE_SCRIPT: &str = "\
 local f = redis.call('ZSCORE', KEYS[1], 'fence')
 if not f or tonumber(f) < tonumber(ARGV[1]) then
   redis.call('ZADD', KEYS[1], ARGV[1], 'fence')
 end
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
+redis.call('PERSIST', KEYS[1])
 return 1";
 
 /// A whole put on a single server, in one step: index sets first (as [`INDEX_SCRIPT`]), then
@@ -76,13 +73,12 @@ return 1";
 /// without its index entries, where a namespace or tag delete could not find it; and nothing
 /// else runs between the steps. `KEYS`: entry, events, the entry's deleted mark, `ARGV[6]`
 /// index sets, exact keys.
-/// `ARGV`: value, ttl, expiry, id, now, index count, events maxlen, namespace, origin, the
-/// index sets' ttl (ttl plus [`INDEX_MARGIN_MS`]), the fence bound.
+/// `ARGV`: value, ttl, expiry, id, the pruning bound (now less [`INDEX_MARGIN_MS`]), index
+/// count, events maxlen, namespace, origin, the fence bound.
 const PUT_SCRIPT: &str = "\
 local ttl = tonumber(ARGV[2])
-local set_ttl = tonumber(ARGV[10])
 local nidx = tonumber(ARGV[6])
-local started = tonumber(ARGV[11])
+local started = tonumber(ARGV[10])
 local function refuse()
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'op', 'del', 'id', ARGV[4], 'ns', '', 'origin', '')
   return 0
@@ -95,9 +91,7 @@ end
 for i = 4, 3 + nidx do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[5])
-  if redis.call('PTTL', KEYS[i]) < set_ttl then
-    redis.call('PEXPIRE', KEYS[i], set_ttl)
-  end
+  redis.call('PERSIST', KEYS[i])
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
 for i = 4 + nidx, #KEYS do
@@ -505,6 +499,7 @@ impl Shared {
             tags,
         } = put;
         let fence_bound = started.saturating_add(FENCE_MS);
+        let prune_below = now.saturating_sub(INDEX_MARGIN_MS);
         let id_str = id.to_string();
         let indexes: Vec<String> = std::iter::once(self.keys.namespace(namespace))
             .chain(tags.iter().map(|t| self.keys.tag(t)))
@@ -525,12 +520,11 @@ impl Shared {
                 .arg(ttl)
                 .arg(kept_until)
                 .arg(&id_str)
-                .arg(now)
+                .arg(prune_below)
                 .arg(indexes.len())
                 .arg(self.events_maxlen)
                 .arg(namespace)
                 .arg(&self.replica_id)
-                .arg(ttl + INDEX_MARGIN_MS)
                 .arg(fence_bound);
             let written = self
                 .run(Op::Put, |c| async move { c.query::<i64>(&cmd).await })
@@ -557,8 +551,7 @@ impl Shared {
                     .arg(name)
                     .arg(kept_until)
                     .arg(&id_str)
-                    .arg(now)
-                    .arg(ttl + INDEX_MARGIN_MS)
+                    .arg(prune_below)
                     .arg(fence_bound)
                     .clone()
             })
@@ -756,7 +749,6 @@ impl Shared {
             .arg(1)
             .arg(index)
             .arg(now_ms().saturating_add(FENCE_MS))
-            .arg(FENCE_MS)
             .clone();
         self.run(op, |c| async move { c.query::<Value>(&fence).await })
             .await?;
@@ -832,7 +824,7 @@ impl Shared {
 
 /// Runs independent commands concurrently on one handle (pipelined on the wire by the
 /// multiplexed connection; routed per key on a cluster).
-async fn run_all(c: Conn, cmds: Vec<::redis::Cmd>) -> ::redis::RedisResult<Vec<Value>> {
+pub(super) async fn run_all(c: Conn, cmds: Vec<::redis::Cmd>) -> ::redis::RedisResult<Vec<Value>> {
     try_join_all(cmds.iter().map(|cmd| c.query::<Value>(cmd))).await
 }
 
