@@ -1,10 +1,15 @@
 //! The body of a forwarded answer: passed on chunk by chunk within its time limits, with the
 //! request's bookkeeping done when it ends.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use axum::body::Bytes;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::Response;
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
+use tokio::sync::mpsc::error::SendTimeoutError;
 
 use crate::bookkeeping::Bookkeeping;
 use crate::error::ApiError;
@@ -56,12 +61,62 @@ fn carries_data(chunk: &[u8]) -> bool {
         .any(|line| !line.is_empty() && !line.starts_with(b":"))
 }
 
+/// Chunks of an answer held for a client that reads slower than its upstream sends.
+const PUMP_CHUNKS: usize = 8;
+
+/// `body` sent on from a task of its own, so that a client that stops reading cannot keep
+/// what the body holds (an upstream slot) for as long as its connection lasts: a chunk the
+/// client has not taken within `stall` ends the body there, and the response is cut off
+/// with an error (never ended as if whole). A client that leaves ends it at once, even while
+/// the upstream sends nothing.
+fn pumped<S>(body: S, stall: Duration) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send
+where
+    S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+{
+    let (tx, mut rx) = tokio::sync::mpsc::channel(PUMP_CHUNKS);
+    let stalled = Arc::new(AtomicBool::new(false));
+    let flag = stalled.clone();
+    tokio::spawn(async move {
+        let mut body = std::pin::pin!(body);
+        loop {
+            let item = tokio::select! {
+                _ = tx.closed() => break,
+                item = body.next() => item,
+            };
+            let Some(item) = item else { break };
+            match tx.send_timeout(item, stall).await {
+                Ok(()) => {}
+                Err(SendTimeoutError::Timeout(_)) => {
+                    flag.store(true, Ordering::SeqCst);
+                    tracing::debug!(
+                        stall_secs = stall.as_secs_f64(),
+                        "a client stopped reading an upstream's answer; cut off"
+                    );
+                    break;
+                }
+                Err(SendTimeoutError::Closed(_)) => break,
+            }
+        }
+    });
+    async_stream::stream! {
+        while let Some(item) = rx.recv().await {
+            yield item;
+        }
+        if stalled.load(Ordering::SeqCst) {
+            yield Err(std::io::Error::other("the client stopped reading"));
+        }
+    }
+}
+
 /// The client's response to a forwarded or passed-through request: the upstream's status,
 /// headers and body as they come, within `limits`. A client error from the upstream counts
-/// as an error in the metrics.
+/// as an error in the metrics. `reader_stall`, for an answer that holds an upstream slot:
+/// how long the client may leave a chunk unread before the body is cut off ([`pumped`]).
+/// A client that leaves before the body's end is recorded as `client_closed`.
 pub(super) fn upstream_response(
     answer: reprise_backend::Forwarded,
     limits: BodyLimits,
+    reader_stall: Option<Duration>,
     mut book: Bookkeeping,
 ) -> Response {
     let stream = matches!(limits, BodyLimits::Stream { .. });
@@ -78,6 +133,7 @@ pub(super) fn upstream_response(
         Outcome::Error
     };
     let mut upstream = answer.body;
+    book.stream_started();
     let body = async_stream::stream! {
         // When the stream's last data came (its first: the first token).
         let mut data_at = None::<tokio::time::Instant>;
@@ -121,8 +177,13 @@ pub(super) fn upstream_response(
                 }
             }
         }
+        book.stream_ended();
     };
-    let mut resp = Response::new(axum::body::Body::from_stream(body));
+    let body = match reader_stall {
+        Some(stall) => axum::body::Body::from_stream(pumped(body, stall)),
+        None => axum::body::Body::from_stream(body),
+    };
+    let mut resp = Response::new(body);
     *resp.status_mut() = status;
     for (name, value) in answer.headers {
         if let (Ok(name), Ok(value)) = (

@@ -158,7 +158,12 @@ pub async fn forward(
             gap: server.token_timeout(),
         },
     };
-    Ok(upstream_response(answer, limits, book))
+    Ok(upstream_response(
+        answer,
+        limits,
+        Some(server.token_timeout()),
+        book,
+    ))
 }
 
 /// The upstream's answer as this caller may see it: with tenants, nothing of what the shared
@@ -338,8 +343,8 @@ pub async fn passthrough_for(
             .map_err(|_| ApiError::Timeout)??;
         // A request holding a slot holds it until its answer is read: a whole answer within
         // the request's deadline, an event stream (`stream: true`) within the token
-        // timeouts, so a stalled upstream cannot keep it (a client that stops reading holds
-        // it until its connection ends).
+        // timeouts, so a stalled upstream cannot keep it; nor a client that stops reading
+        // (cut off once it leaves a chunk unread for the token timeout).
         let limits = match (request, is_event_stream(&answer)) {
             (false, _) => BodyLimits::None,
             (true, false) => BodyLimits::Deadline(deadline),
@@ -352,6 +357,7 @@ pub async fn passthrough_for(
         Ok(upstream_response(
             for_the_caller(state, answer),
             limits,
+            request.then(|| server.token_timeout()),
             Bookkeeping::detached(),
         ))
     }
