@@ -359,6 +359,49 @@ mod tests {
         assert!(read.error.is_some());
     }
 
+    /// Pages are handed on by bytes as well as by count: large answers come a megabyte of
+    /// lines at a time, not 256 at once.
+    #[test]
+    fn large_entries_come_a_megabyte_at_a_time() {
+        let mut text = format!("{{\"reprise_snapshot\":{VERSION}}}\n");
+        for i in 0..10 {
+            let e = Entry {
+                id: EntryId(i),
+                namespace: "n".into(),
+                model: "m".into(),
+                text: "a".repeat(300 << 10),
+                finish_reason: "stop".into(),
+                prompt_tokens: 1,
+                completion_tokens: 1,
+                prompt: "p".into(),
+                partition: [1; 32],
+                embedding: None,
+                embedder: None,
+                origin: Default::default(),
+                tags: vec![],
+                refusals: Vec::new(),
+                created_ms: 1,
+                expires_ms: u64::MAX,
+                gen_ms: 0,
+            };
+            text.push_str(&serde_json::to_string(&EntryLine { entry: e }).unwrap());
+            text.push('\n');
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::channel(2);
+        let reader = std::thread::spawn(move || {
+            read(std::io::Cursor::new(text.into_bytes()), 1 << 20, 10, tx).unwrap()
+        });
+        let mut pages = Vec::new();
+        while let Some(page) = rx.blocking_recv() {
+            pages.push(page.len());
+        }
+        let read = reader.join().unwrap();
+        assert!(read.header);
+        assert_eq!(pages.iter().sum::<usize>(), 10, "{pages:?}");
+        // 300 KiB a line: the fourth passes a megabyte.
+        assert!(pages.iter().all(|n| *n <= 4), "{pages:?}");
+    }
+
     #[test]
     fn hex_round_trip() {
         let d = [0xab; 32];

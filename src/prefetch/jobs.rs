@@ -552,6 +552,37 @@ mod tests {
         assert_eq!(s.counts.cancelled.load(Ordering::Relaxed), 1);
     }
 
+    /// A background job's reservation: its own `max_tokens`, else its backend's own default
+    /// (llama, scripted), else, on an upstream (whose default is its own to decide),
+    /// `backend.max_tokens_cap`: never a guess smaller than what it may generate.
+    #[tokio::test]
+    async fn a_jobs_reservation_is_its_bound_or_its_backends_default() {
+        use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
+        let scripted = ScriptedBackend::new(ScriptConfig {
+            default_max_tokens: 77,
+            ..ScriptConfig::default()
+        });
+        let config = crate::config::Config::default();
+        let state = crate::state::AppState::new(config, Arc::new(scripted), None).unwrap();
+        let mut j = job("ns", 1);
+        j.request.model = "fake".into();
+        assert_eq!(reserve_of(&state, &j), 77);
+        j.request.params.max_tokens = Some(12);
+        assert_eq!(reserve_of(&state, &j), 12);
+
+        let mut config = crate::config::Config::default();
+        config.backend.kind = crate::config::BackendKind::Openai;
+        config.backend.base_url = Some("http://127.0.0.1:9/v1".into());
+        config.backend.max_tokens_cap = 999;
+        let backend = crate::state::build_backend(&config).await.unwrap();
+        assert_eq!(backend.default_max_tokens(), None);
+        let state = crate::state::AppState::new(config, backend, None).unwrap();
+        let mut j = job("ns", 2);
+        assert_eq!(reserve_of(&state, &j), 999);
+        j.request.params.max_tokens = Some(12);
+        assert_eq!(reserve_of(&state, &j), 12);
+    }
+
     /// A job past its time is dropped wherever it waits: a fresh one queued behind it
     /// (proposals go to the back) does not shield it.
     #[tokio::test]
