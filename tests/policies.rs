@@ -1216,6 +1216,52 @@ async fn a_canary_worse_than_the_rest_is_rolled_back_and_a_good_one_promoted() {
     assert_openai_error(r, 400, Some("tenant")).await;
 }
 
+/// A client that leaves its streamed answer midway says nothing of the policy that answered
+/// it: neither side of a canary counts it (its error would count against whichever side it
+/// fell on); requests read to the end are counted.
+#[tokio::test]
+async fn a_canary_does_not_count_clients_that_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("requests.jsonl");
+    let canary = "mode = \"canary\"\npercent = 50\nmin_requests = 1000\nmax_latency_ratio = 1000";
+    let mut config = tenants_config(&tenants_doc(&[("tried", "", canary)]), false);
+    config.log.request_log = Some(path.clone());
+    let script = ScriptConfig {
+        token_delay: Duration::from_millis(30),
+        ..ScriptConfig::default()
+    };
+    let (app, _backend) = spawn_fake(config, script).await;
+    let auth = [("authorization", "Bearer sk-tried")];
+    let ask = |i: usize| {
+        let mut body = chat_body(&format!("question {i}: {}", "word ".repeat(40)));
+        body["stream"] = true.into();
+        body
+    };
+    let counted = |view: &Value| {
+        let c = candidate_view(view, "tried");
+        c["control"]["requests"].as_u64().unwrap() + c["candidate"]["requests"].as_u64().unwrap()
+    };
+    for i in 0..6 {
+        let r = app.chat(&ask(i), &auth).await;
+        let mut chunks = r.bytes_stream();
+        futures::StreamExt::next(&mut chunks)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    assert!(eventually(Duration::from_secs(20), || log_lines(&path).len() == 6).await);
+    assert!(log_lines(&path)
+        .iter()
+        .all(|l| l["error"] == "client_closed"));
+    assert_eq!(counted(&policies(&app).await), 0);
+    for i in 6..12 {
+        let r = app.chat(&ask(i), &auth).await;
+        assert!(r.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+    }
+    assert!(eventually(Duration::from_secs(20), || log_lines(&path).len() == 12).await);
+    assert_eq!(counted(&policies(&app).await), 6);
+}
+
 /// Hits of the candidate's side reported wrong beyond the bound roll the canary back.
 #[tokio::test]
 async fn a_canary_whose_hits_are_reported_wrong_is_rolled_back() {
