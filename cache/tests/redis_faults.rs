@@ -16,7 +16,7 @@ use reprise_cache::now_ms;
 use reprise_cache::redis::{RedisConfig, ReplicationEvent, Swept};
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
 use reprise_cache::testing::RedisServer;
-use reprise_cache::{ByKey, Store, ITEM_OVERHEAD};
+use reprise_cache::{ByKey, Origin, Store, ITEM_OVERHEAD};
 
 /// A store over a tier of `cfg` with a 3-dimensional index, as one replica.
 async fn store(cfg: RedisConfig, replica: &str) -> Store {
@@ -68,6 +68,44 @@ async fn a_redis_error_never_tombstones_a_candidate() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(gone, "a definite absence tombstones the vector");
+}
+
+/// A change that stops nothing (a prefetched answer's first use) is written over the copy
+/// Redis holds, so no replica serves a first use again; one on an entry Redis no longer
+/// holds (a dropped put, an eviction there) keeps it here. A change that stops something (a
+/// refusal) on such an entry drops it here too: Redis losing it may be a delete.
+#[tokio::test]
+async fn a_first_use_reaches_redis_and_an_entry_redis_lost_is_kept() {
+    let server = RedisServer::start();
+    let a = store(config(server.url()), "a").await;
+    let redis = a.redis().unwrap().clone();
+    let mut e = entry("ns", "hello", 60_000);
+    e.origin = Origin::Prefetch;
+    let e = Arc::new(e);
+    a.insert(e.clone(), &[digest(1)]).await;
+    redis.flush().await.unwrap();
+    let mut used = (*e).clone();
+    used.origin = Origin::Live;
+    a.update_kept(Arc::new(used)).await;
+    let stored = redis.get(e.id).await.unwrap().unwrap();
+    assert_eq!(stored.origin, Origin::Live, "recorded in Redis");
+
+    let lost = Arc::new(entry("ns", "lost", 60_000));
+    a.insert(lost.clone(), &[digest(2)]).await;
+    redis.flush().await.unwrap();
+    let mut c = raw(&server.url()).await;
+    let _: () = redis::cmd("DEL")
+        .arg(format!("reprise:e:{{{}}}", lost.id))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    a.update_kept(lost.clone()).await;
+    assert!(a.get(lost.id).await.is_some(), "kept here");
+    a.update(lost.clone()).await;
+    assert!(
+        a.get(lost.id).await.is_none(),
+        "a refusal's change drops it"
+    );
 }
 
 /// A read of Redis that started before a deletion reached this replica (a key lookup's
