@@ -70,6 +70,68 @@ async fn a_redis_error_never_tombstones_a_candidate() {
     assert!(gone, "a definite absence tombstones the vector");
 }
 
+/// A reader that finds a gap on reconnecting delivers its resync even when the read right
+/// after fails again (a second blip): a gap once seen is not forgotten, though the position
+/// it moved to shows none any more.
+#[tokio::test]
+async fn a_resync_found_on_reconnecting_survives_a_failing_read() {
+    let server = RedisServer::start();
+    let mut c = raw(&server.url()).await;
+    let acl = |rules: &[&str]| {
+        let mut cmd = redis::cmd("ACL");
+        cmd.arg("SETUSER").arg("reader").arg(rules);
+        cmd
+    };
+    let _: () = acl(&["on", ">pw", "~*", "&*", "+@all"])
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let a = tier(config(server.url()), "a").await;
+    let b = tier(
+        config(format!("redis://reader:pw@127.0.0.1:{}", server.port())),
+        "b",
+    )
+    .await;
+    let mut b_events = b.subscribe(true);
+    let mut subscribed = false;
+    for i in 0..100 {
+        a.put(&entry("ns", &format!("first{i}"), 60_000), &[]);
+        a.flush().await.unwrap();
+        let seen = tokio::time::timeout(Duration::from_millis(200), b_events.next()).await;
+        if matches!(seen, Ok(Some(ReplicationEvent::Put { .. }))) {
+            subscribed = true;
+            break;
+        }
+    }
+    assert!(subscribed, "B never saw an event");
+    // B's reads of the stream (a script) now fail; its position checks still answer.
+    let _: () = acl(&["-eval", "-evalsha", "-eval_ro", "-evalsha_ro"])
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    // Events B has not read, then trimmed away.
+    a.put(&entry("ns", "unread", 60_000), &[]);
+    a.flush().await.unwrap();
+    let _: u64 = redis::cmd("XTRIM")
+        .arg("reprise:events")
+        .arg("MAXLEN")
+        .arg(0)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let told = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match b_events.next().await {
+                Some(ReplicationEvent::Resync) => return true,
+                Some(_) => continue,
+                None => return false,
+            }
+        }
+    })
+    .await;
+    assert_eq!(told, Ok(true), "B is told to resync");
+}
+
 /// A change that stops nothing (a prefetched answer's first use) is written over the copy
 /// Redis holds, so no replica serves a first use again; one on an entry Redis no longer
 /// holds (a dropped put, an eviction there) keeps it here. A change that stops something (a

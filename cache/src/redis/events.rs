@@ -316,6 +316,11 @@ impl Subscriber {
             }
             Some(_) => {}
         }
+        if !events.is_empty() {
+            // The resync goes out now: a read after it that failed would drop it with this
+            // turn's events, and the position it moved to shows no gap any more.
+            return Ok(events);
+        }
         let cursor = state.cursor.unwrap_or(StreamPos::ZERO);
         let read = ::redis::cmd("EVAL")
             .arg(READ_SCRIPT)
