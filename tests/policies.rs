@@ -1216,6 +1216,44 @@ async fn a_canary_worse_than_the_rest_is_rolled_back_and_a_good_one_promoted() {
     assert_openai_error(r, 400, Some("tenant")).await;
 }
 
+/// Under an error bound, a wording a hit by meaning linked to an entry (its alias) is
+/// matched by meaning again on every repeat: once wrong verdicts raised the threshold past
+/// its similarity it is a miss, not an exact hit on the linked answer; the entry's own
+/// question is still answered.
+#[tokio::test]
+async fn under_a_bound_a_linked_wording_is_held_to_the_learned_threshold() {
+    let policy = "delta = 0.05\n[[tenants.policy.semantic_rules]]\nthreshold = 0.8";
+    let config = tenants_config(&tenants_doc(&[("bounded", policy, "")]), true);
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let (original, paraphrase) = (ORIGINALS[0], PROBES[1]);
+    let r = ask_as(&app, "bounded", original).await;
+    assert_eq!(cache_status(&r), "miss");
+    content(r).await;
+    let r = ask_as(&app, "bounded", paraphrase).await;
+    assert_eq!(cache_status(&r), "semantic");
+    let sim = similarity(&r);
+    content(r).await;
+    // The repeat is matched by meaning again (the same entry), not by the alias.
+    let r = ask_as(&app, "bounded", paraphrase).await;
+    assert_eq!(cache_status(&r), "semantic");
+    content(r).await;
+    for _ in 0..6 {
+        app.state.bounds.record(
+            &app.state,
+            "bounded",
+            "*/*",
+            sim,
+            true,
+            reprise::bounds::Source::Feedback,
+        );
+    }
+    let r = ask_as(&app, "bounded", paraphrase).await;
+    assert_eq!(cache_status(&r), "miss", "the threshold rose past {sim}");
+    content(r).await;
+    let r = ask_as(&app, "bounded", original).await;
+    assert_eq!(cache_status(&r), "exact");
+}
+
 /// A client that leaves its streamed answer midway says nothing of the policy that answered
 /// it: neither side of a canary counts it (its error would count against whichever side it
 /// fell on); requests read to the end are counted.

@@ -56,6 +56,47 @@ async fn paraphrase_is_a_semantic_hit_without_a_backend_call() {
     assert_eq!(backend.calls(), 1);
 }
 
+/// An entry reported wrong for more questions than it keeps refusals for is served by
+/// meaning to none: the wordings earlier hits by meaning linked to it no longer get it as
+/// exact hits either, while its own question does.
+#[tokio::test]
+async fn an_entry_refused_by_meaning_answers_no_linked_wording() {
+    let (app, backend) = spawn_fake(semantic_config(), ScriptConfig::default()).await;
+    let (original, paraphrase) = (
+        "How do I reset my password?",
+        "I forgot my password, how can I change it?",
+    );
+    let r = app.chat(&chat_body(original), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let id: reprise_cache::EntryId = r.headers()["x-reprise-entry"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    content(r).await;
+    let r = app.chat(&chat_body(paraphrase), &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    content(r).await;
+    let r = app.chat(&chat_body(paraphrase), &[]).await;
+    assert_eq!(cache_status(&r), "exact", "linked");
+    content(r).await;
+    // Reported wrong for more questions than it keeps (none of them this wording).
+    let mut e = (*app.state.store.get(id).await.unwrap()).clone();
+    for n in 0..=reprise_cache::entry::MAX_REFUSALS as u32 {
+        let key = *blake3::hash(&n.to_le_bytes()).as_bytes();
+        assert!(e.refuse(reprise_cache::entry::Refusal { key, around: None }));
+    }
+    assert!(e.refused_by_meaning());
+    app.state.store.update(std::sync::Arc::new(e)).await;
+    let calls = backend.calls();
+    let r = app.chat(&chat_body(paraphrase), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    content(r).await;
+    assert_eq!(backend.calls(), calls + 1);
+    let r = app.chat(&chat_body(original), &[]).await;
+    assert_eq!(cache_status(&r), "exact", "its own question");
+}
+
 /// Words the embedder cannot spell (emoji, an overlong token) read alike, so they must match
 /// as written: a question that differs only there is a miss, while a paraphrase carrying
 /// the same ones is still a hit by meaning.

@@ -242,10 +242,14 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
     } else {
         None
     };
-    // A client that asks its own threshold is served an exact hit on another wording (an
-    // alias a looser match linked) only when it also passes that threshold by meaning:
-    // decided once the question is known.
-    if exact_hit.is_some() && state.prefetch.is_none() && wants.threshold.is_none() {
+    // An entry refused to every question by meaning answers no other wording through an
+    // alias either (only its own question).
+    let exact_hit = exact_hit.filter(|e| !(is_alias(e, asked(req)) && e.refused_by_meaning()));
+    // A client that asks its own threshold, or a tenant under an error bound, is served an
+    // exact hit on another wording (an alias a looser match linked) only when it also
+    // passes that threshold by meaning: decided once the question is known.
+    let rematch = rematches_aliases(state, namespace, &wants);
+    if exact_hit.is_some() && state.prefetch.is_none() && !rematch {
         if let Some(entry) = &exact_hit {
             note_alias(&mut found, entry, asked(req));
         }
@@ -276,13 +280,31 @@ fn asked(req: &GenRequest) -> Option<&str> {
 /// known, since an entry stored without the semantic tier records none), and notes where
 /// it was asked: the entry's partition, which is what feedback on it refuses.
 fn note_alias(found: &mut Lookup, entry: &Entry, asked: Option<&str>) {
-    let Some(q) = asked.filter(|q| !entry.prompt.is_empty() && *q != entry.prompt) else {
+    let Some(q) = asked.filter(|_| is_alias(entry, asked)) else {
         return;
     };
     found.aliased = true;
     found.plan.partition = Some(entry.partition);
     found.plan.prompt = q.to_string();
     found.plan.window = q.len();
+}
+
+/// Whether an exact hit on `entry` for the question `asked` came by an alias: another
+/// wording, both known (an entry stored without the semantic tier records none).
+fn is_alias(entry: &Entry, asked: Option<&str>) -> bool {
+    asked.is_some_and(|q| !entry.prompt.is_empty() && q != entry.prompt)
+}
+
+/// Whether an exact hit by an alias must pass the match by meaning again: for a client that
+/// asks its own threshold, and for a tenant under an error bound, whose threshold moves
+/// with the verdicts (an alias linked at an earlier threshold would keep serving its
+/// wording after wrong verdicts raised the threshold past its similarity, and verdicts on
+/// it would carry no similarity to learn from).
+fn rematches_aliases(state: &AppState, namespace: &str, wants: &Wants) -> bool {
+    wants.threshold.is_some() || {
+        let policies = state.policies.load();
+        crate::bounds::delta_of(state, policies.tenants.for_namespace(namespace)) > 0.0
+    }
 }
 
 /// The rest of [`lookup`] after the exact tier: the conversation, then the semantic lookup
@@ -330,12 +352,14 @@ async fn beyond_exact(
         }
     };
     // An alias stands for "this wording was answered" under the configured threshold; a
-    // client asking its own is matched by meaning instead, at its threshold (it finds the
-    // same entry there when the two wordings are that close).
-    let exact_hit = exact_hit.filter(|e| match (wants.threshold, query.as_deref()) {
+    // client asking its own, or a tenant under an error bound, is matched by meaning
+    // instead, at its threshold (it finds the same entry there when the two wordings are
+    // that close).
+    let rematch = rematches_aliases(state, namespace, &wants);
+    let exact_hit = exact_hit.filter(|e| match query.as_deref() {
         // Only another wording, both known, is matched again (an entry stored without the
         // semantic tier records no wording: it answers its own key only).
-        (Some(_), Some(q)) if !e.prompt.is_empty() => q == e.prompt,
+        Some(q) if rematch && !e.prompt.is_empty() => q == e.prompt,
         _ => true,
     });
     if let Some(entry) = exact_hit {
