@@ -12,6 +12,7 @@ use std::time::Duration;
 use futures::StreamExt;
 
 use common::*;
+use reprise_cache::entry::Refusal;
 use reprise_cache::now_ms;
 use reprise_cache::redis::{RedisConfig, ReplicationEvent, Swept};
 use reprise_cache::semantic::{IndexConfig, SemanticIndex};
@@ -68,6 +69,34 @@ async fn a_redis_error_never_tombstones_a_candidate() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(gone, "a definite absence tombstones the vector");
+}
+
+/// A refusal this replica holds that Redis's copy lacks (its update did not reach Redis)
+/// still refuses: a key read from Redis leads to the entry, and the copy promoted (merged
+/// with the one held here) refuses it; the entry's other keys still lead to it.
+#[tokio::test]
+async fn a_refusal_redis_lacks_still_refuses_here() {
+    let server = RedisServer::start();
+    let a = store(config(server.url()), "a").await;
+    let e = Arc::new(entry("ns", "hello", 60_000));
+    a.insert(e.clone(), &[digest(1), digest(2)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    let mut refused = (*e).clone();
+    assert!(refused.refuse(Refusal {
+        key: digest(1),
+        around: None
+    }));
+    // In memory only, as when the update to Redis failed.
+    a.replace(Arc::new(refused)).await;
+    for _ in 0..2 {
+        let (found, _) = a.find(&digest(1), |_| true).await;
+        assert!(!matches!(found, ByKey::Fresh(_)), "{found:?}");
+    }
+    let many = a.find_many(&[digest(1), digest(2)], |_| true).await;
+    assert!(many[0].is_none(), "refused");
+    assert!(many[1].is_some(), "another key");
+    let (found, _) = a.find(&digest(2), |_| true).await;
+    assert!(matches!(found, ByKey::Fresh(_)), "{found:?}");
 }
 
 /// A reader that finds a gap on reconnecting delivers its resync even when the read right

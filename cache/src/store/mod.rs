@@ -268,8 +268,10 @@ impl Store {
         let Some(l2) = l2 else {
             return (miss(stale || l2_stale, expired), probe);
         };
-        let Some(entry) = self.promote(l2).await else {
-            // Deleted while it was being read: the deletion wins.
+        // The copy promoted carries the refusals this replica holds; one Redis's copy lacks
+        // (its update failed) still refuses the key.
+        let Some(entry) = self.promote(l2).await.filter(|e| !e.refuses_key(key)) else {
+            // Deleted while it was being read (the deletion wins), or refused here.
             probe.redis = Some(false);
             return (miss(stale, expired), probe);
         };
@@ -307,8 +309,9 @@ impl Store {
             let Some(l2) = l2.filter(usable) else {
                 continue;
             };
-            // Deleted or fenced here: not served, not linked.
-            let Some(entry) = self.promote(l2).await else {
+            // Deleted or fenced here, or refused here (see `find_in_redis`): not served, not
+            // linked.
+            let Some(entry) = self.promote(l2).await.filter(|e| !e.refuses_key(&keys[i])) else {
                 continue;
             };
             self.memory.alias(keys[i], entry.id).await;
