@@ -299,6 +299,18 @@ pub async fn delete_entries(
     Ok(deleted_json(&state, deleted))
 }
 
+/// A name an admin request gives (a namespace, a tag): 1 to `longest` bytes, as the request
+/// path allows, else a 400 naming `param`.
+fn within(param: &'static str, name: &str, longest: usize) -> Result<(), ApiError> {
+    if name.is_empty() || name.len() > longest {
+        return Err(ApiError::invalid(
+            format!("a {param} is 1 to {longest} bytes"),
+            Some(param),
+        ));
+    }
+    Ok(())
+}
+
 /// `?tenant=NAME` of `DELETE /admin/namespaces/{namespace}`.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -317,6 +329,14 @@ pub async fn delete_namespace(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let admin = authorize(&state, &headers)?;
     let tenant = tenant_scope(&admin, q.tenant)?;
+    // A tenant's namespace as its clients name it; the global admin may name one scoped to
+    // a tenant (its name, the separator, the namespace). Longer names match no entry, and
+    // each delete fences its name on every replica for a while.
+    let longest = match &tenant {
+        Some(_) => request::MAX_NAMESPACE_BYTES,
+        None => crate::auth::MAX_TENANT_NAME_BYTES + 1 + request::MAX_NAMESPACE_BYTES,
+    };
+    within("namespace", &namespace, longest)?;
     let namespace = match &tenant {
         Some(tenant) => state
             .policies
@@ -347,7 +367,9 @@ pub async fn delete_tag(
     ApiPath(tag): ApiPath<String>,
     _: ApiQuery<NoQuery>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let deleted = match authorize(&state, &headers)? {
+    let admin = authorize(&state, &headers)?;
+    within("tag", &tag, request::MAX_TAG_BYTES)?;
+    let deleted = match admin {
         Admin::Global => state.store.delete_tag(&tag).await.map_err(redis_error)?,
         Admin::Tenant(t) => {
             // Answers of the tenant on their way with the tag are not stored after it, here

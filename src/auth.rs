@@ -32,6 +32,8 @@ use crate::headers::{DEFAULT_NAMESPACE, NAMESPACE_HEADER};
 
 /// Separates a configured tenant's name from its sub-namespace in a scoped namespace.
 const SCOPE_SEP: char = '\u{1f}';
+/// Longest tenant name, in bytes.
+pub const MAX_TENANT_NAME_BYTES: usize = 64;
 
 /// Longest API key accepted (longer ones are simply unknown).
 const MAX_KEY_BYTES: usize = 512;

@@ -702,9 +702,41 @@ async fn a_tenants_admin_token_reaches_only_its_tenant() {
     // The global token reaches everything.
     let r = admin(reqwest::Method::GET, "/admin/policies", "global-admin").await;
     assert_eq!(r.unwrap().status(), 200);
-    let r = admin(del, "/admin/namespaces/support?tenant=beta", "global-admin").await;
+    let r = admin(
+        del.clone(),
+        "/admin/namespaces/support?tenant=beta",
+        "global-admin",
+    )
+    .await;
     assert_eq!(deleted(r.unwrap()).await, 1);
     assert_eq!(status("sk-beta", "beta one").await, "error");
+    // Names no request may give are refused (each delete would fence its name everywhere).
+    let long = "n".repeat(129);
+    for (path, token, param) in [
+        (
+            format!("/admin/namespaces/{long}?tenant=acme"),
+            "acme-admin",
+            "namespace",
+        ),
+        (format!("/admin/tags/{long}"), "acme-admin", "tag"),
+        (format!("/admin/tags/{long}"), "global-admin", "tag"),
+        (
+            format!("/admin/namespaces/{}", "n".repeat(200)),
+            "global-admin",
+            "namespace",
+        ),
+    ] {
+        let r = admin(del.clone(), &path, token).await.unwrap();
+        assert_openai_error(r, 400, Some(param)).await;
+    }
+    // A tenant's namespace named in full by the global admin is not too long.
+    let r = admin(
+        del,
+        &format!("/admin/namespaces/{}", "n".repeat(193)),
+        "global-admin",
+    )
+    .await;
+    assert_eq!(deleted(r.unwrap()).await, 0);
 }
 
 /// A tenant's admin deletes an answer still streaming by the id announced with it: it is

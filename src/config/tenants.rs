@@ -483,7 +483,7 @@ pub(super) fn validate_tenants(config: &Config) -> Result<(), ConfigError> {
     }
     let mut names = std::collections::HashSet::new();
     for t in &config.tenants {
-        let ok = (1..=64).contains(&t.name.len())
+        let ok = (1..=crate::auth::MAX_TENANT_NAME_BYTES).contains(&t.name.len())
             && t.name
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));

@@ -22,6 +22,9 @@ pub const MAX_TAGS: usize = 32;
 /// Longest tag `x-reprise-tags` may set, in bytes.
 pub const MAX_TAG_BYTES: usize = 128;
 
+/// Longest namespace `x-reprise-namespace` may name, in bytes.
+pub const MAX_NAMESPACE_BYTES: usize = 128;
+
 #[derive(Debug, Clone)]
 pub struct Controls {
     /// The scoped namespace: the caller's tenant and the sub-namespace its
@@ -56,10 +59,10 @@ impl Controls {
                     header: NAMESPACE_HEADER,
                     reason: "must be visible ASCII".into(),
                 })?;
-                if s.is_empty() || s.len() > 128 {
+                if s.is_empty() || s.len() > MAX_NAMESPACE_BYTES {
                     return Err(ApiError::BadHeader {
                         header: NAMESPACE_HEADER,
-                        reason: "must be 1 to 128 characters".into(),
+                        reason: format!("must be 1 to {MAX_NAMESPACE_BYTES} characters"),
                     });
                 }
                 Some(s)

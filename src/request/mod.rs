@@ -61,7 +61,10 @@ use crate::openai::{Endpoint, Renderer};
 use crate::routes::Fallback;
 use crate::state::AppState;
 use controls::admit;
-pub use controls::{priority_of, session_id, Controls, MAX_SESSION_BYTES, MAX_TAGS};
+pub use controls::{
+    priority_of, session_id, Controls, MAX_NAMESPACE_BYTES, MAX_SESSION_BYTES, MAX_TAGS,
+    MAX_TAG_BYTES,
+};
 use degrade::Degradation;
 pub use parse::{parse, Parsed, Request};
 
