@@ -358,6 +358,16 @@ impl RedisTier {
         })
     }
 
+    /// Whether `entry` is small enough to be written (within `max_value_bytes` as stored):
+    /// a put of one that is not is refused, and counted as a dropped write.
+    pub fn fits(&self, entry: &Entry) -> bool {
+        let envelope = EnvelopeOut {
+            v: ENVELOPE_VERSION,
+            entry,
+        };
+        serde_json::to_vec(&envelope).is_ok_and(|b| b.len() <= self.shared.max_value_bytes)
+    }
+
     /// Redis's epoch: a random value set once (`SET NX`) under a key that never expires, and
     /// read back. A different epoch than before means Redis lost its data meanwhile
     /// (restarted without persistence, flushed): what it does not hold was not deleted.

@@ -71,6 +71,34 @@ async fn a_redis_error_never_tombstones_a_candidate() {
     assert!(gone, "a definite absence tombstones the vector");
 }
 
+/// Writing back what a replica holds after Redis lost its data keeps within the write
+/// queue's bytes (a batch of large answers overran it, and the writes past it were dropped
+/// while the write-back said it was done): every entry goes back, but one too large for any
+/// replica to read, which is left out without failing the rest.
+#[tokio::test]
+async fn a_write_back_keeps_within_the_write_queue() {
+    let server = RedisServer::start();
+    let cfg = RedisConfig {
+        write_queue_bytes: 32 << 10,
+        max_value_bytes: 64 << 10,
+        ..config(server.url())
+    };
+    let a = store(cfg, "a").await;
+    let redis = a.redis().unwrap().clone();
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let e = entry("ns", &format!("{i} {}", "x".repeat(10 << 10)), 60_000);
+        ids.push(e.id);
+        a.install(e).await;
+    }
+    let huge = entry("ns", &"y".repeat(100 << 10), 60_000);
+    let huge_id = huge.id;
+    a.install(huge).await;
+    assert_eq!(a.reseed().await.unwrap(), 40);
+    assert!(redis.exists_many(&ids).await.unwrap().iter().all(|h| *h));
+    assert_eq!(redis.exists_many(&[huge_id]).await.unwrap(), vec![false]);
+}
+
 /// A refusal this replica holds that Redis's copy lacks (its update did not reach Redis)
 /// still refuses: a key read from Redis leads to the entry, and the copy promoted (merged
 /// with the one held here) refuses it; the entry's other keys still lead to it.

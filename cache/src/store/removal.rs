@@ -62,8 +62,12 @@ impl Store {
     }
 
     /// Writes every unexpired entry this replica holds, with its keys and tags, back to
-    /// Redis (after Redis lost its data), a batch at a time, waiting for each so the write
-    /// queue's budget is not overrun; returns how many. A Redis error ends it (`Err`).
+    /// Redis (after Redis lost its data), a batch at a time (at most 256 entries and half the
+    /// write queue's bytes), waiting for each so the queue's budget is not overrun; returns
+    /// how many. A Redis error ends it (`Err`), and so does a write dropped on the way (the
+    /// queue full even after a flush, or a write that failed; `Unavailable`): the caller
+    /// tries the whole write-back again. Entries over `max_value_bytes`, which no replica
+    /// would read, are left out.
     pub async fn reseed(&self) -> Result<u64, RedisError> {
         const BATCH: usize = 256;
         let Some(redis) = &self.redis else {
@@ -79,14 +83,43 @@ impl Store {
             .into_iter()
             .filter(|e| !e.is_expired())
             .collect();
-        for batch in entries.chunks(BATCH) {
-            for e in batch {
-                let keys = keys.get(&e.id).map_or(&[][..], Vec::as_slice);
-                redis.put_with_tags(e, keys, &e.tags);
+        let dropped_before = redis.health().dropped_writes;
+        // Dropped writes this write-back expects: the entries too large, the first tries
+        // that found the queue full.
+        let mut expected = 0;
+        let mut written = 0;
+        let mut queued = 0;
+        for e in &entries {
+            if queued == BATCH || redis.queued_bytes() > redis.queue_budget() / 2 {
+                redis.flush().await?;
+                queued = 0;
             }
-            redis.flush().await?;
+            if e.is_expired() {
+                continue;
+            }
+            let keys = keys.get(&e.id).map_or(&[][..], Vec::as_slice);
+            if !redis.put_with_tags(e, keys, &e.tags) {
+                expected += 1;
+                if !redis.fits(e) {
+                    continue;
+                }
+                // The queue is full (others write too): once more after it drained.
+                redis.flush().await?;
+                queued = 0;
+                if !redis.put_with_tags(e, keys, &e.tags) {
+                    return Err(RedisError::Unavailable);
+                }
+            }
+            queued += 1;
+            written += 1;
         }
-        Ok(entries.len() as u64)
+        redis.flush().await?;
+        if redis.health().dropped_writes > dropped_before + expected {
+            // A write failed once taken from the queue (or another request's was dropped
+            // meanwhile: the write-back is tried again all the same).
+            return Err(RedisError::Unavailable);
+        }
+        Ok(written)
     }
 
     /// Deletes an entry everywhere (this replica, Redis and through it every replica).
