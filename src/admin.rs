@@ -82,6 +82,41 @@ pub async fn gate(
     next.run(req).await
 }
 
+/// Filtered deletes running at once: each scans every entry this replica holds and every
+/// entry Redis keeps, so two at once would only share the same reads. The global admin's
+/// and the tenants' admins' have a slot each, so that tenants cannot keep the operator
+/// waiting; a delete that finds its slot taken gets 429 with `Retry-After`.
+#[derive(Debug)]
+pub struct Scans {
+    global: tokio::sync::Semaphore,
+    tenants: tokio::sync::Semaphore,
+}
+
+impl Default for Scans {
+    fn default() -> Self {
+        Scans {
+            global: tokio::sync::Semaphore::new(1),
+            tenants: tokio::sync::Semaphore::new(1),
+        }
+    }
+}
+
+/// Seconds a filtered delete that found its slot taken is told to wait.
+const SCAN_RETRY_SECS: u64 = 5;
+
+impl Scans {
+    /// The slot of `admin`'s filtered delete, held while it runs.
+    pub fn take(&self, admin: &Admin) -> Result<tokio::sync::SemaphorePermit<'_>, ApiError> {
+        let slot = match admin {
+            Admin::Global => &self.global,
+            Admin::Tenant(_) => &self.tenants,
+        };
+        slot.try_acquire().map_err(|_| ApiError::RateLimited {
+            retry_after_secs: SCAN_RETRY_SECS,
+        })
+    }
+}
+
 /// A query string as `T`; a bad one is a 400 in the OpenAI error shape, and so is an
 /// unknown parameter (the admin queries deny them: a misspelt filter must not widen a
 /// delete).
@@ -279,6 +314,7 @@ pub async fn delete_entries(
             None,
         ));
     }
+    let _scan = state.admin_scans.take(&admin)?;
     let tenant = match tenant_scope(&admin, f.tenant)? {
         Some(t) if t == "-" => Some(String::new()),
         t => t,
@@ -372,6 +408,7 @@ pub async fn delete_tag(
     let deleted = match admin {
         Admin::Global => state.store.delete_tag(&tag).await.map_err(redis_error)?,
         Admin::Tenant(t) => {
+            let _scan = state.admin_scans.take(&Admin::Tenant(t.clone()))?;
             // Answers of the tenant on their way with the tag are not stored after it, here
             // and (told first) on every replica, which drops what it holds with the tag.
             let prefix = crate::auth::scope(t.name(), "");

@@ -88,6 +88,9 @@ pub struct AppState {
     /// Each tenant admin's changes (deletes, policy changes), within
     /// [`crate::admin::TENANT_CHANGES_PER_MINUTE`].
     pub admin_changes: governor::DefaultKeyedRateLimiter<String>,
+    /// The filtered deletes running (each scans every entry here and in Redis): one of the
+    /// global admin's and one of any tenant admin's at a time ([`crate::admin::Scans`]).
+    pub admin_scans: crate::admin::Scans,
     /// Canary candidates this replica rolled back (the latest
     /// [`crate::policy::MAX_ROLLBACKS`]), for `GET /admin/policies`.
     pub rollbacks: parking_lot::Mutex<std::collections::VecDeque<serde_json::Value>>,
@@ -231,6 +234,7 @@ impl AppState {
             rollbacks: Default::default(),
             responses,
             admin_changes: crate::admin::tenant_changes_limiter(),
+            admin_scans: Default::default(),
             bounds: Default::default(),
             context_forms,
             verifier,

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use common::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use reprise::admin::Admin;
 use reprise::config::{Config, TenantConfig, TenantPolicy};
 use reprise_backend::fake::ScriptConfig;
 use serde_json::Value;
@@ -866,6 +867,16 @@ async fn an_operator_deletes_by_tenant_model_and_age() {
         1
     );
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    // One filtered delete at a time (each scans every entry): while the operator's runs,
+    // another is told when to retry; a tenant admin's running does not hold the operator's.
+    let running = app.state.admin_scans.take(&Admin::Global).unwrap();
+    let r = delete("?older_than_secs=0").await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    assert_openai_error(r, 429, None).await;
+    drop(running);
+    let acme = app.state.policies.load().tenants.named("acme").unwrap();
+    let _tenants = app.state.admin_scans.take(&Admin::Tenant(acme)).unwrap();
     assert_eq!(count(delete("?older_than_secs=0").await.unwrap()).await, 1);
     app.state.store.run_pending_tasks().await;
     assert_eq!(app.state.store.entry_count(), 0);

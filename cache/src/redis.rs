@@ -638,11 +638,13 @@ return redis.call('GET', KEYS[1])";
     /// included) in one `Vec`: for tests and small
     /// stores; a replica's rebuild streams them with [`RedisTier::scan_pages`].
     pub async fn scan_entries(&self, progress: impl Fn(usize)) -> Result<Vec<Entry>, RedisError> {
-        let (tx, mut rx) = mpsc::channel(4);
+        let (tx, mut rx) = mpsc::channel::<Vec<Entry>>(4);
         let collect = async move {
+            // A SCAN may return a key twice (while Redis rehashes).
             let mut out = Vec::new();
+            let mut seen = HashSet::new();
             while let Some(page) = rx.recv().await {
-                out.extend(page);
+                out.extend(page.into_iter().filter(|e: &Entry| seen.insert(e.id)));
             }
             out
         };
@@ -652,7 +654,9 @@ return redis.call('GET', KEYS[1])";
 
     /// Every entry kept (on a cluster, from every master; expired ones within the retention
     /// included), to rebuild a replica's indexes,
-    /// sent to `pages` one `SCAN` page at a time (so the keyspace is never held at once);
+    /// sent to `pages` one `SCAN` page at a time (so the keyspace is never held at once, not
+    /// even its ids: an entry is sent twice in the rare case that `SCAN` returns its key
+    /// twice, which a load or a delete takes as it took the first);
     /// the scan stops early, without error, when the receiver is dropped. Returns the count
     /// sent. `progress` is called with the running count after each page. Undecodable values
     /// are skipped. Each command is bounded by `timeout_ms`; the scan as a whole is not.
@@ -666,7 +670,6 @@ return redis.call('GET', KEYS[1])";
             .run(Op::Scan, |c| async move { c.scan_nodes().await })
             .await?;
         let pattern = shared.keys.entry_pattern();
-        let mut seen = HashSet::new();
         let mut sent = 0usize;
         let mut next_log = SCAN_LOG_EVERY;
         for node in &nodes {
@@ -693,7 +696,6 @@ return redis.call('GET', KEYS[1])";
                         }
                         id.map(|id| (name, id))
                     })
-                    .filter(|(_, id)| seen.insert(*id))
                     .collect();
                 // Read in parts of at most `SCAN_PAGE_BYTES` of values (by their lengths,
                 // read first; one longer than the cap is skipped by the read itself).

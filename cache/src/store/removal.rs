@@ -151,22 +151,23 @@ impl Store {
         let Some(redis) = &self.redis else {
             return Ok(n);
         };
+        // Page by page, while the scan waits (the ids matching are never all held at once);
+        // a delete that fails drops the receiver, which stops the scan.
         let (pages, mut rx) = tokio::sync::mpsc::channel(4);
-        let matching = async {
-            let mut ids = Vec::new();
+        let deleting = async move {
+            let mut n = 0;
             while let Some(page) = rx.recv().await {
                 let page: Vec<Entry> = page;
-                let new = page.iter().filter(|e| !done.contains(&e.id) && pred(e));
-                ids.extend(new.map(|e| e.id));
+                for e in page.iter().filter(|e| !done.contains(&e.id) && pred(e)) {
+                    n += u64::from(self.delete(e.id).await?);
+                }
             }
-            ids
+            Ok::<u64, RedisError>(n)
         };
-        let (scanned, ids) = tokio::join!(redis.scan_pages(pages, |_| {}), matching);
+        let (scanned, deleted) = tokio::join!(redis.scan_pages(pages, |_| {}), deleting);
+        let deleted = deleted?;
         scanned?;
-        for id in ids {
-            n += u64::from(self.delete(id).await?);
-        }
-        Ok(n)
+        Ok(n + deleted)
     }
 
     /// Drops every entry of `namespace` from this replica and fences the namespace (another
