@@ -101,6 +101,30 @@ impl Default for Scans {
     }
 }
 
+/// What a filtered delete (`DELETE /admin/entries`) selects: every field given must match.
+/// The same on the replica that runs it and on those it tells
+/// ([`reprise_cache::redis::ReplicationEvent::DeleteWhere`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// The tenant whose entries are selected (empty: the anonymous tenant's).
+    pub tenant: Option<String>,
+    /// The model whose entries are selected.
+    pub model: Option<String>,
+    /// Entries created at or before this time (Unix milliseconds) are selected.
+    pub created_until_ms: Option<u64>,
+}
+
+impl Selection {
+    /// Whether the filter selects `e`.
+    pub fn matches(&self, e: &reprise_cache::Entry) -> bool {
+        self.tenant
+            .as_deref()
+            .is_none_or(|t| crate::auth::scope_of(&e.namespace) == t)
+            && self.model.as_deref().is_none_or(|m| e.model == m)
+            && self.created_until_ms.is_none_or(|u| e.created_ms <= u)
+    }
+}
+
 /// Seconds a filtered delete that found its slot taken is told to wait.
 const SCAN_RETRY_SECS: u64 = 5;
 
@@ -320,16 +344,28 @@ pub async fn delete_entries(
         t => t,
     };
     let now = reprise_cache::now_ms();
+    let selection = Selection {
+        tenant,
+        model: f.model,
+        created_until_ms: f
+            .older_than_secs
+            .map(|s| now.saturating_sub(s.saturating_mul(1000))),
+    };
+    // The other replicas first: they drop what they hold that it selects, answers whose
+    // puts never reached Redis included (which the scan below cannot find).
+    if let Some(redis) = state.store.redis() {
+        redis
+            .announce_delete_where(
+                selection.tenant.as_deref(),
+                selection.model.as_deref(),
+                selection.created_until_ms,
+            )
+            .await
+            .map_err(redis_error)?;
+    }
     let deleted = state
         .store
-        .delete_where(|e| {
-            tenant
-                .as_deref()
-                .is_none_or(|t| crate::auth::scope_of(&e.namespace) == t)
-                && f.model.as_deref().is_none_or(|m| e.model == m)
-                && f.older_than_secs
-                    .is_none_or(|s| now.saturating_sub(e.created_ms) >= s.saturating_mul(1000))
-        })
+        .delete_where(|e| selection.matches(e))
         .await
         .map_err(redis_error)?;
     Ok(deleted_json(&state, deleted))

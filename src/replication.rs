@@ -97,6 +97,20 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                 ReplicationEvent::DeleteTagWithin { prefix, tag } => {
                     store.remove_local_tag_within(&prefix, &tag).await;
                 }
+                // Besides each entry's own delete event: what this replica holds that Redis
+                // never had.
+                ReplicationEvent::DeleteWhere {
+                    scope,
+                    model,
+                    created_until_ms,
+                } => {
+                    let selection = crate::admin::Selection {
+                        tenant: scope,
+                        model,
+                        created_until_ms,
+                    };
+                    store.remove_local_where(|e| selection.matches(e)).await;
+                }
                 ReplicationEvent::Policies { .. } => {
                     owed.policies = true;
                     due = Some(tokio::time::Instant::now());

@@ -305,6 +305,40 @@ async fn a_tag_delete_reaches_answers_redis_never_held() {
     expect_status(&b, &q, &[], "error").await;
 }
 
+/// A filtered delete (`DELETE /admin/entries`) sent to one replica reaches answers another
+/// replica holds that Redis never had; what it does not select stays.
+#[tokio::test]
+async fn a_filtered_delete_reaches_answers_redis_never_held() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_FILTER_SWEEP_TOKEN", "f1lt");
+    let redis = RedisServer::start();
+    let backend = scripted();
+    let mut cfg = redis_config(redis.url());
+    cfg.server.admin_token_env = Some("REPRISE_TEST_FILTER_SWEEP_TOKEN".into());
+    let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    let mut dropping = cfg.clone();
+    // Every write of this replica is dropped (no write fits the queue).
+    dropping.redis.write_queue_bytes = 1;
+    let b = spawn_replica(dropping, Arc::new(backend.clone())).await;
+    let old = chat_body("an old question");
+    assert_eq!(cache_status(&b.chat(&old, &[]).await), "miss");
+    expect_status(&b, &old, &[], "exact").await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let new = chat_body("a new question");
+    assert_eq!(cache_status(&b.chat(&new, &[]).await), "miss");
+    expect_status(&b, &new, &[], "exact").await;
+    let r = a
+        .client
+        .delete(a.url("/admin/entries?older_than_secs=1"))
+        .bearer_auth("f1lt")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    expect_status(&b, &old, &[], "error").await;
+    expect_status(&b, &new, &[], "exact").await;
+}
+
 /// A tenant admin's tag delete, sent to one replica, wins on every replica over the
 /// tenant's answers with the tag still on their way there (the other replicas fence the tag
 /// within the tenant on the delete's event); another tenant's answers with the tag stay.

@@ -622,6 +622,39 @@ return redis.call('GET', KEYS[1])";
             .map(drop)
     }
 
+    /// Tells the other replicas that the entries a filter selects are being deleted (an
+    /// operator's filtered delete, which deletes entry by entry): they drop what they hold
+    /// that it selects, answers whose puts never reached Redis included. See
+    /// [`ReplicationEvent::DeleteWhere`]; a filter of no field is refused (`Config`).
+    pub async fn announce_delete_where(
+        &self,
+        scope: Option<&str>,
+        model: Option<&str>,
+        created_until_ms: Option<u64>,
+    ) -> Result<(), RedisError> {
+        if scope.is_none() && model.is_none() && created_until_ms.is_none() {
+            return Err(RedisError::Config(
+                "a filtered delete needs a filter".into(),
+            ));
+        }
+        let mut event = self.shared.event(events::OP_DEL_WHERE, None, "");
+        if let Some(scope) = scope {
+            event.arg("scope").arg(scope);
+        }
+        if let Some(model) = model {
+            event.arg("model").arg(model);
+        }
+        if let Some(until) = created_until_ms {
+            event.arg("until").arg(until);
+        }
+        self.shared
+            .run(Op::Delete, |c| async move {
+                c.query::<::redis::Value>(&event).await
+            })
+            .await
+            .map(drop)
+    }
+
     /// Sweeps every namespace and tag index set now: prunes the ids no longer kept and
     /// deletes the sets left empty (a background task does it every [`SWEEP_INTERVAL`], on
     /// one replica at a time).

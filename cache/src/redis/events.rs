@@ -62,6 +62,18 @@ pub enum ReplicationEvent {
         /// The tag.
         tag: String,
     },
+    /// Every entry a filter selects is being deleted, entry by entry (each with its own
+    /// [`ReplicationEvent::Delete`]): an operator's filtered delete. A replica drops what it
+    /// holds that the filter selects, answers whose puts never reached Redis included.
+    /// Every field given must match; what `scope` names is the server's (a tenant).
+    DeleteWhere {
+        /// The tenant whose entries are selected (empty: the anonymous tenant's).
+        scope: Option<String>,
+        /// The model whose entries are selected.
+        model: Option<String>,
+        /// Entries created at or before this time, Unix milliseconds, are selected.
+        created_until_ms: Option<u64>,
+    },
     /// A new version of the shared policies was stored; read it with
     /// [`super::RedisTier::get_policies`] (a later one may have replaced it meanwhile).
     Policies {
@@ -82,6 +94,8 @@ pub(crate) const OP_DEL_TAG: &str = "del_tag";
 /// skips the unknown op rather than taking it for a delete of the tag everywhere.
 pub(crate) const OP_DEL_TAG_WITHIN: &str = "del_tag_in";
 pub(crate) const OP_POLICIES: &str = "policies";
+/// A filtered delete (a replica of an earlier release skips the unknown op).
+pub(crate) const OP_DEL_WHERE: &str = "del_where";
 
 /// One read: the stream's state and the events after position `ARGV[2]` (at most `ARGV[1]`),
 /// atomically, so that a trim cannot fall between the check and the read. Returns
@@ -464,6 +478,26 @@ impl Subscriber {
             OP_POLICIES => ReplicationEvent::Policies {
                 version: item.get::<String>("version")?.parse().ok()?,
             },
+            OP_DEL_WHERE => {
+                let until = match item.get::<String>("until") {
+                    Some(s) => Some(s.parse().ok()?),
+                    None => None,
+                };
+                let event = ReplicationEvent::DeleteWhere {
+                    scope: item.get::<String>("scope"),
+                    model: item.get::<String>("model"),
+                    created_until_ms: until,
+                };
+                // A filter that selects everything is no filter: never taken for one.
+                match &event {
+                    ReplicationEvent::DeleteWhere {
+                        scope: None,
+                        model: None,
+                        created_until_ms: None,
+                    } => return None,
+                    _ => event,
+                }
+            }
             other => {
                 tracing::debug!(op = other, id = %item.id, "redis events: unknown op skipped");
                 return None;
