@@ -294,8 +294,20 @@ pub async fn delete_entry(
         // Expired entries kept for stale answers are the tenant's to delete too. Redis not
         // answering is an error, not a "not found" (the entry may be there).
         let held = state.store.get_kept(id).await.map_err(redis_error)?;
-        if held.is_some_and(|e| crate::auth::scope_of(&e.namespace) != t.name()) {
+        if held
+            .as_ref()
+            .is_some_and(|e| crate::auth::scope_of(&e.namespace) != t.name())
+        {
             return Ok(Json(json!({"deleted": 0})));
+        }
+        // Held by Redis but not readable (over `max_value_bytes`, undecodable): whose it is
+        // cannot be told, so it is not this tenant's to delete. (An id no tier holds is
+        // marked deleted: an answer still being generated, announced by its id.)
+        if let Some(redis) = state.store.redis().filter(|_| held.is_none()) {
+            let there = redis.exists_many(&[id]).await.map_err(redis_error)?;
+            if there.first() == Some(&true) {
+                return Ok(Json(json!({"deleted": 0})));
+            }
         }
     }
     let deleted = state.store.delete(id).await.map_err(redis_error)?;

@@ -396,6 +396,53 @@ async fn a_tenants_tag_delete_reaches_answers_on_their_way_on_other_replicas() {
     assert_eq!(ask("sk-beta", Some("only-if-cached")).await, "exact");
 }
 
+/// A tenant's admin cannot delete by id an entry Redis holds but no replica can read (over
+/// `max_value_bytes`, undecodable): whose it is cannot be told, so it is not the tenant's.
+#[tokio::test]
+async fn a_tenants_admin_cannot_delete_an_entry_nobody_can_read() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_UNREADABLE_TOKEN", "acme-unread");
+    let redis = RedisServer::start();
+    let mut cfg = redis_config(redis.url());
+    cfg.semantic.enabled = false;
+    cfg.auth.required = true;
+    let doc = "[[tenants]]\nname = \"acme\"\napi_keys = [\"sk-acme\"]\n\
+               admin_token_env = \"REPRISE_TEST_UNREADABLE_TOKEN\"\n";
+    cfg.tenants = reprise::policy::PolicyDocument::from_toml(doc)
+        .unwrap()
+        .tenants
+        .unwrap();
+    let a = spawn_replica(cfg, Arc::new(scripted())).await;
+    let id = reprise_cache::EntryId::random();
+    let key = format!("reprise:e:{{{id}}}");
+    let mut c = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("x".repeat(9 << 20))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let r = a
+        .client
+        .delete(a.url(&format!("/admin/entries/{id}")))
+        .bearer_auth("acme-unread")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["deleted"], 0);
+    let there: u64 = redis::cmd("EXISTS")
+        .arg(&key)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(there, 1, "left alone");
+}
+
 #[tokio::test]
 async fn ttl_is_respected_in_both_tiers() {
     let redis = RedisServer::start();
