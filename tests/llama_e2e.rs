@@ -395,6 +395,56 @@ async fn overload_is_429_with_retry_after_and_nothing_hangs() {
     assert_eq!(app.state.store.entry_count() as usize, ok);
 }
 
+/// At a full queue an interactive arrival evicts the newest waiting batch request (429 with
+/// `Retry-After`) instead of being refused: a flood of batch work cannot lock interactive
+/// requests out.
+#[tokio::test]
+async fn an_interactive_arrival_evicts_waiting_batch_work_at_a_full_queue() {
+    let (app, _engine) = spawn_llama(llama_config(1, 1)).await;
+    let app = Arc::new(app);
+    let ask = |i: usize, max_tokens: u32, priority: &'static str| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let start = 1 + 100 * i;
+            let prompt: Vec<String> = (start..start + 8).map(|n| n.to_string()).collect();
+            let body = completion(&format!("{},", prompt.join(", ")), max_tokens);
+            let r = post(
+                &app,
+                "/v1/completions",
+                &body,
+                &[("x-reprise-priority", priority)],
+            )
+            .await;
+            let retry = r.headers().contains_key("retry-after");
+            (r.status().as_u16(), retry)
+        })
+    };
+    let holder = ask(0, 160, "interactive");
+    let engine = app.state.backend.clone();
+    assert!(
+        eventually(Duration::from_secs(60), || engine.load().running == 1).await,
+        "the first request holds the only slot"
+    );
+    let batch = ask(1, 4, "batch");
+    assert!(
+        eventually(Duration::from_secs(30), || engine.load().queued == 1).await,
+        "the batch request waits"
+    );
+    let interactive = ask(2, 4, "interactive");
+    let (batch, interactive, holder) = tokio::time::timeout(HANG_GUARD, async {
+        (
+            batch.await.unwrap(),
+            interactive.await.unwrap(),
+            holder.await.unwrap(),
+        )
+    })
+    .await
+    .expect("nothing hangs");
+    assert_eq!(batch, (429, true), "the batch request is evicted");
+    assert_eq!(interactive.0, 200);
+    assert_eq!(holder.0, 200);
+}
+
 #[tokio::test]
 async fn client_disconnect_cancels_the_sequence_and_stores_nothing() {
     let (app, engine) = spawn_llama(llama_config(1, 8)).await;

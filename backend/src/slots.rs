@@ -14,8 +14,10 @@
 //!   is never cached). A batch holder is never preempted, whatever waits;
 //! - background requests only get a slot when no user request waits;
 //! - at most `max_queue` requests wait: a user request arriving at a full queue evicts the
-//!   newest waiting background request (which gets `Overloaded`), otherwise the newcomer is
-//!   refused with `Overloaded`.
+//!   newest waiting background request (which gets `Overloaded`), an interactive one with no
+//!   background to evict the newest waiting batch request (a flood of batch work cannot
+//!   lock interactive requests out; the oldest batch requests keep their places and age),
+//!   otherwise the newcomer is refused with `Overloaded`.
 //!
 //! A request takes its place in the line when it arrives ([`Slots::enter`]), and its
 //! [`Ticket`] resolves to a [`Permit`] once a slot is its. Dropping a ticket leaves the line;
@@ -139,18 +141,21 @@ impl Slots {
         let mut refused = false;
         if let Some(max) = self.shared.max_queue {
             if st.waiting.len() > max && st.waiting.iter().any(|w| w.id == id) {
-                // The newest waiting background request goes, unless the newcomer is one.
+                // The newest waiting background request goes, unless the newcomer is one; for
+                // an interactive newcomer, else the newest waiting batch request.
+                let newest = |of: Priority| st.waiting.iter().rposition(|w| w.priority == of);
                 let victim = match priority {
                     Priority::Background => None,
-                    _ => st
-                        .waiting
-                        .iter()
-                        .rposition(|w| w.priority == Priority::Background),
+                    Priority::Batch => newest(Priority::Background),
+                    Priority::Interactive => newest(Priority::Background)
+                        .or_else(|| newest(Priority::Batch).filter(|i| st.waiting[*i].id != id)),
                 };
                 match victim {
                     Some(i) => {
                         let w = st.waiting.remove(i).expect("position is in the line");
-                        self.shared.preempted.fetch_add(1, Ordering::Relaxed);
+                        if w.priority == Priority::Background {
+                            self.shared.preempted.fetch_add(1, Ordering::Relaxed);
+                        }
                         decisions.refusals.push(w.tx);
                     }
                     None => {
@@ -432,6 +437,8 @@ mod tests {
         assert_eq!(s.load().running, 0);
     }
 
+    /// A full line evicts background work for user requests, batch work for interactive
+    /// ones (the newest of each), and refuses the rest.
     #[tokio::test]
     async fn a_full_line_evicts_background_for_users_and_refuses_the_rest() {
         let s = slots(1, Some(1), None);
@@ -446,16 +453,24 @@ mod tests {
             s.enter(Priority::Background),
             Err(BackendError::Overloaded { .. })
         ));
-        let _user = s.enter(Priority::Batch).unwrap();
+        let batch = s.enter(Priority::Batch).unwrap();
         assert!(matches!(
             bg.wait().await,
             Err(BackendError::Overloaded { .. })
         ));
+        assert_eq!(s.preempted_count(), 1);
+        // A flood of batch work does not lock interactive requests out.
+        let _interactive = s.enter(Priority::Interactive).unwrap();
         assert!(matches!(
-            s.enter(Priority::Interactive),
+            batch.wait().await,
             Err(BackendError::Overloaded { .. })
         ));
-        assert_eq!(s.load().queued, 1);
+        assert_eq!(s.preempted_count(), 1, "background preemptions only");
+        for p in [Priority::Batch, Priority::Interactive] {
+            assert!(matches!(s.enter(p), Err(BackendError::Overloaded { .. })));
+        }
+        let load = s.load();
+        assert_eq!((load.queued, load.queued_interactive), (1, 1));
     }
 
     #[tokio::test]

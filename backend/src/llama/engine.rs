@@ -222,7 +222,8 @@ impl Shared {
 
     /// Queues a job, or refuses it when `max_queue` requests already wait. A user arrival
     /// (interactive or batch) at a full queue evicts the newest waiting background request
-    /// instead of being refused.
+    /// instead of being refused; an interactive one with none to evict, the newest waiting
+    /// batch request (a flood of batch work cannot lock interactive requests out).
     pub(crate) fn enqueue(&self, job: Job, max_queue: usize) -> Result<(), BackendError> {
         let mut q = self.queues.lock();
         if q.shutdown || !self.alive.load(Ordering::Acquire) {
@@ -233,13 +234,20 @@ impl Shared {
         q.purge_closed();
         if q.len() >= max_queue {
             let evicted = match job.priority {
-                Priority::Interactive | Priority::Batch => q.background.pop_back(),
+                Priority::Interactive => q
+                    .background
+                    .pop_back()
+                    .map(|j| (j, true))
+                    .or_else(|| q.batch.pop_back().map(|j| (j, false))),
+                Priority::Batch => q.background.pop_back().map(|j| (j, true)),
                 Priority::Background => None,
             };
             match evicted {
-                Some(victim) => {
+                Some((victim, background)) => {
                     let _ = victim.tx.try_send(Err(preempted()));
-                    self.counters.preempted.fetch_add(1, Ordering::Relaxed);
+                    if background {
+                        self.counters.preempted.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 None => {
                     return Err(BackendError::Overloaded {
