@@ -233,6 +233,51 @@ impl Bounds {
         }
     }
 
+    /// This replica's own evidence, as a snapshot keeps it (see [`Bounds::restore`]).
+    pub fn saved(&self) -> serde_json::Value {
+        serde_json::to_value(Published {
+            at_ms: now_ms(),
+            tenants: self.own_bins(),
+        })
+        .unwrap_or_default()
+    }
+
+    /// Takes back the evidence a snapshot kept ([`Bounds::saved`]) into this replica's own,
+    /// as [`Bounds::pull`] takes a peer's: of tenants configured here, at most
+    /// [`MAX_SCOPES`] scopes each, checked bin by bin. Without it a restart without Redis
+    /// forgot every verdict, and thresholds that wrong verdicts had raised fell back to
+    /// the configured ones. Returns the scopes taken.
+    pub fn restore(&self, state: &AppState, saved: serde_json::Value) -> usize {
+        let Ok(p) = serde_json::from_value::<Published>(saved) else {
+            tracing::warn!("bounds: the snapshot's evidence does not decode; not loaded");
+            return 0;
+        };
+        let policies = state.policies.load_full();
+        let mut taken = HashMap::new();
+        admit(p, &policies, &mut taken, "snapshot");
+        let n = taken.values().map(HashMap::len).sum();
+        let mut own = self.evidence.lock();
+        for (tenant, scopes) in taken {
+            let mine = own.entry(tenant).or_default();
+            for (scope, e) in scopes {
+                mine.entry(scope).or_default().merge(&e);
+            }
+        }
+        n
+    }
+
+    /// This replica's own evidence by tenant and scope, as bins.
+    fn own_bins(&self) -> HashMap<String, HashMap<String, Bins>> {
+        self.evidence
+            .lock()
+            .iter()
+            .map(|(t, scopes)| {
+                let bins = scopes.iter().map(|(s, e)| (s.clone(), e.bins())).collect();
+                (t.clone(), bins)
+            })
+            .collect()
+    }
+
     /// Publishes this replica's evidence to Redis when verdicts came since the last time, or
     /// the last publication is [`REPUBLISH`] old (a queued write; dropped writes are tried
     /// again next time). Nothing without Redis.
@@ -246,18 +291,9 @@ impl Bounds {
         if !self.unpublished.swap(false, Ordering::Relaxed) && !due {
             return;
         }
-        let tenants = self
-            .evidence
-            .lock()
-            .iter()
-            .map(|(t, scopes)| {
-                let bins = scopes.iter().map(|(s, e)| (s.clone(), e.bins())).collect();
-                (t.clone(), bins)
-            })
-            .collect();
         let published = Published {
             at_ms: now,
-            tenants,
+            tenants: self.own_bins(),
         };
         let written = serde_json::to_vec(&published)
             .is_ok_and(|bytes| redis.put_field(SHARED, redis.replica_id(), bytes, SHARED_TTL));
@@ -303,27 +339,33 @@ impl Bounds {
                 gone.push((replica, bytes));
                 continue;
             }
-            for (tenant, scopes) in p.tenants {
-                if !(tenant.is_empty() || policies.tenants.named(&tenant).is_some()) {
-                    continue;
-                }
-                let mine = peers.entry(tenant.clone()).or_default();
-                for (scope, bins) in scopes.into_iter().take(MAX_SCOPES) {
-                    // A replica's own evidence decays past DECAY_AT: more is not its own.
-                    let e = Evidence::from_bins(&bins, 2.0 * DECAY_AT);
-                    let Some(e) = e.filter(|_| scope.len() <= MAX_SCOPE_BYTES) else {
-                        tracing::debug!(replica, tenant, "bounds: invalid evidence skipped");
-                        continue;
-                    };
-                    if mine.len() < MAX_SCOPES || mine.contains_key(&scope) {
-                        mine.entry(scope).or_default().merge(&e);
-                    }
-                }
-            }
+            admit(p, &policies, &mut peers, &replica);
         }
         *self.peers.lock() = peers;
         if let Err(e) = redis.del_fields(SHARED, &gone).await {
             tracing::debug!(error = %e, "bounds: stale evidence not removed");
+        }
+    }
+}
+
+/// Merges the evidence `p` holds into `into`: of tenants configured in `policies`, at most
+/// [`MAX_SCOPES`] scopes each, each checked bin by bin (`from`: whose, for the log).
+fn admit(p: Published, policies: &crate::policy::Policies, into: &mut Scoped, from: &str) {
+    for (tenant, scopes) in p.tenants {
+        if !(tenant.is_empty() || policies.tenants.named(&tenant).is_some()) {
+            continue;
+        }
+        let mine = into.entry(tenant.clone()).or_default();
+        for (scope, bins) in scopes.into_iter().take(MAX_SCOPES) {
+            // A replica's own evidence decays past DECAY_AT: more is not its own.
+            let e = Evidence::from_bins(&bins, 2.0 * DECAY_AT);
+            let Some(e) = e.filter(|_| scope.len() <= MAX_SCOPE_BYTES) else {
+                tracing::debug!(from, tenant, "bounds: invalid evidence skipped");
+                continue;
+            };
+            if mine.len() < MAX_SCOPES || mine.contains_key(&scope) {
+                mine.entry(scope).or_default().merge(&e);
+            }
         }
     }
 }

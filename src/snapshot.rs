@@ -2,8 +2,10 @@
 //! its entries and keys to `[cache] snapshot_path` on shutdown and loading them at start
 //! (the semantic index is rebuilt from the entries' stored embeddings, in one bulk pass).
 //!
-//! Format: JSON lines. The first line is `{"reprise_snapshot":1}`; then one `{"entry":{...}}`
-//! per entry and one `{"key":"<hex>","id":"<entry id>"}` per exact key or alias. The file is
+//! Format: JSON lines. The first line is `{"reprise_snapshot":1}`; then the verdicts learned
+//! thresholds stand on, `{"evidence":{...}}` ([`crate::bounds::Bounds::saved`]; an older
+//! release skips the line); then one `{"entry":{...}}` per entry and one
+//! `{"key":"<hex>","id":"<entry id>"}` per exact key or alias. The file is
 //! written to a temporary name, synced and renamed (the directory synced after), so a crash
 //! never leaves half a snapshot; a line that does not parse (or a snapshot of another version)
 //! is skipped, never fatal, and a load reads within the memory budget (see [`load`]).
@@ -38,14 +40,25 @@ struct KeyLine {
     id: String,
 }
 
+#[derive(Serialize, Deserialize)]
+struct EvidenceLine {
+    evidence: serde_json::Value,
+}
+
 enum Line {
     Entry(Box<Entry>),
     Key(KeyLine),
+    Evidence(serde_json::Value),
 }
 
 fn parse_line(line: &[u8]) -> Option<Line> {
     if let Ok(e) = serde_json::from_slice::<EntryLine>(line) {
         return Some(Line::Entry(Box::new(e.entry)));
+    }
+    if line.starts_with(b"{\"evidence\":") {
+        return serde_json::from_slice::<EvidenceLine>(line)
+            .ok()
+            .map(|e| Line::Evidence(e.evidence));
     }
     serde_json::from_slice::<KeyLine>(line).ok().map(Line::Key)
 }
@@ -110,6 +123,13 @@ pub fn save(state: &AppState, path: &Path) -> std::io::Result<Counts> {
             },
         )?;
         w.write_all(b"\n")?;
+        serde_json::to_writer(
+            &mut w,
+            &EvidenceLine {
+                evidence: state.bounds.saved(),
+            },
+        )?;
+        w.write_all(b"\n")?;
         for e in state.store.entries() {
             if e.is_expired() {
                 continue;
@@ -168,6 +188,8 @@ struct Read {
     /// Whether the first line is this version's header (nothing else is read otherwise).
     header: bool,
     keys: Vec<(Digest, EntryId)>,
+    /// The verdicts learned thresholds stand on, when the snapshot kept them.
+    evidence: Option<serde_json::Value>,
     skipped: usize,
     /// The error that stopped the reading midway (what came before it is loaded).
     error: Option<std::io::Error>,
@@ -210,6 +232,17 @@ pub async fn load(state: &AppState, path: &Path) -> std::io::Result<Counts> {
     if !read.header {
         tracing::warn!(path = %path.display(), "not a snapshot of this version; ignored");
         return Ok(Counts::default());
+    }
+    // With Redis, the other replicas' evidence (this one's before the restart among them)
+    // is read from there; taken from the snapshot too, it would count twice.
+    if let Some(evidence) = read.evidence.filter(|_| state.store.redis().is_none()) {
+        let scopes = state.bounds.restore(state, evidence);
+        if scopes > 0 {
+            tracing::info!(
+                scopes,
+                "learned thresholds' verdicts loaded from the snapshot"
+            );
+        }
     }
     if loaded.stopped_at_budget {
         tracing::warn!(
@@ -275,6 +308,7 @@ fn read(
                     taking = pages.blocking_send(std::mem::take(&mut page)).is_ok();
                 }
             }
+            Some(Line::Evidence(e)) if out.evidence.is_none() => out.evidence = Some(e),
             Some(Line::Key(KeyLine { key, id })) if out.keys.len() < max_keys => {
                 match (unhex(&key), id.parse::<EntryId>()) {
                     (Some(k), Ok(id)) => out.keys.push((k, id)),

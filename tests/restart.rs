@@ -235,6 +235,37 @@ async fn a_snapshot_loads_within_the_memory_budget() {
     assert!(app.state.store.weighted_size() <= 1 << 20);
 }
 
+/// Without Redis, the verdicts learned thresholds stand on survive a restart in the
+/// snapshot: a threshold wrong verdicts raised stays raised (it fell back to the configured
+/// one, serving again what had been found wrong).
+#[tokio::test]
+async fn learned_thresholds_survive_a_restart_in_the_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cache.snapshot");
+    let mut config = test_config();
+    config.semantic.delta = 0.05;
+    let threshold = |app: &TestApp| app.state.bounds.threshold("", "*/*", 0.05, 0.8, 0.5);
+    let (app, _backend) = spawn_fake(config.clone(), Default::default()).await;
+    assert_eq!(threshold(&app).threshold, 0.8);
+    for _ in 0..6 {
+        app.state.bounds.record(
+            &app.state,
+            "",
+            "*/*",
+            0.85,
+            true,
+            reprise::bounds::Source::Feedback,
+        );
+    }
+    let raised = threshold(&app).threshold;
+    assert!(raised > 0.85, "{raised}");
+    reprise::snapshot::save(&app.state, &path).unwrap();
+    drop(app);
+    let (app, _backend) = spawn_fake(config, Default::default()).await;
+    reprise::snapshot::load(&app.state, &path).await.unwrap();
+    assert_eq!(threshold(&app).threshold, raised);
+}
+
 /// A save that fails (its directory missing, a full disk) is tried again: a delete asked to
 /// be saved is saved once the disk takes it, with no periodic save to fall back on.
 #[tokio::test]

@@ -807,6 +807,12 @@ impl Backend for LlamaBackend {
             Input::Chat(_) => "messages",
             Input::Prompt(_) => "prompt",
         };
+        // A full queue refuses before the prompt is tokenized (up to the body's size of work).
+        if self.shared.would_refuse(req.priority, self.max_queue) {
+            return Err(BackendError::Overloaded {
+                retry_after_secs: 1,
+            });
+        }
         let input = std::mem::replace(&mut req.input, Input::Prompt(String::new()));
         let prompt = self.tokenize(input).await?;
         if prompt.is_empty() {

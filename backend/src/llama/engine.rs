@@ -220,6 +220,20 @@ impl Shared {
         }
     }
 
+    /// Whether a request at `priority` would be refused now by [`Shared::enqueue`] (the queue
+    /// full, with nothing it may evict): checked before its prompt is tokenized, so a full
+    /// queue refuses long prompts without tokenizing them. A hint only: `enqueue` decides.
+    pub(crate) fn would_refuse(&self, priority: Priority, max_queue: usize) -> bool {
+        let mut q = self.queues.lock();
+        q.purge_closed();
+        q.len() >= max_queue
+            && match priority {
+                Priority::Interactive => q.background.is_empty() && q.batch.is_empty(),
+                Priority::Batch => q.background.is_empty(),
+                Priority::Background => true,
+            }
+    }
+
     /// Queues a job, or refuses it when `max_queue` requests already wait. A user arrival
     /// (interactive or batch) at a full queue evicts the newest waiting background request
     /// instead of being refused; an interactive one with none to evict, the newest waiting
