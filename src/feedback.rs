@@ -482,12 +482,15 @@ pub async fn handle(
 
 /// A semantic or prefetch hit reported wrong (or an exact hit through a key one of them
 /// linked): the entry refuses the question (its exact key no longer leads there, on any
-/// replica) and, when it was matched by meaning, the question's neighbourhood. Whether a refusal was added.
+/// replica) and, when it was matched by meaning, the question's neighbourhood; so does a
+/// renewal of the entry (refresh-ahead, stale-while-revalidate) the question's key leads
+/// to now. Whether a refusal was added.
 pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
     let Some(id) = served.entry.filter(|_| served.by_meaning()) else {
         return false;
     };
-    let Some(entry) = state.store.fetch(id).await else {
+    // Expired too: kept to be served stale, it must refuse the question there as well.
+    let Ok(Some(entry)) = state.store.get_kept(id).await else {
         return false;
     };
     let mut around = None;
@@ -507,18 +510,43 @@ pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
         state.snapshot_wanted.notify_one();
         return true;
     }
-    if !refusing.refuse(Refusal {
+    let refusal = Refusal {
         key: served.key,
         around,
-    }) {
+    };
+    let renewal = renewal_of(state, &entry, &served.key).await;
+    if !refusing.refuse(refusal.clone()) {
         return false;
     }
     // Its key's link, here and on every replica, is dropped on sight (a key another answer
     // took since stays).
     state.store.update(Arc::new(refusing)).await;
+    if let Some(renewal) = renewal {
+        let mut refusing = (*renewal).clone();
+        if refusing.refuse(refusal) {
+            state.store.update(Arc::new(refusing)).await;
+        }
+    }
     // Without Redis, a crash before the next periodic snapshot would serve it again.
     state.snapshot_wanted.notify_one();
     true
+}
+
+/// The entry `key` leads to now when it is a renewal of `old` (the same question in the same
+/// context, answered afresh by refresh-ahead or stale-while-revalidate, which took `old`'s
+/// keys): a verdict on `old` that came after must refuse it too, or the question reported
+/// wrong keeps being served the renewed answer.
+async fn renewal_of(
+    state: &AppState,
+    old: &reprise_cache::Entry,
+    key: &Digest,
+) -> Option<Arc<reprise_cache::Entry>> {
+    let (found, _) = state.store.find(key, |_| true).await;
+    let now = match found {
+        reprise_cache::ByKey::Fresh(e) | reprise_cache::ByKey::Expired(e) => e,
+        _ => return None,
+    };
+    (now.id != old.id && now.partition == old.partition && now.prompt == old.prompt).then_some(now)
 }
 
 /// The question of a request looked up by meaning, to remember with its response.

@@ -159,6 +159,48 @@ async fn one_regeneration_per_entry_whatever_wording_asks() {
     assert_eq!(backend.calls(), calls + 1, "one regeneration");
 }
 
+/// A wrong verdict that comes after the answer was renewed (stale-while-revalidate took its
+/// keys, the wording reported wrong among them) refuses the renewal too: the question is
+/// not served the renewed answer.
+#[tokio::test]
+async fn a_verdict_after_a_renewal_refuses_the_renewed_answer_too() {
+    let mut config = stale_config(2, 60, 0);
+    config.semantic.enabled = true;
+    let (app, backend) = spawn_fake(config, script("first")).await;
+    let own = chat_body("How do I reset my password?");
+    let old = entry_of(&app.chat(&own, &[]).await);
+    let other = chat_body("I forgot my password, how can I change it?");
+    let r = app.chat(&other, &[]).await;
+    assert_eq!(cache_status(&r), "semantic");
+    let served = r.json::<Value>().await.unwrap()["id"].clone();
+    wait_past_expiry(&app, old, 0).await;
+    backend.set_config(script("second"));
+    let calls = backend.calls();
+    assert_stale(app.chat(&own, &[]).await, "stale-while-revalidate", old).await;
+    let b = backend.clone();
+    assert!(eventually(Duration::from_secs(10), || b.completed() == calls + 1).await);
+    // The wording is served the renewal now (by its key, once the renewal took the old
+    // entry's keys; by meaning just before).
+    let r = app.chat(&other, &[]).await;
+    assert!(["exact", "semantic"].contains(&cache_status(&r).as_str()));
+    assert_ne!(entry_of(&r), old);
+    content(r).await;
+    let r = feedback(
+        &app,
+        serde_json::json!({"id": served, "verdict": "wrong"}),
+        None,
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["refused"], true);
+    let calls = backend.calls();
+    let r = app.chat(&other, &[]).await;
+    assert_eq!(cache_status(&r), "miss", "not the renewed answer either");
+    content(r).await;
+    assert_eq!(backend.calls(), calls + 1);
+    assert_eq!(cache_status(&app.chat(&own, &[]).await), "exact");
+}
+
 /// Past the stale-while-revalidate window an expired answer is an ordinary miss (it is still
 /// kept, for the longer stale-if-error window, but the backend answers).
 #[tokio::test]
