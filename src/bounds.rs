@@ -252,6 +252,11 @@ impl Bounds {
             tracing::warn!("bounds: the snapshot's evidence does not decode; not loaded");
             return 0;
         };
+        // As old as a peer's that no longer counts: not taken either.
+        if now_ms().saturating_sub(p.at_ms) > SHARED_TTL.as_millis() as u64 {
+            tracing::info!("bounds: the snapshot's evidence is over a week old; not loaded");
+            return 0;
+        }
         let policies = state.policies.load_full();
         let mut taken = HashMap::new();
         admit(p, &policies, &mut taken, "snapshot");

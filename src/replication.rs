@@ -98,7 +98,9 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                     store.remove_local_tag_within(&prefix, &tag).await;
                 }
                 // Besides each entry's own delete event: what this replica holds that Redis
-                // never had.
+                // never had, dropped at once and then deleted through the write queue, so a
+                // put of one still queued here is applied first and then deleted (and its id
+                // marked against a later one).
                 ReplicationEvent::DeleteWhere {
                     scope,
                     model,
@@ -109,7 +111,24 @@ pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationTok
                         model,
                         created_until_ms,
                     };
-                    store.remove_local_where(|e| selection.matches(e)).await;
+                    let ids: Vec<_> = store
+                        .entries()
+                        .into_iter()
+                        .filter(|e| selection.matches(e))
+                        .map(|e| e.id)
+                        .collect();
+                    for id in &ids {
+                        store.remove_local(*id).await;
+                    }
+                    let store = store.clone();
+                    tokio::spawn(async move {
+                        for id in ids {
+                            if let Err(e) = store.delete(id).await {
+                                tracing::warn!(error = %e, "a filtered delete's entry not deleted in redis");
+                                break;
+                            }
+                        }
+                    });
                 }
                 ReplicationEvent::Policies { .. } => {
                     owed.policies = true;

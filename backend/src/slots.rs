@@ -143,12 +143,18 @@ impl Slots {
             if st.waiting.len() > max && st.waiting.iter().any(|w| w.id == id) {
                 // The newest waiting background request goes, unless the newcomer is one; for
                 // an interactive newcomer, else the newest waiting batch request.
-                let newest = |of: Priority| st.waiting.iter().rposition(|w| w.priority == of);
+                // By rank: a batch request that waited past the aging counts as interactive,
+                // and keeps its place.
+                let now = Instant::now();
+                let newest = |rank: u8| {
+                    st.waiting
+                        .iter()
+                        .rposition(|w| self.shared.rank(w, now) == rank)
+                };
                 let victim = match priority {
                     Priority::Background => None,
-                    Priority::Batch => newest(Priority::Background),
-                    Priority::Interactive => newest(Priority::Background)
-                        .or_else(|| newest(Priority::Batch).filter(|i| st.waiting[*i].id != id)),
+                    Priority::Batch => newest(2),
+                    Priority::Interactive => newest(2).or_else(|| newest(1)),
                 };
                 match victim {
                     Some(i) => {
@@ -471,6 +477,25 @@ mod tests {
         }
         let load = s.load();
         assert_eq!((load.queued, load.queued_interactive), (1, 1));
+    }
+
+    /// A batch request that waited past the aging counts as interactive: an interactive
+    /// arrival at a full line does not evict it.
+    #[tokio::test]
+    async fn an_aged_batch_request_keeps_its_place_in_a_full_line() {
+        let s = slots(1, Some(1), Some(Duration::ZERO));
+        let _held = s
+            .enter(Priority::Interactive)
+            .unwrap()
+            .wait()
+            .await
+            .unwrap();
+        let mut aged = s.enter(Priority::Batch).unwrap();
+        assert!(matches!(
+            s.enter(Priority::Interactive),
+            Err(BackendError::Overloaded { .. })
+        ));
+        assert!(granted(&mut aged).is_none(), "still waiting");
     }
 
     #[tokio::test]

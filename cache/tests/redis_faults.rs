@@ -74,7 +74,7 @@ async fn a_redis_error_never_tombstones_a_candidate() {
 /// Writing back what a replica holds after Redis lost its data keeps within the write
 /// queue's bytes (a batch of large answers overran it, and the writes past it were dropped
 /// while the write-back said it was done): every entry goes back, but one too large for any
-/// replica to read, which is left out without failing the rest.
+/// replica to read or for the write queue, which is left out without failing the rest.
 #[tokio::test]
 async fn a_write_back_keeps_within_the_write_queue() {
     let server = RedisServer::start();
@@ -92,11 +92,17 @@ async fn a_write_back_keeps_within_the_write_queue() {
         a.install(e).await;
     }
     let huge = entry("ns", &"y".repeat(100 << 10), 60_000);
-    let huge_id = huge.id;
+    // Within the value cap, but larger than the whole write queue.
+    let over_queue = entry("ns", &"z".repeat(40 << 10), 60_000);
+    let left_out = [huge.id, over_queue.id];
     a.install(huge).await;
+    a.install(over_queue).await;
     assert_eq!(a.reseed().await.unwrap(), 40);
     assert!(redis.exists_many(&ids).await.unwrap().iter().all(|h| *h));
-    assert_eq!(redis.exists_many(&[huge_id]).await.unwrap(), vec![false]);
+    assert_eq!(
+        redis.exists_many(&left_out).await.unwrap(),
+        vec![false, false]
+    );
 }
 
 /// A refusal this replica holds that Redis's copy lacks (its update did not reach Redis)

@@ -68,8 +68,14 @@ const PUMP_CHUNKS: usize = 8;
 /// what the body holds (an upstream slot) for as long as its connection lasts: a chunk the
 /// client has not taken within `stall` ends the body there, and the response is cut off
 /// with an error (never ended as if whole). A client that leaves ends it at once, even while
-/// the upstream sends nothing.
-fn pumped<S>(body: S, stall: Duration) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send
+/// the upstream sends nothing. `delivered` (the request's bookkeeping, handed over when the
+/// body ended) is told the stream ended only once the client has taken every chunk: a
+/// client that leaves with chunks unread is recorded as gone.
+fn pumped<S>(
+    body: S,
+    stall: Duration,
+    delivered: tokio::sync::oneshot::Receiver<Bookkeeping>,
+) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send
 where
     S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
 {
@@ -104,6 +110,8 @@ where
         }
         if stalled.load(Ordering::SeqCst) {
             yield Err(std::io::Error::other("the client stopped reading"));
+        } else if let Ok(mut book) = delivered.await {
+            book.stream_ended();
         }
     }
 }
@@ -134,6 +142,10 @@ pub(super) fn upstream_response(
     };
     let mut upstream = answer.body;
     book.stream_started();
+    // Pumped, the bookkeeping is handed to the client's side when the body ends (see
+    // `pumped`); otherwise the body's end is the client's.
+    let (hand_over, delivered) = tokio::sync::oneshot::channel::<Bookkeeping>();
+    let mut hand_over = reader_stall.is_some().then_some(hand_over);
     let body = async_stream::stream! {
         // When the stream's last data came (its first: the first token).
         let mut data_at = None::<tokio::time::Instant>;
@@ -177,10 +189,15 @@ pub(super) fn upstream_response(
                 }
             }
         }
-        book.stream_ended();
+        match hand_over.take() {
+            Some(to) => {
+                let _ = to.send(book);
+            }
+            None => book.stream_ended(),
+        }
     };
     let body = match reader_stall {
-        Some(stall) => axum::body::Body::from_stream(pumped(body, stall)),
+        Some(stall) => axum::body::Body::from_stream(pumped(body, stall, delivered)),
         None => axum::body::Body::from_stream(body),
     };
     let mut resp = Response::new(body);

@@ -249,7 +249,10 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
     // exact hit on another wording (an alias a looser match linked) only when it also
     // passes that threshold by meaning: decided once the question is known.
     let rematch = rematches_aliases(state, namespace, &wants);
-    if exact_hit.is_some() && state.prefetch.is_none() && !rematch {
+    let served_here = exact_hit
+        .as_ref()
+        .is_some_and(|e| !(rematch && is_alias(e, asked(req))));
+    if served_here && state.prefetch.is_none() {
         if let Some(entry) = &exact_hit {
             note_alias(&mut found, entry, asked(req));
         }

@@ -24,10 +24,13 @@ pub const SWEEP_INTERVAL: Duration = Duration::from_secs(600);
 
 /// Prunes an index set's ids (and ended fence) no longer kept (`ARGV[1]`: now less
 /// [`INDEX_MARGIN_MS`]); Redis deletes a sorted set left empty. Returns `{pruned, gone}`
-/// (`gone` 1 when the set no longer exists), or `{-1, 0}` for a key that is not a sorted set
-/// (left alone). Also makes a set an older version gave a TTL persistent. One key.
+/// (`gone` 1 when the set no longer exists: emptied here, or by a delete or a put since the
+/// scan listed it), or `{-1, 0}` for a key that is not a sorted set (left alone). Also makes
+/// a set an older version gave a TTL persistent. One key.
 const SWEEP_SCRIPT: &str = "\
-if redis.call('TYPE', KEYS[1]).ok ~= 'zset' then return {-1, 0} end
+local t = redis.call('TYPE', KEYS[1]).ok
+if t == 'none' then return {0, 1} end
+if t ~= 'zset' then return {-1, 0} end
 local n = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 0 then return {n, 1} end
 redis.call('PERSIST', KEYS[1])

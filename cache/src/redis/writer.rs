@@ -66,7 +66,7 @@ return 1";
 /// A whole put on a single server, in one step: index sets first (as [`INDEX_SCRIPT`]), then
 /// the entry, its exact keys and the event. Nothing is written, and `0` returned, when the
 /// entry was deleted (`KEYS[3]`, its mark) or a set is fenced by a delete after the answer's
-/// generation started (`ARGV[11]`: its start plus [`FENCE_MS`]); then a delete event of no
+/// generation started (`ARGV[10]`: its start plus [`FENCE_MS`]); then a delete event of no
 /// replica's tells every replica, the writer too, to drop it (see [`Shared::refused`]). A
 /// failing index (say, a foreign value under an
 /// index key) aborts the script before the entry is written, so no entry is ever stored

@@ -100,13 +100,23 @@ impl Store {
             let keys = keys.get(&e.id).map_or(&[][..], Vec::as_slice);
             if !redis.put_with_tags(e, keys, &e.tags) {
                 expected += 1;
-                if !redis.fits(e) {
+                if !redis.fits(e) || e.is_expired() {
                     continue;
                 }
                 // The queue is full (others write too): once more after it drained.
                 redis.flush().await?;
                 queued = 0;
                 if !redis.put_with_tags(e, keys, &e.tags) {
+                    if e.is_expired() {
+                        continue;
+                    }
+                    expected += 1;
+                    if redis.queued_bytes() == 0 {
+                        // Larger than the whole write queue (`write_queue_bytes` below this
+                        // answer): it can never be written; the rest still is.
+                        tracing::warn!(id = %e.id, "an entry larger than the Redis write queue was not written back");
+                        continue;
+                    }
                     return Err(RedisError::Unavailable);
                 }
             }
