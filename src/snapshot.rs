@@ -328,19 +328,19 @@ fn read(
 mod tests {
     use super::*;
 
-    #[test]
-    fn entry_line_round_trip() {
-        let e = Entry {
-            id: EntryId(5),
+    /// An entry `id` answering `text`, never expiring.
+    fn entry(id: u128, text: &str) -> Entry {
+        Entry {
+            id: EntryId(id),
             namespace: "n".into(),
             model: "m".into(),
-            text: "t".into(),
+            text: text.into(),
             finish_reason: "stop".into(),
             prompt_tokens: 1,
             completion_tokens: 1,
             prompt: "p".into(),
             partition: [1; 32],
-            embedding: Some(vec![0.5f32, 0.5].into()),
+            embedding: None,
             embedder: None,
             origin: Default::default(),
             tags: vec![],
@@ -348,7 +348,13 @@ mod tests {
             created_ms: 1,
             expires_ms: u64::MAX,
             gen_ms: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn entry_line_round_trip() {
+        let mut e = entry(5, "t");
+        e.embedding = Some(vec![0.5f32, 0.5].into());
         let s = serde_json::to_string(&EntryLine { entry: e }).unwrap();
         assert!(
             matches!(parse_line(s.as_bytes()), Some(Line::Entry(_))),
@@ -399,25 +405,7 @@ mod tests {
     fn large_entries_come_a_megabyte_at_a_time() {
         let mut text = format!("{{\"reprise_snapshot\":{VERSION}}}\n");
         for i in 0..10 {
-            let e = Entry {
-                id: EntryId(i),
-                namespace: "n".into(),
-                model: "m".into(),
-                text: "a".repeat(300 << 10),
-                finish_reason: "stop".into(),
-                prompt_tokens: 1,
-                completion_tokens: 1,
-                prompt: "p".into(),
-                partition: [1; 32],
-                embedding: None,
-                embedder: None,
-                origin: Default::default(),
-                tags: vec![],
-                refusals: Vec::new(),
-                created_ms: 1,
-                expires_ms: u64::MAX,
-                gen_ms: 0,
-            };
+            let e = entry(i, &"a".repeat(300 << 10));
             text.push_str(&serde_json::to_string(&EntryLine { entry: e }).unwrap());
             text.push('\n');
         }

@@ -708,17 +708,8 @@ return redis.call('GET', KEYS[1])";
         for node in &nodes {
             let mut cursor: u64 = 0;
             loop {
-                let cmd = ::redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(SCAN_COUNT)
-                    .clone();
-                let (next, names): (u64, Vec<String>) = shared
-                    .run(Op::Scan, |c| async move {
-                        c.query_node(node.as_ref(), cmd).await
-                    })
+                let (next, names) = shared
+                    .scan_page(Op::Scan, node.as_ref(), &pattern, cursor)
                     .await?;
                 let names: Vec<(String, EntryId)> = names
                     .into_iter()

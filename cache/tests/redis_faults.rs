@@ -133,6 +133,23 @@ async fn a_refusal_redis_lacks_still_refuses_here() {
     assert!(matches!(found, ByKey::Fresh(_)), "{found:?}");
 }
 
+/// Waits until `events` is subscribed (its start position resolved, after whatever was
+/// written before), which it is once it sees an event: `a` puts until it does.
+async fn until_subscribed(
+    a: &reprise_cache::redis::RedisTier,
+    events: &mut reprise_cache::redis::ReplicationStream,
+) {
+    for i in 0..100 {
+        a.put(&entry("ns", &format!("first{i}"), 60_000), &[]);
+        a.flush().await.unwrap();
+        let seen = tokio::time::timeout(Duration::from_millis(200), events.next()).await;
+        if matches!(seen, Ok(Some(ReplicationEvent::Put { .. }))) {
+            return;
+        }
+    }
+    panic!("B never saw an event");
+}
+
 /// A reader that finds a gap on reconnecting delivers its resync even when the read right
 /// after fails again (a second blip): a gap once seen is not forgotten, though the position
 /// it moved to shows none any more.
@@ -156,17 +173,7 @@ async fn a_resync_found_on_reconnecting_survives_a_failing_read() {
     )
     .await;
     let mut b_events = b.subscribe(true);
-    let mut subscribed = false;
-    for i in 0..100 {
-        a.put(&entry("ns", &format!("first{i}"), 60_000), &[]);
-        a.flush().await.unwrap();
-        let seen = tokio::time::timeout(Duration::from_millis(200), b_events.next()).await;
-        if matches!(seen, Ok(Some(ReplicationEvent::Put { .. }))) {
-            subscribed = true;
-            break;
-        }
-    }
-    assert!(subscribed, "B never saw an event");
+    until_subscribed(&a, &mut b_events).await;
     // B's reads of the stream (a script) now fail; its position checks still answer.
     let _: () = acl(&["-eval", "-evalsha", "-eval_ro", "-evalsha_ro"])
         .query_async(&mut c)
@@ -279,19 +286,7 @@ async fn a_reader_behind_the_trimmed_stream_is_told_to_resync() {
     let a = tier(config(server.url()), "a").await;
     let b = tier(config(server.url()), "b").await;
     let mut b_events = b.subscribe(true);
-    // B is subscribed (its start position resolved, after whatever was written before)
-    // once it sees an event: puts until it does.
-    let mut subscribed = false;
-    for i in 0..100 {
-        a.put(&entry("ns", &format!("first{i}"), 60_000), &[]);
-        a.flush().await.unwrap();
-        let seen = tokio::time::timeout(Duration::from_millis(200), b_events.next()).await;
-        if matches!(seen, Ok(Some(ReplicationEvent::Put { .. }))) {
-            subscribed = true;
-            break;
-        }
-    }
-    assert!(subscribed, "B never saw an event");
+    until_subscribed(&a, &mut b_events).await;
 
     // B's consumer stalls: its reader buffers what it can (1024 events, plus one read in
     // hand) and waits. 1,400 puts are more than that.

@@ -10,7 +10,7 @@ use futures::future::join_all;
 use parking_lot::RwLock;
 
 use super::breaker::{Breaker, Permit, Transition};
-use super::conn::{Conn, Connector};
+use super::conn::{Conn, Connector, Node};
 use super::error::{first_outage, is_outage, is_wrong_type, RedisError};
 use super::keys::Keys;
 use super::metrics::{Op, RedisMetrics};
@@ -143,6 +143,26 @@ impl Shared {
     pub(super) fn drop_write(&self) {
         self.dropped.fetch_add(1, Ordering::Relaxed);
         self.metrics.dropped.increment(1);
+    }
+
+    /// One `SCAN` page on `node` (the only server when none) of the keys matching
+    /// `pattern`, from `cursor`: the next cursor (0 at the end) and the names.
+    pub(super) async fn scan_page(
+        &self,
+        op: Op,
+        node: Option<&Node>,
+        pattern: &str,
+        cursor: u64,
+    ) -> Result<(u64, Vec<String>), RedisError> {
+        let scan = ::redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(super::SCAN_COUNT)
+            .clone();
+        self.run(op, |c| async move { c.query_node(node, scan).await })
+            .await
     }
 
     /// Counts and logs a value that cannot be used.

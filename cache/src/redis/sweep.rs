@@ -16,7 +16,6 @@ use super::error::RedisError;
 use super::metrics::Op;
 use super::shared::Shared;
 use super::writer::{run_all, INDEX_MARGIN_MS};
-use super::SCAN_COUNT;
 use crate::entry::now_ms;
 
 /// How often the index sets are swept (by one replica of all those sharing the Redis).
@@ -59,17 +58,8 @@ impl Shared {
             for node in &nodes {
                 let mut cursor: u64 = 0;
                 loop {
-                    let scan = ::redis::cmd("SCAN")
-                        .arg(cursor)
-                        .arg("MATCH")
-                        .arg(&pattern)
-                        .arg("COUNT")
-                        .arg(SCAN_COUNT)
-                        .clone();
-                    let (next, names): (u64, Vec<String>) = self
-                        .run(Op::Sweep, |c| async move {
-                            c.query_node(node.as_ref(), scan).await
-                        })
+                    let (next, names) = self
+                        .scan_page(Op::Sweep, node.as_ref(), &pattern, cursor)
                         .await?;
                     let cmds: Vec<::redis::Cmd> = names
                         .iter()
