@@ -167,7 +167,7 @@ pub const TEST_METRICS_TOKEN_VAR: &str = "REPRISE_TEST_METRICS_TOKEN";
 
 /// Serves `state` on a free loopback port.
 pub async fn try_serve(state: Arc<AppState>) -> anyhow::Result<Server> {
-    let tasks = crate::tasks::start(&state);
+    let tasks = crate::tasks::start(&state).await;
     serve_with_tasks(state, tasks).await
 }
 
@@ -213,7 +213,7 @@ pub async fn build_replica(
     let redis = crate::state::connect_redis(&config).await?;
     let state = AppState::with_redis(config, backend, embedder, redis)?;
     crate::policy::sync(&state).await;
-    let tasks = crate::tasks::start(&state);
+    let tasks = crate::tasks::start(&state).await;
     Ok((state, tasks))
 }
 

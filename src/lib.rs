@@ -235,7 +235,7 @@ pub async fn run_with(
             Err(e) => tracing::warn!(error = %e, path = %path.display(), "snapshot not loaded"),
         }
     }
-    let tasks = tasks::start(&state);
+    let tasks = tasks::start(&state).await;
     let _ = loaded.set(http::api(state.clone(), admin_server.is_none()));
     if let Some((slot, _)) = &admin_server {
         let _ = slot.set(http::admin_app(state.clone()));

@@ -26,17 +26,20 @@ const RETRY_FIRST: Duration = Duration::from_millis(100);
 /// Longest wait between two tries.
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
-/// Starts the replication task of `state` (which must have a Redis tier); it ends when `stop`
-/// is cancelled or the state is dropped.
-pub fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationToken) {
+/// Starts the replication task of `state` (which must have a Redis tier), subscribed to the
+/// stream (its start resolved) when this returns; it ends when `stop` is cancelled or the
+/// state is dropped.
+pub async fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: CancellationToken) {
     let Some(redis) = state.store.redis().cloned() else {
         return;
     };
+    // Subscribed (its start resolved) before the rebuild and before any request is served,
+    // so nothing written during or after the scan is missed, nor a delete of an entry a
+    // request reads (a request served before the subscription could install an entry whose
+    // delete event came before the stream's start).
+    let mut events = redis.subscribe_from_now().await;
     let weak = Arc::downgrade(state);
     tracker.spawn(async move {
-        // Subscribed (its start resolved) before the rebuild, so nothing written during or
-        // after the scan is missed.
-        let mut events = redis.subscribe_from_now().await;
         // Redis's epoch as last seen: a different one at a resync means it lost its data.
         let mut epoch = None;
         // What is still to catch up with (at start: both), and when to try it next. A try

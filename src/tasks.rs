@@ -34,8 +34,10 @@ pub struct BackgroundTasks {
     tracker: TaskTracker,
 }
 
-/// Starts every background task the state's configuration calls for.
-pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
+/// Starts every background task the state's configuration calls for. With Redis, the
+/// replication stream's start is resolved before it returns: requests served after it
+/// cannot read an entry whose delete the stream then misses.
+pub async fn start(state: &Arc<AppState>) -> BackgroundTasks {
     let stop = CancellationToken::new();
     let tracker = TaskTracker::new();
     if let Some(p) = &state.prefetch {
@@ -46,7 +48,7 @@ pub fn start(state: &Arc<AppState>) -> BackgroundTasks {
         p.start(Arc::downgrade(state), &tracker, stop.clone());
     }
     if state.store.redis().is_some() {
-        crate::replication::start(state, &tracker, stop.clone());
+        crate::replication::start(state, &tracker, stop.clone()).await;
     }
     if let Some(index) = state.store.index() {
         start_maintenance(state, index.clone(), &tracker, stop.clone());
