@@ -752,6 +752,20 @@ async fn cluster_round_trip() {
     b.flush().await.unwrap();
     assert_eq!(t.get(late.id).await.unwrap(), None);
     assert_eq!(t.get_by_key(&digest(2000)).await.unwrap(), None);
+    // The sweep visits every master's index sets (ns1, ns2, ns0 with its fence, and the
+    // tag set the refused put wrote before its fenced namespace set refused it: an id
+    // leading nowhere, pruned once it is no longer kept), and leaves them whole.
+    let swept = t.sweep_indexes().await.unwrap();
+    assert_eq!(
+        (swept.sets, swept.pruned, swept.deleted),
+        (4, 0, 0),
+        "{swept:?}"
+    );
+    assert_eq!(
+        t.delete_namespace("ns1").await.unwrap(),
+        19,
+        "less the one deleted above"
+    );
 
     // The policies' script touches one key, so it runs on a cluster.
     assert_eq!(
