@@ -453,10 +453,14 @@ pub async fn delete_tag(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let admin = authorize(&state, &headers)?;
     within("tag", &tag, request::MAX_TAG_BYTES)?;
+    // A tenant's tag delete scans every entry (the global one reads the tag's index set).
+    let _scan = match admin {
+        Admin::Tenant(_) => Some(state.admin_scans.take(&admin)?),
+        Admin::Global => None,
+    };
     let deleted = match admin {
         Admin::Global => state.store.delete_tag(&tag).await.map_err(redis_error)?,
         Admin::Tenant(t) => {
-            let _scan = state.admin_scans.take(&Admin::Tenant(t.clone()))?;
             // Answers of the tenant on their way with the tag are not stored after it, here
             // and (told first) on every replica, which drops what it holds with the tag.
             let prefix = crate::auth::scope(t.name(), "");

@@ -123,10 +123,10 @@ pub async fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: Cancellat
                     for id in &ids {
                         store.remove_local(*id).await;
                     }
-                    let store = store.clone();
+                    let redis = redis.clone();
                     tokio::spawn(async move {
                         for id in ids {
-                            if let Err(e) = store.delete(id).await {
+                            if let Err(e) = redis.delete(id).await {
                                 tracing::warn!(error = %e, "a filtered delete's entry not deleted in redis");
                                 break;
                             }

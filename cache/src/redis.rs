@@ -146,6 +146,14 @@ return n";
 /// A scan logs its progress every this many entries.
 const SCAN_LOG_EVERY: usize = 10_000;
 
+/// The value an entry is stored as (its envelope, JSON).
+pub(super) fn stored_value(entry: &Entry) -> serde_json::Result<Vec<u8>> {
+    serde_json::to_vec(&EnvelopeOut {
+        v: ENVELOPE_VERSION,
+        entry,
+    })
+}
+
 /// The Redis tier. Cheap to clone; the background writer stops once every clone is dropped
 /// (after applying what was queued).
 #[derive(Clone)]
@@ -329,11 +337,7 @@ impl RedisTier {
         if entry.is_expired() {
             return false;
         }
-        let envelope = EnvelopeOut {
-            v: ENVELOPE_VERSION,
-            entry,
-        };
-        let bytes = match serde_json::to_vec(&envelope) {
+        let bytes = match stored_value(entry) {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(error = %e, id = %entry.id, "redis: entry not serialisable");
@@ -361,11 +365,7 @@ impl RedisTier {
     /// Whether `entry` is small enough to be written (within `max_value_bytes` as stored):
     /// a put of one that is not is refused, and counted as a dropped write.
     pub fn fits(&self, entry: &Entry) -> bool {
-        let envelope = EnvelopeOut {
-            v: ENVELOPE_VERSION,
-            entry,
-        };
-        serde_json::to_vec(&envelope).is_ok_and(|b| b.len() <= self.shared.max_value_bytes)
+        stored_value(entry).is_ok_and(|b| b.len() <= self.shared.max_value_bytes)
     }
 
     /// Redis's epoch: a random value set once (`SET NX`) under a key that never expires, and

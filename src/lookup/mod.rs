@@ -248,10 +248,10 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
     // A client that asks its own threshold, or a tenant under an error bound, is served an
     // exact hit on another wording (an alias a looser match linked) only when it also
     // passes that threshold by meaning: decided once the question is known.
-    let rematch = rematches_aliases(state, namespace, &wants);
+    // (Only an alias asks: an exact hit on its own question stays on the fast path.)
     let served_here = exact_hit
         .as_ref()
-        .is_some_and(|e| !(rematch && is_alias(e, asked(req))));
+        .is_some_and(|e| !is_alias(e, asked(req)) || !rematches_aliases(state, namespace, &wants));
     if served_here && state.prefetch.is_none() {
         if let Some(entry) = &exact_hit {
             note_alias(&mut found, entry, asked(req));

@@ -483,19 +483,15 @@ impl Subscriber {
                     Some(s) => Some(s.parse().ok()?),
                     None => None,
                 };
-                let event = ReplicationEvent::DeleteWhere {
-                    scope: item.get::<String>("scope"),
-                    model: item.get::<String>("model"),
-                    created_until_ms: until,
-                };
+                let (scope, model) = (item.get::<String>("scope"), item.get::<String>("model"));
                 // A filter that selects everything is no filter: never taken for one.
-                match &event {
-                    ReplicationEvent::DeleteWhere {
-                        scope: None,
-                        model: None,
-                        created_until_ms: None,
-                    } => return None,
-                    _ => event,
+                if scope.is_none() && model.is_none() && until.is_none() {
+                    return None;
+                }
+                ReplicationEvent::DeleteWhere {
+                    scope,
+                    model,
+                    created_until_ms: until,
                 }
             }
             other => {

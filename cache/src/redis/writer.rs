@@ -10,7 +10,6 @@ use futures::future::{join_all, try_join_all};
 use tokio::sync::{mpsc, oneshot};
 
 use super::conn::Conn;
-use super::envelope::{EnvelopeOut, ENVELOPE_VERSION};
 use super::error::{is_wrong_type, RedisError};
 use super::events;
 use super::metrics::Op;
@@ -620,11 +619,7 @@ impl Shared {
             if let Some(held) = self.decode(&name, entry.id, &raw) {
                 entry.merge_refusals(&held);
             }
-            let bytes = serde_json::to_vec(&EnvelopeOut {
-                v: ENVELOPE_VERSION,
-                entry: &entry,
-            })
-            .ok();
+            let bytes = super::stored_value(&entry).ok();
             let Some(bytes) = bytes else {
                 tracing::warn!(id = %entry.id, "redis: entry not serialisable; not updated");
                 return Ok(Updated::NotWritten);
