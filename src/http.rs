@@ -193,9 +193,14 @@ pub async fn healthz() -> &'static str {
     "ok"
 }
 
-async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+/// Readiness: started, and some backend up. Its details (backends, Redis's write queue,
+/// index rebuilds) are for whoever may read `/metrics`; anybody else reads the status only.
+async fn readyz(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if !state.is_ready() {
         return ApiError::NotReady.into_response();
+    }
+    if crate::admin::may_scrape(&state, &headers).is_err() {
+        return Json(json!({"status": "ready"})).into_response();
     }
     // Redis being down degrades the cache, not the service: still ready, and says so.
     let redis = state.store.redis().map(|r| {

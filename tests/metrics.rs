@@ -397,6 +397,26 @@ async fn metrics_need_the_scrape_or_admin_token_once_tenants_exist() {
     );
     let r = app.client.get(app.url("/metrics")).send().await.unwrap();
     assert_openai_error(r, 401, None).await;
+    // `/readyz` answers anybody, with its details (backends, Redis's write queue) only for
+    // those who may scrape.
+    let ready = |token: Option<&'static str>| {
+        let mut req = app.client.get(app.url("/readyz"));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        async move {
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<serde_json::Value>().await.unwrap()
+        }
+    };
+    for token in [None, Some("sk-scrape")] {
+        let body = ready(token).await;
+        assert_eq!(body, serde_json::json!({"status": "ready"}), "{token:?}");
+    }
+    let body = ready(Some("test-scrape")).await;
+    assert_eq!(body["status"], "ready");
+    assert!(body["backends"].is_object(), "{body}");
 
     // Tenants and no token set: nobody.
     let mut c = config("scrape-closed", "sk-closed", &dir.path().join("b.jsonl"));

@@ -16,6 +16,7 @@ use bytes::Bytes;
 use futures::Stream;
 use serde::{Deserialize, Serialize};
 
+pub mod cpu;
 pub mod fake;
 pub mod llama;
 pub mod openai;

@@ -52,6 +52,7 @@ use tokio::sync::mpsc;
 
 pub use self::bare::{bare_decode_benchmark, BareDecoder, BareStats};
 use self::engine::{Engine, EngineLimits, Job, LoadGuard, Shared};
+use crate::cpu::CpuPool;
 use crate::{Backend, BackendError, GenRequest, GenStream, Input, SamplingParams};
 
 /// Events buffered per request between the engine and the client. The engine never blocks
@@ -277,6 +278,8 @@ pub struct EngineStats {
     pub decode_steps: u64,
     /// Most sequences ever taking part in one decode call.
     pub peak_occupancy: usize,
+    /// Most long inputs ever tokenized at once (off the async workers, at most one per core).
+    pub peak_tokenizing: usize,
 }
 
 /// The process-wide llama.cpp runtime: llama.cpp may be initialised only once per process.
@@ -451,6 +454,8 @@ pub struct LlamaBackend {
     shared: Arc<Shared>,
     engine: Option<JoinHandle<()>>,
     gpu: Option<GpuOffload>,
+    /// Where long inputs are tokenized.
+    cpu: CpuPool,
 }
 
 impl std::fmt::Debug for LlamaBackend {
@@ -573,6 +578,7 @@ impl LlamaBackend {
             shared,
             engine: Some(engine),
             gpu,
+            cpu: CpuPool::per_core(),
         })
     }
 
@@ -609,20 +615,32 @@ impl LlamaBackend {
             preempted: c.preempted.load(Ordering::Relaxed),
             decode_steps: c.decode_steps.load(Ordering::Relaxed),
             peak_occupancy: c.peak_occupancy.load(Ordering::Relaxed),
+            peak_tokenizing: c.peak_tokenizing.load(Ordering::Relaxed),
         }
     }
 
     /// Tokens of a request's input: the chat template applied to messages, or the raw prompt.
-    /// A long input is tokenized on a blocking thread (megabytes take a tokenizer many
-    /// milliseconds, which must not stall an async worker's other requests).
+    /// A long input is tokenized on the backend's CPU pool, one per core at most (megabytes
+    /// take a tokenizer many milliseconds, which must not stall an async worker's other
+    /// requests; nor may a flood of them start a blocking thread each).
     async fn tokenize(&self, input: Input) -> Result<Vec<LlamaToken>, BackendError> {
         if input.heap_bytes() <= INLINE_TOKENIZE_BYTES {
             return tokenize(&self.model, self.template.as_ref(), &input);
         }
         let (model, template) = (self.model.clone(), self.template.clone());
-        tokio::task::spawn_blocking(move || tokenize(&model, template.as_ref(), &input))
+        let shared = self.shared.clone();
+        self.cpu
+            .run(move || {
+                let c = &shared.counters;
+                let now = c.tokenizing.fetch_add(1, Ordering::Relaxed) + 1;
+                c.peak_tokenizing.fetch_max(now, Ordering::Relaxed);
+                let tokens = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    tokenize(&model, template.as_ref(), &input)
+                }));
+                c.tokenizing.fetch_sub(1, Ordering::Relaxed);
+                tokens.map_err(|_| BackendError::Internal("tokenizing failed".into()))?
+            })
             .await
-            .map_err(|e| BackendError::Internal(format!("tokenizing failed: {e}")))?
     }
 }
 

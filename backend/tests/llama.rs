@@ -732,6 +732,34 @@ async fn a_long_prompt_is_tokenized_off_the_async_worker() {
     );
 }
 
+/// A flood of long prompts is tokenized at most one per core at a time: each would otherwise
+/// take a blocking thread of its own (tokio starts hundreds) and share the cores with all
+/// the others, the async workers included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_are_tokenized_at_most_one_per_core_at_once() {
+    let backend = std::sync::Arc::new(load(config(1, 4)));
+    let long = std::sync::Arc::new("word ".repeat(200_000));
+    let floods = (0..12).map(|_| {
+        let (backend, long) = (backend.clone(), long.clone());
+        tokio::spawn(async move {
+            // Each is too long for the context, refused once tokenized.
+            matches!(
+                backend.generate(completion(&long, greedy(1))).await,
+                Err(BackendError::InvalidRequest { .. })
+            )
+        })
+    });
+    for refused in futures::future::join_all(floods).await {
+        assert!(refused.unwrap(), "a long prompt was not refused");
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let peak = backend.stats().peak_tokenizing;
+    assert!(
+        (1..=cores).contains(&peak),
+        "{peak} long prompts tokenized at once on {cores} cores"
+    );
+}
+
 #[test]
 fn bad_model_paths_are_named_in_the_error() {
     let missing = PathBuf::from("/nonexistent/dir/model.gguf");

@@ -171,6 +171,9 @@ pub(crate) struct Counters {
     pub preempted: AtomicU64,
     pub decode_steps: AtomicU64,
     pub peak_occupancy: AtomicUsize,
+    /// Inputs being tokenized off the async workers, and the most at once.
+    pub tokenizing: AtomicUsize,
+    pub peak_tokenizing: AtomicUsize,
 }
 
 /// State shared between `generate` callers and the engine thread.
