@@ -363,8 +363,13 @@ pub async fn delete_entries(
             .older_than_secs
             .map(|s| now.saturating_sub(s.saturating_mul(1000))),
     };
-    // The other replicas first: they drop what they hold that it selects, answers whose
-    // puts never reached Redis included (which the scan below cannot find).
+    // Answers it selects that are being generated now are not stored after it, here and
+    // (told next) on the other replicas, which drop what they hold that it selects, answers
+    // whose puts never reached Redis included (which the scan below cannot find).
+    let fenced = selection.clone();
+    state
+        .store
+        .fence_where(Arc::new(move |e| fenced.matches(e)));
     if let Some(redis) = state.store.redis() {
         redis
             .announce_delete_where(

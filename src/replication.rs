@@ -100,10 +100,10 @@ pub async fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: Cancellat
                 ReplicationEvent::DeleteTagWithin { prefix, tag } => {
                     store.remove_local_tag_within(&prefix, &tag).await;
                 }
-                // Besides each entry's own delete event: what this replica holds that Redis
-                // never had, dropped at once and then deleted through the write queue, so a
-                // put of one still queued here is applied first and then deleted (and its id
-                // marked against a later one).
+                // Besides each entry's own delete event: the fence, and what this replica
+                // holds that Redis never had, dropped at once and then deleted through the
+                // write queue, so a put of one still queued here is applied first and then
+                // deleted (and its id marked against a later one).
                 ReplicationEvent::DeleteWhere {
                     scope,
                     model,
@@ -114,6 +114,8 @@ pub async fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: Cancellat
                         model,
                         created_until_ms,
                     };
+                    let fenced = selection.clone();
+                    store.fence_where(std::sync::Arc::new(move |e| fenced.matches(e)));
                     let ids: Vec<_> = store
                         .entries()
                         .into_iter()

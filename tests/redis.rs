@@ -397,6 +397,58 @@ async fn a_tenants_tag_delete_reaches_answers_on_their_way_on_other_replicas() {
     assert_eq!(ask("sk-beta", Some("only-if-cached")).await, "exact");
 }
 
+/// A filtered delete sent to one replica wins on every replica over the answers it selects
+/// still on their way there (the others fence it on the delete's event); answers it does not
+/// select are stored.
+#[tokio::test]
+async fn a_filtered_delete_reaches_answers_on_their_way_on_other_replicas() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_REPLICA_FILTER_TOKEN", "f3nce");
+    let redis = RedisServer::start();
+    let backend =
+        reprise_backend::fake::ScriptedBackend::new(reprise_backend::fake::ScriptConfig {
+            first_token_delay: Duration::from_millis(800),
+            ..Default::default()
+        });
+    let mut cfg = redis_config(redis.url());
+    cfg.semantic.enabled = false;
+    cfg.server.admin_token_env = Some("REPRISE_TEST_REPLICA_FILTER_TOKEN".into());
+    let a = spawn_replica(cfg.clone(), Arc::new(backend.clone())).await;
+    let b = spawn_replica(cfg, Arc::new(backend.clone())).await;
+    let ask = |namespace: &'static str, cache: Option<&'static str>| {
+        let b = &b;
+        async move {
+            let mut h = vec![("x-reprise-namespace", namespace)];
+            if let Some(c) = cache {
+                h.push(("cache-control", c));
+            }
+            let q = chat_body("What does the plan cost?");
+            cache_status(&b.chat(&q, &h).await)
+        }
+    };
+    let delete = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        a.client
+            .delete(a.url("/admin/entries?model=fake"))
+            .bearer_auth("f3nce")
+            .send()
+            .await
+            .unwrap()
+            .status()
+    };
+    let (first, deleted) = tokio::join!(ask("one", None), delete);
+    assert_eq!(first, "miss");
+    assert_eq!(deleted, 200);
+    assert_eq!(ask("one", Some("only-if-cached")).await, "error");
+    // Asked after the delete: stored.
+    assert_eq!(ask("two", None).await, "miss");
+    let q = chat_body("What does the plan cost?");
+    expect_status(&b, &q, &[("x-reprise-namespace", "two")], "exact").await;
+    // Still not stored, here nor in Redis for a replica that starts now.
+    assert_eq!(ask("one", Some("only-if-cached")).await, "error");
+    expect_status(&a, &q, &[("x-reprise-namespace", "one")], "error").await;
+}
+
 /// A tenant's admin cannot delete by id an entry Redis holds but no replica can read (over
 /// `max_value_bytes`, undecodable): whose it is cannot be told, so it is not the tenant's.
 #[tokio::test]

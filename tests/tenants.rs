@@ -882,6 +882,58 @@ async fn an_operator_deletes_by_tenant_model_and_age() {
     assert_eq!(app.state.store.entry_count(), 0);
 }
 
+/// A filtered delete wins over the answers it selects that were being generated when it
+/// came: they are served, never stored. Answers it does not select are stored.
+#[tokio::test]
+async fn a_filtered_delete_wins_over_answers_on_their_way() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_FILTER_FENCE_TOKEN", "fence-admin");
+    let mut config = tenants_config(true);
+    config.server.admin_token_env = Some("REPRISE_TEST_FILTER_FENCE_TOKEN".into());
+    let script = ScriptConfig {
+        first_token_delay: std::time::Duration::from_millis(800),
+        ..ScriptConfig::default()
+    };
+    let (app, _backend) = spawn_fake(config, script).await;
+    let ask = |key: &'static str, cache: Option<&'static str>| {
+        let app = &app;
+        async move {
+            let key = bearer(key);
+            let mut h = vec![("authorization", key.as_str())];
+            if let Some(c) = cache {
+                h.push(("cache-control", c));
+            }
+            cache_status(&app.chat(&chat_body("What does the plan cost?"), &h).await)
+        }
+    };
+    let delete = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let r = app
+            .client
+            .delete(app.url("/admin/entries?tenant=acme"))
+            .bearer_auth("fence-admin")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()["deleted"]
+            .as_u64()
+            .unwrap()
+    };
+    let (acme, beta, deleted) = tokio::join!(ask("sk-acme", None), ask("sk-beta", None), delete);
+    assert_eq!((acme.as_str(), beta.as_str()), ("miss", "miss"));
+    assert_eq!(deleted, 0, "nothing was stored yet");
+    // Only if cached: an error where nothing is stored.
+    assert_eq!(ask("sk-acme", Some("only-if-cached")).await, "error");
+    assert_eq!(ask("sk-beta", Some("only-if-cached")).await, "exact");
+    // The fence holds back only what was on its way: a question asked after it is stored.
+    assert_eq!(ask("sk-acme", None).await, "miss");
+    let stored = eventually_async(std::time::Duration::from_secs(10), || async {
+        ask("sk-acme", Some("only-if-cached")).await == "exact"
+    });
+    assert!(stored.await);
+}
+
 /// A tenant flooding the memory tier with distinct prompts evicts only its own entries: the
 /// others' answers stay in memory (and keep being exact hits) beyond its share.
 #[tokio::test]

@@ -1,5 +1,5 @@
-//! Fences: a namespace or tag delete wins over the answers that were on their way when it
-//! ran (generated before it, stored or installed after).
+//! Fences: a namespace, tag or filtered delete wins over the answers that were on their way
+//! when it ran (generated before it, stored or installed after).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +13,12 @@ use crate::entry::{now_ms, Entry};
 pub const FENCE_TTL: Duration = Duration::from_secs(900);
 /// Namespaces, and tags, fenced at once at most.
 const FENCES_MAX: u64 = 10_000;
+/// Filtered deletes fenced at once at most (the admin API runs one at a time; the oldest go
+/// first).
+const FILTERS_MAX: usize = 256;
+
+/// What a filtered delete selects ([`Store::fence_where`]).
+pub type DeleteFilter = Arc<dyn Fn(&Entry) -> bool + Send + Sync>;
 
 /// The namespaces and tags deleted within [`FENCE_TTL`], with when.
 #[derive(Clone)]
@@ -22,6 +28,9 @@ pub(super) struct Fences {
     /// Tags deleted within the namespaces that start with a prefix (one tenant's), by tag:
     /// the prefixes and when.
     scoped_tags: moka::sync::Cache<String, Arc<Vec<(String, u64)>>>,
+    /// Filtered deletes within [`FENCE_TTL`]: when, and what each selects. Read on every
+    /// store and promotion, written by rare operator requests.
+    filters: Arc<arc_swap::ArcSwap<Vec<(u64, DeleteFilter)>>>,
 }
 
 impl Default for Fences {
@@ -30,6 +39,7 @@ impl Default for Fences {
             namespaces: fence_cache(),
             tags: fence_cache(),
             scoped_tags: fence_cache(),
+            filters: Arc::default(),
         }
     }
 }
@@ -76,8 +86,28 @@ impl Store {
             });
     }
 
-    /// Whether `entry`'s generation started before a delete of its namespace or of one of its
-    /// tags: the delete must win over an answer that was on its way.
+    /// [`Store::fence_namespace`] for a filtered delete (`DELETE /admin/entries`): answers
+    /// `filter` selects whose generation started before now.
+    pub fn fence_where(&self, filter: DeleteFilter) {
+        let now = now_ms();
+        let ttl = FENCE_TTL.as_millis() as u64;
+        self.fences.filters.rcu(|held| {
+            let mut kept: Vec<(u64, DeleteFilter)> = held
+                .iter()
+                .filter(|(at, _)| now.saturating_sub(*at) < ttl)
+                .cloned()
+                .collect();
+            if kept.len() >= FILTERS_MAX {
+                kept.drain(..=kept.len() - FILTERS_MAX);
+            }
+            kept.push((now, filter.clone()));
+            kept
+        });
+    }
+
+    /// Whether `entry`'s generation started before a delete of its namespace, of one of its
+    /// tags, or by a filter that selects it: the delete must win over an answer that was on
+    /// its way.
     pub(super) fn fenced(&self, entry: &Entry) -> bool {
         let started = entry.created_ms.saturating_sub(u64::from(entry.gen_ms));
         // Strictly after: at millisecond resolution, a question asked right after a delete
@@ -90,10 +120,18 @@ impl Store {
                     .any(|(prefix, at)| entry.namespace.starts_with(prefix) && after(Some(*at)))
             })
         };
+        let ttl = FENCE_TTL.as_millis() as u64;
+        let now = now_ms();
+        let filtered = || {
+            self.fences.filters.load().iter().any(|(at, selects)| {
+                now.saturating_sub(*at) < ttl && after(Some(*at)) && selects(entry)
+            })
+        };
         after(self.fences.namespaces.get(entry.namespace.as_str()))
             || entry
                 .tags
                 .iter()
                 .any(|t| after(self.fences.tags.get(t.as_str())) || scoped(t))
+            || filtered()
     }
 }

@@ -38,7 +38,7 @@ mod load;
 mod removal;
 
 use fence::Fences;
-pub use fence::FENCE_TTL;
+pub use fence::{DeleteFilter, FENCE_TTL};
 pub use load::Loaded;
 
 /// How long a deletion is remembered, so that a read of Redis that started before it cannot
