@@ -178,8 +178,10 @@ async fn serve_with_tasks(state: Arc<AppState>, tasks: BackgroundTasks) -> anyho
         .context("cannot listen on 127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let app = crate::app(state.clone());
+    let limits = crate::listen::ConnectionLimits::of(&state.config.server);
     let server = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        let never = tokio_util::sync::CancellationToken::new();
+        if let Err(e) = crate::listen::serve(listener, app, limits, never).await {
             tracing::warn!(error = %e, %addr, "server stopped");
         }
     });

@@ -33,6 +33,7 @@ pub mod headers;
 mod http;
 pub mod key;
 mod lines;
+pub mod listen;
 mod lookup;
 pub mod metrics;
 mod observe;
@@ -74,6 +75,7 @@ pub use state::AppState;
 /// into the returned slot once loading finished (503 until then).
 fn serve_until_loaded(
     listener: TcpListener,
+    limits: listen::ConnectionLimits,
     stop: tokio_util::sync::CancellationToken,
 ) -> (
     Arc<OnceLock<Router>>,
@@ -93,11 +95,7 @@ fn serve_until_loaded(
                 }
             }
         });
-    let server = tokio::spawn(async move {
-        axum::serve(listener, router)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-    });
+    let server = tokio::spawn(listen::serve(listener, router, limits, stop));
     (loaded, server)
 }
 
@@ -205,11 +203,12 @@ pub async fn run_with(
         shutdown.await;
         stopping.cancel();
     });
-    let (loaded, server) = serve_until_loaded(listener, stop.clone());
+    let limits = listen::ConnectionLimits::of(&config.server);
+    let (loaded, server) = serve_until_loaded(listener, limits, stop.clone());
     let admin_server = match admin {
         Some(l) => {
             tracing::info!(addr = %l.local_addr()?, "admin API listening");
-            Some(serve_until_loaded(l, stop.clone()))
+            Some(serve_until_loaded(l, limits, stop.clone()))
         }
         None => None,
     };

@@ -1035,3 +1035,90 @@ async fn a_generation_that_panics_fails_its_waiters_and_the_next_request_generat
     assert_eq!(cache_status(&r), "miss");
     assert_eq!(backend.inner.calls(), 1);
 }
+
+/// What a client reads from `stream` until the server closes it (at most `limit`; `None`:
+/// still open then).
+async fn read_until_closed(stream: &mut tokio::net::TcpStream, limit: Duration) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let read = async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(limit, read).await.ok().map(|_| got)
+}
+
+/// A connection that asks nothing, trickles its headers, or stops inside an HTTP/2 preface
+/// is closed after `server.header_timeout_secs`, as is a keep-alive connection left idle;
+/// past `server.max_connections` a new connection is closed at once (and counted), and
+/// clients are served again once the slots are free.
+#[tokio::test]
+async fn connections_that_ask_nothing_are_closed_and_their_number_is_bounded() {
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpStream;
+    let mut config = test_config();
+    config.server.header_timeout_secs = 0.5;
+    config.server.max_connections = 3;
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let addr = app.addr;
+    // A guard against a server that never closes them (the test fails, it does not hang).
+    let limit = Duration::from_secs(20);
+    // The harness's own keep-alive connection, if any, is closed as idle meanwhile.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    let mut trickling = TcpStream::connect(addr).await.unwrap();
+    trickling
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+        .await
+        .unwrap();
+    let mut preface = TcpStream::connect(addr).await.unwrap();
+    preface.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+    // Let the server take all three before the fourth comes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut fourth = TcpStream::connect(addr).await.unwrap();
+    let refused = read_until_closed(&mut fourth, limit).await;
+    assert_eq!(
+        refused.as_deref(),
+        Some(&b""[..]),
+        "the fourth connection was served"
+    );
+    for (name, stream) in [
+        ("silent", &mut silent),
+        ("trickling", &mut trickling),
+        ("preface", &mut preface),
+    ] {
+        let got = read_until_closed(stream, limit).await;
+        assert!(got.is_some(), "the {name} connection is still open");
+    }
+    // An idle keep-alive connection after its request is closed too.
+    let mut kept = TcpStream::connect(addr).await.unwrap();
+    kept.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let answered = read_until_closed(&mut kept, limit).await.expect("closed");
+    assert!(
+        answered.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&answered)
+    );
+    // Every slot free again: served (on a connection of its own), and the refusal counted.
+    let client = reqwest::Client::new();
+    let metrics = client
+        .get(app.url("/metrics"))
+        .bearer_auth("test-scrape")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(metrics.status(), 200);
+    let refusals = sample(
+        &metrics.text().await.unwrap(),
+        "reprise_connections_refused_total",
+        &[],
+    );
+    assert!(refusals.unwrap_or(0.0) >= 1.0, "{refusals:?}");
+}

@@ -92,6 +92,15 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest accepted request body in bytes; larger bodies get 413.
     pub max_body_bytes: usize,
+    /// Longest a connection may take to start a request once accepted, and an HTTP/1.1
+    /// connection to send a request's headers or to wait idle between requests, in seconds
+    /// (closed after that); an HTTP/2 connection is pinged at this interval and closed when
+    /// a ping goes unanswered as long.
+    pub header_timeout_secs: f64,
+    /// Connections open at once at most; one more is closed as soon as it is accepted
+    /// (`reprise_connections_refused_total`). Keep it under the process's file-descriptor
+    /// limit (`ulimit -n`), less what Redis, the upstream and files take.
+    pub max_connections: usize,
     /// Longest a client may take to send a request body, in seconds (408 after that). The
     /// body is read only once the caller is known (with `[auth] required`, a missing or unknown key is a 401 before
     /// it), and a client that trickles its body holds a connection at most this long.
@@ -148,6 +157,8 @@ impl Default for ServerConfig {
             max_body_bytes: 4 * 1024 * 1024,
             request_timeout_secs: 300.0,
             body_timeout_secs: 30.0,
+            header_timeout_secs: 30.0,
+            max_connections: 4096,
             lookup_timeout_secs: 2.0,
             first_token_timeout_secs: 60.0,
             token_timeout_secs: 60.0,
@@ -161,6 +172,10 @@ impl Default for ServerConfig {
 }
 
 impl ServerConfig {
+    /// `header_timeout_secs` as a duration.
+    pub fn header_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.header_timeout_secs)
+    }
     /// `body_timeout_secs` as a duration.
     pub fn body_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.body_timeout_secs)
@@ -910,7 +925,11 @@ impl Config {
         if s.max_body_bytes == 0 {
             return Err(invalid("server.max_body_bytes", "must be positive"));
         }
+        if s.max_connections == 0 {
+            return Err(invalid("server.max_connections", "must be positive"));
+        }
         for (key, secs) in [
+            ("server.header_timeout_secs", s.header_timeout_secs),
             ("server.body_timeout_secs", s.body_timeout_secs),
             ("server.request_timeout_secs", s.request_timeout_secs),
             ("server.lookup_timeout_secs", s.lookup_timeout_secs),

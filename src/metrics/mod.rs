@@ -360,6 +360,10 @@ fn describe() {
         "Interactive requests whose backend was predicted to answer too late for their route's SLO ([degrade]), by what they did: loose_threshold, stale, fallback, refuse, or wait (nothing else could answer)."
     );
     describe_counter!(
+        "reprise_connections_refused_total",
+        "Connections closed as soon as they were accepted: server.max_connections were open."
+    );
+    describe_counter!(
         "reprise_lookup_timeouts_total",
         "Requests whose cache lookup ran past server.lookup_timeout_secs and went on as misses."
     );
