@@ -449,3 +449,59 @@ async fn a_refresh_past_the_tag_limit_is_not_generated() {
         "only the second stale answer regenerated"
     );
 }
+
+/// A renewal takes the keys of the answer it replaces, but a conversation that was shown the
+/// old answer is not the one shown the new: a follow-up asked after the old answer is never
+/// served to one asked after the new answer, nor the other way round.
+#[tokio::test]
+async fn a_renewal_never_joins_the_conversations_of_its_old_and_new_answers() {
+    let mut config = stale_config(2, 60, 0);
+    config.semantic.enabled = true;
+    let (app, backend) = spawn_fake(config, script("first")).await;
+    let question = "Write a haiku about autumn.";
+    let r = app.chat(&chat_body(question), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let old = entry_of(&r);
+    assert_eq!(content(r).await, "first");
+    wait_past_expiry(&app, old, 0).await;
+    backend.set_config(script("second"));
+    assert_stale(
+        app.chat(&chat_body(question), &[]).await,
+        "stale-while-revalidate",
+        old,
+    )
+    .await;
+    let b = backend.clone();
+    assert!(eventually(Duration::from_secs(10), || b.completed() == 2).await);
+    let state = app.state.clone();
+    let renewed = eventually_async(Duration::from_secs(10), || async {
+        state.store.run_pending_tasks().await;
+        state.store.entries().iter().any(|e| e.text == "second")
+    });
+    assert!(renewed.await);
+    let r = app.chat(&chat_body(question), &[]).await;
+    assert_eq!(cache_status(&r), "exact");
+    assert_eq!(content(r).await, "second");
+
+    backend.set_config(script("a follow-up to the first"));
+    let follow_up = "Translate it into French.";
+    let after_old = convo(&[
+        ("user", question),
+        ("assistant", "first"),
+        ("user", follow_up),
+    ]);
+    let r = app.chat(&after_old, &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    expect_status(&app, &after_old, &[], "exact").await;
+    let after_new = convo(&[
+        ("user", question),
+        ("assistant", "second"),
+        ("user", follow_up),
+    ]);
+    let r = app.chat(&after_new, &[]).await;
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "served the follow-up of another answer"
+    );
+}

@@ -73,6 +73,11 @@ pub async fn resolve(
     // Such an exchange joins the context by its raw text, name and fields included, never
     // through a turn link.
     let named = |k: usize| !conv.turns[k].1.is_plain();
+    // A link counts only when its entry's answer is the one this history shows: a renewal
+    // (refresh-ahead, stale-while-revalidate) takes the keys of the entry it replaces, links
+    // made for the old answer's text among them, and the two answers' conversations must
+    // not become one context.
+    let shown = |k: usize, e: &reprise_cache::Entry| e.text == conv.turns[k].1.content;
     let raw = |ctx: &Digest, k: usize| {
         let mut h = KeyHasher::new("ctx-raw");
         h.digest(ctx)
@@ -109,7 +114,7 @@ pub async fn resolve(
     let found = found
         .into_iter()
         .enumerate()
-        .map(|(k, e)| e.filter(|_| !named(k)));
+        .map(|(k, e)| e.filter(|e| !named(k) && shown(k, e)));
     let mut absent: HashSet<Digest> = HashSet::new();
     let mut ctx = raws[0];
     let mut prev_entry = None;
@@ -138,7 +143,7 @@ pub async fn resolve(
             let l = link(&c, k);
             let entry = match absent.contains(&l) || named(k) {
                 true => None,
-                false => state.store.get_by_key(&l).await,
+                false => state.store.get_by_key(&l).await.filter(|e| shown(k, e)),
             };
             match entry {
                 Some(entry) => {
@@ -163,7 +168,7 @@ pub async fn resolve(
         };
         let mut first = None;
         for ((k, l), entry) in lacked.iter().zip(found) {
-            match entry {
+            match entry.filter(|e| shown(*k, e)) {
                 Some(e) => {
                     first = Some((*k, e.id));
                     break;
