@@ -505,3 +505,71 @@ async fn a_renewal_never_joins_the_conversations_of_its_old_and_new_answers() {
         "served the follow-up of another answer"
     );
 }
+
+/// An expired answer reached through another wording's key (an alias a hit by meaning
+/// linked) is served stale only where a fresh one would be: not to a client asking a
+/// threshold the two wordings do not pass, and a wrong verdict on it refuses it to that
+/// wording, while the entry's own question is still served it.
+#[tokio::test]
+async fn a_stale_answer_through_an_alias_passes_the_checks_a_fresh_one_does() {
+    let mut config = stale_config(2, 60, 0);
+    config.semantic.enabled = true;
+    let (app, backend) = spawn_fake(config, script("first")).await;
+    let own = chat_body("How do I reset my password?");
+    let old = entry_of(&app.chat(&own, &[]).await);
+    let strict = chat_body("I forgot my password, how can I change it?");
+    let reported = chat_body("How can I reset my password?");
+    for alias in [&strict, &reported] {
+        let r = app.chat(alias, &[]).await;
+        assert_eq!(cache_status(&r), "semantic");
+        assert_eq!(entry_of(&r), old);
+    }
+    wait_past_expiry(&app, old, 0).await;
+    // Regenerations are slow: what is served meanwhile is the stale answer or nothing.
+    backend.set_config(ScriptConfig {
+        first_token_delay: Duration::from_secs(30),
+        ..script("second")
+    });
+    let r = app
+        .chat(
+            &strict,
+            &[
+                ("x-reprise-threshold", "0.999"),
+                ("cache-control", "only-if-cached"),
+            ],
+        )
+        .await;
+    assert_eq!(
+        cache_status(&r),
+        "error",
+        "served stale past the client's threshold"
+    );
+
+    let r = app.chat(&reported, &[]).await;
+    let body = assert_stale_json(r, old).await;
+    let id = body["id"].clone();
+    let r = feedback(
+        &app,
+        serde_json::json!({"id": id, "verdict": "wrong"}),
+        None,
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["refused"], true);
+    let r = app
+        .chat(&reported, &[("cache-control", "only-if-cached")])
+        .await;
+    assert_eq!(
+        cache_status(&r),
+        "error",
+        "served stale after a wrong verdict"
+    );
+    assert_stale(app.chat(&own, &[]).await, "stale-while-revalidate", old).await;
+}
+
+/// [`assert_stale`] for a stale-while-revalidate answer, returning its JSON body.
+async fn assert_stale_json(r: reqwest::Response, entry: EntryId) -> Value {
+    assert_eq!(cache_status(&r), "stale");
+    assert_eq!(entry_of(&r), entry);
+    r.json().await.unwrap()
+}

@@ -135,9 +135,9 @@ pub struct Lookup {
     /// served but never linked to this phrasing's keys, so requests under the running policy
     /// (and all of them after a rollback) do not inherit what only the candidate matched.
     pub on_candidate: bool,
-    /// The exact hit came through a key that leads to another wording's answer (an alias
-    /// a hit by meaning or a prefetch linked): a verdict on it refuses as one on a hit by
-    /// meaning does.
+    /// The exact hit (or the stale answer) came through a key that leads to another
+    /// wording's answer (an alias a hit by meaning or a prefetch linked): a verdict on it
+    /// refuses as one on a hit by meaning does.
     pub aliased: bool,
     /// What the lookup saw.
     pub notes: Notes,
@@ -236,7 +236,17 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
         found.notes.tier = tier;
         found.exact_taken = matches!(by_key, ByKey::Stale);
         if let ByKey::Expired(entry) = &by_key {
-            found.stale = wants.takes_stale(entry).then(|| entry.clone());
+            // An expired answer to another wording (an alias) is served stale only where a
+            // fresh one would be: not once it is refused to every question by meaning, nor
+            // to a client or tenant that has aliases matched again by meaning (a stale answer
+            // is not); and a verdict on it refuses as one on an aliased hit does.
+            let alias = is_alias(entry, asked(req));
+            let barred = alias
+                && (entry.refused_by_meaning() || rematches_aliases(state, namespace, &wants));
+            if !barred && wants.takes_stale(entry) {
+                found.stale = Some(entry.clone());
+                found.aliased = alias;
+            }
         }
         by_key.fresh()
     } else {
