@@ -272,8 +272,18 @@ fn tenant_scope(admin: &Admin, asked: Option<String>) -> Result<Option<String>, 
     }
 }
 
+/// A Redis failure as the admin API's answer: one that may pass (down, its breaker open, a
+/// timeout) is a 503 with `Retry-After` (every change here may be sent again as it was);
+/// any other a 500.
 fn redis_error(e: reprise_cache::redis::RedisError) -> ApiError {
-    ApiError::Internal(format!("redis: {e}"))
+    use reprise_cache::redis::RedisError as E;
+    match e {
+        E::Unavailable | E::Timeout | E::Connection(_) => ApiError::Unavailable(
+            "the shared cache (Redis) cannot be reached; nothing is lost by sending it again"
+                .into(),
+        ),
+        e => ApiError::Internal(format!("redis: {e}")),
+    }
 }
 
 /// `DELETE /admin/entries/{id}`: everywhere; a tenant's admin only reaches its own entries

@@ -285,3 +285,38 @@ async fn a_replica_writes_back_what_a_wiped_redis_lost() {
     );
     assert_eq!(backend.calls(), 1);
 }
+
+/// While Redis cannot be reached, an admin change that needs it is a 503 with `Retry-After`
+/// (it may be sent again as it was), not a server error; once Redis is back it goes through.
+#[tokio::test]
+async fn admin_changes_while_redis_is_down_are_told_to_retry() {
+    // The variable name is unique to this test, so no other test reads or writes it.
+    std::env::set_var("REPRISE_TEST_DOWN_ADMIN_TOKEN", "d0wn");
+    let mut redis = RedisServer::start();
+    let mut config = redis_config(redis.url());
+    config.semantic.enabled = false;
+    config.server.admin_token_env = Some("REPRISE_TEST_DOWN_ADMIN_TOKEN".into());
+    let app = spawn_replica(config, Arc::new(scripted())).await;
+    redis.stop();
+    let delete = || {
+        app.client
+            .delete(app.url("/admin/namespaces/default"))
+            .bearer_auth("d0wn")
+            .send()
+    };
+    let r = delete().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    let j = assert_openai_error(r, 503, None).await;
+    assert_eq!(j["error"]["code"], "unavailable", "{j}");
+    redis.restart();
+    let mut done = false;
+    for _ in 0..100 {
+        if delete().await.unwrap().status() == 200 {
+            done = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(done, "the delete went through once Redis was back");
+}
