@@ -89,6 +89,12 @@ macro_rules! shared_fields {
 /// on every token.
 pub const MAX_STOP_BYTES: usize = 1024;
 
+/// Messages a chat request may hold.
+pub const MAX_MESSAGES: usize = 4096;
+
+/// Content parts one message may hold.
+pub const MAX_CONTENT_PARTS: usize = 1024;
+
 /// Parses and validates a request body. A request that asks for more than a text answer
 /// (tools, several choices, images, log-probabilities) is only checked for the fields reprise
 /// itself reads; the upstream validates the rest.
@@ -119,6 +125,23 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                 return Err(ApiError::invalid(
                     "`messages` must not be empty",
                     Some("messages"),
+                ));
+            }
+            // Each message is copied several times on its way (the key, the generation
+            // request, the prefetcher's observation, an upstream body): a body of a few
+            // megabytes of tiny messages must not become hundreds of megabytes.
+            if r.messages.len() > MAX_MESSAGES {
+                return Err(ApiError::invalid(
+                    format!("`messages` may hold at most {MAX_MESSAGES} messages"),
+                    Some("messages"),
+                ));
+            }
+            if let Some(i) = r.messages.iter().position(
+                |m| matches!(&m.content, Some(Content::Parts(p)) if p.len() > MAX_CONTENT_PARTS),
+            ) {
+                return Err(ApiError::invalid(
+                    format!("a message's `content` may hold at most {MAX_CONTENT_PARTS} parts"),
+                    Some(&format!("messages[{i}].content")),
                 ));
             }
             if let Some(found) = chat_forward_field(&r) {
@@ -347,6 +370,32 @@ mod tests {
         let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
         b[field] = value;
         b
+    }
+
+    /// Messages and a message's content parts are counted, forwarded requests' too.
+    #[test]
+    fn messages_and_parts_are_counted() {
+        let msgs = |n: usize| {
+            let m = json!({"role": "user", "content": "hi"});
+            json!({"model": "m", "messages": vec![m; n]})
+        };
+        assert_eq!(classify(Endpoint::Chat, msgs(MAX_MESSAGES)), Ok(None));
+        let err = classify(Endpoint::Chat, msgs(MAX_MESSAGES + 1)).unwrap_err();
+        assert!(err.contains("at most 4096 messages"), "{err}");
+        let mut forwarded = msgs(MAX_MESSAGES + 1);
+        forwarded["tools"] = json!([{"type": "function"}]);
+        assert!(
+            classify(Endpoint::Chat, forwarded).is_err(),
+            "forwarded too"
+        );
+        let parts = |n: usize| {
+            let part = json!({"type": "text", "text": "a"});
+            let m = json!({"role": "user", "content": vec![part; n]});
+            json!({"model": "m", "messages": [m]})
+        };
+        assert_eq!(classify(Endpoint::Chat, parts(MAX_CONTENT_PARTS)), Ok(None));
+        let err = classify(Endpoint::Chat, parts(MAX_CONTENT_PARTS + 1)).unwrap_err();
+        assert!(err.contains("parts"), "{err}");
     }
 
     #[test]
