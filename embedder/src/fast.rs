@@ -316,6 +316,7 @@ impl FastEmbedder {
         spare: bool,
     ) -> Result<Pending, EmbedError> {
         let q = &self.queue;
+        let text = crate::window::model_start(text);
         // A text longer than the whole byte budget takes all of it (and waits for an empty
         // queue) rather than never fitting.
         let bytes = u32::try_from(text.len().clamp(1, q.bytes_total)).unwrap_or(u32::MAX);

@@ -27,7 +27,7 @@ pub use config::EmbedderConfig;
 pub use error::EmbedError;
 pub use fake::FakeEmbedder;
 pub use fast::{EmbedderStats, FastEmbedder};
-pub use window::SCAN_BYTES;
+pub use window::{model_start, SCAN_BYTES};
 
 /// Turns text into a fixed-size, L2-normalised vector.
 ///

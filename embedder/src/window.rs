@@ -32,6 +32,24 @@ use crate::Reading;
 /// first, a longer one when the short one held too few tokens.
 pub const SCAN_BYTES: [usize; 2] = [2 * 1024, 16 * 1024];
 
+/// The start of `text` that is given to the model: at most the longer scan ([`SCAN_BYTES`]),
+/// cut at a whitespace (at a character boundary where there is none). The model reads at
+/// most its first `max_tokens` tokens, which natural text in any script holds in far less;
+/// past the cut nothing is tokenized (normalising and pre-tokenising megabytes, an answer
+/// judged in the background say, would hold the embedding thread and allocate many times
+/// their size for a vector that reads the first kilobytes anyway).
+pub fn model_start(text: &str) -> &str {
+    let limit = SCAN_BYTES[1];
+    if text.len() <= limit {
+        return text;
+    }
+    let cut = text.floor_char_boundary(limit);
+    match text[..cut].rfind(char::is_whitespace) {
+        Some(at) => &text[..at],
+        None => &text[..cut],
+    }
+}
+
 /// The model's tokenizer, without truncation or padding, and how many of a text's tokens the
 /// model reads.
 pub(crate) struct Window {
@@ -137,5 +155,23 @@ impl Window {
             };
         }
         read
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{model_start, SCAN_BYTES};
+
+    #[test]
+    fn the_model_start_is_cut_at_a_whitespace_within_the_scan() {
+        assert_eq!(model_start("short text"), "short text");
+        let long = "word ".repeat(1_000_000);
+        let start = model_start(&long);
+        assert!(start.len() <= SCAN_BYTES[1] && start.len() > SCAN_BYTES[1] - 8);
+        assert!(start.ends_with("word"), "cut at a whitespace");
+        // No whitespace: at a character boundary.
+        let unbroken = "é".repeat(20_000);
+        let start = model_start(&unbroken);
+        assert!(start.len() <= SCAN_BYTES[1] && start.chars().all(|c| c == 'é'));
     }
 }

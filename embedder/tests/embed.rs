@@ -608,6 +608,21 @@ async fn long_texts_are_embedded_a_few_at_a_time_within_the_memory_budget() {
     assert!(cosine(&alone, &vectors[0]) > 0.9999);
 }
 
+/// A text of megabytes (an answer judged in the background) is read as far as the model
+/// reads (`model_start`): its vector is its start's.
+#[tokio::test]
+async fn a_megabyte_text_is_embedded_as_its_start() {
+    let e = load(EmbedderConfig {
+        cache_bytes: 0,
+        ..common::config()
+    });
+    let long = "The answer explains the refund policy in detail. ".repeat(80_000);
+    let start = reprise_embedder::model_start(&long);
+    assert!(start.len() < long.len() / 100);
+    let (whole, cut) = (e.embed(&long).await.unwrap(), e.embed(start).await.unwrap());
+    assert!(cosine(&whole, &cut) > 0.9999);
+}
+
 #[tokio::test]
 async fn a_long_text_counts_as_the_model_reads_it_not_as_its_scanned_start() {
     // The model reads 256 tokens of each text; the first 16 KiB (what is counted) hold two
