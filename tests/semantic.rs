@@ -1079,6 +1079,10 @@ async fn a_hit_reported_wrong_is_not_served_to_that_question_again() {
         401
     );
     assert_eq!(cache_status(&app.chat(&asked, &auth).await), "exact");
+    // A wording almost alike, linked to the entry by its own hit: an alias of it too.
+    let near = chat_body("I forgot my password, how can I change it ?");
+    assert_eq!(cache_status(&app.chat(&near, &auth).await), "semantic");
+    assert_eq!(cache_status(&app.chat(&near, &auth).await), "exact");
 
     let r = feedback(&app, json!({"id": id, "verdict": "wrong"}), Some("sk-a")).await;
     assert_eq!(r.status(), 200);
@@ -1098,7 +1102,6 @@ async fn a_hit_reported_wrong_is_not_served_to_that_question_again() {
         content(r).await,
         "You asked: I forgot my password, how can I change it?"
     );
-    let near = chat_body("I forgot my password, how can I change it ?");
     let r = app.chat(&near, &auth).await;
     assert_ne!(
         content(r).await,

@@ -180,6 +180,12 @@ impl Entry {
             })
     }
 
+    /// Whether some refusal holds a neighbourhood (a question refused by meaning): a wording
+    /// linked to the entry before it, within that neighbourhood, must be matched again.
+    pub fn refuses_around(&self) -> bool {
+        self.refusals.iter().any(|r| r.around.is_some())
+    }
+
     /// Whether the entry was reported wrong for the question of exact key `key`.
     pub fn refuses_key(&self, key: &Digest) -> bool {
         self.refusals.iter().any(|r| r.key == *key)

@@ -237,12 +237,15 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
         found.exact_taken = matches!(by_key, ByKey::Stale);
         if let ByKey::Expired(entry) = &by_key {
             // An expired answer to another wording (an alias) is served stale only where a
-            // fresh one would be: not once it is refused to every question by meaning, nor
-            // to a client or tenant that has aliases matched again by meaning (a stale answer
-            // is not); and a verdict on it refuses as one on an aliased hit does.
+            // fresh one would be: not once it is refused to every question by meaning or to
+            // some neighbourhood, nor to a client or tenant that has aliases matched again by
+            // meaning (a stale answer is not); a verdict on it refuses as one on an aliased
+            // hit does.
             let alias = is_alias(entry, asked(req));
             let barred = alias
-                && (entry.refused_by_meaning() || rematches_aliases(state, namespace, &wants));
+                && (entry.refused_by_meaning()
+                    || entry.refuses_around()
+                    || rematches_aliases(state, namespace, &wants));
             if !barred && wants.takes_stale(entry) {
                 found.stale = Some(entry.clone());
                 found.aliased = alias;
@@ -259,9 +262,12 @@ pub async fn lookup(state: &Arc<AppState>, ask: Ask<'_>) -> Lookup {
     // exact hit on another wording (an alias a looser match linked) only when it also
     // passes that threshold by meaning: decided once the question is known.
     // (Only an alias asks: an exact hit on its own question stays on the fast path.)
-    let served_here = exact_hit
-        .as_ref()
-        .is_some_and(|e| !is_alias(e, asked(req)) || !rematches_aliases(state, namespace, &wants));
+    // So is one on an entry refused by meaning to some question: the alias may have been
+    // linked before, within the refused neighbourhood.
+    let served_here = exact_hit.as_ref().is_some_and(|e| {
+        !is_alias(e, asked(req))
+            || !(e.refuses_around() || rematches_aliases(state, namespace, &wants))
+    });
     if served_here && state.prefetch.is_none() {
         if let Some(entry) = &exact_hit {
             note_alias(&mut found, entry, asked(req));
@@ -372,7 +378,7 @@ async fn beyond_exact(
     let exact_hit = exact_hit.filter(|e| match query.as_deref() {
         // Only another wording, both known, is matched again (an entry stored without the
         // semantic tier records no wording: it answers its own key only).
-        Some(q) if rematch && !e.prompt.is_empty() => q == e.prompt,
+        Some(q) if (rematch || e.refuses_around()) && !e.prompt.is_empty() => q == e.prompt,
         _ => true,
     });
     if let Some(entry) = exact_hit {
