@@ -745,24 +745,15 @@ const Y_SO: &str = "How do I reset my password?";
 const Y_OTHER: &str = "Where do I go to reset my password?";
 const Z_LOOKALIKE: &str = "I didn't get the password reset email.";
 
-#[tokio::test]
-async fn a_follow_up_in_another_known_wording_is_served_from_the_prefetch() {
-    let mut config = prefetch_config(true);
+/// Learns that `Y` follows `X` (in `Y_SO` twice, `Y_OTHER` once; the look-alike once).
+async fn learn_y_after_x(mut config: Config) -> (TestApp, Probe) {
     // The semantic tier matches no paraphrase here: a hit can only come from the prefetch
     // and the aliases of its cluster's wordings.
     config.semantic.threshold = 0.99;
     // The look-alike, seen once after X, stays below the bar and is not prefetched itself.
     config.prefetch.min_probability = 0.3;
     let (app, probe) = spawn_probe(config, ScriptConfig::default()).await;
-    let x_answer = format!("You asked: {X}");
-    let turn = |system: &str, q: &str| {
-        convo(&[
-            ("system", system),
-            ("user", X),
-            ("assistant", &x_answer),
-            ("user", q),
-        ])
-    };
+    let turn = after_x;
     // X, then Y in its most used wording twice, in another wording once; the look-alike once.
     for q in [Y_SO, Y_SO, Y_OTHER, Z_LOOKALIKE] {
         app.chat(&convo(&[("system", "You are terse."), ("user", X)]), &[])
@@ -779,7 +770,12 @@ async fn a_follow_up_in_another_known_wording_is_served_from_the_prefetch() {
         .unwrap();
     assert!(y_cluster.iter().any(|w| w == Y_OTHER), "{clusters:?}");
     assert!(!y_cluster.iter().any(|w| w == Z_LOOKALIKE), "{clusters:?}");
+    (app, probe)
+}
 
+/// Lets two new contexts reach X, so that Y is prefetched in each (see [`learn_y_after_x`]);
+/// returns the backend's calls once that is done.
+async fn prefetch_y_in_two_new_contexts(app: &TestApp, probe: &Probe) -> usize {
     // New contexts reach X: Y is prefetched in its most used wording.
     for system in ["You are kind.", "You are brief."] {
         let r = app
@@ -792,7 +788,25 @@ async fn a_follow_up_in_another_known_wording_is_served_from_the_prefetch() {
         "{:?}",
         stats(&app)
     );
-    let calls = probe.inner.calls();
+    probe.inner.calls()
+}
+
+/// The turn `q` after X under `system`.
+fn after_x(system: &str, q: &str) -> serde_json::Value {
+    let x_answer = format!("You asked: {X}");
+    convo(&[
+        ("system", system),
+        ("user", X),
+        ("assistant", &x_answer),
+        ("user", q),
+    ])
+}
+
+#[tokio::test]
+async fn a_follow_up_in_another_known_wording_is_served_from_the_prefetch() {
+    let (app, probe) = learn_y_after_x(prefetch_config(true)).await;
+    let calls = prefetch_y_in_two_new_contexts(&app, &probe).await;
+    let turn = after_x;
     // Asked in the other wording: served from the prefetched answer, no backend call.
     let r = app.chat(&turn("You are kind.", Y_OTHER), &[]).await;
     assert_eq!(cache_status(&r), "prefetch");
@@ -802,6 +816,22 @@ async fn a_follow_up_in_another_known_wording_is_served_from_the_prefetch() {
     let r = app.chat(&turn("You are brief.", Z_LOOKALIKE), &[]).await;
     assert_ne!(cache_status(&r), "prefetch");
     assert_eq!(content(r).await, format!("You asked: {Z_LOOKALIKE}"));
+}
+
+/// Once a rule turns matching by meaning off for the namespace, a prefetched answer serves
+/// the wording it was generated for only, never the other wordings its cluster learned.
+#[tokio::test]
+async fn no_other_wording_is_served_a_prefetch_where_meaning_is_off() {
+    let (app, probe) = learn_y_after_x(prefetch_config(true)).await;
+    let doc = "[[semantic.rules]]\nnamespace = \"default\"\nenabled = false\n";
+    let doc = reprise::policy::PolicyDocument::from_toml(doc).unwrap();
+    reprise::policy::apply(&app.state, doc).await.unwrap();
+    prefetch_y_in_two_new_contexts(&app, &probe).await;
+    let r = app.chat(&after_x("You are kind.", Y_SO), &[]).await;
+    assert_eq!(cache_status(&r), "prefetch", "its own wording is served");
+    let r = app.chat(&after_x("You are brief.", Y_OTHER), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(content(r).await, format!("You asked: {Y_OTHER}"));
 }
 
 /// A phrase of every proposal request (its instructions), for the scripted backend's rule.

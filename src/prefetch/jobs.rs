@@ -399,8 +399,12 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> Ran 
         Background::Cached(entry) => Some(entry.clone()),
         Background::Failed { .. } | Background::Skipped => None,
     };
+    // Only where the namespace's policy matches by meaning at all: a rule that turns the
+    // semantic tier off for it keeps every wording to its own answer.
     if let (JobKind::Prefetch, Some(entry)) = (&job.kind, answer) {
-        state.store.alias_unclaimed(&job.aliases, &entry).await;
+        if crate::lookup::matches_by_meaning(state, &job.namespace, &entry.model) {
+            state.store.alias_unclaimed(&job.aliases, &entry).await;
+        }
     }
     let mut tokens = 0;
     let generated = !matches!(result, Background::Cached(_) | Background::Skipped);
