@@ -250,17 +250,35 @@ impl Flights {
     /// priority that has not started answering is not joined: the caller leads another
     /// (the first goes on, unregistered).
     pub fn join(&self, key: Digest, entry: EntryId, priority: Priority) -> Joined {
+        match self.join_admitted(key, entry, priority, || Ok::<(), ()>(())) {
+            Ok(joined) => joined,
+            Err(()) => unreachable!("admitted"),
+        }
+    }
+
+    /// [`Flights::join`], where leading must be admitted first (the tenant's token budget
+    /// charged): `admit` runs under the registry's lock only when the caller is about to
+    /// lead, so following a running flight is never charged, and of callers racing for one
+    /// key only the one that leads is. Its error is returned, and nothing is registered.
+    pub fn join_admitted<E>(
+        &self,
+        key: Digest,
+        entry: EntryId,
+        priority: Priority,
+        admit: impl FnOnce() -> Result<(), E>,
+    ) -> Result<Joined, E> {
         let mut map = self.map.lock();
         // A cancelled (or abandoned) flight is on its way out; start afresh rather than join
         // a corpse.
         let running = map.get(&key).filter(|f| f.followable_by(priority));
         if let Some(sub) = running.and_then(|f| f.follow()) {
-            return Joined::Follower(sub);
+            return Ok(Joined::Follower(sub));
         }
+        admit()?;
         let f = Flight::new(Some(entry), priority);
         let sub = f.subscribe();
         map.insert(key, f.clone());
-        Joined::Leader(f, sub)
+        Ok(Joined::Leader(f, sub))
     }
 
     /// Registers a new flight for `key` for the caller to drive (stored as `entry`), unless
@@ -512,6 +530,30 @@ mod tests {
             }
         }
         assert_eq!(followed_cancelled, 0, "joined a cancelled flight");
+    }
+
+    #[tokio::test]
+    async fn only_the_leader_is_admitted_and_a_refusal_registers_nothing() {
+        let flights = Flights::default();
+        let admitted = std::cell::Cell::new(0);
+        let admit = || {
+            admitted.set(admitted.get() + 1);
+            Ok::<(), &str>(())
+        };
+        let key = [9; 32];
+        let refused = flights.join_admitted(key, EntryId(1), Priority::Interactive, || Err("no"));
+        assert!(matches!(refused, Err("no")));
+        assert!(flights.is_empty(), "a refused leader registers nothing");
+        let Ok(Joined::Leader(_f, _a)) =
+            flights.join_admitted(key, EntryId(1), Priority::Interactive, admit)
+        else {
+            panic!("first must lead")
+        };
+        for _ in 0..3 {
+            let joined = flights.join_admitted(key, EntryId(2), Priority::Interactive, admit);
+            assert!(matches!(joined, Ok(Joined::Follower(_))));
+        }
+        assert_eq!(admitted.get(), 1, "followers are never admitted (charged)");
     }
 
     #[tokio::test]

@@ -784,9 +784,9 @@ async fn prefetch_y_in_two_new_contexts(app: &TestApp, probe: &Probe) -> usize {
         assert_eq!(cache_status(&r), "miss");
     }
     assert!(
-        eventually(WAIT, || stats(&app).completed >= 2).await,
+        eventually(WAIT, || stats(app).completed >= 2).await,
         "{:?}",
-        stats(&app)
+        stats(app)
     );
     probe.inner.calls()
 }

@@ -374,20 +374,23 @@ async fn serve(
             if tokio::time::Instant::now() >= deadline {
                 return Err(ApiError::Timeout);
             }
-            // The backend will be asked: charged against the tenant's token budget.
+            // The backend will be asked: charged against the tenant's token budget, once this
+            // request leads its generation (following one already running costs nothing).
             let max_tokens = parsed.req.params.max_tokens;
-            tenant.take_tokens(max_tokens.unwrap_or(state.config.backend.default_max_tokens))?;
+            let charge = max_tokens.unwrap_or(state.config.backend.default_max_tokens);
+            let charge = || tenant.take_tokens(charge);
             let mut plan = found.plan;
             plan.tags = ctl.tags.clone();
             plan.near_miss = near_miss_to_check(state, &tenant, &found.notes, scope.clone());
             plan.observe = observe;
             let policy = found.policy;
-            let joining = single_flight::join(state, &parsed, plan, policy, access, fallback, book);
-            // Cancelled only while it looks for a paraphrase in flight, before it starts
-            // anything: past the deadline there is no one to answer.
+            let leading = single_flight::Leading { fallback, charge };
+            let joining = single_flight::join(state, &parsed, plan, policy, access, leading, book);
+            // Cancelled only while it looks for a paraphrase in flight, before it starts or
+            // charges anything: past the deadline there is no one to answer.
             Box::pin(tokio::time::timeout_at(deadline, joining))
                 .await
-                .map_err(|_| ApiError::Timeout)?
+                .map_err(|_| ApiError::Timeout)??
         }
     };
     // A follower's tags go with the answer it is served (the leader's are in its plan).

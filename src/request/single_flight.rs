@@ -12,6 +12,7 @@ use reprise_policies::cache::Access;
 use reprise_policies::semantic::SemanticPolicy;
 
 use crate::bookkeeping::Bookkeeping;
+use crate::error::ApiError;
 use crate::flight::{Joined, Subscriber};
 use crate::lookup::semantic::{meanings_apart, vet};
 use crate::lookup::WritePlan;
@@ -85,28 +86,40 @@ async fn follow_paraphrase(
     })
 }
 
-/// Joins or starts the generation that answers `parsed` (a new one falls back to `fallback`
-/// when its backend is saturated or refuses). A request that may not write runs its own
-/// generation and stores nothing.
+/// What starting a generation takes: its fallback (when its backend is saturated or
+/// refuses), and the charge against the tenant's token budget, made only when this request
+/// starts it (following a running one costs nothing).
+pub struct Leading<F> {
+    pub fallback: Option<Fallback>,
+    pub charge: F,
+}
+
+/// Joins or starts the generation that answers `parsed` (see [`Leading`]); the charge's
+/// refusal when it would start one. A request that may not write runs its own generation
+/// and stores nothing.
 pub async fn join(
     state: &Arc<AppState>,
     parsed: &Parsed,
     plan: WritePlan,
     policy: Option<SemanticPolicy>,
     access: Access,
-    fallback: Option<Fallback>,
+    leading: Leading<impl FnOnce() -> Result<(), ApiError>>,
     book: &mut Bookkeeping,
-) -> Joining {
+) -> Result<Joining, ApiError> {
+    let Leading { fallback, charge } = leading;
     // A paraphrase in flight may have started since [`follow`] looked.
     let priority = parsed.req.priority;
     if let Some(joined) =
         follow_paraphrase(state, &plan, policy.as_ref(), priority, access, book).await
     {
-        return joined;
+        return Ok(joined);
     }
     let subscriber = if access.write {
         let exact = plan.exact;
-        match state.flights.join(exact, plan.id, priority) {
+        match state
+            .flights
+            .join_admitted(exact, plan.id, priority, charge)?
+        {
             Joined::Follower(sub) => {
                 state.metrics.singleflight_joins.increment(1);
                 sub
@@ -131,15 +144,16 @@ pub async fn join(
             }
         }
     } else {
+        charge()?;
         let (flight, sub) = state.flights.solo(None);
         let req = parsed.req.clone();
         crate::generate::spawn(state.clone(), flight, None, req, None, fallback);
         sub
     };
-    Joining {
+    Ok(Joining {
         subscriber,
         similarity: None,
-    }
+    })
 }
 
 /// The most similar question in flight in `partition` (at or above the threshold) whose
