@@ -289,6 +289,18 @@ impl ToolUpstream {
                         r#"{"error":{"message":"input is required","type":"invalid_request_error","param":"input","code":null}}"#,
                     )
                         .into_response(),
+                    // A download that sends its start, then nothing more.
+                    "/v1/files/stalled/content" => {
+                        let start = futures::stream::once(async {
+                            Ok::<_, std::io::Error>("the start of a file")
+                        });
+                        let body = start.chain(futures::stream::pending());
+                        (
+                            [(header::CONTENT_TYPE, "application/octet-stream")],
+                            axum::body::Body::from_stream(body),
+                        )
+                            .into_response()
+                    }
                     // Comments every 50 ms, and never an event.
                     _ if idle && stream => {
                         let comments = futures::stream::unfold((), |()| async {
@@ -332,6 +344,10 @@ impl ToolUpstream {
             .route("/v1/moderations", axum::routing::post(handler.clone()))
             .route("/v1/models/old-name", axum::routing::get(handler.clone()))
             .route("/v1/models/busy", axum::routing::get(handler.clone()))
+            .route(
+                "/v1/files/stalled/content",
+                axum::routing::get(handler.clone()),
+            )
             .route("/v1/files", axum::routing::post(handler.clone()))
             .route(
                 "/v1/audio/transcriptions",
@@ -991,6 +1007,24 @@ async fn requests_beyond_text_are_refused_by_a_text_only_backend() {
     assert_eq!(r.status(), 200);
     assert_eq!(cache_status(&r), "miss");
     assert_eq!(backend.calls(), 1);
+}
+
+/// A read passed through (a file's content) whose upstream stops sending mid-body is cut
+/// off once it has sent nothing for the token timeout: it holds no slot, but it must not
+/// hold the handler and the client's connection for ever either.
+#[tokio::test]
+async fn a_passed_through_read_that_stalls_is_cut_off() {
+    let up = ToolUpstream::spawn().await;
+    let mut config = openai_config(up.base_url.clone());
+    config.backend.passthrough.push("files".into());
+    config.server.token_timeout_secs = 0.5;
+    let app = proxy_to(config).await;
+    let r = app.get("/v1/files/stalled/content").await;
+    assert_eq!(r.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(20), r.bytes())
+        .await
+        .expect("the stalled body is cut off");
+    assert!(body.is_err(), "it ends cut off, not whole");
 }
 
 #[tokio::test]

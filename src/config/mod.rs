@@ -121,7 +121,8 @@ pub struct ServerConfig {
     /// non-streaming request gets 504. Background generations (prefetch, refresh) too. A
     /// forwarded stream (tools, ...) is cut off mid-body after such a gap between chunks; and
     /// an answer holding an upstream slot (forwarded, or passed through other than a read or
-    /// an upload) whose client leaves a chunk unread this long is cut off, freeing the slot.
+    /// an upload) whose client leaves a chunk unread this long is cut off, freeing the slot;
+    /// a read's or an upload's answer is cut off when its upstream sends nothing this long.
     pub token_timeout_secs: f64,
     /// On shutdown, longest the server waits for open requests (long streams included) to
     /// end before closing them, in seconds; the snapshot and the Redis write queue are saved

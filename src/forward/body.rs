@@ -37,8 +37,10 @@ pub(super) fn upstream_headers(headers: &HeaderMap, default_type: &str) -> Vec<(
 /// How long a forwarded body may take.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum BodyLimits {
-    /// No limit (files and other non-completion endpoints).
-    None,
+    /// Each chunk within this long of the one before (of the start, for the first): reads
+    /// and uploads, which hold no slot and may be large, but must not be held for ever by
+    /// an upstream that stopped sending.
+    Idle(Duration),
     /// The whole body by then.
     Deadline(tokio::time::Instant),
     /// A stream: its first event with data (its first token) by `first_by`, then at most
@@ -152,7 +154,7 @@ pub(super) fn upstream_response(
         let mut bytes = 0usize;
         loop {
             let next = match (limits, data_at) {
-                (BodyLimits::None, _) => Ok(upstream.next().await),
+                (BodyLimits::Idle(gap), _) => tokio::time::timeout(gap, upstream.next()).await,
                 (BodyLimits::Deadline(d), _) => tokio::time::timeout_at(d, upstream.next()).await,
                 (BodyLimits::Stream { first_by, .. }, None) => {
                     tokio::time::timeout_at(first_by, upstream.next()).await

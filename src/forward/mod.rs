@@ -344,9 +344,10 @@ pub async fn passthrough_for(
         // A request holding a slot holds it until its answer is read: a whole answer within
         // the request's deadline, an event stream (`stream: true`) within the token
         // timeouts, so a stalled upstream cannot keep it; nor a client that stops reading
-        // (cut off once it leaves a chunk unread for the token timeout).
+        // (cut off once it leaves a chunk unread for the token timeout). A read or an
+        // upload is cut off once its upstream sends nothing for the token timeout.
         let limits = match (request, is_event_stream(&answer)) {
-            (false, _) => BodyLimits::None,
+            (false, _) => BodyLimits::Idle(server.token_timeout()),
             (true, false) => BodyLimits::Deadline(deadline),
             (true, true) => BodyLimits::Stream {
                 first_by: deadline.min(tokio::time::Instant::now() + server.first_token_timeout()),
