@@ -729,6 +729,48 @@ async fn ask_as(app: &TestApp, tenant: &str, text: &str) -> reqwest::Response {
         .await
 }
 
+/// A canary whose candidate reads questions as standing alone, where the running policy does
+/// not, stores nothing the running policy would not: after the candidate is removed, a
+/// question asked alone is not served the answer written after another conversation.
+#[tokio::test]
+async fn a_candidates_standalone_answers_stay_in_their_conversation() {
+    let candidate = "mode = \"canary\"\npercent = 100\nmin_requests = 100000\n\
+                     max_latency_ratio = 1000\n\
+                     [[tenants.candidate.semantic_rules]]\nstandalone = true";
+    let mut config = tenants_config(&tenants_doc(&[("t", "", candidate)]), true);
+    config.semantic.standalone = false;
+    let (app, backend) = spawn_fake(config, ScriptConfig::default()).await;
+    let auth = [("authorization", "Bearer sk-t")];
+    let puppy = convo(&[
+        ("user", "What is a good name for a golden retriever puppy?"),
+        ("assistant", "Maple, Biscuit and Sunny are popular choices."),
+        ("user", "How far away is the Moon from Earth?"),
+    ]);
+    let r = app.chat(&puppy, &auth).await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = app.chat(&puppy, &auth).await;
+    assert_eq!(cache_status(&r), "exact");
+    // Asked alone (on the candidate's side still): the answer after the other conversation
+    // was stored in that conversation, not alone.
+    let alone = convo(&[("user", "How far is the Moon from the Earth?")]);
+    let r = app.chat(&alone, &auth).await;
+    assert_eq!(cache_status(&r), "miss", "nothing was stored alone");
+    let calls = backend.calls();
+    // The candidate removed: the running policy's side reads no answer it would not store.
+    assert_eq!(
+        put(&app, &tenants_doc(&[("t", "", "")])).await.status(),
+        200
+    );
+    let other = convo(&[("user", "How far is the Moon from Earth?")]);
+    let r = app.chat(&other, &auth).await;
+    assert_eq!(cache_status(&r), "semantic", "the lone answer, asked alone");
+    assert_eq!(
+        content(r).await,
+        "You asked: How far is the Moon from the Earth?"
+    );
+    assert_eq!(backend.calls(), calls);
+}
+
 /// A rollback judged on one candidate while an operator put another in its place removes
 /// nothing: the operator's candidate stays.
 #[tokio::test]

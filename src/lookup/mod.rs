@@ -435,6 +435,14 @@ async fn beyond_exact(
         (policy.raised(wants.threshold), scope, learned)
     };
     let (policy, scope, learned) = serving(tenant.semantic_rules(wants.arm), wants.arm);
+    // A canary's candidate may read a question as standing alone where the running policy
+    // does not: it looks the question up alone, but its answer is stored in the
+    // conversation's own partition, so the control side (and every request after a
+    // rollback) never reads an answer written with a history in view as one asked alone.
+    let stores_alone = wants.arm != Arm::Candidate || {
+        let running = tenant.semantic_rules(Arm::Current);
+        semantic_policy(&policies, running, namespace, &req.model, None).standalone
+    };
     if let (Some(learned), true) = (&learned, counted) {
         state.metrics.learned(tenant.name(), &scope, learned);
     }
@@ -516,14 +524,17 @@ async fn beyond_exact(
                 .all(|r| reprise_embedder::cosine(r, &embedding) < limit)
             {
                 partition = key::partition_key(namespace, endpoint, req, &alone, unread, &unknown);
-                found.plan.partition = Some(partition);
                 found.notes.standalone = true;
-                // No turn link: its entry answers the question asked alone, and the next
-                // turn's context resolved through it would drop this history, so this
-                // conversation's follow-ups would share answers with those of the question
-                // asked alone (or after another history). They resolve by their raw text.
-                found.plan.turn = None;
-                found.plan.raw_turn = None;
+                if stores_alone {
+                    found.plan.partition = Some(partition);
+                    // No turn link: its entry answers the question asked alone, and the
+                    // next turn's context resolved through it would drop this history, so
+                    // this conversation's follow-ups would share answers with those of the
+                    // question asked alone (or after another history). They resolve by
+                    // their raw text.
+                    found.plan.turn = None;
+                    found.plan.raw_turn = None;
+                }
             }
         }
     }
