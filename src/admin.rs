@@ -115,6 +115,12 @@ pub struct Selection {
 }
 
 impl Selection {
+    /// What it selects, as the store's fence of a filtered delete takes it.
+    pub fn delete_filter(&self) -> reprise_cache::DeleteFilter {
+        let selection = self.clone();
+        Arc::new(move |e| selection.matches(e))
+    }
+
     /// Whether the filter selects `e`.
     pub fn matches(&self, e: &reprise_cache::Entry) -> bool {
         self.tenant
@@ -373,13 +379,10 @@ pub async fn delete_entries(
             .older_than_secs
             .map(|s| now.saturating_sub(s.saturating_mul(1000))),
     };
-    // Answers it selects that are being generated now are not stored after it, here and
-    // (told next) on the other replicas, which drop what they hold that it selects, answers
-    // whose puts never reached Redis included (which the scan below cannot find).
-    let fenced = selection.clone();
-    state
-        .store
-        .fence_where(Arc::new(move |e| fenced.matches(e)));
+    // The other replicas first: they fence what it selects (answers being generated there
+    // are not stored after it) and drop what they hold of it, answers whose puts never
+    // reached Redis included (which the scan below cannot find). Then this replica's fence
+    // (a delete Redis refused to announce fences nothing here either).
     if let Some(redis) = state.store.redis() {
         redis
             .announce_delete_where(
@@ -390,6 +393,7 @@ pub async fn delete_entries(
             .await
             .map_err(redis_error)?;
     }
+    state.store.fence_where(selection.delete_filter());
     let deleted = state
         .store
         .delete_where(|e| selection.matches(e))
@@ -479,13 +483,13 @@ pub async fn delete_tag(
             // Answers of the tenant on their way with the tag are not stored after it, here
             // and (told first) on every replica, which drops what it holds with the tag.
             let prefix = crate::auth::scope(t.name(), "");
-            state.store.fence_tag_within(&prefix, &tag);
             if let Some(redis) = state.store.redis() {
                 redis
                     .announce_tag_within(&prefix, &tag)
                     .await
                     .map_err(redis_error)?;
             }
+            state.store.fence_tag_within(&prefix, &tag);
             // Each entry by id (here and in Redis, marked there against late puts).
             state
                 .store

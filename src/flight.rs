@@ -249,6 +249,7 @@ impl Flights {
     /// whose answer will be stored as `entry`, generated at `priority`. A flight of a lower
     /// priority that has not started answering is not joined: the caller leads another
     /// (the first goes on, unregistered).
+    #[cfg(test)]
     pub fn join(&self, key: Digest, entry: EntryId, priority: Priority) -> Joined {
         match self.join_admitted(key, entry, priority, || Ok::<(), ()>(())) {
             Ok(joined) => joined,

@@ -104,17 +104,28 @@ impl Server {
 
     /// The Prometheus text of `/metrics` (panics when the request fails).
     pub async fn metrics_text(&self) -> String {
+        let r = self.scrape("/metrics").await;
+        r.text().await.expect("a body")
+    }
+
+    /// `/readyz` with its details, as whoever may scrape reads it (panics when the request
+    /// fails or the body is not JSON).
+    pub async fn readiness(&self) -> Value {
+        self.scrape("/readyz")
+            .await
+            .json()
+            .await
+            .expect("a JSON body")
+    }
+
+    /// `path` read with the `/metrics` token.
+    async fn scrape(&self, path: &str) -> reqwest::Response {
         let token = self.state.config.server.metrics_token_env.as_ref();
         let token = token
             .and_then(|v| std::env::var(v).ok())
             .unwrap_or_default();
-        let r = self
-            .client
-            .get(self.url("/metrics"))
-            .bearer_auth(token)
-            .send()
-            .await;
-        r.expect("request sent").text().await.expect("a body")
+        let r = self.client.get(self.url(path)).bearer_auth(token).send();
+        r.await.expect("request sent")
     }
 }
 

@@ -11,9 +11,13 @@
 //!   finishing the previous one (hyper's header-read timeout, which also ends idle keep-alive
 //!   connections); an HTTP/2 connection is pinged at that interval and closed when a ping
 //!   goes unanswered;
-//! - at most `server.max_connections` are open at once: one more is closed as soon as it is
-//!   accepted (counted in `reprise_connections_refused_total`), rather than left in the
-//!   kernel's backlog, so a client sees a reset at once.
+//! - at most `server.max_connections` are open at once on each listener (the API's, and the
+//!   admin one's when it has its own): one more is closed as soon as it is accepted (counted
+//!   in `reprise_connections_refused_total`), rather than left in the kernel's backlog, so a
+//!   client sees its connection closed at once.
+//!
+//! An HTTP/2 connection that answers pings stays open between requests (hyper has no idle
+//! timeout for it): it holds one of the slots until the client closes it.
 //!
 //! A request's body and its answer have their own bounds (`body_timeout_secs`, the request,
 //! token and first-token timeouts).
@@ -79,11 +83,12 @@ pub async fn serve(
             _ = stop.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
+                // A connection reset or aborted before it was taken: the next one.
+                Err(e) if is_connection_error(&e) => continue,
                 Err(e) => {
-                    // Out of file descriptors, or a connection reset before it was taken:
-                    // wait a moment rather than spin, and go on.
+                    // Out of file descriptors, say: wait rather than spin, and go on.
                     tracing::warn!(error = %e, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                     continue;
                 }
             },
@@ -126,4 +131,13 @@ pub async fn serve(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// An accept error that concerns that one connection only, not the listener.
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(
+        e.kind(),
+        K::ConnectionRefused | K::ConnectionAborted | K::ConnectionReset
+    )
 }

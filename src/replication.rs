@@ -114,8 +114,7 @@ pub async fn start(state: &Arc<AppState>, tracker: &TaskTracker, stop: Cancellat
                         model,
                         created_until_ms,
                     };
-                    let fenced = selection.clone();
-                    store.fence_where(std::sync::Arc::new(move |e| fenced.matches(e)));
+                    store.fence_where(selection.delete_filter());
                     let ids: Vec<_> = store
                         .entries()
                         .into_iter()

@@ -1062,14 +1062,15 @@ async fn connections_that_ask_nothing_are_closed_and_their_number_is_bounded() {
     use tokio::io::AsyncWriteExt;
     use tokio::net::TcpStream;
     let mut config = test_config();
-    config.server.header_timeout_secs = 0.5;
+    // Long enough that the three are still held when the fourth comes, on a slow machine.
+    config.server.header_timeout_secs = 3.0;
     config.server.max_connections = 3;
     let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
     let addr = app.addr;
     // A guard against a server that never closes them (the test fails, it does not hang).
     let limit = Duration::from_secs(20);
     // The harness's own keep-alive connection, if any, is closed as idle meanwhile.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
     let mut silent = TcpStream::connect(addr).await.unwrap();
     let mut trickling = TcpStream::connect(addr).await.unwrap();
     trickling

@@ -104,7 +104,7 @@ async fn redis_outage_fails_no_request_and_recovers_by_itself() {
         cache_status(&app.chat(&chat_body("before the outage"), &[]).await),
         "exact"
     );
-    let ready: Value = app.get("/readyz").await.json().await.unwrap();
+    let ready = app.readiness().await;
     assert_eq!(ready["redis"]["up"], false, "{ready}");
     redis.restart();
     // Writes resume without restarting reprise: a fresh replica sees a new answer.

@@ -622,7 +622,7 @@ async fn a_backend_down_leaves_hits_and_the_fallback_serving() {
     );
     let (model, _) = answer(r).await;
     assert_eq!(model, LARGE);
-    let ready: Value = app.get("/readyz").await.json().await.unwrap();
+    let ready = app.readiness().await;
     assert_eq!(ready["backends"]["small"], false, "{ready}");
     assert_eq!(ready["backends"]["large"], true, "{ready}");
     large.set_ready(false);

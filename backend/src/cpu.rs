@@ -14,7 +14,8 @@ use std::sync::Arc;
 
 use tokio::sync::Semaphore;
 
-/// A bound on the request path's CPU-bound jobs (see the module header).
+/// A bound on the request path's CPU-bound jobs (see the module header). Clones share it.
+#[derive(Clone)]
 pub struct CpuPool {
     permits: Arc<Semaphore>,
     threads: usize,
@@ -30,10 +31,14 @@ impl CpuPool {
         }
     }
 
-    /// A pool of one job per core: the jobs never need more, and the async workers keep
+    /// The process's pool of one job per core, shared by whoever asks (the request path,
+    /// the llama backend's tokenizer): the jobs never need more, and the async workers keep
     /// their share of the cores as any other thread does.
     pub fn per_core() -> Self {
-        Self::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        static SHARED: std::sync::OnceLock<CpuPool> = std::sync::OnceLock::new();
+        SHARED
+            .get_or_init(|| Self::new(std::thread::available_parallelism().map_or(1, |n| n.get())))
+            .clone()
     }
 
     /// The most jobs that run at once.

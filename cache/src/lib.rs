@@ -26,5 +26,5 @@ pub mod vector;
 pub use entry::{now_ms, Digest, Entry, EntryId, Origin};
 pub use memory::{EvictionHook, IndexCharge, MemoryTier, ITEM_OVERHEAD};
 pub use shares::MemoryShares;
-pub use store::{ByKey, Probe, Store};
+pub use store::{ByKey, DeleteFilter, Probe, Store};
 pub use vector::Vector;

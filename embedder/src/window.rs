@@ -33,7 +33,9 @@ use crate::Reading;
 pub const SCAN_BYTES: [usize; 2] = [2 * 1024, 16 * 1024];
 
 /// The start of `text` that is given to the model: at most the longer scan ([`SCAN_BYTES`]),
-/// cut at a whitespace (at a character boundary where there is none). The model reads at
+/// cut at a whitespace within its last [`CUT_BACK_BYTES`] (at a character boundary where
+/// there is none: a script written without spaces, minified code, would otherwise lose all
+/// but its first line). The model reads at
 /// most its first `max_tokens` tokens, which natural text in any script holds in far less;
 /// past the cut nothing is tokenized (normalising and pre-tokenising megabytes, an answer
 /// judged in the background say, would hold the embedding thread and allocate many times
@@ -45,10 +47,13 @@ pub fn model_start(text: &str) -> &str {
     }
     let cut = text.floor_char_boundary(limit);
     match text[..cut].rfind(char::is_whitespace) {
-        Some(at) => &text[..at],
-        None => &text[..cut],
+        Some(at) if cut - at <= CUT_BACK_BYTES => &text[..at],
+        _ => &text[..cut],
     }
 }
+
+/// How far before the end of the scan [`model_start`] looks for a whitespace to cut at.
+const CUT_BACK_BYTES: usize = 256;
 
 /// The model's tokenizer, without truncation or padding, and how many of a text's tokens the
 /// model reads.
@@ -172,6 +177,11 @@ mod tests {
         // No whitespace: at a character boundary.
         let unbroken = "é".repeat(20_000);
         let start = model_start(&unbroken);
-        assert!(start.len() <= SCAN_BYTES[1] && start.chars().all(|c| c == 'é'));
+        assert!(start.len() <= SCAN_BYTES[1] && start.len() > SCAN_BYTES[1] - 4);
+        // A whitespace only near the start (a heading, then text without spaces): the cut
+        // is at a character boundary near the end of the scan, not after the heading.
+        let heading = format!("以下是总结：\n{}", "这是一个很长的句子".repeat(1_000));
+        let start = model_start(&heading);
+        assert!(start.len() > SCAN_BYTES[1] - 4, "{}", start.len());
     }
 }

@@ -577,8 +577,6 @@ async fn beyond_exact(
     found
 }
 
-/// The semantic policy of a request in `namespace` for `model`: `rules` (a tenant's own, or
-/// its candidate's) first, then the global ones; rules name namespaces inside the tenant.
 /// Whether the running policy of `namespace`'s tenant matches `model`'s questions by meaning
 /// there (the tenant's own rules, then the global ones): what serves a wording another
 /// wording's answer, prefetch's aliases too, asks it first.
@@ -589,6 +587,8 @@ pub(crate) fn matches_by_meaning(state: &AppState, namespace: &str, model: &str)
     semantic_policy(&policies, rules, namespace, model, None).enabled
 }
 
+/// The semantic policy of a request in `namespace` for `model`: `rules` (a tenant's own, or
+/// its candidate's) first, then the global ones; rules name namespaces inside the tenant.
 fn semantic_policy(
     policies: &crate::policy::Policies,
     rules: &[reprise_policies::semantic::Rule],

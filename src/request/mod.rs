@@ -259,6 +259,12 @@ async fn serve(
     // within the tenant's token budget; otherwise it is only served).
     // Not one deleted since it was read (by id, namespace or tag).
     let stale = found.stale.take().filter(|e| !state.store.gone(e));
+    // What a generation for this request is charged against the tenant's token budget.
+    let charge = parsed
+        .req
+        .params
+        .max_tokens
+        .unwrap_or(state.config.backend.default_max_tokens);
     let now = reprise_cache::now_ms();
     if let Some(entry) = stale
         .clone()
@@ -275,11 +281,6 @@ async fn serve(
             let mut plan = found.plan;
             plan.tags = tags;
             plan.observe = observe;
-            let charge = parsed
-                .req
-                .params
-                .max_tokens
-                .unwrap_or(state.config.backend.default_max_tokens);
             let admit = || tenant.take_tokens(charge).is_ok();
             crate::generate::revalidate(state, parsed.req.clone(), plan, entry.id, admit);
         }
@@ -376,8 +377,6 @@ async fn serve(
             }
             // The backend will be asked: charged against the tenant's token budget, once this
             // request leads its generation (following one already running costs nothing).
-            let max_tokens = parsed.req.params.max_tokens;
-            let charge = max_tokens.unwrap_or(state.config.backend.default_max_tokens);
             let charge = || tenant.take_tokens(charge);
             let mut plan = found.plan;
             plan.tags = ctl.tags.clone();

@@ -13,8 +13,8 @@ use crate::entry::{now_ms, Entry};
 pub const FENCE_TTL: Duration = Duration::from_secs(900);
 /// Namespaces, and tags, fenced at once at most.
 const FENCES_MAX: u64 = 10_000;
-/// Filtered deletes fenced at once at most (the admin API runs one at a time; the oldest go
-/// first).
+/// Filtered deletes fenced at once at most (the admin API runs two at a time at most, the
+/// global admin's and one of the tenants'; the oldest go first).
 const FILTERS_MAX: usize = 256;
 
 /// What a filtered delete selects ([`Store::fence_where`]).
@@ -120,10 +120,13 @@ impl Store {
                     .any(|(prefix, at)| entry.namespace.starts_with(prefix) && after(Some(*at)))
             })
         };
-        let ttl = FENCE_TTL.as_millis() as u64;
-        let now = now_ms();
         let filtered = || {
-            self.fences.filters.load().iter().any(|(at, selects)| {
+            let filters = self.fences.filters.load();
+            if filters.is_empty() {
+                return false;
+            }
+            let (ttl, now) = (FENCE_TTL.as_millis() as u64, now_ms());
+            filters.iter().any(|(at, selects)| {
                 now.saturating_sub(*at) < ttl && after(Some(*at)) && selects(entry)
             })
         };
