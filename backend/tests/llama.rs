@@ -671,6 +671,15 @@ async fn full_queue_is_refused_at_once() {
     let refused = backend.generate(completion("c", greedy(4))).await;
     assert!(matches!(refused, Err(BackendError::Overloaded { .. })));
     assert_eq!(backend.interactive_load(), 2);
+    // Refused before its input is tokenized: a long prompt at a full queue costs nothing.
+    let long = "word ".repeat(100_000);
+    let refused = backend.generate(completion(&long, greedy(4))).await;
+    assert!(matches!(refused, Err(BackendError::Overloaded { .. })));
+    assert_eq!(
+        backend.stats().peak_tokenizing,
+        0,
+        "tokenized before refused"
+    );
 
     drop(running);
     collect(queued).await.finished();
