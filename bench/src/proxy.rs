@@ -88,12 +88,22 @@ async fn load(
     s
 }
 
-/// Serves `router` on a free loopback port.
-async fn serve_router(router: axum::Router) -> anyhow::Result<SocketAddr> {
+/// Serves `router` on a free loopback port, with `axum::serve` or (`limits`) reprise's own
+/// listener.
+async fn serve_router(
+    router: axum::Router,
+    limits: Option<reprise::listen::ConnectionLimits>,
+) -> anyhow::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
+        let _ = match limits {
+            None => axum::serve(listener, router).await,
+            Some(limits) => {
+                let never = tokio_util::sync::CancellationToken::new();
+                reprise::listen::serve(listener, router, limits, never).await
+            }
+        };
     });
     Ok(addr)
 }
@@ -185,17 +195,21 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
             .bytes()
             .await?;
     }
-    // The ceiling: a plain axum handler returning the same bytes.
+    // The ceiling: a plain axum handler returning the same bytes; and the same handler on
+    // reprise's listener (its header timeout and connection cap), which reprise serves on.
     let bytes = hit_bytes.clone();
-    let ceiling = serve_router(axum::Router::new().route(
+    let plain = axum::Router::new().route(
         "/v1/chat/completions",
         axum::routing::post(move |_body: axum::body::Bytes| {
             let bytes = bytes.clone();
             async move { ([("content-type", "application/json")], bytes) }
         }),
-    ))
-    .await?;
+    );
+    let ceiling = serve_router(plain.clone(), None).await?;
     let ceiling_url = format!("http://{ceiling}/v1/chat/completions");
+    let limits = reprise::listen::ConnectionLimits::of(&Config::default().server);
+    let listened = serve_router(plain, Some(limits)).await?;
+    let listened_url = format!("http://{listened}/v1/chat/completions");
 
     eprintln!(
         "exact-hit throughput: {} rounds x {:.1} s per side, {} connections",
@@ -232,8 +246,11 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
     let mut base = Samples::default();
     let mut auth_hit = Samples::default();
     let mut unrecorded = Samples::default();
+    let mut on_listener = Samples::default();
     for round in 0..a.rounds {
         base.merge(load(&client, &ceiling_url, &body, a.concurrency, a.seconds, &[]).await);
+        let u = &listened_url;
+        on_listener.merge(load(&client, u, &body, a.concurrency, a.seconds, &[]).await);
         hit.merge(load(&client, &url, &body, a.concurrency, a.seconds, &[]).await);
         let u = &no_stats_url;
         unrecorded.merge(load(&client, u, &body, a.concurrency, a.seconds, &[]).await);
@@ -287,6 +304,14 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
         ms(base.pct(99.0))
     );
     println!("throughput ratio exact/ceiling: {ratio:.2}x  (goal >= 0.70x)");
+    let listener_ratio = on_listener.throughput() / base.throughput();
+    println!(
+        "ceiling on reprise's listener {:>10.0} req/s  p50 {}  p99 {}",
+        on_listener.throughput(),
+        ms(on_listener.pct(50.0)),
+        ms(on_listener.pct(99.0))
+    );
+    println!("throughput ratio reprise's listener/axum::serve: {listener_ratio:.2}x");
     let stats_ratio = hit.throughput() / unrecorded.throughput();
     println!(
         "exact hit, stats ring off {:>10.0} req/s  p50 {}  p99 {}",
@@ -336,9 +361,11 @@ pub async fn run(a: ProxyArgs) -> anyhow::Result<()> {
             "ttft_added_p50_s": added50, "ttft_added_p99_s": added99,
             "tenants": a.tenants, "auth_rps": auth_hit.throughput(), "auth_ratio": auth_ratio,
             "no_stats_rps": unrecorded.throughput(), "stats_ratio": stats_ratio,
+            "listener_rps": on_listener.throughput(), "listener_ratio": listener_ratio,
             "failed": {
                 "exact": hit.failed.json(), "ceiling": base.failed.json(),
                 "auth": auth_hit.failed.json(), "no_stats": unrecorded.failed.json(),
+                "listener": on_listener.failed.json(),
                 "ttft_direct": direct.failed.json(),
                 "ttft_via": via.failed.json(),
             },
