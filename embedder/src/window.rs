@@ -32,16 +32,18 @@ use crate::Reading;
 /// first, a longer one when the short one held too few tokens.
 pub const SCAN_BYTES: [usize; 2] = [2 * 1024, 16 * 1024];
 
-/// The start of `text` that is given to the model: at most the longer scan ([`SCAN_BYTES`]),
-/// cut at a whitespace within its last [`CUT_BACK_BYTES`] (at a character boundary where
-/// there is none: a script written without spaces, minified code, would otherwise lose all
-/// but its first line). The model reads at
-/// most its first `max_tokens` tokens, which natural text in any script holds in far less;
-/// past the cut nothing is tokenized (normalising and pre-tokenising megabytes, an answer
-/// judged in the background say, would hold the embedding thread and allocate many times
-/// their size for a vector that reads the first kilobytes anyway).
+/// The start of `text` that is given to the model: at most [`MODEL_BYTES`], cut at a
+/// whitespace within its last [`CUT_BACK_BYTES`] (at a character boundary where there is
+/// none: a script written without spaces, minified code, would otherwise lose all but its
+/// first line). The model reads at most its first `max_tokens` tokens, which natural text
+/// in any script holds in far less (four times the longer scan, so a start the window
+/// counts as read whole is given whole); past the cut nothing is tokenized (normalising and
+/// pre-tokenising megabytes, an answer judged in the background say, would hold the
+/// embedding thread and allocate many times their size for a vector that reads the first
+/// kilobytes anyway). A text whose first 64 KiB hold fewer tokens than the model reads (a
+/// long run of whitespace, one unbroken word) is read as those 64 KiB.
 pub fn model_start(text: &str) -> &str {
-    let limit = SCAN_BYTES[1];
+    let limit = MODEL_BYTES;
     if text.len() <= limit {
         return text;
     }
@@ -52,7 +54,10 @@ pub fn model_start(text: &str) -> &str {
     }
 }
 
-/// How far before the end of the scan [`model_start`] looks for a whitespace to cut at.
+/// How much of a text [`model_start`] gives the model at most.
+pub const MODEL_BYTES: usize = 4 * SCAN_BYTES[1];
+
+/// How far before its end [`model_start`] looks for a whitespace to cut at.
 const CUT_BACK_BYTES: usize = 256;
 
 /// The model's tokenizer, without truncation or padding, and how many of a text's tokens the
@@ -165,23 +170,23 @@ impl Window {
 
 #[cfg(test)]
 mod tests {
-    use super::{model_start, SCAN_BYTES};
+    use super::{model_start, MODEL_BYTES};
 
     #[test]
-    fn the_model_start_is_cut_at_a_whitespace_within_the_scan() {
+    fn the_model_start_is_cut_at_a_whitespace_within_its_bound() {
         assert_eq!(model_start("short text"), "short text");
         let long = "word ".repeat(1_000_000);
         let start = model_start(&long);
-        assert!(start.len() <= SCAN_BYTES[1] && start.len() > SCAN_BYTES[1] - 8);
+        assert!(start.len() <= MODEL_BYTES && start.len() > MODEL_BYTES - 8);
         assert!(start.ends_with("word"), "cut at a whitespace");
         // No whitespace: at a character boundary.
-        let unbroken = "é".repeat(20_000);
+        let unbroken = "é".repeat(40_000);
         let start = model_start(&unbroken);
-        assert!(start.len() <= SCAN_BYTES[1] && start.len() > SCAN_BYTES[1] - 4);
+        assert!(start.len() <= MODEL_BYTES && start.len() > MODEL_BYTES - 4);
         // A whitespace only near the start (a heading, then text without spaces): the cut
-        // is at a character boundary near the end of the scan, not after the heading.
-        let heading = format!("以下是总结：\n{}", "这是一个很长的句子".repeat(1_000));
+        // is at a character boundary near the end of the bound, not after the heading.
+        let heading = format!("以下是总结：\n{}", "这是一个很长的句子".repeat(3_000));
         let start = model_start(&heading);
-        assert!(start.len() > SCAN_BYTES[1] - 4, "{}", start.len());
+        assert!(start.len() > MODEL_BYTES - 4, "{}", start.len());
     }
 }

@@ -618,7 +618,7 @@ async fn a_megabyte_text_is_embedded_as_its_start() {
     });
     let long = "The answer explains the refund policy in detail. ".repeat(80_000);
     let start = reprise_embedder::model_start(&long);
-    assert!(start.len() < long.len() / 100);
+    assert!(start.len() < long.len() / 50);
     let (whole, cut) = (e.embed(&long).await.unwrap(), e.embed(start).await.unwrap());
     assert!(cosine(&whole, &cut) > 0.9999);
 }
