@@ -5,7 +5,8 @@
 //!
 //! Stale answers (RFC 5861) are the first kinds: an expired entry served within the policy's
 //! stale-while-revalidate window (at once, while one regeneration replaces it) or its
-//! stale-if-error window (when the backend failed).
+//! stale-if-error window: when the backend failed, or when it is up but too busy to answer
+//! within the SLO (a kind of its own, so that overload is not read as failure).
 
 use axum::http::HeaderValue;
 use axum::response::Response;
@@ -19,6 +20,8 @@ pub enum Degraded {
     StaleWhileRevalidate,
     /// An expired entry served because the backend failed.
     StaleIfError,
+    /// An expired entry served because the backend would answer too late for the SLO.
+    StaleUnderLoad,
     /// An answer matched by meaning under a looser threshold than the policy's.
     LooseThreshold,
     /// An answer from a fallback instead of the backend.
@@ -27,9 +30,10 @@ pub enum Degraded {
 
 impl Degraded {
     /// Every kind, for pre-registering the metric.
-    pub const ALL: [Degraded; 4] = [
+    pub const ALL: [Degraded; 5] = [
         Degraded::StaleWhileRevalidate,
         Degraded::StaleIfError,
+        Degraded::StaleUnderLoad,
         Degraded::LooseThreshold,
         Degraded::Fallback,
     ];
@@ -39,6 +43,7 @@ impl Degraded {
         match self {
             Degraded::StaleWhileRevalidate => "stale_while_revalidate",
             Degraded::StaleIfError => "stale_if_error",
+            Degraded::StaleUnderLoad => "stale_under_load",
             Degraded::LooseThreshold => "loose_threshold",
             Degraded::Fallback => "fallback",
         }
@@ -50,6 +55,7 @@ impl Degraded {
         match self {
             Degraded::StaleWhileRevalidate => "stale-while-revalidate",
             Degraded::StaleIfError => "stale-if-error",
+            Degraded::StaleUnderLoad => "stale-under-load",
             Degraded::LooseThreshold => "loose-threshold",
             Degraded::Fallback => "fallback",
         }
@@ -76,6 +82,7 @@ mod tests {
             [
                 "stale_while_revalidate",
                 "stale_if_error",
+                "stale_under_load",
                 "loose_threshold",
                 "fallback"
             ]

@@ -281,7 +281,7 @@ async fn a_kept_expired_entry_answers_before_the_fallback() {
     assert_eq!(cache_status(&r), "stale");
     assert_eq!(
         header(&r, "x-reprise-degraded").as_deref(),
-        Some("stale-if-error")
+        Some("stale-under-load")
     );
     assert_eq!(
         header(&r, "x-reprise-entry").as_deref(),

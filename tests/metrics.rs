@@ -325,6 +325,7 @@ async fn the_exposition_the_alerts_and_the_grafana_dashboard_agree_and_pass_prom
     for kind in [
         "stale_while_revalidate",
         "stale_if_error",
+        "stale_under_load",
         "loose_threshold",
         "fallback",
     ] {

@@ -125,7 +125,7 @@ pub struct Metrics {
     /// Shared policy versions from Redis that were not valid here (the running ones stayed).
     pub policy_sync_failures: Counter,
     /// Answers served degraded, by kind (in the order of [`Degraded::ALL`]).
-    degraded: [Counter; 4],
+    degraded: [Counter; Degraded::ALL.len()],
 }
 
 /// The error kinds of [`reprise_backend::BackendError::kind`], exposed at 0 for every backend.
@@ -268,7 +268,7 @@ pub fn prometheus() -> PrometheusHandle {
 fn describe() {
     describe_counter!(
         "reprise_degraded_total",
-        "Answers served degraded, by kind (stale_while_revalidate, stale_if_error, loose_threshold, fallback); the request also counts under the outcome of the tier that served it."
+        "Answers served degraded, by kind (stale_while_revalidate, stale_if_error, stale_under_load, loose_threshold, fallback); the request also counts under the outcome of the tier that served it."
     );
     describe_counter!(
         "reprise_requests_total",

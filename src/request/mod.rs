@@ -330,7 +330,8 @@ async fn serve(
                 .as_ref()
                 .filter(|e| stale_windows.if_error(e.expires_ms, now));
             let (namespace, priority) = (&ctl.namespace, parsed.req.priority);
-            let degraded = if choice.primary.backend.ready() {
+            let primary_up = choice.primary.backend.ready();
+            let degraded = if primary_up {
                 let degrading =
                     degrade::degrade(state, &choice, priority, &found, namespace, wants, stale_ok);
                 let degrading = tokio::time::timeout_at(deadline, degrading);
@@ -361,7 +362,12 @@ async fn serve(
                 }
                 Some(Degradation::Stale(entry)) => {
                     let s = served(Some(entry.id), Outcome::Exact, None, book);
-                    let kind = Degraded::StaleIfError;
+                    // A busy backend is no error: a stale answer in its place says which.
+                    let kind = if primary_up {
+                        Degraded::StaleUnderLoad
+                    } else {
+                        Degraded::StaleIfError
+                    };
                     return Ok(answer_stale(state, &parsed, renderer, entry, kind, s, book));
                 }
                 Some(Degradation::Fallback(f)) => fallback = Some(f),
