@@ -59,6 +59,9 @@ pub struct ContentPart {
     /// The text of a `text` part.
     #[serde(default)]
     pub text: Option<String>,
+    /// The part's other fields (a gateway's `cache_control`, ...).
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 /// One input chat message.

@@ -725,6 +725,61 @@ async fn bounds_go_up_as_the_field_the_upstream_reads() {
     assert_eq!(bound(&body), (Some(json!(64)), None), "{body}");
 }
 
+/// Text parts with fields of their own (a gateway's `cache_control`) reach the upstream as
+/// the client gave them, not as their joined text, and key the answer: the same text without
+/// them is another request, asked again. Plain text parts still go as their text.
+#[tokio::test]
+async fn text_parts_with_their_own_fields_go_up_as_given() {
+    let (up, up_backend) = upstream().await;
+    let app = proxy_to(openai_config(up.base_url())).await;
+    let system = |marked: bool| {
+        let mut last = json!({"type": "text", "text": "The manual is long."});
+        if marked {
+            last["cache_control"] = json!({"type": "ephemeral"});
+        }
+        json!([{"type": "text", "text": "You answer from the manual. "}, last])
+    };
+    let asked = |marked: bool| {
+        json!({
+            "model": "up-model",
+            "stream": false,
+            "messages": [
+                {"role": "system", "content": system(marked)},
+                {"role": "user", "content": "How do I reset it?"},
+            ],
+        })
+    };
+    // What the upstream was given, as its own parsing reads it.
+    let given_system = || {
+        let req = up_backend.requests().pop().unwrap();
+        let reprise_backend::Input::Chat(msgs) = req.input else {
+            panic!("chat input");
+        };
+        msgs[0].clone()
+    };
+
+    let r = app.chat(&asked(true), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    let sent = given_system();
+    assert_eq!(
+        sent.content,
+        "You answer from the manual. The manual is long."
+    );
+    assert_eq!(sent.extra[reprise_backend::GIVEN_PARTS], system(true));
+    assert_eq!(cache_status(&app.chat(&asked(true), &[]).await), "exact");
+
+    // The same text without the field: another request, asked upstream as plain text.
+    let r = app.chat(&asked(false), &[]).await;
+    assert_eq!(cache_status(&r), "miss");
+    assert_eq!(up_backend.calls(), 2);
+    let sent = given_system();
+    assert!(sent.is_plain(), "{sent:?}");
+    assert_eq!(
+        sent.content,
+        "You answer from the manual. The manual is long."
+    );
+}
+
 /// A tenant kept to some models is kept to them on the passthrough endpoints too: an
 /// embedding with one of its models goes up, one with another model (or none) is refused
 /// before the upstream sees it, and `/v1/models` lists only its own. With tenants, endpoints

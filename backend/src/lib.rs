@@ -77,10 +77,16 @@ pub struct ChatMessage {
     pub name: Option<String>,
     /// The message's other fields, neither null nor empty (`prefix`, `reasoning_content`,
     /// ...): part of the cache key and sent to upstreams as they came; llama.cpp's chat
-    /// templates read none.
+    /// templates read none. A content given as text parts some of which carry fields of
+    /// their own (a gateway's `cache_control`) is here too, as given, under
+    /// [`GIVEN_PARTS`]: upstreams get it in place of `content`.
     #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
+
+/// The [`ChatMessage::extra`] field that holds a content's parts as given (`content`
+/// itself holds their joined text).
+pub const GIVEN_PARTS: &str = "\0content_parts";
 
 impl std::hash::Hash for ChatMessage {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {

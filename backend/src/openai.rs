@@ -210,10 +210,19 @@ fn body(req: &GenRequest, field: BoundField) -> Value {
     b.insert("model".into(), json!(req.model));
     match &req.input {
         Input::Chat(msgs) => {
-            // Role, content, the name and the other fields the client gave, as given.
+            // Role, content, the name and the other fields the client gave, as given; a
+            // content given as parts with fields of their own goes as those parts.
             let msgs: Vec<Value> = msgs
                 .iter()
-                .map(|m| serde_json::to_value(m).unwrap_or(Value::Null))
+                .map(|m| {
+                    let mut v = serde_json::to_value(m).unwrap_or(Value::Null);
+                    if let Some(o) = v.as_object_mut() {
+                        if let Some(parts) = o.remove(crate::GIVEN_PARTS) {
+                            o.insert("content".into(), parts);
+                        }
+                    }
+                    v
+                })
                 .collect();
             b.insert("messages".into(), Value::Array(msgs));
         }

@@ -162,10 +162,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                         Some(&format!("messages[{i}].role")),
                     ));
                 }
+                // Parts with fields of their own (`cache_control`, ...), as given: they
+                // reach upstreams as they came and key the answer.
+                let mut given_parts = None;
                 let content = match m.content {
                     None => String::new(),
                     Some(Content::Text(t)) => t,
                     Some(Content::Parts(parts)) => {
+                        if parts.iter().any(|p| p.extra.values().any(is_present)) {
+                            given_parts = Some(parts_as_given(&parts));
+                        }
                         let mut text = String::new();
                         for p in parts {
                             // Other part types went to `Forward` above.
@@ -184,16 +190,18 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                 };
                 // Fields read nowhere here still key the answer and go upstream (a
                 // continuation's `prefix`, a model's own reasoning): two messages that differ
-                // in one are different requests. A null or an empty value is an absent field
-                // (clients echo `"annotations": []`, `"refusal": null` back with an answer).
+                // in one are different requests.
                 let mut extra = m.extra;
-                extra.retain(|_, v| match v {
-                    serde_json::Value::Null => false,
-                    serde_json::Value::String(s) => !s.is_empty(),
-                    serde_json::Value::Array(a) => !a.is_empty(),
-                    serde_json::Value::Object(o) => !o.is_empty(),
-                    _ => true,
-                });
+                if extra.contains_key(reprise_backend::GIVEN_PARTS) {
+                    return Err(ApiError::invalid(
+                        "unknown message field",
+                        Some(&format!("messages[{i}]")),
+                    ));
+                }
+                extra.retain(|_, v| is_present(v));
+                if let Some(parts) = given_parts {
+                    extra.insert(reprise_backend::GIVEN_PARTS.into(), parts);
+                }
                 msgs.push(ChatMessage {
                     role: m.role,
                     content,
@@ -300,6 +308,37 @@ fn completion_answers(r: &CompletionRequest) -> Result<u32, ApiError> {
     };
     let per_prompt = r.n.unwrap_or(1).max(best_of).max(1);
     Ok(per_prompt.saturating_mul(u32::try_from(prompts.max(1)).unwrap_or(u32::MAX)))
+}
+
+/// Whether a message or part field says anything: a null or an empty value is an absent
+/// field (clients echo `"annotations": []`, `"refusal": null` back with an answer).
+fn is_present(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Null => false,
+        serde_json::Value::String(s) => !s.is_empty(),
+        serde_json::Value::Array(a) => !a.is_empty(),
+        serde_json::Value::Object(o) => !o.is_empty(),
+        _ => true,
+    }
+}
+
+/// Text parts as the client gave them, absent fields left out.
+fn parts_as_given(parts: &[crate::openai::ContentPart]) -> serde_json::Value {
+    let parts = parts.iter().map(|p| {
+        let mut part = serde_json::Map::new();
+        part.insert("type".into(), p.kind.clone().into());
+        if let Some(text) = &p.text {
+            part.insert("text".into(), text.clone().into());
+        }
+        part.extend(
+            p.extra
+                .iter()
+                .filter(|(_, v)| is_present(v))
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        serde_json::Value::Object(part)
+    });
+    serde_json::Value::Array(parts.collect())
 }
 
 /// Longest model name taken (OpenAI's are a few dozen bytes): a name is a cache key part, a
@@ -593,6 +632,35 @@ mod tests {
             crate::key::split_conversation(msgs).is_none(),
             "a question with other fields is matched exactly only"
         );
+        // Text parts with fields of their own key the answer and are kept as given.
+        let part = |extra: Value| {
+            let mut p = json!({"type": "text", "text": "Autumn"});
+            p.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            json!({"role": "assistant", "content": [p]})
+        };
+        let (in_parts, _) = key(part(json!({})));
+        assert_eq!(in_parts, plain, "plain parts are their text");
+        let (null_part, _) = key(part(json!({"cache_control": null})));
+        assert_eq!(in_parts, null_part, "a null part field is absent");
+        let (marked, req) = key(part(json!({"cache_control": {"type": "ephemeral"}})));
+        assert_ne!(marked, plain);
+        let Input::Chat(msgs) = &req.input else {
+            panic!("chat input");
+        };
+        assert_eq!(msgs[1].content, "Autumn");
+        assert_eq!(
+            msgs[1].extra[reprise_backend::GIVEN_PARTS],
+            json!([{"type": "text", "text": "Autumn", "cache_control": {"type": "ephemeral"}}])
+        );
+        assert!(!msgs[1].is_plain());
+        // The name reprise keeps them under is not a client's to send.
+        let mut forged = json!({"role": "user", "content": "x"});
+        forged[reprise_backend::GIVEN_PARTS] = json!("y");
+        let body = json!({"model": "m", "messages": [forged]});
+        assert!(parse(Endpoint::Chat, body.to_string().as_bytes()).is_err());
+
         let (_, plain_question) = key(json!({"role": "user", "content": "More"}));
         let Input::Chat(msgs) = &plain_question.input else {
             panic!("chat input");
