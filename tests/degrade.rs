@@ -295,6 +295,15 @@ async fn a_kept_expired_entry_answers_before_the_fallback() {
         Some("fallback")
     );
     rig.release().await;
+    // Both backends down: the same entry stands in for a failure, and says so.
+    rig.small.set_ready(false);
+    rig.large.set_ready(false);
+    let r = rig.app.chat(&q, &[]).await;
+    assert_eq!(cache_status(&r), "stale");
+    assert_eq!(
+        header(&r, "x-reprise-degraded").as_deref(),
+        Some("stale-if-error")
+    );
 }
 
 /// A rig degrading to a loose threshold (0.97, floor 0.8), then a refusal, whose primary

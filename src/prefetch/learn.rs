@@ -263,6 +263,8 @@ pub(super) fn follow_up(
         Input::Chat(msgs) => {
             let last = msgs.iter_mut().rev().find(|m| m.role == "user")?;
             last.content = question.to_string();
+            // Parts as given were the old question's: the new one is its text alone.
+            last.extra.remove(reprise_backend::GIVEN_PARTS);
         }
     }
     Some(next)
@@ -289,5 +291,16 @@ mod tests {
         let s = follow_up(&r, "ans", "y?", false).unwrap();
         assert_eq!(s, chat(&[("system", "be brief"), ("user", "y?")]));
         assert!(has_history(&m) && !has_history(&s));
+
+        // The old question's parts as given do not go with the new question.
+        let mut parted = r.clone();
+        if let Input::Chat(msgs) = &mut parted.input {
+            let parts = serde_json::json!([{"type": "text", "text": "x?", "cache_control": {}}]);
+            msgs[1]
+                .extra
+                .insert(reprise_backend::GIVEN_PARTS.into(), parts);
+        }
+        let s = follow_up(&parted, "ans", "y?", false).unwrap();
+        assert_eq!(s, chat(&[("system", "be brief"), ("user", "y?")]));
     }
 }

@@ -192,9 +192,10 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
                 // continuation's `prefix`, a model's own reasoning): two messages that differ
                 // in one are different requests.
                 let mut extra = m.extra;
-                if extra.contains_key(reprise_backend::GIVEN_PARTS) {
+                // (Names with a NUL are reprise's own, such as `GIVEN_PARTS`.)
+                if extra.keys().any(|k| k.contains('\0')) {
                     return Err(ApiError::invalid(
-                        "unknown message field",
+                        "message field names must not contain NUL characters",
                         Some(&format!("messages[{i}]")),
                     ));
                 }
