@@ -76,6 +76,10 @@ pub struct Served {
     /// earlier hit by meaning, or by prefetch): wrong, it is refused as a hit by meaning is.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub aliased: bool,
+    /// A check's verdict on it ([`crate::verify`]) counted as evidence: a client's verdict
+    /// after it counts as none (it still refuses), so one hit is never counted twice.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checked: bool,
 }
 
 impl Served {
@@ -307,6 +311,57 @@ impl Responses {
         }
     }
 
+    /// Marks response `id` of tenant `tenant` as judged by a check, unless a verdict was
+    /// given on it already: whether the check's verdict counts. One verdict a response
+    /// counts as evidence, the first: the mark and a client's take are each one step in
+    /// Redis, so of a check and a verdict racing on any replicas exactly one counts. A
+    /// response forgotten (past its window or budget) takes no check's verdict either.
+    pub async fn mark_checked(&self, state: &AppState, tenant: &str, id: &str) -> bool {
+        let mut marked = self.with_pool(tenant, |p| {
+            let record = p.get(id)?;
+            let served = Served {
+                checked: true,
+                ..(*record.served).clone()
+            };
+            let record = Record {
+                served: Arc::new(served),
+                until: record.until,
+            };
+            let served = record.served.clone();
+            p.insert(id.to_string(), record);
+            Some(served)
+        });
+        let Some(redis) = state.store.redis() else {
+            return marked.is_some();
+        };
+        if marked.as_ref().is_some_and(|s| !s.is_shared()) {
+            return true;
+        }
+        // Shared (or forgotten here): Redis decides; the copy marked there is the one held
+        // here, or the one read back.
+        let copy = match &marked {
+            Some(s) => Some(s.clone()),
+            None => self.find(state, tenant, id).await.ok().flatten().map(|s| {
+                Arc::new(Served {
+                    checked: true,
+                    ..(*s).clone()
+                })
+            }),
+        };
+        let Some(bytes) = copy.and_then(|s| serde_json::to_vec(&*s).ok()) else {
+            return false;
+        };
+        match redis.mark_blob(&blob_name(id), SPENT.to_vec(), bytes).await {
+            Ok(Some(counted)) => counted,
+            // Never reached Redis: the copy held here decides.
+            Ok(None) => marked.take().is_some(),
+            Err(e) => {
+                tracing::warn!(error = %e, "feedback: cannot mark a checked response in redis");
+                false
+            }
+        }
+    }
+
     /// What response `id` served, if it is remembered here (among tenant `tenant`'s
     /// responses) or in Redis (an error when Redis cannot tell).
     async fn find(
@@ -433,7 +488,8 @@ pub async fn handle(
     state
         .metrics
         .feedback(tenant.name(), verdict, served.outcome);
-    if let Some(sim) = served.similarity {
+    // A check's verdict on this response counted already: one hit, one verdict of evidence.
+    if let (Some(sim), false) = (served.similarity, served.checked) {
         let wrong = v.verdict == Kind::Wrong;
         let source = crate::bounds::Source::Feedback;
         state
@@ -574,6 +630,7 @@ mod tests {
             similarity: Some(0.9),
             scope: String::new(),
             aliased: false,
+            checked: false,
         };
         let json = serde_json::to_string(&served).unwrap();
         assert!(json.contains(r#""outcome":"semantic""#), "{json}");
@@ -596,6 +653,7 @@ mod tests {
             similarity: None,
             scope: String::new(),
             aliased: false,
+            checked: false,
         }
     }
 

@@ -70,6 +70,7 @@ impl Verifier {
 pub fn offer(
     state: &Arc<AppState>,
     served: Served,
+    id: String,
     req: &GenRequest,
     entry: &Arc<Entry>,
     similarity: f32,
@@ -77,7 +78,7 @@ pub fn offer(
     if !state.verifier.hits.take(state.config.semantic.verify_hits) {
         return Offer::NotSampled;
     }
-    let outcome = start(state, served, req, entry, similarity);
+    let outcome = start(state, served, id, req, entry, similarity);
     state.metrics.verify(match outcome {
         Offer::Started => "started",
         _ => "skipped",
@@ -88,6 +89,7 @@ pub fn offer(
 fn start(
     state: &Arc<AppState>,
     served: Served,
+    id: String,
     req: &GenRequest,
     entry: &Arc<Entry>,
     similarity: f32,
@@ -134,6 +136,15 @@ fn start(
         let Some(wrong) = judge(&state, &served, &fresh, &entry, &answer).await else {
             return;
         };
+        // A client's verdict on the response came first: it is the one that counts.
+        if !state
+            .responses
+            .mark_checked(&state, &served.tenant, &id)
+            .await
+        {
+            state.metrics.verify("superseded");
+            return;
+        }
         state.bounds.record(
             &state,
             &served.tenant,

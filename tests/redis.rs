@@ -716,6 +716,91 @@ async fn a_verdict_redis_cannot_take_is_refused_then_counts_once() {
     assert_eq!(feedback(&a, verdict, None).await.status(), 404, "spent");
 }
 
+/// A check on one replica and a client's verdict on another, on one response: the first
+/// counts, the other adds no evidence, whichever replica each ran on (Redis orders them).
+#[tokio::test]
+async fn a_check_and_a_verdict_on_two_replicas_count_once() {
+    let redis = RedisServer::start();
+    let backend =
+        reprise_backend::fake::ScriptedBackend::new(reprise_backend::fake::ScriptConfig {
+            rules: vec![("You judge answers".into(), "yes".into())],
+            first_token_delay: Duration::from_secs(2),
+            ..Default::default()
+        });
+    let mut config = redis_config(redis.url());
+    config.semantic.verify_hits = 1.0;
+    config.semantic.verify_judge = reprise::config::VerifyJudge::Prompt;
+    // Each replica's evidence its own (no exchange within the test).
+    config.semantic.evidence_sync_secs = 3600;
+    let a = spawn_replica(config.clone(), Arc::new(backend.clone())).await;
+    let b = spawn_replica(config, Arc::new(backend.clone())).await;
+    let evidence = |app: &TestApp| {
+        app.state
+            .bounds
+            .threshold("", "*/*", 0.02, 0.0, 0.0)
+            .verdicts
+    };
+    let ask = |text: &str| {
+        let mut body = chat_body(text);
+        body["max_tokens"] = 100.into();
+        body
+    };
+    // The first hit B serves (the one its check is for), its id: polled with
+    // `only-if-cached` until the entry reached B's index.
+    let hit_on_b = |original: &'static str, asked: &'static str| {
+        let (a, b) = (&a, &b);
+        async move {
+            a.chat(&ask(original), &[]).await;
+            for _ in 0..200 {
+                let r = b
+                    .chat(&ask(asked), &[("cache-control", "only-if-cached")])
+                    .await;
+                if cache_status(&r) == "semantic" {
+                    return r.json::<Value>().await.unwrap()["id"].clone();
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            panic!("no semantic hit on B");
+        }
+    };
+    let superseded = || async {
+        let text = a.metrics_text().await;
+        sample(
+            &text,
+            "reprise_verify_checks_total",
+            &[("result", "superseded")],
+        )
+        .unwrap_or(0.0)
+    };
+
+    // The client's verdict (on A) first: counted there; B's check then finds it spent.
+    let before = superseded().await;
+    let id = hit_on_b(
+        "How do I reset my password?",
+        "I forgot my password, how can I change it?",
+    )
+    .await;
+    let verdict = json!({"id": id, "verdict": "right"});
+    let taken = eventually_async(Duration::from_secs(10), || async {
+        feedback(&a, verdict.clone(), None).await.status() == 200
+    });
+    assert!(taken.await);
+    assert_eq!(evidence(&a), 1.0);
+    let ended = eventually_async(Duration::from_secs(30), || async {
+        superseded().await > before
+    });
+    assert!(ended.await, "B's check ended superseded");
+
+    // B's check first (counted on B); the client's verdict on A then adds nothing.
+    let id = hit_on_b("Which shop sells stamps?", "Which store sells stamps?").await;
+    let checked = evidence(&b) + 1.0;
+    assert!(eventually(Duration::from_secs(30), || evidence(&b) >= checked).await);
+    let before = evidence(&a);
+    let r = feedback(&a, json!({"id": id, "verdict": "wrong"}), None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(evidence(&a), before, "counted by B's check already");
+}
+
 /// Verdicts taken on one replica tighten the learned threshold of the others, and of a
 /// replica started after the first one stopped (its evidence outlives it in Redis).
 #[tokio::test]

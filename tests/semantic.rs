@@ -1522,6 +1522,76 @@ async fn the_judge_prompt_carries_none_of_the_clients_settings() {
     assert!(judged.await);
 }
 
+/// A paraphrase served from the cache with every hit checked by the judge prompt (which says
+/// "yes", right) after a second's generation; returns the app and the response's id.
+async fn checked_hit() -> (TestApp, Value) {
+    let script = ScriptConfig {
+        rules: vec![("You judge answers".into(), "yes".into())],
+        first_token_delay: std::time::Duration::from_secs(2),
+        ..ScriptConfig::default()
+    };
+    let mut config = semantic_config();
+    config.semantic.verify_hits = 1.0;
+    config.semantic.verify_judge = reprise::config::VerifyJudge::Prompt;
+    let (app, _backend) = spawn_fake(config, script).await;
+    let ask = |text: &str| {
+        let mut b = chat_body(text);
+        b["max_tokens"] = 100.into();
+        b
+    };
+    app.chat(&ask("How do I reset my password?"), &[]).await;
+    let r = app
+        .chat(&ask("I forgot my password, how can I change it?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    let id = r.json::<Value>().await.unwrap()["id"].clone();
+    (app, id)
+}
+
+/// Verdicts counted as evidence for the anonymous tenant's default scope.
+fn evidence(app: &TestApp) -> f64 {
+    app.state
+        .bounds
+        .threshold("", "*/*", 0.02, 0.0, 0.0)
+        .verdicts
+}
+
+/// One hit is one verdict of evidence, the first given: a check's verdict and a client's on
+/// the same response count once, in either order, and the later one still acts (a client's
+/// `wrong` refuses the entry for that question).
+#[tokio::test]
+async fn a_check_and_a_clients_verdict_on_one_hit_count_once() {
+    // The check first: counted; the client's verdict then refuses but adds nothing.
+    let (app, id) = checked_hit().await;
+    assert!(eventually(std::time::Duration::from_secs(20), || evidence(&app) >= 1.0).await);
+    let r = feedback(&app, json!({"id": id, "verdict": "wrong"}), None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["refused"], true);
+    assert_eq!(evidence(&app), 1.0);
+
+    // The client first (the check's generations take seconds): counted; the check that
+    // ends after it is superseded and adds nothing.
+    let (app, id) = checked_hit().await;
+    let superseded = || async {
+        let text = app.metrics_text().await;
+        sample(
+            &text,
+            "reprise_verify_checks_total",
+            &[("result", "superseded")],
+        )
+        .unwrap_or(0.0)
+    };
+    let before = superseded().await;
+    let r = feedback(&app, json!({"id": id, "verdict": "right"}), None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(evidence(&app), 1.0);
+    let ended = eventually_async(std::time::Duration::from_secs(20), || async {
+        superseded().await > before
+    });
+    assert!(ended.await, "the check ended superseded");
+    assert_eq!(evidence(&app), 1.0);
+}
+
 /// Sampled checks of hits run in the background, one at a time and within their token budget,
 /// never holding up the answer; a check that finds the cached answer wrong refuses it.
 #[tokio::test]

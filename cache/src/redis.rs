@@ -529,6 +529,26 @@ return redis.call('GET', KEYS[1])";
         .await
     }
 
+    /// Replaces the value stored under `name` with `marked` (keeping its lifetime) unless it
+    /// is `spent`: `Some(true)` when replaced, `Some(false)` when it was `spent`, `None` when
+    /// there is none. Applied after the writes queued before it, in one step against a racing
+    /// [`RedisTier::take_blob`].
+    pub async fn mark_blob(
+        &self,
+        name: &str,
+        spent: Vec<u8>,
+        marked: Vec<u8>,
+    ) -> Result<Option<bool>, RedisError> {
+        let name = name.to_string();
+        self.admin(|reply| Admin::MarkBlob {
+            name,
+            spent,
+            marked,
+            reply,
+        })
+        .await
+    }
+
     /// Removes each of `fields` from the named hash written by [`RedisTier::put_field`] (a
     /// writer gone for good: its field would only take room) if it still holds the value it
     /// was read with (one its writer wrote again since stays). Returns how many went.

@@ -230,6 +230,7 @@ async fn serve(
             similarity: sim,
             scope: scope.clone(),
             aliased: aliased && outcome == Outcome::Exact,
+            checked: false,
         };
     if let Some(hit) = found.hit.take() {
         // 8. Write-back of a hit: this phrasing's keys now lead to the entry (boxed: an exact
@@ -246,12 +247,13 @@ async fn serve(
         }
         // 9. Respond (remembered for feedback under the response's id).
         let s = served(Some(hit.entry.id), hit.outcome, hit.similarity, book);
+        state.responses.remember(state, renderer.id(), s.clone());
         if let (Outcome::Semantic, Some(sim)) = (hit.outcome, hit.similarity) {
             if state.config.semantic.verify_hits > 0.0 {
-                crate::verify::offer(state, s.clone(), &parsed.req, &hit.entry, sim);
+                let id = renderer.id().to_string();
+                crate::verify::offer(state, s, id, &parsed.req, &hit.entry, sim);
             }
         }
-        state.responses.remember(state, renderer.id(), s);
         return Ok(respond::hit(&parsed, renderer, hit, book));
     }
     // Nothing fresh; an expired entry within the stale-while-revalidate window is served at

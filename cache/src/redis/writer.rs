@@ -208,7 +208,23 @@ pub(super) enum Admin {
         replacement: Vec<u8>,
         reply: oneshot::Sender<Result<Option<Vec<u8>>, RedisError>>,
     },
+    /// A named value marked unless spent (see [`RedisTier::mark_blob`]).
+    MarkBlob {
+        name: String,
+        spent: Vec<u8>,
+        marked: Vec<u8>,
+        reply: oneshot::Sender<Result<Option<bool>, RedisError>>,
+    },
 }
+
+/// Replaces a value with `ARGV[2]`, keeping its lifetime, unless it is `ARGV[1]`: `1` when
+/// replaced, `-1` when it was `ARGV[1]`, `0` when there is none. One key.
+const MARK_SCRIPT: &str = "\
+local held = redis.call('GET', KEYS[1])
+if not held then return 0 end
+if held == ARGV[1] then return -1 end
+redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+return 1";
 
 /// Replaces a value that is there with `ARGV[1]`, keeping its lifetime, and returns what it
 /// was (`false`: nothing there, nothing written; its length when over `ARGV[2]` bytes: taken,
@@ -714,6 +730,35 @@ impl Shared {
                     .await
                 {
                     Ok(got) => Ok(self.uncap(&key, got)),
+                    Err(e) if is_wrong_type(&e) => {
+                        self.skip(&key, "not a string");
+                        Ok(None)
+                    }
+                    Err(e) => Err(e),
+                };
+                let _ = reply.send(result);
+            }
+            Admin::MarkBlob {
+                name,
+                spent,
+                marked,
+                reply,
+            } => {
+                let key = self.keys.blob(&name);
+                let cmd = ::redis::cmd("EVAL")
+                    .arg(MARK_SCRIPT)
+                    .arg(1)
+                    .arg(&key)
+                    .arg(spent)
+                    .arg(marked)
+                    .clone();
+                let result = match self
+                    .run(Op::Put, |c| async move { c.query::<i64>(&cmd).await })
+                    .await
+                {
+                    Ok(1) => Ok(Some(true)),
+                    Ok(-1) => Ok(Some(false)),
+                    Ok(_) => Ok(None),
                     Err(e) if is_wrong_type(&e) => {
                         self.skip(&key, "not a string");
                         Ok(None)
