@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
+use moka::ops::compute::Op;
 use moka::sync::Cache;
 use parking_lot::RwLock;
 use reprise_cache::entry::Refusal;
@@ -160,6 +161,19 @@ impl Budgets {
 struct Record {
     served: Arc<Served>,
     until: Instant,
+    /// A verdict was given on it: kept so until `until`, so that a check ending after it
+    /// is told so (not taken for a response forgotten), and a second verdict is unknown.
+    spent: bool,
+}
+
+/// What marking a response as checked found.
+enum Mark {
+    /// Marked: the check's verdict is the response's.
+    Marked(Arc<Served>),
+    /// A verdict was given on it already.
+    Spent,
+    /// Not remembered here.
+    Absent,
 }
 
 /// Forgets a record at its `until`, wherever it was inserted last (moved to a resized pool,
@@ -263,6 +277,7 @@ impl Responses {
         let record = Record {
             until: Instant::now() + self.config.window(),
             served: Arc::new(served),
+            spent: false,
         };
         let tenant = record.served.tenant.clone();
         self.with_pool(&tenant, |p| p.insert(id.to_string(), record));
@@ -271,14 +286,35 @@ impl Responses {
     /// Takes what response `id` served: one verdict a response, however many arrive at once
     /// on however many replicas. A record shared through Redis is taken there (swapped for
     /// "spent" in one step, after the queued write that stored it); one kept here only, by
-    /// removing it from memory.
+    /// marking it spent in memory (in one step against a check marking it).
     async fn take(
         &self,
         state: &AppState,
         tenant: &str,
         id: &str,
     ) -> Result<Option<Arc<Served>>, ApiError> {
-        let held = self.with_pool(tenant, |p| p.remove(id));
+        let mut held = None;
+        let mut spent_here = false;
+        self.with_pool(tenant, |p| {
+            p.entry_by_ref(id).and_compute_with(|e| match e {
+                Some(e) if e.value().spent => {
+                    spent_here = true;
+                    Op::Nop
+                }
+                Some(e) => {
+                    let record = e.into_value();
+                    held = Some(record.clone());
+                    Op::Put(Record {
+                        spent: true,
+                        ..record
+                    })
+                }
+                None => Op::Nop,
+            })
+        });
+        if spent_here {
+            return Ok(None);
+        }
         let until = held.as_ref().map(|r| r.until);
         let here = held.map(|r| r.served);
         let Some(redis) = state
@@ -290,7 +326,17 @@ impl Responses {
         };
         match redis.take_blob(&blob_name(id), SPENT.to_vec()).await {
             Ok(Some(bytes)) if bytes.as_slice() != SPENT && bytes.len() <= MAX_RECORD_BYTES => {
-                Ok(here.or_else(|| serde_json::from_slice(&bytes).ok().map(Arc::new)))
+                let shared: Option<Served> = serde_json::from_slice(&bytes).ok();
+                // A check that marked it in Redis (here or on another replica) counted.
+                let checked = shared.as_ref().is_some_and(|s| s.checked);
+                Ok(match (here, shared) {
+                    (Some(h), _) if checked && !h.checked => Some(Arc::new(Served {
+                        checked: true,
+                        ..(*h).clone()
+                    })),
+                    (Some(h), _) => Some(h),
+                    (None, s) => s.map(Arc::new),
+                })
             }
             // Never reached Redis (a dropped queued write, an eviction): the copy held here
             // counts; without one, the id is unknown.
@@ -303,7 +349,12 @@ impl Responses {
             Err(e) => {
                 tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
                 if let (Some(served), Some(until)) = (here, until) {
-                    let record = Record { served, until };
+                    let spent = false;
+                    let record = Record {
+                        served,
+                        until,
+                        spent,
+                    };
                     self.with_pool(tenant, |p| p.insert(id.to_string(), record));
                 }
                 Err(records_unreachable())
@@ -312,52 +363,59 @@ impl Responses {
     }
 
     /// Marks response `id` of tenant `tenant` as judged by a check, unless a verdict was
-    /// given on it already: whether the check's verdict counts. One verdict a response
-    /// counts as evidence, the first: the mark and a client's take are each one step in
-    /// Redis, so of a check and a verdict racing on any replicas exactly one counts. A
-    /// response forgotten (past its window or budget) takes no check's verdict either.
+    /// given on it already: whether the check's verdict counts as evidence. One verdict a
+    /// response counts, the first: the mark and a client's take are each one step, in memory
+    /// and in Redis, so of a check and a verdict racing on any replicas one counts. A
+    /// response no longer remembered (or feedback off) can take no client's verdict: the
+    /// check's counts. A Redis error counts it too (the one case where a hit may count
+    /// twice, should a client's verdict reach another replica).
     pub async fn mark_checked(&self, state: &AppState, tenant: &str, id: &str) -> bool {
-        let mut marked = self.with_pool(tenant, |p| {
-            let record = p.get(id)?;
-            let served = Served {
-                checked: true,
-                ..(*record.served).clone()
-            };
-            let record = Record {
-                served: Arc::new(served),
-                until: record.until,
-            };
-            let served = record.served.clone();
-            p.insert(id.to_string(), record);
-            Some(served)
-        });
-        let Some(redis) = state.store.redis() else {
-            return marked.is_some();
-        };
-        if marked.as_ref().is_some_and(|s| !s.is_shared()) {
+        if !self.config.enabled {
             return true;
         }
-        // Shared (or forgotten here): Redis decides; the copy marked there is the one held
-        // here, or the one read back.
-        let copy = match &marked {
-            Some(s) => Some(s.clone()),
-            None => self.find(state, tenant, id).await.ok().flatten().map(|s| {
-                Arc::new(Served {
+        let mut mark = Mark::Absent;
+        self.with_pool(tenant, |p| {
+            p.entry_by_ref(id).and_compute_with(|e| match e {
+                Some(e) if e.value().spent => {
+                    mark = Mark::Spent;
+                    Op::Nop
+                }
+                Some(e) => {
+                    let record = e.into_value();
+                    let served = Arc::new(Served {
+                        checked: true,
+                        ..(*record.served).clone()
+                    });
+                    mark = Mark::Marked(served.clone());
+                    Op::Put(Record { served, ..record })
+                }
+                None => Op::Nop,
+            })
+        });
+        let copy = match (mark, state.store.redis()) {
+            (Mark::Spent, _) => return false,
+            (_, None) => return true,
+            (Mark::Marked(s), Some(_)) if !s.is_shared() => return true,
+            (Mark::Marked(s), Some(_)) => s,
+            // Forgotten here: Redis may hold it (another replica served it).
+            (Mark::Absent, Some(_)) => match self.find(state, tenant, id).await {
+                Ok(Some(s)) => Arc::new(Served {
                     checked: true,
                     ..(*s).clone()
-                })
-            }),
+                }),
+                _ => return true,
+            },
         };
-        let Some(bytes) = copy.and_then(|s| serde_json::to_vec(&*s).ok()) else {
-            return false;
+        let (Some(redis), Ok(bytes)) = (state.store.redis(), serde_json::to_vec(&*copy)) else {
+            return true;
         };
         match redis.mark_blob(&blob_name(id), SPENT.to_vec(), bytes).await {
-            Ok(Some(counted)) => counted,
-            // Never reached Redis: the copy held here decides.
-            Ok(None) => marked.take().is_some(),
+            Ok(Some(counts)) => counts,
+            // Never reached Redis: what is held here decides.
+            Ok(None) => true,
             Err(e) => {
                 tracing::warn!(error = %e, "feedback: cannot mark a checked response in redis");
-                false
+                true
             }
         }
     }
@@ -371,7 +429,7 @@ impl Responses {
         id: &str,
     ) -> Result<Option<Arc<Served>>, ApiError> {
         if let Some(r) = self.with_pool(tenant, |p| p.get(id)) {
-            return Ok(Some(r.served));
+            return Ok((!r.spent).then_some(r.served));
         }
         let Some(redis) = state.store.redis() else {
             return Ok(None);
@@ -752,6 +810,7 @@ mod tests {
         let record = Record {
             served: Arc::new(served("a")),
             until: Instant::now() + Duration::from_millis(100),
+            spent: false,
         };
         p.insert("x".into(), record.clone());
         let moved = pool(1 << 20);

@@ -136,23 +136,17 @@ fn start(
         let Some(wrong) = judge(&state, &served, &fresh, &entry, &answer).await else {
             return;
         };
-        // A client's verdict on the response came first: it is the one that counts.
-        if !state
-            .responses
-            .mark_checked(&state, &served.tenant, &id)
-            .await
-        {
+        // One verdict of evidence a response: a client's came first, and counted.
+        let tenant = &served.tenant;
+        if state.responses.mark_checked(&state, tenant, &id).await {
+            let source = Source::Verified;
+            let scope = &served.scope;
+            state
+                .bounds
+                .record(&state, tenant, scope, similarity, wrong, source);
+        } else {
             state.metrics.verify("superseded");
-            return;
         }
-        state.bounds.record(
-            &state,
-            &served.tenant,
-            &served.scope,
-            similarity,
-            wrong,
-            Source::Verified,
-        );
         if wrong {
             crate::feedback::refuse(&state, &served).await;
         }

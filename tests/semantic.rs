@@ -1524,7 +1524,7 @@ async fn the_judge_prompt_carries_none_of_the_clients_settings() {
 
 /// A paraphrase served from the cache with every hit checked by the judge prompt (which says
 /// "yes", right) after a second's generation; returns the app and the response's id.
-async fn checked_hit() -> (TestApp, Value) {
+async fn checked_hit(feedback_on: bool) -> (TestApp, Value) {
     let script = ScriptConfig {
         rules: vec![("You judge answers".into(), "yes".into())],
         first_token_delay: std::time::Duration::from_secs(2),
@@ -1533,6 +1533,7 @@ async fn checked_hit() -> (TestApp, Value) {
     let mut config = semantic_config();
     config.semantic.verify_hits = 1.0;
     config.semantic.verify_judge = reprise::config::VerifyJudge::Prompt;
+    config.feedback.enabled = feedback_on;
     let (app, _backend) = spawn_fake(config, script).await;
     let ask = |text: &str| {
         let mut b = chat_body(text);
@@ -1562,7 +1563,7 @@ fn evidence(app: &TestApp) -> f64 {
 #[tokio::test]
 async fn a_check_and_a_clients_verdict_on_one_hit_count_once() {
     // The check first: counted; the client's verdict then refuses but adds nothing.
-    let (app, id) = checked_hit().await;
+    let (app, id) = checked_hit(true).await;
     assert!(eventually(std::time::Duration::from_secs(20), || evidence(&app) >= 1.0).await);
     let r = feedback(&app, json!({"id": id, "verdict": "wrong"}), None).await;
     assert_eq!(r.status(), 200);
@@ -1571,7 +1572,7 @@ async fn a_check_and_a_clients_verdict_on_one_hit_count_once() {
 
     // The client first (the check's generations take seconds): counted; the check that
     // ends after it is superseded and adds nothing.
-    let (app, id) = checked_hit().await;
+    let (app, id) = checked_hit(true).await;
     let superseded = || async {
         let text = app.metrics_text().await;
         sample(
@@ -1590,6 +1591,13 @@ async fn a_check_and_a_clients_verdict_on_one_hit_count_once() {
     });
     assert!(ended.await, "the check ended superseded");
     assert_eq!(evidence(&app), 1.0);
+    // A second verdict on it is unknown.
+    let r = feedback(&app, json!({"id": id, "verdict": "wrong"}), None).await;
+    assert_eq!(r.status(), 404);
+
+    // Without feedback no client's verdict can come: every check counts.
+    let (app, _) = checked_hit(false).await;
+    assert!(eventually(std::time::Duration::from_secs(20), || evidence(&app) >= 1.0).await);
 }
 
 /// Sampled checks of hits run in the background, one at a time and within their token budget,

@@ -421,7 +421,7 @@ fn describe() {
     );
     describe_counter!(
         "reprise_verify_checks_total",
-        "Sampled semantic hits offered for a background check, by result (started, skipped: a client request or another check was running, or the budget was spent; superseded: judged after a client's verdict on the response, which counts instead)."
+        "Sampled semantic hits offered for a background check, by result (started, skipped: a client request or another check was running, or the budget was spent; superseded: judged after a client's verdict on the response, which counts as evidence instead)."
     );
     describe_counter!(
         "reprise_feedback_total",
