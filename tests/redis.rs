@@ -763,8 +763,9 @@ async fn a_check_and_a_verdict_on_two_replicas_count_once() {
             panic!("no semantic hit on B");
         }
     };
+    // Checks superseded, as B (where they run) counts them.
     let superseded = || async {
-        let text = a.metrics_text().await;
+        let text = b.metrics_text().await;
         sample(
             &text,
             "reprise_verify_checks_total",
