@@ -764,15 +764,7 @@ async fn a_check_and_a_verdict_on_two_replicas_count_once() {
         }
     };
     // Checks superseded, as B (where they run) counts them.
-    let superseded = || async {
-        let text = b.metrics_text().await;
-        sample(
-            &text,
-            "reprise_verify_checks_total",
-            &[("result", "superseded")],
-        )
-        .unwrap_or(0.0)
-    };
+    let superseded = || verify_checks(&b, "superseded");
 
     // The client's verdict (on A) first: counted there; B's check then finds it spent.
     let before = superseded().await;

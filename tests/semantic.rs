@@ -1573,15 +1573,7 @@ async fn a_check_and_a_clients_verdict_on_one_hit_count_once() {
     // The client first (the check's generations take seconds): counted; the check that
     // ends after it is superseded and adds nothing.
     let (app, id) = checked_hit(true).await;
-    let superseded = || async {
-        let text = app.metrics_text().await;
-        sample(
-            &text,
-            "reprise_verify_checks_total",
-            &[("result", "superseded")],
-        )
-        .unwrap_or(0.0)
-    };
+    let superseded = || verify_checks(&app, "superseded");
     let before = superseded().await;
     let r = feedback(&app, json!({"id": id, "verdict": "right"}), None).await;
     assert_eq!(r.status(), 200);

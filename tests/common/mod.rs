@@ -194,6 +194,13 @@ pub async fn assert_openai_error(r: reqwest::Response, status: u16, param: Optio
     j
 }
 
+/// Checks of hits with `result` (`reprise_verify_checks_total`) as `app` exposes them; the
+/// recorder is the process's, so counts of other tests' apps are in it too.
+pub async fn verify_checks(app: &TestApp, result: &str) -> f64 {
+    let text = app.metrics_text().await;
+    sample(&text, "reprise_verify_checks_total", &[("result", result)]).unwrap_or(0.0)
+}
+
 /// The value of the sample of `name` in a Prometheus exposition whose labels include all of
 /// `labels`.
 pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
