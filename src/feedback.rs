@@ -166,11 +166,11 @@ struct Record {
     spent: bool,
 }
 
-/// What marking a response as checked found.
-enum Mark {
-    /// Marked: the check's verdict is the response's.
-    Marked(Arc<Served>),
-    /// A verdict was given on it already.
+/// What a change of a remembered record found ([`Responses::change_unspent`]).
+enum Found {
+    /// The record as it was, now changed.
+    Unspent(Record),
+    /// A verdict was given on it already; left as it is.
     Spent,
     /// Not remembered here.
     Absent,
@@ -293,28 +293,15 @@ impl Responses {
         tenant: &str,
         id: &str,
     ) -> Result<Option<Arc<Served>>, ApiError> {
-        let mut held = None;
-        let mut spent_here = false;
-        self.with_pool(tenant, |p| {
-            p.entry_by_ref(id).and_compute_with(|e| match e {
-                Some(e) if e.value().spent => {
-                    spent_here = true;
-                    Op::Nop
-                }
-                Some(e) => {
-                    let record = e.into_value();
-                    held = Some(record.clone());
-                    Op::Put(Record {
-                        spent: true,
-                        ..record
-                    })
-                }
-                None => Op::Nop,
-            })
-        });
-        if spent_here {
-            return Ok(None);
-        }
+        let spend = |r: &Record| Record {
+            spent: true,
+            ..r.clone()
+        };
+        let held = match self.change_unspent(tenant, id, spend) {
+            Found::Spent => return Ok(None),
+            Found::Unspent(r) => Some(r),
+            Found::Absent => None,
+        };
         let until = held.as_ref().map(|r| r.until);
         let here = held.map(|r| r.served);
         let Some(redis) = state
@@ -349,11 +336,10 @@ impl Responses {
             Err(e) => {
                 tracing::warn!(error = %e, "feedback: cannot take the response record in redis");
                 if let (Some(served), Some(until)) = (here, until) {
-                    let spent = false;
                     let record = Record {
                         served,
                         until,
-                        spent,
+                        spent: false,
                     };
                     self.with_pool(tenant, |p| p.insert(id.to_string(), record));
                 }
@@ -373,40 +359,32 @@ impl Responses {
         if !self.config.enabled {
             return true;
         }
-        let mut mark = Mark::Absent;
-        self.with_pool(tenant, |p| {
-            p.entry_by_ref(id).and_compute_with(|e| match e {
-                Some(e) if e.value().spent => {
-                    mark = Mark::Spent;
-                    Op::Nop
-                }
-                Some(e) => {
-                    let record = e.into_value();
-                    let served = Arc::new(Served {
-                        checked: true,
-                        ..(*record.served).clone()
-                    });
-                    mark = Mark::Marked(served.clone());
-                    Op::Put(Record { served, ..record })
-                }
-                None => Op::Nop,
-            })
-        });
-        let copy = match (mark, state.store.redis()) {
-            (Mark::Spent, _) => return false,
-            (_, None) => return true,
-            (Mark::Marked(s), Some(_)) if !s.is_shared() => return true,
-            (Mark::Marked(s), Some(_)) => s,
+        let check = |r: &Record| Record {
+            served: Arc::new(Served {
+                checked: true,
+                ..(*r.served).clone()
+            }),
+            ..r.clone()
+        };
+        let found = self.change_unspent(tenant, id, check);
+        let Some(redis) = state.store.redis() else {
+            return !matches!(found, Found::Spent);
+        };
+        let copy = match found {
+            Found::Spent => return false,
+            Found::Unspent(r) if !r.served.is_shared() => return true,
+            Found::Unspent(r) => r.served,
             // Forgotten here: Redis may hold it (another replica served it).
-            (Mark::Absent, Some(_)) => match self.find(state, tenant, id).await {
-                Ok(Some(s)) => Arc::new(Served {
-                    checked: true,
-                    ..(*s).clone()
-                }),
+            Found::Absent => match self.find(state, tenant, id).await {
+                Ok(Some(s)) => s,
                 _ => return true,
             },
         };
-        let (Some(redis), Ok(bytes)) = (state.store.redis(), serde_json::to_vec(&*copy)) else {
+        let marked = Served {
+            checked: true,
+            ..(*copy).clone()
+        };
+        let Ok(bytes) = serde_json::to_vec(&marked) else {
             return true;
         };
         match redis.mark_blob(&blob_name(id), SPENT.to_vec(), bytes).await {
@@ -418,6 +396,33 @@ impl Responses {
                 true
             }
         }
+    }
+
+    /// Replaces record `id` of tenant `tenant` by `change` of it unless it is spent, in one
+    /// step against any other such change (a client's take, a check's mark).
+    fn change_unspent(
+        &self,
+        tenant: &str,
+        id: &str,
+        change: impl FnOnce(&Record) -> Record,
+    ) -> Found {
+        let mut found = Found::Absent;
+        self.with_pool(tenant, |p| {
+            p.entry_by_ref(id).and_compute_with(|e| match e {
+                Some(e) if e.value().spent => {
+                    found = Found::Spent;
+                    Op::Nop
+                }
+                Some(e) => {
+                    let record = e.into_value();
+                    let changed = change(&record);
+                    found = Found::Unspent(record);
+                    Op::Put(changed)
+                }
+                None => Op::Nop,
+            })
+        });
+        found
     }
 
     /// What response `id` served, if it is remembered here (among tenant `tenant`'s
