@@ -555,9 +555,15 @@ pub async fn handle(
     if let (Some(sim), false) = (served.similarity, served.checked) {
         let wrong = v.verdict == Kind::Wrong;
         let source = crate::bounds::Source::Feedback;
-        state
-            .bounds
-            .record(state, tenant.name(), &served.scope, sim, wrong, source);
+        state.bounds.record(
+            state,
+            tenant.name(),
+            &served.scope,
+            served.entry,
+            sim,
+            wrong,
+            source,
+        );
     }
     // The verdict line of the request log (what `reprise tune --log` joins by id).
     if let Some(log) = &state.request_log {

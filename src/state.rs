@@ -212,6 +212,7 @@ impl AppState {
         };
         let context_forms =
             crate::lookup::equivalence::Forms::new(config.semantic.context_forms_bytes);
+        let bounds = crate::bounds::Bounds::new(config.semantic.entry_evidence_bytes);
         Ok(Arc::new(AppState {
             config,
             backend,
@@ -235,7 +236,7 @@ impl AppState {
             responses,
             admin_changes: crate::admin::tenant_changes_limiter(),
             admin_scans: Default::default(),
-            bounds: Default::default(),
+            bounds,
             context_forms,
             verifier,
             policy_key,
@@ -291,6 +292,8 @@ impl AppState {
         self.metrics
             .cache_bytes
             .set(self.store.weighted_size() as f64);
+        metrics::gauge!("reprise_semantic_entries_with_evidence")
+            .set(self.bounds.entries_with_evidence() as f64);
         // Read from each backend as it is now, by name (two backends' lines set from inside
         // them, unnamed, overwrote each other).
         for t in self.router.targets() {

@@ -141,9 +141,15 @@ fn start(
         if state.responses.mark_checked(&state, tenant, &id).await {
             let source = Source::Verified;
             let scope = &served.scope;
-            state
-                .bounds
-                .record(&state, tenant, scope, similarity, wrong, source);
+            state.bounds.record(
+                &state,
+                tenant,
+                scope,
+                served.entry,
+                similarity,
+                wrong,
+                source,
+            );
         } else {
             state.metrics.verify("superseded");
         }

@@ -890,7 +890,7 @@ async fn a_replaced_candidates_evidence_is_dropped() {
         let source = Source::Feedback;
         app.state
             .bounds
-            .record(&app.state, "t", s, 0.9, false, source);
+            .record(&app.state, "t", s, None, 0.9, false, source);
     };
     let first = scope_of(fingerprint());
     record(&first);
@@ -1088,6 +1088,7 @@ async fn a_shadow_candidate_under_a_bound_reads_the_evidence_of_its_scope() {
             &app.state,
             "bounded",
             "*/*",
+            None,
             sim,
             true,
             reprise::bounds::Source::Feedback,
@@ -1284,6 +1285,7 @@ async fn under_a_bound_a_linked_wording_is_held_to_the_learned_threshold() {
             &app.state,
             "bounded",
             "*/*",
+            None,
             sim,
             true,
             reprise::bounds::Source::Feedback,

@@ -795,7 +795,8 @@ async fn a_check_and_a_verdict_on_two_replicas_count_once() {
 }
 
 /// Verdicts taken on one replica tighten the learned threshold of the others, and of a
-/// replica started after the first one stopped (its evidence outlives it in Redis).
+/// replica started after the first one stopped (its evidence outlives it in Redis): the
+/// scope's, and the judged entry's own.
 #[tokio::test]
 async fn verdicts_reach_the_thresholds_of_every_replica() {
     let redis = RedisServer::start();
@@ -823,14 +824,36 @@ async fn verdicts_reach_the_thresholds_of_every_replica() {
     let id = r.json::<Value>().await.unwrap()["id"].clone();
     let r = feedback(&a, json!({"id": id, "verdict": "wrong"}), None).await;
     assert_eq!(r.status(), 200);
+    let entry: reprise_cache::EntryId = r.json::<Value>().await.unwrap()["entry"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let own = |app: &TestApp| {
+        app.state
+            .bounds
+            .entry_threshold(entry, 0.05, 0.86, 0.7)
+            .map(|l| l.threshold)
+    };
     assert!(threshold(&a) > sim, "A learned from its own verdict");
+    assert!(own(&a).is_some_and(|t| t > sim), "{:?}", own(&a));
+    assert_eq!(own(&b), None, "B has not read it yet");
     // B never saw the verdict; it learns it from A's published evidence.
     let state = b.state.clone();
     let shared = eventually(Duration::from_secs(10), || {
         state.bounds.threshold("", "*/*", 0.05, 0.86, 0.7).threshold > sim
+            && state
+                .bounds
+                .entry_threshold(entry, 0.05, 0.86, 0.7)
+                .is_some_and(|l| l.threshold > sim)
     })
     .await;
-    assert!(shared, "B's threshold stayed {}", threshold(&b));
+    assert!(
+        shared,
+        "B's thresholds stayed {} {:?}",
+        threshold(&b),
+        own(&b)
+    );
     // A stops (publishing once more); a replica started afterwards learns it too, and so
     // does B still (A's evidence is not dropped with A).
     a.shutdown().await;
@@ -838,6 +861,10 @@ async fn verdicts_reach_the_thresholds_of_every_replica() {
     let state = c.state.clone();
     let restarted = eventually(Duration::from_secs(10), || {
         state.bounds.threshold("", "*/*", 0.05, 0.86, 0.7).threshold > sim
+            && state
+                .bounds
+                .entry_threshold(entry, 0.05, 0.86, 0.7)
+                .is_some_and(|l| l.threshold > sim)
     })
     .await;
     assert!(restarted, "C's threshold stayed {}", threshold(&c));

@@ -237,7 +237,7 @@ async fn a_snapshot_loads_within_the_memory_budget() {
 
 /// Without Redis, the verdicts learned thresholds stand on survive a restart in the
 /// snapshot: a threshold wrong verdicts raised stays raised (it fell back to the configured
-/// one, serving again what had been found wrong).
+/// one, serving again what had been found wrong), a scope's and an entry's own.
 #[tokio::test]
 async fn learned_thresholds_survive_a_restart_in_the_snapshot() {
     let dir = tempfile::tempdir().unwrap();
@@ -247,11 +247,14 @@ async fn learned_thresholds_survive_a_restart_in_the_snapshot() {
     let threshold = |app: &TestApp| app.state.bounds.threshold("", "*/*", 0.05, 0.8, 0.5);
     let (app, _backend) = spawn_fake(config.clone(), Default::default()).await;
     assert_eq!(threshold(&app).threshold, 0.8);
+    let entry = reprise_cache::EntryId(42);
+    let own = |app: &TestApp| app.state.bounds.entry_threshold(entry, 0.05, 0.8, 0.5);
     for _ in 0..6 {
         app.state.bounds.record(
             &app.state,
             "",
             "*/*",
+            Some(entry),
             0.85,
             true,
             reprise::bounds::Source::Feedback,
@@ -259,11 +262,15 @@ async fn learned_thresholds_survive_a_restart_in_the_snapshot() {
     }
     let raised = threshold(&app).threshold;
     assert!(raised > 0.85, "{raised}");
+    let entry_raised = own(&app).expect("the entry's own").threshold;
+    assert!(entry_raised > 0.85, "{entry_raised}");
     reprise::snapshot::save(&app.state, &path).unwrap();
     drop(app);
     let (app, _backend) = spawn_fake(config, Default::default()).await;
+    assert_eq!(own(&app), None, "nothing before the snapshot is loaded");
     reprise::snapshot::load(&app.state, &path).await.unwrap();
     assert_eq!(threshold(&app).threshold, raised);
+    assert_eq!(own(&app).map(|l| l.threshold), Some(entry_raised));
 }
 
 /// A save that fails (its directory missing, a full disk) is tried again: a delete asked to

@@ -118,6 +118,12 @@ fn other_budgets(config: &Config, measured_start: bool) -> Vec<(&'static str, u6
             "semantic.context_forms_bytes",
             config.semantic.context_forms_bytes,
         ));
+        if config.semantic.delta > 0.0 {
+            out.push((
+                "semantic.entry_evidence_bytes",
+                config.semantic.entry_evidence_bytes,
+            ));
+        }
         // The runtime's working memory grows to the largest batch it has run.
         if !measured_start {
             out.push((

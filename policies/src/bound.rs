@@ -31,10 +31,11 @@
 //!   wrong ones under the threshold.
 //!
 //! The idea of learning thresholds online under a user-set error bound comes from vCache
-//! (arXiv 2502.03771), which fits one curve per cached entry; here the curve is per scope
-//! (a tenant's policy), and an entry reported wrong for a question refuses that question's
-//! neighbourhood on its own (the cache crate's refusals): per-entry evidence of the
-//! strongest kind.
+//! (arXiv 2502.03771), which fits one curve per cached entry. Here the same estimator runs
+//! per scope (a tenant's policy) and, where an entry has verdicts of its own, per entry,
+//! with the scope's learned threshold as the entry's configured one (the server's
+//! `bounds::Entries`); an entry reported wrong for a question also refuses that question's
+//! neighbourhood on its own (the cache crate's refusals).
 
 /// Similarity bins: 0.01 wide over [0, 1].
 const BINS: usize = 100;
@@ -80,6 +81,11 @@ pub struct Learned {
     pub wrong_upper: f64,
     /// Whether the verdicts lowered it below the configured threshold.
     pub learned: bool,
+}
+
+/// The bin of `similarity` (0 to 100): what [`Evidence::bins`] names a bin by.
+pub fn bin_of(similarity: f32) -> u8 {
+    bin(similarity) as u8
 }
 
 fn bin(similarity: f32) -> usize {

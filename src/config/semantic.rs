@@ -125,6 +125,9 @@ pub struct SemanticConfig {
     /// replicas' (a threshold under `delta` is learned from all of them); 0: each replica
     /// learns from its own verdicts alone.
     pub evidence_sync_secs: u64,
+    /// Bytes of verdicts kept per entry (under `delta`, an entry with verdicts of its own
+    /// learns its own threshold from them; the least recently judged go first).
+    pub entry_evidence_bytes: u64,
 }
 
 /// How a checked hit is judged (`semantic.verify_judge`).
@@ -173,6 +176,7 @@ impl Default for SemanticConfig {
             verify_judge: VerifyJudge::Similarity,
             verify_tokens_per_minute: 20_000,
             evidence_sync_secs: 10,
+            entry_evidence_bytes: 4 << 20,
         }
     }
 }

@@ -72,7 +72,13 @@ pub(crate) async fn loosely(
         ..policy
     };
     let mut notes = Notes::default();
-    let (entry, similarity) = semantic::find(state, embedder, &loose, q, wants, &mut notes).await?;
+    // Entries raised by their own verdicts stay raised (their own looser ones stay too).
+    let per_entry = found
+        .per_entry
+        .map(|p| semantic::PerEntry { scope: floor, ..p });
+    let per_entry = per_entry.as_ref();
+    let (entry, similarity) =
+        semantic::find(state, embedder, &loose, per_entry, q, wants, &mut notes).await?;
     Some(Hit {
         entry,
         outcome: Outcome::Semantic,
@@ -121,6 +127,9 @@ pub struct Lookup {
     /// The policy's threshold was learned under the tenant's error bound (`delta`): nothing
     /// is served by meaning below it, not even when the SLO is at risk ([`loosely`]).
     pub bounded: bool,
+    /// Under that bound, on the running policy: entries with verdicts of their own are
+    /// judged at their own thresholds.
+    pub per_entry: Option<semantic::PerEntry>,
     /// The exact key leads to an entry, only one too old for this request: a paraphrase's
     /// answer served instead must not take the key from it.
     pub exact_taken: bool,
@@ -155,6 +164,7 @@ impl Lookup {
             policy: None,
             scope: String::new(),
             bounded: false,
+            per_entry: None,
             exact_taken: false,
             stale: None,
             embed_overloaded: None,
@@ -420,6 +430,7 @@ async fn beyond_exact(
             tenant.candidate().map(|c| c.fingerprint()),
         );
         let mut learned = None;
+        let mut per_entry = None;
         if delta > 0.0 {
             let floor = state.config.semantic.min_threshold;
             let l = state
@@ -427,14 +438,22 @@ async fn beyond_exact(
                 .threshold(tenant.name(), &scope, delta, policy.threshold, floor);
             policy.threshold = l.threshold;
             learned = Some(l);
+            // A candidate's verdicts stay in its scope: entries' own thresholds are the
+            // running policy's.
+            per_entry = (arm != Arm::Candidate).then_some(semantic::PerEntry {
+                delta,
+                scope: l.threshold,
+                floor,
+                requested: wants.threshold,
+            });
         } else if followup {
             // A follow-up is matched within its context only, where the content it acts on
             // is already the same: its own threshold.
             policy.threshold = policy.followup();
         }
-        (policy.raised(wants.threshold), scope, learned)
+        (policy.raised(wants.threshold), scope, learned, per_entry)
     };
-    let (policy, scope, learned) = serving(tenant.semantic_rules(wants.arm), wants.arm);
+    let (policy, scope, learned, per_entry) = serving(tenant.semantic_rules(wants.arm), wants.arm);
     // A canary's candidate may read a question as standing alone where the running policy
     // does not: it looks the question up alone, but its answer is stored in the
     // conversation's own partition, so the control side (and every request after a
@@ -469,6 +488,7 @@ async fn beyond_exact(
         found.policy = Some(policy);
         found.scope = scope;
         found.bounded = delta > 0.0;
+        found.per_entry = per_entry;
         found.notes.threshold = Some(policy.threshold);
     }
     // The embedder reads a bounded start of the question; the rest, and the words it reads
@@ -554,7 +574,17 @@ async fn beyond_exact(
     let served = match policy.enabled {
         true => {
             let q = question();
-            semantic::find(state, embedder, &policy, q, wants, &mut found.notes).await
+            let per_entry = per_entry.as_ref();
+            semantic::find(
+                state,
+                embedder,
+                &policy,
+                per_entry,
+                q,
+                wants,
+                &mut found.notes,
+            )
+            .await
         }
         false => None,
     };
@@ -563,7 +593,7 @@ async fn beyond_exact(
             true => {
                 let mut notes = Notes::default();
                 let q = question();
-                semantic::find(state, embedder, &s.policy, q, wants, &mut notes).await
+                semantic::find(state, embedder, &s.policy, None, q, wants, &mut notes).await
             }
             false => None,
         };

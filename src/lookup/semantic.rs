@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use reprise_cache::semantic::Candidate;
-use reprise_cache::{Digest, Entry};
+use reprise_cache::{Digest, Entry, EntryId};
 use reprise_embedder::Embedder;
 use reprise_policies::semantic::SemanticPolicy;
 
@@ -60,22 +60,68 @@ impl Verdict {
     }
 }
 
+/// Thresholds of entries with verdicts of their own, under a tenant's error bound (see
+/// [`crate::bounds::Entries`]): a candidate whose entry has any is judged at its own
+/// threshold, the others at the scope's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PerEntry {
+    /// The tenant's bound.
+    pub delta: f64,
+    /// The scope's learned threshold, before a client's own raised it.
+    pub scope: f32,
+    /// The lowest threshold it may learn.
+    pub floor: f32,
+    /// A client's own threshold (`x-reprise-threshold`): it only ever raises.
+    pub requested: Option<f32>,
+}
+
+impl PerEntry {
+    /// The threshold `entry` serves at, when it has verdicts of its own; with `learned`, the
+    /// estimate it rests on.
+    pub fn threshold(
+        &self,
+        state: &AppState,
+        entry: EntryId,
+    ) -> Option<(f32, reprise_policies::bound::Learned)> {
+        let l = state
+            .bounds
+            .entry_threshold(entry, self.delta, self.scope, self.floor)?;
+        let t = self.requested.map_or(l.threshold, |r| l.threshold.max(r));
+        Some((t, l))
+    }
+}
+
+/// The threshold candidate `id` is judged at: its entry's own under `per_entry`, else the
+/// policy's.
+pub fn threshold_of(
+    state: &AppState,
+    policy: &SemanticPolicy,
+    per_entry: Option<&PerEntry>,
+    id: EntryId,
+) -> f32 {
+    per_entry
+        .and_then(|p| p.threshold(state, id))
+        .map_or(policy.threshold, |(t, _)| t)
+}
+
 /// Whether `similarity` is at or above `threshold`; false for a NaN.
 fn reaches(similarity: f32, threshold: f32) -> bool {
     similarity >= threshold
 }
 
-/// Judges one candidate of `q` found at `similarity`; the entry when one was fetched.
+/// Judges one candidate of `q` found at `similarity`, at `threshold` (see [`threshold_of`]);
+/// the entry when one was fetched.
 pub async fn judge(
     state: &AppState,
     embedder: &Arc<dyn Embedder>,
     policy: &SemanticPolicy,
+    threshold: f32,
     q: &Question<'_>,
     wants: Wants,
     candidate: &Candidate,
 ) -> (Verdict, Option<Arc<Entry>>) {
     // Not at or above it (a NaN similarity is not either): never served.
-    if !reaches(candidate.similarity, policy.threshold) {
+    if !reaches(candidate.similarity, threshold) {
         return (Verdict::BelowThreshold, None);
     }
     let Some(entry) = state.store.fetch(candidate.id).await else {
@@ -132,12 +178,13 @@ pub(crate) fn vet(
     (verdict, swapped)
 }
 
-/// The best servable candidate for `q` under `policy`, with its similarity. Records what it
-/// saw in `notes`.
+/// The best servable candidate for `q` under `policy` (and entries' own thresholds, with
+/// `per_entry`), with its similarity. Records what it saw in `notes`.
 pub async fn find(
     state: &AppState,
     embedder: &Arc<dyn Embedder>,
     policy: &SemanticPolicy,
+    per_entry: Option<&PerEntry>,
     q: Question<'_>,
     wants: Wants,
     notes: &mut Notes,
@@ -158,15 +205,36 @@ pub async fn find(
         if notes.similarity.is_none() {
             notes.similarity = Some(c.similarity);
         }
-        match judge(state, embedder, policy, &q, wants, &c).await {
-            // Candidates come best first: the rest are below too.
+        let threshold = threshold_of(state, policy, per_entry, c.id);
+        if threshold != policy.threshold {
+            let tenant = state
+                .policies
+                .load()
+                .tenants
+                .for_namespace(q.scope)
+                .name()
+                .to_string();
+            state
+                .metrics
+                .entry_threshold(&tenant, threshold < policy.threshold);
+        }
+        match judge(state, embedder, policy, threshold, &q, wants, &c).await {
             (Verdict::BelowThreshold, _) => {
-                notes.near_miss = Some((c.id, c.similarity));
-                break;
+                if notes.near_miss.is_none() {
+                    notes.near_miss = Some((c.id, c.similarity));
+                }
+                // Candidates come best first: under one threshold the rest are below too;
+                // an entry of their own may serve at a lower one.
+                if per_entry.is_none() {
+                    break;
+                }
             }
             (Verdict::Pass, Some(entry)) => {
                 notes.gate = Some("pass");
                 notes.similarity = Some(c.similarity);
+                notes.threshold = Some(threshold);
+                // Something was served: no near miss to check.
+                notes.near_miss = None;
                 found = Some((entry, c.similarity));
                 break;
             }

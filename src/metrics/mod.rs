@@ -420,6 +420,14 @@ fn describe() {
         "The threshold each lookup under a learned bound used, by tenant."
     );
     describe_counter!(
+        "reprise_semantic_entry_thresholds_total",
+        "Candidates judged at their entry's own learned threshold (entries with verdicts of their own, under a bound) rather than their scope's, by tenant and effect (loosened: lower than the scope's; raised: higher)."
+    );
+    describe_gauge!(
+        "reprise_semantic_entries_with_evidence",
+        "Entries with verdicts of this replica's own, from which thresholds per entry are learned."
+    );
+    describe_counter!(
         "reprise_verify_checks_total",
         "Sampled semantic hits offered for a background check, by result (started, skipped: a client request or another check was running, or the budget was spent; superseded: judged after a client's verdict on the response, which counts as evidence instead)."
     );
@@ -517,6 +525,19 @@ impl Metrics {
         let tenant = RequestMetrics::tenant_label(tenant).to_string();
         metrics::counter!("reprise_semantic_verdicts_total",
             "tenant" => tenant, "source" => source, "verdict" => verdict)
+        .increment(1);
+    }
+
+    /// A candidate judged at its entry's own threshold rather than its scope's: `loosened`
+    /// when lower, else raised.
+    pub fn entry_threshold(&self, tenant: &str, loosened: bool) {
+        let tenant = RequestMetrics::tenant_label(tenant).to_string();
+        let effect = if loosened { "loosened" } else { "raised" };
+        metrics::counter!(
+            "reprise_semantic_entry_thresholds_total",
+            "tenant" => tenant,
+            "effect" => effect
+        )
         .increment(1);
     }
 

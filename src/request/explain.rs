@@ -88,10 +88,14 @@ pub async fn explain(
             scope: crate::auth::scope_of(&ctl.namespace),
         };
         for c in state.store.search(partition, embedding, policy.top_k) {
-            let (verdict, entry) = semantic::judge(state, embedder, policy, &q, wants, &c).await;
+            let per_entry = found.per_entry.as_ref();
+            let threshold = semantic::threshold_of(state, policy, per_entry, c.id);
+            let (verdict, entry) =
+                semantic::judge(state, embedder, policy, threshold, &q, wants, &c).await;
             candidates.push(json!({
                 "entry": c.id.to_string(),
                 "similarity": c.similarity,
+                "threshold": threshold,
                 "prompt": entry.as_ref().map(|e| e.prompt.clone()),
                 "verdict": verdict.as_str(),
             }));

@@ -35,6 +35,10 @@ use tokio_util::task::TaskTracker;
 use crate::share::ExactShare;
 use crate::state::AppState;
 
+mod entries;
+
+pub use entries::Entries;
+
 /// Confidence of the bound: the wrong share is at most `delta` with probability 95 %.
 const ALPHA: f64 = 0.05;
 /// Verdicts kept per tenant before old ones weigh half.
@@ -106,6 +110,10 @@ struct Published {
     at_ms: u64,
     /// Each tenant's verdicts ("" for the anonymous one) by scope, as (bin, right, wrong).
     tenants: HashMap<String, HashMap<String, Bins>>,
+    /// The verdicts of the entries with the most (see [`Entries`]); absent from what a
+    /// replica of an earlier release wrote.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    entries: Vec<(EntryId, Bins)>,
 }
 
 /// Where a verdict came from (metric label).
@@ -129,8 +137,8 @@ impl Source {
     }
 }
 
-/// The evidence of every tenant ("" for the anonymous one) and scope.
-#[derive(Default)]
+/// The evidence of every tenant ("" for the anonymous one) and scope, and of every entry
+/// with verdicts of its own.
 pub struct Bounds {
     /// This replica's own verdicts.
     evidence: Mutex<Scoped>,
@@ -142,22 +150,44 @@ pub struct Bounds {
     published_ms: AtomicU64,
     /// Near misses seen, for sampling.
     near_misses: ExactShare,
+    /// The verdicts of entries, for thresholds per entry.
+    entries: Entries,
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Bounds::new(crate::config::SemanticConfig::default().entry_evidence_bytes)
+    }
 }
 
 impl Bounds {
+    /// Evidence kept, with at most `entry_bytes` of entries' own verdicts.
+    pub fn new(entry_bytes: u64) -> Self {
+        Bounds {
+            evidence: Mutex::default(),
+            peers: Mutex::default(),
+            unpublished: AtomicBool::new(false),
+            published_ms: AtomicU64::new(0),
+            near_misses: ExactShare::default(),
+            entries: Entries::new(entry_bytes),
+        }
+    }
+
     /// Whether the next near miss is checked, for a `share` of them (every n-th, so the
     /// share is exact at any count).
     pub fn sample(&self, share: f64) -> bool {
         self.near_misses.take(share)
     }
 
-    /// Records a verdict on a candidate of `tenant` found at `similarity` under the
-    /// threshold of `scope`.
+    /// Records a verdict on a candidate of `tenant` (the entry `entry`, when known) found at
+    /// `similarity` under the threshold of `scope`.
+    #[allow(clippy::too_many_arguments)]
     pub fn record(
         &self,
         state: &AppState,
         tenant: &str,
         scope: &str,
+        entry: Option<EntryId>,
         similarity: f32,
         wrong: bool,
         source: Source,
@@ -203,6 +233,11 @@ impl Bounds {
                 e.decay();
             }
         }
+        // An entry's own threshold is the running policy's: a candidate's verdicts stay in
+        // its scope.
+        if let (Some(id), false) = (entry, scope.starts_with(CANDIDATE)) {
+            self.entries.record(id, similarity, wrong);
+        }
         self.unpublished.store(true, Ordering::Relaxed);
     }
 
@@ -233,13 +268,37 @@ impl Bounds {
         }
     }
 
+    /// The threshold `entry` serves at under `delta`, from its scope's learned threshold
+    /// `scope_threshold` (`floor`: the lowest it may learn); `None` when no replica has a
+    /// verdict on it (it serves at its scope's). See [`Entries`].
+    pub fn entry_threshold(
+        &self,
+        entry: EntryId,
+        delta: f64,
+        scope_threshold: f32,
+        floor: f32,
+    ) -> Option<Learned> {
+        self.entries
+            .threshold(entry, delta, ALPHA, scope_threshold, floor)
+    }
+
+    /// Entries with verdicts of this replica's own.
+    pub fn entries_with_evidence(&self) -> u64 {
+        self.entries.count()
+    }
+
     /// This replica's own evidence, as a snapshot keeps it (see [`Bounds::restore`]).
     pub fn saved(&self) -> serde_json::Value {
-        serde_json::to_value(Published {
+        serde_json::to_value(self.own_published()).unwrap_or_default()
+    }
+
+    /// This replica's own evidence, as published.
+    fn own_published(&self) -> Published {
+        Published {
             at_ms: now_ms(),
             tenants: self.own_bins(),
-        })
-        .unwrap_or_default()
+            entries: self.entries.published(),
+        }
     }
 
     /// Takes back the evidence a snapshot kept ([`Bounds::saved`]) into this replica's own,
@@ -248,7 +307,7 @@ impl Bounds {
     /// forgot every verdict, and thresholds that wrong verdicts had raised fell back to
     /// the configured ones. Returns the scopes taken.
     pub fn restore(&self, state: &AppState, saved: serde_json::Value) -> usize {
-        let Ok(p) = serde_json::from_value::<Published>(saved) else {
+        let Ok(mut p) = serde_json::from_value::<Published>(saved) else {
             tracing::warn!("bounds: the snapshot's evidence does not decode; not loaded");
             return 0;
         };
@@ -259,6 +318,11 @@ impl Bounds {
         }
         let policies = state.policies.load_full();
         let mut taken = HashMap::new();
+        let entries = self.entries.restore(std::mem::take(&mut p.entries));
+        tracing::info!(
+            entries,
+            "bounds: entries' own verdicts taken from the snapshot"
+        );
         admit(p, &policies, &mut taken, "snapshot");
         let n = taken.values().map(HashMap::len).sum();
         let mut own = self.evidence.lock();
@@ -296,10 +360,7 @@ impl Bounds {
         if !self.unpublished.swap(false, Ordering::Relaxed) && !due {
             return;
         }
-        let published = Published {
-            at_ms: now,
-            tenants: self.own_bins(),
-        };
+        let published = self.own_published();
         let written = serde_json::to_vec(&published)
             .is_ok_and(|bytes| redis.put_field(SHARED, redis.replica_id(), bytes, SHARED_TTL));
         if written {
@@ -327,6 +388,7 @@ impl Bounds {
         let now = now_ms();
         let policies = state.policies.load_full();
         let mut peers: Scoped = HashMap::new();
+        let mut entries = Vec::new();
         // Fields of replicas gone for good (every restart publishes under a new id, and each
         // write keeps the hash): removed, so the hash holds live replicas only and reading
         // at most MAX_REPLICAS of its fields reaches them.
@@ -344,9 +406,12 @@ impl Bounds {
                 gone.push((replica, bytes));
                 continue;
             }
+            let mut p = p;
+            entries.push(std::mem::take(&mut p.entries));
             admit(p, &policies, &mut peers, &replica);
         }
         *self.peers.lock() = peers;
+        self.entries.set_peers(entries);
         if let Err(e) = redis.del_fields(SHARED, &gone).await {
             tracing::debug!(error = %e, "bounds: stale evidence not removed");
         }
@@ -427,6 +492,7 @@ pub fn check_near_miss(state: &Arc<AppState>, near: NearMiss, answer: String) {
             &state,
             tenant,
             scope,
+            Some(near.candidate),
             near.similarity,
             !same,
             Source::NearMiss,
