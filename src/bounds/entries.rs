@@ -113,6 +113,11 @@ impl Entries {
         self.own.entry_count()
     }
 
+    /// How many verdicts of this replica's own each entry that has any holds.
+    pub fn totals(&self) -> Vec<f64> {
+        self.own.iter().map(|(_, bins)| total(&bins)).collect()
+    }
+
     /// This replica's own verdicts, of the [`MAX_PUBLISHED`] entries with the most.
     pub(super) fn published(&self) -> Vec<(EntryId, Bins)> {
         let mut all: Vec<(EntryId, Bins)> = self

@@ -287,6 +287,11 @@ impl Bounds {
         self.entries.count()
     }
 
+    /// How many verdicts of this replica's own each entry that has any holds.
+    pub fn entry_verdicts(&self) -> Vec<f64> {
+        self.entries.totals()
+    }
+
     /// This replica's own evidence, as a snapshot keeps it (see [`Bounds::restore`]).
     pub fn saved(&self) -> serde_json::Value {
         serde_json::to_value(self.own_published()).unwrap_or_default()

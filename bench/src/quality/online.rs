@@ -267,6 +267,8 @@ struct Measured {
     feedback_wrong: usize,
     /// Verdicts the server took from its near-miss checks: right, wrong.
     near_misses: (f64, f64),
+    /// Verdicts each entry with any holds of its own (thresholds per entry).
+    entry_verdicts: Vec<f64>,
 }
 
 /// The near-miss verdicts the process has counted so far (right, wrong). The metrics
@@ -355,6 +357,7 @@ async fn run_side(
         feedback_right: 0,
         feedback_wrong: 0,
         near_misses: (0.0, 0.0),
+        entry_verdicts: Vec::new(),
     };
     let before = near_miss_verdicts(&server).await;
     let quarter_ends: Vec<usize> = (1..=4).map(|q| q * order.len() / 4).collect();
@@ -422,6 +425,7 @@ async fn run_side(
     }
     let after = near_miss_verdicts(&server).await;
     m.near_misses = (after.0 - before.0, after.1 - before.1);
+    m.entry_verdicts = server.state.bounds.entry_verdicts();
     Ok(m)
 }
 
@@ -644,6 +648,22 @@ fn report(sides: &[Side], measured: &[Measured], asks: usize, floor: f32) {
         );
     }
 
+    println!();
+    println!("Thresholds per entry (verdicts naming an entry, of every source):");
+    println!();
+    for (side, m) in sides.iter().zip(measured).filter(|(s, _)| s.delta > 0.0) {
+        let v = &m.entry_verdicts;
+        // What certifying a band takes with no wrong verdict in it (see the bound module).
+        let needed = (10.8 / side.delta).ceil();
+        println!(
+            "- {}: {} entries with verdicts of their own, {} with 2 or more, at most {} on one; {} with the ≈ {needed} a band under the scope's threshold needs",
+            side.label,
+            v.len(),
+            v.iter().filter(|&&n| n >= 2.0).count(),
+            v.iter().copied().fold(0.0, f64::max),
+            v.iter().filter(|&&n| n >= needed).count(),
+        );
+    }
     println!();
     println!("Static curve after warm-up (the curve side's hits at similarity ≥ t):");
     println!();
