@@ -60,8 +60,9 @@ pub struct PrefetchConfig {
     /// Half-life of the learned counts in seconds: old habits fade.
     pub half_life_secs: f64,
     /// Bytes the learned model may hold (questions, their vectors and follow-up counts, over
-    /// every namespace); past it the least recently used are forgotten. Questions longer
-    /// than 4 KiB are not learned.
+    /// every namespace); past it the tenant holding the most forgets first, its least
+    /// recently used first, so one tenant's flood of questions cannot empty the others'.
+    /// Questions longer than 4 KiB are not learned.
     pub model_bytes: u64,
     /// Background generations (prefetch and refresh) running at once.
     pub max_concurrent: usize,

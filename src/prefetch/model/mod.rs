@@ -211,9 +211,13 @@ impl Model {
         total as u64
     }
 
-    /// Counts `added` bytes; past the budget, measures the model and forgets the least
-    /// recently touched nodes and clusters (of any namespace) until it holds at most nine
-    /// tenths of it, so the next measurement is a tenth of the budget away.
+    /// Counts `added` bytes; past the budget, measures the model and forgets nodes and
+    /// clusters until it holds at most nine tenths of it, so the next measurement is a tenth
+    /// of the budget away. The tenant holding the most gives first, its least recently
+    /// touched first: one tenant's flood of questions takes room from itself once it holds
+    /// the most, never the whole model from the others (with one budget in least recently
+    /// touched order, a tenant asking many new questions emptied every quieter tenant's
+    /// model).
     fn grew(&mut self, added: usize) {
         self.estimate = self.estimate.saturating_add(added as u64);
         if self.estimate <= self.budget {
@@ -222,22 +226,55 @@ impl Model {
         let goal = self.budget / 10 * 9;
         let mut bytes = self.bytes();
         if bytes > goal {
+            #[derive(Clone, Copy)]
             enum Item {
                 Node(EntryId),
                 Cluster(u64),
             }
-            let mut ages: Vec<(u64, String, Item)> = Vec::new();
-            for (ns, space) in &self.namespaces {
-                let nodes = space.nodes.iter();
-                ages.extend(nodes.map(|(id, n)| (n.touched_ms, ns.clone(), Item::Node(*id))));
-                let clusters = space.clusters.iter();
-                ages.extend(clusters.map(|(k, c)| (c.touched_ms, ns.clone(), Item::Cluster(*k))));
+            /// A tenant's bytes and its items, the least recently touched last.
+            #[derive(Default)]
+            struct Share {
+                bytes: usize,
+                items: Vec<(u64, String, Item)>,
             }
-            ages.sort_unstable_by_key(|(touched, _, _)| *touched);
-            for (_, ns, item) in ages {
-                if bytes <= goal {
-                    break;
+            let mut shares: HashMap<String, Share> = HashMap::new();
+            for (ns, space) in &self.namespaces {
+                let share = shares
+                    .entry(crate::auth::scope_of(ns).to_string())
+                    .or_default();
+                share.bytes += ns.len() + ITEM_OVERHEAD;
+                for (id, n) in &space.nodes {
+                    share.bytes += node_bytes(n);
+                    share
+                        .items
+                        .push((n.touched_ms, ns.clone(), Item::Node(*id)));
                 }
+                for (k, c) in &space.clusters {
+                    share.bytes += cluster_bytes(c);
+                    share
+                        .items
+                        .push((c.touched_ms, ns.clone(), Item::Cluster(*k)));
+                }
+            }
+            for s in shares.values_mut() {
+                s.items
+                    .sort_unstable_by_key(|(touched, _, _)| std::cmp::Reverse(*touched));
+            }
+            let mut largest: std::collections::BinaryHeap<(usize, String)> = shares
+                .iter()
+                .map(|(tenant, s)| (s.bytes, tenant.clone()))
+                .collect();
+            while bytes > goal {
+                let Some((_, tenant)) = largest.pop() else {
+                    break;
+                };
+                let Some(share) = shares.get_mut(&tenant) else {
+                    continue;
+                };
+                // A tenant with nothing left to forget leaves the heap.
+                let Some((_, ns, item)) = share.items.pop() else {
+                    continue;
+                };
                 let Some(space) = self.namespaces.get_mut(&ns) else {
                     continue;
                 };
@@ -247,6 +284,8 @@ impl Model {
                     Item::Cluster(k) => space.clusters.remove(&k).as_ref().map_or(0, cluster_bytes),
                 };
                 bytes = bytes.saturating_sub(freed as u64);
+                share.bytes = share.bytes.saturating_sub(freed);
+                largest.push((share.bytes, tenant));
             }
             self.namespaces
                 .retain(|_, s| !(s.nodes.is_empty() && s.clusters.is_empty()));
@@ -584,6 +623,48 @@ mod tests {
             .namespaces
             .values()
             .all(|s| !s.nodes.contains_key(&EntryId(1))));
+    }
+
+    /// A tenant asking many new questions takes room from itself once it holds the most,
+    /// not from a quieter tenant whose questions are older.
+    #[test]
+    fn a_flooding_tenant_gives_room_before_a_quiet_one() {
+        let budget = 1 << 20;
+        let mut m = Model::with_budget(3600.0, budget);
+        let vector: Arc<[f32]> = Arc::from(vec![0.1f32; 384]);
+        let quiet = crate::auth::scope("quiet", "support");
+        let prompt = |i: u128| format!("{} question number {i}", "long ".repeat(200));
+        let mut last = EntryId(0);
+        for i in 1..=10u128 {
+            m.observe(
+                &quiet,
+                EntryId(i),
+                &prompt(i),
+                Some(&vector),
+                i as u64,
+                same_text,
+            );
+            m.link(&quiet, last, EntryId(i), true, i as u64);
+            last = EntryId(i);
+        }
+        for i in 100..5_000u128 {
+            let ns = crate::auth::scope("loud", &format!("ns{}", i % 7));
+            m.observe(
+                &ns,
+                EntryId(i),
+                &prompt(i),
+                Some(&vector),
+                i as u64,
+                same_text,
+            );
+            assert!(m.bytes() <= budget, "{} bytes", m.bytes());
+        }
+        let space = &m.namespaces[&quiet];
+        let kept = (1..=10u128).all(|i| space.nodes.contains_key(&EntryId(i)));
+        assert!(kept, "the quiet tenant's questions stay");
+        // The loud tenant kept its newest.
+        let loud = crate::auth::scope("loud", &format!("ns{}", 4_999 % 7));
+        assert!(m.namespaces[&loud].nodes.contains_key(&EntryId(4_999)));
     }
 
     pub(super) fn params() -> PredictParams {
