@@ -207,6 +207,19 @@ const FILTER_STREAM: &str = concat!(
     "data: [DONE]\n\n",
 );
 
+/// What makes it answer as an upstream that ignores `stream_options.include_usage`: three
+/// chunks of text and no usage chunk.
+const NO_USAGE: &str = "NO_USAGE";
+const NO_USAGE_STREAM: &str = concat!(
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{"role":"assistant","content":"An"},"finish_reason":null}]}"#,
+    "\n\n",
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{"content":" answer"},"finish_reason":null}]}"#,
+    "\n\n",
+    r#"data: {"id":"chatcmpl-up","object":"chat.completion.chunk","created":1,"model":"up-model","choices":[{"index":0,"delta":{"content":" here."},"finish_reason":"stop"}]}"#,
+    "\n\n",
+    "data: [DONE]\n\n",
+);
+
 /// What makes it decline (structured outputs' `refusal`, content null).
 const REFUSED: &str = "REFUSED";
 const REFUSAL_STREAM: &str = concat!(
@@ -253,6 +266,7 @@ impl ToolUpstream {
                 let stream = body["stream"] == json!(true);
                 let filtered = body.to_string().contains(FILTERED);
                 let refused = body.to_string().contains(REFUSED);
+                let no_usage = body.to_string().contains(NO_USAGE);
                 let idle = body.to_string().contains(KEEP_ALIVE_ONLY);
                 let endless = body.to_string().contains(ENDLESS);
                 let path = uri.path().to_string();
@@ -322,6 +336,9 @@ impl ToolUpstream {
                             axum::body::Body::from_stream(events),
                         )
                             .into_response()
+                    }
+                    _ if no_usage && stream => {
+                        ([(header::CONTENT_TYPE, "text/event-stream")], NO_USAGE_STREAM).into_response()
                     }
                     _ if refused && stream => {
                         ([(header::CONTENT_TYPE, "text/event-stream")], REFUSAL_STREAM).into_response()
@@ -403,6 +420,31 @@ async fn an_answer_cut_by_a_content_filter_is_never_cached() {
         );
     }
     assert_eq!(up.seen().len(), 4);
+}
+
+/// An upstream that sends no usage chunk: the answer's usage is estimated (its three chunks
+/// of text, the prompt's bytes), for the miss and for the hits on it, not reported as 0.
+#[tokio::test]
+async fn an_upstream_without_usage_gets_an_estimate() {
+    let up = ToolUpstream::spawn().await;
+    let app = proxy_to(openai_config(up.base_url.clone())).await;
+    let body = json!({
+        "model": "up-model",
+        "messages": [{"role": "user", "content": format!("Answer me {NO_USAGE}")}],
+    });
+    let mut seen = Vec::new();
+    for want in ["miss", "exact"] {
+        let r = app.chat(&body, &[]).await;
+        assert_eq!(cache_status(&r), want);
+        let j: Value = r.json().await.unwrap();
+        assert_eq!(j["choices"][0]["message"]["content"], "An answer here.");
+        seen.push(j["usage"].clone());
+    }
+    let usage = &seen[0];
+    assert_eq!(usage["completion_tokens"], 3, "{usage}");
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 0, "{usage}");
+    assert_eq!(seen[1], seen[0], "the hit reports the stored usage");
+    assert_eq!(up.seen().len(), 1);
 }
 
 /// A model that declines (a `refusal` instead of content) is not cached as an empty answer:

@@ -299,18 +299,39 @@ fn status_error(status: reqwest::StatusCode, retry_after: Option<u64>, body: &st
     }
 }
 
+/// Bytes per token of the estimate for an upstream that sends no usage.
+const BYTES_PER_TOKEN: usize = 4;
+
 /// Decoding state of one upstream stream: turns chunks into events and remembers the finish
 /// reason and usage, which arrive in separate chunks when usage is included.
 #[derive(Default)]
 struct ChunkState {
     finish: Option<FinishReason>,
     usage: Usage,
+    /// The upstream sent a usage chunk. One that ignores `stream_options.include_usage`
+    /// (older servers, some gateways) sends none: the usage is then estimated, the generated
+    /// tokens as the chunks that carried text (a streaming server sends a token or more a
+    /// chunk) and the prompt's from its bytes, rather than stored and served as 0 and 0.
+    usage_seen: bool,
+    /// Chunks that carried text.
+    text_chunks: u32,
+    /// The prompt's tokens estimated from its bytes.
+    prompt_estimate: u32,
     /// The model declined (`delta.refusal`, structured outputs): its refusal is passed on as
     /// the text, and the answer ends as one a filter stopped, never stored as an answer.
     refused: bool,
 }
 
 impl ChunkState {
+    /// The state of a stream answering `req`.
+    fn for_request(req: &GenRequest) -> ChunkState {
+        let bytes = req.input.heap_bytes();
+        ChunkState {
+            prompt_estimate: u32::try_from(bytes.div_ceil(BYTES_PER_TOKEN)).unwrap_or(u32::MAX),
+            ..ChunkState::default()
+        }
+    }
+
     /// Handles one `data:` payload. Returns the text delta it carried, if any.
     fn push(&mut self, data: &str) -> Result<Option<String>, BackendError> {
         let v: Value = serde_json::from_str(data)
@@ -331,6 +352,7 @@ impl ChunkState {
                 prompt_tokens: get("prompt_tokens"),
                 completion_tokens: get("completion_tokens"),
             };
+            self.usage_seen = true;
         }
         let Some(choice) = v.pointer("/choices/0") else {
             return Ok(None);
@@ -364,6 +386,9 @@ impl ChunkState {
             .filter(|s| !s.is_empty())
             .or(refusal)
             .map(str::to_string);
+        if text.is_some() {
+            self.text_chunks = self.text_chunks.saturating_add(1);
+        }
         Ok(text)
     }
 
@@ -375,7 +400,13 @@ impl ChunkState {
                     true => FinishReason::ContentFilter,
                     false => reason,
                 },
-                usage: self.usage,
+                usage: match self.usage_seen {
+                    true => self.usage,
+                    false => Usage {
+                        prompt_tokens: self.prompt_estimate,
+                        completion_tokens: self.text_chunks,
+                    },
+                },
             }),
             None => Err(BackendError::Unavailable(
                 "upstream stream ended without a finish reason".into(),
@@ -541,9 +572,9 @@ impl Backend for OpenAiBackend {
         let mut events = Box::pin(lines(capped(resp.bytes_stream(), MAX_STREAM_BYTES)))
             .eventsource()
             .map(|ev| ev.map_err(|e| e.to_string()));
+        let mut state = ChunkState::for_request(&req);
         let stream = async_stream::try_stream! {
             let _held = (guard, permit);
-            let mut state = ChunkState::default();
             while let Some(ev) = next_event(&mut events, preemption.as_ref()).await {
                 let ev = ev?;
                 if ev.data.trim() == "[DONE]" {
@@ -640,6 +671,38 @@ impl Backend for OpenAiBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An upstream that sends no usage chunk: the usage is estimated (one token a chunk of
+    /// text, the prompt's from its bytes), not 0 and 0.
+    #[test]
+    fn usage_is_estimated_when_the_upstream_sends_none() {
+        let req = GenRequest {
+            model: "m".into(),
+            input: Input::Prompt("x".repeat(40)),
+            params: Default::default(),
+            priority: Priority::Interactive,
+            extra: Default::default(),
+            backend: None,
+        };
+        let mut s = ChunkState::for_request(&req);
+        for word in ["The", " answer", " is", " here"] {
+            let chunk =
+                json!({"choices":[{"index":0,"delta":{"content":word},"finish_reason":null}]});
+            s.push(&chunk.to_string()).unwrap();
+        }
+        s.push(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#)
+            .unwrap();
+        let GenEvent::Finish { usage, .. } = s.finish().unwrap() else {
+            panic!("not a finish");
+        };
+        assert_eq!(
+            usage,
+            Usage {
+                prompt_tokens: 10,
+                completion_tokens: 4
+            }
+        );
+    }
 
     #[test]
     fn chunk_state_reads_chat_and_usage() {
