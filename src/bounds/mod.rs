@@ -84,6 +84,23 @@ pub fn scope(
 /// What every candidate scope starts with.
 const CANDIDATE: &str = "candidate:";
 
+/// The name metrics give `scope`: a candidate's without its fingerprint. A tenant has one
+/// candidate at a time, and each replaced candidate's series would stay in `/metrics` for
+/// the life of the process: the next candidate's figures take the same series.
+pub fn scope_label(scope: &str) -> String {
+    match scope
+        .strip_prefix(CANDIDATE)
+        .and_then(|rest| rest.split_once(':'))
+    {
+        Some((fingerprint, rule))
+            if fingerprint.len() == 16 && fingerprint.bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            format!("{CANDIDATE}{rule}")
+        }
+        _ => scope.to_string(),
+    }
+}
+
 /// What the scopes of the candidate with `fingerprint` start with.
 fn candidate_prefix(fingerprint: u64) -> String {
     format!("{CANDIDATE}{fingerprint:016x}:")
@@ -509,6 +526,24 @@ pub fn check_near_miss(state: &Arc<AppState>, near: NearMiss, answer: String) {
 mod tests {
     use super::*;
     use crate::candidate::Arm;
+
+    /// A candidate's scopes share their metric series with the candidates before and after
+    /// it (one at a time per tenant); the running policy's keep their names.
+    #[test]
+    fn candidates_scopes_are_labelled_without_their_fingerprint() {
+        let rule = reprise_policies::semantic::Rule {
+            namespace: Some("legal".into()),
+            ..Default::default()
+        };
+        let first = scope(Some(&rule), Arm::Candidate, Some(1));
+        let second = scope(Some(&rule), Arm::Candidate, Some(u64::MAX));
+        assert_ne!(first, second);
+        assert_eq!(scope_label(&first), "candidate:legal/*");
+        assert_eq!(scope_label(&second), scope_label(&first));
+        let running = scope(Some(&rule), Arm::Current, Some(1));
+        assert_eq!(scope_label(&running), running);
+        assert_eq!(scope_label("candidate:x:*/*"), "candidate:x:*/*");
+    }
 
     /// Each candidate learns from its own verdicts: one that replaced another (its gate off,
     /// say) does not start from the verdicts on the first, nor from the running policy's.

@@ -548,7 +548,10 @@ impl Metrics {
         let threshold = f64::from(learned.threshold);
         metrics::histogram!("reprise_semantic_threshold_used", "tenant" => tenant.clone())
             .record(threshold);
-        let labels = [("tenant", tenant), ("scope", scope.to_string())];
+        let labels = [
+            ("tenant", tenant),
+            ("scope", crate::bounds::scope_label(scope)),
+        ];
         metrics::counter!("reprise_semantic_bounded_lookups_total", &labels).increment(1);
         metrics::gauge!("reprise_semantic_threshold", &labels).set(threshold);
         for (estimate, share) in [
