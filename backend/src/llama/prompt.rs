@@ -170,20 +170,28 @@ impl Verbatim {
             vocab.tokenize_into(text.as_bytes(), out, false, false);
             return;
         };
-        // After the first character of each match: strictly inside it, as every text here
-        // has two characters at least.
-        let mut cuts: Vec<usize> = ac
-            .find_overlapping_iter(text)
-            .filter_map(|m| (m.start() + 1..m.end()).find(|&i| text.is_char_boundary(i)))
-            .collect();
-        cuts.sort_unstable();
-        cuts.dedup();
         let mut start = 0;
-        for cut in cuts.into_iter().chain(std::iter::once(text.len())) {
+        for cut in cuts(ac, text)
+            .into_iter()
+            .chain(std::iter::once(text.len()))
+        {
             vocab.tokenize_into(&text.as_bytes()[start..cut], out, false, false);
             start = cut;
         }
     }
+}
+
+/// Where [`Verbatim`] cuts `text`: after the first character of each match of `ac` (strictly
+/// inside it, as every text it matches has two characters at least), overlapping matches
+/// too, in order, each once; always on a character boundary.
+fn cuts(ac: &aho_corasick::AhoCorasick, text: &str) -> Vec<usize> {
+    let mut cuts: Vec<usize> = ac
+        .find_overlapping_iter(text)
+        .filter_map(|m| (m.start() + 1..m.end()).find(|&i| text.is_char_boundary(i)))
+        .collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts
 }
 
 /// Stands in for message `i`'s content while the template is rendered: private-use
@@ -196,6 +204,31 @@ fn placeholder(i: usize) -> String {
 #[cfg(test)]
 mod tests {
     use std::path::Path;
+
+    /// Marker texts of several-byte characters are cut inside, on a character boundary,
+    /// overlapping ones each once: no piece holds a whole marker, and no piece is cut
+    /// inside a character.
+    #[test]
+    fn cuts_fall_inside_every_marker_on_a_character_boundary() {
+        let markers = ["<｜end｜>", "｜end", "éé", "ab"];
+        let ac = aho_corasick::AhoCorasick::new(markers).unwrap();
+        let text = "x<｜end｜>yééé ab😀ab";
+        let at = cuts(&ac, text);
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{at:?}");
+        assert!(at.iter().all(|&i| text.is_char_boundary(i)), "{at:?}");
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        for cut in at.iter().copied().chain([text.len()]) {
+            pieces.push(&text[start..cut]);
+            start = cut;
+        }
+        assert_eq!(pieces.concat(), text);
+        for piece in &pieces {
+            for m in markers {
+                assert!(!piece.contains(m), "{piece:?} holds {m:?} ({pieces:?})");
+            }
+        }
+    }
 
     use llama_cpp_2::model::params::LlamaModelParams;
 
