@@ -202,3 +202,62 @@ async fn checked_near_misses_are_evidence_of_their_candidate() {
     .await;
     assert!(judged, "no evidence of the near miss's candidate");
 }
+
+/// Candidates are each judged at their own threshold: a closer one without verdicts of its
+/// own, under the scope's threshold, does not keep a farther one whose entry's own threshold
+/// admits it from being served. The metric names the tenant.
+#[tokio::test]
+async fn a_closer_candidate_under_the_scope_threshold_does_not_hide_a_loosened_one() {
+    let mut config = bounded(0.3, 0.97);
+    config.auth.required = true;
+    config.tenants = vec![reprise::config::TenantConfig {
+        name: "acme".into(),
+        api_keys: vec!["sk-acme".into()],
+        api_keys_env: None,
+        api_keys_file: None,
+        sub_namespaces: false,
+        admin_token_env: None,
+        candidate: None,
+        policy: Default::default(),
+    }];
+    let (app, _backend) = spawn_fake(config, Default::default()).await;
+    let key = [("authorization", "Bearer sk-acme")];
+    let ask = |text: &'static str| {
+        let app = &app;
+        async move { app.chat(&chat_body(text), &key).await }
+    };
+    let entry = |r: &reqwest::Response| -> EntryId {
+        header(r, "x-reprise-entry").unwrap().parse().unwrap()
+    };
+    let r = ask(PASSWORD).await;
+    assert_eq!(cache_status(&r), "miss");
+    let r = ask(FORGOT).await;
+    assert_eq!(cache_status(&r), "miss");
+    let forgot = entry(&r);
+    let r = ask(CANCEL).await;
+    assert_eq!(cache_status(&r), "miss");
+    let cancel = entry(&r);
+    for (id, wrong) in [(forgot, false), (cancel, true)] {
+        for _ in 0..40 {
+            let source = Source::NearMiss;
+            app.state
+                .bounds
+                .record(&app.state, "acme", "*/*", Some(id), 0.80, wrong, source);
+        }
+    }
+    let scope = app.state.bounds.threshold("acme", "*/*", 0.3, 0.97, 0.5);
+    assert_eq!(scope.threshold, 0.97, "{scope:?}");
+    // Closest to the first question (0.946, no verdicts of its own: 0.97), then to the
+    // second (0.836, its own threshold 0.80).
+    let r = ask(STEPS).await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert!(similarity(&r) < 0.9, "served by the farther candidate");
+    assert_eq!(content(r).await, format!("You asked: {FORGOT}"));
+    let m = app.metrics_text().await;
+    let loosened = sample(
+        &m,
+        "reprise_semantic_entry_thresholds_total",
+        &[("tenant", "acme"), ("effect", "loosened")],
+    );
+    assert!(loosened.is_some_and(|n| n >= 1.0), "{m}");
+}

@@ -837,7 +837,6 @@ async fn verdicts_reach_the_thresholds_of_every_replica() {
     };
     assert!(threshold(&a) > sim, "A learned from its own verdict");
     assert!(own(&a).is_some_and(|t| t > sim), "{:?}", own(&a));
-    assert_eq!(own(&b), None, "B has not read it yet");
     // B never saw the verdict; it learns it from A's published evidence.
     let state = b.state.clone();
     let shared = eventually(Duration::from_secs(10), || {

@@ -247,7 +247,8 @@ async fn learned_thresholds_survive_a_restart_in_the_snapshot() {
     let threshold = |app: &TestApp| app.state.bounds.threshold("", "*/*", 0.05, 0.8, 0.5);
     let (app, _backend) = spawn_fake(config.clone(), Default::default()).await;
     assert_eq!(threshold(&app).threshold, 0.8);
-    let entry = reprise_cache::EntryId(42);
+    // A real id: 128 bits, past what a JSON number holds exactly.
+    let entry = reprise_cache::EntryId::random();
     let own = |app: &TestApp| app.state.bounds.entry_threshold(entry, 0.05, 0.8, 0.5);
     for _ in 0..6 {
         app.state.bounds.record(

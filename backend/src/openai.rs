@@ -325,7 +325,13 @@ struct ChunkState {
 impl ChunkState {
     /// The state of a stream answering `req`.
     fn for_request(req: &GenRequest) -> ChunkState {
-        let bytes = req.input.heap_bytes();
+        let bytes = match &req.input {
+            Input::Prompt(p) => p.len(),
+            Input::Chat(msgs) => msgs
+                .iter()
+                .map(|m| m.role.len() + m.content.len() + m.name.as_ref().map_or(0, String::len))
+                .sum(),
+        };
         ChunkState {
             prompt_estimate: u32::try_from(bytes.div_ceil(BYTES_PER_TOKEN)).unwrap_or(u32::MAX),
             ..ChunkState::default()

@@ -27,6 +27,10 @@ use reprise_policies::bound::{bin_of, Evidence, Learned};
 /// One entry's verdicts as kept and shared: (bin, right, wrong) of the bins holding any.
 pub(super) type Bins = Vec<(u8, f64, f64)>;
 
+/// Entries' verdicts as published and snapshotted: each entry by its id as text (an id is
+/// 128 bits, which a JSON number read as a `serde_json::Value` cannot hold).
+pub(super) type Shared = Vec<(String, Bins)>;
+
 /// Verdicts kept per entry before old ones weigh half.
 pub(super) const DECAY_AT: f64 = 10_000.0;
 /// The entries whose verdicts a replica publishes: those with the most.
@@ -119,7 +123,7 @@ impl Entries {
     }
 
     /// This replica's own verdicts, of the [`MAX_PUBLISHED`] entries with the most.
-    pub(super) fn published(&self) -> Vec<(EntryId, Bins)> {
+    pub(super) fn published(&self) -> Shared {
         let mut all: Vec<(EntryId, Bins)> = self
             .own
             .iter()
@@ -129,15 +133,17 @@ impl Entries {
             all.sort_by(|a, b| total(&b.1).total_cmp(&total(&a.1)));
             all.truncate(MAX_PUBLISHED);
         }
-        all
+        all.into_iter()
+            .map(|(id, bins)| (id.to_string(), bins))
+            .collect()
     }
 
     /// Takes back what a snapshot kept ([`Entries::published`]) into this replica's own,
-    /// each entry's bins checked as a peer's are. Returns the entries taken.
-    pub(super) fn restore(&self, saved: Vec<(EntryId, Bins)>) -> usize {
+    /// each entry's id and bins checked as a peer's are. Returns the entries taken.
+    pub(super) fn restore(&self, saved: Shared) -> usize {
         let mut n = 0;
         for (id, bins) in saved.into_iter().take(MAX_PUBLISHED) {
-            if let Some(bins) = checked(bins) {
+            if let Some((id, bins)) = checked(&id, bins) {
                 self.own.insert(id, Arc::new(bins));
                 n += 1;
             }
@@ -147,11 +153,11 @@ impl Entries {
 
     /// Makes `from` (every other replica's published entries) the peers' verdicts: at most
     /// [`MAX_PUBLISHED`] entries of each, [`MAX_PEERS`] in all, each checked bin by bin.
-    pub(super) fn set_peers(&self, from: Vec<Vec<(EntryId, Bins)>>) {
+    pub(super) fn set_peers(&self, from: Vec<Shared>) {
         let mut peers: HashMap<EntryId, Bins> = HashMap::new();
         for replica in from {
             for (id, bins) in replica.into_iter().take(MAX_PUBLISHED) {
-                let Some(bins) = checked(bins) else {
+                let Some((id, bins)) = checked(&id, bins) else {
                     tracing::debug!("bounds: invalid entry evidence skipped");
                     continue;
                 };
@@ -179,10 +185,11 @@ fn total(bins: &Bins) -> f64 {
     bins.iter().map(|x| x.1 + x.2).sum()
 }
 
-/// `bins` when every bin is in range, with finite counts no larger than one entry keeps
-/// (twice [`DECAY_AT`]), and no bin twice; `None` otherwise: what another replica or a
-/// snapshot sent is checked, never trusted.
-fn checked(bins: Bins) -> Option<Bins> {
+/// The entry `id` names and `bins`, when the id is one and every bin is in range, with
+/// finite counts no larger than one entry keeps (twice [`DECAY_AT`]), and no bin twice;
+/// `None` otherwise: what another replica or a snapshot sent is checked, never trusted.
+fn checked(id: &str, bins: Bins) -> Option<(EntryId, Bins)> {
+    let id = id.parse().ok()?;
     Evidence::from_bins(&bins, 2.0 * DECAY_AT)?;
     let mut seen = [false; 256];
     for &(b, ..) in &bins {
@@ -190,7 +197,7 @@ fn checked(bins: Bins) -> Option<Bins> {
             return None;
         }
     }
-    Some(bins)
+    Some((id, bins))
 }
 
 #[cfg(test)]
@@ -243,8 +250,9 @@ mod tests {
     #[test]
     fn peers_count_and_are_checked() {
         let e = Entries::new(1 << 20);
-        let a = EntryId(3);
-        e.set_peers(vec![vec![(a, vec![(90, 0.0, 1.0)])]]);
+        let a = EntryId::random();
+        let text = a.to_string();
+        e.set_peers(vec![vec![(text.clone(), vec![(90, 0.0, 1.0)])]]);
         let raised = e.threshold(a, 0.05, ALPHA, 0.86, 0.7).unwrap();
         assert!(raised.threshold > 0.90, "{raised:?}");
         for bad in [
@@ -254,13 +262,15 @@ mod tests {
             vec![(90, 1.0, 0.0), (90, 1.0, 0.0)],
             vec![(90, 3.0 * DECAY_AT, 0.0)],
         ] {
-            e.set_peers(vec![vec![(a, bad.clone())]]);
+            e.set_peers(vec![vec![(text.clone(), bad.clone())]]);
             assert_eq!(e.threshold(a, 0.05, ALPHA, 0.86, 0.7), None, "{bad:?}");
         }
+        e.set_peers(vec![vec![("not an id".into(), vec![(90, 0.0, 1.0)])]]);
+        assert!(e.peers.read().is_empty());
         // Two replicas on one entry add up.
         let two = vec![
-            vec![(a, vec![(90, 1.0, 0.0)])],
-            vec![(a, vec![(90, 0.0, 1.0)])],
+            vec![(text.clone(), vec![(90, 1.0, 0.0)])],
+            vec![(text.clone(), vec![(90, 0.0, 1.0)])],
         ];
         e.set_peers(two);
         let l = e.threshold(a, 0.05, ALPHA, 0.86, 0.7).unwrap();
@@ -293,6 +303,9 @@ mod tests {
         let held = e.own.get(&a).unwrap();
         assert!(total(&held) <= DECAY_AT, "{}", total(&held));
         // What a replica publishes is within what a peer accepts.
-        assert!(checked((*held).clone()).is_some());
+        let published = e.published();
+        assert_eq!(published.len(), 1);
+        let (id, bins) = published.into_iter().next().unwrap();
+        assert_eq!(checked(&id, bins).map(|(id, _)| id), Some(a));
     }
 }

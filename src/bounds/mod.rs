@@ -130,7 +130,7 @@ struct Published {
     /// The verdicts of the entries with the most (see [`Entries`]); absent from what a
     /// replica of an earlier release wrote.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    entries: Vec<(EntryId, Bins)>,
+    entries: entries::Shared,
 }
 
 /// Where a verdict came from (metric label).
@@ -251,8 +251,9 @@ impl Bounds {
             }
         }
         // An entry's own threshold is the running policy's: a candidate's verdicts stay in
-        // its scope.
-        if let (Some(id), false) = (entry, scope.starts_with(CANDIDATE)) {
+        // its scope. Kept only where a bound uses it.
+        let bounded = delta_of(state, &t) > 0.0;
+        if let (Some(id), false, true) = (entry, scope.starts_with(CANDIDATE), bounded) {
             self.entries.record(id, similarity, wrong);
         }
         self.unpublished.store(true, Ordering::Relaxed);

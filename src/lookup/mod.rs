@@ -51,12 +51,12 @@ pub(crate) async fn loosely(
     wants: Wants,
 ) -> Option<Hit> {
     let (_, nearest) = found.notes.near_miss?;
-    // Under an error bound the learned threshold is the bound's own: degrading never goes
-    // below it (a tenant whose threshold rose past 1 is served nothing by meaning).
-    let floor = match found.policy {
-        Some(p) if found.bounded => floor.max(p.threshold),
-        _ => floor,
-    };
+    // Under an error bound the learned thresholds are the bound's own: degrading never goes
+    // below them (a tenant whose threshold rose past 1 is served nothing by meaning), so
+    // the search would find nothing the lookup did not.
+    if found.bounded {
+        return None;
+    }
     let policy = found.policy.filter(|p| p.enabled && nearest >= floor)?;
     let embedder = state.embedder.as_ref()?;
     let (partition, embedding) = (found.plan.partition?, found.plan.embedding.clone()?);
@@ -72,13 +72,9 @@ pub(crate) async fn loosely(
         ..policy
     };
     let mut notes = Notes::default();
-    // Entries raised by their own verdicts stay raised (their own looser ones stay too).
-    let per_entry = found
-        .per_entry
-        .map(|p| semantic::PerEntry { scope: floor, ..p });
-    let per_entry = per_entry.as_ref();
+    // Without a bound there are no thresholds per entry.
     let (entry, similarity) =
-        semantic::find(state, embedder, &loose, per_entry, q, wants, &mut notes).await?;
+        semantic::find(state, embedder, &loose, None, q, wants, &mut notes).await?;
     Some(Hit {
         entry,
         outcome: Outcome::Semantic,
@@ -438,13 +434,15 @@ async fn beyond_exact(
                 .threshold(tenant.name(), &scope, delta, policy.threshold, floor);
             policy.threshold = l.threshold;
             learned = Some(l);
-            // A candidate's verdicts stay in its scope: entries' own thresholds are the
-            // running policy's.
-            per_entry = (arm != Arm::Candidate).then_some(semantic::PerEntry {
+            // Entries' own thresholds, learned from the running policy's verdicts (a
+            // candidate's stay in its scope): a canary's candidate keeps only their raises.
+            per_entry = Some(semantic::PerEntry {
                 delta,
                 scope: l.threshold,
                 floor,
                 requested: wants.threshold,
+                raise_only: arm == Arm::Candidate,
+                counted,
             });
         } else if followup {
             // A follow-up is matched within its context only, where the content it acts on
@@ -466,14 +464,22 @@ async fn beyond_exact(
         state.metrics.learned(tenant.name(), &scope, learned);
     }
     let shadow = match (wants.arm, tenant.candidate()) {
-        (Arm::Shadow, Some(c)) if counted => Some(Shadow {
+        (Arm::Shadow, Some(c)) if counted => {
             // A shadow candidate serves nothing, so no verdict is ever taken on its side:
             // under the bound it reads the evidence of the scope its rules match, taken on
-            // the same traffic (the candidate's own scope is a canary's).
-            policy: serving(&c.config().semantic_rules, Arm::Shadow).0,
-            candidate: c.clone(),
-            tenant: tenant.name().to_string(),
-        }),
+            // the same traffic (the candidate's own scope is a canary's), and the entries'
+            // own thresholds as the running policy does.
+            let (policy, _, _, per_entry) = serving(&c.config().semantic_rules, Arm::Shadow);
+            Some(Shadow {
+                policy,
+                per_entry: per_entry.map(|p| semantic::PerEntry {
+                    counted: false,
+                    ..p
+                }),
+                candidate: c.clone(),
+                tenant: tenant.name().to_string(),
+            })
+        }
         _ => None,
     };
     drop(policies);
@@ -593,7 +599,8 @@ async fn beyond_exact(
             true => {
                 let mut notes = Notes::default();
                 let q = question();
-                semantic::find(state, embedder, &s.policy, None, q, wants, &mut notes).await
+                let per_entry = s.per_entry.as_ref();
+                semantic::find(state, embedder, &s.policy, per_entry, q, wants, &mut notes).await
             }
             false => None,
         };
@@ -677,6 +684,8 @@ async fn canonical_chat<'m>(
 /// A shadow candidate's lookup beside the served one.
 struct Shadow {
     policy: SemanticPolicy,
+    /// Entries' own thresholds, as the running policy reads them.
+    per_entry: Option<semantic::PerEntry>,
     candidate: Arc<Candidate>,
     tenant: String,
 }

@@ -73,6 +73,12 @@ pub struct PerEntry {
     pub floor: f32,
     /// A client's own threshold (`x-reprise-threshold`): it only ever raises.
     pub requested: Option<f32>,
+    /// Only raises count (a canary's candidate, served or shadowed): the entries' right
+    /// verdicts were gathered under the running policy (its gate, its rules) and say
+    /// nothing of the candidate's, while an answer found wrong is wrong under any policy.
+    pub raise_only: bool,
+    /// The lookup is counted in the metrics (a client's request, not background work).
+    pub counted: bool,
 }
 
 impl PerEntry {
@@ -86,6 +92,9 @@ impl PerEntry {
         let l = state
             .bounds
             .entry_threshold(entry, self.delta, self.scope, self.floor)?;
+        if self.raise_only && l.threshold <= self.scope {
+            return None;
+        }
         let t = self.requested.map_or(l.threshold, |r| l.threshold.max(r));
         Some((t, l))
     }
@@ -206,17 +215,11 @@ pub async fn find(
             notes.similarity = Some(c.similarity);
         }
         let threshold = threshold_of(state, policy, per_entry, c.id);
-        if threshold != policy.threshold {
-            let tenant = state
-                .policies
-                .load()
-                .tenants
-                .for_namespace(q.scope)
-                .name()
-                .to_string();
+        if threshold != policy.threshold && per_entry.is_some_and(|p| p.counted) {
+            // The question's scope is its tenant's name.
             state
                 .metrics
-                .entry_threshold(&tenant, threshold < policy.threshold);
+                .entry_threshold(q.scope, threshold < policy.threshold);
         }
         match judge(state, embedder, policy, threshold, &q, wants, &c).await {
             (Verdict::BelowThreshold, _) => {

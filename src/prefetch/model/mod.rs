@@ -276,6 +276,7 @@ impl Model {
                     continue;
                 };
                 let Some(space) = self.namespaces.get_mut(&ns) else {
+                    largest.push((share.bytes, tenant));
                     continue;
                 };
                 // A node whose cluster went is placed again when next seen.
