@@ -1400,3 +1400,65 @@ async fn a_canary_whose_hits_are_reported_wrong_is_rolled_back() {
     let reason = view["rollbacks"][0]["reason"].as_str().unwrap();
     assert!(reason.contains("wrong hits"), "{reason}");
 }
+
+/// A canary's candidate, served, keeps the raise an entry's own wrong verdict gave it, but
+/// not the band its own right verdicts opened: both were taken under the running policy,
+/// and only an answer found wrong is wrong under any policy.
+#[tokio::test]
+async fn a_canary_keeps_entries_raises_but_not_their_bands() {
+    let candidate = "mode = \"canary\"\npercent = 100\nmin_requests = 100000\n\
+                     max_latency_ratio = 1000\n\
+                     [[tenants.candidate.semantic_rules]]\nthreshold = 0.86";
+    let doc = tenants_doc(&[("t", "delta = 0.3", candidate)]);
+    let mut config = tenants_config(&doc, true);
+    config.semantic.threshold = 0.97;
+    config.semantic.min_threshold = 0.5;
+    config.semantic.verify_near_misses = 0.0;
+    let (app, _backend) = spawn_fake(config, ScriptConfig::default()).await;
+    // Generated and stored, never matched.
+    let stored = |text: &'static str| {
+        let app = &app;
+        async move {
+            let headers = [
+                ("authorization", "Bearer sk-t"),
+                ("cache-control", "no-cache"),
+            ];
+            let r = app.chat(&chat_body(text), &headers).await;
+            assert_eq!(cache_status(&r), "miss");
+            let id: reprise_cache::EntryId =
+                header(&r, "x-reprise-entry").unwrap().parse().unwrap();
+            id
+        }
+    };
+    let password = stored("How do I reset my password?").await;
+    let forgot = stored("I forgot my password, how can I change it?").await;
+    // Under the running policy: the first entry served wrongly at 0.946, the second's near
+    // misses at 0.80 right forty times.
+    let record = |id, similarity, wrong| {
+        let source = reprise::bounds::Source::Feedback;
+        app.state
+            .bounds
+            .record(&app.state, "t", "*/*", Some(id), similarity, wrong, source);
+    };
+    record(password, 0.946, true);
+    for _ in 0..40 {
+        record(forgot, 0.80, false);
+    }
+    let own = |id| {
+        app.state
+            .bounds
+            .entry_threshold(id, 0.3, 0.86, 0.5)
+            .unwrap()
+    };
+    assert!(own(password).threshold > 0.946, "{:?}", own(password));
+    assert!(own(forgot).threshold <= 0.80, "{:?}", own(forgot));
+    // 0.946 from the first (raised past it), 0.836 from the second (under the candidate's
+    // 0.86; only its own band would admit it).
+    let r = ask_as(&app, "t", "What are the steps to reset my password?").await;
+    assert_eq!(
+        cache_status(&r),
+        "miss",
+        "{:?}",
+        header(&r, "x-reprise-similarity")
+    );
+}
