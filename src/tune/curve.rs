@@ -158,9 +158,24 @@ pub fn log_curve(samples: &[LogSample]) -> Vec<Point> {
 
 /// The lowest threshold whose wrong share is known and at most `target`.
 pub fn choose(points: &[Point], target: f64) -> Option<Point> {
+    choose_by(points, target, Point::wrong_share)
+}
+
+/// [`choose`] on the 95 % upper bound of the wrong share rather than its estimate: the
+/// lowest threshold the judged answers show within `target` with that confidence (a few
+/// judged answers without a wrong one no longer make a loose threshold look safe).
+pub fn choose_by_upper_bound(points: &[Point], target: f64) -> Option<Point> {
+    choose_by(points, target, Point::wrong_share_upper)
+}
+
+fn choose_by(
+    points: &[Point],
+    target: f64,
+    share: impl Fn(&Point) -> Option<f64>,
+) -> Option<Point> {
     points
         .iter()
-        .find(|p| p.wrong_share().is_some_and(|w| w <= target))
+        .find(|p| share(p).is_some_and(|w| w <= target))
         .copied()
 }
 
@@ -305,6 +320,27 @@ mod tests {
         assert_eq!(choose(&c, 0.34).map(|p| p.threshold), Some(0.90));
         assert_eq!(choose(&c, 0.0).map(|p| p.threshold), Some(0.94));
         assert_eq!(choose(&log_curve(&[]), 0.5), None);
+    }
+
+    /// On the upper bound, thirty judged answers without a wrong one are not enough for a
+    /// 2 % target; three thousand are.
+    #[test]
+    fn choosing_on_the_upper_bound_asks_for_evidence() {
+        let point = |threshold, judged| Point {
+            threshold,
+            eligible: judged,
+            hits: judged,
+            served: judged,
+            judged,
+            wrong: 0,
+        };
+        let few = [point(0.80, 30), point(0.90, 3000)];
+        assert_eq!(choose(&few, 0.02).map(|p| p.threshold), Some(0.80));
+        assert_eq!(
+            choose_by_upper_bound(&few, 0.02).map(|p| p.threshold),
+            Some(0.90)
+        );
+        assert_eq!(choose_by_upper_bound(&few[..1], 0.02), None);
     }
 
     #[test]

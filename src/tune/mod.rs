@@ -49,6 +49,12 @@ pub struct TuneArgs {
     /// threshold for.
     #[arg(long, value_name = "SHARE", default_value_t = 0.02)]
     pub target_wrong: f64,
+    /// Choose on the 95 % upper bound of the wrong share rather than its estimate: the
+    /// lowest threshold whose judged answers show it within the target with that
+    /// confidence (more judged answers needed; the learned thresholds of `delta` are as
+    /// cautious).
+    #[arg(long)]
+    pub upper_bound: bool,
     /// Print the policy for this tenant (`[[tenants]]`); with --log, read only its requests
     /// (`anonymous` or `-`: the anonymous tenant's, whose policy is the global one). Without it, the global
     /// `[semantic] threshold` and, with --log, every tenant's requests.
@@ -103,12 +109,21 @@ pub async fn run(args: TuneArgs) -> anyhow::Result<()> {
         }
     };
     let target = args.target_wrong;
-    let Some(chosen) = curve::choose(&gated, target) else {
+    let chosen = match args.upper_bound {
+        true => curve::choose_by_upper_bound(&gated, target),
+        false => curve::choose(&gated, target),
+    };
+    let Some(chosen) = chosen else {
         anyhow::bail!(
             "no threshold from 0.70 to 0.99 keeps wrong answers at or under {:.1} % of the \
-             {evidence} (with the gate): leave the threshold as it is, and gather more \
+             {evidence} (with the gate{}): leave the threshold as it is, and gather more \
              {} before tuning",
             target * 100.0,
+            if args.upper_bound {
+                ", at a 95 % upper bound"
+            } else {
+                ""
+            },
             if args.log.is_some() {
                 "verdicts"
             } else {
@@ -117,7 +132,7 @@ pub async fn run(args: TuneArgs) -> anyhow::Result<()> {
         );
     };
     println!();
-    println!("{}", choice(&chosen, target, evidence));
+    println!("{}", choice(&chosen, target, evidence, args.upper_bound));
     let text = snippet(chosen.threshold, tenant);
     // What is printed must be what reprise reads: checked with the real parser.
     Config::from_toml(&text).context("the policy snippet does not parse")?;
@@ -251,12 +266,17 @@ fn print_log_summary(d: &log::LogData) {
 }
 
 /// What the chosen threshold rests on.
-pub fn choice(p: &Point, target: f64, evidence: &str) -> String {
+pub fn choice(p: &Point, target: f64, evidence: &str, upper_bound: bool) -> String {
     let mut text = format!(
-        "threshold {:.2}: the lowest whose wrong share (with the gate) is at most {:.1} %: {} \
+        "threshold {:.2}: the lowest whose wrong share (with the gate{}) is at most {:.1} %: {} \
          wrong of {} {evidence} ({}), hit rate {}.\nThe estimate rests on {} {evidence}; at \
          95 % confidence the wrong share may be up to {}.",
         p.threshold,
+        if upper_bound {
+            ", its 95 % upper bound"
+        } else {
+            ""
+        },
         target * 100.0,
         p.wrong,
         p.judged,
