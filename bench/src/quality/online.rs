@@ -267,19 +267,23 @@ struct Measured {
     feedback_wrong: usize,
     /// Verdicts the server took from its near-miss checks: right, wrong.
     near_misses: (f64, f64),
+    /// Verdicts the server took from its checks of hits (`semantic.verify_hits`): right, wrong.
+    checked: (f64, f64),
     /// Verdicts each entry with any holds of its own (thresholds per entry).
     entry_verdicts: Vec<f64>,
 }
 
-/// The near-miss verdicts the process has counted so far (right, wrong). The metrics
-/// recorder is one per process: a side's own are the difference over its run.
-async fn near_miss_verdicts(server: &Server) -> (f64, f64) {
+/// The verdicts of `source` (`near_miss`, `verified`) the process has counted so far (right,
+/// wrong). The metrics recorder is one per process: a side's own are the difference over its
+/// run.
+async fn verdicts_of(server: &Server, source: &str) -> (f64, f64) {
     let text = server.metrics_text().await;
     let count = |verdict: &str| -> f64 {
         text.lines()
             .filter(|l| l.starts_with("reprise_semantic_verdicts_total{"))
             .filter(|l| {
-                l.contains("source=\"near_miss\"") && l.contains(&format!("verdict=\"{verdict}\""))
+                l.contains(&format!("source=\"{source}\""))
+                    && l.contains(&format!("verdict=\"{verdict}\""))
             })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
@@ -357,9 +361,11 @@ async fn run_side(
         feedback_right: 0,
         feedback_wrong: 0,
         near_misses: (0.0, 0.0),
+        checked: (0.0, 0.0),
         entry_verdicts: Vec::new(),
     };
-    let before = near_miss_verdicts(&server).await;
+    let before = verdicts_of(&server, "near_miss").await;
+    let checked_before = verdicts_of(&server, "verified").await;
     let quarter_ends: Vec<usize> = (1..=4).map(|q| q * order.len() / 4).collect();
     let tenth = order.len().div_ceil(10).max(1);
     for (pos, &(i, turn)) in order.iter().enumerate() {
@@ -423,8 +429,10 @@ async fn run_side(
     if let Some(last) = m.quarters.last_mut() {
         *last = learned_threshold(&server.state, side.delta);
     }
-    let after = near_miss_verdicts(&server).await;
+    let after = verdicts_of(&server, "near_miss").await;
     m.near_misses = (after.0 - before.0, after.1 - before.1);
+    let after = verdicts_of(&server, "verified").await;
+    m.checked = (after.0 - checked_before.0, after.1 - checked_before.1);
     m.entry_verdicts = server.state.bounds.entry_verdicts();
     Ok(m)
 }
@@ -521,10 +529,11 @@ pub async fn run(a: QualityArgs) -> anyhow::Result<()> {
             pct(a.feedback_share),
         );
         println!(
-            "semantic: threshold {configured:.2}, min_threshold {floor:.2}, gate {}, top_k {}, verify_near_misses {}, answer_threshold {:.2}",
+            "semantic: threshold {configured:.2}, min_threshold {floor:.2}, gate {}, top_k {}, verify_near_misses {}, verify_hits {}, answer_threshold {:.2}",
             if config.semantic.gate { "on" } else { "off" },
             config.semantic.top_k,
             config.semantic.verify_near_misses,
+            config.semantic.verify_hits,
             config.semantic.answer_threshold,
         );
         let largest = largest_reply_similarity(&embedder, &answers).await?;
@@ -615,8 +624,8 @@ fn report(sides: &[Side], measured: &[Measured], asks: usize, floor: f32) {
     println!();
     println!("By quarter of the stream (semantic hits, wrong among them, true-pair hit rate, threshold at the quarter's end):");
     println!();
-    println!("| side | 1st | 2nd | 3rd | 4th | exact hits | feedback right / wrong | near misses checked right / wrong |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| side | 1st | 2nd | 3rd | 4th | exact hits | feedback right / wrong | near misses checked right / wrong | hits checked right / wrong |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (side, m) in sides.iter().zip(measured) {
         let mut cells = Vec::new();
         for q in 0..4 {
@@ -634,7 +643,7 @@ fn report(sides: &[Side], measured: &[Measured], asks: usize, floor: f32) {
             ));
         }
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} / {} | {} / {} |",
+            "| {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} / {} |",
             side.label,
             cells[0],
             cells[1],
@@ -645,6 +654,8 @@ fn report(sides: &[Side], measured: &[Measured], asks: usize, floor: f32) {
             m.feedback_wrong,
             m.near_misses.0,
             m.near_misses.1,
+            m.checked.0,
+            m.checked.1,
         );
     }
 
