@@ -213,31 +213,20 @@ fn the_log_gives_a_curve_from_verdicts() {
     assert_eq!(cols, ["66.7", "%", "20", "20", "2", "10.0", "%"], "{out}");
     let c = snippet_config(&out);
     assert_eq!(c.tenants[0].policy.semantic_rules[0].threshold, Some(0.86));
+    let upper_bound = |more: &[&str]| {
+        let path = log.to_str().unwrap();
+        let mut args = vec!["--log", path, "--tenant", "acme", "--until", "4000"];
+        args.push("--upper-bound");
+        args.extend(more);
+        tune(&args)
+    };
     // On the upper bound, 18 right answers without a wrong one do not show 2 %.
-    let o = tune(&[
-        "--log",
-        log.to_str().unwrap(),
-        "--tenant",
-        "acme",
-        "--until",
-        "4000",
-        "--upper-bound",
-    ]);
+    let o = upper_bound(&[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{}", stdout(&o));
     assert!(err.contains("95 % upper bound"), "{err}");
     // With a target the bound meets (18 judged, none wrong: about 18 %), it is chosen.
-    let o = tune(&[
-        "--log",
-        log.to_str().unwrap(),
-        "--tenant",
-        "acme",
-        "--until",
-        "4000",
-        "--upper-bound",
-        "--target-wrong",
-        "0.25",
-    ]);
+    let o = upper_bound(&["--target-wrong", "0.25"]);
     let out = stdout(&o);
     assert!(o.status.success(), "{out}");
     assert!(out.contains("its 95 % upper bound"), "{out}");
