@@ -24,8 +24,7 @@ use parking_lot::RwLock;
 use reprise_cache::EntryId;
 use reprise_policies::bound::{bin_of, Evidence, Learned};
 
-/// One entry's verdicts as kept and shared: (bin, right, wrong) of the bins holding any.
-pub(super) type Bins = Vec<(u8, f64, f64)>;
+use super::Bins;
 
 /// Entries' verdicts as published and snapshotted: each entry by its id as text (an id is
 /// 128 bits, which a JSON number read as a `serde_json::Value` cannot hold).

@@ -19,6 +19,10 @@
 //! so nothing is counted twice; a restarted replica has a new id, and what it had learned
 //! before keeps counting under the old one until that field is a week old. What another
 //! replica wrote is checked (bins, counts, known tenants, bounded scopes) before it is used.
+//!
+//! Beside the scopes, the verdicts that name an entry are kept per entry ([`Entries`]): an
+//! entry with verdicts of its own is judged at the threshold they allow it, the others at
+//! their scope's (thresholds per entry where evidence allows, per scope otherwise).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -60,7 +64,8 @@ const MAX_SCOPE_BYTES: usize = 512;
 
 /// Verdicts by tenant, then scope.
 type Scoped = HashMap<String, HashMap<String, Evidence>>;
-/// One scope's verdicts as shared: (bin, right, wrong) of the bins holding any.
+/// One scope's (or entry's) verdicts as kept and shared: (bin, right, wrong) of the bins
+/// holding any.
 type Bins = Vec<(u8, f64, f64)>;
 
 /// The scope of a request's learned threshold: its semantic rule's (see
