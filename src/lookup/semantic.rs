@@ -82,21 +82,15 @@ pub struct PerEntry {
 }
 
 impl PerEntry {
-    /// The threshold `entry` serves at, when it has verdicts of its own; with `learned`, the
-    /// estimate it rests on.
-    pub fn threshold(
-        &self,
-        state: &AppState,
-        entry: EntryId,
-    ) -> Option<(f32, reprise_policies::bound::Learned)> {
+    /// The threshold `entry` serves at, when it has verdicts of its own.
+    pub fn threshold(&self, state: &AppState, entry: EntryId) -> Option<f32> {
         let l = state
             .bounds
             .entry_threshold(entry, self.delta, self.scope, self.floor)?;
         if self.raise_only && l.threshold <= self.scope {
             return None;
         }
-        let t = self.requested.map_or(l.threshold, |r| l.threshold.max(r));
-        Some((t, l))
+        Some(self.requested.map_or(l.threshold, |r| l.threshold.max(r)))
     }
 }
 
@@ -110,7 +104,7 @@ pub fn threshold_of(
 ) -> f32 {
     per_entry
         .and_then(|p| p.threshold(state, id))
-        .map_or(policy.threshold, |(t, _)| t)
+        .unwrap_or(policy.threshold)
 }
 
 /// Whether `similarity` is at or above `threshold`; false for a NaN.
