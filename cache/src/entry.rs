@@ -84,6 +84,17 @@ pub struct Refusal {
     pub around: Option<(Digest, Vector)>,
 }
 
+/// What [`Entry::merge_refusals`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Merged {
+    /// The other copy refuses nothing this one does not.
+    Same,
+    /// Refusals were taken in.
+    Added,
+    /// The copies together refuse more questions than one can keep: delete the entry.
+    Full,
+}
+
 /// One finished answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
@@ -229,13 +240,19 @@ impl Entry {
     }
 
     /// Takes in `other`'s refusals this copy lacks (copies of one entry on two replicas may
-    /// each have learned some). Whether any was added.
-    pub fn merge_refusals(&mut self, other: &Entry) -> bool {
-        let mut added = false;
+    /// each have learned some). [`Merged::Full`] when the two together refuse more questions
+    /// than one copy can keep: some refusal would be lost, so the entry must go (fail
+    /// closed, as one more wrong verdict on a full entry deletes it).
+    pub fn merge_refusals(&mut self, other: &Entry) -> Merged {
+        let mut merged = Merged::Same;
         for r in &other.refusals {
-            added |= self.refuse(r.clone());
+            if self.refuse(r.clone()) {
+                merged = Merged::Added;
+            } else if !self.refuses_key(&r.key) {
+                return Merged::Full;
+            }
         }
-        added
+        merged
     }
 
     /// Time left before expiry (zero when expired).
@@ -376,7 +393,17 @@ mod tests {
         }));
         // Copies of the entry on other replicas learn it.
         let mut other = entry();
-        assert!(other.merge_refusals(&e));
+        assert_eq!(other.merge_refusals(&e), Merged::Added);
         assert!(other.refused_by_meaning());
+        assert_eq!(other.merge_refusals(&e), Merged::Same, "nothing new");
+        // A copy that refused one question the full one does not: together they refuse
+        // more than one copy keeps, and neither may drop a refusal.
+        let mut apart = entry();
+        apart.refuse(Refusal {
+            key: [201; 32],
+            around: None,
+        });
+        assert_eq!(apart.clone().merge_refusals(&e), Merged::Full);
+        assert_eq!(e.clone().merge_refusals(&apart), Merged::Full);
     }
 }

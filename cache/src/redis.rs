@@ -105,6 +105,9 @@ pub enum Updated {
     /// Redis holds it, and it was not replaced (over the size cap, not serialisable, or
     /// changed by others on every try).
     NotWritten,
+    /// Redis's copy and the changed one together refuse more questions than one copy keeps
+    /// ([`crate::entry::Merged::Full`]): not written; the entry is to be deleted.
+    Full,
 }
 
 /// Keys asked for per SCAN call.

@@ -1204,35 +1204,6 @@ async fn a_batched_read_skips_what_this_replica_deleted() {
     assert!(a.get(x.id).await.is_none());
 }
 
-/// A refusal of question `n` (its exact key only).
-fn refusal(n: u32) -> reprise_cache::entry::Refusal {
-    reprise_cache::entry::Refusal {
-        key: digest(n),
-        around: None,
-    }
-}
-
-/// A store over `server` as replica `name`: 1 MiB of memory, an index of `dim` dimensions if
-/// any, expired entries kept `retain`.
-async fn replica(
-    server: &RedisServer,
-    name: &'static str,
-    dim: Option<usize>,
-    retain: Duration,
-) -> reprise_cache::Store {
-    use reprise_cache::semantic::{IndexConfig, SemanticIndex};
-    let redis = tier(config(server.url()), name).await;
-    let index = dim.map(|d| Arc::new(SemanticIndex::new(d, IndexConfig::default())));
-    reprise_cache::Store::new(
-        1 << 20,
-        Duration::from_secs(60),
-        retain,
-        Some(redis),
-        index,
-        None,
-    )
-}
-
 /// A changed copy (a refusal added) of an entry another replica deleted meanwhile is not put
 /// back: the replica drops it too, so its keys do not serve it again.
 #[tokio::test]

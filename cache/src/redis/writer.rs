@@ -16,7 +16,7 @@ use super::metrics::Op;
 use super::shared::Capped;
 use super::shared::Shared;
 use super::{RedisTier, Updated};
-use crate::entry::{now_ms, Digest, Entry, EntryId};
+use crate::entry::{now_ms, Digest, Entry, EntryId, Merged};
 
 /// How long after an id is no longer kept (its score) it is pruned from an index set. Redis
 /// expires the entry by its own clock, the pruning goes by this replica's: without a margin
@@ -633,7 +633,9 @@ impl Shared {
                 return Ok(Updated::NotWritten);
             };
             if let Some(held) = self.decode(&name, entry.id, &raw) {
-                entry.merge_refusals(&held);
+                if entry.merge_refusals(&held) == Merged::Full {
+                    return Ok(Updated::Full);
+                }
             }
             let bytes = super::stored_value(&entry).ok();
             let Some(bytes) = bytes else {

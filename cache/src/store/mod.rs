@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use moka::notification::RemovalCause;
 
-use crate::entry::{Digest, Entry, EntryId};
+use crate::entry::{Digest, Entry, EntryId, Merged};
 use crate::memory::{EvictionHook, IndexCharge, MemoryTier};
 use crate::redis::{RedisError, RedisTier, Updated};
 use crate::semantic::{Candidate, MaintainReport, SemanticIndex};
@@ -453,7 +453,10 @@ impl Store {
         if self.gone(&entry) {
             return None;
         }
-        let entry = self.merge_refusals_into(entry, &held);
+        let Some(entry) = self.merge_refusals_into(entry, &held) else {
+            self.refused_too_often(held.id).await;
+            return None;
+        };
         self.memory.insert_entry(entry.clone()).await;
         self.undo_if_gone(&entry).await.then_some(entry)
     }
@@ -481,7 +484,10 @@ impl Store {
         }
         // Refusals another replica gave the held copy meanwhile are kept.
         let entry = match self.memory.get(entry.id).await {
-            Some(held) => self.merge_refusals_into(entry, &held),
+            Some(held) => match self.merge_refusals_into(entry, &held) {
+                Some(merged) => merged,
+                None => return self.refused_too_often(held.id).await,
+            },
             None => entry,
         };
         if let Some(redis) = &self.redis {
@@ -496,6 +502,8 @@ impl Store {
                     return;
                 }
                 Ok(Updated::Gone) => {}
+                // Redis's copy and this one refuse more questions than one copy keeps.
+                Ok(Updated::Full) => return self.refused_too_often(entry.id).await,
                 Err(e) => tracing::warn!(error = %e, id = %entry.id, "redis: update not written"),
             }
         }
@@ -505,7 +513,10 @@ impl Store {
         }
         // Refusals the held copy gained while Redis was asked are kept too.
         let entry = match self.memory.get_kept(entry.id).await {
-            Some(held) => self.merge_refusals_into(entry, &held),
+            Some(held) => match self.merge_refusals_into(entry, &held) {
+                Some(merged) => merged,
+                None => return self.refused_too_often(held.id).await,
+            },
             None => entry,
         };
         self.memory.insert_entry(entry.clone()).await;
@@ -554,10 +565,16 @@ impl Store {
         let mut new = Arc::new(new.clone());
         if !previous.refusals.is_empty() {
             let mut refusing = (*new).clone();
-            if refusing.merge_refusals(&previous) {
-                let refusing = Arc::new(refusing);
-                self.update_kept(refusing.clone()).await;
-                new = refusing;
+            match refusing.merge_refusals(&previous) {
+                Merged::Same => {}
+                Merged::Added => {
+                    let refusing = Arc::new(refusing);
+                    self.update_kept(refusing.clone()).await;
+                    new = refusing;
+                }
+                // The renewal cannot refuse every question the old answer did: it goes,
+                // and no key is moved to it.
+                Merged::Full => return self.refused_too_often(new.id).await,
             }
         }
         for k in keys {
@@ -603,25 +620,48 @@ impl Store {
         self.deleted.contains_key(&id)
     }
 
-    fn merge_refusals_into(&self, entry: Arc<Entry>, other: &Entry) -> Arc<Entry> {
+    /// `entry` with `other`'s refusals it lacks; `None` when the two together refuse more
+    /// questions than one copy keeps (the entry must go: see
+    /// [`Store::refused_too_often`]).
+    fn merge_refusals_into(&self, entry: Arc<Entry>, other: &Entry) -> Option<Arc<Entry>> {
         let mut merged = (*entry).clone();
-        if merged.merge_refusals(other) {
-            Arc::new(merged)
-        } else {
-            entry
+        match merged.merge_refusals(other) {
+            Merged::Same => Some(entry),
+            Merged::Added => Some(Arc::new(merged)),
+            Merged::Full => None,
         }
     }
 
     /// `held` with `incoming`'s refusals it lacks (stored in memory when there were any, and
-    /// memory still holds it undeleted).
+    /// memory still holds it undeleted). When the two together refuse more questions than
+    /// one copy keeps, the entry is deleted and `held` returned, gone.
     async fn merge_refusals(&self, held: Arc<Entry>, incoming: &Entry) -> Arc<Entry> {
         let mut merged = (*held).clone();
-        if !merged.merge_refusals(incoming) {
-            return held;
+        match merged.merge_refusals(incoming) {
+            Merged::Same => held,
+            Merged::Added => {
+                let merged = Arc::new(merged);
+                self.put_back(merged.clone()).await;
+                merged
+            }
+            Merged::Full => {
+                self.refused_too_often(held.id).await;
+                held
+            }
         }
-        let merged = Arc::new(merged);
-        self.put_back(merged.clone()).await;
-        merged
+    }
+
+    /// Deletes an entry whose copies refuse more questions than one copy keeps, here and
+    /// everywhere: keeping it would drop some refusal, and serve a question reported wrong
+    /// again (fail closed, as a wrong verdict on a full entry does). Its own question is
+    /// answered afresh.
+    async fn refused_too_often(&self, id: EntryId) {
+        tracing::info!(%id, "an entry refused more questions than it can keep: deleted");
+        if let Err(e) = self.delete(id).await {
+            // Deleted here all the same ([`Store::delete`] removes it locally first); another
+            // replica's copy goes when its own next verdict or merge finds it full.
+            tracing::warn!(error = %e, %id, "redis: an entry refused too often was not deleted there");
+        }
     }
 
     /// Rebuilds index partitions that collected many tombstones (blocking: call it from

@@ -126,3 +126,32 @@ pub async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
         .await
         .unwrap()
 }
+
+/// A refusal of the question whose key is `digest(n)`.
+pub fn refusal(n: u32) -> reprise_cache::entry::Refusal {
+    reprise_cache::entry::Refusal {
+        key: digest(n),
+        around: None,
+    }
+}
+
+/// A store over `server` as replica `name`: 1 MiB of memory, an index of `dim` dimensions if
+/// any, expired entries kept `retain`.
+pub async fn replica(
+    server: &reprise_cache::testing::RedisServer,
+    name: &'static str,
+    dim: Option<usize>,
+    retain: Duration,
+) -> reprise_cache::Store {
+    use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+    let redis = tier(config(server.url()), name).await;
+    let index = dim.map(|d| Arc::new(SemanticIndex::new(d, IndexConfig::default())));
+    reprise_cache::Store::new(
+        1 << 20,
+        Duration::from_secs(60),
+        retain,
+        Some(redis),
+        index,
+        None,
+    )
+}

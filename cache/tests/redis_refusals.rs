@@ -1,0 +1,88 @@
+//! Refusals past what one copy of an entry keeps, across replicas through a real Redis: no
+//! refusal is ever dropped, the entry goes instead.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use reprise_cache::entry::MAX_KEY_REFUSALS;
+use reprise_cache::testing::RedisServer;
+use reprise_cache::Entry;
+
+/// `e` refusing the questions `from..from + n` by their keys.
+fn refusing(e: &Entry, from: u32, n: usize) -> Entry {
+    let mut e = e.clone();
+    for i in 0..n as u32 {
+        assert!(e.refuse(refusal(from + i)));
+    }
+    e
+}
+
+/// Replica A's copy refuses as many questions as one copy keeps and is in Redis; B, not yet
+/// told, refuses one more question on its own copy. Merged with Redis's, that copy would
+/// drop a refusal (B's, or one of A's): the entry is deleted everywhere instead, and is not
+/// brought back by A's full copy arriving later.
+#[tokio::test]
+async fn copies_refusing_more_than_one_keeps_delete_the_entry() {
+    let server = RedisServer::start();
+    let store = |name| replica(&server, name, None, Duration::ZERO);
+    let (a, b) = (store("a").await, store("b").await);
+    let e = entry("ns", "answer", 60_000);
+    a.insert(Arc::new(e.clone()), &[digest(1)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+    assert_eq!(b.fetch(e.id).await.map(|x| x.id), Some(e.id), "B holds it");
+
+    let full = refusing(&e, 1000, MAX_KEY_REFUSALS);
+    assert!(full.refusals_full());
+    a.update(Arc::new(full.clone())).await;
+    let shared = a.redis().unwrap().get(e.id).await.unwrap().expect("held");
+    assert!(shared.refusals_full());
+
+    let on_b = refusing(&e, 9000, 1);
+    b.update(Arc::new(on_b)).await;
+    assert_eq!(
+        b.redis().unwrap().get(e.id).await.unwrap(),
+        None,
+        "deleted in Redis"
+    );
+    assert!(b.get(e.id).await.is_none(), "and on B");
+    // A's full copy reaching B afterwards (a late replication event) stays out.
+    b.install(full).await;
+    assert!(b.get(e.id).await.is_none(), "not brought back");
+}
+
+/// The same on one replica without Redis's copy in the way: a held copy that refuses as many
+/// questions as it keeps, and another replica's copy refusing one it does not, arriving by
+/// replication (`install`): deleted, where the merge used to keep the first 256 and drop the
+/// rest.
+#[tokio::test]
+async fn an_incoming_copy_past_the_held_ones_room_deletes_the_entry() {
+    let server = RedisServer::start();
+    let a = replica(&server, "a", None, Duration::ZERO).await;
+    let e = entry("ns", "answer", 60_000);
+    a.insert(Arc::new(e.clone()), &[digest(1)]).await;
+    a.update(Arc::new(refusing(&e, 1000, MAX_KEY_REFUSALS)))
+        .await;
+    assert!(a.get(e.id).await.expect("held").refusals_full());
+
+    // A copy refusing only questions the held one refuses changes nothing.
+    let same = refusing(&e, 1000, 3);
+    a.install(same).await;
+    assert!(a.get(e.id).await.is_some(), "nothing new: kept");
+
+    let other = refusing(&e, 5000, 1);
+    a.install(other).await;
+    assert!(a.get(e.id).await.is_none(), "deleted here");
+    a.redis().unwrap().flush().await.unwrap();
+    assert_eq!(
+        a.redis().unwrap().get(e.id).await.unwrap(),
+        None,
+        "and in Redis"
+    );
+    assert!(matches!(
+        a.find(&digest(1), |_| true).await.0,
+        reprise_cache::ByKey::Absent
+    ));
+}
