@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use reprise_cache::semantic::{IndexConfig, IndexItem, PartitionKey, SemanticIndex};
+use reprise_cache::semantic::{
+    graph_distances_on_this_thread, IndexConfig, IndexItem, PartitionKey, SemanticIndex,
+};
 use reprise_cache::{EntryId, Vector};
 
 use crate::common::{heap_in_use, mib, rss};
@@ -43,11 +45,83 @@ pub struct IndexArgs {
     /// The graphs' links per point (`IndexConfig::hnsw_m`; the index's default when not given).
     #[arg(long)]
     hnsw_m: Option<usize>,
+    /// Search widths (`ef`) whose recall is measured side by side on the same graphs, besides
+    /// the one the index chooses for each partition's size.
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 128, 256, 512])]
+    ef: Vec<usize>,
+    /// Vectors with this many effective dimensions (random in a subspace, plus a little noise
+    /// in every direction) instead of random in all of them: sentence embeddings sit near a
+    /// subspace of few dimensions, random vectors are a graph's worst case.
+    #[arg(long)]
+    intrinsic_dim: Option<usize>,
+    /// A text file, one text per line: its distinct lines' embeddings (the configured
+    /// embedder) are the vectors, as many as `--entries` at most.
+    #[arg(long)]
+    texts: Option<std::path::PathBuf>,
+    /// Configuration whose `[semantic]` section loads the embedder for `--texts`.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
 }
 
 /// Runs the index benchmark (CPU work, off the async workers).
 pub async fn run(a: IndexArgs) -> anyhow::Result<()> {
-    tokio::task::spawn_blocking(move || measure(&a)).await?
+    let embedded = match &a.texts {
+        Some(path) => Some(embed_texts(&a, path).await?),
+        None => None,
+    };
+    tokio::task::spawn_blocking(move || measure(&a, embedded)).await?
+}
+
+/// The embeddings of `path`'s distinct lines, `a.entries` at most, with progress.
+async fn embed_texts(a: &IndexArgs, path: &std::path::Path) -> anyhow::Result<Vec<Vector>> {
+    use reprise_embedder::{Embedder, FastEmbedder};
+    let raw = std::fs::read_to_string(path)?;
+    let mut seen = std::collections::HashSet::new();
+    let texts: Vec<String> = raw
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && seen.insert(*l))
+        .take(a.entries)
+        .map(str::to_owned)
+        .collect();
+    anyhow::ensure!(!texts.is_empty(), "no text in {}", path.display());
+    let mut config = crate::common::Config::load(a.config.as_deref())?;
+    config.semantic.enabled = true;
+    let cfg = crate::common::embedder_config(&config);
+    eprintln!("loading the embedder");
+    let embedder = tokio::task::spawn_blocking(move || FastEmbedder::load(cfg)).await??;
+    let t = Instant::now();
+    let mut out = Vec::with_capacity(texts.len());
+    for chunk in texts.chunks(256) {
+        for v in embedder.embed_many(chunk).await? {
+            out.push(Vector::new(&v));
+        }
+        eprintln!(
+            "  {} of {} texts embedded ({:.0} s)",
+            out.len(),
+            texts.len(),
+            t.elapsed().as_secs_f64()
+        );
+    }
+    Ok(out)
+}
+
+/// A unit vector of `dim` components near a subspace of `basis.len()` dimensions: a random
+/// combination of the basis plus noise of a tenth of its length in every direction.
+fn near_subspace(rng: &mut SplitMix, basis: &[Vec<f32>], dim: usize) -> Vector {
+    let mut v = vec![0f32; dim];
+    for b in basis {
+        let c = rng.unit();
+        v.iter_mut().zip(b).for_each(|(x, y)| *x += c * y);
+    }
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+    let noise = rng.vector(dim).to_f32();
+    v.iter_mut()
+        .zip(&noise)
+        .for_each(|(x, e)| *x = *x / norm + 0.1 * e);
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+    v.iter_mut().for_each(|x| *x /= norm);
+    v.into()
 }
 
 /// Prints `what` with the elapsed time every 5 s until the returned guard is dropped.
@@ -78,16 +152,24 @@ fn progress(what: &'static str, index: Arc<SemanticIndex>) -> impl Drop {
     Stop(stop)
 }
 
-fn measure(a: &IndexArgs) -> anyhow::Result<()> {
-    let n = a.entries;
-    let dim = a.dim;
+fn measure(a: &IndexArgs, embedded: Option<Vec<Vector>>) -> anyhow::Result<()> {
+    let n = embedded.as_ref().map_or(a.entries, Vec::len);
+    let dim = embedded
+        .as_ref()
+        .and_then(|e| e.first())
+        .map_or(a.dim, Vector::len);
     let parts = a.partitions.max(1);
     let partitions: Vec<PartitionKey> = (0..parts)
         .map(|p| *blake3::hash(format!("bench partition {p}").as_bytes()).as_bytes())
         .collect();
     println!("== reprise bench index ==");
+    let kind = match (&a.texts, a.intrinsic_dim) {
+        (Some(p), _) => format!("embeddings of the texts of {}", p.display()),
+        (None, Some(d)) => format!("random near a {d}-dim subspace"),
+        (None, None) => "random".to_owned(),
+    };
     println!(
-        "{n} entries, {dim}-dim vectors, {parts} partitions, hnsw_m {}",
+        "{n} entries, {dim}-dim vectors ({kind}), {parts} partitions, hnsw_m {}",
         a.hnsw_m.unwrap_or(IndexConfig::default().hnsw_m)
     );
 
@@ -95,13 +177,26 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
     let heap0 = heap_in_use();
     eprintln!("making {n} vectors");
     let mut rng = SplitMix(0x1DE5);
-    let mut vectors: Vec<Vector> = Vec::with_capacity(n);
-    for i in 0..n {
-        vectors.push(rng.vector(dim));
-        if (i + 1) % 100_000 == 0 {
-            eprintln!("  {} made", i + 1);
+    let basis: Vec<Vec<f32>> = (0..a.intrinsic_dim.unwrap_or(0))
+        .map(|_| rng.vector(dim).to_f32())
+        .collect();
+    let vectors: Vec<Vector> = match embedded {
+        Some(v) => v,
+        None => {
+            let mut vectors = Vec::with_capacity(n);
+            for i in 0..n {
+                vectors.push(if basis.is_empty() {
+                    rng.vector(dim)
+                } else {
+                    near_subspace(&mut rng, &basis, dim)
+                });
+                if (i + 1) % 100_000 == 0 {
+                    eprintln!("  {} made", i + 1);
+                }
+            }
+            vectors
         }
-    }
+    };
     let (rss1, _) = rss();
     let items: Vec<IndexItem> = vectors
         .iter()
@@ -114,6 +209,7 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
         hnsw_m: a.hnsw_m.unwrap_or(defaults.hnsw_m),
         ..defaults
     };
+    let cfg_ef = cfg.ef_search;
     let index = Arc::new(SemanticIndex::new(dim, cfg));
     eprintln!("bulk load (insert_many)");
     let t = Instant::now();
@@ -136,10 +232,12 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
     let heap = heap_in_use();
     anyhow::ensure!(index.len() == n, "{} of {n} indexed", index.len());
 
-    // Recall against an exact scan of the same partition, on vectors near stored ones.
-    eprintln!("recall@{} on {} queries", a.k, a.queries);
-    let mut found = 0usize;
-    let mut wanted = 0usize;
+    // Recall against an exact scan of the same partition, on vectors near stored ones (each
+    // query's own source is its nearest neighbour, as a paraphrase's stored wording is), at
+    // the width the index chooses and at each width asked for.
+    eprintln!("recall on {} queries", a.queries);
+    let mut queries: Vec<(usize, Vec<f32>, Vec<usize>)> = Vec::with_capacity(a.queries);
+    let mut scanning = Duration::ZERO;
     for _ in 0..a.queries {
         let i = (rng.next() % n as u64) as usize;
         let p = i % parts;
@@ -150,27 +248,56 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
             .collect();
         let norm = q.iter().map(|x| x * x).sum::<f32>().sqrt();
         q.iter_mut().for_each(|x| *x /= norm);
+        let scan = Instant::now();
         let mut exact: Vec<(f32, usize)> = (p..n)
             .step_by(parts)
             .map(|j| (vectors[j].dot(&q), j))
             .collect();
+        scanning += scan.elapsed();
         exact.sort_by(|a, b| b.0.total_cmp(&a.0));
-        let got = index.search(&partitions[p], &q, a.k);
-        wanted += a.k.min(exact.len());
-        found += exact
-            .iter()
-            .take(a.k)
-            .filter(|(_, j)| got.iter().any(|c| c.id == EntryId(*j as u128)))
-            .count();
+        let top: Vec<usize> = exact.iter().take(a.k).map(|(_, j)| *j).collect();
+        queries.push((p, q, top));
+    }
+    let widths: Vec<Option<usize>> = std::iter::once(None)
+        .chain(a.ef.iter().map(|&e| Some(e)))
+        .collect();
+    let mut recalls = Vec::with_capacity(widths.len());
+    for &ef in &widths {
+        let (mut found, mut wanted, mut first) = (0usize, 0usize, 0usize);
+        let distances = graph_distances_on_this_thread();
+        let t = Instant::now();
+        for (p, q, top) in &queries {
+            let got = index.search_wide(&partitions[*p], q, a.k, ef);
+            wanted += top.len();
+            found += top
+                .iter()
+                .filter(|j| got.iter().any(|c| c.id == EntryId(**j as u128)))
+                .count();
+            if let (Some(best), Some(g)) = (top.first(), got.first()) {
+                first += usize::from(g.id == EntryId(*best as u128));
+            }
+        }
+        let micros = t.elapsed().as_secs_f64() * 1e6 / queries.len().max(1) as f64;
+        let distances =
+            (graph_distances_on_this_thread() - distances) / queries.len().max(1) as u64;
+        recalls.push((ef, found, wanted, first, micros, distances));
     }
 
     let per = |bytes: u64| bytes as f64 / n as f64;
-    println!(
-        "vectors held by the entries: {:.1} MiB ({:.0} bytes/entry; {} bytes of half floats)",
-        mib(rss1.saturating_sub(rss0)),
-        per(rss1.saturating_sub(rss0)),
-        dim * 2
-    );
+    if a.texts.is_some() {
+        // Embedded before the first reading (beside the embedder's own memory).
+        println!(
+            "vectors held by the entries: not measured apart ({} bytes of half floats each)",
+            dim * 2
+        );
+    } else {
+        println!(
+            "vectors held by the entries: {:.1} MiB ({:.0} bytes/entry; {} bytes of half floats)",
+            mib(rss1.saturating_sub(rss0)),
+            per(rss1.saturating_sub(rss0)),
+            dim * 2
+        );
+    }
     println!(
         "bulk load: searchable after {searchable_s:.2} s; every graph built after {graphs_s:.2} s \
          ({} partitions rebuilt by maintain)",
@@ -194,10 +321,23 @@ fn measure(a: &IndexArgs) -> anyhow::Result<()> {
         mib(heap),
         per(heap.saturating_sub(heap0)),
     );
+    let per_partition = n / parts;
     println!(
-        "recall@{} against an exact scan: {:.3} ({found} of {wanted})",
-        a.k,
-        found as f64 / wanted.max(1) as f64
+        "exact scan of a partition ({per_partition} vectors): {:.0} µs a search",
+        scanning.as_secs_f64() * 1e6 / queries.len().max(1) as f64
     );
+    for (ef, found, wanted, first, micros, distances) in recalls {
+        let width = match ef {
+            Some(e) => format!("ef {e}"),
+            None => format!("ef {} (the configured one)", cfg_ef),
+        };
+        println!(
+            "{width}: recall@1 {:.3}, recall@{} {:.3} ({found} of {wanted}) against an exact \
+             scan; {micros:.0} µs and {distances} distances a search",
+            first as f64 / queries.len().max(1) as f64,
+            a.k,
+            found as f64 / wanted.max(1) as f64
+        );
+    }
     Ok(())
 }

@@ -129,6 +129,9 @@ pub struct GraphStats {
     pub inserts: u64,
     /// Searches answered by a graph (the rest were exact scans).
     pub searches: u64,
+    /// Graph searches run a second time with hnsw_rs's filter of tombstones, the first
+    /// (without it) having come up short of live results.
+    pub filtered: u64,
 }
 
 #[derive(Default)]
@@ -136,6 +139,7 @@ struct GraphCounters {
     builds: AtomicU64,
     inserts: AtomicU64,
     searches: AtomicU64,
+    filtered: AtomicU64,
 }
 
 impl GraphCounters {
@@ -297,6 +301,7 @@ impl SemanticIndex {
             builds: g.builds.load(Ordering::Relaxed),
             inserts: g.inserts.load(Ordering::Relaxed),
             searches: g.searches.load(Ordering::Relaxed),
+            filtered: g.filtered.load(Ordering::Relaxed),
         }
     }
 
@@ -418,6 +423,18 @@ impl SemanticIndex {
 
     /// The `k` entries of `partition` most similar to `query`, best first.
     pub fn search(&self, partition: &PartitionKey, query: &[f32], k: usize) -> Vec<Candidate> {
+        self.search_wide(partition, query, k, None)
+    }
+
+    /// [`SemanticIndex::search`] with the graph's search width given (`None`: the configured
+    /// `ef_search`); a benchmark's lever.
+    pub fn search_wide(
+        &self,
+        partition: &PartitionKey,
+        query: &[f32],
+        k: usize,
+        ef: Option<usize>,
+    ) -> Vec<Candidate> {
         if k == 0 || query.len() != self.dim {
             return Vec::new();
         }
@@ -428,7 +445,7 @@ impl SemanticIndex {
         if inner.graph.is_some() {
             GraphCounters::add(&self.graph.searches, 1);
         }
-        inner.search(query, k, &self.cfg)
+        inner.search(query, k, ef, &self.cfg, &self.graph)
     }
 
     /// Live entries across all partitions.
@@ -678,7 +695,14 @@ impl PartitionInner {
         self.graph_pending = false;
     }
 
-    fn search(&self, query: &[f32], k: usize, cfg: &IndexConfig) -> Vec<Candidate> {
+    fn search(
+        &self,
+        query: &[f32],
+        k: usize,
+        ef: Option<usize>,
+        cfg: &IndexConfig,
+        counters: &GraphCounters,
+    ) -> Vec<Candidate> {
         let live = self.ids.len() - self.dead_count;
         if live == 0 {
             return Vec::new();
@@ -686,17 +710,41 @@ impl PartitionInner {
         let mut out = match &self.graph {
             Some(graph) => {
                 let dead = &self.dead;
-                let keep = |slot: &usize| !dead[*slot];
-                let ef = cfg.ef_search.max(k);
+                let ef = ef.unwrap_or(cfg.ef_search).max(k);
                 let q = [Vector::new(query)];
-                graph
-                    .search_filter(&q, k, ef, Some(&keep))
+                // hnsw_rs's filtered search does not stop once its nearest candidate is
+                // farther than its farthest result: it walks on until no candidate is left,
+                // about linear in the partition's size. Unfiltered it stops; asking for as
+                // many more as the dead share of the slots would take covers tombstones, and
+                // only a search still short of live results runs again with the filter.
+                let slots = self.ids.len();
+                let want = if self.dead_count == 0 {
+                    k
+                } else {
+                    ((k * slots).div_ceil(live) + 2).min(slots)
+                };
+                let mut found: Vec<usize> = graph
+                    .search(&q, want, ef.max(want))
                     .into_iter()
-                    .filter(|n| !self.dead[n.d_id])
-                    // Rescore exactly: the graph's distance is clamped.
-                    .map(|n| Candidate {
-                        id: self.ids[n.d_id],
-                        similarity: self.vectors[n.d_id].dot(query),
+                    .map(|n| n.d_id)
+                    .filter(|slot| !dead[*slot])
+                    .collect();
+                if self.dead_count > 0 && found.len() < k.min(live) {
+                    GraphCounters::add(&counters.filtered, 1);
+                    let keep = |slot: &usize| !dead[*slot];
+                    found = graph
+                        .search_filter(&q, k, ef, Some(&keep))
+                        .into_iter()
+                        .map(|n| n.d_id)
+                        .filter(|slot| !dead[*slot])
+                        .collect();
+                }
+                // Rescored exactly: the graph's distance is clamped.
+                found
+                    .into_iter()
+                    .map(|slot| Candidate {
+                        id: self.ids[slot],
+                        similarity: self.vectors[slot].dot(query),
                     })
                     .collect::<Vec<_>>()
             }
@@ -740,9 +788,21 @@ impl PartitionInner {
 #[derive(Debug, Clone, Copy, Default)]
 struct DotDistance;
 
+thread_local! {
+    /// Distances [`DotDistance`] computed on this thread.
+    static DISTANCES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many distances the graphs computed on the calling thread so far (builds and searches
+/// it ran): what a search costs, counted where seconds are noisy (tests, benchmarks).
+pub fn graph_distances_on_this_thread() -> u64 {
+    DISTANCES.with(|d| d.get())
+}
+
 /// A graph point's data is one shared vector (a slice of one handle).
 impl Distance<Vector> for DotDistance {
     fn eval(&self, va: &[Vector], vb: &[Vector]) -> f32 {
+        DISTANCES.with(|d| d.set(d.get() + 1));
         (1.0 - va[0].dot_vector(&vb[0])).max(0.0)
     }
 }
