@@ -13,7 +13,7 @@ use reprise_backend::llama::LlamaBackend;
 use reprise_backend::openai::{OpenAiBackend, OpenAiConfig};
 use reprise_backend::Backend;
 use reprise_cache::redis::RedisTier;
-use reprise_cache::semantic::{IndexConfig, SemanticIndex};
+use reprise_cache::semantic::SemanticIndex;
 use reprise_cache::Store;
 use reprise_embedder::{Embedder, EmbedderConfig, FastEmbedder};
 
@@ -141,7 +141,7 @@ impl AppState {
         metrics.slo(config.slo.total_secs, config.slo.ttft_secs);
         let embedder = embedder.filter(|_| config.semantic.enabled);
         let index = embedder.as_ref().map(|e| {
-            let index = SemanticIndex::new(e.dim(), IndexConfig::default());
+            let index = SemanticIndex::new(e.dim(), config.semantic.index.clone());
             Arc::new(index.for_embedder(e.fingerprint()))
         });
         let evictions = metrics.cache_evictions.clone();
@@ -294,6 +294,14 @@ impl AppState {
             .set(self.store.weighted_size() as f64);
         metrics::gauge!("reprise_semantic_entries_with_evidence")
             .set(self.bounds.entries_with_evidence() as f64);
+        if let Some(index) = self.store.index() {
+            metrics::gauge!("reprise_semantic_index_vectors").set(index.len() as f64);
+            metrics::gauge!("reprise_semantic_index_graphs").set(index.graphs() as f64);
+            let graph = index.graph_stats();
+            metrics::counter!("reprise_semantic_graph_searches_total").absolute(graph.searches);
+            metrics::counter!("reprise_semantic_graph_filtered_searches_total")
+                .absolute(graph.filtered);
+        }
         // Read from each backend as it is now, by name (two backends' lines set from inside
         // them, unnamed, overwrote each other).
         for t in self.router.targets() {

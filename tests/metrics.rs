@@ -321,6 +321,16 @@ async fn the_exposition_the_alerts_and_the_grafana_dashboard_agree_and_pass_prom
         .await;
     let text = app.metrics_text().await;
     run_promtool(&["check", "metrics"], dir.path(), &text);
+    // The index (set from the scraped replica's own on each scrape).
+    let vectors = sample(&text, "reprise_semantic_index_vectors", &[]);
+    assert!(vectors.is_some_and(|v| v >= 1.0), "{vectors:?}");
+    for name in [
+        "reprise_semantic_index_graphs",
+        "reprise_semantic_graph_searches_total",
+        "reprise_semantic_graph_filtered_searches_total",
+    ] {
+        assert!(sample(&text, name, &[]).is_some(), "{name} not exposed");
+    }
     // Degraded answers: every kind has a series from the start (none was served here).
     for kind in [
         "stale_while_revalidate",

@@ -961,6 +961,12 @@ mod tests {
         assert_eq!(c.cache.stale_windows(), d.cache.stale_windows());
         assert_eq!(c.semantic.threshold, d.semantic.threshold);
         assert_eq!(c.semantic.model_dir, d.semantic.model_dir);
+        let (i, j) = (&c.semantic.index, &d.semantic.index);
+        assert_eq!(
+            (i.exact_scan_max, i.hnsw_m, i.ef_construction, i.ef_search),
+            (j.exact_scan_max, j.hnsw_m, j.ef_construction, j.ef_search)
+        );
+        assert_eq!(i.rebuild_tombstone_ratio, j.rebuild_tombstone_ratio);
         let (p, q) = (&c.prefetch, &d.prefetch);
         assert_eq!(p.enabled, q.enabled);
         assert_eq!(p.min_probability, q.min_probability);
@@ -1002,6 +1008,13 @@ mod tests {
             ("[[tenants]]\nname = \"anonymous\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[[tenants]]\nname = \"other\"\napi_keys = [\"k\"]\n", "tenants.name"),
             ("[auth.anonymous]\nmemory_share = 0.1\n", "auth.anonymous.memory_share"),
+            ("[semantic.index]\nhnsw_m = 1000\n", "semantic.index.hnsw_m"),
+            ("[semantic.index]\nef_search = 0\n", "semantic.index.ef_search"),
+            ("[semantic.index]\nexact_scan_max = 10000000\n", "semantic.index.exact_scan_max"),
+            (
+                "[semantic.index]\nrebuild_tombstone_ratio = 0.0\n",
+                "semantic.index.rebuild_tombstone_ratio",
+            ),
             ("[auth.anonymous]\ndelta = 0.9\n", "auth.anonymous.delta"),
             ("[auth.anonymous]\ncontrols = [\"bogus\"]\n", "auth.anonymous.controls"),
             ("[auth.anonymous]\ntokens_per_minute = 10\n", "auth.anonymous.tokens_per_minute"),

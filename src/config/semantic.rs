@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use reprise_cache::semantic::IndexConfig;
 use serde::Deserialize;
 
 use super::{invalid, ConfigError};
@@ -128,6 +129,8 @@ pub struct SemanticConfig {
     /// Bytes of verdicts kept per entry (under `delta`, an entry with verdicts of its own
     /// learns its own threshold from them; the least recently judged go first).
     pub entry_evidence_bytes: u64,
+    /// `[semantic.index]`: the index of prompt vectors (exact scans, HNSW graphs).
+    pub index: IndexConfig,
 }
 
 /// How a checked hit is judged (`semantic.verify_judge`).
@@ -177,6 +180,7 @@ impl Default for SemanticConfig {
             verify_tokens_per_minute: 20_000,
             evidence_sync_secs: 10,
             entry_evidence_bytes: 4 << 20,
+            index: IndexConfig::default(),
         }
     }
 }
@@ -262,6 +266,40 @@ impl SemanticConfig {
         if let Err((_, reason)) = reprise_policies::semantic::check_top_k(self.top_k) {
             return Err(invalid("semantic.top_k", reason));
         }
-        Ok(())
+        check_index(&self.index)
     }
+}
+
+/// `[semantic.index]` within bounds: a scan's or a search's cost per lookup, a graph's links
+/// per point (its memory) and a build's work stay bounded.
+fn check_index(ix: &IndexConfig) -> Result<(), ConfigError> {
+    let ranges = [
+        (
+            "semantic.index.exact_scan_max",
+            ix.exact_scan_max,
+            0,
+            100_000,
+        ),
+        ("semantic.index.hnsw_m", ix.hnsw_m, 2, 64),
+        (
+            "semantic.index.ef_construction",
+            ix.ef_construction,
+            1,
+            2_048,
+        ),
+        ("semantic.index.ef_search", ix.ef_search, 1, 4_096),
+    ];
+    for (key, value, lo, hi) in ranges {
+        if !(lo..=hi).contains(&value) {
+            return Err(invalid(key, format!("must be in [{lo}, {hi}]")));
+        }
+    }
+    let r = ix.rebuild_tombstone_ratio;
+    if !(r > 0.0 && r <= 1.0) {
+        return Err(invalid(
+            "semantic.index.rebuild_tombstone_ratio",
+            "must be in (0, 1]",
+        ));
+    }
+    Ok(())
 }

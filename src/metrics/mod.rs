@@ -427,6 +427,22 @@ fn describe() {
         "reprise_semantic_entries_with_evidence",
         "Entries with verdicts of this replica's own, from which thresholds per entry are learned."
     );
+    describe_gauge!(
+        "reprise_semantic_index_vectors",
+        "Prompt vectors in the semantic index (live, tombstones not counted)."
+    );
+    describe_gauge!(
+        "reprise_semantic_index_graphs",
+        "Index partitions past semantic.index.exact_scan_max with their HNSW graph built (the others are scanned exactly)."
+    );
+    describe_counter!(
+        "reprise_semantic_graph_searches_total",
+        "Index searches answered by a partition's HNSW graph (the rest were exact scans)."
+    );
+    describe_counter!(
+        "reprise_semantic_graph_filtered_searches_total",
+        "Graph searches run a second time with the tombstone filter, the first having come up short of live candidates (each costs about an exact scan; many mean a partition due a rebuild)."
+    );
     describe_counter!(
         "reprise_verify_checks_total",
         "Sampled semantic hits offered for a background check, by result (started, skipped: a client request or another check was running, or the budget was spent; superseded: judged after a client's verdict on the response, which counts as evidence instead)."

@@ -1,0 +1,43 @@
+//! `[semantic.index]` reaches the index the server runs, over real HTTP with the real ONNX
+//! embedder: a partition past its `exact_scan_max` gets an HNSW graph in the background,
+//! and paraphrases are then found through the graph.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+#[tokio::test]
+async fn a_partition_past_the_configured_exact_scan_limit_is_searched_through_its_graph() {
+    let mut c = test_config();
+    c.semantic.enabled = true;
+    c.semantic.index.exact_scan_max = 3;
+    c.semantic.index.ef_search = 8;
+    let (app, _backend) = spawn_fake(c, Default::default()).await;
+    let index = app.state.store.index().expect("an index").clone();
+    for q in [
+        "How do I reset my password?",
+        "How do I cancel my subscription?",
+        "Where is my parcel now?",
+        "Do you ship to Canada?",
+        "What payment methods do you accept?",
+    ] {
+        let r = app.chat(&chat_body(q), &[]).await;
+        assert_eq!(cache_status(&r), "miss", "{q}");
+    }
+    // Past three vectors, maintenance builds the partition's graph at once.
+    assert!(
+        eventually(Duration::from_secs(30), || index.graphs() == 1).await,
+        "no graph built past exact_scan_max = 3"
+    );
+    let before = index.graph_stats().searches;
+    let r = app
+        .chat(&chat_body("What are the steps to reset my password?"), &[])
+        .await;
+    assert_eq!(cache_status(&r), "semantic");
+    assert!(
+        index.graph_stats().searches > before,
+        "the paraphrase was found through the graph"
+    );
+}
