@@ -40,4 +40,11 @@ async fn a_partition_past_the_configured_exact_scan_limit_is_searched_through_it
         index.graph_stats().searches > before,
         "the paraphrase was found through the graph"
     );
+    let text = app.metrics_text().await;
+    assert_eq!(
+        sample(&text, "reprise_semantic_index_graphs", &[]),
+        Some(1.0)
+    );
+    let searches = sample(&text, "reprise_semantic_graph_searches_total", &[]);
+    assert!(searches.is_some_and(|n| n >= 1.0), "{searches:?}");
 }

@@ -58,7 +58,8 @@ pub struct IndexArgs {
     /// embedder) are the vectors, as many as `--entries` at most.
     #[arg(long)]
     texts: Option<std::path::PathBuf>,
-    /// Configuration whose `[semantic]` section loads the embedder for `--texts`.
+    /// Configuration whose `[semantic]` section loads the embedder for `--texts` and whose
+    /// `[semantic.index]` is the index's (`--hnsw-m` over it).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
 }
@@ -163,14 +164,22 @@ fn measure(a: &IndexArgs, embedded: Option<Vec<Vector>>) -> anyhow::Result<()> {
         .map(|p| *blake3::hash(format!("bench partition {p}").as_bytes()).as_bytes())
         .collect();
     println!("== reprise bench index ==");
+    let defaults = match &a.config {
+        Some(path) => crate::common::Config::load(Some(path))?.semantic.index,
+        None => IndexConfig::default(),
+    };
+    let cfg = IndexConfig {
+        hnsw_m: a.hnsw_m.unwrap_or(defaults.hnsw_m),
+        ..defaults
+    };
     let kind = match (&a.texts, a.intrinsic_dim) {
         (Some(p), _) => format!("embeddings of the texts of {}", p.display()),
         (None, Some(d)) => format!("random near a {d}-dim subspace"),
         (None, None) => "random".to_owned(),
     };
     println!(
-        "{n} entries, {dim}-dim vectors ({kind}), {parts} partitions, hnsw_m {}",
-        a.hnsw_m.unwrap_or(IndexConfig::default().hnsw_m)
+        "{n} entries, {dim}-dim vectors ({kind}), {parts} partitions, hnsw_m {}, ef_search {}",
+        cfg.hnsw_m, cfg.ef_search
     );
 
     let (rss0, _) = rss();
@@ -204,11 +213,6 @@ fn measure(a: &IndexArgs, embedded: Option<Vec<Vector>>) -> anyhow::Result<()> {
         .map(|(i, v)| (partitions[i % parts], EntryId(i as u128), v.clone()))
         .collect();
 
-    let defaults = IndexConfig::default();
-    let cfg = IndexConfig {
-        hnsw_m: a.hnsw_m.unwrap_or(defaults.hnsw_m),
-        ..defaults
-    };
     let cfg_ef = cfg.ef_search;
     let index = Arc::new(SemanticIndex::new(dim, cfg));
     eprintln!("bulk load (insert_many)");

@@ -29,7 +29,6 @@ use clap::Args;
 use futures::StreamExt;
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
 use reprise_cache::redis::{RedisConfig, RedisTier};
-use reprise_cache::semantic::IndexConfig;
 use reprise_cache::{now_ms, Digest, Entry, EntryId, Origin, Vector};
 use reprise_embedder::Embedder;
 use serde_json::json;
@@ -286,7 +285,9 @@ async fn rebuild(
     // Entries go round robin: the first `n % parts` partitions hold one more.
     let parts = a.partitions.max(1);
     let graphs_expected = (0..parts)
-        .filter(|p| n / parts + usize::from(*p < n % parts) > IndexConfig::default().exact_scan_max)
+        .filter(|p| {
+            n / parts + usize::from(*p < n % parts) > state.config.semantic.index.exact_scan_max
+        })
         .count();
     let mut next_report = Instant::now() + Duration::from_secs(5);
     let deadline = Instant::now() + Duration::from_secs(3600);

@@ -444,6 +444,7 @@ impl SemanticIndex {
         let inner = p.inner.read();
         if inner.graph.is_some() {
             GraphCounters::add(&self.graph.searches, 1);
+            metrics::counter!("reprise_semantic_graph_searches_total").increment(1);
         }
         inner.search(query, k, ef, &self.cfg, &self.graph)
     }
@@ -721,7 +722,7 @@ impl PartitionInner {
                 let want = if self.dead_count == 0 {
                     k
                 } else {
-                    ((k * slots).div_ceil(live) + 2).min(slots)
+                    (k.saturating_mul(slots).div_ceil(live) + 2).min(slots)
                 };
                 let mut found: Vec<usize> = graph
                     .search(&q, want, ef.max(want))
@@ -731,6 +732,8 @@ impl PartitionInner {
                     .collect();
                 if self.dead_count > 0 && found.len() < k.min(live) {
                     GraphCounters::add(&counters.filtered, 1);
+                    metrics::counter!("reprise_semantic_graph_filtered_searches_total")
+                        .increment(1);
                     let keep = |slot: &usize| !dead[*slot];
                     found = graph
                         .search_filter(&q, k, ef, Some(&keep))

@@ -549,3 +549,30 @@ fn a_graph_search_with_tombstones_visits_a_small_share_of_the_partition() {
         "{agree} of {queries} found the nearest live entry"
     );
 }
+
+/// When the nearest slots are all tombstones, the unfiltered search comes up short of live
+/// results and the search runs again with the filter: the live nearest are still found.
+#[test]
+fn a_search_whose_nearest_are_all_removed_falls_back_to_the_filtered_one() {
+    let idx = SemanticIndex::new(DIM, small_cfg(50));
+    let mut rng = Rng(12);
+    let items = fill(&idx, key(12), 1000, &mut rng);
+    assert_eq!(idx.maintain().rebuilt, 1);
+    let q = items[0].1.clone();
+    let mut by_similarity: Vec<(f32, EntryId)> =
+        items.iter().map(|(id, v)| (stored(v, &q), *id)).collect();
+    by_similarity.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let removed: Vec<EntryId> = by_similarity.iter().take(30).map(|(_, id)| *id).collect();
+    for id in &removed {
+        assert!(idx.remove(*id));
+    }
+    let got = idx.search(&key(12), &q, 5);
+    assert_eq!(
+        idx.graph_stats().filtered,
+        1,
+        "searched again with the filter"
+    );
+    assert_eq!(got.len(), 5);
+    assert!(got.iter().all(|c| !removed.contains(&c.id)));
+    assert_eq!(got[0].id, brute_best(&items, &q, &removed));
+}

@@ -1015,6 +1015,11 @@ mod tests {
                 "[semantic.index]\nrebuild_tombstone_ratio = 0.0\n",
                 "semantic.index.rebuild_tombstone_ratio",
             ),
+            (
+                "[semantic.index]\nrebuild_tombstone_ratio = 1.0\n",
+                "semantic.index.rebuild_tombstone_ratio",
+            ),
+            ("[semantic.index]\nhnsw_m = 64\n", "semantic.index.hnsw_m"),
             ("[auth.anonymous]\ndelta = 0.9\n", "auth.anonymous.delta"),
             ("[auth.anonymous]\ncontrols = [\"bogus\"]\n", "auth.anonymous.controls"),
             ("[auth.anonymous]\ntokens_per_minute = 10\n", "auth.anonymous.tokens_per_minute"),

@@ -280,7 +280,8 @@ fn check_index(ix: &IndexConfig) -> Result<(), ConfigError> {
             0,
             100_000,
         ),
-        ("semantic.index.hnsw_m", ix.hnsw_m, 2, 64),
+        // The memory budget charges a graph's links as measured up to 32 links a point.
+        ("semantic.index.hnsw_m", ix.hnsw_m, 2, 32),
         (
             "semantic.index.ef_construction",
             ix.ef_construction,
@@ -294,11 +295,14 @@ fn check_index(ix: &IndexConfig) -> Result<(), ConfigError> {
             return Err(invalid(key, format!("must be in [{lo}, {hi}]")));
         }
     }
+    // Past 0.9 tombstones would outgrow what the memory budget charges for them (and a
+    // search asks for ever more to find live ones); under 0.05 a large partition would be
+    // rebuilt for every few removals.
     let r = ix.rebuild_tombstone_ratio;
-    if !(r > 0.0 && r <= 1.0) {
+    if !(0.05..=0.9).contains(&r) {
         return Err(invalid(
             "semantic.index.rebuild_tombstone_ratio",
-            "must be in (0, 1]",
+            "must be in [0.05, 0.9]",
         ));
     }
     Ok(())

@@ -655,12 +655,21 @@ impl Store {
     /// everywhere: keeping it would drop some refusal, and serve a question reported wrong
     /// again (fail closed, as a wrong verdict on a full entry does). Its own question is
     /// answered afresh.
+    ///
+    /// Gone here at once; Redis's delete (which tells the other replicas) is queued behind
+    /// the writes before it and not waited for, since this runs inside replication and
+    /// lookups. Should Redis fail it, the copies elsewhere stay until a verdict or merge of
+    /// their own finds them full, and this replica's mark of the deletion lasts
+    /// [`DELETED_TTL`].
     async fn refused_too_often(&self, id: EntryId) {
         tracing::info!(%id, "an entry refused more questions than it can keep: deleted");
-        if let Err(e) = self.delete(id).await {
-            // Deleted here all the same ([`Store::delete`] removes it locally first); another
-            // replica's copy goes when its own next verdict or merge finds it full.
-            tracing::warn!(error = %e, %id, "redis: an entry refused too often was not deleted there");
+        self.remove_local(id).await;
+        if let Some(redis) = self.redis.clone() {
+            tokio::spawn(async move {
+                if let Err(e) = redis.delete(id).await {
+                    tracing::warn!(error = %e, %id, "redis: an entry refused too often was not deleted there");
+                }
+            });
         }
     }
 
