@@ -423,7 +423,7 @@ impl InFlightParaphrases {
         let mut found: Vec<SimilarInFlight> = questions
             .iter()
             .filter_map(|t| {
-                let sim: f32 = t.embedding.iter().zip(embedding).map(|(a, b)| a * b).sum();
+                let sim = reprise_cache::vector::dot(&t.embedding, embedding);
                 (sim >= threshold).then(|| (t.exact, sim, t.prompt.clone()))
             })
             .collect();

@@ -140,7 +140,9 @@ impl Vector {
 /// independent sums compile to vector instructions.
 const LANES: usize = 16;
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// Dot product of two `f32` slices (over the shorter of the two), summed in [`LANES`] lanes
+/// so that it compiles to vector instructions.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [0f32; LANES];

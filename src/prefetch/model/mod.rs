@@ -169,12 +169,9 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
     if a.len() != b.len() || a.is_empty() {
         return 0.0;
     }
-    let (mut dot, mut na, mut nb) = (0.0f32, 0.0f32, 0.0f32);
-    for (x, y) in a.iter().zip(b) {
-        dot += x * y;
-        na += x * x;
-        nb += y * y;
-    }
+    // Three vectorised passes are several times faster than one pass of three running sums.
+    use reprise_cache::vector::dot as dot_of;
+    let (dot, na, nb) = (dot_of(a, b), dot_of(a, a), dot_of(b, b));
     if na == 0.0 || nb == 0.0 {
         return 0.0;
     }

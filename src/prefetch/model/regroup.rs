@@ -5,6 +5,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use reprise_cache::vector::dot;
+
 use super::{cosine, trim_next, Cluster, Decayed, Model, Namespace, MAX_WORDINGS};
 
 /// Clusters compared by [`Model::regroup`] per namespace (the most seen); bounds its cost
@@ -250,10 +252,6 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// Scales `v` to norm 1 (a zero vector stays zero).
