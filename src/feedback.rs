@@ -626,12 +626,10 @@ pub(crate) async fn refuse(state: &AppState, served: &Served) -> bool {
     }
     let mut refusing = (*entry).clone();
     if refusing.refusals_full() && !refusing.refuses_key(&served.key) {
-        // Wrong for more questions than it can keep refusing: deleted, here and everywhere
-        // (its own question is answered afresh).
-        if let Err(e) = state.store.delete(id).await {
-            tracing::warn!(error = %e, %id, "an entry refused too often was not deleted");
-            return false;
-        }
+        // Wrong for more questions than it can keep refusing: deleted, here at once and
+        // everywhere (Redis's delete tried until it lands); its own question is answered
+        // afresh.
+        state.store.refused_too_often(id).await;
         state.snapshot_wanted.notify_one();
         return true;
     }

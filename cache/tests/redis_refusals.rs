@@ -89,3 +89,46 @@ async fn an_incoming_copy_past_the_held_ones_room_deletes_the_entry() {
         reprise_cache::ByKey::Absent
     ));
 }
+
+/// The Redis delete of an entry refused past its room, failed (Redis down), is tried again:
+/// a Redis that comes back holding the entry loses it.
+#[tokio::test]
+async fn a_delete_redis_could_not_take_is_tried_again() {
+    let mut server = RedisServer::start();
+    let cfg = reprise_cache::redis::RedisConfig {
+        timeout_ms: 300,
+        breaker_cooldown_ms: 200,
+        ..config(server.url())
+    };
+    let a = reprise_cache::Store::new(
+        1 << 20,
+        Duration::from_secs(60),
+        Duration::ZERO,
+        Some(tier(cfg, "a").await),
+        None,
+        None,
+    );
+    let e = entry("ns", "answer", 60_000);
+    a.insert(Arc::new(e.clone()), &[digest(1)]).await;
+    let full = refusing(&e, 1000, MAX_KEY_REFUSALS);
+    a.update(Arc::new(full.clone())).await;
+    a.redis().unwrap().flush().await.unwrap();
+
+    server.stop();
+    a.install(refusing(&e, 5000, 1)).await;
+    assert!(a.get(e.id).await.is_none(), "deleted here at once");
+    // Redis back, holding the entry (as a persisted or replicated Redis would).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.restart();
+    let b = tier(config(server.url()), "b").await;
+    assert!(b.put(&full, &[digest(1)]));
+    b.flush().await.unwrap();
+    assert!(b.get(e.id).await.unwrap().is_some(), "held again");
+    for _ in 0..300 {
+        if b.get(e.id).await.unwrap().is_none() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the delete was not tried again");
+}

@@ -45,6 +45,9 @@ pub use load::Loaded;
 /// put the entry back into memory, and an answer still generating when its id was deleted
 /// is not stored (as long as a fence, and Redis's own mark of a deleted id).
 pub const DELETED_TTL: Duration = fence::FENCE_TTL;
+
+/// How often a failed Redis delete of an entry refused past its room is tried again.
+const DELETE_RETRY: Duration = Duration::from_secs(2);
 /// The bytes remembering deletions may take, on top of a memory budget of `memory_bytes`:
 /// a thirty-second of it, and room for at least 1,024 ids. Each id weighs
 /// [`ITEM_OVERHEAD`](crate::ITEM_OVERHEAD) (moka's bookkeeping dwarfs the 16-byte id); the
@@ -658,19 +661,31 @@ impl Store {
     ///
     /// Gone here at once; Redis's delete (which tells the other replicas) is queued behind
     /// the writes before it and not waited for, since this runs inside replication and
-    /// lookups. Should Redis fail it, the copies elsewhere stay until a verdict or merge of
-    /// their own finds them full, and this replica's mark of the deletion lasts
-    /// [`DELETED_TTL`].
-    async fn refused_too_often(&self, id: EntryId) {
+    /// lookups; one that fails (Redis down) is tried again every [`DELETE_RETRY`] for as long
+    /// as this replica's mark of the deletion lasts ([`DELETED_TTL`]), so a Redis that comes
+    /// back holding the entry loses it too.
+    pub async fn refused_too_often(&self, id: EntryId) {
         tracing::info!(%id, "an entry refused more questions than it can keep: deleted");
         self.remove_local(id).await;
-        if let Some(redis) = self.redis.clone() {
-            tokio::spawn(async move {
-                if let Err(e) = redis.delete(id).await {
-                    tracing::warn!(error = %e, %id, "redis: an entry refused too often was not deleted there");
+        let Some(redis) = self.redis.clone() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let since = tokio::time::Instant::now();
+            loop {
+                match redis.delete(id).await {
+                    Ok(_) => return,
+                    Err(e) if since.elapsed() + DELETE_RETRY < DELETED_TTL => {
+                        tracing::debug!(error = %e, %id, "redis: an entry refused too often not deleted yet; trying again");
+                        tokio::time::sleep(DELETE_RETRY).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, %id, "redis: an entry refused too often was not deleted there");
+                        return;
+                    }
                 }
-            });
-        }
+            }
+        });
     }
 
     /// Rebuilds index partitions that collected many tombstones (blocking: call it from
