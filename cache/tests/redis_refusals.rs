@@ -132,3 +132,48 @@ async fn a_delete_redis_could_not_take_is_tried_again() {
     }
     panic!("the delete was not tried again");
 }
+
+/// A refusal given while Redis was down reaches it once it is back: the update is tried
+/// again (merged with the copy Redis holds then).
+#[tokio::test]
+async fn a_refusal_given_while_redis_was_down_reaches_it_when_back() {
+    let mut server = RedisServer::start();
+    let cfg = reprise_cache::redis::RedisConfig {
+        timeout_ms: 300,
+        breaker_cooldown_ms: 200,
+        ..config(server.url())
+    };
+    let a = reprise_cache::Store::new(
+        1 << 20,
+        Duration::from_secs(60),
+        Duration::ZERO,
+        Some(tier(cfg, "a").await),
+        None,
+        None,
+    );
+    let e = entry("ns", "answer", 60_000);
+    a.insert(Arc::new(e.clone()), &[digest(1)]).await;
+    a.redis().unwrap().flush().await.unwrap();
+
+    server.stop();
+    a.update(Arc::new(refusing(&e, 7000, 1))).await;
+    assert!(
+        a.get(e.id).await.unwrap().refuses_key(&digest(7000)),
+        "here at once"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.restart();
+    // Redis back, holding the entry without the refusal (and one of another replica's).
+    let b = tier(config(server.url()), "b").await;
+    assert!(b.put(&refusing(&e, 8000, 1), &[digest(1)]));
+    b.flush().await.unwrap();
+    for _ in 0..300 {
+        let held = b.get(e.id).await.unwrap().expect("held");
+        if held.refuses_key(&digest(7000)) {
+            assert!(held.refuses_key(&digest(8000)), "merged, not overwritten");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the refusal never reached Redis");
+}

@@ -46,8 +46,13 @@ pub use load::Loaded;
 /// is not stored (as long as a fence, and Redis's own mark of a deleted id).
 pub const DELETED_TTL: Duration = fence::FENCE_TTL;
 
-/// How often a failed Redis delete of an entry refused past its room is tried again.
+/// How often a failed Redis delete of an entry refused past its room, or a failed update of
+/// a changed copy (a refusal added), is tried again.
 const DELETE_RETRY: Duration = Duration::from_secs(2);
+
+/// Most changed copies tried again at once (each holds its entry); past it a failed update
+/// is dropped with a warning, as before the retries.
+const MAX_PENDING_UPDATES: usize = 1024;
 /// The bytes remembering deletions may take, on top of a memory budget of `memory_bytes`:
 /// a thirty-second of it, and room for at least 1,024 ids. Each id weighs
 /// [`ITEM_OVERHEAD`](crate::ITEM_OVERHEAD) (moka's bookkeeping dwarfs the 16-byte id); the
@@ -115,6 +120,9 @@ pub struct Store {
     fences: Fences,
     /// How long expired entries are kept past their expiry, to be served stale.
     retain: Duration,
+    /// Changed copies whose Redis update failed, being tried again (at most
+    /// [`MAX_PENDING_UPDATES`]).
+    pending_updates: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Store {
@@ -169,6 +177,7 @@ impl Store {
                 .build(),
             fences: Fences::default(),
             retain,
+            pending_updates: Arc::default(),
         }
     }
 
@@ -507,7 +516,10 @@ impl Store {
                 Ok(Updated::Gone) => {}
                 // Redis's copy and this one refuse more questions than one copy keeps.
                 Ok(Updated::Full) => return self.refused_too_often(entry.id).await,
-                Err(e) => tracing::warn!(error = %e, id = %entry.id, "redis: update not written"),
+                Err(e) => {
+                    tracing::warn!(error = %e, id = %entry.id, "redis: update not written; trying again");
+                    self.retry_update(entry.id, entry.clone());
+                }
             }
         }
         // Deleted here while Redis was asked (its delete event read meanwhile).
@@ -524,6 +536,44 @@ impl Store {
         };
         self.memory.insert_entry(entry.clone()).await;
         self.undo_if_gone(&entry).await;
+    }
+
+    /// Tries a changed copy's Redis update again every [`DELETE_RETRY`], for as long as a
+    /// deletion's mark lasts ([`DELETED_TTL`]): a refusal given while Redis was down reaches
+    /// it (and through it the other replicas) once it is back. Each try writes the copy
+    /// memory holds then (it may have gained refusals), merged with Redis's as any update;
+    /// it stops once the entry is deleted or gone from Redis.
+    fn retry_update(&self, id: EntryId, entry: Arc<Entry>) {
+        use std::sync::atomic::Ordering;
+        let Some(redis) = self.redis.clone() else {
+            return;
+        };
+        if self.pending_updates.fetch_add(1, Ordering::Relaxed) >= MAX_PENDING_UPDATES {
+            self.pending_updates.fetch_sub(1, Ordering::Relaxed);
+            tracing::warn!(%id, "redis: too many updates waiting to be tried again; this one dropped");
+            return;
+        }
+        let store = self.clone();
+        tokio::spawn(async move {
+            let since = tokio::time::Instant::now();
+            let mut entry = entry;
+            while since.elapsed() + DELETE_RETRY < DELETED_TTL {
+                tokio::time::sleep(DELETE_RETRY).await;
+                if store.was_deleted(id) {
+                    break;
+                }
+                if let Some(held) = store.memory.get_kept(id).await {
+                    entry = held;
+                }
+                match redis.update(&entry).await {
+                    Err(_) => continue,
+                    Ok(Updated::Full) => store.refused_too_often(id).await,
+                    Ok(_) => {}
+                }
+                break;
+            }
+            store.pending_updates.fetch_sub(1, Ordering::Relaxed);
+        });
     }
 
     /// Points `key` at `entry`, in memory and (queued, for the entry's remaining lifetime)
