@@ -516,10 +516,13 @@ impl Store {
                 Ok(Updated::Gone) => {}
                 // Redis's copy and this one refuse more questions than one copy keeps.
                 Ok(Updated::Full) => return self.refused_too_often(entry.id).await,
-                Err(e) => {
+                // A copy with refusals is tried again (a first use recorded alone is not
+                // worth a place among them).
+                Err(e) if !entry.refusals.is_empty() => {
                     tracing::warn!(error = %e, id = %entry.id, "redis: update not written; trying again");
                     self.retry_update(entry.id, entry.clone());
                 }
+                Err(e) => tracing::warn!(error = %e, id = %entry.id, "redis: update not written"),
             }
         }
         // Deleted here while Redis was asked (its delete event read meanwhile).
