@@ -90,24 +90,30 @@ async fn an_incoming_copy_past_the_held_ones_room_deletes_the_entry() {
     ));
 }
 
-/// The Redis delete of an entry refused past its room, failed (Redis down), is tried again:
-/// a Redis that comes back holding the entry loses it.
-#[tokio::test]
-async fn a_delete_redis_could_not_take_is_tried_again() {
-    let mut server = RedisServer::start();
+/// A store over `server` whose Redis calls time out after 300 ms and whose breaker tries
+/// again after 200 ms (a stopped server fails its calls quickly).
+async fn quick_to_give_up(server: &RedisServer) -> reprise_cache::Store {
     let cfg = reprise_cache::redis::RedisConfig {
         timeout_ms: 300,
         breaker_cooldown_ms: 200,
         ..config(server.url())
     };
-    let a = reprise_cache::Store::new(
+    reprise_cache::Store::new(
         1 << 20,
         Duration::from_secs(60),
         Duration::ZERO,
         Some(tier(cfg, "a").await),
         None,
         None,
-    );
+    )
+}
+
+/// The Redis delete of an entry refused past its room, failed (Redis down), is tried again:
+/// a Redis that comes back holding the entry loses it.
+#[tokio::test]
+async fn a_delete_redis_could_not_take_is_tried_again() {
+    let mut server = RedisServer::start();
+    let a = quick_to_give_up(&server).await;
     let e = entry("ns", "answer", 60_000);
     a.insert(Arc::new(e.clone()), &[digest(1)]).await;
     let full = refusing(&e, 1000, MAX_KEY_REFUSALS);
@@ -138,19 +144,7 @@ async fn a_delete_redis_could_not_take_is_tried_again() {
 #[tokio::test]
 async fn a_refusal_given_while_redis_was_down_reaches_it_when_back() {
     let mut server = RedisServer::start();
-    let cfg = reprise_cache::redis::RedisConfig {
-        timeout_ms: 300,
-        breaker_cooldown_ms: 200,
-        ..config(server.url())
-    };
-    let a = reprise_cache::Store::new(
-        1 << 20,
-        Duration::from_secs(60),
-        Duration::ZERO,
-        Some(tier(cfg, "a").await),
-        None,
-        None,
-    );
+    let a = quick_to_give_up(&server).await;
     let e = entry("ns", "answer", 60_000);
     a.insert(Arc::new(e.clone()), &[digest(1)]).await;
     a.redis().unwrap().flush().await.unwrap();
