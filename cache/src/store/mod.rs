@@ -465,10 +465,7 @@ impl Store {
         if self.gone(&entry) {
             return None;
         }
-        let Some(entry) = self.merge_refusals_into(entry, &held) else {
-            self.refused_too_often(held.id).await;
-            return None;
-        };
+        let entry = self.merged_with(entry, &held).await?;
         self.memory.insert_entry(entry.clone()).await;
         self.undo_if_gone(&entry).await.then_some(entry)
     }
@@ -496,9 +493,9 @@ impl Store {
         }
         // Refusals another replica gave the held copy meanwhile are kept.
         let entry = match self.memory.get(entry.id).await {
-            Some(held) => match self.merge_refusals_into(entry, &held) {
+            Some(held) => match self.merged_with(entry, &held).await {
                 Some(merged) => merged,
-                None => return self.refused_too_often(held.id).await,
+                None => return,
             },
             None => entry,
         };
@@ -531,9 +528,9 @@ impl Store {
         }
         // Refusals the held copy gained while Redis was asked are kept too.
         let entry = match self.memory.get_kept(entry.id).await {
-            Some(held) => match self.merge_refusals_into(entry, &held) {
+            Some(held) => match self.merged_with(entry, &held).await {
                 Some(merged) => merged,
-                None => return self.refused_too_often(held.id).await,
+                None => return,
             },
             None => entry,
         };
@@ -558,22 +555,21 @@ impl Store {
         }
         let store = self.clone();
         tokio::spawn(async move {
-            let since = tokio::time::Instant::now();
-            let mut entry = entry;
-            while since.elapsed() + DELETE_RETRY < DELETED_TTL {
-                tokio::time::sleep(DELETE_RETRY).await;
-                if store.was_deleted(id) {
-                    break;
+            // The first try has just failed.
+            tokio::time::sleep(DELETE_RETRY).await;
+            let updated = until_redis_takes("update", || {
+                let (store, redis, entry) = (store.clone(), redis.clone(), entry.clone());
+                async move {
+                    if store.was_deleted(id) {
+                        return Ok(None);
+                    }
+                    let entry = store.memory.get_kept(id).await.unwrap_or(entry);
+                    redis.update(&entry).await.map(Some)
                 }
-                if let Some(held) = store.memory.get_kept(id).await {
-                    entry = held;
-                }
-                match redis.update(&entry).await {
-                    Err(_) => continue,
-                    Ok(Updated::Full) => store.refused_too_often(id).await,
-                    Ok(_) => {}
-                }
-                break;
+            })
+            .await;
+            if let Some(Some(Updated::Full)) = updated {
+                store.refused_too_often(id).await;
             }
             store.pending_updates.fetch_sub(1, Ordering::Relaxed);
         });
@@ -620,17 +616,14 @@ impl Store {
         };
         let mut new = Arc::new(new.clone());
         if !previous.refusals.is_empty() {
-            let mut refusing = (*new).clone();
-            match refusing.merge_refusals(&previous) {
-                Merged::Same => {}
-                Merged::Added => {
-                    let refusing = Arc::new(refusing);
-                    self.update_kept(refusing.clone()).await;
-                    new = refusing;
-                }
-                // The renewal cannot refuse every question the old answer did: it goes,
-                // and no key is moved to it.
-                Merged::Full => return self.refused_too_often(new.id).await,
+            // A renewal that cannot refuse every question the old answer did goes, and no
+            // key is moved to it.
+            let Some(refusing) = self.merged_with(new.clone(), &previous).await else {
+                return;
+            };
+            if !Arc::ptr_eq(&refusing, &new) {
+                self.update_kept(refusing.clone()).await;
+                new = refusing;
             }
         }
         for k in keys {
@@ -676,15 +669,18 @@ impl Store {
         self.deleted.contains_key(&id)
     }
 
-    /// `entry` with `other`'s refusals it lacks; `None` when the two together refuse more
-    /// questions than one copy keeps (the entry must go: see
-    /// [`Store::refused_too_often`]).
-    fn merge_refusals_into(&self, entry: Arc<Entry>, other: &Entry) -> Option<Arc<Entry>> {
+    /// `entry` with `other`'s refusals it lacks (`entry` itself when it lacks none). `None`
+    /// when the two together refuse more questions than one copy keeps: the entry is then
+    /// deleted ([`Store::refused_too_often`]).
+    async fn merged_with(&self, entry: Arc<Entry>, other: &Entry) -> Option<Arc<Entry>> {
         let mut merged = (*entry).clone();
         match merged.merge_refusals(other) {
             Merged::Same => Some(entry),
             Merged::Added => Some(Arc::new(merged)),
-            Merged::Full => None,
+            Merged::Full => {
+                self.refused_too_often(entry.id).await;
+                None
+            }
         }
     }
 
@@ -692,18 +688,12 @@ impl Store {
     /// memory still holds it undeleted). When the two together refuse more questions than
     /// one copy keeps, the entry is deleted and `held` returned, gone.
     async fn merge_refusals(&self, held: Arc<Entry>, incoming: &Entry) -> Arc<Entry> {
-        let mut merged = (*held).clone();
-        match merged.merge_refusals(incoming) {
-            Merged::Same => held,
-            Merged::Added => {
-                let merged = Arc::new(merged);
+        match self.merged_with(held.clone(), incoming).await {
+            Some(merged) if !Arc::ptr_eq(&merged, &held) => {
                 self.put_back(merged.clone()).await;
                 merged
             }
-            Merged::Full => {
-                self.refused_too_often(held.id).await;
-                held
-            }
+            _ => held,
         }
     }
 
@@ -724,20 +714,11 @@ impl Store {
             return;
         };
         tokio::spawn(async move {
-            let since = tokio::time::Instant::now();
-            loop {
-                match redis.delete(id).await {
-                    Ok(_) => return,
-                    Err(e) if since.elapsed() + DELETE_RETRY < DELETED_TTL => {
-                        tracing::debug!(error = %e, %id, "redis: an entry refused too often not deleted yet; trying again");
-                        tokio::time::sleep(DELETE_RETRY).await;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, %id, "redis: an entry refused too often was not deleted there");
-                        return;
-                    }
-                }
-            }
+            until_redis_takes("delete", || {
+                let redis = redis.clone();
+                async move { redis.delete(id).await }
+            })
+            .await;
         });
     }
 
@@ -818,6 +799,29 @@ fn sort<E: Borrow<Entry>>(found: Option<E>, fresh: impl Fn(&Entry) -> bool) -> (
         Some(e) if fresh(e.borrow()) => (Some(e), false),
         Some(_) => (None, true),
         None => (None, false),
+    }
+}
+
+/// Runs `attempt` until Redis takes it, trying again every [`DELETE_RETRY`] for as long as a
+/// deletion's mark lasts ([`DELETED_TTL`]); `None` when it never did.
+async fn until_redis_takes<T, F, Fut>(what: &str, mut attempt: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, RedisError>>,
+{
+    let since = tokio::time::Instant::now();
+    loop {
+        match attempt().await {
+            Ok(done) => return Some(done),
+            Err(e) if since.elapsed() + DELETE_RETRY < DELETED_TTL => {
+                tracing::debug!(error = %e, what, "redis: not taken yet; trying again");
+                tokio::time::sleep(DELETE_RETRY).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, what, "redis: not taken, given up");
+                return None;
+            }
+        }
     }
 }
 
