@@ -300,6 +300,12 @@ impl AppState {
             // Counted by the index as it searches; exposed from the start.
             metrics::counter!("reprise_semantic_graph_searches_total").increment(0);
             metrics::counter!("reprise_semantic_graph_filtered_searches_total").increment(0);
+            metrics::gauge!("reprise_semantic_index_search_width")
+                .set(index.widest_search() as f64);
+            for result in ["found", "missed"] {
+                metrics::counter!("reprise_semantic_recall_checks_total", "result" => result)
+                    .increment(0);
+            }
         }
         // Read from each backend as it is now, by name (two backends' lines set from inside
         // them, unnamed, overwrote each other).

@@ -328,8 +328,17 @@ async fn the_exposition_the_alerts_and_the_grafana_dashboard_agree_and_pass_prom
         "reprise_semantic_index_graphs",
         "reprise_semantic_graph_searches_total",
         "reprise_semantic_graph_filtered_searches_total",
+        "reprise_semantic_index_search_width",
     ] {
         assert!(sample(&text, name, &[]).is_some(), "{name} not exposed");
+    }
+    for result in ["found", "missed"] {
+        let checks = sample(
+            &text,
+            "reprise_semantic_recall_checks_total",
+            &[("result", result)],
+        );
+        assert!(checks.is_some(), "recall checks {result} not exposed");
     }
     // Degraded answers: every kind has a series from the start (none was served here).
     for kind in [

@@ -7,7 +7,10 @@
 //! Then one bulk load (`SemanticIndex::insert_many`, what `Store::load` calls), timed until it
 //! returns (the index answers searches from then on), then `SemanticIndex::maintain` (what
 //! builds the graphs a bulk load left to the background), timed until every big partition has
-//! its graph. Last, recall@k of the index against an exact scan on the same queries.
+//! its graph. Last, recall@k of the index against an exact scan on the same queries; with
+//! `--tune-searches`, the same queries through the server's own path (every graph search
+//! checked by maintenance, partitions widened where they miss) and recall@1 at the widths
+//! that reaches.
 //!
 //! Progress goes to stderr, results to stdout.
 
@@ -18,6 +21,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use reprise_cache::semantic::{
     graph_distances_on_this_thread, IndexConfig, IndexItem, PartitionKey, SemanticIndex,
+    RECALL_MAX_PENDING,
 };
 use reprise_cache::{EntryId, Vector};
 
@@ -62,6 +66,12 @@ pub struct IndexArgs {
     /// `[semantic.index]` is the index's (`--hnsw-m` over it).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
+    /// Searches played through the server's path after the recall check, every one checked
+    /// by maintenance against an exact scan (`recall_check_every` 1; `recall_target` and
+    /// `ef_search_max` as configured), so partitions whose searches miss are widened; then
+    /// recall@1 at the widths reached. 0: none.
+    #[arg(long, default_value_t = 0)]
+    tune_searches: usize,
 }
 
 /// Runs the index benchmark (CPU work, off the async workers).
@@ -170,6 +180,11 @@ fn measure(a: &IndexArgs, embedded: Option<Vec<Vector>>) -> anyhow::Result<()> {
     };
     let cfg = IndexConfig {
         hnsw_m: a.hnsw_m.unwrap_or(defaults.hnsw_m),
+        recall_check_every: if a.tune_searches > 0 {
+            1
+        } else {
+            defaults.recall_check_every
+        },
         ..defaults
     };
     let kind = match (&a.texts, a.intrinsic_dim) {
@@ -286,6 +301,7 @@ fn measure(a: &IndexArgs, embedded: Option<Vec<Vector>>) -> anyhow::Result<()> {
             (graph_distances_on_this_thread() - distances) / queries.len().max(1) as u64;
         recalls.push((ef, found, wanted, first, micros, distances));
     }
+    let tuned = (a.tune_searches > 0).then(|| tune(a, &index, &partitions, &queries));
 
     let per = |bytes: u64| bytes as f64 / n as f64;
     if a.texts.is_some() {
@@ -343,5 +359,74 @@ fn measure(a: &IndexArgs, embedded: Option<Vec<Vector>>) -> anyhow::Result<()> {
             found as f64 / wanted.max(1) as f64
         );
     }
+    if let Some(t) = tuned {
+        println!(
+            "in service: {} searches checked by maintenance, {} missed the nearest; {} \
+             widenings; widest ef {} (configured {cfg_ef}); recall@1 at the widths reached \
+             {:.3} ({:.0} µs a search)",
+            t.checked,
+            t.missed,
+            t.widened,
+            index.widest_search(),
+            t.recall_at_1,
+            t.micros
+        );
+    }
     Ok(())
+}
+
+/// What [`tune`] measured.
+struct Tuned {
+    checked: usize,
+    missed: usize,
+    widened: usize,
+    recall_at_1: f64,
+    micros: f64,
+}
+
+/// Plays `--tune-searches` searches of `queries` through the server's path (the partition's
+/// own width, each search sampled), running maintenance after each batch the samples' room
+/// holds, as the server's background task does; then recall@1 at the widths reached.
+fn tune(
+    a: &IndexArgs,
+    index: &SemanticIndex,
+    partitions: &[PartitionKey],
+    queries: &[(usize, Vec<f32>, Vec<usize>)],
+) -> Tuned {
+    eprintln!("{} searches checked in service", a.tune_searches);
+    let mut t = Tuned {
+        checked: 0,
+        missed: 0,
+        widened: 0,
+        recall_at_1: 0.0,
+        micros: 0.0,
+    };
+    let mut played = 0;
+    for (p, q, _) in queries.iter().cycle().take(a.tune_searches) {
+        index.search(&partitions[*p], q, a.k);
+        played += 1;
+        if played % RECALL_MAX_PENDING == 0 || played == a.tune_searches {
+            let r = index.maintain();
+            t.checked += r.recall_checked;
+            t.missed += r.recall_missed;
+            t.widened += r.widened;
+            if r.widened > 0 {
+                eprintln!(
+                    "  after {played} searches: widest ef {}",
+                    index.widest_search()
+                );
+            }
+        }
+    }
+    let started = Instant::now();
+    let first = queries
+        .iter()
+        .filter(|(p, q, top)| {
+            let got = index.search_wide(&partitions[*p], q, 1, None);
+            matches!((top.first(), got.first()), (Some(best), Some(g)) if g.id == EntryId(*best as u128))
+        })
+        .count();
+    t.micros = started.elapsed().as_secs_f64() * 1e6 / queries.len().max(1) as f64;
+    t.recall_at_1 = first as f64 / queries.len().max(1) as f64;
+    t
 }

@@ -1020,6 +1020,15 @@ mod tests {
                 "semantic.index.rebuild_tombstone_ratio",
             ),
             ("[semantic.index]\nhnsw_m = 64\n", "semantic.index.hnsw_m"),
+            (
+                "[semantic.index]\nef_search = 128\nef_search_max = 64\n",
+                "semantic.index.ef_search_max",
+            ),
+            ("[semantic.index]\nrecall_target = 1.5\n", "semantic.index.recall_target"),
+            (
+                "[semantic.index]\nrecall_check_every = 2000000\n",
+                "semantic.index.recall_check_every",
+            ),
             ("[auth.anonymous]\ndelta = 0.9\n", "auth.anonymous.delta"),
             ("[auth.anonymous]\ncontrols = [\"bogus\"]\n", "auth.anonymous.controls"),
             ("[auth.anonymous]\ntokens_per_minute = 10\n", "auth.anonymous.tokens_per_minute"),

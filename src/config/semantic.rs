@@ -289,6 +289,13 @@ fn check_index(ix: &IndexConfig) -> Result<(), ConfigError> {
             2_048,
         ),
         ("semantic.index.ef_search", ix.ef_search, 1, 4_096),
+        ("semantic.index.ef_search_max", ix.ef_search_max, 1, 4_096),
+        (
+            "semantic.index.recall_check_every",
+            ix.recall_check_every as usize,
+            0,
+            1_000_000,
+        ),
     ];
     for (key, value, lo, hi) in ranges {
         if !(lo..=hi).contains(&value) {
@@ -303,6 +310,18 @@ fn check_index(ix: &IndexConfig) -> Result<(), ConfigError> {
         return Err(invalid(
             "semantic.index.rebuild_tombstone_ratio",
             "must be in [0.05, 0.9]",
+        ));
+    }
+    if ix.ef_search_max < ix.ef_search {
+        return Err(invalid(
+            "semantic.index.ef_search_max",
+            "must be at least semantic.index.ef_search",
+        ));
+    }
+    if !(0.0..=1.0).contains(&ix.recall_target) {
+        return Err(invalid(
+            "semantic.index.recall_target",
+            "must be between 0 and 1 (0: never widen)",
         ));
     }
     Ok(())

@@ -444,6 +444,14 @@ fn describe() {
         "Graph searches run a second time with the tombstone filter, the first having come up short of live candidates (each costs about an exact scan; many mean a partition due a rebuild)."
     );
     describe_counter!(
+        "reprise_semantic_recall_checks_total",
+        "Graph searches checked against an exact scan of their partition by maintenance (one in semantic.index.recall_check_every), by result (found: the graph returned the nearest live vector; missed: a closer one was there)."
+    );
+    describe_gauge!(
+        "reprise_semantic_index_search_width",
+        "The widest graph search width (ef_search) of any partition: the configured one, or more where checks found a partition's recall under semantic.index.recall_target."
+    );
+    describe_counter!(
         "reprise_verify_checks_total",
         "Sampled semantic hits offered for a background check, by result (started, skipped: a client request or another check was running, or the budget was spent; superseded: judged after a client's verdict on the response, which counts as evidence instead)."
     );

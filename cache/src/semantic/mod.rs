@@ -35,6 +35,11 @@ use serde::Deserialize;
 use crate::vector::Vector;
 use crate::EntryId;
 
+mod recall;
+
+use recall::{Checked, RecallCounters, Sample, Samples};
+pub use recall::{MAX_PENDING as RECALL_MAX_PENDING, WINDOW as RECALL_WINDOW};
+
 /// A digest of everything that must match exactly for two prompts to share an answer.
 pub type PartitionKey = [u8; 32];
 
@@ -60,6 +65,14 @@ pub struct IndexConfig {
     /// A partition is rebuilt by [`SemanticIndex::maintain`] once this fraction of its
     /// slots are tombstones.
     pub rebuild_tombstone_ratio: f32,
+    /// One graph search in this many is checked against an exact scan by maintenance (its
+    /// recall measured in service); 0: none.
+    pub recall_check_every: u32,
+    /// A partition whose checked searches find the nearest vector less often than this
+    /// searches wider from then on (its `ef_search` doubles, up to `ef_search_max`).
+    pub recall_target: f64,
+    /// The widest search a partition is widened to.
+    pub ef_search_max: usize,
 }
 
 impl Default for IndexConfig {
@@ -70,6 +83,9 @@ impl Default for IndexConfig {
             ef_construction: 200,
             ef_search: 64,
             rebuild_tombstone_ratio: 0.3,
+            recall_check_every: 256,
+            recall_target: 0.99,
+            ef_search_max: 512,
         }
     }
 }
@@ -105,6 +121,9 @@ pub struct SemanticIndex {
     /// memory), or an insert takes one past exact scans (its searches scan every vector), so
     /// maintenance need not wait for its next period.
     worn: tokio::sync::Notify,
+    /// Graph searches kept for a check of their recall.
+    samples: Samples,
+    recall: RecallCounters,
 }
 
 /// What the index holds per slot besides the vector: the slot's id, vector handle and flag,
@@ -132,6 +151,12 @@ pub struct GraphStats {
     /// Graph searches run a second time with hnsw_rs's filter of tombstones, the first
     /// (without it) having come up short of live results.
     pub filtered: u64,
+    /// Graph searches checked against an exact scan by maintenance.
+    pub recall_checks: u64,
+    /// Of those, the ones where the graph missed a closer live vector.
+    pub recall_misses: u64,
+    /// Times a partition's searches were widened for want of recall.
+    pub widened: u64,
 }
 
 #[derive(Default)]
@@ -177,6 +202,12 @@ pub struct MaintainReport {
     pub tombstones_dropped: usize,
     /// Partitions dropped because nothing live was left in them.
     pub emptied: usize,
+    /// Graph searches checked against an exact scan.
+    pub recall_checked: usize,
+    /// Of those, the ones whose graph missed a closer live vector.
+    pub recall_missed: usize,
+    /// Partitions whose searches were widened.
+    pub widened: usize,
 }
 
 impl SemanticIndex {
@@ -191,6 +222,8 @@ impl SemanticIndex {
             graph: GraphCounters::default(),
             worn: tokio::sync::Notify::new(),
             embedder: None,
+            samples: Samples::default(),
+            recall: RecallCounters::default(),
         }
     }
 
@@ -302,6 +335,9 @@ impl SemanticIndex {
             inserts: g.inserts.load(Ordering::Relaxed),
             searches: g.searches.load(Ordering::Relaxed),
             filtered: g.filtered.load(Ordering::Relaxed),
+            recall_checks: self.recall.checked.load(Ordering::Relaxed),
+            recall_misses: self.recall.missed.load(Ordering::Relaxed),
+            widened: self.recall.widened.load(Ordering::Relaxed),
         }
     }
 
@@ -442,11 +478,90 @@ impl SemanticIndex {
             return Vec::new();
         };
         let inner = p.inner.read();
-        if inner.graph.is_some() {
-            GraphCounters::add(&self.graph.searches, 1);
-            metrics::counter!("reprise_semantic_graph_searches_total").increment(1);
+        if inner.graph.is_none() {
+            return inner.search(query, k, None, &self.cfg, &self.graph);
         }
-        inner.search(query, k, ef, &self.cfg, &self.graph)
+        GraphCounters::add(&self.graph.searches, 1);
+        metrics::counter!("reprise_semantic_graph_searches_total").increment(1);
+        let Some(ef) = ef else {
+            let out = inner.search(
+                query,
+                k,
+                Some(p.width.ef(&self.cfg)),
+                &self.cfg,
+                &self.graph,
+            );
+            self.samples.offer(self.cfg.recall_check_every, || Sample {
+                key: *partition,
+                query: query.into(),
+                found: out.first().map_or(f32::NEG_INFINITY, |c| c.similarity),
+                slots: inner.ids.len(),
+                epoch: p.width.epoch.load(Ordering::Relaxed),
+            });
+            return out;
+        };
+        inner.search(query, k, Some(ef), &self.cfg, &self.graph)
+    }
+
+    /// The search width `partition`'s graph searches use (the configured `ef_search`, or
+    /// wider once checks found its recall short); `None` when the partition does not exist.
+    pub fn search_width(&self, partition: &PartitionKey) -> Option<usize> {
+        self.partition(partition).map(|p| p.width.ef(&self.cfg))
+    }
+
+    /// The widest search width of any partition with a graph (the configured one when none
+    /// was widened or no partition has a graph).
+    pub fn widest_search(&self) -> usize {
+        self.partitions
+            .read()
+            .values()
+            .filter(|p| p.inner.read().graph.is_some())
+            .map(|p| p.width.ef(&self.cfg))
+            .fold(self.cfg.ef_search, usize::max)
+    }
+
+    /// Checks the graph searches kept since the last call against exact scans of the same
+    /// slots (see the `recall` module), widening the partitions that miss too often.
+    fn check_recall(&self, report: &mut MaintainReport) {
+        for s in self.samples.take() {
+            let Some(p) = self.partition(&s.key) else {
+                continue;
+            };
+            let exact = {
+                let inner = p.inner.read();
+                if p.width.epoch.load(Ordering::Relaxed) != s.epoch {
+                    continue;
+                }
+                inner.best_within(&s.query, s.slots)
+            };
+            let Some(exact) = exact else {
+                continue;
+            };
+            let missed = exact > s.found;
+            report.recall_checked += 1;
+            GraphCounters::add(&self.recall.checked, 1);
+            let result = if missed {
+                report.recall_missed += 1;
+                GraphCounters::add(&self.recall.missed, 1);
+                Checked::Missed
+            } else {
+                Checked::Found
+            };
+            metrics::counter!("reprise_semantic_recall_checks_total",
+                "result" => if missed { "missed" } else { "found" })
+            .increment(1);
+            if let Some((wider, recall)) = p.width.record(result, &self.cfg) {
+                report.widened += 1;
+                GraphCounters::add(&self.recall.widened, 1);
+                tracing::info!(
+                    recall,
+                    target = self.cfg.recall_target,
+                    ef_search = wider,
+                    vectors = p.inner.read().ids.len(),
+                    "semantic index partition searches widened"
+                );
+            }
+        }
     }
 
     /// Live entries across all partitions.
@@ -509,6 +624,7 @@ impl SemanticIndex {
             report.tombstones_dropped += self.rebuild(&part);
             report.rebuilt += 1;
         }
+        self.check_recall(&mut report);
         report
     }
 
@@ -559,6 +675,7 @@ impl SemanticIndex {
         }
         let dropped = inner.ids.len() - fresh.ids.len();
         *inner = fresh;
+        part.width.epoch.fetch_add(1, Ordering::Relaxed);
         drop(inner);
         if big {
             tracing::info!(
@@ -577,6 +694,9 @@ impl SemanticIndex {
 #[derive(Default)]
 struct Partition {
     inner: RwLock<PartitionInner>,
+    /// Its graph searches' width, widened when checks find their recall short (kept across
+    /// rebuilds).
+    width: recall::Width,
 }
 
 /// The graph of a big partition: its points are the partition's slot numbers (hnsw_rs ids are
@@ -758,6 +878,14 @@ impl PartitionInner {
         out
     }
 
+    /// The best similarity to `query` among the live vectors of the first `slots` slots.
+    fn best_within(&self, query: &[f32], slots: usize) -> Option<f32> {
+        (0..slots.min(self.ids.len()))
+            .filter(|&s| !self.dead[s])
+            .map(|s| self.vectors[s].dot(query))
+            .max_by(f32::total_cmp)
+    }
+
     /// Exact top-k by a linear scan.
     fn scan(&self, query: &[f32], k: usize) -> Vec<Candidate> {
         // Keep the k best in a small sorted vec: k is tiny (a handful) in practice.
@@ -811,156 +939,4 @@ impl Distance<Vector> for DotDistance {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_removal_racing_an_insert_never_leaves_a_live_slot_behind() {
-        // A removal between the insert's `location` write and its push used to find no slot,
-        // and the push then left one nothing could remove.
-        let idx = Arc::new(SemanticIndex::new(2, IndexConfig::default()));
-        for round in 0..2_000u32 {
-            let id = EntryId(u128::from(round));
-            let mut p = [0u8; 32];
-            p[..4].copy_from_slice(&round.to_le_bytes());
-            let start = Arc::new(std::sync::Barrier::new(2));
-            let remover = {
-                let (idx, start) = (idx.clone(), start.clone());
-                std::thread::spawn(move || {
-                    start.wait();
-                    idx.remove(id)
-                })
-            };
-            start.wait();
-            idx.insert(p, id, Vector::new(&[1.0, 0.0]));
-            remover.join().unwrap();
-            let found = idx.search(&p, &[1.0, 0.0], 1);
-            assert_eq!(
-                found.iter().any(|c| c.id == id),
-                idx.contains(id),
-                "round {round}: searchable but not removable, or the reverse"
-            );
-        }
-    }
-
-    fn unit(v: &[f32]) -> Vector {
-        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
-        v.iter().map(|x| x / n).collect::<Vec<_>>().into()
-    }
-
-    #[test]
-    fn scan_keeps_the_best_k_in_order() {
-        let idx = SemanticIndex::new(2, IndexConfig::default());
-        let p = [1u8; 32];
-        for (i, angle) in [0.0f32, 0.5, 1.0, 1.5, 0.25].iter().enumerate() {
-            idx.insert(p, EntryId(i as u128), unit(&[angle.cos(), angle.sin()]));
-        }
-        let got = idx.search(&p, &[1.0, 0.0], 3);
-        let ids: Vec<u128> = got.iter().map(|c| c.id.0).collect();
-        assert_eq!(ids, vec![0, 4, 1]);
-        assert!((got[0].similarity - 1.0).abs() < 1e-6);
-    }
-
-    #[test]
-    fn a_removal_that_wears_a_partition_past_the_ratio_wakes_maintenance() {
-        use futures::FutureExt;
-        let idx = SemanticIndex::new(
-            2,
-            IndexConfig {
-                rebuild_tombstone_ratio: 0.5,
-                ..IndexConfig::default()
-            },
-        );
-        let p = [1u8; 32];
-        for i in 0..4 {
-            idx.insert(p, EntryId(i), unit(&[1.0, i as f32]));
-        }
-        assert!(idx.remove(EntryId(0)));
-        assert!(idx.worn().now_or_never().is_none(), "1 of 4 is under half");
-        assert!(idx.remove(EntryId(1)));
-        assert!(idx.worn().now_or_never().is_some(), "2 of 4 is half");
-        assert_eq!(idx.maintain().rebuilt, 1);
-        assert!(idx.worn().now_or_never().is_none(), "woken once");
-    }
-
-    /// An insert that takes a partition past exact scans builds no graph itself (that would
-    /// hold the partition's lock, searches and removals waiting, for the whole build): it
-    /// wakes maintenance, once, which builds it.
-    #[test]
-    fn an_insert_past_exact_scans_wakes_maintenance_and_builds_nothing() {
-        use futures::FutureExt;
-        let idx = SemanticIndex::new(
-            2,
-            IndexConfig {
-                exact_scan_max: 8,
-                ..IndexConfig::default()
-            },
-        );
-        let p = [2u8; 32];
-        for i in 0..8 {
-            idx.insert(p, EntryId(i), unit(&[1.0, i as f32]));
-        }
-        assert!(idx.worn().now_or_never().is_none(), "8 are scanned");
-        for i in 8..100 {
-            idx.insert(p, EntryId(i), unit(&[1.0, i as f32]));
-        }
-        assert_eq!(idx.graphs(), 0, "no insert built the graph");
-        assert!(idx.worn().now_or_never().is_some(), "maintenance is woken");
-        assert!(idx.worn().now_or_never().is_none(), "once");
-        assert_eq!(idx.maintain().rebuilt, 1);
-        assert_eq!(idx.graph_points(&p), Some(100));
-        // Crossing, falling back under the limit before maintenance ran, crossing again:
-        // asked again.
-        let q = [3u8; 32];
-        for i in 200..210 {
-            idx.insert(q, EntryId(i), unit(&[1.0, i as f32]));
-        }
-        assert!(idx.worn().now_or_never().is_some());
-        for i in 200..205 {
-            idx.remove(EntryId(i));
-        }
-        idx.insert(q, EntryId(300), unit(&[1.0, 3.0]));
-        let _ = idx.worn().now_or_never();
-        for i in 301..310 {
-            idx.insert(q, EntryId(i), unit(&[1.0, i as f32]));
-        }
-        assert!(idx.worn().now_or_never().is_some(), "asked again");
-    }
-
-    #[test]
-    fn the_charge_covers_a_slot_and_its_share_of_tombstones() {
-        let at = |r: f32| {
-            SemanticIndex::new(
-                384,
-                IndexConfig {
-                    rebuild_tombstone_ratio: r,
-                    ..IndexConfig::default()
-                },
-            )
-            .charge()
-        };
-        let slot = at(0.0);
-        assert!(slot >= SLOT_BASE_BYTES);
-        // At a ratio of 1/2, each live entry carries one dead slot and one dead vector (its
-        // handle's two counts and two bytes a component).
-        assert_eq!(at(0.5), 2 * slot + 16 + 384 * 2);
-    }
-
-    #[test]
-    fn reinserting_an_id_replaces_its_vector() {
-        let idx = SemanticIndex::new(2, IndexConfig::default());
-        let p = [1u8; 32];
-        idx.insert(p, EntryId(7), unit(&[1.0, 0.0]));
-        idx.insert(p, EntryId(7), unit(&[0.0, 1.0]));
-        assert_eq!(idx.len(), 1);
-        let got = idx.search(&p, &[0.0, 1.0], 5);
-        assert_eq!(got.len(), 1);
-        assert!((got[0].similarity - 1.0).abs() < 1e-6);
-    }
-
-    #[test]
-    fn dot_distance_never_goes_negative() {
-        let v = [unit(&[0.3, 0.4, 0.5])];
-        assert!(DotDistance.eval(&v, &v) >= 0.0);
-    }
-}
+mod tests;
