@@ -14,6 +14,7 @@
 //! | `{prefix}:d:{<id>}`        | `1`: the entry was deleted              | 15 minutes      |
 //! | `{prefix}:ns:{<ns>}`       | sorted set of ids, score = kept until   | none (swept)    |
 //! | `{prefix}:tag:{<tag>}`     | sorted set of ids, score = kept until   | none (swept)    |
+//! | `{prefix}:tagfence:{<tag>}`| hash: namespace prefix → fence's end    | its last fence  |
 //! | `{prefix}:events`          | stream of `op`, `id`, `ns`, `origin`    | `MAXLEN ~`      |
 //! | `{prefix}:policies`        | hash: `version`, `doc`, `origin`        | none            |
 //! | `{prefix}:blob:{<name>}`   | a component's value (`put_blob`)        | none or given   |
@@ -630,7 +631,10 @@ return redis.call('GET', KEYS[1])";
     /// `prefix` are being deleted (a tenant's tag delete, which deletes entry by entry): they
     /// fence the tag there and drop what they hold with it, answers whose puts never reached
     /// Redis included.
+    /// Fences the tag within the prefix in Redis first, so a put already queued on another
+    /// replica, or an answer generated across the delete, is refused there too.
     pub async fn announce_tag_within(&self, prefix: &str, tag: &str) -> Result<(), RedisError> {
+        self.shared.fence_tag_within(prefix, tag).await?;
         let event = self
             .shared
             .event(events::OP_DEL_TAG_WITHIN, None, prefix)

@@ -1254,3 +1254,61 @@ async fn an_unclaimed_alias_leaves_another_replicas_answer_in_place() {
     let (found, _) = e.find(&digest(9), |_| true).await;
     assert_eq!(found.fresh().map(|e| e.id), Some(prefetched.id));
 }
+
+/// A tag fenced within a namespace prefix (a tenant's tag delete) refuses, in Redis, a put
+/// of an answer with the tag in such a namespace generated before the fence (a put queued
+/// on another replica, or an answer generated across the delete), on a single server and on
+/// a cluster (the fences live in the tag set's slot). Another prefix's answer with the tag,
+/// the prefix's answers without it, and answers generated after the fence are stored.
+#[tokio::test]
+async fn a_tag_fenced_within_a_prefix_refuses_only_that_prefixs_earlier_answers() {
+    let server = RedisServer::start();
+    tag_fenced_within(config(server.url())).await;
+    let cluster = RedisCluster::start(3);
+    tag_fenced_within(RedisConfig {
+        cluster_urls: cluster.urls(),
+        timeout_ms: 1000,
+        ..RedisConfig::default()
+    })
+    .await;
+}
+
+async fn tag_fenced_within(cfg: RedisConfig) {
+    let (a, b) = (tier(cfg.clone(), "a").await, tier(cfg, "b").await);
+    a.announce_tag_within("acme/", "pricing").await.unwrap();
+    // Answers that took 5 s to generate, written now: they started before the fence.
+    let late = |ns: &str, text: &str, tags: &[&str]| {
+        let mut e = entry(ns, text, 60_000);
+        e.gen_ms = 5_000;
+        e.tags = tags.iter().map(|t| t.to_string()).collect();
+        e
+    };
+    let fenced = late("acme/docs", "old price", &["faq", "pricing"]);
+    let other_tenant = late("beta/docs", "beta price", &["pricing"]);
+    let other_tag = late("acme/docs", "old faq", &["faq"]);
+    // A namespace that only starts like the prefix's tenant name is another tenant's.
+    let lookalike = late("acme-corp/docs", "their price", &["pricing"]);
+    for (i, e) in [&fenced, &other_tenant, &other_tag, &lookalike]
+        .into_iter()
+        .enumerate()
+    {
+        assert!(b.put_with_tags(e, &[digest(7_000 + i as u32)], &e.tags));
+    }
+    b.flush().await.unwrap();
+    assert_eq!(
+        a.get(fenced.id).await.unwrap(),
+        None,
+        "refused by the fence"
+    );
+    assert_eq!(a.get_by_key(&digest(7_000)).await.unwrap(), None);
+    for e in [&other_tenant, &other_tag, &lookalike] {
+        assert_eq!(a.get(e.id).await.unwrap().as_ref(), Some(e), "{}", e.text);
+    }
+    // Generated after the fence (a later millisecond): stored as ever.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut fresh = entry("acme/docs", "new price", 60_000);
+    fresh.tags = vec!["pricing".into()];
+    assert!(b.put_with_tags(&fresh, &[digest(7_010)], &fresh.tags));
+    b.flush().await.unwrap();
+    assert_eq!(a.get(fresh.id).await.unwrap().as_ref(), Some(&fresh));
+}

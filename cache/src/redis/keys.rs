@@ -40,6 +40,12 @@ impl Keys {
         format!("{}:tag:{{{tag}}}", self.prefix)
     }
 
+    /// The fences of a tag within namespace prefixes (a tenant's tag delete): a hash of
+    /// prefix → when its fence ends, in the tag set's slot.
+    pub(super) fn tag_fences(&self, tag: &str) -> String {
+        format!("{}:tagfence:{{{tag}}}", self.prefix)
+    }
+
     pub(super) fn events(&self) -> String {
         format!("{}:events", self.prefix)
     }

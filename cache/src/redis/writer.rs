@@ -24,6 +24,23 @@ use crate::entry::{now_ms, Digest, Entry, EntryId, Merged};
 /// namespace or tag delete would then not find it.
 pub(super) const INDEX_MARGIN_MS: u64 = 60_000;
 
+/// The Lua function of the scripts that write index sets: whether the tag fences hash `key`
+/// holds a fence within a prefix of namespace `ns` that ends after `bound` (the answer's
+/// generation started before the fence).
+macro_rules! tag_fenced {
+    () => {
+        "\
+local function fenced_within(key, ns, bound)
+  local fs = redis.call('HGETALL', key)
+  for j = 1, #fs, 2 do
+    if tonumber(fs[j + 1]) > bound and string.sub(ns, 1, #fs[j]) == fs[j] then return true end
+  end
+  return false
+end
+"
+    };
+}
+
 /// Adds an id to an index sorted set (score = its expiry plus the retention of expired
 /// entries: until when it is kept) and prunes ids no longer kept (`ARGV[3]`: now less
 /// [`INDEX_MARGIN_MS`]). One script so the steps see one state; it touches a single key,
@@ -32,14 +49,20 @@ pub(super) const INDEX_MARGIN_MS: u64 = 60_000;
 /// before its entries (a delete would miss the entries only it listed); the ids pruned
 /// here and by the sweep ([`super::sweep`]) bound them, and the sweep deletes the empty ones.
 /// A set fenced by a delete after the answer's generation started (`ARGV[4]`: its start plus
-/// [`FENCE_MS`]) is left alone and `0` returned: the entry must not be written.
-const INDEX_SCRIPT: &str = "\
+/// [`FENCE_MS`]), or a tag set whose tag is fenced within a prefix of the entry's namespace
+/// (`KEYS[2]`, the tag's fences, and `ARGV[5]`, the namespace; see [`tag_fenced`]), is left
+/// alone and `0` returned: the entry must not be written.
+const INDEX_SCRIPT: &str = concat!(
+    tag_fenced!(),
+    "\
 local f = redis.call('ZSCORE', KEYS[1], 'fence')
 if f and tonumber(f) > tonumber(ARGV[4]) then return 0 end
+if #KEYS > 1 and fenced_within(KEYS[2], ARGV[5], tonumber(ARGV[4])) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
 redis.call('PERSIST', KEYS[1])
-return 1";
+return 1"
+);
 
 /// How long a namespace or tag delete fences, in Redis, the puts of answers whose generation
 /// started before it: a put queued on another replica when the delete ran, or generated
@@ -54,12 +77,30 @@ const FENCE_MEMBER: &str = "fence";
 /// Fences an index set (see [`FENCE_MS`]): its fence ends at `ARGV[1]` at the earliest. The
 /// set never expires (see [`INDEX_SCRIPT`]); the sweep prunes the fence once it has ended.
 /// One key.
+///
+/// A tenant's tag delete fences the tag within the tenant's namespaces only: another
+/// tenant's answers with the same tag are stored as ever. Its fence is a field of the tag's
+/// fences hash ([`TAG_FENCE_SCRIPT`]): the namespace prefix, valued with when the fence ends;
+/// a put checks the hash of each of its tags ([`tag_fenced`]).
 const FENCE_SCRIPT: &str = "\
 local f = redis.call('ZSCORE', KEYS[1], 'fence')
 if not f or tonumber(f) < tonumber(ARGV[1]) then
   redis.call('ZADD', KEYS[1], ARGV[1], 'fence')
 end
 redis.call('PERSIST', KEYS[1])
+return 1";
+
+/// Fences a tag within a namespace prefix (`KEYS[1]`: the tag's fences; `ARGV`: the prefix,
+/// when the fence ends, how long the hash lasts at least). The hash expires once its last
+/// fence has ended; it holds one field per prefix fenced meanwhile.
+const TAG_FENCE_SCRIPT: &str = "\
+local f = redis.call('HGET', KEYS[1], ARGV[1])
+if not f or tonumber(f) < tonumber(ARGV[2]) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
 return 1";
 
 /// A whole put on a single server, in one step: index sets first (as [`INDEX_SCRIPT`]), then
@@ -71,13 +112,16 @@ return 1";
 /// index key) aborts the script before the entry is written, so no entry is ever stored
 /// without its index entries, where a namespace or tag delete could not find it; and nothing
 /// else runs between the steps. `KEYS`: entry, events, the entry's deleted mark, `ARGV[6]`
-/// index sets, exact keys.
+/// index sets, exact keys, then the fences hashes of its `ARGV[11]` tags.
 /// `ARGV`: value, ttl, expiry, id, the pruning bound (now less [`INDEX_MARGIN_MS`]), index
-/// count, events maxlen, namespace, origin, the fence bound.
-const PUT_SCRIPT: &str = "\
+/// count, events maxlen, namespace, origin, the fence bound, tag count.
+const PUT_SCRIPT: &str = concat!(
+    tag_fenced!(),
+    "\
 local ttl = tonumber(ARGV[2])
 local nidx = tonumber(ARGV[6])
 local started = tonumber(ARGV[10])
+local ntags = tonumber(ARGV[11])
 local function refuse()
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'op', 'del', 'id', ARGV[4], 'ns', '', 'origin', '')
   return 0
@@ -87,17 +131,21 @@ for i = 4, 3 + nidx do
   local f = redis.call('ZSCORE', KEYS[i], 'fence')
   if f and tonumber(f) > started then return refuse() end
 end
+for i = #KEYS - ntags + 1, #KEYS do
+  if fenced_within(KEYS[i], ARGV[8], started) then return refuse() end
+end
 for i = 4, 3 + nidx do
   redis.call('ZADD', KEYS[i], ARGV[3], ARGV[4])
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[5])
   redis.call('PERSIST', KEYS[i])
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
-for i = 4 + nidx, #KEYS do
+for i = 4 + nidx, #KEYS - ntags do
   redis.call('SET', KEYS[i], ARGV[4], 'PX', ttl)
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'op', 'put', 'id', ARGV[4], 'ns', ARGV[8], 'origin', ARGV[9])
-return 1";
+return 1"
+);
 
 /// Stores an entry (`KEYS[1]`, `ARGV`: value, ttl) unless its deleted mark (`KEYS[2]`, the
 /// same slot) is there: `1` when written, `0` when not.
@@ -523,13 +571,16 @@ impl Shared {
         if !cluster {
             let mut cmd = ::redis::cmd("EVAL");
             cmd.arg(PUT_SCRIPT)
-                .arg(3 + indexes.len() + keys.len())
+                .arg(3 + indexes.len() + keys.len() + tags.len())
                 .arg(self.keys.entry(id))
                 .arg(self.keys.events())
                 .arg(self.keys.deleted(id))
                 .arg(&indexes);
             for key in keys {
                 cmd.arg(self.keys.key(key));
+            }
+            for tag in tags {
+                cmd.arg(self.keys.tag_fences(tag));
             }
             cmd.arg(bytes)
                 .arg(ttl)
@@ -540,7 +591,8 @@ impl Shared {
                 .arg(self.events_maxlen)
                 .arg(namespace)
                 .arg(&self.replica_id)
-                .arg(fence_bound);
+                .arg(fence_bound)
+                .arg(tags.len());
             let written = self
                 .run(Op::Put, |c| async move { c.query::<i64>(&cmd).await })
                 .await?;
@@ -557,18 +609,26 @@ impl Shared {
             .map(|name| ::redis::cmd("ZSCORE").arg(name).arg(&id_str).clone())
             .collect();
         let unstore = ::redis::cmd("DEL").arg(self.keys.entry(id)).clone();
+        // The namespace set first, then each tag's set with the tag's fences (one slot).
+        let fences =
+            std::iter::once(None).chain(tags.iter().map(|t| Some(self.keys.tag_fences(t))));
         let index: Vec<::redis::Cmd> = indexes
             .into_iter()
-            .map(|name| {
-                ::redis::cmd("EVAL")
-                    .arg(INDEX_SCRIPT)
-                    .arg(1)
-                    .arg(name)
-                    .arg(kept_until)
+            .zip(fences)
+            .map(|(name, fences)| {
+                let mut cmd = ::redis::cmd("EVAL");
+                cmd.arg(INDEX_SCRIPT)
+                    .arg(1 + usize::from(fences.is_some()))
+                    .arg(name);
+                if let Some(fences) = fences {
+                    cmd.arg(fences);
+                }
+                cmd.arg(kept_until)
                     .arg(&id_str)
                     .arg(prune_below)
                     .arg(fence_bound)
-                    .clone()
+                    .arg(namespace);
+                cmd
             })
             .collect();
         // The entry, unless it was deleted (its mark shares its slot), then its keys.
@@ -770,6 +830,25 @@ impl Shared {
                 let _ = reply.send(result);
             }
         }
+    }
+
+    /// Fences `tag` within the namespaces starting with `prefix` ([`TAG_FENCE_SCRIPT`]): a put
+    /// of an answer with the tag in such a namespace, generated before now, is refused.
+    pub(super) async fn fence_tag_within(&self, prefix: &str, tag: &str) -> Result<(), RedisError> {
+        let fence = ::redis::cmd("EVAL")
+            .arg(TAG_FENCE_SCRIPT)
+            .arg(1)
+            .arg(self.keys.tag_fences(tag))
+            .arg(prefix)
+            .arg(now_ms().saturating_add(FENCE_MS))
+            .arg(FENCE_MS.saturating_add(INDEX_MARGIN_MS))
+            .clone();
+        self.run(
+            Op::DeleteTag,
+            |c| async move { c.query::<Value>(&fence).await },
+        )
+        .await
+        .map(drop)
     }
 
     /// Deletes the entries listed in an index sorted set, a batch at a time, removing them
