@@ -631,6 +631,7 @@ return redis.call('GET', KEYS[1])";
     /// `prefix` are being deleted (a tenant's tag delete, which deletes entry by entry): they
     /// fence the tag there and drop what they hold with it, answers whose puts never reached
     /// Redis included.
+    ///
     /// Fences the tag within the prefix in Redis first, so a put already queued on another
     /// replica, or an answer generated across the delete, is refused there too.
     pub async fn announce_tag_within(&self, prefix: &str, tag: &str) -> Result<(), RedisError> {

@@ -37,8 +37,8 @@ use crate::EntryId;
 
 mod recall;
 
+pub use recall::MAX_PENDING as RECALL_MAX_PENDING;
 use recall::{Checked, RecallCounters, Sample, Samples};
-pub use recall::{MAX_PENDING as RECALL_MAX_PENDING, WINDOW as RECALL_WINDOW};
 
 /// A digest of everything that must match exactly for two prompts to share an answer.
 pub type PartitionKey = [u8; 32];
