@@ -1026,6 +1026,10 @@ mod tests {
             ),
             ("[semantic.index]\nrecall_target = 1.5\n", "semantic.index.recall_target"),
             (
+                "[prefetch]\nregroup_family_score = 5.0\n",
+                "prefetch.regroup_family_score",
+            ),
+            (
                 "[semantic.index]\nrecall_check_every = 2000000\n",
                 "semantic.index.recall_check_every",
             ),

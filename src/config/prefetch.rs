@@ -50,6 +50,13 @@ pub struct PrefetchConfig {
     /// of wordings in another intent's cluster on the tuning half of the dev sessions
     /// (`reprise-bench replay --regroup-curve`, a repeatable pass; docs/BENCHMARKS.md).
     pub regroup_score: f32,
+    /// Lowest score (as `regroup_score`) of two clusters counted as one question's family
+    /// though not merged: a prediction adds up a family's counts, so a follow-up asked in
+    /// several wordings kept apart passes `min_probability` as one question, and each of
+    /// its clusters is prefetched with only its own wordings (no answer is aliased across
+    /// clusters, so a looser score costs generations, not wrong hits). At or above
+    /// `regroup_score`: no families.
+    pub regroup_family_score: f32,
     /// Lowest cosine of two questions merged by `regroup` (questions that share nothing are
     /// never merged, however alike their neighbours).
     pub regroup_min_cosine: f32,
@@ -104,6 +111,7 @@ impl Default for PrefetchConfig {
             max_wordings: 15,
             regroup: true,
             regroup_score: 2.55,
+            regroup_family_score: 2.35,
             regroup_min_cosine: 0.4,
             regroup_min_seen: 3.0,
             half_life_secs: 3600.0,
@@ -141,6 +149,14 @@ impl PrefetchConfig {
         }
         if !(self.regroup_score.is_finite() && (-3.0..=3.0).contains(&self.regroup_score)) {
             return Err(("prefetch.regroup_score", "must be between -3 and 3".into()));
+        }
+        if !(self.regroup_family_score.is_finite()
+            && (-3.0..=3.0).contains(&self.regroup_family_score))
+        {
+            return Err((
+                "prefetch.regroup_family_score",
+                "must be between -3 and 3".into(),
+            ));
         }
         if !(self.regroup_min_cosine.is_finite() && (-1.0..=1.0).contains(&self.regroup_min_cosine))
         {

@@ -60,6 +60,7 @@ impl Shared {
             min_score: self.cfg.regroup_score,
             min_cosine: self.cfg.regroup_min_cosine,
             min_seen: self.cfg.regroup_min_seen,
+            family_score: self.cfg.regroup_family_score,
         }
     }
 

@@ -132,6 +132,9 @@ pub struct ReplayArgs {
     /// Prefetch side: `prefetch.regroup_score` (default: the configured default).
     #[arg(long)]
     regroup_score: Option<f32>,
+    /// Prefetch side: `prefetch.regroup_family_score` (default: the configured default).
+    #[arg(long)]
+    regroup_family_score: Option<f32>,
     /// Play only one half of the sessions, split by a hash of each session id and
     /// `--split-seed` (about half each, fixed for a seed): tune on one, report the other.
     /// `--limit` and `--warmup` then count within the half.
@@ -423,6 +426,9 @@ async fn start_side(
     }
     if let Some(v) = a.regroup {
         config.prefetch.regroup = v;
+    }
+    if let Some(v) = a.regroup_family_score {
+        config.prefetch.regroup_family_score = v;
     }
     if let Some(v) = a.regroup_score {
         config.prefetch.regroup_score = v;

@@ -141,6 +141,10 @@ struct Namespace {
     regroup_due: bool,
     /// When it was last regrouped.
     regrouped_ms: u64,
+    /// Clusters that regrouping would join at the looser `family_score` (see
+    /// [`RegroupParams::family_score`]), each to its family's first cluster: a prediction
+    /// weighs a follow-up by its family's counts. Set by the last regrouping that finished.
+    families: HashMap<u64, u64>,
 }
 
 /// The transition counts of every namespace.
@@ -204,6 +208,7 @@ impl Model {
             total += name.len() + ITEM_OVERHEAD;
             total += space.nodes.values().map(node_bytes).sum::<usize>();
             total += space.clusters.values().map(cluster_bytes).sum::<usize>();
+            total += space.families.len() * 2 * std::mem::size_of::<u64>();
         }
         total as u64
     }

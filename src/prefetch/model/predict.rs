@@ -9,6 +9,8 @@ use super::{cosine, Model, Node};
 
 /// Neighbours pooled for a rarely seen node.
 const MAX_NEIGHBOURS: usize = 16;
+/// Clusters of one family prefetched for one answer at most (the most asked first).
+const MAX_FAMILY_CLUSTERS: usize = 4;
 
 /// Thresholds of a prediction.
 #[derive(Debug, Clone, Copy)]
@@ -39,7 +41,8 @@ pub struct Prediction {
     /// The cluster's other observed wordings, most used first (at most
     /// [`MAX_WORDINGS`](super::MAX_WORDINGS)).
     pub wordings: Vec<String>,
-    /// Estimated probability that the next turn asks it (in any of its wordings).
+    /// Estimated probability that the next turn asks it (in any of its wordings, or of its
+    /// family's: see [`super::RegroupParams::family_score`]).
     pub probability: f64,
     /// Whether the counts were borrowed (from the cluster or from similar entries).
     pub borrowed: bool,
@@ -132,10 +135,17 @@ impl Model {
         if total < p.min_observations || total <= 0.0 {
             return Vec::new();
         }
-        let mut out: Vec<Prediction> = counts
+        // A question asked in wordings regrouping keeps apart (its family) is one follow-up:
+        // its clusters' counts add up, and each of them is prefetched with its own wordings.
+        let family = |cid: u64| space.families.get(&cid).copied().unwrap_or(cid);
+        let mut by_family: HashMap<u64, f64> = HashMap::new();
+        for (cid, (count, _, _)) in &counts {
+            *by_family.entry(family(*cid)).or_default() += count;
+        }
+        let mut out: Vec<(f64, u64, Prediction)> = counts
             .into_iter()
             .filter_map(|(cid, (count, target, _))| {
-                let probability = (count / total).min(1.0);
+                let probability = (by_family[&family(cid)] / total).min(1.0);
                 if probability < p.min_probability {
                     return None;
                 }
@@ -158,19 +168,49 @@ impl Model {
                 } else {
                     target
                 };
-                Some(Prediction {
-                    target,
-                    cluster: cid,
-                    wordings: words.iter().skip(1).map(|w| w.1.to_string()).collect(),
-                    prompt,
-                    probability,
-                    borrowed,
-                })
+                Some((
+                    count,
+                    family(cid),
+                    Prediction {
+                        target,
+                        cluster: cid,
+                        wordings: words.iter().skip(1).map(|w| w.1.to_string()).collect(),
+                        prompt,
+                        probability,
+                        borrowed,
+                    },
+                ))
             })
             .collect();
-        out.sort_by(|a, b| b.probability.total_cmp(&a.probability));
-        out.truncate(p.max_predictions);
-        out
+        // Most probable first, a family's clusters together, its most asked first.
+        out.sort_by(|a, b| {
+            (b.2.probability.total_cmp(&a.2.probability))
+                .then(a.1.cmp(&b.1))
+                .then(b.0.total_cmp(&a.0))
+                .then(a.2.cluster.cmp(&b.2.cluster))
+        });
+        // `max_predictions` questions (a family counts once), at most
+        // `MAX_FAMILY_CLUSTERS` clusters of each.
+        let mut kept: Vec<(u64, usize)> = Vec::new();
+        let mut predictions = Vec::new();
+        for (_, fam, prediction) in out {
+            match kept.last_mut() {
+                Some((f, n)) if *f == fam => {
+                    if *n == MAX_FAMILY_CLUSTERS {
+                        continue;
+                    }
+                    *n += 1;
+                }
+                _ => {
+                    if kept.len() == p.max_predictions {
+                        break;
+                    }
+                    kept.push((fam, 1));
+                }
+            }
+            predictions.push(prediction);
+        }
+        predictions
     }
 }
 

@@ -54,10 +54,12 @@ impl Namespace {
             } else {
                 deadline
             };
-            let Some(pairs) = self.merge_candidates(p, now_ms, hl, pass_deadline, allow) else {
+            let Some((pairs, loose)) = self.merge_candidates(p, now_ms, hl, pass_deadline, allow)
+            else {
                 return (merged, false);
             };
             if pairs.is_empty() {
+                self.families = families(&loose);
                 return (merged, true);
             }
             let mut done: std::collections::HashSet<u64> = std::collections::HashSet::new();
@@ -74,8 +76,10 @@ impl Namespace {
         (merged, false)
     }
 
-    /// Pairs of clusters worth merging, best first (see [`Namespace::regroup`]); `None`
-    /// when `deadline` passed before all pairs were compared.
+    /// Pairs of clusters worth merging, best first (see [`Namespace::regroup`]), and the
+    /// pairs that only reach `p.family_score`; `None` when `deadline` passed before all
+    /// pairs were compared.
+    #[allow(clippy::type_complexity)]
     fn merge_candidates(
         &self,
         p: &RegroupParams,
@@ -83,13 +87,13 @@ impl Namespace {
         hl: f64,
         deadline: Instant,
         allow: &dyn Fn(&str, &str) -> bool,
-    ) -> Option<Vec<(u64, u64)>> {
+    ) -> Option<(Vec<(u64, u64)>, Vec<(u64, u64)>)> {
         let Some(dim) = self
             .clusters
             .values()
             .find_map(|c| c.embedding.as_ref().map(|e| e.len()))
         else {
-            return Some(Vec::new());
+            return Some(Default::default());
         };
         fn emb(c: &Cluster, dim: usize) -> Option<&[f32]> {
             c.embedding.as_deref().filter(|e| e.len() == dim)
@@ -102,7 +106,7 @@ impl Namespace {
             .filter(|(seen, _)| *seen >= p.min_seen && *seen > 0.0)
             .collect();
         if cands.len() < 2 {
-            return Some(Vec::new());
+            return Some(Default::default());
         }
         cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         cands.truncate(MAX_REGROUP);
@@ -151,6 +155,7 @@ impl Namespace {
         // nothing but the end or start share is no evidence).
         let min_links = p.min_seen.max(1.0);
         let mut pairs: Vec<(f32, u64, u64)> = Vec::new();
+        let mut loose: Vec<(u64, u64)> = Vec::new();
         for i in 0..cands.len() {
             if Instant::now() >= deadline {
                 return None;
@@ -179,14 +184,18 @@ impl Namespace {
                     continue;
                 }
                 let score = sum / sides * 3.0;
-                if score >= p.min_score && allow(&ci.prompt, &cj.prompt) {
-                    // The more seen cluster (first in `cands`) absorbs the other.
-                    pairs.push((score, cands[i].1, cands[j].1));
+                if score >= p.min_score.min(p.family_score) && allow(&ci.prompt, &cj.prompt) {
+                    if score >= p.min_score {
+                        // The more seen cluster (first in `cands`) absorbs the other.
+                        pairs.push((score, cands[i].1, cands[j].1));
+                    } else {
+                        loose.push((cands[i].1, cands[j].1));
+                    }
                 }
             }
         }
         pairs.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
-        Some(pairs.into_iter().map(|(_, a, b)| (a, b)).collect())
+        Some((pairs.into_iter().map(|(_, a, b)| (a, b)).collect(), loose))
     }
 
     /// Moves cluster `b` into `a`: counts, follow-ups in both directions, nodes, and the
@@ -247,6 +256,35 @@ impl Namespace {
     }
 }
 
+/// The families the loose pairs make (joined through shared clusters): each member to the
+/// smallest cluster id of its family.
+fn families(loose: &[(u64, u64)]) -> HashMap<u64, u64> {
+    let mut root: HashMap<u64, u64> = HashMap::new();
+    fn find(root: &mut HashMap<u64, u64>, x: u64) -> u64 {
+        let mut r = x;
+        while let Some(&up) = root.get(&r) {
+            if up == r {
+                break;
+            }
+            r = up;
+        }
+        root.insert(x, r);
+        r
+    }
+    for &(a, b) in loose {
+        root.entry(a).or_insert(a);
+        root.entry(b).or_insert(b);
+        let (ra, rb) = (find(&mut root, a), find(&mut root, b));
+        let (lo, hi) = (ra.min(rb), ra.max(rb));
+        root.insert(hi, lo);
+    }
+    let members: Vec<u64> = root.keys().copied().collect();
+    members
+        .into_iter()
+        .map(|m| (m, find(&mut root, m)))
+        .collect()
+}
+
 /// `y += a * x` over the common length.
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
@@ -274,6 +312,12 @@ pub struct RegroupParams {
     /// Lowest (decayed) number of times each cluster was served before its profiles are
     /// trusted.
     pub min_seen: f64,
+    /// Lowest score of two clusters counted as one question's family (below `min_score`:
+    /// not merged, since a merge aliases the wordings to one answer, but likely one
+    /// question): a prediction adds up a family's counts, and each cluster of a family that
+    /// passes `min_probability` is prefetched with its own wordings. At or above
+    /// `min_score`: no families.
+    pub family_score: f32,
 }
 
 impl Model {
@@ -353,6 +397,7 @@ mod tests {
 
     use super::super::same_text;
     use crate::prefetch::model::tests::params;
+    use crate::prefetch::model::PredictParams;
     use reprise_cache::EntryId;
 
     fn unit(v: &[f32]) -> Arc<[f32]> {
@@ -367,7 +412,49 @@ mod tests {
             min_score: 2.35,
             min_cosine: 0.4,
             min_seen: 3.0,
+            family_score: 3.0,
         }
+    }
+
+    #[test]
+    fn a_family_adds_up_its_clusters_and_prefetches_each_with_its_own_wordings() {
+        let mut m = Model::new(3600.0);
+        regroup_fixture(&mut m);
+        let x = EntryId(1);
+        // One question in two wordings that stay apart, each followed half the time: under a
+        // probability of 0.6 neither is predicted alone.
+        let p = PredictParams {
+            min_probability: 0.6,
+            ..params()
+        };
+        assert!(m.predict("ns", x, &p, 0).is_empty());
+        let family = RegroupParams {
+            min_score: 2.9,
+            family_score: 2.35,
+            ..regroup_params()
+        };
+        assert_eq!(m.regroup(&family, 0, BUDGET, |_, _| true), 0, "not merged");
+        assert_eq!(m.clusters("ns").len(), 6);
+        let mut got = m.predict("ns", x, &p, 0);
+        got.sort_by(|a, b| a.prompt.cmp(&b.prompt));
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(
+            (got[0].prompt.as_str(), got[1].prompt.as_str()),
+            ("a one?", "a two?")
+        );
+        for g in &got {
+            assert!((g.probability - 1.0).abs() < 1e-9);
+            assert!(g.wordings.is_empty(), "no wording aliased across clusters");
+        }
+        // C looks like A1 but is used otherwise: in no family, so its follow-up counts alone.
+        let c = EntryId(4);
+        assert_eq!(m.predict("ns", c, &params(), 0).len(), 1);
+        // Families are counted once against `max_predictions`.
+        let one = PredictParams {
+            max_predictions: 1,
+            ..p
+        };
+        assert_eq!(m.predict("ns", x, &one, 0).len(), 2);
     }
 
     /// Sessions `X? → A1 → B?` and `X? → A2 → B?` (A1, A2: one question, cosine 0.55) and
