@@ -14,7 +14,8 @@ pub struct PrefetchConfig {
     pub enabled: bool,
     /// Lowest estimated probability of a follow-up worth prefetching (0 to 1).
     pub min_probability: f64,
-    /// Most follow-ups prefetched after one answer.
+    /// Most follow-up questions prefetched after one answer (a family of clusters, see
+    /// `regroup_family_score`, counts once, with at most 4 of its clusters).
     pub max_predictions: usize,
     /// Lowest (decayed) number of times an answer was served before its follow-up
     /// probabilities are trusted; rarer answers borrow counts from similar ones.
