@@ -14,8 +14,10 @@
 //!    cluster's representative and the false-hit gate passes).
 //! 2. **Predicting**: after an observation answered by `E`, the follow-up clusters of `E` are
 //!    ranked; when `E` was seen too rarely, the counts of its cluster are used, else those of
-//!    entries with a similar embedding. Those clearing `min_probability` (at most
-//!    `max_predictions`) become jobs.
+//!    entries with a similar embedding. Clusters that regrouping would join only at the
+//!    looser `regroup_family_score` are one question's family: their counts add up. Those
+//!    clearing `min_probability` (at most `max_predictions` questions, a family once with
+//!    up to 4 of its clusters) become jobs, one per cluster.
 //! 3. **Prefetching**: each job is the follow-up request as it will arrive (the history plus
 //!    `E`'s answer plus the predicted question in the cluster's most used wording, or the
 //!    same single-turn request with the question replaced), generated with
