@@ -1276,6 +1276,9 @@ async fn a_tag_fenced_within_a_prefix_refuses_only_that_prefixs_earlier_answers(
 async fn tag_fenced_within(cfg: RedisConfig) {
     let (a, b) = (tier(cfg.clone(), "a").await, tier(cfg, "b").await);
     a.announce_tag_within("acme/", "pricing").await.unwrap();
+    // A tag whose set key hashes whole on a cluster (it starts with `}`): its fences live
+    // in another slot and are read apart.
+    a.announce_tag_within("acme/", "}odd").await.unwrap();
     // Answers that took 5 s to generate, written now: they started before the fence.
     let late = |ns: &str, text: &str, tags: &[&str]| {
         let mut e = entry(ns, text, 60_000);
@@ -1288,20 +1291,31 @@ async fn tag_fenced_within(cfg: RedisConfig) {
     let other_tag = late("acme/docs", "old faq", &["faq"]);
     // A namespace that only starts like the prefix's tenant name is another tenant's.
     let lookalike = late("acme-corp/docs", "their price", &["pricing"]);
-    for (i, e) in [&fenced, &other_tenant, &other_tag, &lookalike]
-        .into_iter()
-        .enumerate()
-    {
+    let odd = late("acme/docs", "odd one", &["}odd"]);
+    let odd_other_tenant = late("beta/docs", "their odd one", &["}odd", "pricing"]);
+    let all = [
+        &fenced,
+        &other_tenant,
+        &other_tag,
+        &lookalike,
+        &odd,
+        &odd_other_tenant,
+    ];
+    for (i, e) in all.into_iter().enumerate() {
         assert!(b.put_with_tags(e, &[digest(7_000 + i as u32)], &e.tags));
     }
     b.flush().await.unwrap();
-    assert_eq!(
-        a.get(fenced.id).await.unwrap(),
-        None,
-        "refused by the fence"
-    );
+    assert_eq!(b.health().dropped_writes, 0);
+    for e in [&fenced, &odd] {
+        assert_eq!(
+            a.get(e.id).await.unwrap(),
+            None,
+            "{} refused by the fence",
+            e.text
+        );
+    }
     assert_eq!(a.get_by_key(&digest(7_000)).await.unwrap(), None);
-    for e in [&other_tenant, &other_tag, &lookalike] {
+    for e in [&other_tenant, &other_tag, &lookalike, &odd_other_tenant] {
         assert_eq!(a.get(e.id).await.unwrap().as_ref(), Some(e), "{}", e.text);
     }
     // Generated after the fence (a later millisecond): stored as ever.

@@ -91,9 +91,14 @@ redis.call('PERSIST', KEYS[1])
 return 1";
 
 /// Fences a tag within a namespace prefix (`KEYS[1]`: the tag's fences; `ARGV`: the prefix,
-/// when the fence ends, how long the hash lasts at least). The hash expires once its last
-/// fence has ended; it holds one field per prefix fenced meanwhile.
+/// when the fence ends, how long the hash lasts at least, now). The hash expires once its
+/// last fence has ended, and each fence placed drops the ended ones: it holds one field per
+/// prefix fenced within the last [`FENCE_MS`].
 const TAG_FENCE_SCRIPT: &str = "\
+local fs = redis.call('HGETALL', KEYS[1])
+for j = 1, #fs, 2 do
+  if tonumber(fs[j + 1]) < tonumber(ARGV[4]) then redis.call('HDEL', KEYS[1], fs[j]) end
+end
 local f = redis.call('HGET', KEYS[1], ARGV[1])
 if not f or tonumber(f) < tonumber(ARGV[2]) then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
@@ -145,6 +150,17 @@ for i = 4 + nidx, #KEYS - ntags do
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'op', 'put', 'id', ARGV[4], 'ns', ARGV[8], 'origin', ARGV[9])
 return 1"
+);
+
+/// Whether a tag is fenced within a prefix of the put's namespace (`KEYS[1]`: the tag's
+/// fences; `ARGV`: the namespace, the fence bound): `1` when it is. On a cluster, for a tag
+/// whose set key hashes whole (an empty hash tag: the tag starts with `}`), so that its
+/// fences cannot share the set's slot and [`INDEX_SCRIPT`] cannot read them.
+const FENCED_APART: &str = concat!(
+    tag_fenced!(),
+    "\
+if fenced_within(KEYS[1], ARGV[1], tonumber(ARGV[2])) then return 1 end
+return 0"
 );
 
 /// Stores an entry (`KEYS[1]`, `ARGV`: value, ttl) unless its deleted mark (`KEYS[2]`, the
@@ -609,9 +625,27 @@ impl Shared {
             .map(|name| ::redis::cmd("ZSCORE").arg(name).arg(&id_str).clone())
             .collect();
         let unstore = ::redis::cmd("DEL").arg(self.keys.entry(id)).clone();
-        // The namespace set first, then each tag's set with the tag's fences (one slot).
-        let fences =
-            std::iter::once(None).chain(tags.iter().map(|t| Some(self.keys.tag_fences(t))));
+        // The namespace set first, then each tag's set with the tag's fences (one slot),
+        // but for a tag whose set hashes whole (it starts with `}`): its fences are read
+        // apart, just before.
+        let apart_slot = |t: &String| t.starts_with('}');
+        let fences = std::iter::once(None).chain(
+            tags.iter()
+                .map(|t| (!apart_slot(t)).then(|| self.keys.tag_fences(t))),
+        );
+        let apart: Vec<::redis::Cmd> = tags
+            .iter()
+            .filter(|t| apart_slot(t))
+            .map(|t| {
+                ::redis::cmd("EVAL")
+                    .arg(FENCED_APART)
+                    .arg(1)
+                    .arg(self.keys.tag_fences(t))
+                    .arg(namespace)
+                    .arg(fence_bound)
+                    .clone()
+            })
+            .collect();
         let index: Vec<::redis::Cmd> = indexes
             .into_iter()
             .zip(fences)
@@ -654,6 +688,13 @@ impl Shared {
         let event = self.event(events::OP_PUT, Some(id), namespace);
         let refused = self.refused(id);
         self.run(Op::Put, |c| async move {
+            if run_all(c.clone(), apart)
+                .await?
+                .iter()
+                .any(|v| matches!(v, Value::Int(1)))
+            {
+                return c.query::<Value>(&refused).await;
+            }
             let indexed = run_all(c.clone(), index).await?;
             // Fenced or deleted: the entry is not written (an id left in another set leads
             // nowhere), and the replicas are told to drop it.
@@ -842,6 +883,7 @@ impl Shared {
             .arg(prefix)
             .arg(now_ms().saturating_add(FENCE_MS))
             .arg(FENCE_MS.saturating_add(INDEX_MARGIN_MS))
+            .arg(now_ms())
             .clone();
         self.run(
             Op::DeleteTag,

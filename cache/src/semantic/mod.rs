@@ -124,6 +124,8 @@ pub struct SemanticIndex {
     /// Graph searches kept for a check of their recall.
     samples: Samples,
     recall: RecallCounters,
+    /// The last partition epoch handed out (see [`recall::Width::epoch`]).
+    epochs: AtomicU64,
 }
 
 /// What the index holds per slot besides the vector: the slot's id, vector handle and flag,
@@ -224,7 +226,14 @@ impl SemanticIndex {
             embedder: None,
             samples: Samples::default(),
             recall: RecallCounters::default(),
+            epochs: AtomicU64::new(0),
         }
+    }
+
+    /// An epoch no partition of this index had before: a new partition's, or a rebuilt
+    /// one's (its slots renumbered).
+    fn next_epoch(&self) -> u64 {
+        self.epochs.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Bytes the index holds for one entry's vector, besides the vector itself (which the
@@ -395,7 +404,7 @@ impl SemanticIndex {
         let mut map = self.partitions.write();
         let p = map
             .entry(partition)
-            .or_insert_with(|| Arc::new(Partition::default()));
+            .or_insert_with(|| Arc::new(Partition::new(self.next_epoch())));
         push(self, &mut p.inner.write());
         p.clone()
     }
@@ -491,10 +500,14 @@ impl SemanticIndex {
                 &self.cfg,
                 &self.graph,
             );
+            if out.is_empty() {
+                // Nothing live to have missed.
+                return out;
+            }
             self.samples.offer(self.cfg.recall_check_every, || Sample {
                 key: *partition,
                 query: query.into(),
-                found: out.first().map_or(f32::NEG_INFINITY, |c| c.similarity),
+                found: out[0].similarity,
                 slots: inner.ids.len(),
                 epoch: p.width.epoch.load(Ordering::Relaxed),
             });
@@ -675,7 +688,7 @@ impl SemanticIndex {
         }
         let dropped = inner.ids.len() - fresh.ids.len();
         *inner = fresh;
-        part.width.epoch.fetch_add(1, Ordering::Relaxed);
+        part.width.epoch.store(self.next_epoch(), Ordering::Relaxed);
         drop(inner);
         if big {
             tracing::info!(
@@ -691,12 +704,20 @@ impl SemanticIndex {
 /// inserts and removals and run concurrently; writers hold it for one push or one flag flip
 /// (plus one HNSW insertion, about a millisecond, in big partitions). parking_lot's lock is
 /// fair enough that a steady stream of searches cannot starve a writer.
-#[derive(Default)]
 struct Partition {
     inner: RwLock<PartitionInner>,
     /// Its graph searches' width, widened when checks find their recall short (kept across
     /// rebuilds).
     width: recall::Width,
+}
+
+impl Partition {
+    fn new(epoch: u64) -> Self {
+        Partition {
+            inner: RwLock::default(),
+            width: recall::Width::new(epoch),
+        }
+    }
 }
 
 /// The graph of a big partition: its points are the partition's slot numbers (hnsw_rs ids are

@@ -38,11 +38,12 @@ pub const MAX_PENDING: usize = 64;
 pub(super) struct Sample {
     pub key: PartitionKey,
     pub query: Box<[f32]>,
-    /// The best similarity among the live results the graph returned (`-inf`: none).
+    /// The best similarity among the live results the graph returned.
     pub found: f32,
     /// Slots the partition had when it was searched: later ones are not compared.
     pub slots: usize,
-    /// The partition's rebuild count then: a rebuild renumbers the slots.
+    /// The partition's epoch then: a rebuild renumbers the slots (and a partition dropped
+    /// and made again under the same key is another).
     pub epoch: u64,
 }
 
@@ -77,7 +78,7 @@ impl Samples {
 pub(super) struct Width {
     /// The width its graph searches use; 0 until first widened (the configured one).
     ef: AtomicUsize,
-    /// Rebuilds so far (see [`Sample::epoch`]).
+    /// Unique in the index, new at each rebuild (see [`Sample::epoch`]).
     pub epoch: AtomicU64,
     /// Checks and misses in the current window.
     window: Mutex<(u32, u32)>,
@@ -90,6 +91,13 @@ pub(super) enum Checked {
 }
 
 impl Width {
+    pub fn new(epoch: u64) -> Self {
+        Width {
+            epoch: AtomicU64::new(epoch),
+            ..Width::default()
+        }
+    }
+
     /// The width its graph searches use.
     pub fn ef(&self, cfg: &IndexConfig) -> usize {
         match self.ef.load(Ordering::Relaxed) {
