@@ -401,6 +401,12 @@ fn tune(
         recall_at_1: 0.0,
         micros: 0.0,
     };
+    // The recall rows above searched at the configured width through the same path: their
+    // samples are checked first, and counted.
+    let r = index.maintain();
+    t.checked += r.recall_checked;
+    t.missed += r.recall_missed;
+    t.widened += r.widened;
     let mut played = 0;
     for (p, q, _) in queries.iter().cycle().take(a.tune_searches) {
         index.search(&partitions[*p], q, a.k);
