@@ -64,6 +64,7 @@ mod events;
 mod keys;
 mod metrics;
 mod policies;
+mod put;
 mod shared;
 mod sweep;
 mod writer;

@@ -16,7 +16,7 @@ impl Keys {
         format!("{}:e:{{{id}}}", self.prefix)
     }
 
-    /// Marks an entry deleted (see `writer::FENCE_MS`): in the entry's slot.
+    /// Marks an entry deleted (see `put::FENCE_MS`): in the entry's slot.
     pub(super) fn deleted(&self, id: EntryId) -> String {
         format!("{}:d:{{{id}}}", self.prefix)
     }

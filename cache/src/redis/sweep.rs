@@ -14,8 +14,9 @@ use ::redis::Value;
 
 use super::error::RedisError;
 use super::metrics::Op;
+use super::put::INDEX_MARGIN_MS;
 use super::shared::Shared;
-use super::writer::{run_all, INDEX_MARGIN_MS};
+use super::writer::run_all;
 use crate::entry::now_ms;
 
 /// How often the index sets are swept (by one replica of all those sharing the Redis).
