@@ -488,22 +488,19 @@ impl SemanticIndex {
         };
         let inner = p.inner.read();
         if inner.graph.is_none() {
-            return inner.search(query, k, None, &self.cfg, &self.graph);
+            return inner.search(query, k, 0, &self.graph);
         }
         GraphCounters::add(&self.graph.searches, 1);
         metrics::counter!("reprise_semantic_graph_searches_total").increment(1);
-        let Some(ef) = ef else {
-            let out = inner.search(
-                query,
-                k,
-                Some(p.width.ef(&self.cfg)),
-                &self.cfg,
-                &self.graph,
-            );
-            if out.is_empty() {
-                // Nothing live to have missed.
-                return out;
-            }
+        let out = inner.search(
+            query,
+            k,
+            ef.unwrap_or_else(|| p.width.ef(&self.cfg)),
+            &self.graph,
+        );
+        // A width the caller gives (a benchmark's) is not the partition's: not sampled; nor
+        // a search that found nothing live (nothing to have missed).
+        if ef.is_none() && !out.is_empty() {
             self.samples.offer(self.cfg.recall_check_every, || Sample {
                 key: *partition,
                 query: query.into(),
@@ -511,9 +508,8 @@ impl SemanticIndex {
                 slots: inner.ids.len(),
                 epoch: p.width.epoch.load(Ordering::Relaxed),
             });
-            return out;
-        };
-        inner.search(query, k, Some(ef), &self.cfg, &self.graph)
+        }
+        out
     }
 
     /// The search width `partition`'s graph searches use (the configured `ef_search`, or
@@ -837,12 +833,13 @@ impl PartitionInner {
         self.graph_pending = false;
     }
 
+    /// The `k` live slots nearest `query`: through the graph at width `ef` (at least `k`)
+    /// where there is one, else by an exact scan.
     fn search(
         &self,
         query: &[f32],
         k: usize,
-        ef: Option<usize>,
-        cfg: &IndexConfig,
+        ef: usize,
         counters: &GraphCounters,
     ) -> Vec<Candidate> {
         let live = self.ids.len() - self.dead_count;
@@ -852,7 +849,7 @@ impl PartitionInner {
         let mut out = match &self.graph {
             Some(graph) => {
                 let dead = &self.dead;
-                let ef = ef.unwrap_or(cfg.ef_search).max(k);
+                let ef = ef.max(k);
                 let q = [Vector::new(query)];
                 // hnsw_rs's filtered search does not stop once its nearest candidate is
                 // farther than its farthest result: it walks on until no candidate is left,
