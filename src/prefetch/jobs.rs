@@ -423,7 +423,7 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> Ran 
                     bump(&shared.counts.refreshed, 1);
                     shared.handles.refresh.increment(1);
                     shared.hot.invalidate(&old);
-                    shared.model.lock().rename(&job.namespace, old, id);
+                    shared.renamed(&job.namespace, old, id);
                     // Every key that led to the old answer (aliases of paraphrases and other
                     // wordings) leads to the renewed one, here and in Redis.
                     if let Some(new) = state.store.get(id).await {

@@ -64,6 +64,33 @@ impl Shared {
         }
     }
 
+    /// Moves a refreshed entry's counts from `old` to `new` (see [`model::Model::rename`]) at the
+    /// worker's next learning step. Called from the job tasks, which run on the async
+    /// threads: they never wait for the model (regrouping may hold it for its budget).
+    pub(super) fn renamed(&self, namespace: &str, old: EntryId, new: EntryId) {
+        let mut renames = self.renames.lock();
+        if renames.len() >= super::MAX_RENAMES {
+            renames.remove(0);
+        }
+        renames.push((namespace.to_string(), old, new));
+        drop(renames);
+        self.wake.notify_one();
+    }
+
+    /// Applies the renames waiting (in the order they came); `true` when there were any.
+    /// Blocks on the model: for the worker's blocking step.
+    pub(super) fn apply_renames(&self) -> bool {
+        let renames = std::mem::take(&mut *self.renames.lock());
+        if renames.is_empty() {
+            return false;
+        }
+        let mut model = self.model.lock();
+        for (namespace, old, new) in renames {
+            model.rename(&namespace, old, new);
+        }
+        true
+    }
+
     /// Merges the clusters that are one question by use (`regroup`); returns the merges.
     pub(super) fn regroup(&self) -> usize {
         let p = self.regroup_params();

@@ -123,6 +123,9 @@ const SESSIONS_BYTES: u64 = 16 * 1024 * 1024;
 const SESSION_IDLE: Duration = Duration::from_secs(3600);
 /// Entries remembered as already asked for follow-up proposals.
 const MAX_PROPOSED: u64 = 10_000;
+/// The most renames waiting for the worker; past it the oldest is dropped (its counts stay
+/// under the old id and fade).
+const MAX_RENAMES: usize = 4096;
 /// Name of the saved counts under the Redis tier's prefix.
 pub const BLOB_NAME: &str = "prefetch-transitions";
 
@@ -215,6 +218,10 @@ struct Shared {
     pending: Mutex<HashSet<Digest>>,
     /// Prefetched entries not yet used, with their expiry.
     prefetched: Mutex<HashMap<EntryId, u64>>,
+    /// Refreshed entries whose counts move to their new id (namespace, old, new): applied
+    /// by the worker's learning step, off the async threads, since regrouping may hold the
+    /// model for its whole budget and a rename walks every node of its namespace.
+    renames: Mutex<Vec<(String, EntryId, EntryId)>>,
     budget: Mutex<Budgets>,
     slots: Arc<Semaphore>,
     counts: Counts,
@@ -271,6 +278,7 @@ impl Prefetcher {
             queue: Mutex::new(VecDeque::new()),
             pending: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashMap::new()),
+            renames: Mutex::new(Vec::new()),
             budget: Mutex::new(Budgets::new(BUDGET_WINDOW)),
             slots: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
             counts: Counts::default(),
@@ -463,6 +471,43 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refresh's rename never waits for the model (regrouping may hold it for its whole
+    /// budget, and the job tasks that rename run on the async threads): it is queued, and
+    /// the worker's learning step moves the counts to the new id.
+    #[test]
+    fn a_refreshed_entrys_rename_is_queued_while_the_model_is_held() {
+        let p = Prefetcher::new(PrefetchConfig::default());
+        let (x, y, y2) = (EntryId(1), EntryId(2), EntryId(5));
+        let same = |a: &str, _: Option<&[f32]>, b: &str, _: Option<&[f32]>| a == b;
+        {
+            let mut m = p.shared.model.lock();
+            for _ in 0..2 {
+                m.observe("ns", x, "x?", None, 0, same);
+                m.observe("ns", y, "y?", None, 0, same);
+                m.link("ns", x, y, false, 0);
+            }
+        }
+        let held = p.shared.model.lock();
+        // On another thread, so a rename that waited for the model fails the test instead of
+        // deadlocking it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = p.shared.clone();
+        std::thread::spawn(move || {
+            shared.renamed("ns", y, y2);
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("the rename waited for the model");
+        drop(held);
+        let params = crate::prefetch::model::tests::params();
+        let before = p.shared.model.lock().predict("ns", x, &params, 0);
+        assert_eq!(before[0].target, y, "not applied until the worker's step");
+        assert!(p.shared.apply_renames());
+        assert!(!p.shared.apply_renames(), "applied once");
+        let after = p.shared.model.lock().predict("ns", x, &params, 0);
+        assert_eq!(after[0].target, y2);
+    }
 
     /// Sessions are bounded by bytes, not by count: ids at the longest a request may give
     /// fill the budget with fewer sessions than short ones would.

@@ -80,6 +80,7 @@ pub(super) async fn worker(
                 while let Some(ev) = rx.try_recv() {
                     shared.apply(ev);
                 }
+                shared.apply_renames();
                 return;
             }
         };
@@ -98,10 +99,12 @@ pub(super) async fn worker(
         for ev in &batch {
             heard(&state, &mut quiet_since, ev);
         }
-        if !batch.is_empty() {
+        if !batch.is_empty() || !shared.renames.lock().is_empty() {
             let s = shared.clone();
-            let learning =
-                tokio::task::spawn_blocking(move || batch.into_iter().for_each(|ev| s.apply(ev)));
+            let learning = tokio::task::spawn_blocking(move || {
+                s.apply_renames();
+                batch.into_iter().for_each(|ev| s.apply(ev));
+            });
             if let Err(e) = learning.await {
                 tracing::warn!(error = %e, "prefetch: learning failed");
             }

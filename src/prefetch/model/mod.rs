@@ -509,7 +509,7 @@ fn forget_oldest(nodes: &mut HashMap<EntryId, Node>, n: usize) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A tenant naming ever new namespaces forgets its own oldest once it holds its share,
@@ -670,7 +670,7 @@ mod tests {
         assert!(m.namespaces[&loud].nodes.contains_key(&EntryId(4_999)));
     }
 
-    pub(super) fn params() -> PredictParams {
+    pub(crate) fn params() -> PredictParams {
         PredictParams {
             min_probability: 0.2,
             max_predictions: 3,

@@ -455,6 +455,14 @@ mod tests {
             ..p
         };
         assert_eq!(m.predict("ns", x, &one, 0).len(), 2);
+        // Saved and loaded (a restart), the family predicts as before, with no regrouping.
+        let json = serde_json::to_string(&m.export(0)).unwrap();
+        let mut restarted = Model::new(3600.0);
+        restarted.import(&serde_json::from_str(&json).unwrap(), 0);
+        let mut again = restarted.predict("ns", x, &p, 0);
+        again.sort_by(|a, b| a.prompt.cmp(&b.prompt));
+        let prompts: Vec<&str> = again.iter().map(|g| g.prompt.as_str()).collect();
+        assert_eq!(prompts, ["a one?", "a two?"], "{again:?}");
     }
 
     /// Sessions `X? → A1 → B?` and `X? → A2 → B?` (A1, A2: one question, cosine 0.55) and

@@ -62,6 +62,14 @@ impl Model {
                             .collect(),
                     })
                     .collect(),
+                families: space
+                    .families
+                    .iter()
+                    .filter(|(c, f)| {
+                        space.clusters.contains_key(c) && space.clusters.contains_key(f)
+                    })
+                    .map(|(c, f)| (*c, *f))
+                    .collect(),
             })
             .collect();
         Snapshot {
@@ -121,6 +129,13 @@ impl Model {
                     if let Some(k) = ids.get(k) {
                         cl.next.entry(*k).or_default().add(decay(*v), now_ms, hl);
                     }
+                }
+            }
+            // A saved family joins only clusters imported now (what was learned here keeps
+            // its own until the next regrouping replaces them all).
+            for (c, f) in &ns.families {
+                if let (Some(c), Some(f)) = (ids.get(c), ids.get(f)) {
+                    space.families.insert(*c, *f);
                 }
             }
             for n in &ns.nodes {
@@ -215,6 +230,11 @@ pub struct NamespaceSnapshot {
     /// Every cluster (absent from version 1).
     #[serde(default)]
     pub clusters: Vec<ClusterSnapshot>,
+    /// Question families (see `RegroupParams::family_score`): a cluster and its family's
+    /// first cluster, both ids of this snapshot's clusters. Absent from older snapshots
+    /// (families then wait for the next regrouping that finishes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub families: Vec<(u64, u64)>,
 }
 
 /// One node of a [`NamespaceSnapshot`].
