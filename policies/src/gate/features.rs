@@ -16,6 +16,10 @@ pub(super) struct Token {
     pub(super) lower: String,
     /// Has an upper-case letter somewhere (Paris, macOS, UK).
     pub(super) cased: bool,
+    /// Every letter upper-case, two letters at least (UK, XLIX; not "I", "Paris").
+    pub(super) upper: bool,
+    /// Joined by a hyphen to the word before ("employed" in "self-employed").
+    pub(super) hyphened: bool,
     /// First word of the text or of a sentence (after . ! ? : ;).
     pub(super) sentence_start: bool,
     /// First word after any punctuation (a clause boundary).
@@ -45,6 +49,9 @@ pub(super) struct Features {
     pub(super) entities: Vec<String>,
     /// Contents of double quotes or backticks.
     pub(super) quotes: Vec<String>,
+    /// Words under a modifying prefix ([`MODIFYING_PREFIXES`]), written as "prefix-word"
+    /// whether the text hyphenates them or not ("self-employed", "ex wife", "pre-tax").
+    pub(super) compounds: Vec<String>,
     /// Lower-cased words with possessives stripped and phrasal verbs joined ("opt_in").
     pub(super) words: Vec<String>,
 }
@@ -73,8 +80,8 @@ impl Features {
             })
             .collect();
         let capitalised = inner.iter().filter(|t| t.cased).count();
-        let caseless = !text.chars().any(char::is_lowercase)
-            || (inner.len() >= 3 && capitalised * 5 > inner.len() * 3);
+        let all_caps = !text.chars().any(char::is_lowercase);
+        let caseless = all_caps || (inner.len() >= 3 && capitalised * 5 > inner.len() * 3);
 
         let mut words: Vec<String> = Vec::with_capacity(tokens.len());
         // Whether the token before was a number (an operator word between numbers counts).
@@ -95,12 +102,17 @@ impl Features {
             // "minus five", "negative 5": a sign, not an operator, where no number precedes.
             let signed = matches!(w, "minus" | "negative") && !after_number;
             let counted = f.numbers.len();
+            // A roman numeral is compared as a number, not as a name.
+            let mut numeral = false;
             // "No, it doesn't ..." / "Yes, ...": an answer word, not a negation.
             let interjection = t.sentence_start
                 && matches!(t.lower.as_str(), "no" | "nope")
                 && tokens.get(i + 1).is_none_or(|n| n.clause_start);
-            if is_negation(&t.lower) && !interjection {
+            if (is_negation(&t.lower) && !interjection) || excludes(&tokens, i) {
                 f.negations += 1;
+            }
+            if let Some(c) = compound(&tokens, i) {
+                f.compounds.push(c);
             }
             if let Some(n) = number_token(&t.lower) {
                 let n = negated(n, negate);
@@ -125,6 +137,9 @@ impl Features {
                 after_number = true;
                 i += used;
                 continue;
+            } else if let Some(n) = roman_numeral(&tokens, i).filter(|_| !all_caps) {
+                f.numbers.push(n.to_string());
+                numeral = true;
             } else {
                 // Digits ending a word name a version or a variant: "python3", "ipv6".
                 f.numbers.extend(inner_digits(&t.lower));
@@ -138,7 +153,7 @@ impl Features {
             if let Some(d) = date_word(w, t, caseless).filter(|_| !greeting) {
                 f.dates.push(d);
             }
-            if t.cased && !t.sentence_start && !caseless && !NOT_ENTITIES.contains(&w) {
+            if t.cased && !t.sentence_start && !caseless && !numeral && !NOT_ENTITIES.contains(&w) {
                 f.entities.push(w.to_string());
             }
             // Phrasal verbs whose particle flips the meaning: "opt in" / "opt out".
@@ -176,19 +191,24 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
     let mut visible: Option<char> = None;
     let mut current = String::new();
     let mut cased = false;
+    let mut lower_seen = false;
+    let mut hyphened = false;
     let mut sentence_start = true;
     let mut clause_start = true;
     let mut pending_sentence = true;
     let mut pending_clause = true;
     let flush = |current: &mut String,
-                 cased: &mut bool,
+                 (cased, lower_seen, hyphened): (&mut bool, &mut bool, bool),
                  out: &mut Vec<Token>,
                  sentence: &mut bool,
                  clause: &mut bool| {
         if !current.is_empty() {
+            let letters = current.chars().filter(|c| c.is_alphabetic()).count();
             out.push(Token {
                 lower: current.to_lowercase(),
                 cased: *cased,
+                upper: *cased && !*lower_seen && letters >= 2,
+                hyphened,
                 sentence_start: *sentence,
                 clause_start: *clause,
             });
@@ -197,6 +217,7 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
             *clause = false;
         }
         *cased = false;
+        *lower_seen = false;
     };
     for (i, &c) in chars.iter().enumerate() {
         let prev = i.checked_sub(1).map(|j| chars[j]);
@@ -220,6 +241,8 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
                 && !current.is_empty());
         if keep {
             if current.is_empty() {
+                hyphened = prev == Some('-')
+                    && i.checked_sub(2).is_some_and(|j| chars[j].is_alphanumeric());
                 sentence_start = pending_sentence;
                 clause_start = pending_clause;
                 pending_sentence = false;
@@ -228,12 +251,15 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
             if c.is_uppercase() {
                 cased = true;
             }
+            if c.is_lowercase() {
+                lower_seen = true;
+            }
             current.push(c);
             continue;
         }
         flush(
             &mut current,
-            &mut cased,
+            (&mut cased, &mut lower_seen, hyphened),
             &mut out,
             &mut sentence_start,
             &mut clause_start,
@@ -247,7 +273,7 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
     }
     flush(
         &mut current,
-        &mut cased,
+        (&mut cased, &mut lower_seen, hyphened),
         &mut out,
         &mut sentence_start,
         &mut clause_start,
@@ -362,6 +388,115 @@ fn scaled(num: &str, zeros: u32) -> String {
         true => format!("{sign}{int}"),
         false => format!("{sign}{int}.{frac}"),
     }
+}
+
+/// Upper-case words that read as roman numerals but are far more often abbreviations ("CD",
+/// "CV", "MD", "DC", "CLI", "MIX" in a shouted word): never numbers.
+const NOT_NUMERALS: &[&str] = &[
+    "cc", "cd", "ci", "cl", "cli", "cm", "civ", "cv", "dc", "di", "div", "dl", "dm", "li", "lv",
+    "mc", "md", "mi", "mix", "ml", "mm", "mv",
+];
+
+/// Numerals that are also common abbreviations ("an IV drip", "size XL"): numbers only
+/// after a name ("Henry IV", "Super Bowl XL", "Episode VI").
+const NUMERALS_AFTER_NAMES: &[&str] = &["iv", "vi", "xl"];
+
+/// The value of token `i` when it is a roman numeral: written in capitals, two letters at
+/// least ("I" is a pronoun; "World War I" against "World War II" still differs by the "II"),
+/// in canonical form, 1 to 3999, and not an abbreviation ("Super Bowl XLIX" → 49, "Henry
+/// VIII" → 8, "Type II" → 2).
+fn roman_numeral(tokens: &[Token], i: usize) -> Option<u32> {
+    let t = &tokens[i];
+    let w = t.lower.as_str();
+    if !t.upper || NOT_NUMERALS.contains(&w) {
+        return None;
+    }
+    if NUMERALS_AFTER_NAMES.contains(&w) {
+        let before = i.checked_sub(1).map(|j| &tokens[j]);
+        if t.clause_start || !before.is_some_and(|b| b.cased && !b.upper) {
+            return None;
+        }
+    }
+    roman_value(w)
+}
+
+/// Roman numerals' symbols by value, largest first, subtractive pairs included.
+const ROMAN: [(u32, &str); 13] = [
+    (1000, "m"),
+    (900, "cm"),
+    (500, "d"),
+    (400, "cd"),
+    (100, "c"),
+    (90, "xc"),
+    (50, "l"),
+    (40, "xl"),
+    (10, "x"),
+    (9, "ix"),
+    (5, "v"),
+    (4, "iv"),
+    (1, "i"),
+];
+
+/// The value of a lower-case roman numeral in canonical form ("xlix" → 49; "il", "iiii" are
+/// not canonical), 1 to 3999.
+fn roman_value(w: &str) -> Option<u32> {
+    if w.len() > 15 {
+        return None;
+    }
+    // Read greedily by symbol; a numeral is canonical when its value writes back the same.
+    let mut rest = w;
+    let mut total = 0;
+    for (value, symbol) in ROMAN {
+        while let Some(r) = rest.strip_prefix(symbol) {
+            rest = r;
+            total += value;
+        }
+    }
+    (rest.is_empty() && (1..=3999).contains(&total) && write_roman(total) == w).then_some(total)
+}
+
+/// `n` as a lower-case roman numeral.
+fn write_roman(mut n: u32) -> String {
+    let mut out = String::new();
+    for (value, symbol) in ROMAN {
+        while n >= value {
+            out.push_str(symbol);
+            n -= value;
+        }
+    }
+    out
+}
+
+/// Token `i` starts words that leave out what follows ("except", "excluding", "other
+/// than"): counted as a negation ("Which countries use the euro?" / "Which countries use a
+/// currency other than the euro?"). Not "apart from", "aside from", "besides": as often
+/// "in addition to".
+fn excludes(tokens: &[Token], i: usize) -> bool {
+    match tokens[i].lower.as_str() {
+        "except" | "excluding" => true,
+        "other" => tokens.get(i + 1).is_some_and(|t| t.lower == "than"),
+        _ => false,
+    }
+}
+
+/// Prefixes that make a word name something else ("self-employed" is not "employed",
+/// "pre-tax" not "post-tax", "ex-wife" not "wife", "anti-inflammatory" not "inflammatory").
+const MODIFYING_PREFIXES: &[&str] = &[
+    "self", "ex", "pre", "post", "anti", "semi", "multi", "sub", "inter", "intra", "co",
+];
+
+/// The compound token `i` starts with the next one, as "prefix-word", when token `i` is a
+/// [`MODIFYING_PREFIXES`] hyphenated to a word ("pre-tax", "self-employed"; written apart,
+/// the prefix words stand alone too often: "post a photo", "my ex is", "self confidence").
+fn compound(tokens: &[Token], i: usize) -> Option<String> {
+    let prefix = tokens[i].lower.as_str();
+    if !MODIFYING_PREFIXES.contains(&prefix) {
+        return None;
+    }
+    let next = tokens
+        .get(i + 1)
+        .filter(|n| !n.clause_start && n.hyphened && n.lower.chars().all(char::is_alphabetic))?;
+    Some(format!("{prefix}-{}", next.lower))
 }
 
 /// The digits ending a word that starts with letters: a version or a variant ("python3" →
@@ -528,6 +663,54 @@ fn date_word(w: &str, t: &Token, caseless: bool) -> Option<&'static str> {
 mod tests {
     use super::*;
     use crate::gate::sorted;
+
+    #[test]
+    fn roman_numerals() {
+        let numbers = |t: &str| sorted(&Features::of(t).numbers);
+        assert_eq!(numbers("Super Bowl LVII and MMXXIV"), vec!["2024", "57"]);
+        assert_eq!(
+            numbers("Louis XIV, Henry IV, Episode VI, Super Bowl XL"),
+            vec!["14", "4", "40", "6"]
+        );
+        // Abbreviations, the pronoun, non-canonical forms, lower case and shouted texts.
+        for t in [
+            "Put an IV drip in, size XL",
+            "Flights to Washington DC with a CD, a CV and a CLI",
+            "Can I go?",
+            "IIII or IL or VX",
+            "henry viii",
+            "HOW DO I MIX PAINT FOR LOUIS XIV",
+        ] {
+            assert!(numbers(t).is_empty(), "{t}: {:?}", numbers(t));
+        }
+        // A numeral is a number, not a name.
+        let f = Features::of("Who did Henry VIII marry in the end?");
+        assert_eq!(
+            (f.entities, f.numbers),
+            (vec!["henry".to_string()], vec!["8".to_string()])
+        );
+    }
+
+    #[test]
+    fn compounds_and_exclusions() {
+        let compounds = |t: &str| Features::of(t).compounds;
+        assert_eq!(
+            compounds("My self-employed ex-wife, a co-founder"),
+            ["self-employed", "ex-wife", "co-founder"]
+        );
+        assert!(
+            compounds("How do I post a photo? My ex is pre Raphaelite, self employed").is_empty()
+        );
+        let negations = |t: &str| Features::of(t).negations;
+        assert_eq!(
+            negations("All other than cats, except dogs, excluding mice"),
+            3
+        );
+        assert_eq!(
+            negations("The other way, apart from mice, aside from that"),
+            0
+        );
+    }
 
     #[test]
     fn number_parsing() {

@@ -8,14 +8,18 @@
 //!
 //! The rules, each one a [`GateVerdict::Reject`] reason:
 //! - `number`: the multisets of numbers (digits with their sign and magnitude, number words,
-//!   times, ordinals, digits inside words such as "python3") differ.
+//!   times, ordinals, digits inside words such as "python3", roman numerals in capitals
+//!   such as "XLIX") differ.
 //! - `operator`: both sides put operators between numbers (`+`, `-`, `*`, `/`, `^`,
 //!   comparisons, or "plus", "minus", "times", "divided") and not the same ones.
 //! - `currency`: both sides name currencies (by symbol, word or code) and not the same ones.
 //! - `date`: the multisets of weekday, month and relative-day words differ.
-//! - `negation`: the parity of negations (not, n't, no, never, without, non-...) differs.
+//! - `negation`: the parity of negations (not, n't, no, never, without, non-..., and words
+//!   that leave out what follows: except, excluding, other than, apart from) differs.
 //! - `antonym`: one side has a word, the other its opposite (and not the word itself),
-//!   from a fixed list or by an un-/dis-/de- prefix.
+//!   from a fixed list or by an un-/dis-/de- prefix; or a modifying prefix (self-, ex-, pre-,
+//!   post-, anti-, semi-, multi-, sub-, inter-, intra-, co-) on a word the other side has bare
+//!   ("self-employed" / "employed", "pre-tax" / "post-tax").
 //! - `entity`: a capitalised word (not at the start of a sentence) or a quoted string on one
 //!   side is missing from the other.
 //! - `direction`: words before "to" on one side come after it on the other, and vice versa.
@@ -116,7 +120,7 @@ fn judge(query: &str, candidate: &str) -> GateVerdict {
         return GateVerdict::Reject("negation");
     }
     let (wa, wb) = (Words::of(&a), Words::of(&b));
-    if antonyms(&wa, &wb) {
+    if antonyms(&wa, &wb) || prefixed_once(&wa, &wb) || prefixed_once(&wb, &wa) {
         return GateVerdict::Reject("antonym");
     }
     if !entities_covered(&a, &wb) || !entities_covered(&b, &wa) || !same_quotes(&a, &b) {
@@ -161,6 +165,8 @@ struct Words<'a> {
     antonyms: HashSet<&'static str>,
     /// Every token, lower-cased, possessive stripped and plural folded (for entities).
     folded: HashSet<&'a str>,
+    /// Words under a modifying prefix ("self-employed").
+    compounds: HashSet<&'a str>,
 }
 
 impl<'a> Words<'a> {
@@ -174,6 +180,7 @@ impl<'a> Words<'a> {
                 .iter()
                 .map(|t| singular(strip_possessive(&t.lower)))
                 .collect(),
+            compounds: f.compounds.iter().map(String::as_str).collect(),
         }
     }
 }
@@ -266,6 +273,34 @@ fn prefixed_opposite(a: &Words, b: &Words) -> bool {
         }
     }
     false
+}
+
+/// `a` puts a modifying prefix on a word that `b` has bare or under another prefix
+/// ("self-employed" / "employed", "pre-tax" / "post-tax"; see `features::compound`). `b`
+/// keeps the prefix when it has the compound, the prefix as a word ("self employed") or,
+/// for "self-", a reflexive pronoun ("self-love" / "love myself").
+fn prefixed_once(a: &Words, b: &Words) -> bool {
+    const REFLEXIVE: &[&str] = &[
+        "myself",
+        "yourself",
+        "himself",
+        "herself",
+        "itself",
+        "ourselves",
+        "yourselves",
+        "themselves",
+        "oneself",
+    ];
+    steps(a.compounds.len() * (2 + REFLEXIVE.len()));
+    a.compounds.iter().any(|c| {
+        let Some((prefix, word)) = c.split_once('-') else {
+            return false;
+        };
+        let kept = b.compounds.contains(c)
+            || b.words.contains(prefix)
+            || (prefix == "self" && REFLEXIVE.iter().any(|r| b.words.contains(r)));
+        b.words.contains(word) && !kept
+    })
 }
 
 /// Every entity of `a` appears as a word of `b` (case-insensitively, plurals folded).
@@ -661,6 +696,81 @@ mod tests {
             "number",
         );
         rejects("Track order 48213", "Track order 48231", "number");
+    }
+
+    /// Roman numerals in capitals are numbers, wherever a text's case says nothing about
+    /// names (Title Case), and a numeral is not also a name.
+    #[test]
+    fn roman_numerals_are_numbers() {
+        rejects(
+            "How many wives did Henry VIII have?",
+            "How many wives did Henry VII have?",
+            "number",
+        );
+        // Title Case: capitals name nothing here, so only the numbers tell them apart.
+        rejects(
+            "What Happens In Star Wars Episode IV",
+            "What Happens In Star Wars Episode VI",
+            "number",
+        );
+        rejects(
+            "What changed in Windows XP Service Pack II?",
+            "What changed in Windows XP Service Pack III?",
+            "number",
+        );
+        // The same number written two ways is the same number (before, "II" was a name
+        // missing from the other side).
+        passes(
+            "What are the early symptoms of type II diabetes?",
+            "What are the early symptoms of type 2 diabetes?",
+        );
+    }
+
+    /// Words that leave out what follows count as a negation.
+    #[test]
+    fn exclusions_are_negations() {
+        rejects(
+            "Which fruits are high in fibre?",
+            "Which fruits other than apples are high in fibre?",
+            "negation",
+        );
+        rejects(
+            "What can I recycle in the blue bin?",
+            "What can I recycle in the blue bin except glass?",
+            "negation",
+        );
+        passes(
+            "Which fruits except apples are high in fibre?",
+            "Which fruits other than apples are high in fibre?",
+        );
+    }
+
+    /// A modifying prefix on one side only names something else.
+    #[test]
+    fn modifying_prefixes_are_caught() {
+        rejects(
+            "Can self-employed people claim sick pay?",
+            "Can employed people claim sick pay?",
+            "antonym",
+        );
+        rejects(
+            "Is my pension taken from my pre-tax pay?",
+            "Is my pension taken from my post-tax pay?",
+            "antonym",
+        );
+        rejects(
+            "Do I need to tell my ex-partner if I move abroad?",
+            "Do I need to tell my partner if I move abroad?",
+            "antonym",
+        );
+        passes(
+            "Can self employed people claim sick pay?",
+            "Can self-employed people claim sick pay?",
+        );
+        passes(
+            "Why is self-compassion hard to learn?",
+            "Why is it hard to learn compassion for yourself?",
+        );
     }
 
     #[test]
