@@ -1365,6 +1365,7 @@ async fn saved_counts_leave_their_vectors_out_rather_than_be_dropped() {
                 })
                 .collect(),
             clusters: Vec::new(),
+            families: Vec::new(),
         });
         assert_eq!(p.import(&snap), nodes);
         p
