@@ -27,7 +27,7 @@
 //! more) those found at similarity `t` or more. Every side gets the same feedback. Measured
 //! after a warm-up of the first half of the stream.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use reprise_backend::fake::{ScriptConfig, ScriptedBackend};
@@ -165,11 +165,45 @@ impl Answers {
         rules
     }
 
+    /// Whether the answer `reply` (a wrong hit's) is that of a question whose text shares at
+    /// least [`NEAR_DUPLICATE`] of its words with `pair`'s own A: the same question, or the
+    /// same passage, in another pair, which the protocol gives another reply.
+    fn near_duplicate(&self, pair: &Pair, reply: &str) -> bool {
+        let Some(served) = self.by_reply.get(reply) else {
+            return false;
+        };
+        let own = words(&pair.a);
+        self.of_text
+            .iter()
+            .filter(|(_, id)| *id == served)
+            .any(|(text, _)| jaccard(&own, &words(text)) >= NEAR_DUPLICATE)
+    }
+
     /// Whether a hit serving `reply` to the B of `pair` is correct: the answer of its own A,
     /// in a pair labelled the same.
     fn correct(&self, pair: &Pair, reply: &str) -> bool {
         let served = self.by_reply.get(reply);
         pair.same && served.is_some() && served == self.of_text.get(&pair.a)
+    }
+}
+
+/// The share of words (Jaccard, lower-cased) from which two texts count as near-duplicates.
+const NEAR_DUPLICATE: f64 = 0.7;
+
+/// The lower-cased words of `text`.
+fn words(text: &str) -> HashSet<String> {
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+        .collect()
+}
+
+/// Words in both over words in either.
+fn jaccard(a: &HashSet<String>, b: &HashSet<String>) -> f64 {
+    let union = a.union(b).count();
+    match union {
+        0 => 1.0,
+        n => a.intersection(b).count() as f64 / n as f64,
     }
 }
 
@@ -196,6 +230,8 @@ struct Record {
     same: bool,
     /// For a semantic hit: the similarity it was served at and whether it was correct.
     hit: Option<(f32, bool)>,
+    /// A wrong hit that served a near-duplicate of the pair's own A ([`NEAR_DUPLICATE`]).
+    near_duplicate: bool,
     /// Whether it was an exact hit (its text was stored already).
     exact: bool,
 }
@@ -380,6 +416,7 @@ async fn run_side(
                     pos,
                     same: pair.same,
                     hit: None,
+                    near_duplicate: false,
                     exact: reply.outcome == "exact",
                 };
                 if reply.outcome == "semantic" {
@@ -388,6 +425,8 @@ async fn run_side(
                         .similarity
                         .ok_or_else(|| anyhow::anyhow!("a semantic hit without its similarity"))?;
                     record.hit = Some((similarity, correct));
+                    record.near_duplicate =
+                        !correct && answers.near_duplicate(pair, &reply.content);
                     if sampler.next() {
                         let verdict = if correct { "right" } else { "wrong" };
                         let body = json!({"id": reply.id, "verdict": verdict});
@@ -622,6 +661,28 @@ fn report(sides: &[Side], measured: &[Measured], asks: usize, floor: f32) {
     }
 
     println!();
+    println!(
+        "Wrong hits after warm-up that served a near-duplicate of the question's own A (at \
+         least {:.0} % of words shared: the same question or passage in another pair, given \
+         another reply by the protocol):",
+        100.0 * NEAR_DUPLICATE
+    );
+    println!();
+    for (side, m) in sides.iter().zip(measured) {
+        let wrong: Vec<Record> = after(m)
+            .into_iter()
+            .filter(|r| r.hit.is_some_and(|(_, correct)| !correct))
+            .collect();
+        let near = wrong.iter().filter(|r| r.near_duplicate).count();
+        println!(
+            "- {}: {near} of {} ({})",
+            side.label,
+            wrong.len(),
+            pct(share(near, wrong.len()))
+        );
+    }
+
+    println!();
     println!("By quarter of the stream (semantic hits, wrong among them, true-pair hit rate, threshold at the quarter's end):");
     println!();
     println!("| side | 1st | 2nd | 3rd | 4th | exact hits | feedback right / wrong | near misses checked right / wrong | hits checked right / wrong |");
@@ -781,6 +842,34 @@ mod tests {
         let rules = answers.rules();
         assert_eq!(rules.len(), 6);
         assert!(rules.windows(2).all(|w| w[0].0.len() >= w[1].0.len()));
+    }
+
+    /// A wrong hit is told apart when it served another pair's copy of the same passage.
+    #[test]
+    fn wrong_hits_on_a_near_duplicate_of_the_own_question_are_told_apart() {
+        let pairs = [
+            pair(
+                "Set the seed to make the shuffle of the dataset reproducible.",
+                "A fixed seed makes the dataset shuffle reproducible.",
+                true,
+            ),
+            pair(
+                "Set the seed to make the shuffle of your dataset reproducible.",
+                "Fixing the seed gives a reproducible dataset shuffle.",
+                true,
+            ),
+            pair(
+                "Streaming reads a dataset without downloading it.",
+                "A streamed dataset is read without a download.",
+                true,
+            ),
+        ];
+        let answers = Answers::new(&pairs, 1);
+        let reply = |t: &str| answers.replies[answers.of_text[t]].clone();
+        assert!(!answers.correct(&pairs[0], &reply(&pairs[1].a)));
+        assert!(answers.near_duplicate(&pairs[0], &reply(&pairs[1].a)));
+        assert!(!answers.near_duplicate(&pairs[0], &reply(&pairs[2].a)));
+        assert!(!answers.near_duplicate(&pairs[0], "not a scripted reply"));
     }
 
     #[test]
