@@ -219,8 +219,11 @@ async fn random_requests_get_well_formed_answers_and_never_break_the_server() {
             .map(|v| v.to_str().unwrap_or("").to_string())
             .unwrap_or_default();
         let text = r.text().await.unwrap();
+        // `Cache-Control: only-if-cached` without a cached answer is RFC 9111's 504, the one
+        // 5xx a request may get here.
+        let not_cached = status == 504 && text.contains("\"code\":\"not_cached\"");
         assert!(
-            status < 500,
+            status < 500 || not_cached,
             "case {case} (seed {seed}): {status} for {shown}: {text}"
         );
         if status == 200 {
