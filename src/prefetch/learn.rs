@@ -70,9 +70,9 @@ impl Shared {
     pub(super) fn renamed(&self, namespace: &str, old: EntryId, new: EntryId) {
         let mut renames = self.renames.lock();
         if renames.len() >= super::MAX_RENAMES {
-            renames.remove(0);
+            renames.pop_front();
         }
-        renames.push((namespace.to_string(), old, new));
+        renames.push_back((namespace.to_string(), old, new));
         drop(renames);
         self.wake.notify_one();
     }

@@ -221,7 +221,7 @@ struct Shared {
     /// Refreshed entries whose counts move to their new id (namespace, old, new): applied
     /// by the worker's learning step, off the async threads, since regrouping may hold the
     /// model for its whole budget and a rename walks every node of its namespace.
-    renames: Mutex<Vec<(String, EntryId, EntryId)>>,
+    renames: Mutex<VecDeque<(String, EntryId, EntryId)>>,
     budget: Mutex<Budgets>,
     slots: Arc<Semaphore>,
     counts: Counts,
@@ -278,7 +278,7 @@ impl Prefetcher {
             queue: Mutex::new(VecDeque::new()),
             pending: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashMap::new()),
-            renames: Mutex::new(Vec::new()),
+            renames: Mutex::new(VecDeque::new()),
             budget: Mutex::new(Budgets::new(BUDGET_WINDOW)),
             slots: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
             counts: Counts::default(),

@@ -137,11 +137,11 @@ pub struct SemanticIndex {
 /// rebuilt as they churn (vectors grown by doubling, hnsw_rs's minimum table sizes). The
 /// larger is charged.
 const SLOT_BASE_BYTES: u32 = 2_300;
+/// Added per unit of `hnsw_m` to [`SLOT_BASE_BYTES`].
+const SLOT_BYTES_PER_LINK: u32 = 16;
 /// Slots a recall check scans under one read of its partition (about 0.4 ms of dot
 /// products at 384 dimensions; the default `exact_scan_max`'s size).
 const RECALL_SCAN_CHUNK: usize = 2_048;
-/// Added per unit of `hnsw_m` to [`SLOT_BASE_BYTES`].
-const SLOT_BYTES_PER_LINK: u32 = 16;
 
 /// Counts of the index's HNSW work since it was created ([`SemanticIndex::graph_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -1,8 +1,9 @@
 //! The surface features of one prompt that the gate compares: its words (tokenised, with
 //! sentence and clause starts), numbers (digits with their sign and magnitude, number words,
-//! times, ordinals), the operators between numbers and the currencies named, date words,
-//! negations, entities (capitalised words), quoted strings, and content words with phrasal
-//! verbs joined.
+//! times, ordinals, roman numerals in capitals), the operators between numbers and the
+//! currencies named, date words, negations (exclusions among them), entities (capitalised
+//! words), quoted strings, content words with phrasal verbs joined, and words hyphenated to
+//! a modifying prefix.
 
 use super::lexicon::{
     currency_word, is_negation, operator_word, ordinal_word, scale_word, strip_possessive,
@@ -49,8 +50,8 @@ pub(super) struct Features {
     pub(super) entities: Vec<String>,
     /// Contents of double quotes or backticks.
     pub(super) quotes: Vec<String>,
-    /// Words under a modifying prefix ([`MODIFYING_PREFIXES`]), written as "prefix-word"
-    /// whether the text hyphenates them or not ("self-employed", "ex wife", "pre-tax").
+    /// Words hyphenated to a modifying prefix ([`MODIFYING_PREFIXES`]), as "prefix-word"
+    /// ("self-employed", "ex-wife", "pre-tax").
     pub(super) compounds: Vec<String>,
     /// Lower-cased words with possessives stripped and phrasal verbs joined ("opt_in").
     pub(super) words: Vec<String>,
