@@ -318,3 +318,44 @@ async fn a_load_past_the_budget_leaves_no_vector_of_an_entry_it_evicted() {
         }
     }
 }
+
+/// A change Redis refuses is tried again every `DELETE_RETRY` until Redis takes it, and given
+/// up only once a deletion's mark would have lapsed (time paused: the schedule, not the clock
+/// of the machine, is what is tested).
+#[tokio::test(start_paused = true)]
+async fn redis_changes_are_tried_again_until_taken_and_given_up_with_the_deletion_mark() {
+    let start = tokio::time::Instant::now();
+    let mut tries = 0;
+    let taken = until_redis_takes("test", || {
+        tries += 1;
+        let ok = tries == 3;
+        async move {
+            match ok {
+                true => Ok(tries),
+                false => Err(RedisError::Config("down".into())),
+            }
+        }
+    })
+    .await;
+    assert_eq!(taken, Some(3), "taken at the third try");
+    assert_eq!(start.elapsed(), 2 * DELETE_RETRY, "two waits before it");
+
+    let start = tokio::time::Instant::now();
+    let mut tries = 0u32;
+    let never: Option<()> = until_redis_takes("test", || {
+        tries += 1;
+        async { Err(RedisError::Config("down".into())) }
+    })
+    .await;
+    assert_eq!(never, None);
+    let waited = start.elapsed();
+    assert!(
+        waited < DELETED_TTL && waited + DELETE_RETRY >= DELETED_TTL,
+        "given up within one retry of the mark's end: {waited:?}"
+    );
+    assert_eq!(
+        u64::from(tries),
+        DELETED_TTL.as_secs() / DELETE_RETRY.as_secs(),
+        "one try every DELETE_RETRY"
+    );
+}
