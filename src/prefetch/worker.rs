@@ -77,10 +77,10 @@ pub(super) async fn worker(
             _ = stop.cancelled() => {
                 // What was observed before the stop is learned, so the counts saved at
                 // shutdown include it.
+                shared.apply_renames();
                 while let Some(ev) = rx.try_recv() {
                     shared.apply(ev);
                 }
-                shared.apply_renames();
                 return;
             }
         };

@@ -172,6 +172,10 @@ impl Answers {
         let Some(served) = self.by_reply.get(reply) else {
             return false;
         };
+        // The pair's own A (a hit on a pair labelled different) is the plain false hit.
+        if self.of_text.get(&pair.a) == Some(served) {
+            return false;
+        }
         let own = words(&pair.a);
         self.of_text
             .iter()
@@ -870,6 +874,12 @@ mod tests {
         assert!(answers.near_duplicate(&pairs[0], &reply(&pairs[1].a)));
         assert!(!answers.near_duplicate(&pairs[0], &reply(&pairs[2].a)));
         assert!(!answers.near_duplicate(&pairs[0], "not a scripted reply"));
+        // A hit on its own A, in a pair labelled different, is no near-duplicate.
+        let apart = pair(&pairs[0].a, "Shuffle the dataset without a seed.", false);
+        let answers = Answers::new(&[apart.clone()], 1);
+        let own = answers.replies[answers.of_text[&apart.a]].clone();
+        assert!(!answers.correct(&apart, &own));
+        assert!(!answers.near_duplicate(&apart, &own));
     }
 
     #[test]

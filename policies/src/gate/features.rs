@@ -17,7 +17,8 @@ pub(super) struct Token {
     pub(super) lower: String,
     /// Has an upper-case letter somewhere (Paris, macOS, UK).
     pub(super) cased: bool,
-    /// Every letter upper-case, two letters at least (UK, XLIX; not "I", "Paris").
+    /// Every letter upper-case, two letters at least, a possessive's "s" aside (UK, XLIX,
+    /// VIII's; not "I", "Paris").
     pub(super) upper: bool,
     /// Joined by a hyphen to the word before ("employed" in "self-employed").
     pub(super) hyphened: bool,
@@ -40,6 +41,10 @@ pub(super) struct Features {
     pub(super) operators: Vec<&'static str>,
     /// Currencies, by symbol or word ("$", "dollars", "EUR"), normalised to a name.
     pub(super) currencies: Vec<&'static str>,
+    /// The numbers of `numbers` read from roman numerals, with the numeral's lower-cased
+    /// text: the other side may have the same numeral in lower case or in a shouted text,
+    /// where it is read as a word ("World War II" / "world war ii").
+    pub(super) romans: Vec<(String, String)>,
     /// How many of `numbers` came from the word "one" (often a pronoun: "quick one").
     pub(super) ones_from_word: usize,
     /// Weekdays, months, relative days ("sunday", "tomorrow", "weekend").
@@ -140,6 +145,7 @@ impl Features {
                 continue;
             } else if let Some(n) = roman_numeral(&tokens, i).filter(|_| !all_caps) {
                 f.numbers.push(n.to_string());
+                f.romans.push((n.to_string(), w.to_string()));
                 numeral = true;
             } else {
                 // Digits ending a word name a version or a variant: "python3", "ipv6".
@@ -192,23 +198,27 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
     let mut visible: Option<char> = None;
     let mut current = String::new();
     let mut cased = false;
-    let mut lower_seen = false;
     let mut hyphened = false;
     let mut sentence_start = true;
     let mut clause_start = true;
     let mut pending_sentence = true;
     let mut pending_clause = true;
     let flush = |current: &mut String,
-                 (cased, lower_seen, hyphened): (&mut bool, &mut bool, bool),
+                 (cased, hyphened): (&mut bool, bool),
                  out: &mut Vec<Token>,
                  sentence: &mut bool,
                  clause: &mut bool| {
         if !current.is_empty() {
-            let letters = current.chars().filter(|c| c.is_alphabetic()).count();
+            // A possessive's "s" leaves a word in capitals ("VIII's").
+            let core = current
+                .strip_suffix("'s")
+                .or_else(|| current.strip_suffix("'S"))
+                .unwrap_or(current);
+            let letters = core.chars().filter(|c| c.is_alphabetic()).count();
             out.push(Token {
                 lower: current.to_lowercase(),
                 cased: *cased,
-                upper: *cased && !*lower_seen && letters >= 2,
+                upper: letters >= 2 && !core.chars().any(char::is_lowercase),
                 hyphened,
                 sentence_start: *sentence,
                 clause_start: *clause,
@@ -218,7 +228,6 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
             *clause = false;
         }
         *cased = false;
-        *lower_seen = false;
     };
     for (i, &c) in chars.iter().enumerate() {
         let prev = i.checked_sub(1).map(|j| chars[j]);
@@ -252,15 +261,12 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
             if c.is_uppercase() {
                 cased = true;
             }
-            if c.is_lowercase() {
-                lower_seen = true;
-            }
             current.push(c);
             continue;
         }
         flush(
             &mut current,
-            (&mut cased, &mut lower_seen, hyphened),
+            (&mut cased, hyphened),
             &mut out,
             &mut sentence_start,
             &mut clause_start,
@@ -274,7 +280,7 @@ pub(super) fn tokenize(text: &str) -> Vec<Token> {
     }
     flush(
         &mut current,
-        (&mut cased, &mut lower_seen, hyphened),
+        (&mut cased, hyphened),
         &mut out,
         &mut sentence_start,
         &mut clause_start,
@@ -408,7 +414,7 @@ const NUMERALS_AFTER_NAMES: &[&str] = &["iv", "vi", "xl"];
 /// VIII" → 8, "Type II" → 2).
 fn roman_numeral(tokens: &[Token], i: usize) -> Option<u32> {
     let t = &tokens[i];
-    let w = t.lower.as_str();
+    let w = strip_possessive(&t.lower);
     if !t.upper || NOT_NUMERALS.contains(&w) {
         return None;
     }
@@ -471,20 +477,30 @@ fn write_roman(mut n: u32) -> String {
 /// Token `i` starts words that leave out what follows ("except", "excluding", "other
 /// than"): counted as a negation ("Which countries use the euro?" / "Which countries use a
 /// currency other than the euro?"). Not "apart from", "aside from", "besides": as often
-/// "in addition to".
+/// "in addition to"; not Python's `except` ("try/except", "except KeyError", "except:").
 fn excludes(tokens: &[Token], i: usize) -> bool {
+    let next = tokens.get(i + 1);
     match tokens[i].lower.as_str() {
-        "except" | "excluding" => true,
-        "other" => tokens.get(i + 1).is_some_and(|t| t.lower == "than"),
+        "except" => {
+            let after_try = i.checked_sub(1).is_some_and(|j| tokens[j].lower == "try");
+            let code = next.is_none_or(|n| {
+                n.clause_start || n.lower.ends_with("error") || n.lower.ends_with("exception")
+            });
+            !after_try && !code
+        }
+        "excluding" => true,
+        "other" => next.is_some_and(|t| t.lower == "than"),
         _ => false,
     }
 }
 
-/// Prefixes that make a word name something else ("self-employed" is not "employed",
-/// "pre-tax" not "post-tax", "ex-wife" not "wife", "anti-inflammatory" not "inflammatory").
-const MODIFYING_PREFIXES: &[&str] = &[
-    "self", "ex", "pre", "post", "anti", "semi", "multi", "sub", "inter", "intra", "co",
-];
+/// Prefixes whose compounds the gate compares (`prefixed_once` in the gate): "self-" and
+/// "ex-" name something else than the bare word ("self-employed" is not "employed",
+/// "ex-wife" not "wife"); the others only against their opposite ("pre-tax" / "post-tax",
+/// "pro-choice" / "anti-choice"), since alone they are as often reworded ("pre-trained" /
+/// "already trained", "anti-virus" / "virus protection").
+pub(super) const MODIFYING_PREFIXES: &[&str] =
+    &["self", "ex", "pre", "post", "pro", "anti", "inter", "intra"];
 
 /// The compound token `i` starts with the next one, as "prefix-word", when token `i` is a
 /// [`MODIFYING_PREFIXES`] hyphenated to a word ("pre-tax", "self-employed"; written apart,
@@ -696,8 +712,8 @@ mod tests {
     fn compounds_and_exclusions() {
         let compounds = |t: &str| Features::of(t).compounds;
         assert_eq!(
-            compounds("My self-employed ex-wife, a co-founder"),
-            ["self-employed", "ex-wife", "co-founder"]
+            compounds("My self-employed ex-wife, a co-founder, pre-tax"),
+            ["self-employed", "ex-wife", "pre-tax"]
         );
         assert!(
             compounds("How do I post a photo? My ex is pre Raphaelite, self employed").is_empty()

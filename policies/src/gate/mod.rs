@@ -15,11 +15,11 @@
 //! - `currency`: both sides name currencies (by symbol, word or code) and not the same ones.
 //! - `date`: the multisets of weekday, month and relative-day words differ.
 //! - `negation`: the parity of negations (not, n't, no, never, without, non-..., and words
-//!   that leave out what follows: except, excluding, other than, apart from) differs.
+//!   that leave out what follows: except, excluding, other than) differs.
 //! - `antonym`: one side has a word, the other its opposite (and not the word itself),
-//!   from a fixed list or by an un-/dis-/de- prefix; or a modifying prefix (self-, ex-, pre-,
-//!   post-, anti-, semi-, multi-, sub-, inter-, intra-, co-) on a word the other side has bare
-//!   ("self-employed" / "employed", "pre-tax" / "post-tax").
+//!   from a fixed list or by an un-/dis-/de- prefix; or a word under opposite prefixes
+//!   ("pre-tax" / "post-tax", "pro-" / "anti-") or under "self-" or "ex-" on one side only
+//!   ("self-employed" / "employed", "ex-partner" / "partner").
 //! - `entity`: a capitalised word (not at the start of a sentence) or a quoted string on one
 //!   side is missing from the other.
 //! - `direction`: words before "to" on one side come after it on the other, and vice versa.
@@ -48,7 +48,7 @@ mod substitution;
 
 pub use self::substitution::substitution;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use self::features::Features;
 use self::lexicon::{antonym_bases, singular, strip_possessive, ANTONYMS, STOPWORDS};
@@ -104,7 +104,8 @@ pub fn capped(text: &str) -> &str {
 fn judge(query: &str, candidate: &str) -> GateVerdict {
     let a = Features::of(query);
     let b = Features::of(candidate);
-    if !same_numbers(&a, &b) {
+    let (wa, wb) = (Words::of(&a), Words::of(&b));
+    if !same_numbers(&a, &b, &wa, &wb) {
         return GateVerdict::Reject("number");
     }
     if both_differ(&sorted(&a.operators), &sorted(&b.operators)) {
@@ -119,7 +120,6 @@ fn judge(query: &str, candidate: &str) -> GateVerdict {
     if a.negations % 2 != b.negations % 2 {
         return GateVerdict::Reject("negation");
     }
-    let (wa, wb) = (Words::of(&a), Words::of(&b));
     if antonyms(&wa, &wb) || prefixed_once(&wa, &wb) || prefixed_once(&wb, &wa) {
         return GateVerdict::Reject("antonym");
     }
@@ -207,9 +207,33 @@ fn sorted<T: Ord + Clone>(v: &[T]) -> Vec<T> {
 }
 
 /// Same numbers on both sides, up to one unmatched "one" spelled as a word.
-fn same_numbers(a: &Features, b: &Features) -> bool {
+fn same_numbers(a: &Features, b: &Features, wa: &Words, wb: &Words) -> bool {
     let mut x = sorted(&a.numbers);
     let mut y = sorted(&b.numbers);
+    if x == y {
+        return true;
+    }
+    // A roman numeral the other side has as a plain word (lower case, a shouted text) is
+    // the same numeral: "World War II" / "world war ii".
+    let as_word = |v: &mut Vec<String>, f: &Features, other: &Words, other_f: &Features| {
+        steps(f.romans.len() + other_f.romans.len() + v.len());
+        let read_there: HashSet<&str> = other_f.romans.iter().map(|(_, t)| t.as_str()).collect();
+        let mut unread: HashMap<&str, usize> = HashMap::new();
+        for (value, text) in &f.romans {
+            if other.words.contains(text.as_str()) && !read_there.contains(text.as_str()) {
+                *unread.entry(value.as_str()).or_default() += 1;
+            }
+        }
+        v.retain(|n| match unread.get_mut(n.as_str()) {
+            Some(k) if *k > 0 => {
+                *k -= 1;
+                false
+            }
+            _ => true,
+        });
+    };
+    as_word(&mut x, a, wb, b);
+    as_word(&mut y, b, wa, a);
     if x == y {
         return true;
     }
@@ -275,12 +299,16 @@ fn prefixed_opposite(a: &Words, b: &Words) -> bool {
     false
 }
 
-/// `a` puts a modifying prefix on a word that `b` has bare or under another prefix
-/// ("self-employed" / "employed", "pre-tax" / "post-tax"; see `features::compound`). `b`
-/// keeps the prefix when it has the compound, the prefix as a word ("self employed") or,
-/// for "self-", a reflexive pronoun ("self-love" / "love myself").
+/// `a` puts a prefix on a word that `b` has under the opposite prefix ("pre-tax" /
+/// "post-tax", "pro-choice" / "anti-choice"), or `a` has "self-" or "ex-" on a word that `b`
+/// has bare ("self-employed" / "employed", "ex-partner" / "partner"; see
+/// `features::compound`). `b` keeps a "self-" or "ex-" when it has the compound, the prefix
+/// as a word ("self employed"), or words that say it otherwise ("self-hosted" / "hosted on
+/// my own server", "ex-wife" / "former wife").
 fn prefixed_once(a: &Words, b: &Words) -> bool {
-    const REFLEXIVE: &[&str] = &[
+    const OPPOSITE: &[(&str, &str)] = &[("pre", "post"), ("pro", "anti"), ("inter", "intra")];
+    const SAID_OF_SELF: &[&str] = &[
+        "own",
         "myself",
         "yourself",
         "himself",
@@ -291,14 +319,29 @@ fn prefixed_once(a: &Words, b: &Words) -> bool {
         "themselves",
         "oneself",
     ];
-    steps(a.compounds.len() * (2 + REFLEXIVE.len()));
+    const SAID_OF_EX: &[&str] = &["former", "previous", "old"];
+    steps(a.compounds.len() * (2 + SAID_OF_SELF.len()));
     a.compounds.iter().any(|c| {
         let Some((prefix, word)) = c.split_once('-') else {
             return false;
         };
+        let opposite = OPPOSITE.iter().find_map(|&(x, y)| match prefix {
+            p if p == x => Some(y),
+            p if p == y => Some(x),
+            _ => None,
+        });
+        if let Some(o) = opposite {
+            return b.compounds.contains(format!("{o}-{word}").as_str())
+                && !b.compounds.contains(c);
+        }
+        let said = match prefix {
+            "self" => SAID_OF_SELF,
+            "ex" => SAID_OF_EX,
+            _ => return false,
+        };
         let kept = b.compounds.contains(c)
             || b.words.contains(prefix)
-            || (prefix == "self" && REFLEXIVE.iter().any(|r| b.words.contains(r)));
+            || said.iter().any(|w| b.words.contains(w));
         b.words.contains(word) && !kept
     })
 }
@@ -449,13 +492,14 @@ mod tests {
         (STEPS.with(|s| s.get()), verdict)
     }
 
-    /// Prompts that reach every rule: prefixed words, antonyms, entities and plurals all
-    /// through, and the same verdict however often they repeat.
+    /// Prompts that reach every rule: prefixed words, antonyms, entities, plurals, a
+    /// hyphenated prefix and a roman numeral (one side's in lower case) all through, and the
+    /// same verdict however often they repeat.
     fn long_pair(repeats: usize) -> (String, String) {
         let a = "Then we unlock the Berlin gateway, disconnect the Madrid routers and reactivate \
-                 Oslo's accounts so the team can upload reports. ";
-        let b = "So the team can upload reports, we unlock the Berlin gateway, disconnect the \
-                 Madrid routers and reactivate Oslo's accounts. ";
+                 Oslo's accounts so the team can upload reports for the self-employed Louis XIV. ";
+        let b = "So the team can upload reports for the self-employed Louis xiv, we unlock the \
+                 Berlin gateway, disconnect the Madrid routers and reactivate Oslo's accounts. ";
         (a.repeat(repeats), b.repeat(repeats))
     }
 
@@ -724,6 +768,21 @@ mod tests {
             "What are the early symptoms of type II diabetes?",
             "What are the early symptoms of type 2 diabetes?",
         );
+        // The same numeral in lower case, in a shouted text or with a possessive.
+        passes("What caused World War II?", "what caused world war ii?");
+        passes(
+            "How many wives did Henry VIII have?",
+            "HOW MANY WIVES DID HENRY VIII HAVE?",
+        );
+        passes(
+            "Who were Henry VIII's wives?",
+            "Who were the wives of Henry VIII?",
+        );
+        rejects(
+            "What caused World War II?",
+            "what caused world war iii?",
+            "number",
+        );
     }
 
     /// Words that leave out what follows count as a negation.
@@ -742,6 +801,15 @@ mod tests {
         passes(
             "Which fruits except apples are high in fibre?",
             "Which fruits other than apples are high in fibre?",
+        );
+        // Python's keyword is no exclusion.
+        passes(
+            "How does try/except work in Python?",
+            "How does exception handling work in Python?",
+        );
+        passes(
+            "How do I use except KeyError to catch a missing key?",
+            "How do I catch a KeyError for a missing key?",
         );
     }
 
@@ -770,6 +838,24 @@ mod tests {
         passes(
             "Why is self-compassion hard to learn?",
             "Why is it hard to learn compassion for yourself?",
+        );
+        // Prefixes other than self- and ex- count only against their opposite: alone they
+        // are as often reworded.
+        passes(
+            "How do I load a pre-trained model in PyTorch?",
+            "How do I load a trained model in PyTorch?",
+        );
+        passes(
+            "What is the best anti-virus software?",
+            "What is the best virus protection software?",
+        );
+        passes(
+            "What is a good self-hosted wiki?",
+            "What is a good wiki hosted on my own server?",
+        );
+        passes(
+            "Can I stay friends with my ex-wife?",
+            "Can I stay friends with my former wife?",
         );
     }
 

@@ -62,14 +62,7 @@ impl Model {
                             .collect(),
                     })
                     .collect(),
-                families: space
-                    .families
-                    .iter()
-                    .filter(|(c, f)| {
-                        space.clusters.contains_key(c) && space.clusters.contains_key(f)
-                    })
-                    .map(|(c, f)| (*c, *f))
-                    .collect(),
+                families: saved_families(&space.families, |c| space.clusters.contains_key(&c)),
             })
             .collect();
         Snapshot {
@@ -187,6 +180,28 @@ impl Model {
     }
 }
 
+/// The families as saved: each family's clusters still held (`held`), each to the smallest
+/// of them (a family whose first cluster was forgotten keeps its other members together);
+/// a family left with one cluster is none.
+fn saved_families(families: &HashMap<u64, u64>, held: impl Fn(u64) -> bool) -> Vec<(u64, u64)> {
+    let mut members: HashMap<u64, Vec<u64>> = HashMap::new();
+    for (&c, &f) in families {
+        if held(c) {
+            members.entry(f).or_default().push(c);
+        }
+    }
+    let mut out = Vec::new();
+    for (_, mut m) in members {
+        if m.len() < 2 {
+            continue;
+        }
+        m.sort_unstable();
+        out.extend(m.iter().map(|&c| (c, m[0])));
+    }
+    out.sort_unstable();
+    out
+}
+
 /// The model as saved: counts are decayed to `saved_ms`; ids are 32 hex digits.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Snapshot {
@@ -278,6 +293,19 @@ pub struct ClusterSnapshot {
 mod tests {
     use super::*;
     use crate::prefetch::model::tests::params;
+
+    /// A family whose first cluster was forgotten is saved with its other members together;
+    /// one left alone is no family.
+    #[test]
+    fn families_are_saved_by_the_clusters_still_held() {
+        let families = HashMap::from([(1, 1), (2, 1), (3, 1), (4, 4), (5, 4)]);
+        let held = |c: u64| c != 1 && c != 5;
+        assert_eq!(saved_families(&families, held), [(2, 2), (3, 2)]);
+        assert_eq!(
+            saved_families(&families, |_| true),
+            [(1, 1), (2, 1), (3, 1), (4, 4), (5, 4)]
+        );
+    }
 
     #[test]
     fn snapshot_round_trip_and_rename() {
