@@ -876,7 +876,7 @@ mod tests {
         assert!(!answers.near_duplicate(&pairs[0], "not a scripted reply"));
         // A hit on its own A, in a pair labelled different, is no near-duplicate.
         let apart = pair(&pairs[0].a, "Shuffle the dataset without a seed.", false);
-        let answers = Answers::new(&[apart.clone()], 1);
+        let answers = Answers::new(std::slice::from_ref(&apart), 1);
         let own = answers.replies[answers.of_text[&apart.a]].clone();
         assert!(!answers.correct(&apart, &own));
         assert!(!answers.near_duplicate(&apart, &own));
