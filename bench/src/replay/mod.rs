@@ -49,6 +49,7 @@ use crate::common::{
 };
 
 mod ceiling;
+mod lost;
 mod regroup;
 mod report;
 
@@ -240,6 +241,14 @@ impl Served {
 #[derive(Debug, Clone)]
 struct TurnResult {
     depth: usize,
+    /// The turn's wording and intent, and the texts and intents of the user turns before it
+    /// in its session (its context).
+    text: String,
+    intent: String,
+    history: Vec<String>,
+    history_intents: Vec<String>,
+    /// The scripted backend's calls before the turn was asked.
+    calls_before: usize,
     served: Served,
     /// The answer was generated for another intent than the turn's.
     false_hit: bool,
@@ -254,6 +263,9 @@ struct Side {
     /// The model name requests carry.
     model: String,
     server: Server,
+    /// The scripted backend, when the side has one (its log of requests tells what was
+    /// prefetched, for `lost`).
+    scripted: Option<Arc<ScriptedBackend>>,
     results: parking_lot::Mutex<Vec<TurnResult>>,
     /// Prefetch counters when the first measured session started.
     at_measure: parking_lot::Mutex<Option<PrefetchStats>>,
@@ -330,7 +342,11 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
         }
     }
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
-    report(&a, &sides, &intent_of, &sessions)
+    report(&a, &sides, &intent_of, &sessions)?;
+    for side in sides.iter().filter(|s| s.name == "prefetch on") {
+        lost::print_lost(side, &intent_of);
+    }
+    Ok(())
 }
 
 /// The sessions of a session file, in file order.
@@ -373,6 +389,8 @@ fn script(a: &ReplayArgs) -> ScriptConfig {
         first_token_delay: Duration::from_millis(a.token_delay_ms * 5),
         token_delay: Duration::from_millis(a.token_delay_ms),
         slots: a.backend_slots,
+        // Every request of the run is kept: what was prefetched is read from it.
+        log_len: usize::MAX,
         ..ScriptConfig::default()
     }
 }
@@ -448,11 +466,14 @@ async fn start_side(
     let embedder = load_embedder(&config)
         .await?
         .ok_or_else(|| anyhow::anyhow!("semantic tier is off"))?;
+    let mut scripted = None;
     let (backend, model): (Arc<dyn Backend>, String) = match a.backend {
         ReplayBackend::Scripted => {
             let script = script(a);
             let model = script.model.clone();
-            (Arc::new(ScriptedBackend::new(script)), model)
+            let b = Arc::new(ScriptedBackend::new(script));
+            scripted = Some(b.clone());
+            (b, model)
         }
         ReplayBackend::Llama => {
             anyhow::ensure!(
@@ -486,6 +507,7 @@ async fn start_side(
         url: server.chat_url(),
         model,
         server,
+        scripted,
         results: parking_lot::Mutex::new(Vec::new()),
         at_measure: parking_lot::Mutex::new(None),
         done: AtomicUsize::new(0),
@@ -589,6 +611,15 @@ async fn play_session(
             tokio::time::sleep(Duration::from_secs_f64(pause / 1000.0)).await;
         }
         messages.push(json!({"role": "user", "content": turn.text}));
+        let history: Vec<String> = session.turns[..depth]
+            .iter()
+            .map(|t| t.text.clone())
+            .collect();
+        let history_intents: Vec<String> = session.turns[..depth]
+            .iter()
+            .map(|t| t.intent.clone())
+            .collect();
+        let calls_before = side.scripted.as_ref().map_or(0, |s| s.calls());
         let body = match a.backend {
             ReplayBackend::Scripted => {
                 json!({"model": side.model, "messages": messages, "stream": true})
@@ -646,6 +677,11 @@ async fn play_session(
         if measured {
             side.results.lock().push(TurnResult {
                 depth: depth + 1,
+                text: turn.text.clone(),
+                intent: turn.intent.clone(),
+                history,
+                history_intents,
+                calls_before,
                 served,
                 false_hit,
                 total_s,
