@@ -406,6 +406,9 @@ async fn generate_job(shared: &Shared, state: &Arc<AppState>, job: &Job) -> Ran 
             state.store.alias_unclaimed(&job.aliases, &entry).await;
         }
     }
+    if matches!(job.kind, JobKind::Prefetch) {
+        shared.finished(&job.namespace, &job.request, &result);
+    }
     let mut tokens = 0;
     let generated = !matches!(result, Background::Cached(_) | Background::Skipped);
     match result {

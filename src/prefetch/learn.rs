@@ -77,6 +77,40 @@ impl Shared {
         self.wake.notify_one();
     }
 
+    /// Remembers a prefetch job that finished (the latest [`super::FINISHED_JOBS`]).
+    pub(super) fn finished(
+        &self,
+        namespace: &str,
+        request: &GenRequest,
+        result: &crate::generate::Background,
+    ) {
+        use crate::generate::Background;
+        let questions = match &request.input {
+            Input::Chat(messages) => messages
+                .iter()
+                .filter(|m| m.role == "user")
+                .map(|m| m.content.clone())
+                .collect(),
+            Input::Prompt(p) => vec![p.clone()],
+        };
+        let outcome = match result {
+            Background::Generated { .. } => "generated",
+            Background::Cached(_) => "cached",
+            Background::Failed { .. } => "failed",
+            Background::Skipped => "skipped",
+        };
+        let mut finished = self.finished.lock();
+        if finished.len() >= super::FINISHED_JOBS {
+            finished.pop_front();
+        }
+        finished.push_back(super::FinishedJob {
+            at: Instant::now(),
+            namespace: namespace.to_string(),
+            questions,
+            outcome,
+        });
+    }
+
     /// Applies the renames waiting (in the order they came); `true` when there were any.
     /// Blocks on the model: for the worker's blocking step.
     pub(super) fn apply_renames(&self) -> bool {

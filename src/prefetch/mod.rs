@@ -123,6 +123,8 @@ const SESSIONS_BYTES: u64 = 16 * 1024 * 1024;
 const SESSION_IDLE: Duration = Duration::from_secs(3600);
 /// Entries remembered as already asked for follow-up proposals.
 const MAX_PROPOSED: u64 = 10_000;
+/// The prefetch jobs remembered as finished ([`Prefetcher::finished_jobs`]).
+const FINISHED_JOBS: usize = 4096;
 /// The most renames waiting for the worker; past it the oldest is dropped (its counts stay
 /// under the old id and fade).
 const MAX_RENAMES: usize = 4096;
@@ -222,6 +224,8 @@ struct Shared {
     /// by the worker's learning step, off the async threads, since regrouping may hold the
     /// model for its whole budget and a rename walks every node of its namespace.
     renames: Mutex<VecDeque<(String, EntryId, EntryId)>>,
+    /// The latest prefetch jobs finished (at most [`FINISHED_JOBS`]), for diagnostics.
+    finished: Mutex<VecDeque<FinishedJob>>,
     budget: Mutex<Budgets>,
     slots: Arc<Semaphore>,
     counts: Counts,
@@ -232,6 +236,21 @@ struct Shared {
     /// The running embedder's fingerprint: the model learns only its vectors, and keeps
     /// only a saved model's vectors that it made.
     embedder: std::sync::OnceLock<Digest>,
+}
+
+/// A prefetch job that finished: what it asked and how it ended (diagnostics and
+/// benchmarks: `reprise-bench replay` reads where prefetch's gain was lost).
+#[derive(Debug, Clone)]
+pub struct FinishedJob {
+    /// When it finished.
+    pub at: std::time::Instant,
+    /// Its namespace.
+    pub namespace: String,
+    /// The user messages of its request, the predicted question last.
+    pub questions: Vec<String>,
+    /// How it ended: the answer was `generated`, the cache held one already (`cached`), or
+    /// nothing was stored (`failed`, `skipped`).
+    pub outcome: &'static str,
 }
 
 /// Handle to the prefetcher.
@@ -279,6 +298,7 @@ impl Prefetcher {
             pending: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashMap::new()),
             renames: Mutex::new(VecDeque::new()),
+            finished: Mutex::new(VecDeque::new()),
             budget: Mutex::new(Budgets::new(BUDGET_WINDOW)),
             slots: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
             counts: Counts::default(),
@@ -369,6 +389,11 @@ impl Prefetcher {
             .model
             .lock()
             .regrouped_clusters(ns, &p, now_ms(), learn::may_merge)
+    }
+
+    /// The latest prefetch jobs finished (at most 4,096), oldest first.
+    pub fn finished_jobs(&self) -> Vec<FinishedJob> {
+        self.shared.finished.lock().iter().cloned().collect()
     }
 
     /// The learned counts.

@@ -1,21 +1,23 @@
-//! Where prefetch's gain is lost (`replay` with the scripted backend): each measured turn the
-//! prefetch side answered with a miss, classed by what its background generations had asked
-//! the backend for by then (the scripted backend keeps every request it got, in order).
+//! Where prefetch's gain is lost: each measured turn the prefetch side answered with a miss,
+//! classed by the prefetch jobs that had finished before it was asked
+//! ([`reprise::prefetch::Prefetcher::finished_jobs`]: what each asked, and whether it ended
+//! with an answer generated or found in the cache).
 //!
-//! A miss whose question (by intent) was prefetched in its own context (the same earlier
-//! turns, word for word) before it was asked was lost to timing or to matching: prefetched in
-//! the very wording asked, the answer was not ready or not kept; prefetched in another
-//! wording of the question, it was not matched (no alias, and by meaning under the threshold
-//! or refused by the gate). One whose question was prefetched only after a context of the
-//! same questions in other words was lost to context matching. The rest were never predicted
-//! in time: the predictor's part.
+//! A miss whose question was answered by a prefetch in its own context (the same earlier
+//! turns, word for word) before it was asked was lost to matching: prefetched in the very
+//! wording asked, the answer was not found when asked (its entry gone, or stored apart);
+//! prefetched in another wording of the question, the asked one was neither an alias nor
+//! close enough by meaning. One whose question was answered only after a context of the same
+//! questions in other words was lost to context: the prediction after this context's wording
+//! did not include it. One prefetched here only after it was asked, or whose job ended
+//! without an answer, was late. The rest were never predicted here: the predictor's part.
 
-use reprise_backend::{GenRequest, Input, Priority};
+use reprise::prefetch::FinishedJob;
 
 use super::report::pct;
 use super::*;
 
-/// A prefetch asked of the backend: its context (the earlier user turns) and question.
+/// A question asked in a context: as worded or by intent.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Asked {
     context: Vec<String>,
@@ -27,70 +29,83 @@ struct Asked {
 pub(super) struct Lost {
     pub(super) turns: usize,
     pub(super) misses: usize,
-    /// Prefetched in this context, in the wording asked, before the turn.
+    /// Answered here, in the wording asked, before the turn.
     pub(super) same_wording: usize,
-    /// Prefetched in this context, in another wording of the question, before the turn.
+    /// Answered here, in another wording of the question, before the turn.
     pub(super) other_wording: usize,
-    /// Prefetched before the turn only in another wording of the context.
+    /// Answered before the turn only in another wording of the context.
     pub(super) other_context: usize,
-    /// Prefetched in this context (by intent) only after the turn was asked.
+    /// Prefetched here, but answered only after the turn, or not at all.
     pub(super) late: usize,
-    /// Never prefetched in this context.
+    /// Never prefetched here.
     pub(super) never: usize,
 }
 
-/// Classes the measured misses of `results` by the background requests in `log` (the
-/// backend's requests in call order); `intent_of` maps a wording to its intent.
+/// When each question was first answered by a prefetch, and first asked at all.
+#[derive(Default)]
+struct Seen {
+    answered: HashMap<Asked, Instant>,
+    tried: HashMap<Asked, Instant>,
+}
+
+impl Seen {
+    fn note(&mut self, key: Asked, job: &FinishedJob) {
+        let answered = matches!(job.outcome, "generated" | "cached");
+        if answered {
+            let at = self.answered.entry(key.clone()).or_insert(job.at);
+            *at = (*at).min(job.at);
+        }
+        let at = self.tried.entry(key).or_insert(job.at);
+        *at = (*at).min(job.at);
+    }
+
+    fn answered_before(&self, key: &Asked, asked: Instant) -> bool {
+        self.answered.get(key).is_some_and(|&at| at < asked)
+    }
+}
+
+/// Classes the measured misses of `results` by the prefetch jobs `jobs`; `intent_of` maps a
+/// wording to its intent.
 pub(super) fn lost(
     results: &[TurnResult],
-    log: &[GenRequest],
+    jobs: &[FinishedJob],
     intent_of: &HashMap<String, String>,
 ) -> Lost {
-    // The first call at which each was asked: context and question as worded; the question
-    // by intent in the context as worded; both by intent.
-    let mut worded: HashMap<Asked, usize> = HashMap::new();
-    let mut meant: HashMap<Asked, usize> = HashMap::new();
-    let mut by_intent: HashMap<Asked, usize> = HashMap::new();
-    for (i, req) in log.iter().enumerate() {
-        if req.priority != Priority::Background {
-            continue;
-        }
-        let Input::Chat(messages) = &req.input else {
+    // Context and question as worded; the question by intent in the context as worded; both
+    // by intent.
+    let (mut worded, mut meant, mut by_intent) =
+        (Seen::default(), Seen::default(), Seen::default());
+    for job in jobs {
+        let Some((asked, before)) = job.questions.split_last() else {
             continue;
         };
-        let users: Vec<&str> = messages
-            .iter()
-            .filter(|m| m.role == "user")
-            .map(|m| m.content.as_str())
-            .collect();
-        let Some((asked, before)) = users.split_last() else {
+        worded.note(
+            Asked {
+                context: before.to_vec(),
+                question: asked.clone(),
+            },
+            job,
+        );
+        let Some(intent) = intent_of.get(asked) else {
             continue;
         };
-        let context: Vec<String> = before.iter().map(|t| t.to_string()).collect();
-        worded
-            .entry(Asked {
-                context: context.clone(),
-                question: asked.to_string(),
-            })
-            .or_insert(i);
-        let Some(intent) = intent_of.get(*asked) else {
-            continue;
-        };
-        meant
-            .entry(Asked {
-                context,
+        meant.note(
+            Asked {
+                context: before.to_vec(),
                 question: intent.clone(),
-            })
-            .or_insert(i);
+            },
+            job,
+        );
         let intents: Option<Vec<String>> =
-            before.iter().map(|t| intent_of.get(*t).cloned()).collect();
+            before.iter().map(|t| intent_of.get(t).cloned()).collect();
         if let Some(context) = intents {
-            by_intent
-                .entry(Asked {
+            by_intent.note(
+                Asked {
                     context,
                     question: intent.clone(),
-                })
-                .or_insert(i);
+                },
+                job,
+            );
         }
     }
     let mut out = Lost::default();
@@ -100,26 +115,25 @@ pub(super) fn lost(
             continue;
         }
         out.misses += 1;
-        let before = |at: Option<&usize>| at.is_some_and(|&i| i < r.calls_before);
-        let worded = worded.get(&Asked {
+        let as_worded = Asked {
             context: r.history.clone(),
             question: r.text.clone(),
-        });
-        let by_meaning = meant.get(&Asked {
+        };
+        let as_meant = Asked {
             context: r.history.clone(),
             question: r.intent.clone(),
-        });
-        let elsewhere = by_intent.get(&Asked {
+        };
+        let elsewhere = Asked {
             context: r.history_intents.clone(),
             question: r.intent.clone(),
-        });
-        if before(worded) {
+        };
+        if worded.answered_before(&as_worded, r.asked_at) {
             out.same_wording += 1;
-        } else if before(by_meaning) {
+        } else if meant.answered_before(&as_meant, r.asked_at) {
             out.other_wording += 1;
-        } else if before(elsewhere) {
+        } else if by_intent.answered_before(&elsewhere, r.asked_at) {
             out.other_context += 1;
-        } else if worded.or(by_meaning).or(elsewhere).is_some() {
+        } else if meant.tried.contains_key(&as_meant) {
             out.late += 1;
         } else {
             out.never += 1;
@@ -128,17 +142,19 @@ pub(super) fn lost(
     out
 }
 
-/// Prints where the prefetch side's measured misses were lost (scripted backend only).
+/// Prints where the prefetch side's measured misses were lost.
 pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>) {
-    let Some(scripted) = &side.scripted else {
+    let Some(prefetcher) = prefetcher(&side.server.state) else {
         return;
     };
-    let l = lost(&side.results.lock(), &scripted.requests(), intent_of);
+    let jobs = prefetcher.finished_jobs();
+    let l = lost(&side.results.lock(), &jobs, intent_of);
     let share = |n: usize| pct(n as f64 / l.turns.max(1) as f64);
     println!(
-        "-- where {}'s misses were (each measured miss, by what the backend had been asked \
-         in the background before it) --",
-        side.name
+        "-- where {}'s misses were (each measured miss, by the prefetch jobs finished before \
+         it; the latest {} jobs) --",
+        side.name,
+        jobs.len()
     );
     println!(
         "misses {} of {} turns ({})",
@@ -147,17 +163,17 @@ pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>) {
         share(l.misses)
     );
     println!(
-        "  its question prefetched in this context before it was asked: in the wording asked {} \
-         (not ready or not kept), in another wording {} (not matched)",
+        "  its question answered by a prefetch in this context before it was asked: in the \
+         wording asked {} (not found when asked), in another wording {} (not matched)",
         share(l.same_wording),
         share(l.other_wording)
     );
     println!(
-        "  prefetched before only in another wording of the context: {}",
+        "  answered before only after another wording of the same earlier questions: {}",
         share(l.other_context)
     );
     println!(
-        "  prefetched in this context only after it was asked: {}",
+        "  prefetched in this context, answered only after it was asked or not at all: {}",
         share(l.late)
     );
     println!("  never prefetched in this context: {}", share(l.never));
@@ -166,27 +182,17 @@ pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reprise_backend::{ChatMessage, SamplingParams};
 
-    fn asked(priority: Priority, turns: &[&str]) -> GenRequest {
-        let mut messages = Vec::new();
-        for (i, t) in turns.iter().enumerate() {
-            if i > 0 {
-                messages.push(ChatMessage::new("assistant", "an answer"));
-            }
-            messages.push(ChatMessage::new("user", *t));
-        }
-        GenRequest {
-            model: "fake".into(),
-            input: Input::Chat(messages),
-            params: SamplingParams::default(),
-            priority,
-            extra: Default::default(),
-            backend: None,
+    fn job(questions: &[&str], at: Instant, outcome: &'static str) -> FinishedJob {
+        FinishedJob {
+            at,
+            namespace: String::new(),
+            questions: questions.iter().map(|q| q.to_string()).collect(),
+            outcome,
         }
     }
 
-    fn turn(history: &[&str], text: &str, calls_before: usize, served: Served) -> TurnResult {
+    fn turn(history: &[&str], text: &str, asked_at: Instant, served: Served) -> TurnResult {
         let intent = |t: &str| t.split(' ').next().unwrap_or_default().to_string();
         TurnResult {
             depth: history.len() + 1,
@@ -194,7 +200,7 @@ mod tests {
             intent: intent(text),
             history: history.iter().map(|t| t.to_string()).collect(),
             history_intents: history.iter().map(|t| intent(t)).collect(),
-            calls_before,
+            asked_at,
             served,
             false_hit: false,
             total_s: 0.0,
@@ -202,10 +208,9 @@ mod tests {
         }
     }
 
-    /// Each miss is classed by the background requests before it; hits and user requests
-    /// count for nothing.
+    /// Each miss is classed by the jobs answered before it; hits count for nothing.
     #[test]
-    fn misses_are_classed_by_what_was_prefetched_before_them() {
+    fn misses_are_classed_by_the_prefetches_answered_before_them() {
         // Wordings start with their intent: "price ..." is intent "price".
         let intent_of: HashMap<String, String> = [
             "hello there",
@@ -213,33 +218,41 @@ mod tests {
             "price please",
             "price now",
             "refund how",
+            "delivery when",
         ]
         .iter()
         .map(|t| (t.to_string(), t.split(' ').next().unwrap().to_string()))
         .collect();
-        let log = vec![
-            asked(Priority::Interactive, &["hello there", "refund how"]),
-            asked(Priority::Background, &["hello there", "price please"]),
-            asked(Priority::Background, &["hello friend", "refund how"]),
+        let t0 = Instant::now();
+        let (t1, t2, t3) = (
+            t0 + Duration::from_secs(1),
+            t0 + Duration::from_secs(2),
+            t0 + Duration::from_secs(3),
+        );
+        let jobs = vec![
+            job(&["hello there", "price please"], t1, "generated"),
+            job(&["hello friend", "refund how"], t1, "cached"),
+            job(&["hello there", "delivery when"], t1, "failed"),
         ];
         let results = vec![
-            turn(&["hello there"], "price please", 3, Served::Miss),
-            turn(&["hello there"], "price now", 3, Served::Miss),
-            turn(&["hello there"], "refund how", 3, Served::Miss),
-            turn(&["hello friend"], "hello there", 3, Served::Miss),
-            turn(&["hello there"], "price please", 1, Served::Miss),
-            turn(&["hello there"], "price please", 3, Served::Prefetch),
+            turn(&["hello there"], "price please", t2, Served::Miss),
+            turn(&["hello there"], "price now", t2, Served::Miss),
+            turn(&["hello there"], "refund how", t2, Served::Miss),
+            turn(&["hello there"], "delivery when", t3, Served::Miss),
+            turn(&["hello there"], "price please", t0, Served::Miss),
+            turn(&["hello friend"], "hello there", t2, Served::Miss),
+            turn(&["hello there"], "price please", t2, Served::Prefetch),
         ];
-        let l = lost(&results, &log, &intent_of);
+        let l = lost(&results, &jobs, &intent_of);
         assert_eq!(
             l,
             Lost {
-                turns: 6,
-                misses: 5,
+                turns: 7,
+                misses: 6,
                 same_wording: 1,
                 other_wording: 1,
                 other_context: 1,
-                late: 1,
+                late: 2,
                 never: 1,
             }
         );

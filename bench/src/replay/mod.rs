@@ -247,8 +247,8 @@ struct TurnResult {
     intent: String,
     history: Vec<String>,
     history_intents: Vec<String>,
-    /// The scripted backend's calls before the turn was asked.
-    calls_before: usize,
+    /// When it was asked.
+    asked_at: Instant,
     served: Served,
     /// The answer was generated for another intent than the turn's.
     false_hit: bool,
@@ -263,9 +263,6 @@ struct Side {
     /// The model name requests carry.
     model: String,
     server: Server,
-    /// The scripted backend, when the side has one (its log of requests tells what was
-    /// prefetched, for `lost`).
-    scripted: Option<Arc<ScriptedBackend>>,
     results: parking_lot::Mutex<Vec<TurnResult>>,
     /// Prefetch counters when the first measured session started.
     at_measure: parking_lot::Mutex<Option<PrefetchStats>>,
@@ -389,8 +386,6 @@ fn script(a: &ReplayArgs) -> ScriptConfig {
         first_token_delay: Duration::from_millis(a.token_delay_ms * 5),
         token_delay: Duration::from_millis(a.token_delay_ms),
         slots: a.backend_slots,
-        // Every request of the run is kept: what was prefetched is read from it.
-        log_len: usize::MAX,
         ..ScriptConfig::default()
     }
 }
@@ -466,14 +461,11 @@ async fn start_side(
     let embedder = load_embedder(&config)
         .await?
         .ok_or_else(|| anyhow::anyhow!("semantic tier is off"))?;
-    let mut scripted = None;
     let (backend, model): (Arc<dyn Backend>, String) = match a.backend {
         ReplayBackend::Scripted => {
             let script = script(a);
             let model = script.model.clone();
-            let b = Arc::new(ScriptedBackend::new(script));
-            scripted = Some(b.clone());
-            (b, model)
+            (Arc::new(ScriptedBackend::new(script)), model)
         }
         ReplayBackend::Llama => {
             anyhow::ensure!(
@@ -507,7 +499,6 @@ async fn start_side(
         url: server.chat_url(),
         model,
         server,
-        scripted,
         results: parking_lot::Mutex::new(Vec::new()),
         at_measure: parking_lot::Mutex::new(None),
         done: AtomicUsize::new(0),
@@ -619,7 +610,6 @@ async fn play_session(
             .iter()
             .map(|t| t.intent.clone())
             .collect();
-        let calls_before = side.scripted.as_ref().map_or(0, |s| s.calls());
         let body = match a.backend {
             ReplayBackend::Scripted => {
                 json!({"model": side.model, "messages": messages, "stream": true})
@@ -681,7 +671,7 @@ async fn play_session(
                 intent: turn.intent.clone(),
                 history,
                 history_intents,
-                calls_before,
+                asked_at: t,
                 served,
                 false_hit,
                 total_s,
