@@ -534,6 +534,26 @@ mod tests {
         assert_eq!(after[0].target, y2);
     }
 
+    /// Finished jobs are remembered with what they asked and how they ended, the latest
+    /// `FINISHED_JOBS` only.
+    #[test]
+    fn finished_jobs_are_remembered_within_their_bound() {
+        let p = Prefetcher::new(PrefetchConfig::default());
+        let req =
+            crate::test_support::chat(&[("user", "first"), ("assistant", "a"), ("user", "next?")]);
+        for _ in 0..FINISHED_JOBS + 10 {
+            p.shared
+                .finished("ns", &req, &crate::generate::Background::Skipped);
+        }
+        let jobs = p.finished_jobs();
+        assert_eq!(jobs.len(), FINISHED_JOBS);
+        assert_eq!(jobs[0].questions, ["first", "next?"]);
+        assert_eq!(
+            (jobs[0].namespace.as_str(), jobs[0].outcome),
+            ("ns", "skipped")
+        );
+    }
+
     /// Sessions are bounded by bytes, not by count: ids at the longest a request may give
     /// fill the budget with fewer sessions than short ones would.
     #[test]
