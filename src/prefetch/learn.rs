@@ -77,7 +77,7 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// Remembers a prefetch job that finished (the latest [`super::FINISHED_JOBS`]).
+    /// Remembers a prefetch job that finished (the latest, within [`super::FINISHED_BYTES`]).
     pub(super) fn finished(
         &self,
         namespace: &str,
@@ -85,30 +85,45 @@ impl Shared {
         result: &crate::generate::Background,
     ) {
         use crate::generate::Background;
-        let questions = match &request.input {
-            Input::Chat(messages) => messages
-                .iter()
-                .filter(|m| m.role == "user")
-                .map(|m| m.content.clone())
-                .collect(),
-            Input::Prompt(p) => vec![p.clone()],
+        let cut = |t: &str| t[..t.floor_char_boundary(super::FINISHED_TEXT_BYTES)].to_string();
+        let mut questions: Vec<String> = match &request.input {
+            Input::Chat(messages) => {
+                let users: Vec<&str> = messages
+                    .iter()
+                    .filter(|m| m.role == "user")
+                    .map(|m| m.content.as_str())
+                    .collect();
+                let from = users.len().saturating_sub(super::FINISHED_QUESTIONS);
+                users[from..].iter().map(|t| cut(t)).collect()
+            }
+            Input::Prompt(p) => vec![cut(p)],
         };
+        questions.shrink_to_fit();
         let outcome = match result {
             Background::Generated { .. } => "generated",
             Background::Cached(_) => "cached",
             Background::Failed { .. } => "failed",
             Background::Skipped => "skipped",
         };
-        let mut finished = self.finished.lock();
-        if finished.len() >= super::FINISHED_JOBS {
-            finished.pop_front();
-        }
-        finished.push_back(super::FinishedJob {
+        let weight = |j: &super::FinishedJob| {
+            j.namespace.len() + j.questions.iter().map(|q| q.len() + 24).sum::<usize>() + 96
+        };
+        let job = super::FinishedJob {
             at: Instant::now(),
-            namespace: namespace.to_string(),
+            namespace: cut(namespace),
             questions,
             outcome,
-        });
+        };
+        let mut guard = self.finished.lock();
+        let (jobs, bytes) = &mut *guard;
+        *bytes += weight(&job);
+        jobs.push_back(job);
+        while *bytes > super::FINISHED_BYTES {
+            let Some(old) = jobs.pop_front() else {
+                break;
+            };
+            *bytes -= weight(&old);
+        }
     }
 
     /// Applies the renames waiting (in the order they came); `true` when there were any.

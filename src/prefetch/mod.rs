@@ -123,8 +123,14 @@ const SESSIONS_BYTES: u64 = 16 * 1024 * 1024;
 const SESSION_IDLE: Duration = Duration::from_secs(3600);
 /// Entries remembered as already asked for follow-up proposals.
 const MAX_PROPOSED: u64 = 10_000;
-/// The prefetch jobs remembered as finished ([`Prefetcher::finished_jobs`]).
-const FINISHED_JOBS: usize = 4096;
+/// Bytes of the prefetch jobs remembered as finished ([`Prefetcher::finished_jobs`]): their
+/// texts, each at most [`FINISHED_TEXT_BYTES`], at most [`FINISHED_QUESTIONS`] a job, and a
+/// fixed overhead each; the oldest go first.
+const FINISHED_BYTES: usize = 4 * 1024 * 1024;
+/// The longest text of a finished job kept (cut at a character boundary).
+const FINISHED_TEXT_BYTES: usize = 512;
+/// The most questions of a finished job kept (the last ones, the predicted one included).
+const FINISHED_QUESTIONS: usize = 16;
 /// The most renames waiting for the worker; past it the oldest is dropped (its counts stay
 /// under the old id and fade).
 const MAX_RENAMES: usize = 4096;
@@ -224,8 +230,9 @@ struct Shared {
     /// by the worker's learning step, off the async threads, since regrouping may hold the
     /// model for its whole budget and a rename walks every node of its namespace.
     renames: Mutex<VecDeque<(String, EntryId, EntryId)>>,
-    /// The latest prefetch jobs finished (at most [`FINISHED_JOBS`]), for diagnostics.
-    finished: Mutex<VecDeque<FinishedJob>>,
+    /// The latest prefetch jobs finished (within [`FINISHED_BYTES`]), for diagnostics, and
+    /// the bytes they weigh.
+    finished: Mutex<(VecDeque<FinishedJob>, usize)>,
     budget: Mutex<Budgets>,
     slots: Arc<Semaphore>,
     counts: Counts,
@@ -246,7 +253,8 @@ pub struct FinishedJob {
     pub at: std::time::Instant,
     /// Its namespace.
     pub namespace: String,
-    /// The user messages of its request, the predicted question last.
+    /// The user messages of its request, the predicted question last (the last 16, each cut
+    /// to its first 512 bytes).
     pub questions: Vec<String>,
     /// How it ended: the answer was `generated`, the cache held one already (`cached`), or
     /// nothing was stored (`failed`, `skipped`).
@@ -298,7 +306,7 @@ impl Prefetcher {
             pending: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashMap::new()),
             renames: Mutex::new(VecDeque::new()),
-            finished: Mutex::new(VecDeque::new()),
+            finished: Mutex::new((VecDeque::new(), 0)),
             budget: Mutex::new(Budgets::new(BUDGET_WINDOW)),
             slots: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
             counts: Counts::default(),
@@ -391,9 +399,10 @@ impl Prefetcher {
             .regrouped_clusters(ns, &p, now_ms(), learn::may_merge)
     }
 
-    /// The latest prefetch jobs finished (at most 4,096), oldest first.
+    /// The latest prefetch jobs finished (as many as 4 MiB of their texts hold), oldest
+    /// first.
     pub fn finished_jobs(&self) -> Vec<FinishedJob> {
-        self.shared.finished.lock().iter().cloned().collect()
+        self.shared.finished.lock().0.iter().cloned().collect()
     }
 
     /// The learned counts.
@@ -541,17 +550,35 @@ mod tests {
         let p = Prefetcher::new(PrefetchConfig::default());
         let req =
             crate::test_support::chat(&[("user", "first"), ("assistant", "a"), ("user", "next?")]);
-        for _ in 0..FINISHED_JOBS + 10 {
-            p.shared
-                .finished("ns", &req, &crate::generate::Background::Skipped);
-        }
+        p.shared
+            .finished("ns", &req, &crate::generate::Background::Skipped);
         let jobs = p.finished_jobs();
-        assert_eq!(jobs.len(), FINISHED_JOBS);
         assert_eq!(jobs[0].questions, ["first", "next?"]);
         assert_eq!(
             (jobs[0].namespace.as_str(), jobs[0].outcome),
             ("ns", "skipped")
         );
+        // Long texts are cut, and the record keeps within its bytes.
+        let long = "é".repeat(10_000);
+        let turns: Vec<(&str, &str)> = (0..40).map(|_| ("user", long.as_str())).collect();
+        let req = crate::test_support::chat(&turns);
+        for _ in 0..2_000 {
+            p.shared
+                .finished("ns", &req, &crate::generate::Background::Skipped);
+        }
+        let jobs = p.finished_jobs();
+        let last = jobs.last().unwrap();
+        assert_eq!(last.questions.len(), FINISHED_QUESTIONS);
+        assert!(last
+            .questions
+            .iter()
+            .all(|q| q.len() <= FINISHED_TEXT_BYTES));
+        let (held, bytes) = {
+            let f = p.shared.finished.lock();
+            (f.0.len(), f.1)
+        };
+        assert!(bytes <= FINISHED_BYTES, "{bytes}");
+        assert!(held < 2_000, "{held} jobs of 8 KiB each");
     }
 
     /// Sessions are bounded by bytes, not by count: ids at the longest a request may give
