@@ -296,12 +296,12 @@ impl AppState {
             .set(self.bounds.entries_with_evidence() as f64);
         if let Some(index) = self.store.index() {
             metrics::gauge!("reprise_semantic_index_vectors").set(index.len() as f64);
-            metrics::gauge!("reprise_semantic_index_graphs").set(index.graphs() as f64);
+            let (graphs, widest) = index.graph_summary();
+            metrics::gauge!("reprise_semantic_index_graphs").set(graphs as f64);
             // Counted by the index as it searches; exposed from the start.
             metrics::counter!("reprise_semantic_graph_searches_total").increment(0);
             metrics::counter!("reprise_semantic_graph_filtered_searches_total").increment(0);
-            metrics::gauge!("reprise_semantic_index_search_width")
-                .set(index.widest_search() as f64);
+            metrics::gauge!("reprise_semantic_index_search_width").set(widest as f64);
             for result in ["found", "missed"] {
                 metrics::counter!("reprise_semantic_recall_checks_total", "result" => result)
                     .increment(0);

@@ -429,11 +429,19 @@ impl SemanticIndex {
 
     /// Partitions searched through an HNSW graph (the others are scanned exactly).
     pub fn graphs(&self) -> usize {
+        self.graph_summary().0
+    }
+
+    /// In one pass over the partitions: how many have a graph ([`SemanticIndex::graphs`]),
+    /// and the widest search width among them ([`SemanticIndex::widest_search`]).
+    pub fn graph_summary(&self) -> (usize, usize) {
         self.partitions
             .read()
             .values()
             .filter(|p| p.inner.read().graph.is_some())
-            .count()
+            .fold((0, self.cfg.ef_search), |(n, widest), p| {
+                (n + 1, widest.max(p.width.ef(&self.cfg)))
+            })
     }
 
     /// Builds the graphs that partitions past [`IndexConfig::exact_scan_max`] still lack (a
@@ -524,12 +532,7 @@ impl SemanticIndex {
     /// The widest search width of any partition with a graph (the configured one when none
     /// was widened or no partition has a graph).
     pub fn widest_search(&self) -> usize {
-        self.partitions
-            .read()
-            .values()
-            .filter(|p| p.inner.read().graph.is_some())
-            .map(|p| p.width.ef(&self.cfg))
-            .fold(self.cfg.ef_search, usize::max)
+        self.graph_summary().1
     }
 
     /// Checks the graph searches kept since the last call against exact scans of the same
