@@ -128,17 +128,21 @@ pub struct SemanticIndex {
     epochs: AtomicU64,
 }
 
-/// What the index holds per slot besides the vector: the slot's id, vector handle and flag,
-/// the id maps (hash tables up to half empty after growing) and the graph's point with its
-/// links at `hnsw_m` = 0. Measured with a counting allocator: 1,470–1,610 bytes in one graph
-/// of 3,000 vectors built at once (`hnsw_m` 4 to 32: hnsw_rs sizes its neighbour lists by
-/// layer more than by `hnsw_m`; `tests/index_memory.rs` keeps the charge above it), about
-/// 2,270 in the small graphs of `tests/store_memory.rs`, grown one insert at a time and
-/// rebuilt as they churn (vectors grown by doubling, hnsw_rs's minimum table sizes). The
-/// larger is charged.
-const SLOT_BASE_BYTES: u32 = 2_300;
-/// Added per unit of `hnsw_m` to [`SLOT_BASE_BYTES`].
-const SLOT_BYTES_PER_LINK: u32 = 16;
+/// What the index holds per slot besides the vector and the graph's links: the slot's id,
+/// vector handle and flag, the id maps (hash tables up to half empty after growing) and the
+/// graph's point with its neighbour lists. With [`SLOT_BYTES_PER_LINK`] it covers what a
+/// counting allocator measures in one graph of 3,000 vectors built at once
+/// (`tests/index_memory.rs`, which keeps the charge above it and within twice it): at
+/// `hnsw_m` 4, 8, 16 and 32, 604–731 bytes on vectors of 8 effective dimensions and 610,
+/// 849, 1,275 and 1,749 on random 384-dimensional ones (the graph's worst case, every
+/// neighbour list near full), and the small graphs of `tests/store_memory.rs`, grown one
+/// insert at a time and rebuilt as they churn (vectors grown by doubling, hnsw_rs's minimum
+/// table sizes), within the budget.
+const SLOT_BASE_BYTES: u32 = 1_000;
+/// Added per unit of `hnsw_m` to [`SLOT_BASE_BYTES`]: a link is 16 bytes (hnsw_rs's point
+/// handle and distance), up to `2 × hnsw_m` of them on the bottom layer, in lists that grow
+/// by doubling.
+const SLOT_BYTES_PER_LINK: u32 = 40;
 /// Slots a recall check scans under one read of its partition (about 0.4 ms of dot
 /// products at 384 dimensions; the default `exact_scan_max`'s size).
 const RECALL_SCAN_CHUNK: usize = 2_048;
