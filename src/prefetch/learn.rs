@@ -11,6 +11,7 @@ use reprise_cache::{now_ms, EntryId, Origin};
 
 use super::jobs::{Job, JobKind};
 use super::model::{self, PredictParams, RegroupParams};
+use super::record::{self, FinishedJob, PredictionRecord};
 use super::refresh::Hot;
 use super::{bump, Shared};
 use crate::observe::Observation;
@@ -77,7 +78,7 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// Remembers a prefetch job that finished (the latest, within [`super::FINISHED_BYTES`]).
+    /// Remembers a prefetch job that finished (the latest, within [`record::RECORD_BYTES`]).
     pub(super) fn finished(
         &self,
         namespace: &str,
@@ -85,45 +86,18 @@ impl Shared {
         result: &crate::generate::Background,
     ) {
         use crate::generate::Background;
-        let cut = |t: &str| t[..t.floor_char_boundary(super::FINISHED_TEXT_BYTES)].to_string();
-        let mut questions: Vec<String> = match &request.input {
-            Input::Chat(messages) => {
-                let users: Vec<&str> = messages
-                    .iter()
-                    .filter(|m| m.role == "user")
-                    .map(|m| m.content.as_str())
-                    .collect();
-                let from = users.len().saturating_sub(super::FINISHED_QUESTIONS);
-                users[from..].iter().map(|t| cut(t)).collect()
-            }
-            Input::Prompt(p) => vec![cut(p)],
-        };
-        questions.shrink_to_fit();
         let outcome = match result {
             Background::Generated { .. } => "generated",
             Background::Cached(_) => "cached",
             Background::Failed { .. } => "failed",
             Background::Skipped => "skipped",
         };
-        let weight = |j: &super::FinishedJob| {
-            j.namespace.len() + j.questions.iter().map(|q| q.len() + 24).sum::<usize>() + 96
-        };
-        let job = super::FinishedJob {
+        self.finished.lock().push(FinishedJob {
             at: Instant::now(),
-            namespace: cut(namespace),
-            questions,
+            namespace: record::cut(namespace),
+            questions: record::questions_of(request),
             outcome,
-        };
-        let mut guard = self.finished.lock();
-        let (jobs, bytes) = &mut *guard;
-        *bytes += weight(&job);
-        jobs.push_back(job);
-        while *bytes > super::FINISHED_BYTES {
-            let Some(old) = jobs.pop_front() else {
-                break;
-            };
-            *bytes -= weight(&old);
-        }
+        });
     }
 
     /// Applies the renames waiting (in the order they came); `true` when there were any.
@@ -217,9 +191,10 @@ impl Shared {
                 bump(&self.counts.links, 1);
             }
             if self.cfg.enabled {
-                let p = model.predict(&obs.namespace, entry.id, &self.predict_params(), now);
+                let explained =
+                    model.explain_prediction(&obs.namespace, entry.id, &self.predict_params(), now);
                 let style = model.prefers_multi(&obs.namespace, now);
-                Some((p, style))
+                Some((explained, style))
             } else {
                 None
             }
@@ -234,9 +209,26 @@ impl Shared {
         if self.cfg.refresh_ahead {
             self.note_hit(&obs, now);
         }
-        let Some((predictions, style)) = predictions.flatten() else {
+        let Some((explained, style)) = predictions.flatten() else {
             return;
         };
+        self.predicted.lock().push(PredictionRecord {
+            at: Instant::now(),
+            namespace: record::cut(&obs.namespace),
+            questions: record::questions_of(&obs.request),
+            basis: explained.basis.as_str(),
+            kept: explained
+                .predictions
+                .iter()
+                .map(|p| record::cut(&p.prompt))
+                .collect(),
+            passed_over: explained
+                .passed_over
+                .iter()
+                .map(|p| (record::cut(&p.prompt), p.probability, p.reason))
+                .collect(),
+        });
+        let predictions = explained.predictions;
         bump(&self.counts.predictions, predictions.len() as u64);
         self.handles.predictions.increment(predictions.len() as u64);
         // How the next turn will arrive: with its history when the request already carries

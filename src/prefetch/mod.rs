@@ -79,6 +79,7 @@ mod jobs;
 mod learn;
 mod model;
 mod propose;
+mod record;
 mod refresh;
 mod worker;
 
@@ -107,6 +108,7 @@ use reprise_policies::prefetch::{Budgets, BUDGET_WINDOW};
 pub use crate::config::PrefetchConfig;
 /// The learned counts as exported ([`Prefetcher::export`]) and imported.
 pub use model::{ClusterSnapshot, NamespaceSnapshot, NodeSnapshot, Snapshot, SNAPSHOT_VERSION};
+pub use record::{FinishedJob, PredictionRecord};
 
 /// Observations waiting for the worker; beyond this they are dropped (learning is best
 /// effort, the request path never waits).
@@ -123,14 +125,6 @@ const SESSIONS_BYTES: u64 = 16 * 1024 * 1024;
 const SESSION_IDLE: Duration = Duration::from_secs(3600);
 /// Entries remembered as already asked for follow-up proposals.
 const MAX_PROPOSED: u64 = 10_000;
-/// Bytes of the prefetch jobs remembered as finished ([`Prefetcher::finished_jobs`]): their
-/// texts, each at most [`FINISHED_TEXT_BYTES`], at most [`FINISHED_QUESTIONS`] a job, and a
-/// fixed overhead each; the oldest go first.
-const FINISHED_BYTES: usize = 4 * 1024 * 1024;
-/// The longest text of a finished job kept (cut at a character boundary).
-const FINISHED_TEXT_BYTES: usize = 512;
-/// The most questions of a finished job kept (the last ones, the predicted one included).
-const FINISHED_QUESTIONS: usize = 16;
 /// The most renames waiting for the worker; past it the oldest is dropped (its counts stay
 /// under the old id and fade).
 const MAX_RENAMES: usize = 4096;
@@ -230,9 +224,10 @@ struct Shared {
     /// by the worker's learning step, off the async threads, since regrouping may hold the
     /// model for its whole budget and a rename walks every node of its namespace.
     renames: Mutex<VecDeque<(String, EntryId, EntryId)>>,
-    /// The latest prefetch jobs finished (within [`FINISHED_BYTES`]), for diagnostics, and
-    /// the bytes they weigh.
-    finished: Mutex<(VecDeque<FinishedJob>, usize)>,
+    /// The latest prefetch jobs finished, for diagnostics.
+    finished: Mutex<record::Recent<FinishedJob>>,
+    /// The latest predictions made after an answer, for diagnostics.
+    predicted: Mutex<record::Recent<PredictionRecord>>,
     budget: Mutex<Budgets>,
     slots: Arc<Semaphore>,
     counts: Counts,
@@ -243,22 +238,6 @@ struct Shared {
     /// The running embedder's fingerprint: the model learns only its vectors, and keeps
     /// only a saved model's vectors that it made.
     embedder: std::sync::OnceLock<Digest>,
-}
-
-/// A prefetch job that finished: what it asked and how it ended (diagnostics and
-/// benchmarks: `reprise-bench replay` reads where prefetch's gain was lost).
-#[derive(Debug, Clone)]
-pub struct FinishedJob {
-    /// When it finished.
-    pub at: std::time::Instant,
-    /// Its namespace.
-    pub namespace: String,
-    /// The user messages of its request, the predicted question last (the last 16, each cut
-    /// to its first 512 bytes).
-    pub questions: Vec<String>,
-    /// How it ended: the answer was `generated`, the cache held one already (`cached`), or
-    /// nothing was stored (`failed`, `skipped`).
-    pub outcome: &'static str,
 }
 
 /// Handle to the prefetcher.
@@ -306,7 +285,8 @@ impl Prefetcher {
             pending: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashMap::new()),
             renames: Mutex::new(VecDeque::new()),
-            finished: Mutex::new((VecDeque::new(), 0)),
+            finished: Mutex::new(record::Recent::new()),
+            predicted: Mutex::new(record::Recent::new()),
             budget: Mutex::new(Budgets::new(BUDGET_WINDOW)),
             slots: Arc::new(Semaphore::new(cfg.max_concurrent.max(1))),
             counts: Counts::default(),
@@ -402,7 +382,13 @@ impl Prefetcher {
     /// The latest prefetch jobs finished (as many as 4 MiB of their texts hold), oldest
     /// first.
     pub fn finished_jobs(&self) -> Vec<FinishedJob> {
-        self.shared.finished.lock().0.iter().cloned().collect()
+        self.shared.finished.lock().to_vec()
+    }
+
+    /// The latest predictions made after an answer (as many as 4 MiB of their texts hold),
+    /// oldest first.
+    pub fn predictions_made(&self) -> Vec<PredictionRecord> {
+        self.shared.predicted.lock().to_vec()
     }
 
     /// The learned counts.
@@ -568,17 +554,71 @@ mod tests {
         }
         let jobs = p.finished_jobs();
         let last = jobs.last().unwrap();
-        assert_eq!(last.questions.len(), FINISHED_QUESTIONS);
-        assert!(last
-            .questions
-            .iter()
-            .all(|q| q.len() <= FINISHED_TEXT_BYTES));
-        let (held, bytes) = {
-            let f = p.shared.finished.lock();
-            (f.0.len(), f.1)
+        assert_eq!(last.questions.len(), record::QUESTIONS);
+        assert!(last.questions.iter().all(|q| q.len() <= record::TEXT_BYTES));
+        let bytes = p.shared.finished.lock().bytes();
+        assert!(bytes <= record::RECORD_BYTES, "{bytes}");
+        assert!(jobs.len() < 2_000, "{} jobs of 8 KiB each", jobs.len());
+    }
+
+    /// Each answer learned leaves a record of its prediction: what it rested on, the
+    /// follow-ups kept and those passed over with the reason; within the same bound.
+    #[test]
+    fn predictions_are_remembered_with_what_they_passed_over() {
+        let cfg = PrefetchConfig {
+            enabled: true,
+            max_predictions: 1,
+            min_probability: 0.2,
+            ..PrefetchConfig::default()
         };
-        assert!(bytes <= FINISHED_BYTES, "{bytes}");
-        assert!(held < 2_000, "{held} jobs of 8 KiB each");
+        let p = Prefetcher::new(cfg);
+        let (x, y, z, w) = (EntryId(1), EntryId(2), EntryId(3), EntryId(4));
+        let same = |a: &str, _: Option<&[f32]>, b: &str, _: Option<&[f32]>| a == b;
+        let observation = |id: EntryId, prompt: &str, req| {
+            crate::test_support::observation(req, prompt, |e| e.id = id)
+        };
+        {
+            let mut m = p.shared.model.lock();
+            // After x: y six times, z three times, w once (0.6, 0.3, 0.1).
+            for (next, text, times) in [(y, "y?", 6), (z, "z?", 3), (w, "w?", 1)] {
+                for _ in 0..times {
+                    let now = now_ms();
+                    m.observe("n", x, "x?", None, now, same);
+                    m.observe("n", next, text, None, now, same);
+                    m.link("n", x, next, true, now);
+                }
+            }
+        }
+        let req = crate::test_support::chat(&[("user", "x?")]);
+        p.shared.learn(observation(x, "x?", req));
+        let made = p.predictions_made();
+        let last = made.last().expect("a record");
+        assert_eq!(last.questions, ["x?"]);
+        assert_eq!(last.basis, "entry");
+        assert_eq!(last.kept, ["y?"]);
+        let passed: Vec<(&str, &str)> = last
+            .passed_over
+            .iter()
+            .map(|(q, _, why)| (q.as_str(), *why))
+            .collect();
+        assert_eq!(
+            passed,
+            [("z?", "max_predictions"), ("w?", "min_probability")]
+        );
+        // An answer never seen before rests on too few observations.
+        let req = crate::test_support::chat(&[("user", "new?")]);
+        p.shared.learn(observation(EntryId(9), "new?", req));
+        let last = p.predictions_made().pop().unwrap();
+        assert_eq!((last.basis, last.kept.len()), ("too_few", 0));
+        // Bounded as finished jobs are.
+        let long = "é".repeat(10_000);
+        let turns: Vec<(&str, &str)> = (0..40).map(|_| ("user", long.as_str())).collect();
+        for _ in 0..2_000 {
+            let req = crate::test_support::chat(&turns);
+            p.shared.learn(observation(x, "x?", req));
+        }
+        assert!(p.shared.predicted.lock().bytes() <= record::RECORD_BYTES);
+        assert!(p.predictions_made().len() < 2_000);
     }
 
     /// Sessions are bounded by bytes, not by count: ids at the longest a request may give

@@ -16,14 +16,24 @@ pub(super) fn print_ceiling(
     let cfg = PrefetchConfig::default();
     let min_p = a.min_probability.unwrap_or(cfg.min_probability);
     let mut first = None;
-    for (histories, label) in [
+    for (table, histories, label) in [
         (
+            Table::True,
             Histories::AsWorded,
-            "histories matched as worded, as reprise's partitions",
+            "true transition table, every wording of a question matched, histories matched \
+             as worded, as reprise's partitions",
         ),
         (
+            Table::True,
             Histories::ByIntent,
-            "histories matched by intent, perfect context equivalence",
+            "true transition table, every wording of a question matched, histories matched \
+             by intent, perfect context equivalence",
+        ),
+        (
+            Table::Counted,
+            Histories::AsWorded,
+            "transitions counted by intent from the sessions replayed before, every wording \
+             of a question matched, histories matched as worded",
         ),
     ] {
         let c = ceiling(
@@ -33,11 +43,11 @@ pub(super) fn print_ceiling(
             min_p,
             cfg.max_predictions,
             histories,
+            table,
         );
         println!(
-            "reference ceiling (true transition table, every wording of a question matched, {label}, \
-             unlimited compute; min_probability {min_p}): hit rate {} -> {} = {:.2}x, \
-             unused {} (counted as the run counts), never used {}",
+            "reference ceiling ({label}, unlimited compute; min_probability {min_p}): hit rate \
+             {} -> {} = {:.2}x, unused {} (counted as the run counts), never used {}",
             pct(c.off),
             pct(c.on),
             c.on / c.off.max(1e-9),
@@ -57,6 +67,17 @@ enum Histories {
     AsWorded,
     /// The same questions in any words.
     ByIntent,
+}
+
+/// Where the reference ceiling's transition probabilities come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Table {
+    /// The domain's: what generated the sessions.
+    True,
+    /// Counted by intent from the sessions replayed before (their transitions and ends), as a
+    /// predictor that grouped every wording perfectly but learned from the same traffic would
+    /// know them: the part of the true table's gain that finite data leaves.
+    Counted,
 }
 
 /// The sessions' domain, as far as the reference ceiling needs it.
@@ -99,6 +120,8 @@ pub(super) struct Ceiling {
 ///   the cache alone would have missed. Before the second turn, `END` is impossible and left
 ///   out, as the session generator does.
 /// - Generations are counted as the run counts completed prefetches (see [`Ceiling`]).
+/// - With [`Table::Counted`] the probabilities are those counted from every session replayed
+///   before the current one (`END` for a session's last turn), the true table's otherwise.
 fn ceiling(
     sessions: &[Session],
     warmup: usize,
@@ -106,10 +129,20 @@ fn ceiling(
     min_p: f64,
     max_predictions: usize,
     histories: Histories,
+    table: Table,
 ) -> Ceiling {
     use std::collections::HashSet;
-    let predict = |intent: &str, first: bool| -> Vec<&str> {
-        let Some(row) = domain.transitions.get(intent) else {
+    // Intent → next intent (or `END`) → count, of the sessions replayed so far.
+    let mut counted: HashMap<String, HashMap<String, f64>> = HashMap::new();
+    let predict = |counted: &HashMap<String, HashMap<String, f64>>,
+                   intent: &str,
+                   first: bool|
+     -> Vec<String> {
+        let rows = match table {
+            Table::True => &domain.transitions,
+            Table::Counted => counted,
+        };
+        let Some(row) = rows.get(intent) else {
             return Vec::new();
         };
         let total: f64 = row
@@ -126,11 +159,11 @@ fn ceiling(
         p.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(b.1)));
         p.into_iter()
             .take(max_predictions)
-            .map(|(_, k)| k)
+            .map(|(_, k)| k.to_string())
             .collect()
     };
     // (context, intent): what the cache holds, answered by a turn or a prefetch.
-    type Key<'a> = (Vec<&'a str>, &'a str);
+    type Key<'a> = (Vec<&'a str>, String);
     let mut asked: HashSet<Key> = HashSet::new();
     // Prefetched entries not yet asked for, and whether each was generated in the measured
     // part.
@@ -141,7 +174,7 @@ fn ceiling(
         let measured = si >= warmup;
         let mut path: Vec<&str> = Vec::new();
         for (t, turn) in s.turns.iter().enumerate() {
-            let key = (path.clone(), turn.intent.as_str());
+            let key = (path.clone(), turn.intent.clone());
             let cached = asked.contains(&key);
             let prefetched = !cached && pending.contains_key(&key);
             if measured {
@@ -158,13 +191,22 @@ fn ceiling(
                 Histories::AsWorded => turn.text.as_str(),
                 Histories::ByIntent => turn.intent.as_str(),
             });
-            for y in predict(&turn.intent, t == 0) {
+            for y in predict(&counted, &turn.intent, t == 0) {
                 let k = (path.clone(), y);
                 if !asked.contains(&k) && !pending.contains_key(&k) {
                     pending.insert(k, measured);
                     generated += usize::from(measured);
                 }
             }
+        }
+        // What this session teaches the counted table (after it is replayed).
+        for (i, turn) in s.turns.iter().enumerate() {
+            let next = s.turns.get(i + 1).map_or("END", |n| n.intent.as_str());
+            *counted
+                .entry(turn.intent.clone())
+                .or_default()
+                .entry(next.to_string())
+                .or_default() += 1.0;
         }
     }
     let share = |x: usize| x as f64 / generated.max(1) as f64;
@@ -216,7 +258,15 @@ mod tests {
             // A new first question: a miss; B is generated after it and never asked.
             session(&[("C", "c2")]),
         ];
-        let c = ceiling(&sessions, 1, &domain, 0.2, 3, Histories::ByIntent);
+        let c = ceiling(
+            &sessions,
+            1,
+            &domain,
+            0.2,
+            3,
+            Histories::ByIntent,
+            Table::True,
+        );
         // Five measured turns: A, A cached; B served by the warm-up's prefetch; C, C missed.
         assert!((c.off - 0.4).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.6).abs() < 1e-9, "{c:?}");
@@ -227,7 +277,15 @@ mod tests {
         assert!((c.never_used - 1.0).abs() < 1e-9, "{c:?}");
         // At the lower bar the warm-up also prefetched C, which serves the second C: the
         // run's counting then shows no waste at all while both generations were wasted.
-        let c = ceiling(&sessions, 1, &domain, 0.1, 3, Histories::ByIntent);
+        let c = ceiling(
+            &sessions,
+            1,
+            &domain,
+            0.1,
+            3,
+            Histories::ByIntent,
+            Table::True,
+        );
         assert!((c.off - 0.4).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.8).abs() < 1e-9, "{c:?}");
         assert!(c.unused.abs() < 1e-9, "{c:?}");
@@ -243,11 +301,59 @@ mod tests {
         ];
         // The second B follows A in other words: by intent the history matches and the
         // cache answers it; as worded it does not, and the prefetch made after a2 does.
-        let by_intent = ceiling(&sessions, 1, &domain, 0.2, 3, Histories::ByIntent);
-        let as_worded = ceiling(&sessions, 1, &domain, 0.2, 3, Histories::AsWorded);
+        let by_intent = ceiling(
+            &sessions,
+            1,
+            &domain,
+            0.2,
+            3,
+            Histories::ByIntent,
+            Table::True,
+        );
+        let as_worded = ceiling(
+            &sessions,
+            1,
+            &domain,
+            0.2,
+            3,
+            Histories::AsWorded,
+            Table::True,
+        );
         assert!((by_intent.off - 1.0).abs() < 1e-9, "{by_intent:?}");
         assert!((as_worded.off - 0.5).abs() < 1e-9, "{as_worded:?}");
         assert!((as_worded.on - 1.0).abs() < 1e-9, "{as_worded:?}");
+    }
+
+    /// The counted table knows what the sessions replayed before did, not what the domain
+    /// says: here the domain says A is followed by C, the traffic says B.
+    #[test]
+    fn the_counted_table_learns_from_the_sessions_before() {
+        let domain: Domain =
+            serde_json::from_str(r#"{"transitions": {"A": {"C": 1.0}, "B": {"END": 1.0}}}"#)
+                .unwrap();
+        let sessions = [
+            session(&[("A", "a1"), ("B", "b1")]),
+            session(&[("A", "a2"), ("B", "b2")]),
+        ];
+        let args = |table| ceiling(&sessions, 1, &domain, 0.2, 3, Histories::AsWorded, table);
+        let (truth, counted) = (args(Table::True), args(Table::Counted));
+        // Measured: A (cached: the same empty context), then B after a2, a new context.
+        assert!(
+            (truth.off - 0.5).abs() < 1e-9 && (truth.on - 0.5).abs() < 1e-9,
+            "{truth:?}"
+        );
+        assert!((counted.on - 1.0).abs() < 1e-9, "{counted:?}");
+        // Nothing is counted before the first session: it prefetches nothing.
+        let first_only = ceiling(
+            &sessions[..1],
+            0,
+            &domain,
+            0.2,
+            3,
+            Histories::AsWorded,
+            Table::Counted,
+        );
+        assert!(first_only.on.abs() < 1e-9, "{first_only:?}");
     }
 
     #[test]
@@ -259,7 +365,15 @@ mod tests {
             session(&[("A", "a1"), ("B", "b1")]),
             session(&[("A", "a1"), ("B", "b2")]),
         ];
-        let c = ceiling(&sessions, 0, &domain, 0.2, 3, Histories::ByIntent);
+        let c = ceiling(
+            &sessions,
+            0,
+            &domain,
+            0.2,
+            3,
+            Histories::ByIntent,
+            Table::True,
+        );
         // Turns: A miss, B prefetched, A cached, B cached.
         assert!((c.off - 0.5).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.75).abs() < 1e-9, "{c:?}");

@@ -11,8 +11,15 @@
 //! questions in other words was lost to context: the prediction after this context's wording
 //! did not include it. One prefetched here only after it was asked, or whose job ended
 //! without an answer, was late. The rest were never predicted here: the predictor's part.
+//!
+//! Those lost to context and those never predicted here are classed further by the last
+//! prediction made in their context before they were asked
+//! ([`reprise::prefetch::Prefetcher::predictions_made`]): none was made (a first turn, or
+//! the record no longer held), it rested on too few observations, their question was not
+//! among the follow-ups seen, fell under `min_probability`, was cut by `max_predictions`,
+//! or was kept and its job not finished before the turn.
 
-use reprise::prefetch::FinishedJob;
+use reprise::prefetch::{FinishedJob, PredictionRecord};
 
 use super::report::pct;
 use super::*;
@@ -39,6 +46,92 @@ pub(super) struct Lost {
     pub(super) late: usize,
     /// Never prefetched here.
     pub(super) never: usize,
+    /// Those answered only in another context, and those never prefetched, by the last
+    /// prediction made in their context.
+    pub(super) other_context_why: Unpredicted,
+    pub(super) never_why: Unpredicted,
+}
+
+/// Why a question was not prefetched in its context: the last prediction made there before
+/// it was asked.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Unpredicted {
+    /// The turn is a conversation's first: no answer before it to predict from.
+    pub(super) first_turn: usize,
+    /// No prediction recorded in its context before it (not learned, or no longer held).
+    pub(super) no_record: usize,
+    /// The prediction rested on too few observations and made none.
+    pub(super) too_few: usize,
+    /// Its question was not among the follow-ups the counts knew.
+    pub(super) not_followed: usize,
+    /// Under `min_probability`.
+    pub(super) under_min_probability: usize,
+    /// Cut by `max_predictions` (more probable questions filled them).
+    pub(super) over_max_predictions: usize,
+    /// Predicted, and its job not finished before the turn (queued, dropped or running).
+    pub(super) predicted: usize,
+    /// Of those not followed or under `min_probability`: the predictions that rested on the
+    /// answer's own counts (its context), its question's cluster, or similar answers.
+    pub(super) missed_on_entry: usize,
+    pub(super) missed_on_cluster: usize,
+    pub(super) missed_on_similar: usize,
+}
+
+impl Unpredicted {
+    fn class(&mut self, r: &TurnResult, records: &Records, intent_of: &HashMap<String, String>) {
+        if r.history.is_empty() {
+            self.first_turn += 1;
+            return;
+        }
+        let Some(record) = records.last_before(&r.history, r.asked_at) else {
+            self.no_record += 1;
+            return;
+        };
+        let is_asked = |text: &str| intent_of.get(text) == Some(&r.intent);
+        if matches!(record.basis, "too_few" | "unknown") {
+            self.too_few += 1;
+        } else if record.kept.iter().any(|k| is_asked(k)) {
+            self.predicted += 1;
+        } else {
+            match record.passed_over.iter().find(|(q, _, _)| is_asked(q)) {
+                Some((_, _, "max_predictions")) => {
+                    self.over_max_predictions += 1;
+                    return;
+                }
+                Some(_) => self.under_min_probability += 1,
+                None => self.not_followed += 1,
+            }
+            match record.basis {
+                "entry" => self.missed_on_entry += 1,
+                "cluster" => self.missed_on_cluster += 1,
+                _ => self.missed_on_similar += 1,
+            }
+        }
+    }
+}
+
+/// Prediction records by their context (the user turns they followed), oldest first.
+struct Records<'a> {
+    by_context: HashMap<&'a [String], Vec<&'a PredictionRecord>>,
+}
+
+impl<'a> Records<'a> {
+    fn new(records: &'a [PredictionRecord]) -> Self {
+        let mut by_context: HashMap<&[String], Vec<&PredictionRecord>> = HashMap::new();
+        for r in records {
+            by_context.entry(&r.questions).or_default().push(r);
+        }
+        Records { by_context }
+    }
+
+    fn last_before(&self, context: &[String], at: Instant) -> Option<&'a PredictionRecord> {
+        self.by_context
+            .get(context)?
+            .iter()
+            .rev()
+            .find(|r| r.at < at)
+            .copied()
+    }
 }
 
 /// When each question was first answered by a prefetch, and first asked at all.
@@ -69,8 +162,10 @@ impl Seen {
 pub(super) fn lost(
     results: &[TurnResult],
     jobs: &[FinishedJob],
+    predictions: &[PredictionRecord],
     intent_of: &HashMap<String, String>,
 ) -> Lost {
+    let records = Records::new(predictions);
     // Context and question as worded; the question by intent in the context as worded; both
     // by intent.
     let (mut worded, mut meant, mut by_intent) =
@@ -133,10 +228,12 @@ pub(super) fn lost(
             out.other_wording += 1;
         } else if by_intent.answered_before(&elsewhere, r.asked_at) {
             out.other_context += 1;
+            out.other_context_why.class(r, &records, intent_of);
         } else if meant.tried.contains_key(&as_meant) {
             out.late += 1;
         } else {
             out.never += 1;
+            out.never_why.class(r, &records, intent_of);
         }
     }
     out
@@ -148,7 +245,8 @@ pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>) {
         return;
     };
     let jobs = prefetcher.finished_jobs();
-    let l = lost(&side.results.lock(), &jobs, intent_of);
+    let predictions = prefetcher.predictions_made();
+    let l = lost(&side.results.lock(), &jobs, &predictions, intent_of);
     let share = |n: usize| pct(n as f64 / l.turns.max(1) as f64);
     println!(
         "-- where {}'s misses were (each measured miss, by the prefetch jobs finished before \
@@ -172,11 +270,37 @@ pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>) {
         "  answered before only after another wording of the same earlier questions: {}",
         share(l.other_context)
     );
+    print_why(&l.other_context_why, &share);
     println!(
         "  prefetched in this context, answered only after it was asked or not at all: {}",
         share(l.late)
     );
     println!("  never prefetched in this context: {}", share(l.never));
+    print_why(&l.never_why, &share);
+    println!(
+        "  (by the last prediction made in the turn's context before it, of the latest {} \
+         predictions)",
+        predictions.len()
+    );
+}
+
+fn print_why(u: &Unpredicted, share: &dyn Fn(usize) -> String) {
+    println!(
+        "    first turn {}, no prediction recorded {}, too few observations {}, not among the \
+         follow-ups seen {}, under min_probability {}, cut by max_predictions {}, predicted \
+         and not finished before it {}; the predictions that missed it rested on the answer's \
+         own counts {}, its question's cluster {}, similar answers {}",
+        share(u.first_turn),
+        share(u.no_record),
+        share(u.too_few),
+        share(u.not_followed),
+        share(u.under_min_probability),
+        share(u.over_max_predictions),
+        share(u.predicted),
+        share(u.missed_on_entry),
+        share(u.missed_on_cluster),
+        share(u.missed_on_similar)
+    );
 }
 
 #[cfg(test)]
@@ -243,7 +367,24 @@ mod tests {
             turn(&["hello friend"], "hello there", t2, Served::Miss),
             turn(&["hello there"], "price please", t2, Served::Prefetch),
         ];
-        let l = lost(&results, &jobs, &intent_of);
+        // The predictions made after "hello there": refund passed over as improbable (the
+        // one before, at t0, is older than the last one before the turn).
+        let record = |at, passed: &[(&str, &'static str)]| PredictionRecord {
+            at,
+            namespace: String::new(),
+            questions: vec!["hello there".into()],
+            basis: "entry",
+            kept: vec!["price please".into()],
+            passed_over: passed
+                .iter()
+                .map(|(q, why)| (q.to_string(), 0.1, *why))
+                .collect(),
+        };
+        let predictions = vec![
+            record(t0, &[("refund how", "max_predictions")]),
+            record(t1, &[("refund how", "min_probability")]),
+        ];
+        let l = lost(&results, &jobs, &predictions, &intent_of);
         assert_eq!(
             l,
             Lost {
@@ -254,6 +395,16 @@ mod tests {
                 other_context: 1,
                 late: 2,
                 never: 1,
+                other_context_why: Unpredicted {
+                    under_min_probability: 1,
+                    missed_on_entry: 1,
+                    ..Unpredicted::default()
+                },
+                // "hello there" after "hello friend": no prediction in that context.
+                never_why: Unpredicted {
+                    no_record: 1,
+                    ..Unpredicted::default()
+                },
             }
         );
     }

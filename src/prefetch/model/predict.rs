@@ -11,6 +11,8 @@ use super::{cosine, Model, Node};
 const MAX_NEIGHBOURS: usize = 16;
 /// Clusters of one family prefetched for one answer at most (the most asked first).
 const MAX_FAMILY_CLUSTERS: usize = 4;
+/// Follow-ups passed over that a prediction reports at most (the most probable first).
+const MAX_PASSED_OVER: usize = 8;
 
 /// Thresholds of a prediction.
 #[derive(Debug, Clone, Copy)]
@@ -48,11 +50,59 @@ pub struct Prediction {
     pub borrowed: bool,
 }
 
+/// What a prediction rested on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Basis {
+    /// The entry's own counts (seen at least `min_observations` times).
+    Entry,
+    /// Its cluster's: every wording of the question, in every context.
+    Cluster,
+    /// Those of entries with a similar embedding (and its own).
+    Similar,
+    /// Too few observations anywhere: nothing predicted.
+    TooFew,
+    /// The entry is not known (or its namespace).
+    Unknown,
+}
+
+impl Basis {
+    /// Its name in diagnostics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Basis::Entry => "entry",
+            Basis::Cluster => "cluster",
+            Basis::Similar => "similar",
+            Basis::TooFew => "too_few",
+            Basis::Unknown => "unknown",
+        }
+    }
+}
+
+/// A follow-up a prediction saw and did not keep.
+#[derive(Debug, Clone)]
+pub struct PassedOver {
+    /// The follow-up cluster's representative wording.
+    pub prompt: String,
+    /// Its estimated probability.
+    pub probability: f64,
+    /// Why: `"min_probability"` (under it) or `"max_predictions"` (more probable questions
+    /// filled them).
+    pub reason: &'static str,
+}
+
+/// A prediction with what it rested on and what it passed over (diagnostics: `reprise-bench
+/// replay` tells from them why a follow-up was not prefetched).
+#[derive(Debug, Clone)]
+pub struct Explained {
+    pub predictions: Vec<Prediction>,
+    pub basis: Basis,
+    /// The most probable follow-ups not kept, at most 8.
+    pub passed_over: Vec<PassedOver>,
+}
+
 impl Model {
-    /// Ranks the follow-up clusters of `id`. The counts come from the node itself when it
-    /// was seen at least `min_observations` times (its own context says most), else from its
-    /// cluster (every wording of the question, in every context), else from the nodes with a
-    /// similar embedding.
+    /// Ranks the follow-up clusters of `id`: [`Model::explain_prediction`]'s predictions.
+    #[cfg(test)]
     pub fn predict(
         &self,
         ns: &str,
@@ -60,12 +110,31 @@ impl Model {
         p: &PredictParams,
         now_ms: u64,
     ) -> Vec<Prediction> {
+        self.explain_prediction(ns, id, p, now_ms).predictions
+    }
+
+    /// Ranks the follow-up clusters of `id`. The counts come from the node itself when it
+    /// was seen at least `min_observations` times (its own context says most), else from its
+    /// cluster (every wording of the question, in every context), else from the nodes with a
+    /// similar embedding.
+    pub fn explain_prediction(
+        &self,
+        ns: &str,
+        id: EntryId,
+        p: &PredictParams,
+        now_ms: u64,
+    ) -> Explained {
+        let nothing = |basis| Explained {
+            predictions: Vec::new(),
+            basis,
+            passed_over: Vec::new(),
+        };
         let hl = self.half_life_ms;
         let Some(space) = self.namespaces.get(ns) else {
-            return Vec::new();
+            return nothing(Basis::Unknown);
         };
         let Some(node) = space.nodes.get(&id) else {
-            return Vec::new();
+            return nothing(Basis::Unknown);
         };
         let live = |c: Option<u64>| c.filter(|c| space.clusters.contains_key(c));
         let own_cluster = live(node.cluster);
@@ -100,9 +169,9 @@ impl Model {
         let cluster_seen = own_cluster
             .and_then(|c| space.clusters.get(&c))
             .map_or(0.0, |c| c.seen.value(now_ms, hl));
-        let (total, borrowed) = if own >= p.min_observations {
+        let (total, basis) = if own >= p.min_observations {
             add_nodes(&[node], &mut counts);
-            (own, false)
+            (own, Basis::Entry)
         } else if cluster_seen >= p.min_observations {
             let c = &space.clusters[&own_cluster.unwrap_or_default()];
             for (target, count) in &c.next {
@@ -112,7 +181,7 @@ impl Model {
                     counts.insert(*target, (count.value(now_ms, hl), id, 0.0));
                 }
             }
-            (cluster_seen, true)
+            (cluster_seen, Basis::Cluster)
         } else {
             let mut sources: Vec<&Node> = vec![node];
             if let Some(emb) = &node.embedding {
@@ -130,11 +199,12 @@ impl Model {
             }
             let total: f64 = sources.iter().map(|n| n.seen.value(now_ms, hl)).sum();
             add_nodes(&sources, &mut counts);
-            (total, true)
+            (total, Basis::Similar)
         };
         if total < p.min_observations || total <= 0.0 {
-            return Vec::new();
+            return nothing(Basis::TooFew);
         }
+        let borrowed = basis != Basis::Entry;
         // A question asked in wordings regrouping keeps apart (its family) is one follow-up:
         // its clusters' counts add up, and each of them is prefetched with its own wordings.
         let family = |cid: u64| space.families.get(&cid).copied().unwrap_or(cid);
@@ -142,11 +212,14 @@ impl Model {
         for (cid, (count, _, _)) in &counts {
             *by_family.entry(family(*cid)).or_default() += count;
         }
+        // Under `min_probability`: (probability, cluster); named only if among the reported.
+        let mut under: Vec<(f64, u64)> = Vec::new();
         let mut out: Vec<(f64, u64, Prediction)> = counts
             .into_iter()
             .filter_map(|(cid, (count, target, _))| {
                 let probability = (by_family[&family(cid)] / total).min(1.0);
                 if probability < p.min_probability {
+                    under.push((probability, cid));
                     return None;
                 }
                 let c = &space.clusters[&cid];
@@ -193,6 +266,7 @@ impl Model {
         // `MAX_FAMILY_CLUSTERS` clusters of each.
         let mut kept: Vec<(u64, usize)> = Vec::new();
         let mut predictions = Vec::new();
+        let mut passed_over: Vec<PassedOver> = Vec::new();
         for (_, fam, prediction) in out {
             match kept.last_mut() {
                 Some((f, n)) if *f == fam => {
@@ -203,14 +277,36 @@ impl Model {
                 }
                 _ => {
                     if kept.len() == p.max_predictions {
-                        break;
+                        passed_over.push(PassedOver {
+                            prompt: prediction.prompt,
+                            probability: prediction.probability,
+                            reason: "max_predictions",
+                        });
+                        continue;
                     }
                     kept.push((fam, 1));
                 }
             }
             predictions.push(prediction);
         }
-        predictions
+        under.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        passed_over.extend(
+            under
+                .into_iter()
+                .take(MAX_PASSED_OVER)
+                .map(|(probability, cid)| PassedOver {
+                    prompt: space.clusters[&cid].prompt.clone(),
+                    probability,
+                    reason: "min_probability",
+                }),
+        );
+        passed_over.sort_by(|a, b| b.probability.total_cmp(&a.probability));
+        passed_over.truncate(MAX_PASSED_OVER);
+        Explained {
+            predictions,
+            basis,
+            passed_over,
+        }
     }
 }
 
