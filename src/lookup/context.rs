@@ -54,11 +54,20 @@ pub struct Context {
 /// Only the first `max_turns` exchanges are looked up; later ones join the context by their
 /// raw text, so a turn's context never depends on how long the conversation grew and links
 /// written earlier are found the same way.
+///
+/// `conv` is the conversation as context equivalence rewrote it (each earlier message in
+/// its canonical form), `shown` as the client sent it (the same when nothing was rewritten).
+/// The context is resolved from `conv`. The entry that answered the last exchange
+/// ([`Context::prev_entry`], what prefetch learns follow-ups from) is looked up by the
+/// exchange as shown when `conv` did not find it: an answer is linked under the question
+/// and answer it was given for, so an exchange whose answer (or question) was rewritten to
+/// another's form is not found under the rewritten text.
 pub async fn resolve(
     state: &AppState,
     namespace: &str,
     model: &str,
     conv: &Conversation<'_>,
+    shown_as: &Conversation<'_>,
     max_turns: usize,
 ) -> Context {
     let n = conv.turns.len();
@@ -190,6 +199,9 @@ pub async fn resolve(
             from = k + 1;
         }
     }
+    if prev_entry.is_none() && resolved == n && n > 0 {
+        prev_entry = answered_as_shown(state, namespace, model, conv, shown_as, &raws[n - 1]).await;
+    }
     // Exchanges beyond the cap: by their raw text.
     for k in resolved..n {
         ctx = raw(&ctx, k);
@@ -205,6 +217,36 @@ pub async fn resolve(
         query,
         prev_entry,
     }
+}
+
+/// The entry that answered `conv`'s last exchange as `shown_as` shows it, when context
+/// equivalence rewrote that exchange: found by its raw link (the context before it by the
+/// raw text of the exchanges before, `raw_before`, which every answer stored or served for
+/// that history is linked under) with the question and answer as shown. One lookup, only
+/// for a rewritten exchange the resolution did not find.
+async fn answered_as_shown(
+    state: &AppState,
+    namespace: &str,
+    model: &str,
+    conv: &Conversation<'_>,
+    shown_as: &Conversation<'_>,
+    raw_before: &Digest,
+) -> Option<EntryId> {
+    let ((q, a), (shown_q, shown_a)) = (conv.turns.last()?, shown_as.turns.last()?);
+    let rewritten = a.content != shown_a.content
+        || q.len() != shown_q.len()
+        || q.iter().zip(shown_q).any(|(x, y)| x.content != y.content);
+    if !rewritten || conv.turns.len() != shown_as.turns.len() || !shown_a.is_plain() {
+        return None;
+    }
+    let query = key::messages_digest("query", shown_q);
+    let link = turn_key(namespace, model, raw_before, &query, &shown_a.content);
+    let found = state.store.find_many(&[link], |_| true).await;
+    found
+        .into_iter()
+        .flatten()
+        .find(|e| e.text == shown_a.content)
+        .map(|e| e.id)
 }
 
 /// A turn's context with the messages pending before its query.

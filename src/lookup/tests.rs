@@ -154,6 +154,41 @@ async fn with_prefetch_an_exact_hit_still_resolves_its_context() {
     assert_eq!(found.prev_entry, Some(prev), "the previous turn's entry");
 }
 
+/// Context equivalence rewrites an earlier answer to the first answer it paraphrases; the
+/// exchange is still known as answered by its own entry (what prefetch learns follow-ups
+/// from): its links were made for the question and answer as given.
+#[tokio::test]
+async fn a_rewritten_exchange_still_names_the_entry_that_answered_it() {
+    let (q1, a1) = ("Who wrote Hamlet?", "Shakespeare wrote it, around 1600.");
+    let (q2, a2) = (
+        "Name the playwright",
+        "It was written by Shakespeare around 1600.",
+    );
+    // The two answers read alike (one vector), the two questions not at all.
+    let same: Vec<f32> = (0..8).map(|i| i as f32).collect();
+    let (x, y): (Vec<f32>, Vec<f32>) = (
+        (0..8).map(|i| f32::from(u8::from(i == 0))).collect(),
+        (0..8).map(|i| f32::from(u8::from(i == 1))).collect(),
+    );
+    let embedder = FakeEmbedder::new(8)
+        .pin(a1, &same)
+        .pin(a2, &same)
+        .pin(q1, &x)
+        .pin(q2, &y);
+    let s = state_with(embedder, true);
+    let first = store(&s, "ns", &ask(q1), a1).await;
+    // A conversation shows the first answer: it becomes the form of answers like it.
+    let after_first = chat(&[("user", q1), ("assistant", a1), ("user", "When?")]);
+    let found = find(&s, "ns", &after_first, Wants::default()).await;
+    assert_eq!(found.prev_entry, Some(first));
+    // Another question, answered in other words by another entry: its answer is rewritten
+    // to the first one's form in the next turn's context.
+    let second = store(&s, "ns", &ask(q2), a2).await;
+    let after_second = chat(&[("user", q2), ("assistant", a2), ("user", "When?")]);
+    let found = find(&s, "ns", &after_second, Wants::default()).await;
+    assert_eq!(found.prev_entry, Some(second), "the entry that answered it");
+}
+
 #[tokio::test]
 async fn a_paraphrase_is_a_semantic_hit_in_its_namespace_only() {
     let s = state();
