@@ -130,6 +130,9 @@ pub struct ReplayArgs {
     /// Prefetch side: `prefetch.min_probability` (default: the configured default).
     #[arg(long)]
     min_probability: Option<f64>,
+    /// Prefetch side: `prefetch.min_observations` (default: the configured default).
+    #[arg(long)]
+    min_observations: Option<f64>,
     /// Prefetch side: `prefetch.regroup_score` (default: the configured default).
     #[arg(long)]
     regroup_score: Option<f32>,
@@ -451,6 +454,9 @@ async fn start_side(
     }
     if let Some(p) = a.min_probability {
         config.prefetch.min_probability = p;
+    }
+    if let Some(n) = a.min_observations {
+        config.prefetch.min_observations = n;
     }
     adjust(&mut config);
     // Its own embedder instance: the other side's embeddings never queue ahead of its own.
