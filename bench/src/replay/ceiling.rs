@@ -222,6 +222,17 @@ fn ceiling(
 mod tests {
     use super::*;
 
+    /// The ceiling with the domain's table and the default `max_predictions`.
+    fn by_truth(
+        sessions: &[Session],
+        warmup: usize,
+        domain: &Domain,
+        min_p: f64,
+        histories: Histories,
+    ) -> Ceiling {
+        ceiling(sessions, warmup, domain, min_p, 3, histories, Table::True)
+    }
+
     /// A domain where A is always followed by B, and B ends the conversation.
     fn a_then_b() -> Domain {
         serde_json::from_str(r#"{"transitions": {"A": {"B": 1.0}, "B": {"END": 1.0}}}"#).unwrap()
@@ -258,15 +269,7 @@ mod tests {
             // A new first question: a miss; B is generated after it and never asked.
             session(&[("C", "c2")]),
         ];
-        let c = ceiling(
-            &sessions,
-            1,
-            &domain,
-            0.2,
-            3,
-            Histories::ByIntent,
-            Table::True,
-        );
+        let c = by_truth(&sessions, 1, &domain, 0.2, Histories::ByIntent);
         // Five measured turns: A, A cached; B served by the warm-up's prefetch; C, C missed.
         assert!((c.off - 0.4).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.6).abs() < 1e-9, "{c:?}");
@@ -277,15 +280,7 @@ mod tests {
         assert!((c.never_used - 1.0).abs() < 1e-9, "{c:?}");
         // At the lower bar the warm-up also prefetched C, which serves the second C: the
         // run's counting then shows no waste at all while both generations were wasted.
-        let c = ceiling(
-            &sessions,
-            1,
-            &domain,
-            0.1,
-            3,
-            Histories::ByIntent,
-            Table::True,
-        );
+        let c = by_truth(&sessions, 1, &domain, 0.1, Histories::ByIntent);
         assert!((c.off - 0.4).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.8).abs() < 1e-9, "{c:?}");
         assert!(c.unused.abs() < 1e-9, "{c:?}");
@@ -301,24 +296,8 @@ mod tests {
         ];
         // The second B follows A in other words: by intent the history matches and the
         // cache answers it; as worded it does not, and the prefetch made after a2 does.
-        let by_intent = ceiling(
-            &sessions,
-            1,
-            &domain,
-            0.2,
-            3,
-            Histories::ByIntent,
-            Table::True,
-        );
-        let as_worded = ceiling(
-            &sessions,
-            1,
-            &domain,
-            0.2,
-            3,
-            Histories::AsWorded,
-            Table::True,
-        );
+        let by_intent = by_truth(&sessions, 1, &domain, 0.2, Histories::ByIntent);
+        let as_worded = by_truth(&sessions, 1, &domain, 0.2, Histories::AsWorded);
         assert!((by_intent.off - 1.0).abs() < 1e-9, "{by_intent:?}");
         assert!((as_worded.off - 0.5).abs() < 1e-9, "{as_worded:?}");
         assert!((as_worded.on - 1.0).abs() < 1e-9, "{as_worded:?}");
@@ -365,15 +344,7 @@ mod tests {
             session(&[("A", "a1"), ("B", "b1")]),
             session(&[("A", "a1"), ("B", "b2")]),
         ];
-        let c = ceiling(
-            &sessions,
-            0,
-            &domain,
-            0.2,
-            3,
-            Histories::ByIntent,
-            Table::True,
-        );
+        let c = by_truth(&sessions, 0, &domain, 0.2, Histories::ByIntent);
         // Turns: A miss, B prefetched, A cached, B cached.
         assert!((c.off - 0.5).abs() < 1e-9, "{c:?}");
         assert!((c.on - 0.75).abs() < 1e-9, "{c:?}");
