@@ -56,7 +56,7 @@ pub struct Context {
 /// written earlier are found the same way.
 ///
 /// `conv` is the conversation as context equivalence rewrote it (each earlier message in
-/// its canonical form), `shown` as the client sent it (the same when nothing was rewritten).
+/// its canonical form), `shown_as` as the client sent it (the same when nothing was rewritten).
 /// The context is resolved from `conv`. The entry that answered the last exchange
 /// ([`Context::prev_entry`], what prefetch learns follow-ups from) is looked up by the
 /// exchange as shown when `conv` did not find it: an answer is linked under the question
