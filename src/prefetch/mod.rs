@@ -530,7 +530,7 @@ mod tests {
     }
 
     /// Finished jobs are remembered with what they asked and how they ended, the latest
-    /// `FINISHED_JOBS` only.
+    /// within `record::RECORD_BYTES` only.
     #[test]
     fn finished_jobs_are_remembered_within_their_bound() {
         let p = Prefetcher::new(PrefetchConfig::default());
