@@ -247,8 +247,10 @@ async fn single_turn_session_gets_the_follow_up_prefetched() {
 async fn multi_turn_history_gets_the_follow_up_prefetched_in_a_new_context() {
     let (app, probe) = spawn_probe(prefetch_config(true), ScriptConfig::default()).await;
     let answer = format!("You asked: {X}");
-    // Two conversations under one system prompt: X, then Y with the history.
-    for _ in 0..2 {
+    // Three conversations under one system prompt: X, then Y with the history. (Counts
+    // decay, so the two follow-ups known when X is served the third time are a little
+    // under `min_observations`: nothing is prefetched yet.)
+    for _ in 0..3 {
         app.chat(&convo(&[("system", "You are terse."), ("user", X)]), &[])
             .await;
         let r = app
@@ -264,15 +266,16 @@ async fn multi_turn_history_gets_the_follow_up_prefetched_in_a_new_context() {
             .await;
         assert_eq!(r.status(), 200);
     }
-    assert!(eventually(WAIT, || stats(&app).links >= 2).await);
+    assert!(eventually(WAIT, || stats(&app).links >= 3).await);
     // A conversation under another system prompt reaches X: a new entry (another context)
     // that borrows the follow-ups of the similar one.
+    let before = stats(&app);
     let r = app
         .chat(&convo(&[("system", "You are kind."), ("user", X)]), &[])
         .await;
     assert_eq!(cache_status(&r), "miss");
     assert!(
-        eventually(WAIT, || stats(&app).completed >= 1).await,
+        eventually(WAIT, || stats(&app).completed > before.completed).await,
         "{:?}",
         stats(&app)
     );
@@ -1133,11 +1136,13 @@ async fn wordings_used_alike_are_regrouped_and_share_the_prefetch() {
     // paraphrase finds that answer through its alias.
     forget(&app, entry_asked(&app, Y_PARAPHRASE)).await;
     let calls = probe.inner.calls();
+    // (Jobs may have run while the wordings were learned: they found Y answered.)
+    let before = stats(&app);
     ask(&app, "new", X).await;
     assert!(
         eventually(WAIT, || {
             let s = stats(&app);
-            s.completed + s.skipped >= 1 && s.active == 0
+            s.completed + s.skipped > before.completed + before.skipped && s.active == 0
         })
         .await,
         "{:?}",

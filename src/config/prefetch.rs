@@ -17,7 +17,8 @@ pub struct PrefetchConfig {
     /// Most follow-up questions prefetched after one answer (a family of clusters, see
     /// `regroup_family_score`, counts once, with at most 4 of its clusters).
     pub max_predictions: usize,
-    /// Lowest (decayed) number of times an answer was served before its follow-up
+    /// Lowest (decayed) number of times an answer was served, with what followed known
+    /// (the serving being predicted for is not counted), before its follow-up
     /// probabilities are trusted; rarer answers borrow counts from similar ones.
     pub min_observations: f64,
     /// Lowest cosine similarity of an answer whose follow-ups a rarely seen answer borrows.

@@ -104,6 +104,65 @@ pub(super) struct Ceiling {
     pub(super) never_used: f64,
 }
 
+/// The follow-ups of a table's row with their probabilities; after a conversation's first
+/// turn, `END` is impossible and the rest share its probability (as the session generator
+/// does).
+fn follow_ups(row: &HashMap<String, f64>, first: bool) -> impl Iterator<Item = (f64, &str)> {
+    let total: f64 = row
+        .iter()
+        .filter(|(k, _)| !(first && k.as_str() == "END"))
+        .map(|(_, v)| v)
+        .sum();
+    row.iter()
+        .filter(|(k, _)| k.as_str() != "END")
+        .map(move |(k, v)| (v / total.max(1e-12), k.as_str()))
+}
+
+/// The true transition table, to tell which follow-ups the reference ceiling predicts
+/// (`--domain`).
+pub(super) struct Truth {
+    domain: Domain,
+    min_p: f64,
+}
+
+impl Truth {
+    /// The table of `--domain`, if given, at the run's `min_probability`.
+    pub(super) fn load(a: &ReplayArgs) -> anyhow::Result<Option<Truth>> {
+        let Some(path) = &a.domain else {
+            return Ok(None);
+        };
+        Ok(Some(Truth {
+            domain: serde_json::from_str(&std::fs::read_to_string(path)?)?,
+            min_p: a
+                .min_probability
+                .unwrap_or(PrefetchConfig::default().min_probability),
+        }))
+    }
+
+    /// A table given as JSON, at `min_p`.
+    #[cfg(test)]
+    pub(super) fn from_json(json: &str, min_p: f64) -> Truth {
+        Truth {
+            domain: serde_json::from_str(json).expect("a domain"),
+            min_p,
+        }
+    }
+
+    /// Whether the true table puts `intent` under `min_probability` after the questions
+    /// `before` (their intents, oldest first; `None` for a first turn, where nothing is
+    /// predicted).
+    pub(super) fn under(&self, before: &[String], intent: &str) -> Option<bool> {
+        let last = before.last()?;
+        let p = self
+            .domain
+            .transitions
+            .get(last)
+            .and_then(|row| follow_ups(row, before.len() == 1).find(|(_, k)| *k == intent))
+            .map_or(0.0, |(p, _)| p);
+        Some(p < self.min_p)
+    }
+}
+
 /// Replays the sessions on paper with a perfect semantic cache and the true transition
 /// table, counted as the run counts:
 ///
@@ -145,15 +204,7 @@ fn ceiling(
         let Some(row) = rows.get(intent) else {
             return Vec::new();
         };
-        let total: f64 = row
-            .iter()
-            .filter(|(k, _)| !(first && k.as_str() == "END"))
-            .map(|(_, v)| v)
-            .sum();
-        let mut p: Vec<(f64, &str)> = row
-            .iter()
-            .filter(|(k, _)| k.as_str() != "END")
-            .map(|(k, v)| (v / total.max(1e-12), k.as_str()))
+        let mut p: Vec<(f64, &str)> = follow_ups(row, first)
             .filter(|(p, _)| *p >= min_p)
             .collect();
         p.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(b.1)));

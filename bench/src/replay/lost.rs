@@ -21,6 +21,7 @@
 
 use reprise::prefetch::{FinishedJob, PredictionRecord};
 
+use super::ceiling::Truth;
 use super::report::pct;
 use super::*;
 
@@ -40,6 +41,10 @@ pub(super) struct Lost {
     pub(super) same_wording: usize,
     /// Answered here, in another wording of the question, before the turn.
     pub(super) other_wording: usize,
+    /// Of those: the wording asked is in the question cluster of a wording prefetched (as
+    /// the clusters stand at the end of the run), or in another cluster only.
+    pub(super) other_wording_same_cluster: usize,
+    pub(super) other_wording_other_cluster: usize,
     /// Answered before the turn only in another wording of the context.
     pub(super) other_context: usize,
     /// Prefetched here, but answered only after the turn, or not at all.
@@ -75,10 +80,20 @@ pub(super) struct Unpredicted {
     pub(super) missed_on_entry: usize,
     pub(super) missed_on_cluster: usize,
     pub(super) missed_on_similar: usize,
+    /// Of those not followed or under `min_probability`: the ones the true transition table
+    /// (`--domain`) puts under `min_probability` too, which the reference ceiling does not
+    /// predict either.
+    pub(super) improbable_in_truth: usize,
 }
 
 impl Unpredicted {
-    fn class(&mut self, r: &TurnResult, records: &Records, intent_of: &HashMap<String, String>) {
+    fn class(
+        &mut self,
+        r: &TurnResult,
+        records: &Records,
+        intent_of: &HashMap<String, String>,
+        truth: Option<&Truth>,
+    ) {
         if r.history.is_empty() {
             self.first_turn += 1;
             return;
@@ -101,6 +116,8 @@ impl Unpredicted {
                 Some(_) => self.under_min_probability += 1,
                 None => self.not_followed += 1,
             }
+            let improbable = truth.and_then(|t| t.under(&r.history_intents, &r.intent));
+            self.improbable_in_truth += usize::from(improbable == Some(true));
             match record.basis {
                 "entry" => self.missed_on_entry += 1,
                 "cluster" => self.missed_on_cluster += 1,
@@ -164,8 +181,12 @@ pub(super) fn lost(
     jobs: &[FinishedJob],
     predictions: &[PredictionRecord],
     intent_of: &HashMap<String, String>,
+    cluster_of: &HashMap<String, usize>,
+    truth: Option<&Truth>,
 ) -> Lost {
     let records = Records::new(predictions);
+    // The wordings answered by a prefetch for a question (by intent) in a context, and when.
+    let mut wordings: HashMap<Asked, Vec<(&str, Instant)>> = HashMap::new();
     // Context and question as worded; the question by intent in the context as worded; both
     // by intent.
     let (mut worded, mut meant, mut by_intent) =
@@ -184,6 +205,15 @@ pub(super) fn lost(
         let Some(intent) = intent_of.get(asked) else {
             continue;
         };
+        if matches!(job.outcome, "generated" | "cached") {
+            wordings
+                .entry(Asked {
+                    context: before.to_vec(),
+                    question: intent.clone(),
+                })
+                .or_default()
+                .push((asked.as_str(), job.at));
+        }
         meant.note(
             Asked {
                 context: before.to_vec(),
@@ -226,27 +256,51 @@ pub(super) fn lost(
             out.same_wording += 1;
         } else if meant.answered_before(&as_meant, r.asked_at) {
             out.other_wording += 1;
+            let cluster = cluster_of.get(&r.text);
+            let together = wordings.get(&as_meant).is_some_and(|w| {
+                w.iter().any(|(t, at)| {
+                    *at < r.asked_at && cluster.is_some() && cluster_of.get(*t) == cluster
+                })
+            });
+            if together {
+                out.other_wording_same_cluster += 1;
+            } else {
+                out.other_wording_other_cluster += 1;
+            }
         } else if by_intent.answered_before(&elsewhere, r.asked_at) {
             out.other_context += 1;
-            out.other_context_why.class(r, &records, intent_of);
+            out.other_context_why.class(r, &records, intent_of, truth);
         } else if meant.tried.contains_key(&as_meant) {
             out.late += 1;
         } else {
             out.never += 1;
-            out.never_why.class(r, &records, intent_of);
+            out.never_why.class(r, &records, intent_of, truth);
         }
     }
     out
 }
 
 /// Prints where the prefetch side's measured misses were lost.
-pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>) {
+pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>, truth: Option<&Truth>) {
     let Some(prefetcher) = prefetcher(&side.server.state) else {
         return;
     };
     let jobs = prefetcher.finished_jobs();
     let predictions = prefetcher.predictions_made();
-    let l = lost(&side.results.lock(), &jobs, &predictions, intent_of);
+    let cluster_of: HashMap<String, usize> = prefetcher
+        .clusters(DEFAULT_NAMESPACE)
+        .into_iter()
+        .enumerate()
+        .flat_map(|(i, c)| c.into_iter().map(move |w| (w, i)))
+        .collect();
+    let l = lost(
+        &side.results.lock(),
+        &jobs,
+        &predictions,
+        intent_of,
+        &cluster_of,
+        truth,
+    );
     let share = |n: usize| pct(n as f64 / l.turns.max(1) as f64);
     println!(
         "-- where {}'s misses were (each measured miss, by the prefetch jobs finished before \
@@ -262,9 +316,12 @@ pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>) {
     );
     println!(
         "  its question answered by a prefetch in this context before it was asked: in the \
-         wording asked {} (not found when asked), in another wording {} (not matched)",
+         wording asked {} (not found when asked), in another wording {} (not matched; the \
+         wording asked in the cluster of one prefetched {}, in another cluster {})",
         share(l.same_wording),
-        share(l.other_wording)
+        share(l.other_wording),
+        share(l.other_wording_same_cluster),
+        share(l.other_wording_other_cluster)
     );
     println!(
         "  answered before only after another wording of the same earlier questions: {}",
@@ -289,7 +346,8 @@ fn print_why(u: &Unpredicted, share: &dyn Fn(usize) -> String) {
         "    first turn {}, no prediction recorded {}, too few observations {}, not among the \
          follow-ups seen {}, under min_probability {}, cut by max_predictions {}, predicted \
          and not finished before it {}; the predictions that missed it rested on the answer's \
-         own counts {}, its question's cluster {}, similar answers {}",
+         own counts {}, its question's cluster {}, similar answers {}; under min_probability in \
+         the true table too (not predicted by the reference ceiling either) {}",
         share(u.first_turn),
         share(u.no_record),
         share(u.too_few),
@@ -299,7 +357,8 @@ fn print_why(u: &Unpredicted, share: &dyn Fn(usize) -> String) {
         share(u.predicted),
         share(u.missed_on_entry),
         share(u.missed_on_cluster),
-        share(u.missed_on_similar)
+        share(u.missed_on_similar),
+        share(u.improbable_in_truth)
     );
 }
 
@@ -384,7 +443,12 @@ mod tests {
             record(t0, &[("refund how", "max_predictions")]),
             record(t1, &[("refund how", "min_probability")]),
         ];
-        let l = lost(&results, &jobs, &predictions, &intent_of);
+        // "price now" shares the cluster of "price please", which was prefetched.
+        let cluster_of: HashMap<String, usize> = [("price please", 0), ("price now", 0)]
+            .iter()
+            .map(|(t, c)| (t.to_string(), *c))
+            .collect();
+        let l = lost(&results, &jobs, &predictions, &intent_of, &cluster_of, None);
         assert_eq!(
             l,
             Lost {
@@ -392,6 +456,8 @@ mod tests {
                 misses: 6,
                 same_wording: 1,
                 other_wording: 1,
+                other_wording_same_cluster: 1,
+                other_wording_other_cluster: 0,
                 other_context: 1,
                 late: 2,
                 never: 1,
@@ -406,6 +472,41 @@ mod tests {
                     ..Unpredicted::default()
                 },
             }
+        );
+        // With the true table: refund after a first turn's hello is 0.1 of the 0.6 that
+        // goes on (under 0.2), or 0.1 of 0.4 (over it).
+        let improbable = |end: f64| {
+            let truth = Truth::from_json(
+                &format!(
+                    r#"{{"transitions": {{"hello": {{"refund": 0.1, "price": {}, "END": {end}}}}}}}"#,
+                    0.9 - end
+                ),
+                0.2,
+            );
+            let l = lost(
+                &results,
+                &jobs,
+                &predictions,
+                &intent_of,
+                &cluster_of,
+                Some(&truth),
+            );
+            l.other_context_why.improbable_in_truth
+        };
+        assert_eq!(improbable(0.4), 1);
+        assert_eq!(improbable(0.6), 0);
+        // Apart, in clusters of their own.
+        let l = lost(
+            &results,
+            &jobs,
+            &predictions,
+            &intent_of,
+            &HashMap::new(),
+            None,
+        );
+        assert_eq!(
+            (l.other_wording_same_cluster, l.other_wording_other_cluster),
+            (0, 1)
         );
     }
 }

@@ -343,8 +343,9 @@ pub async fn run(a: ReplayArgs) -> anyhow::Result<()> {
     }
     eprintln!("done in {:.0} s", started.elapsed().as_secs_f64());
     report(&a, &sides, &intent_of, &sessions)?;
+    let truth = ceiling::Truth::load(&a)?;
     for side in sides.iter().filter(|s| s.name == "prefetch on") {
-        lost::print_lost(side, &intent_of);
+        lost::print_lost(side, &intent_of, truth.as_ref());
     }
     Ok(())
 }

@@ -165,8 +165,8 @@ mod tests {
         let p = m.predict("ns", fresh, &params(), 0);
         assert_eq!(p.len(), 1, "{p:?}");
         assert!(p[0].borrowed);
-        // 3 follow-ups over 4 sightings of the cluster.
-        assert!((p[0].probability - 0.75).abs() < 1e-9, "{p:?}");
+        // 3 follow-ups over the cluster's 3 sightings known (the fresh one awaits its own).
+        assert!((p[0].probability - 1.0).abs() < 1e-9, "{p:?}");
         assert!(saves.contains(&p[0].prompt.as_str()));
         let mut all = p[0].wordings.clone();
         all.push(p[0].prompt.clone());

@@ -21,7 +21,7 @@ pub struct PredictParams {
     pub min_probability: f64,
     /// Most predictions returned.
     pub max_predictions: usize,
-    /// Lowest decayed count of observations a prediction rests on.
+    /// Lowest decayed count of observations with a known outcome a prediction rests on.
     pub min_observations: f64,
     /// Lowest cosine similarity of a neighbour whose counts a rarely seen node borrows.
     pub similar_threshold: f32,
@@ -116,7 +116,8 @@ impl Model {
     /// Ranks the follow-up clusters of `id`. The counts come from the node itself when it
     /// was seen at least `min_observations` times (its own context says most), else from its
     /// cluster (every wording of the question, in every context), else from the nodes with a
-    /// similar embedding.
+    /// similar embedding. Observations are counted with their outcome known: the latest one,
+    /// while it awaits its follow-up, is left out (see [`Model::observe`]).
     pub fn explain_prediction(
         &self,
         ns: &str,
@@ -165,10 +166,12 @@ impl Model {
                 }
             }
         };
-        let own = node.seen.value(now_ms, hl);
+        // Outcomes known: an observation still awaiting its follow-up (the one this
+        // prediction is made for) is not a conversation that ended.
+        let own = node.known(now_ms, hl);
         let cluster_seen = own_cluster
             .and_then(|c| space.clusters.get(&c))
-            .map_or(0.0, |c| c.seen.value(now_ms, hl));
+            .map_or(0.0, |c| c.known(now_ms, hl));
         let (total, basis) = if own >= p.min_observations {
             add_nodes(&[node], &mut counts);
             (own, Basis::Entry)
@@ -197,7 +200,7 @@ impl Model {
                 near.sort_by(|a, b| b.0.total_cmp(&a.0));
                 sources.extend(near.into_iter().take(MAX_NEIGHBOURS).map(|(_, n)| n));
             }
-            let total: f64 = sources.iter().map(|n| n.seen.value(now_ms, hl)).sum();
+            let total: f64 = sources.iter().map(|n| n.known(now_ms, hl)).sum();
             add_nodes(&sources, &mut counts);
             (total, Basis::Similar)
         };
@@ -343,6 +346,40 @@ mod tests {
         assert!((p[1].probability - 0.25).abs() < 1e-9);
         assert!(!p[0].borrowed);
         assert_eq!(m.prefers_multi("ns", 1000), Some(true));
+    }
+
+    #[test]
+    fn the_serving_predicted_for_is_not_counted_as_an_end() {
+        let mut m = Model::new(3600.0);
+        let (x, y, z) = (EntryId(1), EntryId(2), EntryId(3));
+        for i in 0..4 {
+            m.observe("ns", x, "x?", None, 0, same_text);
+            let (next, text) = if i < 3 { (y, "y?") } else { (z, "z?") };
+            m.observe("ns", next, text, None, 0, same_text);
+            m.link("ns", x, next, true, 0);
+        }
+        let probabilities = |m: &Model, id| {
+            m.predict("ns", id, &params(), 0)
+                .iter()
+                .map(|p| p.probability)
+                .collect::<Vec<_>>()
+        };
+        // Served a fifth time: its follow-up is what the prediction is for, so it is no end
+        // (counted as one, the estimates were 3/5 and 1/5).
+        m.observe("ns", x, "x?", None, 0, same_text);
+        assert_eq!(probabilities(&m, x), [0.75, 0.25]);
+        // Served a sixth time with no follow-up of the fifth: that conversation ended.
+        m.observe("ns", x, "x?", None, 0, same_text);
+        assert_eq!(probabilities(&m, x), [0.6, 0.2]);
+        // A new entry of the same question borrows its cluster's counts on the same terms:
+        // seven servings, the latest awaiting, y after three of the six known.
+        let x2 = EntryId(4);
+        m.observe("ns", x2, "x?", None, 0, same_text);
+        assert_eq!(probabilities(&m, x2), [0.5]);
+        // Once its follow-up comes, every serving of the question is known.
+        m.observe("ns", y, "y?", None, 0, same_text);
+        m.link("ns", x2, y, true, 0);
+        assert_eq!(probabilities(&m, x2), [4.0 / 7.0]);
     }
 
     #[test]

@@ -220,6 +220,7 @@ impl Namespace {
             return;
         };
         keep.seen.add(gone.seen.value(now_ms, hl), now_ms, hl);
+        keep.awaiting |= gone.awaiting;
         keep.touched_ms = keep.touched_ms.max(gone.touched_ms);
         for (k, d) in gone.next {
             let k = if k == b { a } else { k };

@@ -110,6 +110,8 @@ impl Model {
                             .collect(),
                         seen: Decayed::at(decay(c.seen), now_ms),
                         next: HashMap::new(),
+                        // Restored counts are of conversations that went on or ended.
+                        awaiting: false,
                         touched_ms: at,
                     },
                 );
