@@ -55,7 +55,9 @@ pub struct PrefetchConfig {
     /// Lowest score (as `regroup_score`) of two clusters counted as one question's family
     /// though not merged: a prediction adds up a family's counts, so a follow-up asked in
     /// several wordings kept apart passes `min_probability` as one question, and each of
-    /// its clusters is prefetched with only its own wordings (no answer is aliased across
+    /// its clusters (at most 4: those that followed the answer first, then the family's
+    /// others, which the question may be asked in as well) is prefetched with only its own
+    /// wordings (no answer is aliased across
     /// clusters, so a looser score costs generations, not wrong hits). At or above
     /// `regroup_score`: no families.
     pub regroup_family_score: f32,

@@ -42,9 +42,11 @@ pub(super) struct Lost {
     /// Answered here, in another wording of the question, before the turn.
     pub(super) other_wording: usize,
     /// Of those: the wording asked is in the question cluster of a wording prefetched (as
-    /// the clusters stand at the end of the run), or in another cluster only.
+    /// the clusters stand at the end of the run); else in the family of one (as regrouping
+    /// at `regroup_family_score` would join them); else in neither.
     pub(super) other_wording_same_cluster: usize,
-    pub(super) other_wording_other_cluster: usize,
+    pub(super) other_wording_same_family: usize,
+    pub(super) other_wording_apart: usize,
     /// Answered before the turn only in another wording of the context.
     pub(super) other_context: usize,
     /// Prefetched here, but answered only after the turn, or not at all.
@@ -127,6 +129,34 @@ impl Unpredicted {
     }
 }
 
+/// The question clusters at the end of a run, and the families regrouping at
+/// `regroup_family_score` would make of them, as wording → index.
+#[derive(Default)]
+pub(super) struct Grouping {
+    cluster_of: HashMap<String, usize>,
+    family_of: HashMap<String, usize>,
+}
+
+impl Grouping {
+    pub(super) fn new(clusters: Vec<Vec<String>>, families: Vec<Vec<String>>) -> Grouping {
+        let index = |groups: Vec<Vec<String>>| -> HashMap<String, usize> {
+            groups
+                .into_iter()
+                .enumerate()
+                .flat_map(|(i, g)| g.into_iter().map(move |w| (w, i)))
+                .collect()
+        };
+        Grouping {
+            cluster_of: index(clusters),
+            family_of: index(families),
+        }
+    }
+
+    fn same(map: &HashMap<String, usize>, a: &str, b: &str) -> bool {
+        map.get(a).is_some_and(|x| map.get(b) == Some(x))
+    }
+}
+
 /// Prediction records by their context (the user turns they followed), oldest first.
 struct Records<'a> {
     by_context: HashMap<&'a [String], Vec<&'a PredictionRecord>>,
@@ -181,7 +211,7 @@ pub(super) fn lost(
     jobs: &[FinishedJob],
     predictions: &[PredictionRecord],
     intent_of: &HashMap<String, String>,
-    cluster_of: &HashMap<String, usize>,
+    grouping: &Grouping,
     truth: Option<&Truth>,
 ) -> Lost {
     let records = Records::new(predictions);
@@ -256,16 +286,19 @@ pub(super) fn lost(
             out.same_wording += 1;
         } else if meant.answered_before(&as_meant, r.asked_at) {
             out.other_wording += 1;
-            let cluster = cluster_of.get(&r.text);
-            let together = wordings.get(&as_meant).is_some_and(|w| {
-                w.iter().any(|(t, at)| {
-                    *at < r.asked_at && cluster.is_some() && cluster_of.get(*t) == cluster
-                })
+            let prefetched: Vec<&str> = wordings.get(&as_meant).map_or(Vec::new(), |w| {
+                w.iter()
+                    .filter(|(_, at)| *at < r.asked_at)
+                    .map(|(t, _)| *t)
+                    .collect()
             });
-            if together {
+            let with = |map| prefetched.iter().any(|t| Grouping::same(map, t, &r.text));
+            if with(&grouping.cluster_of) {
                 out.other_wording_same_cluster += 1;
+            } else if with(&grouping.family_of) {
+                out.other_wording_same_family += 1;
             } else {
-                out.other_wording_other_cluster += 1;
+                out.other_wording_apart += 1;
             }
         } else if by_intent.answered_before(&elsewhere, r.asked_at) {
             out.other_context += 1;
@@ -287,18 +320,17 @@ pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>, truth
     };
     let jobs = prefetcher.finished_jobs();
     let predictions = prefetcher.predictions_made();
-    let cluster_of: HashMap<String, usize> = prefetcher
-        .clusters(DEFAULT_NAMESPACE)
-        .into_iter()
-        .enumerate()
-        .flat_map(|(i, c)| c.into_iter().map(move |w| (w, i)))
-        .collect();
+    let family_score = side.server.state.config.prefetch.regroup_family_score;
+    let grouping = Grouping::new(
+        prefetcher.clusters(DEFAULT_NAMESPACE),
+        prefetcher.regrouped_clusters(DEFAULT_NAMESPACE, family_score),
+    );
     let l = lost(
         &side.results.lock(),
         &jobs,
         &predictions,
         intent_of,
-        &cluster_of,
+        &grouping,
         truth,
     );
     let share = |n: usize| pct(n as f64 / l.turns.max(1) as f64);
@@ -317,11 +349,13 @@ pub(super) fn print_lost(side: &Side, intent_of: &HashMap<String, String>, truth
     println!(
         "  its question answered by a prefetch in this context before it was asked: in the \
          wording asked {} (not found when asked), in another wording {} (not matched; the \
-         wording asked in the cluster of one prefetched {}, in another cluster {})",
+         wording asked in the question cluster of one prefetched {}, in another cluster of its \
+         family {}, in neither {})",
         share(l.same_wording),
         share(l.other_wording),
         share(l.other_wording_same_cluster),
-        share(l.other_wording_other_cluster)
+        share(l.other_wording_same_family),
+        share(l.other_wording_apart)
     );
     println!(
         "  answered before only after another wording of the same earlier questions: {}",
@@ -444,11 +478,9 @@ mod tests {
             record(t1, &[("refund how", "min_probability")]),
         ];
         // "price now" shares the cluster of "price please", which was prefetched.
-        let cluster_of: HashMap<String, usize> = [("price please", 0), ("price now", 0)]
-            .iter()
-            .map(|(t, c)| (t.to_string(), *c))
-            .collect();
-        let l = lost(&results, &jobs, &predictions, &intent_of, &cluster_of, None);
+        let price = || vec![vec!["price please".to_string(), "price now".to_string()]];
+        let grouping = Grouping::new(price(), price());
+        let l = lost(&results, &jobs, &predictions, &intent_of, &grouping, None);
         assert_eq!(
             l,
             Lost {
@@ -457,7 +489,8 @@ mod tests {
                 same_wording: 1,
                 other_wording: 1,
                 other_wording_same_cluster: 1,
-                other_wording_other_cluster: 0,
+                other_wording_same_family: 0,
+                other_wording_apart: 0,
                 other_context: 1,
                 late: 2,
                 never: 1,
@@ -488,25 +521,29 @@ mod tests {
                 &jobs,
                 &predictions,
                 &intent_of,
-                &cluster_of,
+                &grouping,
                 Some(&truth),
             );
             l.other_context_why.improbable_in_truth
         };
         assert_eq!(improbable(0.4), 1);
         assert_eq!(improbable(0.6), 0);
-        // Apart, in clusters of their own.
-        let l = lost(
-            &results,
-            &jobs,
-            &predictions,
-            &intent_of,
-            &HashMap::new(),
-            None,
-        );
-        assert_eq!(
-            (l.other_wording_same_cluster, l.other_wording_other_cluster),
-            (0, 1)
-        );
+        // In clusters of their own, of one family; then in neither.
+        let apart = || {
+            vec![
+                vec!["price please".to_string()],
+                vec!["price now".to_string()],
+            ]
+        };
+        let counts = |grouping: &Grouping| {
+            let l = lost(&results, &jobs, &predictions, &intent_of, grouping, None);
+            (
+                l.other_wording_same_cluster,
+                l.other_wording_same_family,
+                l.other_wording_apart,
+            )
+        };
+        assert_eq!(counts(&Grouping::new(apart(), price())), (0, 1, 0));
+        assert_eq!(counts(&Grouping::new(apart(), apart())), (0, 0, 1));
     }
 }

@@ -217,47 +217,69 @@ impl Model {
         }
         // Under `min_probability`: (probability, cluster); named only if among the reported.
         let mut under: Vec<(f64, u64)> = Vec::new();
+        // The prediction of cluster `cid` (`target` is `id` where no entry is known for it).
+        let make = |cid: u64, target: EntryId, probability: f64| {
+            let c = &space.clusters[&cid];
+            let mut words: Vec<(f64, &str)> = c
+                .wordings
+                .iter()
+                .map(|w| (w.used.value(now_ms, hl), w.text.as_str()))
+                .collect();
+            // Most used first; the representative (first) wins ties.
+            words.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let prompt = words.first().map_or(c.prompt.as_str(), |w| w.1).to_string();
+            let target = if target == id {
+                // Cluster-level counts: any entry of that cluster will do as a name.
+                space
+                    .nodes
+                    .iter()
+                    .find(|(_, n)| n.cluster == Some(cid))
+                    .map_or(id, |(k, _)| *k)
+            } else {
+                target
+            };
+            Prediction {
+                target,
+                cluster: cid,
+                wordings: words.iter().skip(1).map(|w| w.1.to_string()).collect(),
+                prompt,
+                probability,
+                borrowed,
+            }
+        };
         let mut out: Vec<(f64, u64, Prediction)> = counts
-            .into_iter()
-            .filter_map(|(cid, (count, target, _))| {
+            .iter()
+            .filter_map(|(&cid, &(count, target, _))| {
                 let probability = (by_family[&family(cid)] / total).min(1.0);
                 if probability < p.min_probability {
                     under.push((probability, cid));
                     return None;
                 }
-                let c = &space.clusters[&cid];
-                let mut words: Vec<(f64, &str)> = c
-                    .wordings
-                    .iter()
-                    .map(|w| (w.used.value(now_ms, hl), w.text.as_str()))
-                    .collect();
-                // Most used first; the representative (first) wins ties.
-                words.sort_by(|a, b| b.0.total_cmp(&a.0));
-                let prompt = words.first().map_or(c.prompt.as_str(), |w| w.1).to_string();
-                let target = if target == id {
-                    // Cluster-level counts: any entry of that cluster will do as a name.
-                    space
-                        .nodes
-                        .iter()
-                        .find(|(_, n)| n.cluster == Some(cid))
-                        .map_or(id, |(k, _)| *k)
-                } else {
-                    target
-                };
-                Some((
-                    count,
-                    family(cid),
-                    Prediction {
-                        target,
-                        cluster: cid,
-                        wordings: words.iter().skip(1).map(|w| w.1.to_string()).collect(),
-                        prompt,
-                        probability,
-                        borrowed,
-                    },
-                ))
+                Some((count, family(cid), make(cid, target, probability)))
             })
             .collect();
+        // A family predicted is one question, whichever of its wordings comes next: its
+        // clusters that never followed this answer are prefetched too, after those that did
+        // (weighed below every count, the most asked of them first).
+        let predicted: HashMap<u64, f64> = out
+            .iter()
+            .map(|(_, fam, pr)| (*fam, pr.probability))
+            .collect();
+        if !predicted.is_empty() {
+            for (&cid, root) in &space.families {
+                let Some(&probability) = predicted.get(root) else {
+                    continue;
+                };
+                if counts.contains_key(&cid) || Some(cid) == own_cluster {
+                    continue;
+                }
+                let Some(c) = space.clusters.get(&cid) else {
+                    continue;
+                };
+                let weight = -1.0 / (1.0 + c.seen.value(now_ms, hl));
+                out.push((weight, *root, make(cid, id, probability)));
+            }
+        }
         // Most probable first, a family's clusters together, its most asked first.
         out.sort_by(|a, b| {
             (b.2.probability.total_cmp(&a.2.probability))

@@ -466,6 +466,43 @@ mod tests {
         assert_eq!(prompts, ["a one?", "a two?"], "{again:?}");
     }
 
+    #[test]
+    fn a_predicted_family_is_prefetched_in_its_clusters_that_never_followed() {
+        let mut m = Model::new(3600.0);
+        regroup_fixture(&mut m);
+        let family = RegroupParams {
+            min_score: 2.9,
+            family_score: 2.35,
+            ..regroup_params()
+        };
+        assert_eq!(m.regroup(&family, 0, BUDGET, |_, _| true), 0, "not merged");
+        // W is followed three times by the first wording of A, never by the second.
+        let w = EntryId(100);
+        for i in 0..3 {
+            m.observe("ns", w, "w?", None, 0, same_text);
+            let a = EntryId(200 + i);
+            m.observe("ns", a, "a one?", None, 0, same_text);
+            m.link("ns", w, a, true, 0);
+        }
+        m.observe("ns", w, "w?", None, 0, same_text);
+        // The question is predicted; its other cluster is prefetched too, after the one
+        // that followed, with its own wordings only.
+        let got = m.predict("ns", w, &params(), 0);
+        let prompts: Vec<&str> = got.iter().map(|g| g.prompt.as_str()).collect();
+        assert_eq!(prompts, ["a one?", "a two?"], "{got:?}");
+        assert!(got.iter().all(|g| (g.probability - 1.0).abs() < 1e-9));
+        assert!(got.iter().all(|g| g.wordings.is_empty()), "{got:?}");
+        // Without the family, only the wording that followed.
+        let alone = RegroupParams {
+            family_score: 2.9,
+            ..family
+        };
+        m.regroup(&alone, 0, BUDGET, |_, _| true);
+        let got = m.predict("ns", w, &params(), 0);
+        let prompts: Vec<&str> = got.iter().map(|g| g.prompt.as_str()).collect();
+        assert_eq!(prompts, ["a one?"], "{got:?}");
+    }
+
     /// Sessions `X? → A1 → B?` and `X? → A2 → B?` (A1, A2: one question, cosine 0.55) and
     /// `C → D?` (C: cosine 0.88 to A1, but opens conversations and leads elsewhere).
     fn regroup_fixture(m: &mut Model) {
