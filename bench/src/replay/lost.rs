@@ -7,17 +7,22 @@
 //! turns, word for word) before it was asked was lost to matching: prefetched in the very
 //! wording asked, the answer was not found when asked (its entry gone, or stored apart);
 //! prefetched in another wording of the question, the asked one was neither an alias nor
-//! close enough by meaning. One whose question was answered only after a context of the same
-//! questions in other words was lost to context: the prediction after this context's wording
-//! did not include it. One prefetched here only after it was asked, or whose job ended
-//! without an answer, was late. The rest were never predicted here: the predictor's part.
+//! close enough by meaning (told apart by whether the wording asked shares the question
+//! cluster of a wording prefetched, or only its family, or neither). One whose question was
+//! answered only after a context of the same questions in other words was lost to context:
+//! the prediction after this context's wording did not include it. One prefetched here only
+//! after it was asked, or whose job ended without an answer, was late. The rest were never
+//! predicted here: the predictor's part.
 //!
 //! Those lost to context and those never predicted here are classed further by the last
 //! prediction made in their context before they were asked
 //! ([`reprise::prefetch::Prefetcher::predictions_made`]): none was made (a first turn, or
 //! the record no longer held), it rested on too few observations, their question was not
 //! among the follow-ups seen, fell under `min_probability`, was cut by `max_predictions`,
-//! or was kept and its job not finished before the turn.
+//! or was kept and its job not finished before the turn. With the true transition table
+//! (`--domain`), those not among the follow-ups or under `min_probability` are also counted
+//! by whether the table puts them under `min_probability` too (the reference ceiling does
+//! not predict those either).
 
 use reprise::prefetch::{FinishedJob, PredictionRecord};
 
@@ -131,7 +136,6 @@ impl Unpredicted {
 
 /// The question clusters at the end of a run, and the families regrouping at
 /// `regroup_family_score` would make of them, as wording → index.
-#[derive(Default)]
 pub(super) struct Grouping {
     cluster_of: HashMap<String, usize>,
     family_of: HashMap<String, usize>,
