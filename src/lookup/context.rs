@@ -56,7 +56,8 @@ pub struct Context {
 /// written earlier are found the same way.
 ///
 /// `conv` is the conversation as context equivalence rewrote it (each earlier message in
-/// its canonical form), `shown_as` as the client sent it (the same when nothing was rewritten).
+/// its canonical form), `shown_as` the messages as the client sent them (split only when the
+/// lookup below needs them).
 /// The context is resolved from `conv`. The entry that answered the last exchange
 /// ([`Context::prev_entry`], what prefetch learns follow-ups from) is looked up by the
 /// exchange as shown when `conv` did not find it: an answer is linked under the question
@@ -67,7 +68,7 @@ pub async fn resolve(
     namespace: &str,
     model: &str,
     conv: &Conversation<'_>,
-    shown_as: &Conversation<'_>,
+    shown_as: &[ChatMessage],
     max_turns: usize,
 ) -> Context {
     let n = conv.turns.len();
@@ -229,9 +230,10 @@ async fn answered_as_shown(
     namespace: &str,
     model: &str,
     conv: &Conversation<'_>,
-    shown_as: &Conversation<'_>,
+    shown_as: &[ChatMessage],
     raw_before: &Digest,
 ) -> Option<EntryId> {
+    let shown_as = key::split_conversation(shown_as)?;
     let ((q, a), (shown_q, shown_a)) = (conv.turns.last()?, shown_as.turns.last()?);
     let rewritten = a.content != shown_a.content
         || q.len() != shown_q.len()

@@ -359,11 +359,9 @@ async fn beyond_exact(
             match canonical_chat(state, namespace, req, msgs, wants, &mut canon).await {
                 Some(conv) => {
                     let turns = state.config.cache.context_turns;
-                    // As sent, for what context equivalence rewrote.
-                    let shown = key::split_conversation(msgs);
-                    let shown = shown.as_ref().unwrap_or(&conv);
+                    // `msgs` as sent, for what context equivalence rewrote.
                     let ctx =
-                        context::resolve(state, namespace, &req.model, &conv, shown, turns).await;
+                        context::resolve(state, namespace, &req.model, &conv, msgs, turns).await;
                     // The next turn looks up the links of its first `turns` exchanges only:
                     // an answer past them gets none (they would be written, never read).
                     if conv.turns.len() < turns {
