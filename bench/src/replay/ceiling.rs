@@ -9,12 +9,10 @@ pub(super) fn print_ceiling(
     a: &ReplayArgs,
     sessions: &[Session],
 ) -> anyhow::Result<Option<Ceiling>> {
-    let Some(path) = &a.domain else {
+    let Some(Truth { domain, min_p }) = Truth::load(a)? else {
         return Ok(None);
     };
-    let domain: Domain = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-    let cfg = PrefetchConfig::default();
-    let min_p = a.min_probability.unwrap_or(cfg.min_probability);
+    let max_predictions = PrefetchConfig::default().max_predictions;
     let mut first = None;
     for (table, histories, label) in [
         (
@@ -41,7 +39,7 @@ pub(super) fn print_ceiling(
             a.warmup,
             &domain,
             min_p,
-            cfg.max_predictions,
+            max_predictions,
             histories,
             table,
         );
